@@ -1,0 +1,1 @@
+"""Engines: what actually produces completions. One interface, several back ends."""

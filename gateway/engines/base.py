@@ -1,0 +1,99 @@
+"""The one interface every engine implements.
+
+An engine turns a validated OpenAI chat request into an OpenAI response (or a
+stream of chunks) plus the token record the trainer needs: prompt token ids and,
+for every choice, the sampled completion ids and their logprobs. Engines that
+cannot see tokens (`openai`) return `tokens=None`; the trainer re-renders those.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+
+@dataclass
+class ChoiceTokens:
+    """What one choice sampled."""
+
+    completion_ids: list[int]
+    # logprob of each sampled token under the sampling policy (raw, temperature 1); None if unknown
+    logprobs: list[float] | None
+
+
+@dataclass
+class TokenRecord:
+    """Token-level record of one call, index-aligned with the response's choices."""
+
+    prompt_ids: list[int] | None
+    choices: list[ChoiceTokens] = field(default_factory=list)
+
+
+@dataclass
+class EngineRequest:
+    """A chat request on its way to an engine."""
+
+    body: dict  # the OpenAI request as JSON-able dict; `model` is what the engine should be asked for
+    adapter: str | None  # loaded adapter name such as "agent@3"; None = the base model
+    request_id: str
+
+
+@dataclass
+class Completion:
+    """A finished non-stream call."""
+
+    response: dict  # the chat.completion object exactly as the client will see it
+    tokens: TokenRecord | None
+
+
+@dataclass
+class StreamChunk:
+    """One chat.completion.chunk to forward to the client."""
+
+    data: dict
+    raw: bytes | None = None  # the chunk already serialised, when the engine has it (relay without re-encoding)
+
+
+@dataclass
+class StreamEnd:
+    """Last item of every stream: the token record (or None)."""
+
+    tokens: TokenRecord | None
+
+
+class Engine(ABC):
+    """Produces chat completions; optionally serves LoRA adapters by name."""
+
+    kind: str = "base"
+    supports_adapters: bool = False
+
+    @property
+    @abstractmethod
+    def base_model_id(self) -> str:
+        """The id under which the base model (no adapter) is served."""
+
+    async def start(self) -> None:
+        """Acquire resources (load weights, open pools, start a server)."""
+
+    async def close(self) -> None:
+        """Release everything `start` acquired."""
+
+    @abstractmethod
+    async def complete(self, request: EngineRequest) -> Completion:
+        """Answer a non-stream request. Raise `gateway.errors` types on failure."""
+
+    @abstractmethod
+    def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
+        """Yield chunks as they are produced, then exactly one `StreamEnd`."""
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        raise NotImplementedError(f"the {self.kind} engine does not serve adapters")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise NotImplementedError(f"the {self.kind} engine does not serve adapters")
+
+    async def list_models(self) -> list[str]:
+        """Model ids this engine answers for besides rlproxy's own names."""
+        return [self.base_model_id]

@@ -1,0 +1,69 @@
+"""One root exception and its named subclasses.
+
+Code raises these; the HTTP edge turns them into OpenAI-shaped errors once
+(`gateway.app`), the CLI into a clean message and exit code.
+"""
+
+from __future__ import annotations
+
+
+class RLProxyError(Exception):
+    """Root of every error rlproxy raises on purpose."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_openai(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(RLProxyError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class AuthenticationError(RLProxyError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class NotFound(RLProxyError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class Conflict(RLProxyError):
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class UpstreamError(RLProxyError):
+    """The model behind the gateway failed or answered with an error."""
+
+    status_code = 502
+    error_type = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status_code = 504
+    error_type = "upstream_timeout"
+
+
+class EngineUnavailable(RLProxyError):
+    """The engine cannot take requests right now (starting, restarting)."""
+
+    status_code = 503
+    error_type = "engine_unavailable"
+
+
+class ConfigError(RLProxyError):
+    """Bad settings or a missing optional dependency; raised at start-up."""
+
+    status_code = 500
+    error_type = "config_error"
