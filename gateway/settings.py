@@ -1,0 +1,84 @@
+"""One typed settings object for every entry point.
+
+Precedence: CLI flags > `RLPROXY_*` environment > defaults. The CLI builds its
+flags from these fields, so a setting documented here is a flag in `--help`.
+A copy is saved next to every checkpoint (secrets excluded).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TINY_MODEL_ID = "rlproxy/tiny-qwen2"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore")
+
+    # -- service
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, description="port to listen on")
+    state_dir: Path = Field(Path(".rlproxy"), description="where the store, checkpoints and the built-in model live")
+    api_key: SecretStr | None = Field(None, description="bearer key required on every route but /healthz")
+    log_level: str = Field("info", description="debug, info, warning or error")
+
+    # -- engine
+    engine: Literal["local", "openai", "vllm"] = Field("local", description="what produces completions")
+    base_model: str = Field(TINY_MODEL_ID, description="Hugging Face id or local path; default: the built-in tiny model")
+    model_name: str = Field("agent", description="name the trainable model is served as (NAME, NAME@STEP)")
+    upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
+    upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
+    upstream_timeout: float = Field(600.0, description="seconds before an upstream call is answered with 504")
+    max_batch_size: int = Field(16, description="local engine: most requests generated together")
+    default_max_tokens: int = Field(256, description="completion limit when a request sets none")
+    device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")
+
+    # -- vllm engine
+    vllm_url: str | None = Field(None, description="attach to a running vLLM server instead of starting one")
+    vllm_port: int = Field(8001, description="port for the vLLM server rlproxy starts")
+    vllm_args: list[str] = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
+    max_loras: int = Field(4, description="adapters vLLM keeps loaded at once")
+    gpu_mode: Literal["colocated", "dedicated"] = Field("colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs")
+    max_staleness: int = Field(2, description="dedicated mode: skip groups sampled more than this many steps ago")
+
+    # -- trainer
+    trainer: Literal["auto", "off"] = Field("auto", description="auto: run a trainer worker beside the gateway")
+    backend: Literal["peft", "unsloth"] = Field("peft", description="training backend")
+    groups_per_step: int = Field(4, ge=1, description="ready train groups per training step")
+    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field("grpo", description="policy loss")
+    epsilon: float = Field(0.2, gt=0, description="lower clip range of the ratio")
+    epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon)")
+    beta: float = Field(0.0, ge=0, description="weight of the k3 KL against the base model")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
+    lora_rank: int = Field(16, ge=1, description="LoRA rank")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha")
+    lora_dropout: float = Field(0.0, ge=0, description="LoRA dropout")
+    max_tokens_per_row: int = Field(4096, ge=16, description="packing: most tokens in one training row")
+    epochs_per_step: int = Field(1, ge=1, description="passes over a step's data")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
+    seed: int = Field(0, description="trainer seed")
+    keep_adapters: int = Field(3, ge=1, description="adapters the gateway keeps loaded (older ones unloaded once idle)")
+    poll_interval: float = Field(1.0, gt=0, description="seconds between looks at the store (trainer and hot-swap)")
+
+    def public_dict(self) -> dict:
+        """Settings without secrets, for logs and the copy beside checkpoints."""
+        data = self.model_dump(mode="json")
+        for secret in ("api_key", "upstream_api_key"):
+            data[secret] = "***" if data.get(secret) else None
+        return data
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "rlproxy.db"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.state_dir / "models"
+
+    def checkpoints_dir(self, model_name: str | None = None) -> Path:
+        return self.models_dir / (model_name or self.model_name) / "checkpoints"
