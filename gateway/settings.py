@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     # -- vllm engine
     vllm_url: str | None = Field(None, description="attach to a running vLLM server instead of starting one")
     vllm_port: int = Field(8001, description="port for the vLLM server rlproxy starts")
-    vllm_args: list[str] = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
+    vllm_arg: list[str] = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
     max_loras: int = Field(4, description="adapters vLLM keeps loaded at once")
     gpu_mode: Literal["colocated", "dedicated"] = Field("colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs")
     max_staleness: int = Field(2, description="dedicated mode: skip groups sampled more than this many steps ago")

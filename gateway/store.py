@@ -159,6 +159,12 @@ CREATE TABLE IF NOT EXISTS judgements (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS judgements_group ON judgements (group_id);
+CREATE TABLE IF NOT EXISTS triggers (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    model TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    consumed_at REAL
+);
 """
 
 # A group is ready when it is closed (or has its expected number of sessions)
@@ -356,7 +362,27 @@ class Store:
 
         await self._submit(op)
 
+    async def request_trigger(self, model: str) -> int:
+        """Ask the trainer for a step now, with whatever ready groups there are."""
+
+        def op(conn: sqlite3.Connection) -> int:
+            cursor = conn.execute("INSERT INTO triggers (model, created_at) VALUES (?, ?)", (model, time.time()))
+            return int(cursor.lastrowid)
+
+        return await self._submit(op)
+
     # -------------------------------------------------------------- trainer writes (sync)
+
+    def consume_triggers(self, model: str) -> bool:
+        """True if a step was asked for since the last call (and mark those asks done)."""
+
+        def op(conn: sqlite3.Connection) -> bool:
+            cursor = conn.execute(
+                "UPDATE triggers SET consumed_at = ? WHERE model = ? AND consumed_at IS NULL", (time.time(), model)
+            )
+            return cursor.rowcount > 0
+
+        return self._run_sync(op)
 
     def insert_step(
         self, model: str, step: int, path: str, metrics: dict, group_ids: list[str]

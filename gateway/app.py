@@ -1,0 +1,143 @@
+"""The ASGI app: services built once in `create_app` and handed to thin routes."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.adapters import AdapterRegistry
+from gateway.chat import ChatService
+from gateway.engines.base import Engine
+from gateway.errors import RLProxyError
+from gateway.gate import RequestGate
+from gateway.metrics import Metrics
+from gateway.middleware import BearerAuthMiddleware, RequestIdMiddleware
+from gateway.settings import Settings
+from gateway.store import Store
+
+log = logging.getLogger("rlproxy")
+
+
+@dataclass
+class Services:
+    """Everything a route may use; built once per app."""
+
+    settings: Settings
+    engine: Engine
+    store: Store
+    registry: AdapterRegistry
+    gate: RequestGate
+    chat: ChatService
+    metrics: Metrics
+    tracer: Any = None
+    extras: dict = field(default_factory=dict)  # per-feature services (RULER judge, engine supervisor, ...)
+
+
+def build_engine(settings: Settings) -> Engine:
+    """The engine the settings ask for; heavy imports happen only here."""
+    if settings.engine == "openai":
+        from gateway.engines.openai import OpenAIEngine
+
+        return OpenAIEngine.from_settings(settings)
+    if settings.engine == "vllm":
+        from gateway.engines.vllm import VLLMEngine
+
+        return VLLMEngine.from_settings(settings)
+    from gateway.engines.local import LocalEngine
+    from gateway.tiny_model import resolve_base_model
+
+    return LocalEngine(
+        resolve_base_model(settings.base_model, settings.state_dir),
+        served_base_id=settings.base_model,
+        device=settings.device,
+        max_batch_size=settings.max_batch_size,
+        default_max_tokens=settings.default_max_tokens,
+    )
+
+
+def _error_response(exc: RLProxyError) -> JSONResponse:
+    return JSONResponse(exc.to_openai(), status_code=exc.status_code)
+
+
+def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,
+               tracer: Any = None) -> FastAPI:
+    engine = engine or build_engine(settings)
+    store = store or Store(settings.db_path)
+    gate = RequestGate()
+    registry = AdapterRegistry(engine, store, settings)
+    metrics = Metrics()
+    if tracer is None:
+        from gateway.tracing import build_tracer
+
+        tracer = build_tracer(settings)
+    observers = [lambda record: metrics.observe_call(record.status, record.stream, record.latency_ms)]
+    if tracer is not None:
+        observers.append(tracer.on_call)
+    services = Services(
+        settings=settings, engine=engine, store=store, registry=registry, gate=gate,
+        chat=ChatService(engine, store, registry, gate, observers), metrics=metrics, tracer=tracer,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await store.start()
+        await engine.start()
+        await registry.start()
+        if tracer is not None:
+            tracer.start()
+        log.info("rlproxy serving %s on the %s engine", settings.model_name, engine.kind)
+        try:
+            yield
+        finally:
+            await registry.close()
+            await engine.close()
+            if tracer is not None:
+                tracer.close()
+            await store.close()
+
+    app = FastAPI(title="rlproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.services = services
+
+    @app.exception_handler(RLProxyError)
+    async def _rlproxy_error(request: Request, exc: RLProxyError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        from gateway.errors import InvalidRequest
+
+        return _error_response(InvalidRequest(str(exc.errors()[:3])))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = RLProxyError(str(exc.detail))
+        error.status_code = exc.status_code
+        error.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code == 404:
+            error.message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            error.message = f"method {request.method} is not allowed on {request.url.path}"
+        return _error_response(error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"))
+
+    from gateway.routes import openai as openai_routes
+    from gateway.routes import rl as rl_routes
+
+    app.include_router(openai_routes.router)
+    app.include_router(rl_routes.router)
+
+    if settings.api_key is not None:
+        app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
+    app.add_middleware(RequestIdMiddleware)
+    return app

@@ -1,0 +1,263 @@
+"""The chat service: identify the session, route to an adapter, call the engine, record.
+
+Routes stay thin; everything a chat completion does lives here. A response is
+handed back only after its call row is committed (the stream's `[DONE]` too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Mapping
+
+from gateway.adapters import AdapterRegistry, Target
+from gateway.engines.base import Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
+from gateway.errors import InvalidRequest, RLProxyError
+from gateway.gate import RequestGate
+from gateway.protocol import ChatCompletionRequest
+from gateway.store import CallRecord, Store
+
+log = logging.getLogger("rlproxy.chat")
+
+_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+_IDENTITY_KEYS = ("session_id", "group_id", "split")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Whose call this is."""
+
+    session_id: str
+    group_id: str | None
+    split: str
+    minted: bool  # the gateway made the session id up (returned in X-Session-Id)
+
+
+def _check_id(value: str, what: str) -> str:
+    if not _ID_PATTERN.match(value):
+        raise InvalidRequest(
+            f"{what} '{value[:64]}' is not valid: use 1-128 letters, digits or . _ : @ -, starting with a letter or digit",
+            param=what,
+        )
+    return value
+
+
+def identify(headers: Mapping[str, str], body: dict) -> Identity:
+    """Session, group and split from headers, else body `metadata`, else a fresh session id."""
+    metadata = body.get("metadata") or {}
+    session_id = headers.get("x-session-id") or metadata.get("session_id")
+    group_id = headers.get("x-group-id") or metadata.get("group_id")
+    split = (headers.get("x-split") or metadata.get("split") or "train").lower()
+    if split not in ("train", "val"):
+        raise InvalidRequest(f"split '{split}' is not valid: use 'train' or 'val'", param="X-Split")
+    minted = not session_id
+    session_id = "sess_" + uuid.uuid4().hex if minted else _check_id(str(session_id), "session_id")
+    if group_id is not None:
+        group_id = _check_id(str(group_id), "group_id")
+    return Identity(session_id=session_id, group_id=group_id, split=split, minted=minted)
+
+
+def engine_body(request: ChatCompletionRequest, raw: dict, target: Target) -> dict:
+    """The body the engine sees: the client's, minus rlproxy's metadata keys, with the target model."""
+    body = dict(raw)
+    body["model"] = target.model
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict) and any(key in metadata for key in _IDENTITY_KEYS):
+        rest = {k: v for k, v in metadata.items() if k not in _IDENTITY_KEYS}
+        if rest:
+            body["metadata"] = rest
+        else:
+            body.pop("metadata")
+    if request.stop is not None:
+        body["stop"] = request.stop
+    return body
+
+
+class ChatService:
+    def __init__(
+        self,
+        engine: Engine,
+        store: Store,
+        registry: AdapterRegistry,
+        gate: RequestGate,
+        observers: list[Callable[[CallRecord], None]] | None = None,
+    ):
+        self.engine = engine
+        self.store = store
+        self.registry = registry
+        self.gate = gate
+        # Called with every committed call (metrics, tracing); they must not block.
+        self.observers = observers or []
+
+    def _record(
+        self,
+        *,
+        request_id: str,
+        identity: Identity,
+        raw: dict,
+        target: Target | None,
+        stream: bool,
+        started: float,
+        response: dict | None,
+        tokens: TokenRecord | None,
+        error: RLProxyError | None = None,
+    ) -> CallRecord:
+        record = CallRecord(
+            id=request_id,
+            session_id=identity.session_id,
+            group_id=identity.group_id,
+            split=identity.split,
+            model=str(raw.get("model", "")),
+            served=target.adapter or target.model if target else None,
+            step=target.step if target else None,
+            engine=self.engine.kind,
+            stream=stream,
+            status="error" if error else "ok",
+            http_status=error.status_code if error else 200,
+            error=error.message if error else None,
+            request=raw,
+            response=response,
+            latency_ms=(time.perf_counter() - started) * 1000.0,
+        )
+        if tokens is not None:
+            record.prompt_ids = tokens.prompt_ids
+            record.completion_ids = [choice.completion_ids for choice in tokens.choices]
+            if all(choice.logprobs is not None for choice in tokens.choices):
+                record.completion_logprobs = [choice.logprobs for choice in tokens.choices]
+        return record
+
+    async def _commit(self, record: CallRecord) -> None:
+        await self.store.record_call(record)
+        for observe in self.observers:
+            try:
+                observe(record)
+            except Exception:  # an observer's failure never fails a call
+                log.exception("call observer failed")
+
+    async def complete(
+        self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str
+    ) -> tuple[dict, Target]:
+        started = time.perf_counter()
+        target = None
+        try:
+            async with self.gate.passage(), self.registry.use(request.model) as target:
+                completion = await self.engine.complete(
+                    EngineRequest(body=engine_body(request, raw, target), adapter=target.adapter, request_id=request_id)
+                )
+        except RLProxyError as exc:
+            await self._commit(self._record(request_id=request_id, identity=identity, raw=raw, target=target,
+                                            stream=False, started=started, response=None, tokens=None, error=exc))
+            raise
+        response = completion.response
+        response["model"] = request.model  # the client sees the name it asked for
+        await self._commit(self._record(request_id=request_id, identity=identity, raw=raw, target=target,
+                                        stream=False, started=started, response=response, tokens=completion.tokens))
+        return response, target
+
+    async def open_stream(
+        self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str
+    ) -> tuple[AsyncIterator[bytes], Target]:
+        """Resolve the target first (so headers and 4xx happen before the stream starts)."""
+        await self.gate.wait()
+        target = self.registry.resolve(request.model)
+        return self._stream(request, raw, identity, request_id, target, time.perf_counter()), target
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        raw: dict,
+        identity: Identity,
+        request_id: str,
+        resolved: Target,
+        started: float,
+    ) -> AsyncIterator[bytes]:
+        """Yields SSE `data` payloads; `[DONE]` only after the call row is committed."""
+        import orjson
+
+        accumulator = StreamAccumulator()
+        tokens: TokenRecord | None = None
+        error: RLProxyError | None = None
+        finished = False
+        target: Target | None = resolved
+        try:
+            async with self.gate.passage(), self.registry.hold(resolved):
+                body = engine_body(request, raw, target)
+                async for item in self.engine.stream(
+                    EngineRequest(body=body, adapter=target.adapter, request_id=request_id)
+                ):
+                    if isinstance(item, StreamEnd):
+                        tokens = item.tokens
+                        break
+                    item.data["model"] = request.model
+                    accumulator.add(item.data)
+                    yield orjson.dumps(item.data)
+            finished = True
+        except RLProxyError as exc:
+            error = exc
+        finally:
+            if not finished and error is None:
+                # The client went away (or we were cancelled): still record what was sent.
+                error = RLProxyError("stream ended early: the client disconnected")
+                error.status_code = 499
+                record = self._record(request_id=request_id, identity=identity, raw=raw, target=target, stream=True,
+                                      started=started, response=accumulator.response(), tokens=tokens, error=error)
+                await asyncio.shield(self._commit(record))
+        record = self._record(request_id=request_id, identity=identity, raw=raw, target=target, stream=True,
+                              started=started, response=accumulator.response(), tokens=tokens, error=error)
+        await self._commit(record)
+        if error is not None:
+            yield orjson.dumps(error.to_openai())
+        yield b"[DONE]"
+
+
+class StreamAccumulator:
+    """Rebuilds the chat.completion a stream amounts to, for the record."""
+
+    def __init__(self) -> None:
+        self.meta: dict = {}
+        self.choices: dict[int, dict] = {}
+        self.usage: dict | None = None
+
+    def add(self, chunk: dict) -> None:
+        if not self.meta:
+            self.meta = {k: chunk.get(k) for k in ("id", "created", "model", "system_fingerprint")}
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for delta_choice in chunk.get("choices") or []:
+            index = delta_choice.get("index", 0)
+            choice = self.choices.setdefault(
+                index, {"index": index, "message": {"role": "assistant", "content": None}, "finish_reason": None}
+            )
+            delta = delta_choice.get("delta") or {}
+            message = choice["message"]
+            if delta.get("content"):
+                message["content"] = (message["content"] or "") + delta["content"]
+            for call_delta in delta.get("tool_calls") or []:
+                calls = message.setdefault("tool_calls", [])
+                position = call_delta.get("index", len(calls))
+                while len(calls) <= position:
+                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                call = calls[position]
+                if call_delta.get("id"):
+                    call["id"] = call_delta["id"]
+                function = call_delta.get("function") or {}
+                if function.get("name"):
+                    call["function"]["name"] += function["name"]
+                if function.get("arguments"):
+                    call["function"]["arguments"] += function["arguments"]
+            if delta_choice.get("logprobs") and delta_choice["logprobs"].get("content"):
+                choice.setdefault("logprobs", {"content": []})["content"].extend(delta_choice["logprobs"]["content"])
+            if delta_choice.get("finish_reason"):
+                choice["finish_reason"] = delta_choice["finish_reason"]
+
+    def response(self) -> dict:
+        return {
+            **self.meta,
+            "object": "chat.completion",
+            "choices": [self.choices[i] for i in sorted(self.choices)],
+            "usage": self.usage,
+        }

@@ -1,0 +1,57 @@
+"""A gate in front of the engine: hold new requests (never fail them) and drain
+in-flight ones, so a colocated trainer can have the GPU for a moment."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+
+class RequestGate:
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.held = 0  # requests waiting at the gate right now
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def wait(self) -> None:
+        """Return once the gate is open (at once, normally)."""
+        if self._open.is_set():
+            return
+        self.held += 1
+        try:
+            await self._open.wait()
+        finally:
+            self.held -= 1
+
+    @contextlib.asynccontextmanager
+    async def passage(self) -> AsyncIterator[None]:
+        """Wait at the gate, then count as in flight until the block ends."""
+        await self.wait()
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def close_and_drain(self) -> None:
+        """Stop letting requests through and wait for those inside to finish."""
+        self._open.clear()
+        await self._idle.wait()
+
+    def open(self) -> None:
+        self._open.set()

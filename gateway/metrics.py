@@ -1,0 +1,34 @@
+"""Prometheus metrics, one registry per app (no module globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rlproxy_chat_requests", "chat completions answered", ["status", "stream"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "rlproxy_chat_latency_seconds", "chat completion latency", registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.store_commits = Gauge("rlproxy_store_commits", "transactions committed by the writer",
+                                   registry=self.registry)
+        self.model_step = Gauge("rlproxy_model_step", "step the alias NAME serves (-1: base)", registry=self.registry)
+        self.held = Gauge("rlproxy_requests_held", "requests waiting at the gate", registry=self.registry)
+        self.in_flight = Gauge("rlproxy_requests_in_flight", "requests inside the engine", registry=self.registry)
+
+    def observe_call(self, status: str, stream: bool, latency_ms: float) -> None:
+        self.requests.labels(status=status, stream=str(stream).lower()).inc()
+        self.latency.observe(latency_ms / 1000.0)
+
+    def render(self, services) -> tuple[bytes, str]:
+        self.store_commits.set(services.store.commits)
+        current = services.registry.current
+        self.model_step.set(-1 if current is None else current)
+        self.held.set(services.gate.held)
+        self.in_flight.set(services.gate.in_flight)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

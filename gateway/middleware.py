@@ -1,0 +1,79 @@
+"""Cross-cutting concerns as small ASGI middleware: request ids and bearer keys."""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (kept from the client's X-Request-Id when sane)
+    in `scope["state"]["request_id"]` and echoes it as a response header."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == REQUEST_ID_HEADER:
+                candidate = value.decode("latin-1")
+                if 0 < len(candidate) <= 128 and candidate.replace("-", "").replace("_", "").isalnum():
+                    request_id = candidate
+                break
+        request_id = request_id or new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (REQUEST_ID_HEADER, request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class BearerAuthMiddleware:
+    """Requires `Authorization: Bearer <key>` on every route but the open ones.
+
+    The key is compared in constant time and never logged or echoed."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/healthz",)):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open_paths:
+            await self.app(scope, receive, send)
+            return
+        supplied = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                supplied = value
+                break
+        if hmac.compare_digest(supplied, self._expected):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "missing API key: send 'Authorization: Bearer <key>' (the key rlproxy was started with)"
+            if not supplied
+            else "invalid API key: the bearer key does not match the one rlproxy was started with"
+        )
+        body = orjson.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
+                                       "code": "invalid_api_key"}})
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})

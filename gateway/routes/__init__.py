@@ -1,0 +1,1 @@
+"""HTTP routes: parse, call a service, return JSON or SSE."""

@@ -1,0 +1,91 @@
+"""rlproxy's own routes: rewards, sessions, groups, training, health and metrics."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from gateway.chat import _check_id
+from gateway.errors import InvalidRequest
+from gateway.protocol import GroupCloseRequest, RewardRequest, TriggerRequest
+from gateway.routes.openai import read_json, validation_message
+
+router = APIRouter()
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def json_response(data: object, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(data, default=str), status_code=status_code, media_type="application/json")
+
+
+async def parse(request: Request, model: type[Body], *, allow_empty: bool = False) -> Body:
+    if allow_empty and not await request.body():
+        return model()
+    raw = await read_json(request)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(validation_message(exc)) from None
+
+
+@router.post("/v1/sessions/{session_id}/reward")
+async def post_reward(session_id: str, request: Request) -> Response:
+    services = request.app.state.services
+    body = await parse(request, RewardRequest)
+    result = await services.store.set_reward(_check_id(session_id, "session_id"), body.reward, body.metrics)
+    if services.tracer is not None:
+        services.tracer.on_reward(session_id, body.reward, body.metrics)
+    return json_response(result)
+
+
+@router.get("/v1/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> Response:
+    store = request.app.state.services.store
+    return json_response(store.get_session(_check_id(session_id, "session_id")))
+
+
+@router.post("/v1/groups/{group_id}/close")
+async def close_group(group_id: str, request: Request) -> Response:
+    services = request.app.state.services
+    body = await parse(request, GroupCloseRequest, allow_empty=True)
+    await services.store.close_group(_check_id(group_id, "group_id"), body.expected_sessions)
+    return json_response(services.store.get_group(group_id))
+
+
+@router.get("/v1/groups/{group_id}")
+async def get_group(group_id: str, request: Request) -> Response:
+    store = request.app.state.services.store
+    return json_response(store.get_group(_check_id(group_id, "group_id")))
+
+
+@router.get("/v1/training/steps")
+async def training_steps(request: Request) -> Response:
+    services = request.app.state.services
+    return json_response({"object": "list", "data": services.store.steps(services.settings.model_name)})
+
+
+@router.post("/v1/training/trigger")
+async def training_trigger(request: Request) -> Response:
+    services = request.app.state.services
+    body = await parse(request, TriggerRequest, allow_empty=True)
+    model = body.model or services.settings.model_name
+    trigger_id = await services.store.request_trigger(model)
+    return json_response({"model": model, "trigger_id": trigger_id, "status": "requested"}, status_code=202)
+
+
+@router.get("/healthz")
+async def healthz(request: Request) -> Response:
+    services = request.app.state.services
+    return json_response({"status": "ok", "engine": services.engine.kind, "model": services.settings.model_name,
+                          "step": services.registry.current})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    services = request.app.state.services
+    body, content_type = services.metrics.render(services)
+    return Response(body, media_type=content_type)

@@ -1,0 +1,255 @@
+"""The built-in tiny model: what rlproxy serves on a machine with no model hub.
+
+`ensure_tiny_model` builds, once, a Hugging Face model directory that loads with
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` like any other:
+
+- a byte-level BPE tokenizer trained from `_CORPUS` (fixed text: English, digits, JSON,
+  chat words), with Qwen2's pre-tokenizer and special tokens and a Qwen2.5-style chat
+  template that supports tools;
+- a randomly initialised `Qwen2ForCausalLM` (hidden 64, 2 layers) from a fixed seed.
+
+The weights are random, so the text it writes is noise; what matters is that every
+path (chat template, token ids, logprobs, LoRA training, hot-swap) is the real one.
+Building takes about a second and is deterministic: same seed, same files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_MODEL_ID = "rlproxy/tiny-qwen2"
+# Bump when the recipe changes so cached builds of an older recipe are not reused.
+_RECIPE_VERSION = 1
+_VOCAB_SIZE = 768
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+# Qwen2's pre-tokenizer regex (transformers' Qwen2Tokenizer rebuilds the pipeline with it on
+# load, so the tokenizer must be trained with exactly this one to stay identical).
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+_DEFAULT_SYSTEM = "You are a helpful assistant."
+
+# Qwen2.5's template, with two changes: `arguments` given as a JSON string (OpenAI's wire
+# form) is emitted as is instead of being JSON-encoded a second time, and a missing
+# content renders as "". It is prefix-stable: rendering messages[:k] with
+# add_generation_prompt and appending the reply + <|im_end|> gives a prefix of rendering
+# the longer conversation.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}"
+    "{%- else %}{{- '" + _DEFAULT_SYSTEM + "' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- else %}"
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + (messages[0].content or '') + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\n" + _DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content or '' }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Training text for the BPE merges: chat scaffolding, tool-call JSON, everyday English, digits.
+_CORPUS = """
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+<|im_start|>user
+What is the weather in Paris today?<|im_end|>
+<|im_start|>assistant
+The weather in Paris is sunny with a high of 21 degrees.<|im_end|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather for a city", "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The name of the city"}}, "required": ["city"]}}}
+{"type": "function", "function": {"name": "search", "description": "Search the web for a query", "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}, "required": ["query"]}}}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call>
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "London"}}
+</tool_call>
+<tool_call>
+{"name": "search", "arguments": {"query": "best pizza in New York", "limit": 3}}
+</tool_call>
+<tool_response>
+{"temperature": 18, "condition": "cloudy", "humidity": 0.72}
+</tool_response>
+{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}}
+{"answer": 42, "ok": true, "items": [1, 2, 3], "error": null, "score": -0.5}
+[{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help you?"}]
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 25 30 42 50 64 99 100 128 256 512 1000 1024 2024 2025
+3.14 2.71 0.5 1.0 -1 +1 = < > <= >= == != ( ) [ ] { } : ; , . ! ? ' " / \\ | _ - * & % $ # @ ~ ^
+Hello! How are you? I am fine, thank you. Can you help me with a question?
+Sure, I can help. Please tell me more about what you need.
+Yes. No. Maybe. Thanks! Good morning. Good night. Please wait. Let me think step by step.
+The quick brown fox jumps over the lazy dog. A small model can still learn to answer well.
+First, read the task. Then call a tool if you need data. Finally, give a short answer.
+The answer is 7. The result is correct. That is wrong, try again. Well done!
+What time is it? It is 10 o'clock. Where is the file? The file is in the folder.
+Write a function that returns the sum of two numbers. Here is the code:
+def add(a, b):
+    return a + b
+print(add(2, 3))
+for i in range(10):
+    if i % 2 == 0:
+        print(i)
+The user asked for a list of names: Alice, Bob, Carol, Dave, Eve.
+We should check the math: 12 + 30 = 42 and 6 * 7 = 42 and 100 / 4 = 25.
+Reward, score, judge, trajectory, group, session, policy, model, train, learn, step, agent, game.
+I don't know. You're right. It's done. We'll see. They've gone. I'm here. She'd like that.
+morning afternoon evening night day week month year today tomorrow yesterday
+one two three four five six seven eight nine ten hundred thousand million first second last
+red green blue yellow black white big small long short hot cold new old good bad high low
+is are was were be been have has had do does did will would can could should may might must
+the a an and or but if then else when while for with without from into onto over under about
+what who which where why how this that these those there here all some any many much more most
+user assistant system tool function name arguments content role message messages tools call
+"""
+
+
+def _build_tokenizer():
+    """Byte-level BPE with Qwen2's pipeline, trained on `_CORPUS`; deterministic."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    specials = [PAD_TOKEN, IM_START, IM_END]
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in specials],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    # The corpus without its special tokens: they are atoms, never learnt from.
+    text = _CORPUS
+    for token in specials:
+        text = text.replace(token, "\n")
+    backend.train_from_iterator([line + "\n" for line in text.split("\n")], trainer=trainer)
+    # Like Qwen2.5: the tool-call tags are added tokens that are not "special", so
+    # `decode(skip_special_tokens=True)` keeps them (the tool-call parser needs them).
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in (TOOL_CALL_START, TOOL_CALL_END)])
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        bos_token=None,
+        extra_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+        model_max_length=2048,
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _build(directory: Path, seed: int) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = _build_tokenizer()
+    pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD_TOKEN, IM_END])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),  # exactly the tokenizer: every sampled id decodes
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+def ensure_tiny_model(cache_dir: Path, seed: int = 0) -> Path:
+    """Build the tiny model under `cache_dir` unless it is there; return its directory.
+
+    The build goes to a temporary sibling directory that is renamed into place, so a
+    crash never leaves a half-written model behind and concurrent builders agree.
+    """
+    cache_dir = Path(cache_dir)
+    target = cache_dir / f"tiny-qwen2-r{_RECIPE_VERSION}-seed{seed}"
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
+    try:
+        _build(tmp, seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_base_model(base_model: str, state_dir: Path) -> str:
+    """What to pass to `from_pretrained`: the tiny model's directory for `TINY_MODEL_ID`,
+    any other model id or path unchanged."""
+    if base_model == TINY_MODEL_ID:
+        return str(ensure_tiny_model(Path(state_dir) / "cache"))
+    return base_model

@@ -1,0 +1,262 @@
+"""Every loss type against values and gradients worked out by hand with plain math.
+
+The example batch, laid out as one packed row of 8 tokens:
+
+    sample 0 (trajectory t0, A = +1):   prompt | a   b   f
+    sample 1 (trajectory t1, A = -0.5): prompt | c   d   e
+
+with eps = 0.2 (clip range [0.8, 1.2]) and ratios chosen at the edges:
+    a r=1.19 inside           b r=1.21 above, A>0: clipped, no gradient
+    f r=0.50 below, A>0: the unclipped term is the min, gradient flows
+    c r=0.81 inside           d r=0.79 below, A<0: clipped, no gradient
+    e r=1.50 above, A<0: the unclipped term is the min, gradient flows
+"""
+
+import math
+
+import pytest
+import torch
+
+from trainer.losses import LOSSES, compute_loss, k3_kl
+from trainer.types import LOSS_TYPES, LossConfig, LossNorm
+
+NAN = float("nan")
+LOGP = {"a": -1.0, "b": -0.5, "f": -2.0, "c": -0.3, "d": -1.2, "e": -0.7}
+RATIO = {"a": 1.19, "b": 1.21, "f": 0.5, "c": 0.81, "d": 0.79, "e": 1.5}
+ADV = {"a": 1.0, "b": 1.0, "f": 1.0, "c": -0.5, "d": -0.5, "e": -0.5}
+ORDER = ["P", "a", "b", "f", "P", "c", "d", "e"]  # P: prompt token
+
+
+def batch(ratio=RATIO, old_nan=(), ref=None):
+    """The example as flat tensors; old logprob = logp - log(r) so that exp(logp - old) = r."""
+    logp = [0.0 if k == "P" else LOGP[k] for k in ORDER]
+    old = [NAN if k == "P" or k in old_nan else LOGP[k] - math.log(ratio[k]) for k in ORDER]
+    t = dict(
+        logprobs=torch.tensor(logp, requires_grad=True),
+        old_logprobs=torch.tensor(old),
+        advantages=torch.tensor([1.0] * 4 + [-0.5] * 4),
+        loss_mask=torch.tensor([k != "P" for k in ORDER]),
+        segment_ids=torch.tensor([0] * 4 + [1] * 4),
+        trajectory_tokens=torch.tensor([3.0] * 8),
+    )
+    if ref is not None:
+        t["ref_logprobs"] = torch.tensor([0.0 if k == "P" else ref[k] for k in ORDER])
+    return t
+
+
+def run(cfg, **kw):
+    t = batch(**kw)
+    loss, metrics = compute_loss(config=cfg, **t)
+    loss.backward()
+    grad = t["logprobs"].grad.tolist()
+    return loss.item(), {k: grad[i] for i, k in enumerate(ORDER) if k != "P"}, grad, metrics
+
+
+def ppo_token(r, A, lo, hi):
+    """-min(rA, clip(r)A) and its derivative in logp (dr/dlogp = r), by hand."""
+    unclipped, clipped = r * A, min(max(r, lo), hi) * A
+    return (-unclipped, -A * r) if unclipped <= clipped else (-clipped, 0.0)
+
+
+def test_registry_is_the_documented_table():
+    assert tuple(LOSSES) == LOSS_TYPES
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        LossConfig(loss_type="ppo")
+
+
+def test_grpo_hand_example():
+    loss, grad, full_grad, m = run(LossConfig("grpo", epsilon=0.2))
+    # Per-token losses -min(rA, clip(r)A):
+    #   a: -1.19   b: -min(1.21, 1.2) = -1.2   f: -min(0.5, 0.8) = -0.5
+    #   c: -min(-0.405, -0.405) = 0.405   d: -min(-0.395, -0.4) = 0.4   e: -min(-0.75, -0.6) = 0.75
+    # Mean per trajectory, then over the 2 trajectories.
+    expected = ((-1.19 - 1.2 - 0.5) / 3 + (0.405 + 0.4 + 0.75) / 3) / 2
+    assert loss == pytest.approx(expected, abs=1e-6)
+    # d/dlogp = -A r * 1/(3 tokens * 2 trajectories) where unclipped, 0 where clipped.
+    w = 1 / 6
+    assert grad == pytest.approx(
+        {"a": -1.19 * w, "b": 0.0, "f": -0.5 * w, "c": 0.5 * 0.81 * w, "d": 0.0, "e": 0.5 * 1.5 * w},
+        abs=1e-6,
+    )
+    assert full_grad[0] == 0.0 and full_grad[4] == 0.0  # prompt tokens
+    assert m["clip_fraction"] == pytest.approx(2 / 6)  # b and d
+    assert m["ratio_mean"] == pytest.approx(sum(RATIO.values()) / 6, abs=1e-6)
+    assert m["policy_loss"] == pytest.approx(expected, abs=1e-6)
+    assert m["kl"] == 0.0
+
+
+def test_ppo_token_helper_matches_written_out_edges():
+    # The independent helper used below, checked on the edges spelled out in the docstring.
+    assert ppo_token(1.19, 1.0, 0.8, 1.2) == pytest.approx((-1.19, -1.19))
+    assert ppo_token(1.21, 1.0, 0.8, 1.2) == pytest.approx((-1.2, 0.0))
+    assert ppo_token(0.79, -0.5, 0.8, 1.2) == pytest.approx((0.4, 0.0))
+    assert ppo_token(1.5, -0.5, 0.8, 1.2) == pytest.approx((0.75, 0.75))
+
+
+def test_epsilon_high_is_asymmetric():
+    # clip range [0.8, 1.28]: b (1.21, A>0) is now inside; d (0.79, A<0) is still clipped.
+    loss, grad, _, m = run(LossConfig("grpo", epsilon=0.2, epsilon_high=0.28))
+    expected = ((-1.19 - 1.21 - 0.5) / 3 + (0.405 + 0.4 + 0.75) / 3) / 2
+    assert loss == pytest.approx(expected, abs=1e-6)
+    assert grad["b"] == pytest.approx(-1.21 / 6, abs=1e-6)
+    assert grad["d"] == 0.0
+    assert m["clip_fraction"] == pytest.approx(1 / 6)
+
+
+def test_dr_grpo_sums_over_a_constant():
+    loss, grad, _, _ = run(LossConfig("dr_grpo", epsilon=0.2))
+    total = -1.19 - 1.2 - 0.5 + 0.405 + 0.4 + 0.75
+    # Default constant: longest trajectory's completion length (3); then mean over 2 trajectories.
+    assert loss == pytest.approx(total / (3 * 2), abs=1e-6)
+    loss, grad, _, _ = run(LossConfig("dr_grpo", epsilon=0.2, max_tokens_norm=10))
+    assert loss == pytest.approx(total / (10 * 2), abs=1e-6)
+    assert grad["a"] == pytest.approx(-1.19 / 20, abs=1e-6)
+    assert grad["e"] == pytest.approx(0.5 * 1.5 / 20, abs=1e-6)
+
+
+def test_dapo_token_mean_over_the_batch():
+    # Clip-higher [0.8, 1.28] plus one mean over all 6 trained tokens.
+    loss, grad, _, _ = run(LossConfig("dapo", epsilon=0.2, epsilon_high=0.28))
+    assert loss == pytest.approx((-1.19 - 1.21 - 0.5 + 0.405 + 0.4 + 0.75) / 6, abs=1e-6)
+    assert grad["b"] == pytest.approx(-1.21 / 6, abs=1e-6)
+
+
+def test_trajectories_weigh_equally_under_grpo_but_by_length_under_dapo():
+    # Unequal lengths: sample 0 keeps only token a (trajectory of 1 token).
+    t = batch()
+    t["loss_mask"] = torch.tensor([False, True, False, False, False, True, True, True])
+    t["trajectory_tokens"] = torch.tensor([1.0] * 4 + [3.0] * 4)
+    grpo, _ = compute_loss(config=LossConfig("grpo"), **t)
+    dapo, _ = compute_loss(config=LossConfig("dapo"), **t)
+    assert grpo.item() == pytest.approx((-1.19 + (0.405 + 0.4 + 0.75) / 3) / 2, abs=1e-6)
+    assert dapo.item() == pytest.approx((-1.19 + 0.405 + 0.4 + 0.75) / 4, abs=1e-6)
+
+
+def gspo_reference(ratio, lo, hi):
+    """GSPO's sequence objective by hand: s_i = (prod_t r_t)^(1/|y_i|), loss_i =
+    -min(s A, clip(s) A), mean over the 2 sequences. d loss / d logp_t = -A s / |y| / 2
+    when the sequence is not clipped, else 0."""
+    out_loss, out_grad = 0.0, {}
+    for keys, A in ((("a", "b", "f"), 1.0), (("c", "d", "e"), -0.5)):
+        s = math.prod(ratio[k] for k in keys) ** (1 / len(keys))
+        value, dvalue_dlogs = ppo_token(s, A, lo, hi)  # d/dlog s of -min(...) = -A s
+        out_loss += value / 2
+        for k in keys:
+            out_grad[k] = dvalue_dlogs / len(keys) / 2
+    return out_loss, out_grad
+
+
+def test_gspo_sequence_ratio():
+    loss, grad, _, m = run(LossConfig("gspo", epsilon=0.2))
+    ref_loss, ref_grad = gspo_reference(RATIO, 0.8, 1.2)
+    # s0 = (1.19 * 1.21 * 0.5)^(1/3) = 0.89626..., s1 = (0.81 * 0.79 * 1.5)^(1/3) = 0.98643...
+    assert ref_loss == pytest.approx((-0.8962602 + 0.5 * 0.9864334) / 2, abs=1e-6)
+    assert loss == pytest.approx(ref_loss, abs=1e-6)
+    assert grad == pytest.approx(ref_grad, abs=1e-6)
+    assert m["clip_fraction"] == 0.0
+
+
+def test_gspo_clips_whole_sequences_with_small_epsilons():
+    # The paper's 3e-4 / 4e-4: sample 0 drifts to s = 1.001 (A>0, above 1.0004: clipped,
+    # no gradient anywhere in it); sample 1 to s = 0.9999 (inside [0.9997, 1.0004]).
+    ratio = {"a": 1.002, "b": 1.0, "f": 1.001**3 / 1.002, "c": 0.9999, "d": 0.9999, "e": 0.9999}
+    cfg = LossConfig("gspo", epsilon=3e-4, epsilon_high=4e-4)
+    loss, grad, _, m = run(cfg, ratio=ratio)
+    ref_loss, ref_grad = gspo_reference(ratio, 1 - 3e-4, 1 + 4e-4)
+    assert ref_grad["a"] == 0.0 and ref_grad["c"] != 0.0
+    assert loss == pytest.approx(ref_loss, abs=1e-6)
+    assert grad == pytest.approx(ref_grad, abs=1e-6)
+    assert m["clip_fraction"] == pytest.approx(3 / 6)
+
+
+def test_cispo_detached_clipped_weight():
+    loss, grad, _, m = run(LossConfig("cispo", epsilon=0.2, epsilon_high=0.2))
+    # Weight min(r, 1.2), no lower clip: a 1.19, b 1.2, f 0.5, c 0.81, d 0.79, e 1.2.
+    w = {"a": 1.19, "b": 1.2, "f": 0.5, "c": 0.81, "d": 0.79, "e": 1.2}
+    # Token loss -w A logp; mean per trajectory then over 2.
+    per = {k: -w[k] * ADV[k] * LOGP[k] for k in w}
+    expected = ((per["a"] + per["b"] + per["f"]) / 3 + (per["c"] + per["d"] + per["e"]) / 3) / 2
+    assert loss == pytest.approx(expected, abs=1e-6)
+    # REINFORCE gradient -w A / 6 on every token, clipped ones included.
+    assert grad == pytest.approx({k: -w[k] * ADV[k] / 6 for k in w}, abs=1e-6)
+    assert m["clip_fraction"] == pytest.approx(2 / 6)  # b and e capped
+
+
+def test_k3_kl_value_and_beta():
+    # k3 = exp(ref - logp) - (ref - logp) - 1. logp -1.0, ref -1.5: exp(-0.5) + 0.5 - 1.
+    assert k3_kl(torch.tensor(-1.0), torch.tensor(-1.5)).item() == pytest.approx(
+        math.exp(-0.5) - 0.5, abs=1e-7
+    )
+    assert math.exp(-0.5) - 0.5 == pytest.approx(0.1065306597, abs=1e-9)
+    ref = {"a": -1.5, "b": -0.5, "f": -1.0, "c": -0.3, "d": -1.0, "e": -0.9}
+    kl = {k: math.exp(ref[k] - LOGP[k]) - (ref[k] - LOGP[k]) - 1 for k in ref}
+    beta = 0.1
+    loss, grad, _, m = run(LossConfig("grpo", epsilon=0.2, beta=beta), ref=ref)
+    policy = ((-1.19 - 1.2 - 0.5) / 3 + (0.405 + 0.4 + 0.75) / 3) / 2
+    kl_term = ((kl["a"] + kl["b"] + kl["f"]) / 3 + (kl["c"] + kl["d"] + kl["e"]) / 3) / 2
+    assert loss == pytest.approx(policy + beta * kl_term, abs=1e-6)
+    assert m["policy_loss"] == pytest.approx(policy, abs=1e-6)
+    assert m["kl"] == pytest.approx(sum(kl.values()) / 6, abs=1e-6)
+    # d k3 / d logp = 1 - exp(ref - logp); b's policy gradient is 0 (clipped), so its
+    # gradient is the KL's alone.
+    assert grad["b"] == pytest.approx(beta * (1 - math.exp(ref["b"] - LOGP["b"])) / 6, abs=1e-7)
+    assert grad["a"] == pytest.approx((-1.19 + beta * (1 - math.exp(-0.5))) / 6, abs=1e-6)
+
+
+def test_beta_without_ref_logprobs_is_an_error():
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        run(LossConfig("grpo", beta=0.1))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_unknown_old_logprobs_mean_ratio_one(loss_type):
+    # Sample 1 recorded without logprobs: its ratios are 1 with REINFORCE gradient -A = 0.5,
+    # over 6 for every loss here (3 tokens x 2 trajectories; dr_grpo: constant 3 x 2
+    # trajectories; dapo: 6 tokens; gspo: s = 1, -A s / 3 / 2; cispo: weight 1, / 6).
+    loss, grad, _, m = run(LossConfig(loss_type, epsilon=0.2), old_nan=("c", "d", "e"))
+    for k in "cde":
+        assert grad[k] == pytest.approx(0.5 / 6, abs=1e-6)
+    assert math.isfinite(loss)
+    if loss_type == "grpo":
+        # Sample 1: -min(1 * -0.5, ...) = 0.5 per token.
+        assert loss == pytest.approx(((-1.19 - 1.2 - 0.5) / 3 + 0.5) / 2, abs=1e-6)
+        assert m["ratio_mean"] == pytest.approx((1.19 + 1.21 + 0.5 + 3) / 6, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_padded_layout_and_chunks_give_the_same_loss(loss_type):
+    cfg = LossConfig(loss_type, epsilon=0.2, beta=0.05)
+    ref = {k: v - 0.1 for k, v in LOGP.items()}
+    flat = batch(ref=ref)
+    whole, _ = compute_loss(config=cfg, **flat)
+    # Padded [2, 5]: each sample in its own row, one pad at the end.
+    pad = lambda v, fill: torch.stack([torch.cat([v[:4], fill]), torch.cat([v[4:], fill])])
+    one = lambda x: torch.tensor([x])
+    padded = dict(
+        logprobs=pad(flat["logprobs"].detach(), one(0.0)),
+        old_logprobs=pad(flat["old_logprobs"], one(NAN)),
+        advantages=pad(flat["advantages"], one(0.0)),
+        loss_mask=pad(flat["loss_mask"], torch.tensor([False])),
+        segment_ids=pad(flat["segment_ids"], one(-1)),
+        trajectory_tokens=pad(flat["trajectory_tokens"], one(0.0)),
+        ref_logprobs=pad(flat["ref_logprobs"], one(0.0)),
+    )
+    padded_loss, _ = compute_loss(config=cfg, **padded)
+    assert padded_loss.item() == pytest.approx(whole.item(), abs=1e-6)
+    # Each sample as its own chunk, with the batch's norm: the shares sum to the whole.
+    norm = LossNorm(num_trajectories=2, num_loss_tokens=6, max_trajectory_tokens=3)
+    shares = [
+        compute_loss(config=cfg, norm=norm, **{k: v[sl] for k, v in flat.items()})[0].item()
+        for sl in (slice(0, 4), slice(4, 8))
+    ]
+    assert sum(shares) == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_chunk_without_trained_tokens_is_zero_and_backpropagates():
+    t = batch()
+    t["loss_mask"] = torch.zeros(8, dtype=torch.bool)
+    norm = LossNorm(num_trajectories=2, num_loss_tokens=6, max_trajectory_tokens=3)
+    loss, m = compute_loss(config=LossConfig(), norm=norm, **t)
+    loss.backward()
+    assert loss.item() == 0.0 and m["loss"] == 0.0
+    assert t["logprobs"].grad.abs().sum().item() == 0.0

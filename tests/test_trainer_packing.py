@@ -1,0 +1,246 @@
+"""Packing against a real tiny Qwen2 run sample by sample.
+
+The reference for every packed quantity is each sample run *alone* through the model
+(no mask, no position ids) with a plain full log_softmax written here, not the code's
+own helpers.
+"""
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+import transformers
+
+from trainer.losses import compute_loss
+from trainer.packing import (
+    attention_mask_4d,
+    pack,
+    padded_batch,
+    padded_token_logprobs,
+    token_logprobs,
+)
+from trainer.types import LOSS_TYPES, LossConfig, LossNorm, Sample
+
+NAN = float("nan")
+MAX_TOKENS_PER_ROW = 24
+# (length, prompt length, trajectory): t0 and t3 have two samples each, of unequal lengths.
+SHAPES = [(9, 3, "t0"), (5, 2, "t0"), (14, 4, "t1"), (7, 3, "t2"), (3, 1, "t3"),
+          (11, 5, "t3"), (6, 2, "t4"), (20, 6, "t5"), (4, 2, "t6")]
+ADVANTAGE = {"t0": 1.2, "t1": -0.7, "t2": 0.4, "t3": -1.1, "t4": 0.9, "t5": -0.3, "t6": 0.0}
+
+
+def tiny_qwen2(impl: str, seed: int = 0) -> transformers.Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    config._attn_implementation = impl
+    model = transformers.Qwen2ForCausalLM(config).float()
+    assert model.config._attn_implementation == impl
+    return model.eval()  # no dropout; gradients still flow
+
+
+def alone_logprobs(model, token_ids) -> torch.Tensor:
+    """Reference: one sample, no packing; entry t = log p(token t | tokens < t), 0 at t=0."""
+    ids = torch.tensor(token_ids)[None]
+    logp_TV = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    picked = logp_TV[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(1), picked])
+
+
+def make_samples(model) -> list[Sample]:
+    rng = random.Random(0)
+    samples = []
+    for n, prompt, traj in SHAPES:
+        ids = [rng.randrange(97) for _ in range(n)]
+        with torch.no_grad():
+            lp = alone_logprobs(model, ids).tolist()
+        # Old logprobs drift from the current ones (some past the clip range); t2 was
+        # recorded without logprobs.
+        old = [NAN if t < prompt or traj == "t2" else lp[t] + rng.gauss(0.0, 0.3) for t in range(n)]
+        samples.append(Sample(
+            token_ids=tuple(ids), loss_mask=tuple(t >= prompt for t in range(n)),
+            old_logprobs=tuple(old), advantage=ADVANTAGE[traj], trajectory_id=traj, group_id="g",
+        ))
+    return samples
+
+
+IMPLS = ["sdpa", "eager"]
+
+
+@pytest.fixture(scope="module", params=IMPLS)
+def setup(request):
+    model = tiny_qwen2(request.param, seed=0)
+    ref_model = tiny_qwen2(request.param, seed=1)  # stands in for the base model
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    return model, ref_model, make_samples(model)
+
+
+# --- pure packing ---------------------------------------------------------------------
+
+
+def sample(n, traj="t"):
+    return Sample(tuple(range(n)), (False,) + (True,) * (n - 1), (NAN,) * n, 1.0, traj, "g")
+
+
+def test_first_fit_decreasing_known_answer():
+    rows = pack([sample(n) for n in (6, 5, 4, 3, 2)], max_tokens_per_row=10)
+    # Longest first: 6 -> row 0; 5 -> row 1; 4 -> row 0 (full); 3, 2 -> row 1.
+    assert [r.sample_indices for r in rows] == [(0, 2), (1, 3, 4)]
+    assert rows[1].position_ids_T.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    assert rows[1].segment_ids_T.tolist() == [1] * 5 + [3] * 3 + [4] * 2
+
+
+def test_too_long_sample_is_an_error_naming_the_flag():
+    with pytest.raises(ValueError, match="--max-tokens-per-row"):
+        pack([sample(3), sample(11)], max_tokens_per_row=10)
+
+
+def test_every_token_once_and_rows_within_the_limit():
+    rng = random.Random(1)
+    samples = [sample(rng.randint(2, 30), traj=f"t{i % 7}") for i in range(60)]
+    rows = pack(samples, max_tokens_per_row=32)
+    assert all(r.input_ids_T.numel() <= 32 for r in rows)
+    seen = Counter()
+    for r in rows:
+        for i in r.sample_indices:
+            sel = r.segment_ids_T == i
+            assert r.input_ids_T[sel].tolist() == list(samples[i].token_ids)
+            assert r.position_ids_T[sel].tolist() == list(range(len(samples[i].token_ids)))
+            assert r.loss_mask_T[sel].tolist() == list(samples[i].loss_mask)
+            seen[i] += 1
+        assert sum(len(samples[i].token_ids) for i in r.sample_indices) == r.input_ids_T.numel()
+    assert seen == Counter(range(60))
+    # Trajectory weights count the whole batch's tokens, across rows.
+    per_traj = Counter()
+    for s in samples:
+        per_traj[s.trajectory_id] += s.num_loss_tokens
+    for r in rows:
+        for i in r.sample_indices:
+            got = r.trajectory_tokens_T[r.segment_ids_T == i]
+            assert (got == per_traj[samples[i].trajectory_id]).all()
+
+
+def test_attention_mask_is_causal_and_block_diagonal():
+    mask = attention_mask_4d(torch.tensor([0, 0, 1, 1, 1, -1]))
+    assert mask.shape == (1, 1, 6, 6) and mask.dtype == torch.float32
+    allowed = (mask[0, 0] == 0).int().tolist()
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],  # padding sees only itself
+    ]
+    assert mask[0, 0, 0, 1].item() == torch.finfo(torch.float32).min
+
+
+# --- against the model ----------------------------------------------------------------
+
+
+def test_packed_logprobs_equal_each_sample_alone(setup):
+    model, _, samples = setup
+    rows = pack(samples, MAX_TOKENS_PER_ROW)
+    assert len(rows) < len(samples)  # something was actually packed together
+    with torch.no_grad():
+        for row in rows:
+            lp_T = token_logprobs(model, row)
+            for i in row.sample_indices:
+                alone = alone_logprobs(model, samples[i].token_ids)
+                torch.testing.assert_close(lp_T[row.segment_ids_T == i], alone, atol=1e-5, rtol=0)
+        padded = padded_batch(samples)
+        lp_BT = padded_token_logprobs(model, padded)
+        for b, s in enumerate(samples):
+            n = len(s.token_ids)
+            torch.testing.assert_close(lp_BT[b, :n], alone_logprobs(model, s.token_ids), atol=1e-5, rtol=0)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unpacked(model, ref_model, samples, cfg):
+    """Reference: each sample alone through the model, concatenated, one loss call."""
+    traj_tokens = Counter()
+    for s in samples:
+        traj_tokens[s.trajectory_id] += s.num_loss_tokens
+    model.zero_grad()
+    lp, ref, old, adv, mask, seg, ttok = [], [], [], [], [], [], []
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        lp.append(alone_logprobs(model, s.token_ids))
+        with torch.no_grad():
+            ref.append(alone_logprobs(ref_model, s.token_ids))
+        old.append(torch.tensor(s.old_logprobs))
+        adv.append(torch.full((n,), s.advantage))
+        mask.append(torch.tensor(s.loss_mask))
+        seg.append(torch.full((n,), i))
+        ttok.append(torch.full((n,), float(traj_tokens[s.trajectory_id])))
+    loss, metrics = compute_loss(
+        logprobs=torch.cat(lp), ref_logprobs=torch.cat(ref), old_logprobs=torch.cat(old),
+        advantages=torch.cat(adv), loss_mask=torch.cat(mask), segment_ids=torch.cat(seg),
+        trajectory_tokens=torch.cat(ttok), config=cfg,
+    )
+    loss.backward()
+    return loss.item(), metrics, _grads(model)
+
+
+def _packed(model, ref_model, samples, cfg):
+    """One forward/backward per packed row, normalised by the whole batch."""
+    norm = LossNorm.from_samples(samples)
+    model.zero_grad()
+    total, metrics = 0.0, Counter()
+    for row in pack(samples, MAX_TOKENS_PER_ROW):
+        with torch.no_grad():
+            ref_T = token_logprobs(ref_model, row)
+        loss, m = compute_loss(
+            logprobs=token_logprobs(model, row), ref_logprobs=ref_T,
+            old_logprobs=row.old_logprobs_T, advantages=row.advantages_T,
+            loss_mask=row.loss_mask_T, segment_ids=row.segment_ids_T,
+            trajectory_tokens=row.trajectory_tokens_T, config=cfg, norm=norm,
+        )
+        loss.backward()
+        total += loss.item()
+        metrics.update(m)
+    return total, dict(metrics), _grads(model)
+
+
+def _padded(model, ref_model, samples, cfg):
+    batch = padded_batch(samples)
+    model.zero_grad()
+    with torch.no_grad():
+        ref_BT = padded_token_logprobs(ref_model, batch)
+    loss, metrics = compute_loss(
+        logprobs=padded_token_logprobs(model, batch), ref_logprobs=ref_BT,
+        old_logprobs=batch.old_logprobs_BT, advantages=batch.advantages_BT,
+        loss_mask=batch.loss_mask_BT, segment_ids=batch.segment_ids_BT,
+        trajectory_tokens=batch.trajectory_tokens_BT, config=cfg,
+    )
+    loss.backward()
+    return loss.item(), metrics, _grads(model)
+
+
+CONFIGS = [LossConfig(t, epsilon=0.2) for t in LOSS_TYPES] + [
+    LossConfig("grpo", epsilon=0.2, epsilon_high=0.28, beta=0.1),
+    LossConfig("gspo", epsilon=3e-3, epsilon_high=4e-3, beta=0.05),
+    LossConfig("dr_grpo", epsilon=0.2, max_tokens_norm=32),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss_type}-beta{c.beta}")
+def test_packed_loss_and_gradients_equal_unpacked(setup, cfg):
+    model, ref_model, samples = setup
+    want_loss, want_metrics, want_grads = _unpacked(model, ref_model, samples, cfg)
+    assert math.isfinite(want_loss) and want_loss != 0.0
+    assert any(g.abs().max() > 1e-4 for g in want_grads.values())
+    for run in (_packed, _padded):
+        loss, metrics, grads = run(model, ref_model, samples, cfg)
+        assert loss == pytest.approx(want_loss, abs=1e-5)
+        assert metrics == pytest.approx(want_metrics, abs=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want_grads[name], atol=1e-5, rtol=0, msg=name)

@@ -1,0 +1,158 @@
+"""The trainer's data types: frozen dataclasses, no torch, no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
+"""The names `trainer.losses.LOSSES` is keyed by; here so that a config is checked
+without importing torch."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sequence: a trajectory (or a segment of one) as token ids.
+
+    A trajectory becomes several samples only when its calls cannot be merged into one
+    sequence (a later prompt does not start with the earlier prompt + completion).
+    """
+
+    token_ids: tuple[int, ...]
+    """Prompt + completion tokens, length T."""
+
+    loss_mask: tuple[bool, ...]
+    """Length T; True exactly on sampled completion tokens (what the policy chose)."""
+
+    old_logprobs: tuple[float, ...]
+    """Length T; logprob of token t under the sampling policy. NaN where unknown: prompt
+    tokens, or completions recorded without logprobs (the ratio is then taken as 1)."""
+
+    advantage: float
+    """The trajectory's advantage, shared by all of its samples."""
+
+    trajectory_id: str
+    """Session id; the samples of one trajectory share it."""
+
+    group_id: str
+    """The group whose rewards the advantage was computed against."""
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if n == 0:
+            raise ValueError(f"sample of trajectory {self.trajectory_id!r} has no tokens")
+        if len(self.loss_mask) != n or len(self.old_logprobs) != n:
+            raise ValueError(
+                f"sample of trajectory {self.trajectory_id!r}: token_ids ({n}), loss_mask "
+                f"({len(self.loss_mask)}) and old_logprobs ({len(self.old_logprobs)}) "
+                "must have the same length"
+            )
+        # Token 0 has no context, so the model gives no logprob for it: it cannot be trained.
+        if self.loss_mask[0]:
+            raise ValueError(
+                f"sample of trajectory {self.trajectory_id!r} starts with a completion token; "
+                "a sample must start with at least one prompt token"
+            )
+        if not math.isfinite(self.advantage):
+            raise ValueError(
+                f"sample of trajectory {self.trajectory_id!r} has advantage {self.advantage}"
+            )
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """How many tokens of this sample are trained on."""
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One rollout of the agent on one task (one session), with its reward."""
+
+    trajectory_id: str
+    """Session id."""
+
+    group_id: str
+    """The rollouts of one task that GRPO compares share a group id."""
+
+    reward: float
+    """The session's scalar reward (posted by the client or given by RULER)."""
+
+    samples: tuple[Sample, ...]
+    """The trajectory's training sequences, in call order."""
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Hyperparameters of the policy-gradient loss (see `trainer.losses`)."""
+
+    loss_type: str = "grpo"
+    """A key of `trainer.losses.LOSSES`: grpo, dr_grpo, dapo, gspo or cispo."""
+
+    epsilon: float = 0.2
+    """Lower clip: the ratio is clipped below at 1 - epsilon (not used by cispo)."""
+
+    epsilon_high: float | None = None
+    """Upper clip: 1 + epsilon_high. None means epsilon (symmetric). DAPO's paper uses
+    0.28 with epsilon 0.2; GSPO's uses 4e-4 with epsilon 3e-4. Set it explicitly."""
+
+    beta: float = 0.0
+    """Weight of the k3 KL penalty against the base model; 0 turns it off (and then no
+    reference logprobs are needed)."""
+
+    max_tokens_norm: int | None = None
+    """dr_grpo only: the constant a trajectory's token-loss sum is divided by. None means
+    the longest trajectory's completion length in the batch."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(
+                f"unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}"
+            )
+        if not self.epsilon >= 0:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.epsilon_high is not None and not self.epsilon_high >= 0:
+            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
+        if not self.beta >= 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.max_tokens_norm is not None and self.max_tokens_norm <= 0:
+            raise ValueError(f"max_tokens_norm must be a positive int, got {self.max_tokens_norm}")
+
+    @property
+    def eps_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """Batch-wide counts the loss is normalised by.
+
+    Computed once for the whole batch, so that a batch split into packed rows (one
+    forward/backward each) sums to exactly the loss of the batch taken at once.
+    """
+
+    num_trajectories: int
+    """Trajectories with at least one trained token."""
+
+    num_loss_tokens: int
+    """Trained tokens in the batch."""
+
+    max_trajectory_tokens: int
+    """Trained tokens of the longest trajectory (dr_grpo's default constant)."""
+
+    @classmethod
+    def from_samples(cls, samples: "tuple[Sample, ...] | list[Sample]") -> "LossNorm":
+        tokens_by_trajectory: dict[str, int] = {}
+        for s in samples:
+            tokens_by_trajectory[s.trajectory_id] = (
+                tokens_by_trajectory.get(s.trajectory_id, 0) + s.num_loss_tokens
+            )
+        counts = [n for n in tokens_by_trajectory.values() if n > 0]
+        return cls(
+            num_trajectories=len(counts),
+            num_loss_tokens=sum(counts),
+            max_trajectory_tokens=max(counts, default=0),
+        )
