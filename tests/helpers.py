@@ -1,0 +1,102 @@
+"""Shared test helpers: real servers on loopback ports the OS picks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import uvicorn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ThreadServer:
+    """Runs an ASGI app under uvicorn in a thread; `url` is its base URL."""
+
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("server thread died during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start in 120 s")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+@contextlib.contextmanager
+def gateway_process(args: list[str], env: dict | None = None, port: int | None = None,
+                    startup_timeout: float = 120.0) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`rlproxy serve ARGS --port P` as a child process; yields (process, base_url) once /healthz answers."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, env=full_env, cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+                raise RuntimeError(f"gateway exited with {proc.returncode}:\n{output[-4000:]}")
+            try:
+                if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("gateway did not become healthy in time")
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """Stop a child and its process group (trainer workers included); never leave one behind."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait(timeout=timeout)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+    if proc.stdout:
+        proc.stdout.close()
