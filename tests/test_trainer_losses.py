@@ -75,7 +75,8 @@ def test_grpo_hand_example():
     # d/dlogp = -A r * 1/(3 tokens * 2 trajectories) where unclipped, 0 where clipped.
     w = 1 / 6
     assert grad == pytest.approx(
-        {"a": -1.19 * w, "b": 0.0, "f": -0.5 * w, "c": 0.5 * 0.81 * w, "d": 0.0, "e": 0.5 * 1.5 * w},
+        {"a": -1.19 * w, "b": 0.0, "f": -0.5 * w,
+         "c": 0.5 * 0.81 * w, "d": 0.0, "e": 0.5 * 1.5 * w},
         abs=1e-6,
     )
     assert full_grad[0] == 0.0 and full_grad[4] == 0.0  # prompt tokens

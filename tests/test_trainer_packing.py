@@ -157,72 +157,79 @@ def test_packed_logprobs_equal_each_sample_alone(setup):
         lp_BT = padded_token_logprobs(model, padded)
         for b, s in enumerate(samples):
             n = len(s.token_ids)
-            torch.testing.assert_close(lp_BT[b, :n], alone_logprobs(model, s.token_ids), atol=1e-5, rtol=0)
+            want = alone_logprobs(model, s.token_ids)
+            torch.testing.assert_close(lp_BT[b, :n], want, atol=1e-5, rtol=0)
 
 
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _unpacked(model, ref_model, samples, cfg):
-    """Reference: each sample alone through the model, concatenated, one loss call."""
+def _unpacked(model, ref_model, samples):
+    """Reference: each sample alone through the model, concatenated into one chunk."""
     traj_tokens = Counter()
     for s in samples:
         traj_tokens[s.trajectory_id] += s.num_loss_tokens
-    model.zero_grad()
-    lp, ref, old, adv, mask, seg, ttok = [], [], [], [], [], [], []
+    cols = {k: [] for k in ("logprobs", "ref_logprobs", "old_logprobs", "advantages",
+                            "loss_mask", "segment_ids", "trajectory_tokens")}
     for i, s in enumerate(samples):
         n = len(s.token_ids)
-        lp.append(alone_logprobs(model, s.token_ids))
+        cols["logprobs"].append(alone_logprobs(model, s.token_ids))
         with torch.no_grad():
-            ref.append(alone_logprobs(ref_model, s.token_ids))
-        old.append(torch.tensor(s.old_logprobs))
-        adv.append(torch.full((n,), s.advantage))
-        mask.append(torch.tensor(s.loss_mask))
-        seg.append(torch.full((n,), i))
-        ttok.append(torch.full((n,), float(traj_tokens[s.trajectory_id])))
-    loss, metrics = compute_loss(
-        logprobs=torch.cat(lp), ref_logprobs=torch.cat(ref), old_logprobs=torch.cat(old),
-        advantages=torch.cat(adv), loss_mask=torch.cat(mask), segment_ids=torch.cat(seg),
-        trajectory_tokens=torch.cat(ttok), config=cfg,
-    )
-    loss.backward()
-    return loss.item(), metrics, _grads(model)
+            cols["ref_logprobs"].append(alone_logprobs(ref_model, s.token_ids))
+        cols["old_logprobs"].append(torch.tensor(s.old_logprobs))
+        cols["advantages"].append(torch.full((n,), s.advantage))
+        cols["loss_mask"].append(torch.tensor(s.loss_mask))
+        cols["segment_ids"].append(torch.full((n,), i))
+        cols["trajectory_tokens"].append(torch.full((n,), float(traj_tokens[s.trajectory_id])))
+    # norm=None: the loss derives it from the chunk, which is the whole batch here.
+    return [dict({k: torch.cat(v) for k, v in cols.items()}, norm=None)]
 
 
-def _packed(model, ref_model, samples, cfg):
-    """One forward/backward per packed row, normalised by the whole batch."""
+def _packed(model, ref_model, samples):
+    """One chunk per packed row, normalised by the whole batch."""
     norm = LossNorm.from_samples(samples)
-    model.zero_grad()
-    total, metrics = 0.0, Counter()
+    chunks = []
     for row in pack(samples, MAX_TOKENS_PER_ROW):
         with torch.no_grad():
             ref_T = token_logprobs(ref_model, row)
-        loss, m = compute_loss(
+        chunks.append(dict(
             logprobs=token_logprobs(model, row), ref_logprobs=ref_T,
             old_logprobs=row.old_logprobs_T, advantages=row.advantages_T,
             loss_mask=row.loss_mask_T, segment_ids=row.segment_ids_T,
-            trajectory_tokens=row.trajectory_tokens_T, config=cfg, norm=norm,
-        )
-        loss.backward()
-        total += loss.item()
-        metrics.update(m)
-    return total, dict(metrics), _grads(model)
+            trajectory_tokens=row.trajectory_tokens_T, norm=norm,
+        ))
+    return chunks
 
 
-def _padded(model, ref_model, samples, cfg):
+def _padded(model, ref_model, samples):
     batch = padded_batch(samples)
-    model.zero_grad()
     with torch.no_grad():
         ref_BT = padded_token_logprobs(ref_model, batch)
-    loss, metrics = compute_loss(
+    return [dict(
         logprobs=padded_token_logprobs(model, batch), ref_logprobs=ref_BT,
         old_logprobs=batch.old_logprobs_BT, advantages=batch.advantages_BT,
         loss_mask=batch.loss_mask_BT, segment_ids=batch.segment_ids_BT,
-        trajectory_tokens=batch.trajectory_tokens_BT, config=cfg,
-    )
-    loss.backward()
-    return loss.item(), metrics, _grads(model)
+        trajectory_tokens=batch.trajectory_tokens_BT, norm=None,
+    )]
+
+
+@pytest.fixture(scope="module")
+def forwards(setup):
+    """The three layouts' forward graphs, built once and reused by every loss config
+    (gradients are taken with retain_graph)."""
+    model, ref_model, samples = setup
+    return model, {f.__name__: f(model, ref_model, samples) for f in (_unpacked, _packed, _padded)}
+
+
+def loss_and_grads(model, chunks, cfg):
+    """Sum of the chunks' losses (what per-row backward() calls accumulate), its
+    gradient for every parameter, and the summed metrics."""
+    total, metrics = 0.0, Counter()
+    for chunk in chunks:
+        loss, m = compute_loss(config=cfg, **chunk)
+        total = total + loss
+        metrics.update(m)
+    params = [p for p in model.parameters()]
+    grads = torch.autograd.grad(total, params, retain_graph=True)
+    names = [n for n, _ in model.named_parameters()]
+    return total.item(), dict(metrics), dict(zip(names, grads))
 
 
 CONFIGS = [LossConfig(t, epsilon=0.2) for t in LOSS_TYPES] + [
@@ -233,13 +240,14 @@ CONFIGS = [LossConfig(t, epsilon=0.2) for t in LOSS_TYPES] + [
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss_type}-beta{c.beta}")
-def test_packed_loss_and_gradients_equal_unpacked(setup, cfg):
-    model, ref_model, samples = setup
-    want_loss, want_metrics, want_grads = _unpacked(model, ref_model, samples, cfg)
+def test_packed_loss_and_gradients_equal_unpacked(forwards, cfg):
+    model, chunks = forwards
+    want_loss, want_metrics, want_grads = loss_and_grads(model, chunks["_unpacked"], cfg)
     assert math.isfinite(want_loss) and want_loss != 0.0
     assert any(g.abs().max() > 1e-4 for g in want_grads.values())
-    for run in (_packed, _padded):
-        loss, metrics, grads = run(model, ref_model, samples, cfg)
+    assert len(chunks["_packed"]) > 1
+    for layout in ("_packed", "_padded"):
+        loss, metrics, grads = loss_and_grads(model, chunks[layout], cfg)
         assert loss == pytest.approx(want_loss, abs=1e-5)
         assert metrics == pytest.approx(want_metrics, abs=1e-5)
         for name, g in grads.items():

@@ -72,7 +72,9 @@ def _trajectory_tokens(samples: Sequence[Sample]) -> dict[str, int]:
     return counts
 
 
-def _row(samples: Sequence[Sample], indices: Sequence[int], traj_tokens: dict[str, int]) -> PackedRow:
+def _row(
+    samples: Sequence[Sample], indices: Sequence[int], traj_tokens: dict[str, int]
+) -> PackedRow:
     ids, pos, seg, mask, old, adv, ttok = [], [], [], [], [], [], []
     for i in indices:
         s = samples[i]
@@ -158,7 +160,9 @@ def padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatc
     return PaddedBatch(input_ids, attention, position, segment, loss_mask, old, adv, ttok)
 
 
-def attention_mask_4d(segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def attention_mask_4d(
+    segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Causal, block-diagonal mask [1, 1, T, T] for one packed row, in the additive form
     (0 = attend, dtype's min = blocked).
 
@@ -179,7 +183,9 @@ def attention_mask_4d(segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.fl
     return mask_TT[None, None]
 
 
-def selective_log_softmax(logits_NV: torch.Tensor, targets_N: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def selective_log_softmax(
+    logits_NV: torch.Tensor, targets_N: torch.Tensor, chunk: int = 1024
+) -> torch.Tensor:
     """log_softmax(logits)[target] per row, as `logit[target] - logsumexp(logits)`, in
     chunks of rows: only one chunk's [chunk, V] float32 temporary lives at a time instead
     of a full [N, V] log_softmax."""
