@@ -1,0 +1,68 @@
+"""The CLI: every setting is a documented flag; flags > environment > defaults."""
+
+import subprocess
+import sys
+
+import pytest
+
+from gateway.cli import build_parser, settings_from_args
+from gateway.settings import Settings
+
+
+def help_text(command: str) -> str:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", command, "--help"], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_every_setting_is_a_documented_serve_flag():
+    text = help_text("serve")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, f"{flag} missing from `rlproxy serve --help`"
+        assert field.description, f"setting {name} has no description"
+
+
+def test_flags_beat_environment_beat_defaults(monkeypatch):
+    monkeypatch.setenv("RLPROXY_MODEL_NAME", "from-env")
+    monkeypatch.setenv("RLPROXY_PORT", "9100")
+    args = build_parser().parse_args(["serve", "--port", "9200"])
+    settings = settings_from_args(args)
+    assert settings.port == 9200  # flag
+    assert settings.model_name == "from-env"  # environment
+    assert settings.groups_per_step == Settings.model_fields["groups_per_step"].default  # default
+
+
+def test_bad_flag_value_is_refused_with_the_choices():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--engine", "gpt"])
+
+
+def test_secrets_are_masked_in_public_settings():
+    settings = Settings(api_key="sk-gateway", upstream_api_key="sk-upstream")
+    public = settings.public_dict()
+    assert "sk-gateway" not in str(public) and "sk-upstream" not in str(public)
+    assert "sk-gateway" not in repr(settings)
+
+
+def test_export_writes_sessions_as_json_lines(tmp_path):
+    import json
+
+    from gateway.store import CallRecord, Store
+
+    store = Store(tmp_path / "rlproxy.db")
+    store.record_call_sync(CallRecord(id="r1", session_id="s1", group_id="g", split="train", model="agent",
+                                      served=None, step=None, engine="openai", stream=False, status="ok",
+                                      request={"messages": []}, response={"choices": []}, latency_ms=2.0))
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(tmp_path),
+                           "--output", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["s1"] and rows[0]["calls"][0]["id"] == "r1"
+
+
+def test_export_without_a_store_says_what_to_pass(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(tmp_path / "none")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "--state-dir" in done.stderr
