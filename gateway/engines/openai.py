@@ -1,0 +1,262 @@
+"""The `openai` engine: relay to any OpenAI-compatible upstream and record only.
+
+The gateway has already removed rlproxy's metadata keys and set `model`; the
+body goes upstream as-is. Only rlproxy's own upstream key is sent: the client's
+headers (its Authorization above all) never leave the gateway, and the upstream
+key never reaches the store or the log.
+
+Error mapping. An upstream 4xx is the client's fault (bad body, unknown model,
+rate limit) and keeps its status, type and message; 401/403 are the exception:
+the client's key is not what the upstream saw, so those mean rlproxy's own
+`--upstream-api-key` is wrong and become 502. Everything the client cannot fix
+(5xx, refused connection, a body that is not a chat completion) is a 502, and
+no answer within `--upstream-timeout` is a 504.
+
+aiohttp rather than httpx: on the loopback bench its client spends roughly a
+third of httpx's CPU per request, and the gateway's hot path is this call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import aiohttp
+import orjson
+from yarl import URL
+
+from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd
+from gateway.errors import ConfigError, RLProxyError, UpstreamError, UpstreamTimeout
+from gateway.settings import Settings
+
+log = logging.getLogger("rlproxy.engines.openai")
+
+# Connections kept to the upstream: above the concurrency a gateway process is run at.
+POOL_SIZE = 512
+MODELS_CACHE_SECONDS = 30.0
+
+
+class UpstreamRejected(RLProxyError):
+    """The upstream refused the request with a 4xx the client can act on; status and type pass through."""
+
+    def __init__(self, status: int, message: str, error_type: str | None, param: str | None, code: str | None):
+        super().__init__(message, param=param, code=code)
+        self.status_code = status
+        self.error_type = error_type or "invalid_request_error"
+
+
+class OpenAIEngine(Engine):
+    kind = "openai"
+    supports_adapters = False
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0,
+                 served_base_id: str = "upstream"):
+        self.base_url = base_url.rstrip("/")
+        self._chat_url = URL(self.base_url + "/chat/completions")
+        self._models_url = URL(self.base_url + "/models")
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self._call_timeout = aiohttp.ClientTimeout(total=timeout)
+        # A stream's timeout bounds the wait for the first byte and every gap between
+        # chunks, not the whole stream: a long answer that keeps coming is not stuck.
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+        self._served_base_id = served_base_id
+        self._session: aiohttp.ClientSession | None = None
+        self._models: list[str] = []
+        self._models_at = float("-inf")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "OpenAIEngine":
+        if not settings.upstream_url:
+            raise ConfigError(
+                "the openai engine needs an upstream: pass --upstream-url http://HOST:PORT/v1 "
+                "(or set RLPROXY_UPSTREAM_URL) with the base URL an OpenAI client would use"
+            )
+        if not settings.upstream_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--upstream-url must start with http:// or https://, got '{settings.upstream_url}'")
+        key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
+        return cls(settings.upstream_url, api_key=key, timeout=settings.upstream_timeout,
+                   served_base_id=settings.base_model)
+
+    @property
+    def base_model_id(self) -> str:
+        return self._served_base_id
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=POOL_SIZE, limit_per_host=0, keepalive_timeout=60,
+                                             ttl_dns_cache=300)
+            # No cookie jar: cookies from the upstream must not leak between clients.
+            self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                                                  skip_auto_headers=("User-Agent",))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            await self.start()
+        assert self._session is not None
+        return self._session
+
+    # ---------------------------------------------------------------- chat
+
+    async def complete(self, request: EngineRequest) -> Completion:
+        session = await self._client()
+        try:
+            async with session.post(self._chat_url, data=orjson.dumps(request.body), headers=self._headers,
+                                    timeout=self._call_timeout) as resp:
+                payload = await resp.read()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise self._timeout() from None
+        except aiohttp.ClientError as exc:
+            raise self._unreachable(exc) from None
+        if status >= 400:
+            raise self._status_error(status, payload)
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(
+                f"the upstream at {self.base_url} answered {status} with a body that is not JSON: "
+                f"{_excerpt(payload)}"
+            ) from None
+        if not isinstance(data, dict) or "choices" not in data:
+            if isinstance(data, dict) and isinstance(data.get("error"), dict):
+                raise UpstreamError(f"the upstream at {self.base_url} answered with an error: "
+                                    f"{data['error'].get('message')}")
+            raise UpstreamError(f"the upstream at {self.base_url} answered {status} with JSON that is not a "
+                                f"chat.completion (no 'choices'): {_excerpt(payload)}")
+        return Completion(response=data, tokens=None)
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
+        session = await self._client()
+        finished = False
+        try:
+            resp = await session.post(self._chat_url, data=orjson.dumps(request.body), headers=self._headers,
+                                      timeout=self._stream_timeout)
+            try:
+                if resp.status >= 400:
+                    raise self._status_error(resp.status, await resp.read())
+                if resp.content_type != "text/event-stream":
+                    raise UpstreamError(
+                        f"the upstream at {self.base_url} answered a stream request with {resp.content_type or 'no'}"
+                        f" content instead of text/event-stream: {_excerpt(await resp.read())}"
+                    )
+                async for payload in _sse_payloads(resp.content):
+                    if payload == b"[DONE]":
+                        finished = True
+                        break
+                    try:
+                        data = orjson.loads(payload)
+                    except orjson.JSONDecodeError:
+                        raise UpstreamError(f"the upstream at {self.base_url} sent a stream chunk that is not "
+                                            f"JSON: {_excerpt(payload)}") from None
+                    if not isinstance(data, dict):
+                        raise UpstreamError(f"the upstream at {self.base_url} sent a stream chunk that is not a "
+                                            f"JSON object: {_excerpt(payload)}")
+                    if "error" in data and "choices" not in data:
+                        error = data["error"] if isinstance(data["error"], dict) else {"message": data["error"]}
+                        raise UpstreamError(f"the upstream at {self.base_url} failed mid-stream: "
+                                            f"{error.get('message')}")
+                    yield StreamChunk(data=data, raw=payload)
+            finally:
+                resp.release()
+        except asyncio.TimeoutError:
+            raise self._timeout() from None
+        except aiohttp.ClientError as exc:
+            raise self._unreachable(exc) from None
+        if not finished:
+            raise UpstreamError(f"the upstream at {self.base_url} closed the stream before sending [DONE]")
+        yield StreamEnd(tokens=None)
+
+    # ---------------------------------------------------------------- models
+
+    async def list_models(self) -> list[str]:
+        """The upstream's model ids, cached briefly; [] when the upstream cannot say."""
+        now = time.monotonic()
+        if now - self._models_at < MODELS_CACHE_SECONDS:
+            return self._models
+        models: list[str] = []
+        try:
+            session = await self._client()
+            timeout = aiohttp.ClientTimeout(total=min(self.timeout, 10.0))
+            async with session.get(self._models_url, headers=self._headers, timeout=timeout) as resp:
+                if resp.status == 200:
+                    data = orjson.loads(await resp.read())
+                    models = [str(item["id"]) for item in data.get("data", []) if "id" in item]
+                else:
+                    log.warning("the upstream's /models answered %s", resp.status)
+        except (asyncio.TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, AttributeError, TypeError) as exc:
+            log.warning("cannot list the upstream's models: %s", type(exc).__name__)
+        self._models, self._models_at = models, now
+        return models
+
+    # ---------------------------------------------------------------- errors
+
+    def _timeout(self) -> UpstreamTimeout:
+        return UpstreamTimeout(
+            f"the upstream at {self.base_url} did not answer within {self.timeout:g} s "
+            "(raise --upstream-timeout if it is just slow)"
+        )
+
+    def _unreachable(self, exc: aiohttp.ClientError) -> UpstreamError:
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            return UpstreamError(f"cannot reach the upstream at {self.base_url}: {reason}")
+        return UpstreamError(f"the connection to the upstream at {self.base_url} failed: {reason}")
+
+    def _status_error(self, status: int, payload: bytes) -> RLProxyError:
+        error: dict = {}
+        try:
+            body = orjson.loads(payload)
+            if isinstance(body, dict):
+                raw_error = body.get("error", body)
+                error = raw_error if isinstance(raw_error, dict) else {"message": str(raw_error)}
+        except orjson.JSONDecodeError:
+            pass
+        message = str(error.get("message") or error.get("detail") or _excerpt(payload) or "no message")
+        if status in (401, 403):
+            return UpstreamError(
+                f"the upstream at {self.base_url} refused rlproxy's upstream key ({status}): {message}; "
+                "check --upstream-api-key"
+            )
+        if status < 500:
+            return UpstreamRejected(status, message, _str_or_none(error.get("type")),
+                                    _str_or_none(error.get("param")), _str_or_none(error.get("code")))
+        return UpstreamError(f"the upstream at {self.base_url} answered {status}: {message}")
+
+
+async def _sse_payloads(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The `data` of each server-sent event (multi-line data joined by newlines)."""
+    data: list[bytes] = []
+    async for line in content:
+        line = line.rstrip(b"\r\n")
+        if not line:
+            if data:
+                yield b"\n".join(data)
+                data = []
+            continue
+        if line.startswith(b"data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(b" ") else value)
+        # `event:`, `id:`, `retry:` and `:` comments carry nothing a chat chunk needs.
+    if data:
+        yield b"\n".join(data)
+
+
+def _excerpt(payload: bytes, limit: int = 300) -> str:
+    text = payload.decode("utf-8", errors="replace").strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
