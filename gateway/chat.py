@@ -161,10 +161,13 @@ class ChatService:
     async def open_stream(
         self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str
     ) -> tuple[AsyncIterator[bytes], Target]:
-        """Resolve the target first (so headers and 4xx happen before the stream starts)."""
+        """Resolve the target and wait for the first chunk before the response starts, so a
+        request the engine refuses at once gets its real HTTP status, not a 200 stream."""
         await self.gate.wait()
         target = self.registry.resolve(request.model)
-        return self._stream(request, raw, identity, request_id, target, time.perf_counter()), target
+        events = self._stream(request, raw, identity, request_id, target, time.perf_counter())
+        first = await events.__anext__()  # raises the engine's error when no chunk came before it
+        return _prepend(first, events), target
 
     async def _stream(
         self,
@@ -182,6 +185,7 @@ class ChatService:
         tokens: TokenRecord | None = None
         error: RLProxyError | None = None
         finished = False
+        yielded = False
         target: Target | None = resolved
         try:
             async with self.gate.passage(), self.registry.hold(resolved):
@@ -194,6 +198,7 @@ class ChatService:
                         break
                     item.data["model"] = request.model
                     accumulator.add(item.data)
+                    yielded = True
                     yield orjson.dumps(item.data)
             finished = True
         except RLProxyError as exc:
@@ -210,8 +215,19 @@ class ChatService:
                               started=started, response=accumulator.response(), tokens=tokens, error=error)
         await self._commit(record)
         if error is not None:
+            if not yielded:
+                raise error  # nothing sent yet: open_stream turns it into an HTTP error
             yield orjson.dumps(error.to_openai())
         yield b"[DONE]"
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # a client that left mid-stream still gets its call recorded, now
 
 
 class StreamAccumulator:
