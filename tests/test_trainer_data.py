@@ -1,0 +1,194 @@
+"""Recorded calls -> samples, on the real tiny model's tokenizer and chat template.
+
+The reference positions are computed here from lengths of separately encoded pieces
+(prompt 1, completion 1, prompt 2, completion 2), not by the code under test.
+"""
+
+import asyncio
+import json
+import math
+
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.store import CallRecord, Store
+from gateway.tiny_model import ensure_tiny_model
+from trainer.data import (
+    NO_SPREAD,
+    NO_TOKENS,
+    ChatTemplateRenderer,
+    build_batch,
+    load_groups,
+    trajectory_samples,
+)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ARGS = '{"city": "Paris"}'
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}
+MESSAGES_1 = [{"role": "system", "content": "You are a helpful assistant."},
+              {"role": "user", "content": "What is the weather in Paris today?"}]
+REPLY_1 = {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}
+MESSAGES_2 = [*MESSAGES_1, REPLY_1,
+              {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "condition": "cloudy"}'},
+              {"role": "user", "content": "Thanks! Is that cold?"}]
+REPLY_2 = {"role": "assistant", "content": "No, 18 degrees is fine."}
+# What the model sampled, as the template writes it after the generation prompt.
+COMPLETION_1 = '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGS + '}\n</tool_call><|im_end|>'
+COMPLETION_2 = "No, 18 degrees is fine.<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def encode(tokenizer, text):
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_ids(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    return encode(tokenizer, text)
+
+
+@pytest.fixture(scope="module")
+def session(tokenizer):
+    """Token pieces of the two-call session, and the call rows a local engine records."""
+    p1, c1 = prompt_ids(tokenizer, MESSAGES_1), encode(tokenizer, COMPLETION_1)
+    p2, c2 = prompt_ids(tokenizer, MESSAGES_2), encode(tokenizer, COMPLETION_2)
+    assert p2[: len(p1) + len(c1)] == p1 + c1, "precondition: the second prompt extends the first call"
+    lp1 = [-0.1 * (i + 1) for i in range(len(c1))]
+    lp2 = [-0.01 * (i + 1) for i in range(len(c2))]
+    calls = [
+        local_call("c1", MESSAGES_1, REPLY_1, p1, c1, lp1, "tool_calls"),
+        {"id": "c-err", "status": "error", "prompt_ids": None, "completion_ids": None, "response": None,
+         "request": {"messages": MESSAGES_1}},
+        local_call("c2", MESSAGES_2, REPLY_2, p2, c2, lp2, "stop"),
+    ]
+    return {"p1": p1, "c1": c1, "p2": p2, "c2": c2, "lp1": lp1, "lp2": lp2, "calls": calls}
+
+
+def response(reply, finish_reason):
+    return {"object": "chat.completion", "choices": [{"index": 0, "message": reply, "finish_reason": finish_reason}]}
+
+
+def local_call(call_id, messages, reply, p, c, lp, finish_reason):
+    return {"id": call_id, "status": "ok", "request": {"messages": messages, "tools": TOOLS},
+            "response": response(reply, finish_reason),
+            "prompt_ids": p, "completion_ids": [c, [7, 7]], "completion_logprobs": [lp, [-1.0, -1.0]]}
+
+
+def openai_call(call_id, messages, reply, finish_reason):
+    """The `openai` engine records no token ids."""
+    return {"id": call_id, "status": "ok", "request": {"messages": messages, "tools": TOOLS},
+            "response": response(reply, finish_reason),
+            "prompt_ids": None, "completion_ids": None, "completion_logprobs": None}
+
+
+def test_multi_turn_session_with_tools_merges_into_one_sample(session):
+    p1, c1, p2, c2 = session["p1"], session["c1"], session["p2"], session["c2"]
+    samples = trajectory_samples(session["calls"], trajectory_id="s1", group_id="g1", advantage=0.5)
+
+    assert len(samples) == 1
+    s = samples[0]
+    assert list(s.token_ids) == p2 + c2
+    # Trained: completion 1 at [len(p1), len(p1)+len(c1)) and completion 2 at the end.
+    first = set(range(len(p1), len(p1) + len(c1)))
+    second = set(range(len(p2), len(p2) + len(c2)))
+    assert {i for i, m in enumerate(s.loss_mask) if m} == first | second
+    # The tool result, the user turn and the template tokens between are prompt.
+    assert not any(s.loss_mask[len(p1) + len(c1): len(p2)]) and len(p2) > len(p1) + len(c1)
+    assert [s.old_logprobs[i] for i in sorted(first)] == pytest.approx(session["lp1"])
+    assert [s.old_logprobs[i] for i in sorted(second)] == pytest.approx(session["lp2"])
+    assert all(math.isnan(s.old_logprobs[i]) for i in range(len(s.token_ids)) if not s.loss_mask[i])
+    assert (s.advantage, s.trajectory_id, s.group_id) == (0.5, "s1", "g1")
+
+
+def test_a_prompt_that_does_not_extend_starts_a_new_sample(tokenizer, session):
+    fresh = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hello"}]
+    p3, c3 = prompt_ids(tokenizer, fresh), encode(tokenizer, "Hi<|im_end|>")
+    calls = [*session["calls"],
+             local_call("c3", fresh, {"role": "assistant", "content": "Hi"}, p3, c3, [-0.5] * len(c3), "stop")]
+    samples = trajectory_samples(calls, trajectory_id="s1", group_id="g1", advantage=-1.0)
+
+    assert len(samples) == 2
+    assert list(samples[0].token_ids) == session["p2"] + session["c2"]
+    second = samples[1]
+    assert list(second.token_ids) == p3 + c3
+    assert [i for i, m in enumerate(second.loss_mask) if m] == list(range(len(p3), len(p3) + len(c3)))
+    assert {(x.trajectory_id, x.advantage) for x in samples} == {("s1", -1.0)}
+
+
+def test_calls_without_token_ids_are_re_rendered_without_logprobs(tokenizer, session):
+    calls = [openai_call("o1", MESSAGES_1, REPLY_1, "tool_calls"),
+             {"id": "o-err", "status": "error", "request": {"messages": MESSAGES_1}, "response": None,
+              "prompt_ids": None, "completion_ids": None, "completion_logprobs": None},
+             openai_call("o2", MESSAGES_2, REPLY_2, "stop")]
+    samples = trajectory_samples(calls, trajectory_id="s2", group_id="g1", advantage=1.0,
+                                 render=ChatTemplateRenderer(tokenizer))
+
+    # The template's rendering of the replies is what the model would have sampled.
+    local = trajectory_samples(session["calls"], trajectory_id="s1", group_id="g1", advantage=1.0)[0]
+    assert len(samples) == 1
+    assert samples[0].token_ids == local.token_ids
+    assert samples[0].loss_mask == local.loss_mask
+    assert all(math.isnan(x) for x in samples[0].old_logprobs)
+    # Without a renderer there is nothing to train on.
+    assert trajectory_samples(calls, trajectory_id="s2", group_id="g1", advantage=1.0) == []
+
+
+def test_a_reply_cut_by_max_tokens_has_no_end_of_turn_token(tokenizer):
+    render = ChatTemplateRenderer(tokenizer)
+    cut = render({"messages": MESSAGES_1}, response({"role": "assistant", "content": "It is"}, "length"))
+    done = render({"messages": MESSAGES_1}, response({"role": "assistant", "content": "It is"}, "stop"))
+    eos = tokenizer.eos_token_id
+    assert list(done.completion_ids) == [*cut.completion_ids, eos]
+    assert eos not in cut.completion_ids
+
+
+def test_error_calls_are_skipped(session):
+    only_errors = [c for c in session["calls"] if c["status"] == "error"]
+    assert trajectory_samples(only_errors, trajectory_id="s", group_id="g", advantage=1.0) == []
+
+
+def test_build_batch_advantages_and_skipped_groups(session):
+    def group(gid, rewards):
+        return {"id": gid, "sessions": [{"id": f"{gid}-s{i}", "reward": r} for i, r in enumerate(rewards)]}
+
+    groups = [group("g1", [1.0, 0.0]), group("flat", [0.5, 0.5]), group("broken", [1.0, 0.0])]
+    calls = {"g1-s0": session["calls"], "g1-s1": session["calls"], "flat-s0": session["calls"],
+             "flat-s1": session["calls"], "broken-s0": session["calls"][1:2], "broken-s1": []}
+    batch = build_batch(groups, calls, scale_rewards="group")
+
+    assert batch.group_ids == ["g1"]
+    assert batch.skipped == {"flat": NO_SPREAD, "broken": NO_TOKENS}
+    assert batch.rewards == [1.0, 0.0]
+    assert [s.trajectory_id for s in batch.samples] == ["g1-s0", "g1-s1"]
+    # (r - mean) / (std + eps): mean 0.5, population std 0.5.
+    assert [s.advantage for s in batch.samples] == pytest.approx([0.5 / (0.5 + 1e-4), -0.5 / (0.5 + 1e-4)])
+
+
+def test_store_rows_round_trip(session):
+    """The store's decoded rows are what the data functions read."""
+    store = Store(memory=True)
+    c = session["calls"][0]
+    for sid in ("a", "b"):
+        store.record_call_sync(CallRecord(
+            id=f"{sid}-1", session_id=sid, group_id="g", split="train", model="agent", served="agent@0", step=0,
+            engine="local", stream=False, status="ok", request=c["request"], response=c["response"],
+            latency_ms=1.0, prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"],
+            completion_logprobs=c["completion_logprobs"]))
+    asyncio.run(store.set_reward("a", 1.0))
+    asyncio.run(store.set_reward("b", 0.0))
+    asyncio.run(store.close_group("g"))
+    assert [g["id"] for g in store.ready_groups("agent")] == ["g"]
+
+    groups, calls = load_groups(store, ["g"])
+    batch = build_batch(groups, calls)
+    assert batch.group_ids == ["g"]
+    s = batch.samples[0]
+    assert list(s.token_ids) == session["p1"] + session["c1"]
+    assert [x for x, m in zip(s.old_logprobs, s.loss_mask) if m] == pytest.approx(session["lp1"], abs=1e-6)
+    json.dumps([list(x.token_ids) for x in batch.samples])  # plain ints

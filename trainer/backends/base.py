@@ -1,0 +1,123 @@
+"""The interface a training backend implements (`peft` here; `unsloth` beside it).
+
+A backend owns the model, its LoRA adapter, the tokenizer and the optimizer. It knows
+nothing of the store, the loss or the checkpoint layout: `trainer.step` drives it with
+packed rows, `trainer.checkpoints` asks it to write and read its files. So a new backend
+is one class with the methods below, and `get_backend(name)` (in `trainer/backends/`)
+imports it only when chosen.
+
+Life of a backend in the worker:
+
+    backend = get_backend(settings.backend)(settings)   # load base model + tokenizer, wrap with LoRA
+    backend.load(checkpoint_dir)                         # resume: adapter weights + optimizer state
+    for each step:
+        backend.zero_grad()
+        for row in rows:
+            ref_T = backend.reference_logprobs(row)      # beta > 0 only: adapter disabled, no grad
+            logprobs_T = backend.token_logprobs(row)     # adapter on, with grad
+            loss(logprobs_T, ...).backward()
+        backend.optimizer_step()                         # clip to max_grad_norm, AdamW step
+        backend.save(tmp_dir)                            # PEFT files + optimizer.pt
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch stays out of import time for code that only needs the interface
+    import torch
+
+    from gateway.settings import Settings
+    from trainer.packing import PackedRow
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Attention and MLP projections of Llama/Qwen/Mistral-style models: LoRA on all of them
+trains better than attention alone (QLoRA, Dettmers et al. 2023) at a small cost."""
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""What PEFT's `save_pretrained` writes and `PeftModel.from_pretrained` (and vLLM's
+`load_lora_adapter`) reads."""
+
+OPTIMIZER_FILE = "optimizer.pt"
+"""The optimizer's `state_dict()`, saved beside the adapter so a resumed run continues
+with the same AdamW moments instead of restarting them at zero."""
+
+
+class TrainingBackend(ABC):
+    """A base model with one trainable LoRA adapter, and its optimizer.
+
+    Construction loads everything (`settings.base_model` resolved to a path,
+    `settings.device`, LoRA `lora_rank`/`lora_alpha`/`lora_dropout` on
+    `LORA_TARGET_MODULES` where the model has them, AdamW at `learning_rate`), seeded
+    with `settings.seed` so a fresh adapter is the same on every run. Misconfiguration
+    (no GPU for a GPU backend, a model that cannot be found) raises `ConfigError` with a
+    message saying what to change.
+    """
+
+    name: str = "base"
+
+    def __init__(self, settings: "Settings"):
+        self.settings = settings
+
+    # -- what the model is
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The base model's Hugging Face tokenizer (chat template included): the trainer
+        re-renders calls that were recorded without token ids with it."""
+
+    @property
+    @abstractmethod
+    def device(self) -> "torch.device":
+        """Where the model's parameters live; rows are moved there."""
+
+    @property
+    def pad_token_id(self) -> int:
+        """Token id used to pad a batch (never attended to, never trained on)."""
+        tokenizer = self.tokenizer
+        for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    # -- forward passes
+    @abstractmethod
+    def token_logprobs(self, row: "PackedRow") -> "torch.Tensor":
+        """logprobs_T (float32, on `device`) of one packed row under the policy (adapter
+        on), with gradients: entry t is log p(token t | earlier tokens of its own sample),
+        0 at each sample's first token. `trainer.packing.token_logprobs` does exactly
+        this for any causal LM that takes a 4D attention mask."""
+
+    @abstractmethod
+    def reference_logprobs(self, row: "PackedRow") -> "torch.Tensor":
+        """Like `token_logprobs`, under the base model (adapter disabled) and without
+        gradients: the reference of the KL penalty (only asked for when beta > 0)."""
+
+    # -- optimisation
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Clear the adapter's gradients before a pass accumulates new ones."""
+
+    @abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip the accumulated gradients to `settings.max_grad_norm`, take one optimizer
+        step, clear the gradients; return the gradient norm before clipping."""
+
+    # -- files
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write the adapter in PEFT format (`ADAPTER_FILES`) and the optimizer state
+        (`OPTIMIZER_FILE`) into an existing, empty `directory`. Atomicity is the
+        caller's job (`trainer.checkpoints` writes to a temporary directory)."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> None:
+        """Restore the adapter weights and, when `OPTIMIZER_FILE` is there, the optimizer
+        state from a directory `save` wrote."""
+
+    # -- introspection
+    def trainable_parameters(self) -> int:
+        """Number of trained (LoRA) parameters, for the log."""
+        return 0

@@ -1,0 +1,140 @@
+"""The `peft` backend: transformers + peft on CPU or one GPU.
+
+float32 on CPU (CPU bf16 matmuls are slow and lossy for tiny LoRA updates); on CUDA the
+base weights load in bfloat16 where supported, while peft keeps the LoRA weights in
+float32 (`autocast_adapter_dtype`), so the optimizer updates full-precision values.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from gateway.errors import ConfigError
+from gateway.settings import Settings
+from trainer.backends.base import ADAPTER_FILES, LORA_TARGET_MODULES, OPTIMIZER_FILE, TrainingBackend
+from trainer.packing import PackedRow, token_logprobs
+
+log = logging.getLogger("rlproxy.trainer")
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA GPU is visible to torch here; use --device cpu")
+    return device
+
+
+def model_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def lora_targets(model: torch.nn.Module) -> list[str] | str:
+    """`LORA_TARGET_MODULES` the model has; "all-linear" (peft: every linear layer but the
+    output head) for architectures that name their projections otherwise."""
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    found = [m for m in LORA_TARGET_MODULES if m in present]
+    return found or "all-linear"
+
+
+class PeftBackend(TrainingBackend):
+    name = "peft"
+
+    def __init__(self, settings: Settings):
+        super().__init__(settings)
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from gateway.tiny_model import resolve_base_model
+
+        self._device = resolve_device(settings.device)
+        source = resolve_base_model(settings.base_model, settings.state_dir)
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(source)
+            base = AutoModelForCausalLM.from_pretrained(source, dtype=model_dtype(self._device))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot load base model '{settings.base_model}': {exc}. Give a local path or a "
+                "Hugging Face id available offline (--base-model)"
+            ) from exc
+        base.to(self._device)
+        base.config.use_cache = False
+        config = LoraConfig(
+            r=settings.lora_rank,
+            lora_alpha=settings.lora_alpha,
+            lora_dropout=settings.lora_dropout,
+            target_modules=lora_targets(base),
+            task_type="CAUSAL_LM",
+        )
+        # The fresh adapter (A random, B zero) is drawn from the trainer seed: step 0 is
+        # the same on every machine.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.seed)
+            self.model = get_peft_model(base, config)
+        self.model.train()
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=settings.learning_rate)
+
+    # -- what the model is
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self._params)
+
+    # -- forward passes
+    def token_logprobs(self, row: PackedRow) -> torch.Tensor:
+        return token_logprobs(self.model, row)
+
+    @torch.no_grad()
+    def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
+        with self.model.disable_adapter():
+            return token_logprobs(self.model, row)
+
+    # -- optimisation
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    # -- files
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        self.model.save_pretrained(directory, safe_serialization=True)
+        missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
+        if missing:  # a peft version that names its files otherwise must not pass silently
+            raise RuntimeError(f"peft's save_pretrained did not write {', '.join(missing)} in {directory}")
+        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+
+    def load(self, directory: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        weights = load_file(directory / ADAPTER_FILES[1], device=str(self._device))
+        result = set_peft_model_state_dict(self.model, weights)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise ConfigError(
+                f"checkpoint {directory} does not fit this adapter (unexpected weights such as "
+                f"{unexpected[0]}); it was trained with other LoRA settings or another base model"
+            )
+        optimizer_file = directory / OPTIMIZER_FILE
+        if optimizer_file.is_file():
+            state = torch.load(optimizer_file, map_location=self._device, weights_only=True)
+            self.optimizer.load_state_dict(state)
+        else:
+            log.warning("checkpoint %s has no %s: the optimizer restarts from zero", directory, OPTIMIZER_FILE)

@@ -1,0 +1,139 @@
+"""Checkpoint directories: `STATE/models/NAME/checkpoints/NNNN/`, written atomically.
+
+Each checkpoint holds the adapter in PEFT format (what the gateway loads), the optimizer
+state, `settings.json` (the settings that produced it, secrets excluded) and
+`trainer_state.json` (step, metrics and the group ids it trained on).
+
+A checkpoint is written into a hidden temporary sibling (`.tmp-NNNN-PID`), every file and
+the directory fsynced, then renamed to `NNNN`: a rename within one directory is atomic,
+so a kill at any moment leaves either no `NNNN` or a complete one. Leftover temporary
+directories are removed when the worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from trainer.backends.base import ADAPTER_FILES
+
+log = logging.getLogger("rlproxy.trainer")
+
+SETTINGS_FILE = "settings.json"
+STATE_FILE = "trainer_state.json"
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+
+    def state(self) -> dict:
+        """`trainer_state.json`: {"step", "metrics", "groups"}."""
+        return json.loads((self.path / STATE_FILE).read_text())
+
+    def settings(self) -> dict:
+        return json.loads((self.path / SETTINGS_FILE).read_text())
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"{step:04d}"
+
+
+def is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in (*ADAPTER_FILES, STATE_FILE))
+
+
+def list_checkpoints(root: Path) -> list[Checkpoint]:
+    """Complete checkpoints under `root`, oldest first (temporary directories ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.isdigit() and is_complete(entry):
+            found.append(Checkpoint(int(entry.name), entry))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(root: Path) -> Checkpoint | None:
+    checkpoints = list_checkpoints(root)
+    return checkpoints[-1] if checkpoints else None
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Delete temporary directories a killed save left behind; return what was removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for entry in root.iterdir():
+        if entry.name.startswith(_TMP_PREFIX) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for entry in directory.rglob("*"):
+        if entry.is_file():
+            _fsync_path(entry)
+    for entry in sorted((p for p in directory.rglob("*") if p.is_dir()), reverse=True):
+        _fsync_path(entry)
+    _fsync_path(directory)
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    write_files: Callable[[Path], None],
+    *,
+    settings: dict,
+    metrics: dict,
+    groups: list[str],
+) -> Checkpoint:
+    """Write checkpoint `step` atomically: `write_files(tmp_dir)` (the backend's `save`),
+    then the JSON files, fsync, rename. Raises FileExistsError if `NNNN` already exists
+    (the caller decides step numbers; two checkpoints must never claim one)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(root, step)
+    if final.exists():
+        raise FileExistsError(f"checkpoint {final} already exists")
+    tmp = root / f"{_TMP_PREFIX}{step:04d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_files(tmp)
+        (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, sort_keys=True))
+        state = {"step": step, "metrics": metrics, "groups": groups}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        _fsync_tree(tmp)
+        os.rename(tmp, final)
+        _fsync_path(root)  # make the rename itself durable
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Checkpoint(step, final)
+
+
+def discard(checkpoint: Checkpoint) -> None:
+    """Remove a checkpoint that is not recorded in the store (moved aside first, so a
+    kill during the removal cannot leave a half directory under its step number)."""
+    doomed = checkpoint.path.with_name(f"{_TMP_PREFIX}discard-{checkpoint.path.name}-{os.getpid()}")
+    os.rename(checkpoint.path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,236 @@
+"""Recorded calls -> training samples.
+
+A session (one trajectory) is a list of calls. Each call gives one turn: prompt ids,
+the completion ids of choice 0 (the one an agent continues with) and their sampling-time
+logprobs. Consecutive turns merge into one sequence when the next prompt's ids start with
+everything so far (previous prompt + completion): the new tokens in between (tool
+results, user turns, template tokens) are prompt, and only sampled completion tokens are
+trained on. A turn whose prompt does not extend the sequence (the agent rewrote its
+history, or a tokenizer merged across the boundary) starts a new sample of the same
+trajectory, with the same advantage.
+
+Calls recorded without token ids (the `openai` engine) are re-rendered with the base
+model's chat template (`ChatTemplateRenderer`) and trained without old logprobs (NaN:
+the loss then takes the ratio as 1). Calls that failed are skipped.
+
+Everything here but `load_groups` is a pure function over the store's plain dicts, so
+tests feed hand-made rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.advantages import compute_advantages, has_reward_spread
+from trainer.types import Sample
+
+log = logging.getLogger("rlproxy.trainer")
+
+NAN = math.nan
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What one call adds to a trajectory."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    """The sampled tokens of choice 0."""
+    completion_logprobs: tuple[float, ...]
+    """Same length as `completion_ids`; NaN where unknown."""
+
+
+Render = Callable[[dict, dict], "Turn | None"]
+"""(request, response) -> Turn, for calls recorded without token ids."""
+
+
+# ------------------------------------------------------------------ calls -> turns
+
+
+def call_turn(call: dict, render: Render | None = None) -> Turn | None:
+    """The turn a recorded call contributes, or None (failed call, or nothing usable)."""
+    if call.get("status") != "ok":
+        return None
+    prompt_ids = call.get("prompt_ids")
+    completions = call.get("completion_ids")
+    if prompt_ids is not None and completions:
+        ids = completions[0]
+        logprobs = (call.get("completion_logprobs") or [None])[0]
+        if logprobs is None or len(logprobs) != len(ids):
+            logprobs = [NAN] * len(ids)
+        return Turn(tuple(prompt_ids), tuple(ids), tuple(float(x) for x in logprobs))
+    if render is None or not call.get("response"):
+        return None
+    return render(call["request"], call["response"])
+
+
+def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, advantage: float) -> list[Sample]:
+    """One trajectory's turns as samples: merged while each prompt extends the sequence."""
+    samples: list[Sample] = []
+    ids: list[int] = []
+    mask: list[bool] = []
+    old: list[float] = []
+
+    def flush() -> None:
+        # A sample needs a trained token, and a first token that is context (no logprob).
+        if ids and any(mask) and not mask[0]:
+            samples.append(Sample(tuple(ids), tuple(mask), tuple(old), advantage, trajectory_id, group_id))
+        ids.clear(), mask.clear(), old.clear()
+
+    for turn in turns:
+        if not turn.prompt_ids:
+            continue  # nothing to condition on; an engine never records this
+        n = len(ids)
+        if n and len(turn.prompt_ids) >= n and list(turn.prompt_ids[:n]) == ids:
+            new_prompt = turn.prompt_ids[n:]
+        else:
+            flush()
+            new_prompt = turn.prompt_ids
+        ids.extend(new_prompt)
+        mask.extend([False] * len(new_prompt))
+        old.extend([NAN] * len(new_prompt))
+        ids.extend(turn.completion_ids)
+        mask.extend([True] * len(turn.completion_ids))
+        old.extend(turn.completion_logprobs)
+    flush()
+    return samples
+
+
+def trajectory_samples(
+    calls: Sequence[dict], *, trajectory_id: str, group_id: str, advantage: float, render: Render | None = None
+) -> list[Sample]:
+    """A session's calls (in call order) as samples."""
+    turns = [turn for call in calls if (turn := call_turn(call, render)) is not None]
+    return merge_turns(turns, trajectory_id=trajectory_id, group_id=group_id, advantage=advantage)
+
+
+# ------------------------------------------------------------------ groups -> batch
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one training step trains on."""
+
+    samples: list[Sample]
+    group_ids: list[str]
+    """Groups that contributed samples: marked trained with the step."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Group id -> why it was not trained (no reward spread, no trainable tokens)."""
+    rewards: list[float] = field(default_factory=list)
+    """Rewards of the trajectories of `group_ids`."""
+
+
+NO_SPREAD = "no reward spread: every rollout of the group scored the same"
+NO_TOKENS = "no trainable tokens: every call failed or had no completion"
+
+
+def group_rewards(group: dict) -> list[float]:
+    """Rewards of a group's sessions, in session order (`Store.get_group` layout)."""
+    return [float(s["reward"]) for s in group["sessions"]]
+
+
+def spread_groups(groups: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """(groups with a reward spread, groups without): the latter have nothing to teach."""
+    keep, drop = [], []
+    for group in groups:
+        (keep if has_reward_spread(group_rewards(group)) else drop).append(group)
+    return keep, drop
+
+
+def build_batch(
+    groups: Sequence[dict],
+    calls_by_session: dict[str, list[dict]],
+    *,
+    scale_rewards: str = "group",
+    render: Render | None = None,
+) -> Batch:
+    """Samples of `groups` (`Store.get_group` dicts) with their group-relative advantages.
+
+    `calls_by_session` maps a session id to its calls in order (`Store.session_calls`).
+    """
+    by_id = {g["id"]: g for g in groups}
+    advantages, no_spread = compute_advantages({gid: group_rewards(g) for gid, g in by_id.items()}, scale_rewards)
+    skipped = {gid: NO_SPREAD for gid in no_spread}
+    samples: list[Sample] = []
+    trained: list[str] = []
+    rewards: list[float] = []
+    for gid, advantages_G in advantages.items():
+        group = by_id[gid]
+        group_samples = []
+        for session, advantage in zip(group["sessions"], advantages_G):
+            group_samples += trajectory_samples(
+                calls_by_session.get(session["id"], []),
+                trajectory_id=session["id"],
+                group_id=gid,
+                advantage=advantage,
+                render=render,
+            )
+        if not group_samples:
+            skipped[gid] = NO_TOKENS
+            continue
+        samples += group_samples
+        trained.append(gid)
+        rewards += group_rewards(group)
+    return Batch(samples, trained, skipped, rewards)
+
+
+def load_groups(store: Any, group_ids: Sequence[str]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """Read groups and their sessions' calls from the store (the one I/O function here)."""
+    groups = [store.get_group(gid) for gid in group_ids]
+    calls = {s["id"]: store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
+    return groups, calls
+
+
+# ------------------------------------------------------------------ re-rendering
+
+
+def _plain_message(message: dict) -> dict:
+    """A message as chat templates expect it: text parts joined into one string."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = "".join(
+            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
+        )
+    return out
+
+
+class ChatTemplateRenderer:
+    """Turns a call recorded without token ids into a turn, with the tokenizer's chat
+    template: prompt = the request's messages (and tools) with the generation prompt;
+    completion = what rendering the response's assistant message appends to it, up to
+    and including the end-of-turn token the model would have sampled (the template's
+    text after it, such as a newline, belongs to the next prompt). No logprobs."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.end_of_turn = tokenizer.eos_token
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def __call__(self, request: dict, response: dict) -> Turn | None:
+        choices = response.get("choices") or []
+        if not choices or not choices[0].get("message"):
+            return None
+        messages = [_plain_message(m) for m in request.get("messages", [])]
+        reply = {**_plain_message(choices[0]["message"]), "role": "assistant"}
+        tools = request.get("tools") or None
+        render = self.tokenizer.apply_chat_template
+        prompt_text = render(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        full_text = render([*messages, reply], tools=tools, tokenize=False)
+        if not full_text.startswith(prompt_text):
+            log.warning("chat template is not prefix-stable for a recorded call; the call is not trained on")
+            return None
+        completion_text = full_text[len(prompt_text) :]
+        if self.end_of_turn and self.end_of_turn in completion_text:
+            end = completion_text.rindex(self.end_of_turn)
+            # A reply cut by max_tokens never sampled the end-of-turn token.
+            finished = choices[0].get("finish_reason") != "length"
+            completion_text = completion_text[: end + len(self.end_of_turn) if finished else end]
+        completion_ids = self._encode(completion_text)
+        return Turn(tuple(self._encode(prompt_text)), tuple(completion_ids), (NAN,) * len(completion_ids))
