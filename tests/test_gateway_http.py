@@ -1,0 +1,345 @@
+"""Gateway behaviour over HTTP, through the `openai` engine so no model is needed.
+
+The official `openai` client (sync and async) for chat; httpx for rlproxy's own routes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+
+from tests.fake_upstream import FakeUpstream
+from tests.helpers_upstream import openai_gateway, raw_store_bytes
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
+                                           "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with FakeUpstream() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, tmp_path_factory):
+    with openai_gateway(upstream.url, tmp_path_factory.mktemp("state")) as (server, services):
+        yield server, services
+
+
+@pytest.fixture
+def base_url(gateway) -> str:
+    return gateway[0].url
+
+
+@pytest.fixture
+def store(gateway):
+    return gateway[1].store
+
+
+@pytest.fixture
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=30) as session:
+        yield session
+
+
+def _chat(client, text: str, **kwargs):
+    return client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": text}], **kwargs)
+
+
+# ---------------------------------------------------------------- chat completions
+
+
+def test_sync_client_plain_and_stream(client, store):
+    answer = _chat(client, "plain call", extra_headers={"X-Session-Id": "sync-1"})
+    assert answer.choices[0].message.content == "plain call"
+    assert answer.model == "fake-model"
+    text = "".join(c.choices[0].delta.content or "" for c in
+                   _chat(client, "streamed call", stream=True, extra_headers={"X-Session-Id": "sync-1"}) if c.choices)
+    assert text == "streamed call"
+    calls = store.session_calls("sync-1")
+    assert [c["stream"] for c in calls] == [False, True]
+    assert [c["response"]["choices"][0]["message"]["content"] for c in calls] == ["plain call", "streamed call"]
+
+
+async def test_async_client_plain_and_stream(base_url, store):
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    answer = await client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "async plain"}],
+        extra_headers={"X-Session-Id": "async-1"})
+    assert answer.choices[0].message.content == "async plain"
+    stream = await client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "async streamed"}], stream=True,
+        extra_headers={"X-Session-Id": "async-1"})
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == "async streamed"
+    await client.close()
+    assert len(store.session_calls("async-1")) == 2
+
+
+def test_n_choices_plain_and_stream(client, store):
+    answer = _chat(client, "many", n=3, extra_headers={"X-Session-Id": "n-3"})
+    assert [c.message.content for c in answer.choices] == ["many (0)", "many (1)", "many (2)"]
+    texts: dict[int, str] = {}
+    for chunk in _chat(client, "many", n=3, stream=True, extra_headers={"X-Session-Id": "n-3"}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert texts == {0: "many (0)", 1: "many (1)", 2: "many (2)"}
+    recorded = [[ch["message"]["content"] for ch in c["response"]["choices"]] for c in store.session_calls("n-3")]
+    assert recorded == [["many (0)", "many (1)", "many (2)"]] * 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_tools_and_tool_messages_pass_through_and_are_recorded(client, upstream, store, stream):
+    session = f"tools-{stream}"
+    messages = [
+        {"role": "user", "content": "what is x?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "x is 1"},
+        {"role": "user", "content": "call it again [[tool_call]]"},
+    ]
+    before = len(upstream.chat_requests())
+    result = client.chat.completions.create(model="fake-model", messages=messages, tools=TOOLS, tool_choice="auto",
+                                            stream=stream, extra_headers={"X-Session-Id": session})
+    if stream:
+        calls: dict[int, dict] = {}
+        for chunk in result:
+            for choice in chunk.choices:
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                    call["id"] = delta.id or call["id"]
+                    call["name"] += (delta.function.name or "") if delta.function else ""
+                    call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        assert calls == {0: {"id": "call_0", "name": "lookup", "arguments": '{"x": 1}'}}
+    else:
+        (tool_call,) = result.choices[0].message.tool_calls
+        assert (tool_call.id, tool_call.function.name, tool_call.function.arguments) == ("call_0", "lookup",
+                                                                                          '{"x": 1}')
+        assert result.choices[0].finish_reason == "tool_calls"
+    (sent,) = upstream.chat_requests()[before:]
+    assert sent.body["messages"] == messages and sent.body["tools"] == TOOLS and sent.body["tool_choice"] == "auto"
+    (call,) = store.session_calls(session)
+    assert call["request"]["messages"] == messages and call["request"]["tools"] == TOOLS
+    recorded = call["response"]["choices"][0]
+    assert recorded["message"]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"x": 1}'}
+    assert recorded["finish_reason"] == "tool_calls"
+
+
+# ---------------------------------------------------------------- identity headers and metadata
+
+
+def test_headers_name_session_group_and_split(client, store):
+    raw = client.chat.completions.with_raw_response.create(
+        model="fake-model", messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"X-Session-Id": "hdr-sess", "X-Group-Id": "hdr-group", "X-Split": "val"})
+    assert raw.headers["x-session-id"] == "hdr-sess"
+    (call,) = store.session_calls("hdr-sess")
+    assert (call["group_id"], call["split"]) == ("hdr-group", "val")
+    group = store.get_group("hdr-group")
+    assert [s["id"] for s in group["sessions"]] == ["hdr-sess"] and group["split"] == "val"
+
+
+def test_body_metadata_names_session_and_is_removed_before_the_upstream(client, upstream, store):
+    before = len(upstream.chat_requests())
+    raw = client.chat.completions.with_raw_response.create(
+        model="fake-model", messages=[{"role": "user", "content": "hi"}],
+        metadata={"session_id": "meta-sess", "group_id": "meta-group", "split": "val"})
+    assert raw.headers["x-session-id"] == "meta-sess"
+    (sent,) = upstream.chat_requests()[before:]
+    assert "metadata" not in sent.body
+    (call,) = store.session_calls("meta-sess")
+    assert (call["group_id"], call["split"]) == ("meta-group", "val")
+    assert call["request"]["metadata"]["session_id"] == "meta-sess"  # the record keeps what the client sent
+
+
+def test_headers_win_over_metadata(client, store):
+    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                   metadata={"session_id": "loser"}, extra_headers={"X-Session-Id": "winner"})
+    assert len(store.session_calls("winner")) == 1 and store.session_calls("loser") == []
+
+
+def test_missing_session_is_minted_and_returned(client, store):
+    raw = client.chat.completions.with_raw_response.create(
+        model="fake-model", messages=[{"role": "user", "content": "who am i"}])
+    session_id = raw.headers["x-session-id"]
+    assert session_id.startswith("sess_")
+    assert raw.headers["x-request-id"]
+    (call,) = store.session_calls(session_id)
+    assert call["id"] == raw.headers["x-request-id"]
+    raw = client.chat.completions.with_raw_response.create(
+        model="fake-model", messages=[{"role": "user", "content": "streamed"}], stream=True)
+    assert raw.headers["x-session-id"].startswith("sess_") and raw.headers["x-session-id"] != session_id
+    assert raw.headers["x-request-id"]
+    list(raw.parse())
+
+
+def test_client_request_id_is_kept(client, store):
+    raw = client.chat.completions.with_raw_response.create(
+        model="fake-model", messages=[{"role": "user", "content": "traced"}],
+        extra_headers={"X-Request-Id": "my-trace-123", "X-Session-Id": "traced"})
+    assert raw.headers["x-request-id"] == "my-trace-123"
+    assert store.session_calls("traced")[0]["id"] == "my-trace-123"
+
+
+@pytest.mark.parametrize(("headers", "says"), [
+    ({"X-Split": "test"}, "split 'test' is not valid"),
+    ({"X-Session-Id": "has spaces"}, "session_id 'has spaces' is not valid"),
+    ({"X-Group-Id": "x" * 200}, "group_id"),
+])
+def test_bad_identity_is_a_400(client, headers, says):
+    with pytest.raises(openai.BadRequestError, match=says):
+        _chat(client, "hi", extra_headers=headers)
+
+
+# ---------------------------------------------------------------- rewards, sessions, groups
+
+
+def test_reward_and_session_roundtrip(client, http):
+    _chat(client, "solve it", extra_headers={"X-Session-Id": "rewarded"})
+    reply = http.post("/v1/sessions/rewarded/reward", json={"reward": 0.75, "metrics": {"steps": 3}})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["reward"] == 0.75
+    session = http.get("/v1/sessions/rewarded").json()
+    assert session["reward"] == 0.75 and session["metrics"] == {"steps": 3.0}
+    assert [c["response"]["choices"][0]["message"]["content"] for c in session["calls"]] == ["solve it"]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b'{"reward": NaN}', "finite"),
+    (b'{"reward": Infinity}', "finite"),
+    (b'{"reward": -Infinity}', "finite"),
+    (b'{"reward": 1e999}', "finite"),
+    (b'{"reward": "NaN"}', "finite"),
+    (b'{"reward": "inf"}', "finite"),
+    (b'{"reward": "high"}', "valid number"),
+    (b'{"reward": 1, "metrics": {"m": "NaN"}}', "finite"),
+    (b'{"reward": 1, "metrics": {"m": "lots"}}', "valid number"),
+    (b'{}', "reward"),
+])
+def test_reward_must_be_a_finite_number(client, http, body, says):
+    _chat(client, "x", extra_headers={"X-Session-Id": "finite-check"})
+    reply = http.post("/v1/sessions/finite-check/reward", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and says in error["message"], error
+    assert http.get("/v1/sessions/finite-check").json()["reward"] is None
+
+
+def test_group_close_and_ready(client, http):
+    for session in ("g1-a", "g1-b"):
+        _chat(client, "task", extra_headers={"X-Session-Id": session, "X-Group-Id": "g1"})
+    http.post("/v1/sessions/g1-a/reward", json={"reward": 1.0})
+    group = http.get("/v1/groups/g1").json()
+    assert group["n_sessions"] == 2 and not group["closed"] and not group["ready"]
+    closed = http.post("/v1/groups/g1/close")
+    assert closed.status_code == 200 and closed.json()["closed"] and not closed.json()["ready"]
+    http.post("/v1/sessions/g1-b/reward", json={"reward": 0.0})
+    assert http.get("/v1/groups/g1").json()["ready"]
+
+
+def test_group_ready_by_expected_sessions(client, http):
+    _chat(client, "task", extra_headers={"X-Session-Id": "g2-a", "X-Group-Id": "g2"})
+    reply = http.post("/v1/groups/g2/close", json={"expected_sessions": 2})
+    assert reply.status_code == 200 and reply.json()["expected_sessions"] == 2 and not reply.json()["closed"]
+    http.post("/v1/sessions/g2-a/reward", json={"reward": 1.0})
+    assert not http.get("/v1/groups/g2").json()["ready"]  # one of two sessions so far
+    _chat(client, "task", extra_headers={"X-Session-Id": "g2-b", "X-Group-Id": "g2"})
+    http.post("/v1/sessions/g2-b/reward", json={"reward": 0.5})
+    assert http.get("/v1/groups/g2").json()["ready"]
+    bad = http.post("/v1/groups/g2/close", json={"expected_sessions": 0})
+    assert bad.status_code == 400 and "expected_sessions" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/v1/sessions/nobody/reward", {"reward": 1.0}),
+    ("GET", "/v1/sessions/nobody", None),
+    ("POST", "/v1/groups/nogroup/close", None),
+    ("GET", "/v1/groups/nogroup", None),
+])
+def test_unknown_ids_are_404(http, method, path, body):
+    reply = http.request(method, path, json=body)
+    assert reply.status_code == 404
+    error = reply.json()["error"]
+    assert error["type"] == "not_found_error" and "not found" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/sessions/x/reward", "/v1/groups/x/close"])
+def test_bad_json_is_a_400(http, path):
+    reply = http.post(path, content=b"{not json", headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+    assert "not valid JSON" in reply.json()["error"]["message"]
+
+
+def test_invalid_chat_body_is_a_400_naming_the_field(http):
+    reply = http.post("/v1/chat/completions", json={"model": "fake-model", "messages": []})
+    assert reply.status_code == 400 and "messages" in reply.json()["error"]["message"]
+    reply = http.post("/v1/chat/completions", json={"model": "fake-model",
+                                                    "messages": [{"role": "tool", "content": "x"}]})
+    assert reply.status_code == 400 and "tool_call_id" in reply.json()["error"]["message"]
+
+
+def test_wrong_route_and_method_are_openai_shaped(http):
+    missing = http.get("/v1/nothing-here")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "no route GET /v1/nothing-here"
+    wrong = http.get("/v1/chat/completions")
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["type"] == "invalid_request_error" and "GET" in wrong.json()["error"]["message"]
+
+
+def test_models_and_metrics(client, http):
+    _chat(client, "count me")
+    assert "fake-model" in [m.id for m in client.models.list().data]
+    reply = http.get("/metrics")
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    assert 'rlproxy_chat_requests_total{status="ok",stream="false"}' in reply.text
+    assert "rlproxy_store_commits" in reply.text
+    assert http.get("/healthz").json()["engine"] == "openai"
+
+
+# ---------------------------------------------------------------- auth
+
+
+def test_api_key_guards_every_route_but_healthz_and_is_never_stored_or_logged(upstream, tmp_path, caplog):
+    key = "sk-gateway-5e1c0f9b-secret"
+    caplog.set_level(logging.DEBUG)
+    with openai_gateway(upstream.url, tmp_path, api_key=key, log_level="debug") as (server, services):
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert http.get("/healthz").status_code == 200
+            for method, path in [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                                 ("GET", "/v1/sessions/s"), ("POST", "/v1/sessions/s/reward"),
+                                 ("GET", "/v1/groups/g"), ("POST", "/v1/groups/g/close"),
+                                 ("GET", "/v1/training/steps"), ("GET", "/v1/no-such-route")]:
+                missing = http.request(method, path)
+                assert missing.status_code == 401, (method, path)
+                assert missing.json()["error"]["type"] == "authentication_error"
+                assert "missing API key" in missing.json()["error"]["message"]
+                wrong = http.request(method, path, headers={"Authorization": "Bearer sk-not-it"})
+                assert wrong.status_code == 401 and "invalid API key" in wrong.json()["error"]["message"]
+                assert key not in missing.text + wrong.text
+        good = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+        assert good.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "authorised"}],
+            extra_headers={"X-Session-Id": "authed"}).choices[0].message.content == "authorised"
+        list(good.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "again"}],
+                                          stream=True, extra_headers={"X-Session-Id": "authed"}))
+        assert good.models.list().data
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-not-it", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "no"}])
+        assert len(services.store.session_calls("authed")) == 2
+    stored = raw_store_bytes(tmp_path)
+    assert b"authorised" in stored and key.encode() not in stored
+    logged = "\n".join(record.getMessage() + repr(record.args) for record in caplog.records)
+    assert caplog.records  # the gateway did log (debug level), and none of it has the key
+    assert key not in logged and key not in caplog.text
+
