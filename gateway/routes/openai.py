@@ -38,7 +38,10 @@ async def read_json(request: Request) -> dict:
     try:
         raw = orjson.loads(raw_bytes)
     except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        hint = ""
+        if any(token in raw_bytes for token in (b"NaN", b"Infinity")) or "infinity" in str(exc):
+            hint = " (JSON has no NaN or Infinity: numbers such as a reward must be finite)"
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}{hint}") from None
     if not isinstance(raw, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return raw
