@@ -1,0 +1,70 @@
+"""Stores filled with hand-made rewarded groups, recorded as the local engine would:
+token ids from the tiny model's tokenizer, logprobs from a forward pass of the base model
+(which step 0's adapter equals: LoRA's B starts at zero)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gateway.settings import Settings
+from gateway.store import CallRecord, Store
+from gateway.tiny_model import resolve_base_model
+
+ANSWERS = ["The answer is 7.", "It is 42.", "No.", "Yes, well done!", "Let me think step by step.", "I don't know."]
+
+
+def trainer_settings(state_dir: Path, **overrides) -> Settings:
+    """Small and fast: tiny model, small LoRA, quick polling."""
+    values = dict(state_dir=state_dir, groups_per_step=2, poll_interval=0.05, lora_rank=4, lora_alpha=8,
+                  learning_rate=1e-2, max_tokens_per_row=256)
+    return Settings(**{**values, **overrides})
+
+
+class Recorder:
+    """Writes calls and rewards into a store file, like the gateway does."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        path = resolve_base_model(settings.base_model, settings.state_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.store = Store(settings.db_path)
+
+    def close(self) -> None:
+        asyncio.run(self.store.close())
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @torch.no_grad()
+    def logprobs(self, prompt: list[int], completion: list[int]) -> list[float]:
+        ids = torch.tensor([prompt + completion])
+        logp = torch.log_softmax(self.model(input_ids=ids).logits[0].float(), dim=-1)
+        n = len(prompt)
+        return [float(logp[n + i - 1, t]) for i, t in enumerate(completion)]
+
+    def call(self, session_id: str, group_id: str, question: str, answer: str) -> None:
+        messages = [{"role": "user", "content": question}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = self.encode(text)
+        completion = self.encode(answer + self.tokenizer.eos_token)
+        self.store.record_call_sync(CallRecord(
+            id=f"{session_id}-call", session_id=session_id, group_id=group_id, split="train",
+            model=self.settings.model_name, served=f"{self.settings.model_name}@0", step=0, engine="local",
+            stream=False, status="ok", request={"model": self.settings.model_name, "messages": messages},
+            response={"choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
+                                   "finish_reason": "stop"}]},
+            latency_ms=1.0, prompt_ids=prompt, completion_ids=[completion],
+            completion_logprobs=[self.logprobs(prompt, completion)]))
+
+    def group(self, group_id: str, rewards: list[float]) -> None:
+        """A closed group: one session per reward, each one call."""
+        for i, reward in enumerate(rewards):
+            session_id = f"{group_id}-s{i}"
+            self.call(session_id, group_id, f"What is {i} + {len(group_id)}?", ANSWERS[(i + len(group_id)) % len(ANSWERS)])
+            asyncio.run(self.store.set_reward(session_id, reward))
+        asyncio.run(self.store.close_group(group_id))

@@ -1,0 +1,85 @@
+"""The worker on the tiny model: one step from a store of hand-made rewarded groups."""
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from gateway.errors import ConfigError
+from gateway.store import Store
+from gateway.tiny_model import resolve_base_model
+from tests.helpers_trainer import Recorder, trainer_settings
+from trainer.data import NO_SPREAD
+from trainer.worker import TrainerWorker, run_worker
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A store with two groups to learn from and one without a reward spread; one step."""
+    settings = trainer_settings(tmp_path_factory.mktemp("state"))
+    recorder = Recorder(settings)
+    recorder.group("g1", [1.0, 0.0, 0.5])
+    recorder.group("flat", [0.5, 0.5])
+    recorder.group("g2", [0.0, 1.0])
+    recorder.close()
+    assert run_worker(settings, max_steps=1) == 1
+    store = Store(settings.db_path)
+    yield settings, store
+
+
+def test_checkpoint_is_a_peft_adapter_that_loads(trained):
+    settings, _ = trained
+    root = settings.checkpoints_dir()
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["0000", "0001"]
+    step1 = root / "0001"
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "settings.json",
+                 "trainer_state.json"):
+        assert (step1 / name).is_file(), name
+    assert json.loads((step1 / "settings.json").read_text())["lora_rank"] == 4
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_base_model(settings.base_model, settings.state_dir))
+    model = PeftModel.from_pretrained(base, step1)
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # trained: B left zero
+    fresh = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(resolve_base_model(settings.base_model, settings.state_dir)),
+        root / "0000")
+    assert all(p.abs().sum() == 0 for n, p in fresh.named_parameters() if "lora_B" in n)
+
+
+def test_step_row_with_metrics_and_groups_marked(trained):
+    settings, store = trained
+    steps = store.steps("agent")
+    assert [s["step"] for s in steps] == [0, 1]
+    step1 = steps[1]
+    assert step1["path"] == str((settings.checkpoints_dir() / "0001").resolve())
+    assert sorted(step1["groups"]) == ["g1", "g2"]
+    metrics = step1["metrics"]
+    for key in ("loss", "reward_mean", "reward_std", "kl", "tokens", "seconds", "groups", "skipped_groups",
+                "clip_fraction"):
+        assert key in metrics, key
+    assert metrics["groups"] == 2 and metrics["skipped_groups"] == 1
+    assert metrics["reward_mean"] == pytest.approx(2.5 / 5)
+    # Old logprobs came from the same weights: every ratio is 1 at the first pass.
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["clip_fraction"] == 0.0
+    assert store.get_group("g1")["trained_step"] == 1 and store.get_group("g2")["trained_step"] == 1
+    flat = store.get_group("flat")
+    assert flat["trained_step"] is None and flat["skipped"] == NO_SPREAD
+    assert store.ready_groups("agent") == []
+
+
+def test_restart_resumes_weights_and_optimizer_and_locks_out_a_second_worker(trained):
+    settings, _ = trained
+    worker = TrainerWorker(settings)
+    try:
+        worker.start()
+        assert worker.next_step == 2
+        saved = torch.load(settings.checkpoints_dir() / "0001" / "optimizer.pt", weights_only=True)
+        assert worker.backend.optimizer.state_dict()["state"][0]["step"] == saved["state"][0]["step"] == 1
+        with pytest.raises(ConfigError, match="another trainer worker"):
+            TrainerWorker(settings).start()
+    finally:
+        worker.close()

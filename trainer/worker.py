@@ -1,0 +1,284 @@
+"""The trainer worker: waits for ready groups, trains, checkpoints, records the step.
+
+Runs in its own process (`rlproxy train`, or beside `rlproxy serve --trainer auto`) and
+talks to the gateway only through the store and the checkpoint directory.
+
+Crash safety, in the order a step does things:
+1. train in memory (nothing on disk changes);
+2. write checkpoint `NNNN/` atomically (temporary directory, fsync, rename);
+3. insert the step row and mark its groups trained, in one transaction.
+A kill before 2 loses only compute: the groups are still ready and are trained again.
+A kill between 2 and 3 leaves a complete checkpoint without a step row. On restart such a
+checkpoint is RE-RECORDED from its `trainer_state.json` (it names the groups it was
+trained on), in the same single transaction, so the work is kept and the gateway sees
+the step as if nothing happened; if those groups can no longer be claimed (already
+trained), the checkpoint is discarded instead. Either way the next step number is the
+last checkpoint + 1, and no group is lost or trained twice.
+
+One worker per model: a lock file in the checkpoint directory (released by the kernel
+when the process dies, even by SIGKILL) makes a second worker fail fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import math
+import os
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+
+from gateway.errors import ConfigError, Conflict
+from gateway.settings import Settings
+from gateway.store import Store
+from trainer import checkpoints as ckpts
+from trainer.data import NO_SPREAD, ChatTemplateRenderer, build_batch, spread_groups
+
+log = logging.getLogger("rlproxy.trainer")
+
+TOO_LONG = "every sample is longer than max_tokens_per_row"
+# Settings a checkpoint cannot be resumed under when they change.
+_ADAPTER_SHAPE = ("base_model", "lora_rank", "lora_alpha")
+
+
+def _test_pause(phase: str, step: int) -> None:
+    """Test hook: `RLPROXY_TEST_PAUSE_AT=train,record` makes the worker announce the phase
+    on stderr and sleep (`RLPROXY_TEST_PAUSE_SECONDS`, default 60) so a test can kill it
+    there. `train`: after the update, before the checkpoint; `record`: after the
+    checkpoint, before the step row. Unset in normal runs."""
+    phases = os.environ.get("RLPROXY_TEST_PAUSE_AT", "")
+    if phase in phases.split(","):
+        print(f"rlproxy-test-pause: {phase} step {step}", file=sys.stderr, flush=True)
+        time.sleep(float(os.environ.get("RLPROXY_TEST_PAUSE_SECONDS", "60")))
+
+
+def _std(xs: list[float]) -> float:
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+
+
+class TrainerWorker:
+    def __init__(self, settings: Settings, store: Store | None = None):
+        self.settings = settings
+        self.model = settings.model_name
+        self._own_store = store is None
+        self.store = store or Store(settings.db_path)  # no writer task: sync writes, WAL
+        self.root = settings.checkpoints_dir().resolve()
+        self.backend = None
+        self.next_step = 0
+        self.skipped_since_step = 0
+        self._lock_file = None
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        """Take the lock, load the backend, resume from the newest checkpoint (or create
+        step 0)."""
+        self._take_lock()
+        import torch
+
+        from trainer.backends import get_backend
+
+        torch.manual_seed(self.settings.seed)
+        started = time.perf_counter()
+        self.backend = get_backend(self.settings.backend)(self.settings)
+        self.render = ChatTemplateRenderer(self.backend.tokenizer)
+        log.info(
+            "trainer: %s on %s, %d LoRA parameters, loaded in %.1f s",
+            self.settings.base_model, self.backend.device, self.backend.trainable_parameters(),
+            time.perf_counter() - started,
+        )
+        self._resume()
+
+    def _take_lock(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = open(self.root / ".worker.lock", "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise ConfigError(
+                f"another trainer worker ({holder}) is training model '{self.model}' in {self.root}; "
+                "stop it, or use --trainer off beside a separate `rlproxy train`"
+            ) from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        self._lock_file = lock
+
+    def close(self) -> None:
+        if self._own_store:
+            asyncio.run(self.store.close())  # no writer task: this only closes the connections
+            self._own_store = False
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def _resume(self) -> None:
+        for leftover in ckpts.remove_partial(self.root):
+            log.info("removed an unfinished checkpoint write: %s", leftover.name)
+        recorded = {row["step"] for row in self.store.steps(self.model)}
+        last_recorded = max(recorded, default=-1)
+        for checkpoint in ckpts.list_checkpoints(self.root):
+            if checkpoint.step > last_recorded:
+                self._record_orphan(checkpoint)
+        recorded = {row["step"] for row in self.store.steps(self.model)}
+        last_recorded = max(recorded, default=-1)
+
+        latest = ckpts.latest_checkpoint(self.root)
+        if latest is None:
+            if last_recorded > 0:
+                raise ConfigError(
+                    f"the store records steps up to {last_recorded} for model '{self.model}' but "
+                    f"{self.root} holds no checkpoint; restore the checkpoints, or train under another "
+                    "--model-name or --state-dir"
+                )
+            checkpoint = self._save(0, metrics={}, groups=[])
+            if 0 not in recorded:
+                self.store.insert_step(self.model, 0, str(checkpoint.path), {}, [])
+            log.info("step 0: fresh adapter saved to %s", checkpoint.path)
+            self.next_step = 1
+            return
+        self._check_compatible(latest)
+        self.backend.load(latest.path)
+        if last_recorded > latest.step:
+            log.warning("steps after %d are recorded but their checkpoints are gone", latest.step)
+        self.next_step = max(latest.step, last_recorded) + 1
+        log.info("resumed from checkpoint %s; next step %d", latest.path, self.next_step)
+
+    def _record_orphan(self, checkpoint: ckpts.Checkpoint) -> None:
+        """A checkpoint written but not recorded (killed between the two): record it now,
+        or discard it if its groups were claimed meanwhile."""
+        state = checkpoint.state()
+        try:
+            self.store.insert_step(self.model, checkpoint.step, str(checkpoint.path), state["metrics"], state["groups"])
+        except (Conflict, sqlite3.IntegrityError) as exc:
+            log.warning("discarding checkpoint %s, which was never recorded: %s", checkpoint.path, exc)
+            ckpts.discard(checkpoint)
+            return
+        log.info("recorded step %d from its checkpoint (the worker stopped before recording it)", checkpoint.step)
+
+    def _check_compatible(self, checkpoint: ckpts.Checkpoint) -> None:
+        saved = checkpoint.settings()
+        current = self.settings.public_dict()
+        changed = [k for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
+        if changed:
+            what = ", ".join(f"{k} {saved[k]!r} -> {current[k]!r}" for k in changed)
+            raise ConfigError(
+                f"checkpoints of model '{self.model}' in {self.root} were trained with other settings ({what}); "
+                "keep those settings, or train under another --model-name or --state-dir"
+            )
+
+    def _save(self, step: int, *, metrics: dict, groups: list[str]) -> ckpts.Checkpoint:
+        return ckpts.write_checkpoint(
+            self.root, step, self.backend.save, settings=self.settings.public_dict(), metrics=metrics, groups=groups
+        )
+
+    # ------------------------------------------------------------------ loop
+
+    def groups_to_train(self) -> list[dict] | None:
+        """The groups of the next step, or None while there are too few. Ready groups
+        without a reward spread are marked skipped at once: they never teach anything,
+        so they do not count towards `groups_per_step`."""
+        ready = self.store.ready_groups(self.model)
+        if not ready:
+            return None
+        keep, drop = spread_groups([self.store.get_group(g["id"]) for g in ready])
+        if drop:
+            self.store.mark_skipped([g["id"] for g in drop], NO_SPREAD)
+            self.skipped_since_step += len(drop)
+            log.info("skipped %d group(s) with no reward spread", len(drop))
+        wanted = self.settings.groups_per_step
+        if len(keep) >= wanted:
+            self.store.consume_triggers(self.model)  # this step answers any pending ask too
+            return keep[:wanted]
+        # A trigger is consumed only when it can be honoured (>= 1 group): one posted
+        # before any group is ready fires as soon as one is.
+        if keep and self.store.consume_triggers(self.model):
+            log.info("training step %d now: asked for by a trigger", self.next_step)
+            return keep
+        return None
+
+    def train_once(self, groups: list[dict]) -> dict | None:
+        """One step on `groups`: returns its metrics, or None if nothing was trainable."""
+        from trainer.step import train_step
+
+        started = time.perf_counter()
+        step = self.next_step
+        calls = {s["id"]: self.store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
+        batch = build_batch(groups, calls, scale_rewards=self.settings.scale_rewards, render=self.render)
+        limit = self.settings.max_tokens_per_row
+        samples = [s for s in batch.samples if len(s.token_ids) <= limit]
+        dropped = len(batch.samples) - len(samples)
+        if dropped:
+            log.warning("step %d: %d sample(s) longer than --max-tokens-per-row %d left out; raise it to train them",
+                        step, dropped, limit)
+        skipped = dict(batch.skipped)
+        trained_groups = sorted({s.group_id for s in samples}, key=batch.group_ids.index)
+        skipped.update({gid: TOO_LONG for gid in batch.group_ids if gid not in trained_groups})
+        for reason in set(skipped.values()):
+            self.store.mark_skipped([gid for gid, r in skipped.items() if r == reason], reason)
+        self.skipped_since_step += len(skipped)
+        if not samples:
+            return None
+
+        metrics = train_step(self.backend, samples, self.settings)
+        rewards = [float(s["reward"]) for g in groups if g["id"] in trained_groups for s in g["sessions"]]
+        metrics.update(
+            reward_mean=sum(rewards) / len(rewards),
+            reward_std=_std(rewards),
+            groups=len(trained_groups),
+            skipped_groups=self.skipped_since_step,
+            dropped_samples=dropped,
+        )
+        _test_pause("train", step)
+        metrics["seconds"] = time.perf_counter() - started
+        checkpoint = self._save(step, metrics=metrics, groups=trained_groups)
+        _test_pause("record", step)
+        self.store.insert_step(self.model, step, str(checkpoint.path), metrics, trained_groups)
+        self.next_step = step + 1
+        self.skipped_since_step = 0
+        kl = "-" if metrics["kl"] is None else f"{metrics['kl']:.4f}"
+        log.info(
+            "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, %d tokens in %.1f s (%.0f tok/s), "
+            "%d group(s), %d skipped",
+            step, metrics["loss"], metrics["reward_mean"], metrics["reward_std"], kl, metrics["clip_fraction"],
+            metrics["tokens"], metrics["seconds"], metrics["tokens"] / max(metrics["train_seconds"], 1e-9),
+            metrics["groups"], metrics["skipped_groups"],
+        )
+        return metrics
+
+    def run(self, stop_event: threading.Event | None = None, max_steps: int | None = None) -> int:
+        """Train until `stop_event` is set (checked between steps) or `max_steps` steps are
+        done; return the number of steps trained."""
+        stop_event = stop_event or threading.Event()
+        done = 0
+        log.info("trainer waiting for %d ready group(s) of model '%s' per step",
+                 self.settings.groups_per_step, self.model)
+        while not stop_event.is_set() and (max_steps is None or done < max_steps):
+            groups = self.groups_to_train()
+            if groups is None:
+                stop_event.wait(self.settings.poll_interval)
+                continue
+            if self.train_once(groups) is not None:
+                done += 1
+        return done
+
+
+def run_worker(
+    settings: Settings, stop_event: threading.Event | None = None, max_steps: int | None = None
+) -> int:
+    """Start a worker (resuming from the newest checkpoint) and train until stopped or
+    `max_steps` steps are done. Returns the number of steps trained."""
+    worker = TrainerWorker(settings)
+    try:
+        worker.start()
+        return worker.run(stop_event, max_steps)
+    finally:
+        worker.close()
