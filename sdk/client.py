@@ -1,0 +1,210 @@
+"""The clients: `RLProxy` (blocking) and `AsyncRLProxy` (asyncio), thin over the gateway's HTTP API.
+
+Each rlproxy route is one method here; sessions and groups (`sdk.session`,
+`sdk.group`) are small objects that remember their ids and call back into these.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from sdk.errors import APIConnectionError, raise_for_response
+
+if TYPE_CHECKING:  # the session and group modules import this one
+    from sdk.group import AsyncGroup, Group
+    from sdk.session import AsyncSession, Session
+
+DEFAULT_URL = "http://localhost:8000/v1"
+DEFAULT_TIMEOUT = 60.0
+# A judge reads a whole group and may think for minutes (o3 and friends).
+RULER_TIMEOUT = 900.0
+
+
+def api_base(url: str) -> str:
+    """`http://host:8000`, `.../v1` or `.../v1/` -> `http://host:8000/v1`."""
+    root = url.strip().rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return root + "/v1"
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id the gateway accepts (letters, digits, `_`)."""
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class Score:
+    """One session's RULER judgement."""
+
+    session_id: str
+    score: float  # in [0, 1]; it is now the session's reward
+    explanation: str | None
+
+
+def scores_from(body: dict) -> list[Score]:
+    return [Score(item["session_id"], float(item["score"]), item.get("explanation")) for item in body["scores"]]
+
+
+class _ClientBase:
+    """Where the gateway is and how to authenticate; shared by both clients."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT):
+        self.api_base = api_base(base_url or os.environ.get("RLPROXY_URL") or DEFAULT_URL)
+        self.api_key = api_key if api_key is not None else os.environ.get("RLPROXY_API_KEY")
+        self.timeout = timeout
+
+    def _auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"{type(self).__name__}({self.api_base!r})"
+
+    @staticmethod
+    def _reward_body(value: float, metrics: dict[str, float] | None) -> dict:
+        return {"reward": float(value), "metrics": dict(metrics or {})}
+
+    @staticmethod
+    def _ruler_body(judge_model: str, rubric: str | None, judge_api_base: str | None) -> dict:
+        body: dict[str, Any] = {"judge_model": judge_model}
+        if rubric is not None:
+            body["rubric"] = rubric
+        if judge_api_base is not None:
+            body["judge_api_base"] = judge_api_base
+        return body
+
+
+class RLProxy(_ClientBase):
+    """Blocking client. `RLProxy("http://localhost:8000/v1")`; use as a context manager or call `close()`.
+
+    `base_url` defaults to `$RLPROXY_URL` (then http://localhost:8000/v1), `api_key` to
+    `$RLPROXY_API_KEY`. Safe to share between threads (`group.run` does).
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, http_client: httpx.Client | None = None):
+        super().__init__(base_url, api_key, timeout=timeout)
+        self._http = http_client or httpx.Client(timeout=timeout)
+        self._owns_http = http_client is None
+
+    # -- sessions and groups
+
+    def session(self, group: "str | Any | None" = None, split: str = "train",
+                session_id: str | None = None) -> "Session":
+        """A new session (one rollout); `group` is a group id or a `Group`."""
+        from sdk.session import Session
+
+        group_id = getattr(group, "id", group)
+        return Session(self, session_id or new_id("sess"), group_id, split)
+
+    def group(self, id: str | None = None, split: str = "train") -> "Group":
+        """A group of sessions GRPO compares (the rollouts of one task)."""
+        from sdk.group import Group
+
+        return Group(self, id or new_id("grp"), split)
+
+    # -- the HTTP routes
+
+    def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
+        try:
+            response = self._http.request(method, self.api_base + path, json=json, headers=self._auth_headers(),
+                                          timeout=timeout or self.timeout)
+        except httpx.HTTPError as exc:
+            raise APIConnectionError(f"could not reach the gateway at {self.api_base}: {exc}") from exc
+        raise_for_response(response)
+        return response.json()
+
+    def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
+        return self._request("POST", f"/sessions/{session_id}/reward", self._reward_body(value, metrics))
+
+    def get_session(self, session_id: str) -> dict:
+        return self._request("GET", f"/sessions/{session_id}")
+
+    def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
+        return self._request("POST", f"/groups/{group_id}/close", {"expected_sessions": expected_sessions})
+
+    def get_group(self, group_id: str) -> dict:
+        return self._request("GET", f"/groups/{group_id}")
+
+    def ruler(self, group_id: str, judge_model: str, rubric: str | None = None,
+              judge_api_base: str | None = None, *, timeout: float = RULER_TIMEOUT) -> list[Score]:
+        body = self._request("POST", f"/groups/{group_id}/ruler",
+                             self._ruler_body(judge_model, rubric, judge_api_base), timeout=timeout)
+        return scores_from(body)
+
+    # -- lifecycle
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> "RLProxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncRLProxy(_ClientBase):
+    """asyncio client; same methods as `RLProxy`, awaited. Use with `async with` or `await close()`."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, http_client: httpx.AsyncClient | None = None):
+        super().__init__(base_url, api_key, timeout=timeout)
+        self._http = http_client or httpx.AsyncClient(timeout=timeout)
+        self._owns_http = http_client is None
+
+    def session(self, group: "str | Any | None" = None, split: str = "train",
+                session_id: str | None = None) -> "AsyncSession":
+        from sdk.session import AsyncSession
+
+        group_id = getattr(group, "id", group)
+        return AsyncSession(self, session_id or new_id("sess"), group_id, split)
+
+    def group(self, id: str | None = None, split: str = "train") -> "AsyncGroup":
+        from sdk.group import AsyncGroup
+
+        return AsyncGroup(self, id or new_id("grp"), split)
+
+    async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
+        try:
+            response = await self._http.request(method, self.api_base + path, json=json,
+                                                headers=self._auth_headers(), timeout=timeout or self.timeout)
+        except httpx.HTTPError as exc:
+            raise APIConnectionError(f"could not reach the gateway at {self.api_base}: {exc}") from exc
+        raise_for_response(response)
+        return response.json()
+
+    async def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
+        return await self._request("POST", f"/sessions/{session_id}/reward", self._reward_body(value, metrics))
+
+    async def get_session(self, session_id: str) -> dict:
+        return await self._request("GET", f"/sessions/{session_id}")
+
+    async def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
+        return await self._request("POST", f"/groups/{group_id}/close", {"expected_sessions": expected_sessions})
+
+    async def get_group(self, group_id: str) -> dict:
+        return await self._request("GET", f"/groups/{group_id}")
+
+    async def ruler(self, group_id: str, judge_model: str, rubric: str | None = None,
+                    judge_api_base: str | None = None, *, timeout: float = RULER_TIMEOUT) -> list[Score]:
+        body = await self._request("POST", f"/groups/{group_id}/ruler",
+                                   self._ruler_body(judge_model, rubric, judge_api_base), timeout=timeout)
+        return scores_from(body)
+
+    async def close(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncRLProxy":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,255 @@
+"""A group is the rollouts of one task that GRPO compares; `run` makes them in parallel.
+
+Leaving a group's `with` block closes it (unless it was closed, judged, or the
+block raised), so the trainer knows no more sessions are coming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from sdk.client import Score
+from sdk.errors import RolloutsFailed
+from sdk.session import AsyncSession, Session
+
+if TYPE_CHECKING:
+    from sdk.client import AsyncRLProxy, RLProxy
+
+
+@dataclass
+class RunResult:
+    """What `group.run` did: finished rollouts in index order, and the ones that raised."""
+
+    sessions: list = field(default_factory=list)  # sessions whose rollout returned
+    rewards: list[float | None] = field(default_factory=list)  # what each returned (None: it posted its own or none)
+    failed: list = field(default_factory=list)  # sessions whose rollout raised; they have no reward
+    exceptions: list[BaseException] = field(default_factory=list)  # aligned with `failed`
+
+    @property
+    def n_failed(self) -> int:
+        return len(self.exceptions)
+
+
+def _as_reward(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, Real):
+        return float(value)
+    raise TypeError(f"a rollout must return a reward (a number) or None, not {type(value).__name__}")
+
+
+def _check_run_args(n: int, concurrency: int | None, max_exceptions: int) -> int:
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError("concurrency must be at least 1 (or None for all n at once)")
+    if max_exceptions < 0:
+        raise ValueError("max_exceptions must be 0 or more")
+    return min(n, concurrency or n)
+
+
+def _collect(outcomes: dict[int, tuple[Any, float | None, BaseException | None]]) -> RunResult:
+    result = RunResult()
+    for index in sorted(outcomes):
+        session, reward, error = outcomes[index]
+        if error is None:
+            result.sessions.append(session)
+            result.rewards.append(reward)
+        else:
+            result.failed.append(session)
+            result.exceptions.append(error)
+    return result
+
+
+def _too_many(outcomes: dict, max_exceptions: int, last: BaseException) -> RolloutsFailed:
+    result = _collect(outcomes)
+    error = RolloutsFailed(
+        f"{result.n_failed} rollouts raised, more than max_exceptions={max_exceptions}; last: "
+        f"{type(last).__name__}: {last}", result)
+    error.__cause__ = last
+    return error
+
+
+class _GroupBase:
+    def __init__(self, proxy: Any, id: str, split: str):
+        self.proxy = proxy
+        self.id = id
+        self.split = split
+        self.closed = False  # closed (or judged) through this object
+        self._n_sessions = 0
+        self._lock = threading.Lock()
+
+    def _new_session(self, cls: type, session_id: str | None) -> Any:
+        from sdk.client import new_id
+
+        with self._lock:
+            self._n_sessions += 1
+        return cls(self.proxy, session_id or new_id("sess"), self.id, self.split)
+
+    def _close_on_exit(self, exc_type: type | None) -> bool:
+        # Nothing to close if no session was started here (the gateway never saw the group).
+        return exc_type is None and not self.closed and self._n_sessions > 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, split={self.split!r})"
+
+
+class Group(_GroupBase):
+    """Blocking group; made by `RLProxy.group()`."""
+
+    proxy: "RLProxy"
+
+    def session(self, session_id: str | None = None) -> Session:
+        return self._new_session(Session, session_id)
+
+    def close(self, expected_sessions: int | None = None) -> dict:
+        """No more sessions (or: this many in all). The group is ready once every session has a reward."""
+        body = self.proxy.close_group(self.id, expected_sessions)
+        self.closed = True
+        return body
+
+    def ruler(self, judge_model: str, rubric: str | None = None, judge_api_base: str | None = None) -> list[Score]:
+        """Score every session with an LLM judge (RULER); the scores become rewards and the group closes."""
+        scores = self.proxy.ruler(self.id, judge_model, rubric, judge_api_base)
+        self.closed = True
+        return scores
+
+    def get(self) -> dict:
+        return self.proxy.get_group(self.id)
+
+    def run(self, rollout: Callable[[Session], Any], n: int, concurrency: int | None = None,
+            max_exceptions: int = 0) -> RunResult:
+        """Run `rollout(session)` n times in threads, `concurrency` at a time (default: all).
+
+        A rollout that returns a number has it posted as its session's reward; one that
+        returns None posts its own (or leaves it to `ruler`). Failed rollouts are counted
+        and skipped; once more than `max_exceptions` fail, no new ones start and
+        `RolloutsFailed` is raised. A failed session that made calls has no reward, so
+        the group cannot become ready until it gets one (`ruler` scores it, or post one).
+        """
+        workers = _check_run_args(n, concurrency, max_exceptions)
+        outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
+
+        def one(session: Session) -> float | None:
+            try:
+                reward = _as_reward(rollout(session))
+                if reward is not None:
+                    session.reward(reward)
+                return reward
+            finally:
+                session.close()
+
+        sessions = []
+        for index in range(n):
+            session = self.session()
+            session.index = index
+            sessions.append(session)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"rollout-{self.id}") as pool:
+            pending: dict[Future, Session] = {pool.submit(one, s): s for s in sessions}
+            failures = 0
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    session = pending.pop(future)
+                    error = future.exception()
+                    outcomes[session.index] = (session, None if error else future.result(), error)
+                    if error is not None:
+                        failures += 1
+                        if failures > max_exceptions:
+                            for other in pending:
+                                other.cancel()  # not yet started: never starts
+                            wait(pending)
+                            for other, other_session in pending.items():
+                                if not other.cancelled():
+                                    other_error = other.exception()
+                                    outcomes[other_session.index] = (
+                                        other_session, None if other_error else other.result(), other_error)
+                            raise _too_many(outcomes, max_exceptions, error)
+        return _collect(outcomes)
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if self._close_on_exit(exc_type):
+            self.close()
+
+
+class AsyncGroup(_GroupBase):
+    """asyncio group; made by `AsyncRLProxy.group()`."""
+
+    proxy: "AsyncRLProxy"
+
+    def session(self, session_id: str | None = None) -> AsyncSession:
+        return self._new_session(AsyncSession, session_id)
+
+    async def close(self, expected_sessions: int | None = None) -> dict:
+        body = await self.proxy.close_group(self.id, expected_sessions)
+        self.closed = True
+        return body
+
+    async def ruler(self, judge_model: str, rubric: str | None = None,
+                    judge_api_base: str | None = None) -> list[Score]:
+        scores = await self.proxy.ruler(self.id, judge_model, rubric, judge_api_base)
+        self.closed = True
+        return scores
+
+    async def get(self) -> dict:
+        return await self.proxy.get_group(self.id)
+
+    async def run(self, rollout: Callable[[AsyncSession], Awaitable[Any]], n: int, concurrency: int | None = None,
+                  max_exceptions: int = 0) -> RunResult:
+        """`Group.run` for coroutines: n rollouts as tasks, `concurrency` at a time (default: all)."""
+        limit = asyncio.Semaphore(_check_run_args(n, concurrency, max_exceptions))
+        outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
+
+        async def one(session: AsyncSession) -> float | None:
+            async with limit:
+                try:
+                    returned = rollout(session)
+                    if inspect.isawaitable(returned):
+                        returned = await returned
+                    reward = _as_reward(returned)
+                    if reward is not None:
+                        await session.reward(reward)
+                    return reward
+                finally:
+                    await session.close()
+
+        tasks: dict[asyncio.Task, AsyncSession] = {}
+        for index in range(n):
+            session = self.session()
+            session.index = index
+            tasks[asyncio.ensure_future(one(session))] = session
+        pending = set(tasks)
+        failures = 0
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    session = tasks[task]
+                    error = task.exception()
+                    outcomes[session.index] = (session, None if error else task.result(), error)
+                    if error is not None:
+                        failures += 1
+                        if failures > max_exceptions:
+                            raise _too_many(outcomes, max_exceptions, error)
+        finally:
+            for task in pending:  # too many failures, or we were cancelled: stop the rest
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        return _collect(outcomes)
+
+    async def __aenter__(self) -> "AsyncGroup":
+        return self
+
+    async def __aexit__(self, exc_type: type | None, *exc: object) -> None:
+        if self._close_on_exit(exc_type):
+            await self.close()
