@@ -1,0 +1,447 @@
+"""RULER: an LLM judge scores a group's trajectories against each other.
+
+GRPO only needs scores that rank a group's rollouts, and ranking attempts side by
+side is far easier for a judge than grading one alone. So the judge gets every
+trajectory of the group at once: the messages all of them share (the task) once,
+then each trajectory's own rest under an id. Identical trajectories are judged
+once and the score fanned back out. The answer must match a JSON schema; a wrong
+answer (bad JSON, wrong ids or count, a score outside [0, 1]) gets one retry with
+the reason, then the judgement fails with that reason.
+
+Pure: turning recorded calls into trajectories, the prompt, validating the answer.
+I/O: the judge call (litellm for any provider or URL, or the gateway's own engine
+for `self`) and `RulerService`, which reads the group and stores the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.errors import Conflict, InvalidRequest, UpstreamError
+
+log = logging.getLogger("rlproxy.ruler")
+
+SELF_JUDGE = "self"  # judge_model that means: the model this gateway serves
+JUDGE_TIMEOUT = 600.0  # seconds for one judge call; reasoning judges think long
+
+DEFAULT_RUBRIC = """\
+- A trajectory that reaches the goal must score clearly higher than one that does not.
+- Between two that reach it, the one that gets there more directly (no needless steps, \
+failed tool calls or detours) scores higher.
+- Partial progress towards the goal earns partial credit.
+- Make score gaps match quality gaps: close attempts get close scores, a much better \
+attempt a much higher one."""
+
+# What the judge must answer; sent as OpenAI's `json_schema` response format (strict).
+ANSWER_SCHEMA: dict = {
+    "type": "object",
+    "properties": {
+        "scores": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "trajectory_id": {"type": "string"},
+                    "explanation": {"type": "string"},
+                    "score": {"type": "number"},
+                },
+                "required": ["trajectory_id", "explanation", "score"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["scores"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT: dict = {
+    "type": "json_schema",
+    "json_schema": {"name": "ruler_scores", "schema": ANSWER_SCHEMA, "strict": True},
+}
+
+
+class JudgeError(UpstreamError):
+    """The judge could not be reached, failed, or answered wrongly twice."""
+
+    error_type = "judge_error"
+
+
+class InvalidJudgeAnswer(ValueError):
+    """The judge's answer does not fit the schema or the trajectories; the message says how."""
+
+
+# ------------------------------------------------------------------ answer model
+
+
+class TrajectoryScore(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    trajectory_id: str
+    explanation: str = ""
+    score: float = Field(ge=0.0, le=1.0)
+
+
+class JudgeAnswer(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    scores: list[TrajectoryScore]
+
+
+# ------------------------------------------------------------------ trajectories (pure)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One session as the judge sees it."""
+
+    session_id: str
+    messages: list[dict]  # normalized, the final assistant reply included
+    tools: list[dict] | None  # the tools the agent was offered, if any
+
+
+def _content_text(content: Any) -> Any:
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type", "text")
+        parts.append(part.get("text", "") if kind == "text" else f"[{kind}]")
+    return "".join(parts)
+
+
+def normalize_message(message: dict) -> dict:
+    """Only what a judge needs, in a fixed shape, so a request's echo of an earlier reply
+    compares equal to the reply as it was recorded."""
+    out: dict = {"role": message.get("role")}
+    content = _content_text(message.get("content"))
+    if content not in (None, ""):
+        out["content"] = content
+    if message.get("name"):
+        out["name"] = message["name"]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "type": call.get("type", "function"),
+                "function": {"name": (call.get("function") or {}).get("name"),
+                             "arguments": (call.get("function") or {}).get("arguments")},
+            }
+            for call in message["tool_calls"]
+        ]
+    if message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def trajectory_from_calls(session_id: str, calls: list[dict]) -> Trajectory:
+    """A session's calls as one message list: each call's messages, then its reply.
+
+    An agent resends the history with every call, so a call whose messages start
+    with everything so far just extends it; one that does not (a rewritten or a
+    second conversation) is appended whole. Failed calls are left out.
+    """
+    history: list[dict] = []
+    tools = None
+    for call in calls:
+        response = call.get("response") or {}
+        if call.get("status") != "ok" or not response.get("choices"):
+            continue
+        request = call.get("request") or {}
+        messages = [normalize_message(m) for m in request.get("messages") or []]
+        if messages[: len(history)] == history:
+            history = messages
+        else:
+            history = history + messages
+        history.append(normalize_message(response["choices"][0].get("message") or {"role": "assistant"}))
+        tools = request.get("tools") or tools
+    return Trajectory(session_id=session_id, messages=history, tools=tools)
+
+
+def common_prefix_length(message_lists: list[list[dict]]) -> int:
+    """Messages every list starts with; capped so each list keeps at least its last message."""
+    if not message_lists:
+        return 0
+    limit = max(min(len(messages) for messages in message_lists) - 1, 0)
+    length = 0
+    while length < limit and all(m[length] == message_lists[0][length] for m in message_lists):
+        length += 1
+    return length
+
+
+# ------------------------------------------------------------------ prompt (pure)
+
+
+@dataclass(frozen=True)
+class JudgePrompt:
+    messages: list[dict]  # what the judge is sent
+    members: dict[str, list[str]]  # trajectory id -> the session ids it stands for
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self.members)
+
+
+def _json_lines(items: list[dict]) -> str:
+    # Keys in their given order: a message reads role first, then content.
+    return "\n".join(json.dumps(item, ensure_ascii=False) for item in items)
+
+
+def _system_prompt(n: int, rubric: str) -> str:
+    return (
+        f"You judge {n} attempts (trajectories) by an AI agent at the same task. Work out the task "
+        "from the shared context (system prompt and user messages), then compare the trajectories "
+        "with each other and score each from 0 to 1. The scores rank the attempts against each "
+        "other, so use the range to separate better ones from worse ones.\n\n"
+        f"Grading rubric:\n{rubric.strip()}\n\n"
+        "Messages are given as JSON, one per line. Answer with a JSON object "
+        '{"scores": [{"trajectory_id": "...", "explanation": "...", "score": 0.0}]} holding exactly '
+        "one entry per trajectory: its id as written in its <trajectory id=\"...\"> tag, one or two "
+        "sentences on why, and the score."
+    )
+
+
+def build_prompt(trajectories: list[Trajectory], rubric: str | None = None) -> JudgePrompt:
+    """The judge's messages: shared tools and prefix once, then each distinct trajectory under an id."""
+    if not trajectories:
+        raise ValueError("a judgement needs at least one trajectory")
+    unique: list[Trajectory] = []
+    members: dict[str, list[str]] = {}
+    index_of: dict[str, str] = {}
+    for trajectory in trajectories:
+        key = json.dumps([trajectory.messages, trajectory.tools], sort_keys=True)
+        if key not in index_of:
+            unique.append(trajectory)
+            index_of[key] = str(len(unique))
+            members[index_of[key]] = []
+        members[index_of[key]].append(trajectory.session_id)
+
+    prefix = common_prefix_length([t.messages for t in unique])
+    shared_tools = all(t.tools == unique[0].tools for t in unique)
+    blocks = []
+    if shared_tools and unique[0].tools:
+        blocks.append(f"<tools>\n{_json_lines(unique[0].tools)}\n</tools>")
+    if prefix:
+        blocks.append(f"<context>\n{_json_lines(unique[0].messages[:prefix])}\n</context>")
+    for trajectory_id, trajectory in zip(members, unique):
+        body = _json_lines(trajectory.messages[prefix:])
+        if trajectory.tools and not shared_tools:
+            body = f"<tools>\n{_json_lines(trajectory.tools)}\n</tools>\n{body}"
+        blocks.append(f'<trajectory id="{trajectory_id}">\n{body}\n</trajectory>')
+    messages = [
+        {"role": "system", "content": _system_prompt(len(unique), rubric or DEFAULT_RUBRIC)},
+        {"role": "user", "content": "\n\n".join(blocks)},
+    ]
+    return JudgePrompt(messages=messages, members=members)
+
+
+def render_prompt(prompt: JudgePrompt) -> str:
+    """The prompt as plain text (golden files, debugging)."""
+    return "\n\n".join(f"### {m['role']}\n{m['content']}" for m in prompt.messages) + "\n"
+
+
+# ------------------------------------------------------------------ answer (pure)
+
+
+_FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+
+
+def parse_answer(content: str | None, ids: list[str]) -> list[TrajectoryScore]:
+    """The judge's scores in `ids` order, or `InvalidJudgeAnswer` saying what is wrong."""
+    text = (content or "").strip()
+    fenced = _FENCE.match(text)  # some models wrap JSON in a code fence despite the schema
+    if fenced:
+        text = fenced.group(1)
+    if not text:
+        raise InvalidJudgeAnswer("the answer was empty")
+    try:
+        answer = JudgeAnswer.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise InvalidJudgeAnswer(
+            f"the answer is not valid JSON of the required shape ({where + ': ' if where else ''}{first['msg']})"
+        ) from None
+    got = [score.trajectory_id for score in answer.scores]
+    if sorted(got) != sorted(ids):
+        raise InvalidJudgeAnswer(
+            f"expected one score for each of the trajectory ids {ids}, got {len(got)} scores with ids {got}"
+        )
+    by_id = {score.trajectory_id: score for score in answer.scores}
+    return [by_id[i] for i in ids]
+
+
+def retry_messages(prompt: JudgePrompt, bad_answer: str | None, problem: str) -> list[dict]:
+    """The same conversation plus the bad answer and what to fix, for the one retry."""
+    return [
+        *prompt.messages,
+        {"role": "assistant", "content": bad_answer or ""},
+        {"role": "user", "content": (
+            f"That answer cannot be used: {problem}. Answer again with only the JSON object: one entry for "
+            f"each of the trajectory ids {prompt.ids}, each score a number from 0 to 1."
+        )},
+    ]
+
+
+# ------------------------------------------------------------------ judging (I/O)
+
+JudgeCall = Callable[[list[dict], dict], Awaitable[str | None]]  # (messages, response_format) -> content
+
+
+async def judge(trajectories: list[Trajectory], call: JudgeCall, rubric: str | None = None) -> list[dict]:
+    """Score trajectories; returns `{"trajectory_id": session_id, "explanation", "score"}` per session."""
+    prompt = build_prompt(trajectories, rubric)
+    content = await call(prompt.messages, RESPONSE_FORMAT)
+    try:
+        scores = parse_answer(content, prompt.ids)
+    except InvalidJudgeAnswer as first:
+        log.warning("RULER: the judge's answer was invalid (%s); retrying once", first)
+        content = await call(retry_messages(prompt, content, str(first)), RESPONSE_FORMAT)
+        try:
+            scores = parse_answer(content, prompt.ids)
+        except InvalidJudgeAnswer as second:
+            raise JudgeError(f"the judge answered wrongly twice: first {first}; then {second}") from None
+    by_session = {
+        session_id: score for score in scores for session_id in prompt.members[score.trajectory_id]
+    }
+    return [
+        {"trajectory_id": t.session_id, "explanation": by_session[t.session_id].explanation,
+         "score": by_session[t.session_id].score}
+        for t in trajectories
+    ]
+
+
+_SECRET_NAME = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD)", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """Remove any secret from the environment that an error message might quote."""
+    for name, value in os.environ.items():
+        if len(value) >= 8 and _SECRET_NAME.search(name) and value in text:
+            text = text.replace(value, "***")
+    return text
+
+
+_litellm_module: Any = None
+
+
+async def _litellm() -> Any:
+    """Import litellm once, off the event loop (it takes seconds), without its network fetch."""
+    global _litellm_module
+    if _litellm_module is None:
+        # The model cost map is otherwise downloaded at import; the gateway does not phone out.
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        import importlib
+
+        module = await asyncio.to_thread(importlib.import_module, "litellm")
+        module.suppress_debug_info = True
+        _litellm_module = module
+    return _litellm_module
+
+
+def litellm_judge(model: str, api_base: str | None = None, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
+    """A judge reached through litellm: a provider id (`openai/o3`, `anthropic/...`) with its key
+    from the environment, or any OpenAI-compatible server at `api_base`."""
+
+    async def call(messages: list[dict], response_format: dict) -> str | None:
+        litellm = await _litellm()
+        kwargs: dict[str, Any] = {"model": model, "messages": messages, "response_format": response_format,
+                                  "timeout": timeout, "caching": False, "drop_params": True}
+        if api_base:
+            kwargs["api_base"] = api_base
+            if model.split("/", 1)[0] not in litellm.provider_list:
+                kwargs["custom_llm_provider"] = "openai"  # `my-model` at an OpenAI-compatible URL
+            # A local judge often wants no key, but the OpenAI client insists on one.
+            kwargs["api_key"] = os.environ.get("RLPROXY_JUDGE_API_KEY") or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        try:
+            response = await litellm.acompletion(**kwargs)
+        except Exception as exc:  # litellm raises its own zoo; the caller wants one kind
+            raise JudgeError(f"the judge '{model}' failed: {redact(str(exc))[:1000]}") from None
+        if not response.choices:
+            return None
+        return response.choices[0].message.content
+
+    return call
+
+
+def engine_judge(services: Any, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
+    """The gateway's own served model as judge; its calls are not recorded (no training on them)."""
+    from gateway.engines.base import EngineRequest
+
+    async def call(messages: list[dict], response_format: dict) -> str | None:
+        registry, engine = services.registry, services.engine
+        name = services.settings.model_name if engine.supports_adapters else engine.base_model_id
+        try:
+            async with services.gate.passage(), registry.use(name) as target:
+                body = {"model": target.model, "messages": messages, "response_format": response_format,
+                        "max_tokens": services.settings.default_max_tokens * 4}
+                request = EngineRequest(body=body, adapter=target.adapter, request_id="ruler_" + uuid.uuid4().hex)
+                completion = await asyncio.wait_for(engine.complete(request), timeout)
+        except asyncio.TimeoutError:
+            raise JudgeError(f"the judge '{SELF_JUDGE}' did not answer within {timeout:.0f} s") from None
+        except Exception as exc:
+            raise JudgeError(f"the judge '{SELF_JUDGE}' failed: {redact(str(exc))[:1000]}") from None
+        choices = completion.response.get("choices") or []
+        return (choices[0].get("message") or {}).get("content") if choices else None
+
+    return call
+
+
+class RulerService:
+    """Judges a stored group and records the outcome; one judgement per group at a time."""
+
+    def __init__(self, services: Any):
+        self.services = services
+        self._running: set[str] = set()
+
+    def _judge_call(self, judge_model: str, judge_api_base: str | None) -> JudgeCall:
+        if judge_model == SELF_JUDGE:
+            if judge_api_base:
+                raise InvalidRequest("judge_api_base cannot be used with judge_model 'self'", param="judge_api_base")
+            return engine_judge(self.services)
+        if judge_api_base is not None and not judge_api_base.startswith(("http://", "https://")):
+            raise InvalidRequest(f"judge_api_base must start with http:// or https://, got '{judge_api_base}'",
+                                 param="judge_api_base")
+        return litellm_judge(judge_model, judge_api_base)
+
+    def trajectories(self, group_id: str) -> list[Trajectory]:
+        store = self.services.store
+        group = store.get_group(group_id)  # NotFound for an unknown group
+        if group.get("trained_step") is not None:
+            raise Conflict(f"group '{group_id}' was already trained on (step {group['trained_step']})")
+        return [trajectory_from_calls(s["id"], store.session_calls(s["id"])) for s in group["sessions"]]
+
+    async def score_group(self, group_id: str, judge_model: str, rubric: str | None = None,
+                          judge_api_base: str | None = None) -> list[dict]:
+        """Judge the group, store scores as rewards and close it; on failure mark it failed and raise."""
+        call = self._judge_call(judge_model, judge_api_base)
+        if group_id in self._running:
+            raise Conflict(f"group '{group_id}' is being judged already; wait for GET /v1/groups/{group_id}")
+        self._running.add(group_id)
+        try:
+            trajectories = await asyncio.to_thread(self.trajectories, group_id)
+            store = self.services.store
+            await store.set_ruler_status(group_id, "running")
+            try:
+                scores = await judge(trajectories, call, rubric)
+            except JudgeError as exc:
+                await store.set_ruler_status(group_id, "failed", exc.message)
+                raise
+            except Exception as exc:  # a bug must not leave the group "running" forever
+                message = f"the judgement failed: {type(exc).__name__}: {redact(str(exc))[:500]}"
+                await store.set_ruler_status(group_id, "failed", message)
+                raise JudgeError(message) from exc
+            await store.record_judgement(group_id, judge_model, scores)
+            tracer = self.services.tracer
+            if tracer is not None:
+                tracer.on_judgement(group_id, scores, judge_model=judge_model)
+            return scores
+        finally:
+            self._running.discard(group_id)

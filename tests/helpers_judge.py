@@ -1,0 +1,82 @@
+"""A loopback OpenAI-compatible judge for RULER tests: records what it is sent, answers as scripted.
+
+`answers` are used in order, one per request (a string is the message content, a
+callable gets the request body and returns the content); once they run out the
+judge answers well on its own: one score per `<trajectory id="...">` it was shown,
+the first best. Point litellm at it with `judge_api_base=judge.url`, or with
+`OPENAI_BASE_URL=judge.url` for a plain `openai/<model>` judge id.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from tests.helpers import ThreadServer
+
+TRAJECTORY_ID = re.compile(r'<trajectory id="([^"]+)">')
+
+
+def shown_ids(body: dict) -> list[str]:
+    """The trajectory ids in the judge prompt (its first user message)."""
+    user = next(m for m in body["messages"] if m["role"] == "user")
+    return TRAJECTORY_ID.findall(user["content"])
+
+
+def good_answer(body: dict) -> str:
+    ids = shown_ids(body)
+    return json.dumps({"scores": [
+        {"trajectory_id": i, "explanation": f"trajectory {i} ranked {rank + 1} of {len(ids)}",
+         "score": round(1.0 - rank / max(len(ids), 1), 4)}
+        for rank, i in enumerate(ids)
+    ]})
+
+
+class FakeJudge:
+    def __init__(self, answers: list[str | Callable[[dict], str]] | None = None, status: int = 200):
+        self.answers = list(answers or [])
+        self.status = status  # a non-200 status makes every answer an OpenAI-shaped error
+        self.requests: list[dict] = []  # {"path", "headers", "body"}
+        self.app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                                     Route("/chat/completions", self._chat, methods=["POST"])])
+        self._server: ThreadServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return self._server.url + "/v1"
+
+    @property
+    def bodies(self) -> list[dict]:
+        return [r["body"] for r in self.requests]
+
+    async def _chat(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+        if self.status != 200:
+            return JSONResponse({"error": {"message": "the fake judge is down", "type": "server_error"}},
+                                status_code=self.status)
+        answer: Any = self.answers.pop(0) if self.answers else good_answer
+        content = answer(body) if callable(answer) else answer
+        return JSONResponse({
+            "id": f"judge-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model", "judge"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
+        })
+
+    def __enter__(self) -> "FakeJudge":
+        self._server = ThreadServer(self.app).__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.__exit__(*exc)
