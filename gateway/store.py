@@ -165,6 +165,16 @@ CREATE TABLE IF NOT EXISTS triggers (
     created_at REAL NOT NULL,
     consumed_at REAL
 );
+-- One GPU shared by vLLM and the trainer (--gpu-mode colocated); see gateway/colocate.py.
+-- state: idle -> requested (trainer) -> granted (gateway: drained, vLLM asleep)
+--        -> released (trainer: step saved) -> idle (gateway: vLLM awake, adapter loaded).
+CREATE TABLE IF NOT EXISTS gpu_leases (
+    model TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    holder TEXT,
+    step INTEGER,
+    updated_at REAL NOT NULL
+);
 """
 
 # A group is ready when it is closed (or has its expected number of sessions)
@@ -412,6 +422,34 @@ class Store:
                 )
 
         self._run_sync(op)
+
+    # -------------------------------------------------------------- GPU lease (colocated mode)
+
+    def gpu_lease(self, model: str) -> dict:
+        """The GPU lease of `model`: {"model", "state", "holder", "step", "updated_at"}; state "idle" if none."""
+        rows = self._query("SELECT * FROM gpu_leases WHERE model = ?", (model,))
+        return rows[0] if rows else {"model": model, "state": "idle", "holder": None, "step": None,
+                                     "updated_at": None}
+
+    def move_gpu_lease(self, model: str, to_state: str, *, expect: tuple[str, ...], holder: str | None = None,
+                       expect_holder: str | None = None, step: int | None = None) -> bool:
+        """Compare-and-set: move the lease to `to_state` if its state is one of `expect` (and its
+        holder is `expect_holder`, when given). True if it moved. `holder` None keeps the holder."""
+
+        def op(conn: sqlite3.Connection) -> bool:
+            row = conn.execute("SELECT state, holder FROM gpu_leases WHERE model = ?", (model,)).fetchone()
+            state, current_holder = row if row else ("idle", None)
+            if state not in expect or (expect_holder is not None and current_holder != expect_holder):
+                return False
+            conn.execute(
+                "INSERT INTO gpu_leases (model, state, holder, step, updated_at) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT(model) DO UPDATE SET state = excluded.state, holder = excluded.holder,"
+                " step = excluded.step, updated_at = excluded.updated_at",
+                (model, to_state, holder if holder is not None else current_holder, step, time.time()),
+            )
+            return True
+
+        return self._run_sync(op)
 
     # -------------------------------------------------------------- reads
 

@@ -1,0 +1,292 @@
+"""Sharing the GPU between vLLM and the trainer, and the staleness rule when they do not share.
+
+`--gpu-mode colocated` (one GPU): serving pauses while the trainer trains.
+
+    trainer                         store: gpu_leases row          gateway (Colocator)
+    acquire_gpu_for_training() ---> idle -> requested
+                                                                   hold new requests (they wait),
+                                                                   drain in-flight ones,
+                                                                   POST /sleep?level=1
+                                    requested -> granted    <----
+    (returns) train, save the
+    checkpoint, insert the step row
+    release_gpu(step=N)        ---> granted -> released
+                                                                   POST /wake_up, load NAME@N,
+                                                                   point NAME at it, release
+                                    released -> idle        <----  the held requests
+
+The store is the only channel (the trainer is another process). A trainer that dies while
+holding the GPU (same machine: its pid is checked) is noticed, and serving resumes.
+
+`--gpu-mode dedicated` (vLLM and the trainer on separate GPUs): serving never pauses; the
+trainer skips groups sampled more than `--max-staleness` steps before the step it would
+produce (`is_stale`). A call records the adapter step that answered it (`calls.step`,
+NULL for the base model = step 0), so a group's step is the oldest among its calls.
+
+The trainer's API is three functions, all blocking and safe to call from any process that
+opens the same store:
+
+    from gateway.colocate import gpu_for_training
+    with gpu_for_training(store, settings.model_name, timeout=600) as lease:
+        ...train, save, store.insert_step(...)...
+        lease.step = step          # the gateway loads NAME@step when the block exits
+
+or `acquire_gpu_for_training(store, model, timeout)` / `release_gpu(store, model, step)`.
+`needs_gpu_lease(settings)` says whether to do this at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterator
+
+from gateway.errors import EngineUnavailable
+
+if TYPE_CHECKING:
+    from gateway.adapters import AdapterRegistry
+    from gateway.gate import RequestGate
+    from gateway.settings import Settings
+    from gateway.store import Store
+
+log = logging.getLogger("rlproxy.colocate")
+
+IDLE, REQUESTED, GRANTED, RELEASED = "idle", "requested", "granted", "released"
+
+
+# ---------------------------------------------------------------------------- policy
+
+
+def needs_gpu_lease(settings: "Settings") -> bool:
+    """True when the trainer must borrow the GPU from vLLM before each step."""
+    return settings.engine == "vllm" and settings.gpu_mode == "colocated"
+
+
+def is_stale(group_step: int | None, current_step: int, max_staleness: int) -> bool:
+    """Dedicated mode: True when a group sampled by `group_step` (None = base model = 0) is
+    more than `max_staleness` steps behind `current_step`, the step the trainer would now
+    produce from the newest adapter (it trains from step `current_step`). Such groups are
+    skipped: their logprobs come from a policy too far from the one being updated for the
+    clipped ratio to mean much."""
+    return current_step - (group_step or 0) > max_staleness
+
+
+def holder_id() -> str:
+    """Who holds a lease: this process, as host:pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def holder_alive(holder: str | None) -> bool:
+    """False only when the holder is a process on this host that no longer exists."""
+    if not holder:
+        return False
+    host, _, pid = holder.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True  # another machine: cannot tell, trust it
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------- trainer side (blocking)
+
+
+@dataclass
+class TrainingLease:
+    """The GPU, lent to a trainer. Set `step` to the step the trainer recorded before releasing."""
+
+    model: str
+    holder: str
+    step: int | None = None
+
+
+def acquire_gpu_for_training(store: "Store", model: str, timeout: float | None = None,
+                             poll_interval: float = 0.2) -> TrainingLease:
+    """Ask the gateway for the GPU and block until it has drained and put vLLM to sleep.
+
+    Raises `EngineUnavailable` after `timeout` seconds (None: wait forever), withdrawing the
+    request. Waits first if the gateway is still taking the GPU back from a previous step.
+    """
+    holder = holder_id()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    asked = False
+    while True:
+        lease = store.gpu_lease(model)
+        state, current = lease["state"], lease["holder"]
+        if state == GRANTED and current == holder:
+            log.info("the gateway lent the GPU for training")
+            return TrainingLease(model=model, holder=holder)
+        if state == IDLE:
+            asked = store.move_gpu_lease(model, REQUESTED, expect=(IDLE,), holder=holder) or asked
+        elif state in (REQUESTED, GRANTED) and current != holder and not holder_alive(current):
+            # A trainer that died with the request open: take its place.
+            asked = store.move_gpu_lease(model, REQUESTED, expect=(state,), expect_holder=current,
+                                         holder=holder) or asked
+        if deadline is not None and time.monotonic() > deadline:
+            if asked:
+                store.move_gpu_lease(model, IDLE, expect=(REQUESTED,), expect_holder=holder)
+            raise EngineUnavailable(
+                f"the gateway did not lend the GPU within {timeout:g} s (lease is '{state}'); "
+                "is `rlproxy serve --engine vllm --gpu-mode colocated` running on this store?"
+            )
+        time.sleep(poll_interval)
+
+
+def release_gpu(store: "Store", model: str, step: int | None = None, holder: str | None = None) -> bool:
+    """Give the GPU back; `step` is the step row just inserted (None: nothing new to load).
+    False if this process did not hold the lease (nothing changes then)."""
+    moved = store.move_gpu_lease(model, RELEASED, expect=(GRANTED,), expect_holder=holder or holder_id(), step=step)
+    if not moved:
+        log.warning("release_gpu: this process does not hold the GPU lease of %s", model)
+    return moved
+
+
+@contextlib.contextmanager
+def gpu_for_training(store: "Store", model: str, timeout: float | None = None) -> Iterator[TrainingLease]:
+    """`with gpu_for_training(store, model) as lease: ...; lease.step = N` — released on exit,
+    exceptions included (with whatever `lease.step` is then)."""
+    lease = acquire_gpu_for_training(store, model, timeout)
+    try:
+        yield lease
+    finally:
+        release_gpu(store, model, lease.step, lease.holder)
+
+
+# ---------------------------------------------------------------------------- gateway side (async)
+
+
+class Colocator:
+    """Drives the gateway's half of the protocol: watches the lease and pauses serving.
+
+    `engine` needs `sleep(level)` and `wake_up()` (the vllm engine has them); `on_trained(step)`
+    loads the new adapter and points the model's name at it (`activate_step` by default).
+    """
+
+    def __init__(self, engine, gate: "RequestGate", store: "Store", model: str,
+                 on_trained: Callable[[int], Awaitable[None]], *, poll_interval: float = 0.5,
+                 sleep_level: int = 1):
+        self.engine = engine
+        self.gate = gate
+        self.store = store
+        self.model = model
+        self.on_trained = on_trained
+        self.poll_interval = poll_interval
+        self.sleep_level = sleep_level
+        self.lent = False  # vLLM is asleep for the trainer
+        self.log: list[tuple[str, float]] = []  # (what, when): hold, drained, sleep, granted, wake, loaded, release
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        lease = await self._lease()
+        if lease["state"] == GRANTED and holder_alive(lease["holder"]):
+            # The gateway restarted while a trainer trains: vLLM must not take the GPU back yet.
+            await self.hand_over(grant=False)
+        self._task = asyncio.create_task(self._run(), name="rlproxy-colocator")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _lease(self) -> dict:
+        return await asyncio.to_thread(self.store.gpu_lease, self.model)
+
+    async def _move(self, to_state: str, expect: tuple[str, ...], **kwargs) -> bool:
+        return await asyncio.to_thread(self.store.move_gpu_lease, self.model, to_state, expect=expect, **kwargs)
+
+    def _note(self, what: str) -> None:
+        self.log.append((what, time.monotonic()))
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.step_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop outlives any one failure; serving must not stay paused
+                log.exception("colocation step failed")
+                if not self.gate.is_open and not self.lent:
+                    self.gate.open()
+            await asyncio.sleep(self.poll_interval)
+
+    async def step_once(self) -> str | None:
+        """Look at the lease once and act; returns what was done (for tests), or None."""
+        lease = await self._lease()
+        state = lease["state"]
+        if state == REQUESTED and not self.lent:
+            if not holder_alive(lease["holder"]):
+                await self._move(IDLE, (REQUESTED,), expect_holder=lease["holder"])
+                return "dropped"
+            await self.hand_over()
+            return "lent"
+        if state == RELEASED:
+            await self.take_back(lease["step"])
+            return "took back"
+        if self.lent and (state == IDLE or (state == GRANTED and not holder_alive(lease["holder"]))):
+            log.warning("the trainer holding the GPU is gone (lease '%s'); serving resumes", state)
+            await self.take_back(None)
+            return "recovered"
+        return None
+
+    async def hand_over(self, *, grant: bool = True) -> None:
+        """Hold new requests, drain in-flight ones, put vLLM to sleep, tell the trainer."""
+        self._note("hold")
+        log.info("lending the GPU to the trainer: holding new requests, draining %d", self.gate.in_flight)
+        await self.gate.close_and_drain()
+        self._note("drained")
+        try:
+            await self.engine.sleep(self.sleep_level)
+        except Exception:
+            log.exception("vLLM did not go to sleep; serving resumes and the trainer keeps waiting")
+            self.gate.open()
+            raise
+        self.lent = True
+        self._note("sleep")
+        if grant and not await self._move(GRANTED, (REQUESTED,)):
+            log.warning("the GPU request was withdrawn while vLLM went to sleep; taking the GPU back")
+            await self.take_back(None)
+            return
+        self._note("granted")
+
+    async def take_back(self, step: int | None) -> None:
+        """Wake vLLM, load the new adapter, release the held requests, mark the lease idle."""
+        try:
+            await self.engine.wake_up()
+            self._note("wake")
+            if step is not None:
+                await self.on_trained(step)
+                self._note("loaded")
+        except Exception:
+            log.exception("taking the GPU back failed; requests are released (they may get 503 until vLLM is back)")
+        finally:
+            self.lent = False
+            self.gate.open()
+            self._note("release")
+            await self._move(IDLE, (RELEASED, GRANTED, IDLE))
+        log.info("serving resumed%s", f" with step {step}" if step is not None else "")
+
+
+async def activate_step(registry: "AdapterRegistry", store: "Store", model: str, step: int) -> None:
+    """Load NAME@step from its step row and point NAME at it (the newest step wins)."""
+    rows = [row for row in await asyncio.to_thread(store.steps, model) if row["step"] == step]
+    if not rows:
+        log.warning("step %s of %s has no step row; nothing to load", step, model)
+        return
+    name = f"{model}@{step}"
+    if step not in registry.loaded:
+        await registry.engine.load_adapter(name, Path(rows[0]["path"]))
+        registry.loaded[step] = name
+    if registry.current is None or step > registry.current:
+        registry.current = step
