@@ -1,0 +1,477 @@
+"""The `vllm` engine: a vLLM OpenAI server (managed or attached) serving LoRA adapters by name.
+
+What it asks vLLM for, and what the client gets:
+- every request goes with `return_token_ids: true` and `logprobs: true` (vLLM then returns
+  `prompt_token_ids` on the response or first stream chunk, `token_ids` per choice or per
+  chunk, and `logprobs.content[i].logprob` per sampled token);
+- `top_logprobs` is the client's own number (0 when it asked for none);
+- the client's response is stripped back to what it asked for: no token ids, `logprobs: null`
+  unless it asked, `top_logprobs` cut to its number; the token record goes to the store.
+
+Adapters: `POST /v1/load_lora_adapter {"lora_name": "NAME@N", "lora_path": DIR}` and
+`POST /v1/unload_lora_adapter {"lora_name": ...}` (vLLM needs
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). vLLM serves an adapter under its lora_name, so a
+request for an adapter is sent with `model = EngineRequest.adapter`.
+
+Failure: vLLM unreachable or gone mid-request is a 503 `EngineUnavailable`; vLLM's own 5xx
+a 502. A monitor watches `/health` (and the process, when managed): a dead managed server is
+restarted, an attached one is waited for, and the adapters that were loaded are loaded again
+before requests are let through.
+
+Colocated GPU: `sleep()` / `wake_up()` / `is_sleeping()` call vLLM's `/sleep?level=1`,
+`/wake_up`, `/is_sleeping` (development endpoints: `VLLM_SERVER_DEV_MODE=1` and
+`--enable-sleep-mode`). `gateway.colocate` drives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
+import orjson
+
+from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
+from gateway.engines.vllm_server import (
+    VLLMProcess,
+    probe_health,
+    vllm_command,
+    vllm_environment,
+    vllm_gpu_for,
+)
+from gateway.engines.vllm_wire import (
+    ClientAsk,
+    StreamSplitter,
+    error_message,
+    loads,
+    maybe_json,
+    split_completion,
+    sse_data,
+    vllm_body,
+)
+from gateway.errors import ConfigError, EngineUnavailable, RLProxyError, UpstreamError, UpstreamTimeout
+from gateway.settings import TINY_MODEL_ID, Settings
+
+log = logging.getLogger("rlproxy.engines.vllm")
+
+# ---------------------------------------------------------------------------- the engine
+
+
+class VLLMEngine(Engine):
+    kind = "vllm"
+    supports_adapters = True
+
+    def __init__(
+        self,
+        base_model: str,
+        *,
+        url: str | None = None,
+        process: VLLMProcess | None = None,
+        timeout: float = 600.0,
+        health_interval: float = 2.0,
+        max_restarts: int = 5,
+    ):
+        if (url is None) == (process is None):
+            raise ConfigError("VLLMEngine needs either url (attach) or process (managed), not both")
+        self.process = process
+        self.url = (url or process.url).rstrip("/")
+        self.managed = process is not None
+        self._base_model = base_model
+        self._vllm_base = base_model  # what vLLM calls the base model (attached servers may rename it)
+        self.timeout = timeout
+        self.health_interval = health_interval
+        self.max_restarts = max_restarts
+        self.adapters: dict[str, Path] = {}  # name -> path: what must be loaded (re-loaded after a restart)
+        self._session: aiohttp.ClientSession | None = None
+        self._monitor: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+        self._down_reason = "vLLM is starting"
+        self._asleep = False  # put to sleep on purpose (colocated training)
+        self._pending: set[str] = set()  # adapters asked for while asleep
+        self._gave_up = False  # managed vLLM failed to restart max_restarts times in a row
+        self._recover_lock = asyncio.Lock()
+        self._warned_no_tokens = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, launcher: list[str] | None = None,
+                      startup_timeout: float = 1800.0) -> "VLLMEngine":
+        colocated = settings.gpu_mode == "colocated"
+        if settings.vllm_url:
+            url = settings.vllm_url.rstrip("/")
+            if url.endswith("/v1"):
+                url = url[: -len("/v1")]  # accept the OpenAI-style base URL too
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"--vllm-url must start with http:// or https://, got '{settings.vllm_url}'")
+            return cls(settings.base_model, url=url, timeout=settings.upstream_timeout)
+        if settings.base_model == TINY_MODEL_ID:
+            raise ConfigError(
+                "the vllm engine serves a Hugging Face model, not the built-in tiny one: pass "
+                "--base-model (e.g. Qwen/Qwen2.5-7B-Instruct), or --vllm-url to attach to a running vLLM"
+            )
+        command = vllm_command(
+            settings.base_model, port=settings.vllm_port, max_loras=settings.max_loras,
+            lora_rank=settings.lora_rank, sleep_mode=colocated, extra_args=settings.vllm_arg,
+            launcher=launcher or ["vllm"],
+        )
+        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=vllm_gpu_for(settings.device,
+                                                                                      settings.gpu_mode))
+        process = VLLMProcess(command, env, f"http://127.0.0.1:{settings.vllm_port}",
+                              settings.state_dir / "vllm.log", startup_timeout=startup_timeout)
+        return cls(settings.base_model, process=process, timeout=settings.upstream_timeout)
+
+    @property
+    def base_model_id(self) -> str:
+        return self._base_model
+
+    @property
+    def available(self) -> bool:
+        return self._ready.is_set()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self._session is None:
+            # No cookie jar: nothing from vLLM should leak between clients.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512, limit_per_host=0),
+                                                  cookie_jar=aiohttp.DummyCookieJar())
+        if self.managed:
+            await self.process.start(self._session)
+        elif not await probe_health(self._session, self.url):
+            raise EngineUnavailable(
+                f"no vLLM answers at {self.url}/health; start it first (vllm serve BASE --enable-lora ...) "
+                "or drop --vllm-url to let rlproxy start one"
+            )
+        await self._detect_base_model()
+        self._ready.set()
+        self._monitor = asyncio.create_task(self._watch(), name="rlproxy-vllm-monitor")
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        self._ready.clear()
+        self._down_reason = "the gateway is shutting down"
+        if self.managed:
+            await self.process.stop()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _detect_base_model(self) -> None:
+        """Find vLLM's name for the base model (an attached server may use --served-model-name)."""
+        try:
+            data = await self._get_json("/v1/models")
+        except RLProxyError:
+            return
+        cards = data.get("data") or []
+        ids = [card.get("id") for card in cards]
+        if self._base_model in ids:
+            self._vllm_base = self._base_model
+            return
+        roots = [card.get("id") for card in cards if not card.get("parent")]
+        if len(roots) == 1:
+            self._vllm_base = roots[0]
+            if self._base_model == TINY_MODEL_ID:
+                self._base_model = roots[0]  # attached without --base-model: serve it under vLLM's name
+            log.info("vLLM serves the base model as '%s'", self._vllm_base)
+
+    # ---------------------------------------------------------------- health and restart
+
+    async def _watch(self) -> None:
+        """Notice a dead vLLM, bring it back (managed) or wait for it (attached), re-load adapters."""
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                if not self._ready.is_set() or not await self._alive():
+                    await self.recover()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the monitor must outlive any one failure
+                log.exception("vLLM monitor failed; retrying")
+
+    async def _alive(self) -> bool:
+        if self.managed and not self.process.running:
+            return False
+        if self._asleep:
+            return True  # a sleeping vLLM is not asked anything; only its process is watched
+        return await probe_health(self._session, self.url)
+
+    def mark_down(self, reason: str) -> None:
+        if self._ready.is_set():
+            log.warning("vLLM unavailable: %s", reason)
+        self._ready.clear()
+        self._down_reason = reason
+
+    async def recover(self) -> None:
+        """Bring vLLM back and re-load every adapter; requests get 503 meanwhile."""
+        async with self._recover_lock:
+            if await self._alive():
+                if self._ready.is_set():
+                    return
+                # A blip (or an attached vLLM restarted between two health ticks): loads are idempotent.
+            elif self.managed:
+                if self._gave_up:
+                    return
+                code = self.process.returncode
+                self.mark_down(f"vLLM exited (code {code}); rlproxy is restarting it" if code is not None
+                               else "vLLM stopped answering /health; rlproxy is restarting it")
+                if self._asleep:
+                    # Training has the GPU: a fresh vLLM would take it back. wake_up() restarts it.
+                    return
+                await self._restart()
+            else:
+                self.mark_down(f"vLLM at {self.url} does not answer; waiting for it to come back")
+                return
+            await self._reload_adapters()
+            self._ready.set()
+            log.info("vLLM is ready; %d adapter(s) loaded", len(self.adapters))
+
+    async def _restart(self) -> None:
+        delay = 1.0
+        for attempt in range(1, self.max_restarts + 1):
+            await self.process.stop()
+            try:
+                await self.process.start(self._session)
+                return
+            except EngineUnavailable as exc:
+                log.error("vLLM restart %d/%d failed: %s", attempt, self.max_restarts, exc.message)
+                self._down_reason = f"vLLM failed to restart ({attempt}/{self.max_restarts}); see {self.process.log_path}"
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        self._gave_up = True
+        self._down_reason = (f"vLLM failed to start {self.max_restarts} times; see {self.process.log_path} "
+                             "and restart the gateway")
+        raise EngineUnavailable(self._down_reason)
+
+    async def _reload_adapters(self) -> None:
+        for name, path in list(self.adapters.items()):
+            try:
+                await self._post_load(name, path)
+            except RLProxyError as exc:
+                log.error("could not re-load adapter %s after a vLLM restart: %s", name, exc.message)
+
+    def _check_ready(self) -> None:
+        if not self._ready.is_set():
+            raise EngineUnavailable(f"{self._down_reason}; retry in a moment")
+
+    def _connection_lost(self, exc: BaseException) -> EngineUnavailable:
+        reason = str(exc) or type(exc).__name__
+        self.mark_down(f"lost the connection to vLLM at {self.url} ({reason})")
+        if self._monitor is not None:  # do not wait for the next health tick
+            asyncio.get_running_loop().create_task(self._recover_quietly())
+        return EngineUnavailable(
+            f"vLLM at {self.url} went away while answering ({reason}); "
+            + ("rlproxy is restarting it" if self.managed else "waiting for it to come back")
+            + " - retry in a moment"
+        )
+
+    async def _recover_quietly(self) -> None:
+        try:
+            await self.recover()
+        except Exception:
+            log.exception("vLLM recovery failed")
+
+    # ---------------------------------------------------------------- chat
+
+    def _target(self, request: EngineRequest) -> str:
+        return request.adapter or self._vllm_base
+
+    async def complete(self, request: EngineRequest) -> Completion:
+        self._check_ready()
+        ask = ClientAsk.of(request.body)
+        body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
+        for attempt in (1, 2):
+            try:
+                async with self._session.post(self.url + "/v1/chat/completions", data=body,
+                                              headers={"Content-Type": "application/json"},
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                    status, payload = resp.status, await resp.read()
+            except asyncio.TimeoutError:
+                raise UpstreamTimeout(f"vLLM did not answer within {self.timeout:g} s "
+                                      "(raise --upstream-timeout if it is just slow)") from None
+            except aiohttp.ClientError as exc:
+                raise self._connection_lost(exc) from None
+            if status == 404 and attempt == 1 and await self._reload_missing(request.adapter):
+                continue
+            break
+        if status >= 400:
+            raise self._status_error(status, payload, request)
+        data = loads(payload, "a chat completion")
+        response, tokens = split_completion(data, ask)
+        self._warn_if_no_tokens(tokens)
+        return Completion(response=response, tokens=tokens)
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
+        self._check_ready()
+        ask = ClientAsk.of(request.body)
+        body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
+        splitter = StreamSplitter(ask)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
+        finished = False
+        try:
+            for attempt in (1, 2):
+                resp = await self._session.post(self.url + "/v1/chat/completions", data=body, timeout=timeout,
+                                                headers={"Content-Type": "application/json"})
+                if resp.status == 404 and attempt == 1:
+                    payload = await resp.read()
+                    resp.release()
+                    if await self._reload_missing(request.adapter):
+                        continue
+                    raise self._status_error(404, payload, request)
+                break
+            try:
+                if resp.status >= 400:
+                    raise self._status_error(resp.status, await resp.read(), request)
+                async for payload in sse_data(resp.content):
+                    if payload == b"[DONE]":
+                        finished = True
+                        break
+                    chunk = loads(payload, "a stream chunk")
+                    if "choices" not in chunk and ("error" in chunk or chunk.get("object") == "error"):
+                        raise UpstreamError(f"vLLM failed mid-stream: {error_message(chunk)}")
+                    out = splitter.feed(chunk)
+                    if out is not None:
+                        yield StreamChunk(data=out)
+            finally:
+                resp.release()
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(f"vLLM sent nothing for {self.timeout:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise self._connection_lost(exc) from None
+        if not finished:
+            raise self._connection_lost(ConnectionError("the stream ended before [DONE]"))
+        tokens = splitter.record()
+        self._warn_if_no_tokens(tokens)
+        yield StreamEnd(tokens=tokens)
+
+    def _warn_if_no_tokens(self, tokens: TokenRecord | None) -> None:
+        if tokens is None and not self._warned_no_tokens:
+            self._warned_no_tokens = True
+            log.warning("vLLM returned no token ids; rlproxy needs vLLM >= 0.10.2 (return_token_ids). "
+                        "Calls are recorded without tokens and the trainer re-renders them.")
+
+    async def _reload_missing(self, adapter: str | None) -> bool:
+        """vLLM said 404 for an adapter we loaded: it restarted behind our back. Load it again."""
+        if adapter is None or adapter not in self.adapters:
+            return False
+        log.warning("vLLM no longer knows adapter %s (restarted?); loading it again", adapter)
+        try:
+            await self._post_load(adapter, self.adapters[adapter])
+        except RLProxyError:
+            return False
+        return True
+
+    def _status_error(self, status: int, payload: bytes, request: EngineRequest) -> RLProxyError:
+        message = error_message(maybe_json(payload)) or payload[:300].decode(errors="replace")
+        if status == 404:
+            return UpstreamError(f"vLLM does not serve '{self._target(request)}': {message}")
+        if status < 500:
+            error = RLProxyError(f"vLLM rejected the request: {message}")
+            error.status_code, error.error_type = status, "invalid_request_error"
+            return error
+        return UpstreamError(f"vLLM answered {status}: {message}")
+
+    # ---------------------------------------------------------------- adapters
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        path = Path(path).resolve()
+        self.adapters[name] = path
+        if not self._ready.is_set():
+            log.info("vLLM is down; adapter %s will be loaded when it is back", name)
+            return
+        if self._asleep:
+            # Loading needs the GPU the trainer has now; wake_up() loads it before serving resumes.
+            self._pending.add(name)
+            return
+        await self._post_load(name, path)
+
+    async def _post_load(self, name: str, path: Path) -> None:
+        status, payload = await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        message = error_message(maybe_json(payload)) or payload.decode(errors="replace")
+        if status == 400 and "already been loaded" in message:
+            return  # idempotent: a re-load after a restart race
+        if status != 200:
+            hint = ("; start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
+                    if status in (404, 405) else "")
+            raise UpstreamError(f"vLLM could not load adapter {name} from {path} ({status}): {message}{hint}")
+        log.info("vLLM loaded adapter %s from %s", name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        if name in self._pending:  # asked for while asleep and never loaded
+            self._pending.discard(name)
+            return
+        if not self._ready.is_set():
+            return
+        status, payload = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        if status not in (200, 404):  # 404: vLLM does not have it (a restart dropped it): already unloaded
+            raise UpstreamError(f"vLLM could not unload adapter {name} ({status}): "
+                                f"{error_message(maybe_json(payload))}")
+
+    # ---------------------------------------------------------------- sleep (colocated GPU)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the GPU: level 1 offloads weights to CPU memory and drops the KV cache."""
+        status, payload = await self._post(f"/sleep?level={level}", None)
+        if status != 200:
+            raise UpstreamError(_sleep_error("/sleep", status, payload))
+        self._asleep = True
+
+    async def wake_up(self) -> None:
+        """Take the GPU back. A managed vLLM that died while asleep is started afresh (awake)."""
+        self._asleep = False
+        pending, self._pending = self._pending, set()
+        if self.managed and not self.process.running:
+            await self.recover()  # a fresh process: recover() loads every adapter
+            return
+        status, payload = await self._post("/wake_up", None)
+        if status != 200:
+            raise UpstreamError(_sleep_error("/wake_up", status, payload))
+        for name in sorted(pending):
+            if name in self.adapters:
+                await self._post_load(name, self.adapters[name])
+
+    async def is_sleeping(self) -> bool:
+        data = await self._get_json("/is_sleeping")
+        return bool(data.get("is_sleeping"))
+
+    # ---------------------------------------------------------------- http helpers
+
+    async def _post(self, path: str, body: dict | None) -> tuple[int, bytes]:
+        try:
+            async with self._session.post(self.url + path, data=orjson.dumps(body) if body is not None else None,
+                                          headers={"Content-Type": "application/json"},
+                                          timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                return resp.status, await resp.read()
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(f"vLLM did not answer {path} within {self.timeout:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}") from None
+
+    async def _get_json(self, path: str) -> dict:
+        try:
+            async with self._session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                status, payload = resp.status, await resp.read()
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            raise EngineUnavailable(f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}") from None
+        if status != 200:
+            raise UpstreamError(_sleep_error(path, status, payload) if "sleep" in path
+                                else f"vLLM answered {status} on {path}")
+        return loads(payload, path)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _sleep_error(path: str, status: int, payload: bytes) -> str:
+    if status == 404:
+        return (f"vLLM has no {path} endpoint: for --gpu-mode colocated start it with --enable-sleep-mode "
+                "and VLLM_SERVER_DEV_MODE=1 (rlproxy does when it starts vLLM itself), or use --gpu-mode dedicated")
+    return f"vLLM answered {status} on {path}: {error_message(maybe_json(payload))}"
+
+

@@ -1,0 +1,202 @@
+"""A managed `vllm serve` process: build its command line, start it, wait for health, stop it.
+
+The engine (`gateway.engines.vllm`) decides *when* to start or restart; this module
+knows *how*. vLLM is never imported: it runs as its own process, found on PATH
+(`pip install 'rlproxy[gpu]'` puts `vllm` there).
+
+The command follows vLLM's documented CLI:
+
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True [VLLM_SERVER_DEV_MODE=1] \\
+    vllm serve BASE --host 127.0.0.1 --port P --enable-lora --max-lora-rank R --max-loras N \\
+        [--enable-sleep-mode] [--vllm-arg ...]
+
+It listens on loopback only: the runtime-LoRA and sleep endpoints it then exposes must
+not be reachable from outside (the gateway is the only client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from gateway.errors import ConfigError, EngineUnavailable
+
+log = logging.getLogger("rlproxy.engines.vllm")
+
+# vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def max_lora_rank_for(rank: int) -> int:
+    """The smallest rank vLLM accepts for `--max-lora-rank` that holds a LoRA of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ConfigError(f"--lora-rank {rank} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
+
+
+def vllm_command(
+    base_model: str,
+    *,
+    port: int,
+    max_loras: int,
+    lora_rank: int,
+    sleep_mode: bool,
+    extra_args: list[str] | tuple[str, ...] = (),
+    launcher: list[str] | tuple[str, ...] = ("vllm",),
+) -> list[str]:
+    """The `vllm serve` command line; `extra_args` (from `--vllm-arg`) go last so they can override."""
+    cmd = [
+        *launcher, "serve", base_model,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--enable-lora",
+        "--max-lora-rank", str(max_lora_rank_for(lora_rank)),
+        "--max-loras", str(max_loras),
+    ]
+    if sleep_mode:
+        cmd.append("--enable-sleep-mode")
+    cmd.extend(extra_args)
+    return cmd
+
+
+def vllm_environment(*, sleep_mode: bool, cuda_visible_devices: str | None = None,
+                     base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the vLLM process: runtime LoRA updates on; dev mode (sleep endpoints) when colocated."""
+    env = dict(os.environ if base is None else base)
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this set.
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if sleep_mode:
+        # /sleep, /wake_up and /is_sleeping are development endpoints: registered only in dev mode.
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if cuda_visible_devices is not None and "CUDA_VISIBLE_DEVICES" not in env:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
+def vllm_gpu_for(device: str, gpu_mode: str) -> str | None:
+    """Which GPU vLLM gets when the user has not set CUDA_VISIBLE_DEVICES.
+
+    `device` is the trainer's device. Colocated: the same GPU. Dedicated: the other of
+    the first two GPUs (trainer on cuda:1 -> vLLM on 0; trainer on cuda:0 -> vLLM on 1).
+    """
+    if not device.startswith("cuda"):
+        return None
+    index = device.partition(":")[2] or "0"
+    if not index.isdigit():
+        return None
+    if gpu_mode == "colocated":
+        return index
+    return "0" if index != "0" else "1"
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the vLLM process gets SIGTERM if the gateway dies without stopping it."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class VLLMProcess:
+    """One `vllm serve` child process (in its own process group, output appended to a log file)."""
+
+    def __init__(self, command: list[str], env: dict[str, str], url: str, log_path: Path,
+                 startup_timeout: float = 1800.0):
+        self.command = command
+        self.env = env
+        self.url = url.rstrip("/")
+        self.log_path = Path(log_path)
+        self.startup_timeout = startup_timeout
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Spawn the process and return once `GET /health` answers 200."""
+        executable = self.command[0]
+        if shutil.which(executable) is None and not Path(executable).exists():
+            raise ConfigError(
+                f"cannot start vLLM: '{executable}' is not on PATH; install the GPU extra "
+                "(pip install 'rlproxy[gpu]') or attach to a running server with --vllm-url"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(("\n=== rlproxy starts: " + " ".join(self.command) + "\n").encode())
+            log_file.flush()
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.command, env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT, preexec_fn=_die_with_parent,
+            )
+        log.info("started vLLM (pid %s), waiting for %s/health; its log: %s", self.proc.pid, self.url, self.log_path)
+        await self.wait_healthy(session)
+
+    async def wait_healthy(self, session: aiohttp.ClientSession) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.startup_timeout
+        while True:
+            if self.proc is not None and self.proc.returncode is not None:
+                raise EngineUnavailable(
+                    f"vLLM exited with code {self.proc.returncode} while starting; "
+                    f"the end of {self.log_path} says why:\n{self.log_tail()}"
+                )
+            if await probe_health(session, self.url):
+                return
+            if loop.time() > deadline:
+                await self.stop()
+                raise EngineUnavailable(
+                    f"vLLM did not become healthy within {self.startup_timeout:g} s; see {self.log_path}"
+                )
+            await asyncio.sleep(0.5)
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole process group (vLLM runs engine-core children), SIGKILL if it lingers."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.warning("vLLM did not stop within %g s; killing it", timeout)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        else:
+            # The leader is gone; engine-core children may not be.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> bool:
+    """True when vLLM's `GET /health` answers 200."""
+    try:
+        async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False

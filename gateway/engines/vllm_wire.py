@@ -1,0 +1,203 @@
+"""vLLM's chat wire, both ways: what rlproxy asks vLLM for, and what the client gets back.
+
+Pure functions over JSON dicts (no I/O but the SSE reader), so each rule is tested alone:
+- `vllm_body`: the client's body with `return_token_ids: true`, `logprobs: true` and the
+  client's own `top_logprobs` (0 when it asked for none);
+- `split_completion` / `StreamSplitter`: vLLM's answer -> the client's OpenAI-shaped answer
+  (no token ids, `logprobs: null` unless asked, `top_logprobs` cut to the number asked) plus
+  the `TokenRecord` (prompt ids from `prompt_token_ids`, completion ids from each choice's
+  `token_ids`, logprobs from `logprobs.content[i].logprob`; in a stream, prompt ids come on the
+  first chunk and ids and logprobs per chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import aiohttp
+import orjson
+
+from gateway.engines.base import ChoiceTokens, TokenRecord
+from gateway.errors import UpstreamError
+
+# vLLM-only response fields that carry nothing when null; dropped so the client sees OpenAI's shape.
+_NULL_EXTRAS = ("prompt_logprobs", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics")
+_NULL_CHOICE_EXTRAS = ("stop_reason", "routed_experts")
+_NULL_MESSAGE_EXTRAS = ("reasoning", "reasoning_content")
+
+
+@dataclass(frozen=True)
+class ClientAsk:
+    """What the client itself asked to see of tokens and logprobs."""
+
+    logprobs: bool
+    top_logprobs: int
+    token_ids: bool  # the client sent vLLM's own `return_token_ids`
+
+    @classmethod
+    def of(cls, body: dict) -> "ClientAsk":
+        return cls(logprobs=bool(body.get("logprobs")), top_logprobs=int(body.get("top_logprobs") or 0),
+                   token_ids=bool(body.get("return_token_ids")))
+
+
+def vllm_body(body: dict, model: str, ask: ClientAsk) -> dict:
+    """The body sent to vLLM: the client's, with the served model and token ids and logprobs switched on."""
+    out = dict(body)
+    out["model"] = model
+    out["return_token_ids"] = True
+    out["logprobs"] = True
+    out["top_logprobs"] = ask.top_logprobs if ask.logprobs else 0
+    return out
+
+
+def _logprob_values(logprobs: dict | None) -> list[float] | None:
+    content = (logprobs or {}).get("content")
+    if content is None:
+        return None
+    return [float(entry["logprob"]) for entry in content]
+
+
+def _client_logprobs(logprobs: dict | None, ask: ClientAsk) -> dict | None:
+    if not ask.logprobs or logprobs is None:
+        return None
+    out = dict(logprobs)
+    if out.get("content") is not None:
+        out["content"] = [{**entry, "top_logprobs": (entry.get("top_logprobs") or [])[: ask.top_logprobs]}
+                          for entry in out["content"]]
+    return out
+
+
+def _drop_null(mapping: dict, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if key in mapping and mapping[key] is None:
+            del mapping[key]
+
+
+def split_completion(data: dict, ask: ClientAsk) -> tuple[dict, TokenRecord | None]:
+    """A vLLM chat.completion -> (what the client sees, the token record). Mutates and returns `data`."""
+    prompt_ids = data.pop("prompt_token_ids", None)
+    _drop_null(data, _NULL_EXTRAS)
+    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    records: list[ChoiceTokens] = []
+    for choice in choices:
+        ids = choice.pop("token_ids", None)
+        values = _logprob_values(choice.get("logprobs"))
+        if ids is not None:
+            if values is not None and len(values) != len(ids):
+                values = None  # misaligned logprobs are worse than none: the trainer re-scores
+            records.append(ChoiceTokens(completion_ids=list(ids), logprobs=values))
+        choice["logprobs"] = _client_logprobs(choice.get("logprobs"), ask)
+        if ask.token_ids:
+            choice["token_ids"] = ids
+        _drop_null(choice, _NULL_CHOICE_EXTRAS)
+        if isinstance(choice.get("message"), dict):
+            _drop_null(choice["message"], _NULL_MESSAGE_EXTRAS)
+    if ask.token_ids:
+        data["prompt_token_ids"] = prompt_ids
+    if prompt_ids is None or len(records) != len(choices):
+        return data, None
+    return data, TokenRecord(prompt_ids=list(prompt_ids), choices=records)
+
+
+class StreamSplitter:
+    """Per stream: strips each vLLM chunk to what the client asked for and collects the token record."""
+
+    def __init__(self, ask: ClientAsk):
+        self.ask = ask
+        self.prompt_ids: list[int] | None = None
+        self.ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[float] | None] = {}
+
+    def feed(self, chunk: dict) -> dict | None:
+        """The chunk for the client, or None when nothing in it is for the client."""
+        prompt_ids = chunk.pop("prompt_token_ids", None)
+        if prompt_ids is not None and self.prompt_ids is None:
+            self.prompt_ids = list(prompt_ids)
+        _drop_null(chunk, _NULL_EXTRAS)
+        had_choices = bool(chunk.get("choices"))
+        kept = []
+        for choice in chunk.get("choices") or []:
+            index = choice.get("index", 0)
+            ids = choice.pop("token_ids", None)
+            values = _logprob_values(choice.get("logprobs"))
+            if ids:
+                self.ids.setdefault(index, []).extend(ids)
+                collected = self.logprobs.setdefault(index, [])
+                if collected is not None:
+                    if values is None or len(values) != len(ids):
+                        self.logprobs[index] = None
+                    else:
+                        collected.extend(values)
+            choice["logprobs"] = _client_logprobs(choice.get("logprobs"), self.ask)
+            if self.ask.token_ids:
+                choice["token_ids"] = ids
+            _drop_null(choice, _NULL_CHOICE_EXTRAS)
+            delta = choice.get("delta") or {}
+            _drop_null(delta, _NULL_MESSAGE_EXTRAS)
+            # vLLM sends a chunk with an empty delta when return_token_ids is on and a parser held
+            # the text back; those exist only to carry token ids.
+            if delta or choice.get("finish_reason") is not None or choice["logprobs"] or self.ask.token_ids:
+                kept.append(choice)
+        chunk["choices"] = kept
+        if self.ask.token_ids and prompt_ids is not None:
+            chunk["prompt_token_ids"] = prompt_ids
+        if had_choices and not kept and not chunk.get("usage"):
+            return None
+        return chunk
+
+    def record(self) -> TokenRecord | None:
+        if self.prompt_ids is None or not self.ids:
+            return None
+        count = max(self.ids) + 1
+        choices = []
+        for index in range(count):
+            ids = self.ids.get(index, [])
+            values = self.logprobs.get(index)
+            choices.append(ChoiceTokens(completion_ids=ids, logprobs=values if values is not None and
+                                        len(values) == len(ids) else None))
+        return TokenRecord(prompt_ids=self.prompt_ids, choices=choices)
+
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def maybe_json(payload: bytes) -> object:
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def loads(payload: bytes, what: str) -> dict:
+    data = maybe_json(payload)
+    if not isinstance(data, dict):
+        raise UpstreamError(f"vLLM sent something that is not {what}: {payload[:300].decode(errors='replace')}")
+    return data
+
+
+def error_message(data: object) -> str:
+    """vLLM's error text: `{"error": {"message"}}` (current) or `{"object": "error", "message"}` (older)."""
+    if not isinstance(data, dict):
+        return ""
+    error = data.get("error", data)
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("detail") or "")
+    return str(error)
+
+
+async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The `data` of each server-sent event."""
+    lines: list[bytes] = []
+    async for line in content:
+        line = line.rstrip(b"\r\n")
+        if not line:
+            if lines:
+                yield b"\n".join(lines)
+                lines = []
+        elif line.startswith(b"data:"):
+            value = line[5:]
+            lines.append(value[1:] if value.startswith(b" ") else value)
+    if lines:
+        yield b"\n".join(lines)

@@ -1,0 +1,416 @@
+"""The vllm engine against a loopback server that follows vLLM's HTTP contract (tests/fake_vllm.py).
+
+Through the gateway with the official openai client: token ids and logprobs recorded from
+bodies and streamed chunks while the client sees only what it asked for; adapters loaded
+as NAME@N after a training step and requests sent under that name; a vLLM that dies
+mid-request answered with a clear 503, restarted (managed) or waited for (attached), with
+its adapters loaded again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.colocate import activate_step
+from gateway.engines.base import EngineRequest
+from gateway.engines.vllm import VLLMEngine
+from gateway.engines.vllm_server import max_lora_rank_for, vllm_command, vllm_environment, vllm_gpu_for
+from gateway.engines.vllm_wire import ClientAsk, StreamSplitter, split_completion, vllm_body
+from gateway.errors import ConfigError, EngineUnavailable, UpstreamError
+from gateway.store import Store
+from tests.fake_vllm import prompt_ids_for
+from tests.helpers import ThreadServer
+from tests.helpers_vllm import (
+    BASE,
+    FAKE_LAUNCHER,
+    attached_engine,
+    fake_state,
+    fake_vllm_process,
+    fake_vllm_thread,
+    free_port,
+    make_adapter,
+    script_fake,
+    vllm_settings,
+    wait_until,
+)
+
+MESSAGES = [{"role": "user", "content": "say hello"}]
+
+
+class AppLoop:
+    """Runs coroutines on the gateway's own event loop (where the engine's HTTP session lives)."""
+
+    def __init__(self, app):
+        self.loop = None
+
+        @app.get("/_test/loop")
+        async def _grab():
+            self.loop = asyncio.get_running_loop()
+            return {}
+
+    def attach(self, url: str) -> "AppLoop":
+        httpx.get(url + "/_test/loop").raise_for_status()
+        return self
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+class Gateway:
+    def __init__(self, engine: VLLMEngine, settings, store: Store):
+        self.engine, self.settings, self.store = engine, settings, store
+        self.app = create_app(settings, engine=engine, store=store)
+        self.services = self.app.state.services
+        self.loop = AppLoop(self.app)
+        self.server = ThreadServer(self.app)
+
+    def __enter__(self) -> "Gateway":
+        self.server.__enter__()
+        self.loop.attach(self.server.url)
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.__exit__(*exc)
+
+    def train_step(self, step: int, adapters_root: Path) -> Path:
+        """What the trainer leaves behind (checkpoint + step row), then the gateway's hot-swap."""
+        path = make_adapter(adapters_root, f"agent@{step}")
+        self.store.insert_step("agent", step, str(path), {}, [])
+        self.loop.run(activate_step(self.services.registry, self.store, "agent", step))
+        return path
+
+    def calls(self, session: str) -> list[dict]:
+        return self.store.session_calls(session)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-gw")
+    with fake_vllm_thread() as (fake_server, fake):
+        settings = vllm_settings(tmp, vllm_url=fake_server.url + "/v1")
+        with Gateway(attached_engine(fake_server.url), settings, Store(settings.db_path)) as gw:
+            gw.fake, gw.fake_url, gw.tmp = fake, fake_server.url, tmp
+            yield gw
+
+
+@pytest.fixture(autouse=True)
+def _reset_script(request):
+    yield
+    if "gateway" in request.fixturenames:
+        gw = request.getfixturevalue("gateway")
+        gw.fake.parser_holds, gw.fake.token_delay, gw.fake.crash_after_chunks = False, 0.0, None
+
+
+# ---------------------------------------------------------------------------- pure pieces
+
+
+def test_vllm_serve_command_and_environment():
+    cmd = vllm_command(BASE, port=8011, max_loras=3, lora_rank=20, sleep_mode=True,
+                       extra_args=["--gpu-memory-utilization=0.6", "--max-model-len=8192"])
+    assert cmd == ["vllm", "serve", BASE, "--host", "127.0.0.1", "--port", "8011", "--enable-lora",
+                   "--max-lora-rank", "32", "--max-loras", "3", "--enable-sleep-mode",
+                   "--gpu-memory-utilization=0.6", "--max-model-len=8192"]
+    assert "--enable-sleep-mode" not in vllm_command(BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=False)
+    assert [max_lora_rank_for(r) for r in (1, 2, 8, 16, 17, 64, 300)] == [1, 8, 8, 16, 32, 64, 320]
+    with pytest.raises(ConfigError, match="512"):
+        max_lora_rank_for(600)
+    colocated = vllm_environment(sleep_mode=True, base={})
+    assert colocated == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
+    assert "VLLM_SERVER_DEV_MODE" not in vllm_environment(sleep_mode=False, base={})
+    # the trainer's device decides vLLM's GPU, unless the user already chose one
+    assert vllm_gpu_for("cuda:1", "colocated") == "1" and vllm_gpu_for("cuda:1", "dedicated") == "0"
+    assert vllm_gpu_for("cuda", "dedicated") == "1" and vllm_gpu_for("cpu", "dedicated") is None
+    assert vllm_environment(sleep_mode=False, cuda_visible_devices="1",
+                            base={"CUDA_VISIBLE_DEVICES": "3"})["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_from_settings(tmp_path):
+    with pytest.raises(ConfigError, match="--base-model"):
+        VLLMEngine.from_settings(vllm_settings(tmp_path, base_model="rlproxy/tiny-qwen2"))
+    attached = VLLMEngine.from_settings(vllm_settings(tmp_path, vllm_url="http://127.0.0.1:9/v1"))
+    assert not attached.managed and attached.url == "http://127.0.0.1:9"
+    managed = VLLMEngine.from_settings(vllm_settings(tmp_path, vllm_port=8123, vllm_arg=["--enforce-eager"],
+                                                     gpu_mode="colocated", device="cuda:0"))
+    assert managed.managed and managed.url == "http://127.0.0.1:8123"
+    assert managed.process.command[-2:] == ["--enable-sleep-mode", "--enforce-eager"]
+    assert managed.process.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert managed.process.log_path == tmp_path / "state" / "vllm.log"
+    assert managed.kind == "vllm" and managed.supports_adapters and managed.base_model_id == BASE
+
+
+def test_request_body_asks_for_token_ids_and_logprobs():
+    body = {"model": "agent", "messages": MESSAGES, "temperature": 0.7}
+    sent = vllm_body(body, "agent@3", ClientAsk.of(body))
+    assert sent == {**body, "model": "agent@3", "return_token_ids": True, "logprobs": True, "top_logprobs": 0}
+    asked = {**body, "logprobs": True, "top_logprobs": 3}
+    assert vllm_body(asked, BASE, ClientAsk.of(asked))["top_logprobs"] == 3
+
+
+def test_misaligned_logprobs_are_dropped_not_recorded():
+    data = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "token_ids": [1, 2],
+                         "logprobs": {"content": [{"token": "hi", "logprob": -0.5, "top_logprobs": []}]}}],
+            "prompt_token_ids": [7]}
+    response, tokens = split_completion(data, ClientAsk(False, 0, False))
+    assert tokens.choices[0].completion_ids == [1, 2] and tokens.choices[0].logprobs is None
+    assert response["choices"][0]["logprobs"] is None and "prompt_token_ids" not in response
+    # a chunk carrying only token ids (a parser held its text back) is not forwarded
+    splitter = StreamSplitter(ClientAsk(False, 0, False))
+    assert splitter.feed({"choices": [{"index": 0, "delta": {}, "logprobs": None, "token_ids": [5]}]}) is None
+
+
+# ---------------------------------------------------------------------------- through the gateway
+
+
+def test_non_stream_records_tokens_and_returns_plain_openai(gateway):
+    result = gateway.client.chat.completions.with_raw_response.create(
+        model=BASE, messages=MESSAGES, max_tokens=4, extra_headers={"X-Session-Id": "s-plain"})
+    completion = result.parse()
+    raw = result.http_response.json()
+    assert completion.choices[0].message.content == f"[{BASE}] hello from the"
+    assert completion.choices[0].logprobs is None
+    assert "prompt_token_ids" not in raw and "token_ids" not in raw["choices"][0]
+    assert "prompt_logprobs" not in raw and "stop_reason" not in raw["choices"][0]
+    (call,) = gateway.calls("s-plain")
+    assert call["prompt_ids"] == prompt_ids_for(MESSAGES)
+    assert call["completion_ids"] == [[5000, 5010, 5020, 5030]]
+    assert call["completion_logprobs"] == [[-0.25, -0.5, -0.75, -1.0]]
+    assert call["response"]["choices"][0]["logprobs"] is None  # the record is what the client saw
+    sent = [e for e in gateway.fake.events if e["kind"] == "chat"][-1]
+    assert sent["model"] == BASE
+
+
+def test_non_stream_logprobs_cut_to_what_the_client_asked(gateway):
+    completion = gateway.client.chat.completions.create(
+        model=BASE, messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=2,
+        extra_headers={"X-Session-Id": "s-lp"}, n=2)
+    assert len(completion.choices) == 2
+    for choice in completion.choices:
+        assert [len(entry.top_logprobs) for entry in choice.logprobs.content] == [2, 2, 2]
+    (call,) = gateway.calls("s-lp")
+    assert call["completion_ids"] == [[5000, 5010, 5020], [5001, 5011, 5021]]
+    assert call["completion_logprobs"][1] == pytest.approx([-0.26, -0.51, -0.76])
+
+
+def test_stream_records_tokens_from_chunks(gateway):
+    gateway.fake.parser_holds = True  # the first token's chunk carries ids only
+    chunks = list(gateway.client.chat.completions.create(
+        model=BASE, messages=MESSAGES, max_tokens=5, stream=True, extra_headers={"X-Session-Id": "s-stream"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == f"[{BASE}] hello from the fake"
+    for chunk in chunks:
+        dumped = chunk.model_dump()
+        assert "prompt_token_ids" not in (chunk.model_extra or {})
+        for choice in dumped["choices"]:
+            assert choice["logprobs"] is None and "token_ids" not in choice
+            assert choice["delta"] or choice["finish_reason"]  # no empty chunks reach the client
+    (call,) = gateway.calls("s-stream")
+    assert call["prompt_ids"] == prompt_ids_for(MESSAGES)
+    assert call["completion_ids"] == [[5000, 5010, 5020, 5030, 5040]]
+    assert call["completion_logprobs"] == [[-0.25, -0.5, -0.75, -1.0, -1.25]]
+    assert call["response"]["choices"][0]["message"]["content"] == text
+
+
+def test_stream_with_logprobs_and_usage(gateway):
+    chunks = list(gateway.client.chat.completions.create(
+        model=BASE, messages=MESSAGES, max_tokens=3, stream=True, logprobs=True, top_logprobs=1,
+        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "s-stream-lp"}))
+    entries = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert [len(e.top_logprobs) for e in entries] == [1, 1, 1]
+    assert chunks[-1].usage.completion_tokens == 3
+    (call,) = gateway.calls("s-stream-lp")
+    assert call["completion_logprobs"] == [[-0.25, -0.5, -0.75]]
+
+
+def test_client_that_asks_for_token_ids_gets_them(gateway):
+    raw = gateway.client.chat.completions.with_raw_response.create(
+        model=BASE, messages=MESSAGES, max_tokens=2, extra_body={"return_token_ids": True}).http_response.json()
+    assert raw["prompt_token_ids"] == prompt_ids_for(MESSAGES)
+    assert raw["choices"][0]["token_ids"] == [5000, 5010]
+
+
+def test_training_step_loads_adapter_and_requests_use_its_name(gateway):
+    path = gateway.train_step(1, gateway.tmp / "ckpt")
+    loads = [e for e in gateway.fake.events if e["kind"] == "load"]
+    assert loads[-1]["name"] == "agent@1" and loads[-1]["path"] == str(path.resolve())
+    result = gateway.client.chat.completions.with_raw_response.create(
+        model="agent", messages=MESSAGES, max_tokens=2, extra_headers={"X-Session-Id": "s-adapter"})
+    assert result.headers["X-Model-Step"] == "1"
+    completion = result.parse()
+    assert completion.model == "agent"  # the name the client asked for
+    assert completion.choices[0].message.content.startswith("[agent@1]")
+    assert [e for e in gateway.fake.events if e["kind"] == "chat"][-1]["model"] == "agent@1"
+    (call,) = gateway.calls("s-adapter")
+    assert call["served"] == "agent@1" and call["step"] == 1
+    # unloading goes through /v1/unload_lora_adapter; unloading again is not an error
+    gateway.loop.run(gateway.engine.unload_adapter("agent@1"))
+    gateway.loop.run(gateway.engine.unload_adapter("agent@1"))
+    assert "agent@1" not in gateway.fake.loaded
+    assert [e for e in gateway.fake.events if e["kind"] == "unload"][-1]["name"] == "agent@1"
+    gateway.loop.run(gateway.engine.load_adapter("agent@1", path))  # back for later tests
+
+
+def test_adapter_load_errors_say_what_vllm_said(gateway):
+    with pytest.raises(UpstreamError, match="No adapter found"):
+        gateway.loop.run(gateway.engine.load_adapter("agent@9", gateway.tmp / "nowhere"))
+    wide = make_adapter(gateway.tmp / "ckpt", "agent@10", rank=64)
+    with pytest.raises(UpstreamError, match="max_lora_rank"):
+        gateway.loop.run(gateway.engine.load_adapter("agent@10", wide))
+    # loading a loaded name again is fine (a re-load racing a restart)
+    path = make_adapter(gateway.tmp / "ckpt", "agent@11")
+    gateway.loop.run(gateway.engine.load_adapter("agent@11", path))
+    gateway.loop.run(gateway.engine.load_adapter("agent@11", path))
+
+
+def test_vllm_errors_keep_their_meaning(gateway):
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        gateway.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=100_000)
+    # an adapter the engine loaded but vLLM lost, and that cannot be loaded again
+    gateway.engine.adapters["agent@78"] = Path("/nowhere")
+    try:
+        with pytest.raises(UpstreamError, match="does not serve 'agent@78'"):
+            gateway.loop.run(gateway.engine.complete(
+                EngineRequest(body={"model": "agent", "messages": MESSAGES}, adapter="agent@78", request_id="r")))
+    finally:
+        del gateway.engine.adapters["agent@78"]
+
+
+# ---------------------------------------------------------------------------- sleep endpoints
+
+
+async def test_sleep_wake_and_is_sleeping(tmp_path):
+    with fake_vllm_thread() as (server, fake):
+        engine = attached_engine(server.url)
+        await engine.start()
+        try:
+            assert await engine.is_sleeping() is False
+            await engine.sleep()
+            assert await engine.is_sleeping() is True and fake.asleep
+            # an adapter asked for while asleep is loaded on wake_up, not before
+            path = make_adapter(tmp_path, "agent@2")
+            await engine.load_adapter("agent@2", path)
+            assert "agent@2" not in fake.loaded
+            await engine.wake_up()
+            assert await engine.is_sleeping() is False
+            assert "agent@2" in fake.loaded
+            assert [e["kind"] for e in fake.events if e["kind"] != "chat"] == ["sleep", "wake_up", "load"]
+            assert fake.events[0]["level"] == 1
+        finally:
+            await engine.close()
+
+
+async def test_sleep_without_dev_mode_says_how_to_enable_it():
+    with fake_vllm_thread(dev_mode=False) as (server, _):
+        engine = attached_engine(server.url)
+        await engine.start()
+        try:
+            with pytest.raises(UpstreamError, match="VLLM_SERVER_DEV_MODE=1"):
+                await engine.sleep()
+        finally:
+            await engine.close()
+
+
+async def test_attaching_to_nothing_is_a_clear_error():
+    engine = attached_engine(f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(EngineUnavailable, match="no vLLM answers"):
+        await engine.start()
+    await engine.close()
+
+
+# ---------------------------------------------------------------------------- crashes
+
+
+def _expect_503(call):
+    try:
+        call()
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503, exc
+        assert exc.body["type"] == "engine_unavailable"
+        return exc.body["message"]
+    return None
+
+
+def _answers(client, model: str) -> str | None:
+    try:
+        return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2).choices[0].message.content
+    except (openai.APIStatusError, openai.APIConnectionError):
+        return None
+
+
+def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
+    settings = vllm_settings(tmp_path, vllm_port=free_port(), vllm_arg=["--gpu-memory-utilization=0.5"])
+    engine = VLLMEngine.from_settings(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
+    engine.health_interval = 0.1
+    with Gateway(engine, settings, Store(settings.db_path)) as gw:
+        first = fake_state(engine.url)
+        assert first["argv"][:2] == ["serve", BASE]
+        assert "--enable-lora" in first["argv"] and "--gpu-memory-utilization=0.5" in first["argv"]
+        assert first["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+        gw.train_step(1, tmp_path / "ckpt")
+
+        # vLLM dies after two chunks of a stream: the client gets a clear error in the stream
+        script_fake(engine.url, crash_after_chunks=2)
+        with pytest.raises(openai.APIError) as info:
+            list(gw.client.chat.completions.create(model="agent", messages=MESSAGES, stream=True, max_tokens=5,
+                                                   extra_headers={"X-Session-Id": "s-crash"}))
+        assert "went away" in str(info.value)
+        (call,) = gw.calls("s-crash")
+        assert call["status"] == "error" and call["http_status"] == 503 and "restarting" in call["error"]
+
+        # meanwhile: 503 engine_unavailable (or already an answer, if the restart won the race)
+        message = _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
+        assert message is None or "retry" in message
+
+        # back: a new process, with the adapter loaded again before any request is let through
+        text = wait_until(lambda: _answers(gw.client, "agent"), what="vLLM restarted")
+        assert text.startswith("[agent@1]")
+        second = fake_state(engine.url)
+        assert second["pid"] != first["pid"] and "agent@1" in second["loaded"]
+
+        # a crash before any byte of a non-stream answer: 503 too, and back again
+        script_fake(engine.url, crash_after_chunks=0)
+        assert "went away" in _expect_503(lambda: gw.client.chat.completions.create(model="agent",
+                                                                                    messages=MESSAGES))
+        wait_until(lambda: _answers(gw.client, "agent"), what="vLLM restarted again")
+    assert not engine.process.running  # the gateway stopped vLLM on the way out
+    assert "rlproxy starts: " in (tmp_path / "state" / "vllm.log").read_text()
+
+
+def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
+    port = free_port()
+    settings = vllm_settings(tmp_path, vllm_url=f"http://127.0.0.1:{port}")
+    with fake_vllm_process(port) as url:
+        engine = attached_engine(url)
+        with Gateway(engine, settings, Store(settings.db_path)) as gw:
+            gw.train_step(1, tmp_path / "ckpt")
+            assert _answers(gw.client, "agent").startswith("[agent@1]")
+            script_fake(url, crash_after_chunks=0)
+            message = _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
+            assert "went away" in message
+            wait_until(lambda: _expect_503(lambda: gw.client.chat.completions.create(
+                model="agent", messages=MESSAGES)) is not None, what="503 while vLLM is gone")
+            with fake_vllm_process(port) as again:  # whoever runs vLLM brings it back
+                text = wait_until(lambda: _answers(gw.client, "agent"), what="reconnect")
+                assert text.startswith("[agent@1]")
+                assert "agent@1" in fake_state(again)["loaded"]
+
+
+async def test_managed_vllm_that_cannot_start_says_why(tmp_path):
+    settings = vllm_settings(tmp_path, vllm_port=free_port())
+    dies = [sys.executable, "-c", "print('torch.OutOfMemoryError: CUDA out of memory'); raise SystemExit(3)"]
+    engine = VLLMEngine.from_settings(settings, launcher=dies, startup_timeout=60)
+    with pytest.raises(EngineUnavailable) as info:
+        await engine.start()
+    assert "exited with code 3" in info.value.message and "CUDA out of memory" in info.value.message
+    await engine.close()
+    missing = VLLMEngine.from_settings(settings, launcher=["vllm-not-installed-here"])
+    with pytest.raises(ConfigError, match=r"rlproxy\[gpu\]"):
+        await missing.start()
+    await missing.close()
