@@ -42,7 +42,9 @@ def good_answer(body: dict) -> str:
 class FakeJudge:
     def __init__(self, answers: list[str | Callable[[dict], str]] | None = None, status: int = 200):
         self.answers = list(answers or [])
-        self.status = status  # a non-200 status makes every answer an OpenAI-shaped error
+        # A non-200 status makes every answer an OpenAI-shaped error that quotes the key it got,
+        # as some providers do, so tests can check the gateway does not pass it on.
+        self.status = status
         self.requests: list[dict] = []  # {"path", "headers", "body"}
         self.app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
                                      Route("/chat/completions", self._chat, methods=["POST"])])
@@ -61,8 +63,9 @@ class FakeJudge:
         body = await request.json()
         self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
         if self.status != 200:
-            return JSONResponse({"error": {"message": "the fake judge is down", "type": "server_error"}},
-                                status_code=self.status)
+            key = request.headers.get("authorization", "").removeprefix("Bearer ")
+            return JSONResponse({"error": {"message": f"the fake judge refuses the key {key}",
+                                           "type": "invalid_request_error"}}, status_code=self.status)
         answer: Any = self.answers.pop(0) if self.answers else good_answer
         content = answer(body) if callable(answer) else answer
         return JSONResponse({
