@@ -1,28 +1,36 @@
-"""OpenAI-compatible routes: chat completions and models."""
+"""OpenAI-compatible routes: chat completions and models.
+
+`POST /v1/chat/completions` is the gateway's hot path, so it is a bare ASGI
+endpoint (`chat_completions`): no dependency solving, no Request object, SSE
+written directly. `gateway.app` also sends it straight here, around FastAPI's
+middleware stack; the route below is what the route table (405s) sees.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from typing import AsyncIterator
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
-from sse_starlette import EventSourceResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.chat import identify
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, RLProxyError
 from gateway.protocol import ChatCompletionRequest
 
+log = logging.getLogger("rlproxy.routes")
 router = APIRouter()
 
-
-def _headers(request_id: str, session_id: str, step: int | None) -> dict[str, str]:
-    headers = {"X-Session-Id": session_id}  # X-Request-Id comes from the middleware
-    if step is not None:
-        headers["X-Model-Step"] = str(step)
-    return headers
-
+SSE_PING_SECONDS = 15.0  # a comment line on a quiet stream, so proxies in between do not time it out
+_IDENTITY_HEADERS = frozenset((b"x-session-id", b"x-group-id", b"x-split"))
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store"),
+                (b"x-accel-buffering", b"no")]
 
 def validation_message(exc: ValidationError) -> str:
     parts = []
@@ -33,8 +41,7 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def read_json(request: Request) -> dict:
-    raw_bytes = await request.body()
+def parse_json_body(raw_bytes: bytes) -> dict:
     try:
         raw = orjson.loads(raw_bytes)
     except orjson.JSONDecodeError as exc:
@@ -47,33 +54,123 @@ async def read_json(request: Request) -> dict:
     return raw
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    services = request.app.state.services
-    raw = await read_json(request)
+async def read_json(request: Request) -> dict:
+    return parse_json_body(await request.body())
+
+
+def _response_headers(session_id: str, step: int | None) -> list[tuple[bytes, bytes]]:
+    headers = [(b"x-session-id", session_id.encode())]  # X-Request-Id comes from the middleware
+    if step is not None:
+        headers.append((b"x-model-step", str(step).encode()))
+    return headers
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request was read: nobody to answer."""
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class ChatCompletionsEndpoint:
+    """ASGI endpoint for POST /v1/chat/completions; errors become OpenAI-shaped JSON.
+
+    A class, not a function, so Starlette's router mounts it as ASGI as it is."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await _chat_completions(scope, receive, tracked_send)
+        except _ClientGone:
+            pass
+        except RLProxyError as exc:
+            if not started:
+                await _send_json(send, exc.status_code, exc.to_openai())
+        except Exception:
+            log.exception("unexpected error on POST /v1/chat/completions")
+            if not started:
+                error = RLProxyError("internal error; see the gateway log")
+                await _send_json(send, error.status_code, error.to_openai())
+
+
+chat_completions = ChatCompletionsEndpoint()
+
+
+async def _send_json(send: Send, status: int, data: object, headers: list | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [_JSON, *(headers or [])]})
+    await send({"type": "http.response.body", "body": orjson.dumps(data)})
+
+
+async def _chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
+    services = scope["app"].state.services
+    raw = parse_json_body(await _read_body(receive))
     try:
         chat_request = ChatCompletionRequest.model_validate(raw)
     except ValidationError as exc:
         raise InvalidRequest(validation_message(exc)) from None
-    identity = identify(request.headers, raw)
-    request_id = request.scope["state"]["request_id"]
-    if chat_request.stream:
-        events, target = await services.chat.open_stream(chat_request, raw, identity, request_id)
-        headers = _headers(request_id, identity.session_id, target.step)
-        return EventSourceResponse(
-            _as_events(events),
-            headers=headers,
-            ping=15,
-            sep="\n",
-        )
-    response, target = await services.chat.complete(chat_request, raw, identity, request_id)
-    return Response(orjson.dumps(response), media_type="application/json",
-                    headers=_headers(request_id, identity.session_id, target.step))
+    headers = {name.decode("latin-1"): value.decode("latin-1")
+               for name, value in scope["headers"] if name in _IDENTITY_HEADERS}
+    identity = identify(headers, raw)
+    request_id = scope["state"]["request_id"]
+    if not chat_request.stream:
+        response, target = await services.chat.complete(chat_request, raw, identity, request_id)
+        await _send_json(send, 200, response, _response_headers(identity.session_id, target.step))
+        return
+    events, target = await services.chat.open_stream(chat_request, raw, identity, request_id)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [*_SSE_HEADERS, *_response_headers(identity.session_id, target.step)]})
+    await _send_events(events, receive, send)
 
 
-async def _as_events(payloads):
-    async for payload in payloads:
-        yield {"data": payload.decode()}
+async def _send_events(events: AsyncIterator[bytes], receive: Receive, send: Send) -> None:
+    """Relay SSE payloads; stop (and let the chat service record it) when the client leaves."""
+    last_sent = time.monotonic()
+
+    async def pump() -> None:
+        nonlocal last_sent
+        async for payload in events:
+            await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+            last_sent = time.monotonic()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def ping() -> None:
+        while True:
+            await asyncio.sleep(SSE_PING_SECONDS)
+            if time.monotonic() - last_sent >= SSE_PING_SECONDS:
+                await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
+
+    async def watch_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    pumping = asyncio.ensure_future(pump())
+    watchers = [asyncio.ensure_future(ping()), asyncio.ensure_future(watch_disconnect())]
+    try:
+        await asyncio.wait([pumping, watchers[1]], return_when=asyncio.FIRST_COMPLETED)
+        if pumping.done() and not pumping.cancelled() and pumping.exception() is not None:
+            log.error("stream relay failed: %r", pumping.exception())
+    finally:
+        for task in (pumping, *watchers):
+            task.cancel()
+        await asyncio.gather(pumping, *watchers, return_exceptions=True)
+        await events.aclose()  # records a stream the client left early
+
+
+router.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
 
 
 @router.get("/v1/models")
