@@ -108,12 +108,24 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
         await store.start()
         await engine.start()
         await registry.start()
+        colocator = None
+        if engine.kind == "vllm" and settings.gpu_mode == "colocated":
+            # One GPU for vLLM and the trainer: lend it while a step trains (gateway/colocate.py).
+            from gateway.colocate import Colocator, activate_step
+
+            colocator = Colocator(engine, gate, store, settings.model_name,
+                                  lambda step: activate_step(registry, store, settings.model_name, step),
+                                  poll_interval=min(settings.poll_interval, 0.5))
+            await colocator.start()
+            services.extras["colocator"] = colocator
         if tracer is not None:
             tracer.start()
         log.info("rlproxy serving %s on the %s engine", settings.model_name, engine.kind)
         try:
             yield
         finally:
+            if colocator is not None:
+                await colocator.close()
             await registry.close()
             await engine.close()
             if tracer is not None:
