@@ -87,7 +87,7 @@ def _error_response(exc: RLProxyError) -> JSONResponse:
 def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,
                tracer: Any = None) -> FastAPI:
     engine = engine or build_engine(settings)
-    store = store or Store(settings.db_path)
+    store = store or Store(settings.db_path, synchronous=settings.store_sync)
     gate = RequestGate()
     registry = AdapterRegistry(engine, store, settings)
     metrics = Metrics()

@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, description="port to listen on")
     state_dir: Path = Field(Path(".rlproxy"), description="where the store, checkpoints and the built-in model live")
+    store_sync: Literal["normal", "full"] = Field(
+        "normal", description="normal: a recorded call survives the gateway crashing or being killed; "
+        "full: also an OS crash or power loss (an fsync per group commit)")
     api_key: SecretStr | None = Field(None, description="bearer key required on every route but /healthz")
     log_level: str = Field("info", description="debug, info, warning or error")
 
