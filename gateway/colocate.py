@@ -279,7 +279,15 @@ class Colocator:
 
 
 async def activate_step(registry: "AdapterRegistry", store: "Store", model: str, step: int) -> None:
-    """Load NAME@step from its step row and point NAME at it (the newest step wins)."""
+    """Load NAME@step from its step row and point NAME at it (the newest step wins).
+
+    Uses the registry's own `activate(step)` (path checks, unloading old steps) when it has
+    one; otherwise loads through the engine and records the step itself."""
+    activate = getattr(registry, "activate", None)
+    if activate is not None:
+        if not await activate(step):
+            log.warning("step %s of %s could not be loaded; the previous step keeps serving", step, model)
+        return
     rows = [row for row in await asyncio.to_thread(store.steps, model) if row["step"] == step]
     if not rows:
         log.warning("step %s of %s has no step row; nothing to load", step, model)

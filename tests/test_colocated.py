@@ -101,7 +101,7 @@ def test_hold_drain_sleep_train_wake_load_release_with_traffic(colocated):
             assert [e for e in fake.events if e["kind"] == "sleep"][-1]["in_flight"] == 0
             wait_until(lambda: services.gate.held >= 2, what="requests held while training")
             answered_before = len(traffic.answers)
-            path = make_adapter(tmp_path / "checkpoints", "agent@1")  # "training"
+            path = make_adapter(services.settings.checkpoints_dir(), "0001")  # "training"
             store.insert_step("agent", 1, str(path), {"loss": 0.1}, [])
             time.sleep(0.2)  # more requests pile up at the gate
             assert len(traffic.answers) == answered_before  # nothing was answered while vLLM slept

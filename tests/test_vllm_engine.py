@@ -80,9 +80,9 @@ class Gateway:
     def __exit__(self, *exc) -> None:
         self.server.__exit__(*exc)
 
-    def train_step(self, step: int, adapters_root: Path) -> Path:
+    def train_step(self, step: int) -> Path:
         """What the trainer leaves behind (checkpoint + step row), then the gateway's hot-swap."""
-        path = make_adapter(adapters_root, f"agent@{step}")
+        path = make_adapter(self.settings.checkpoints_dir(), f"{step:04d}")
         self.store.insert_step("agent", step, str(path), {}, [])
         self.loop.run(activate_step(self.services.registry, self.store, "agent", step))
         return path
@@ -237,7 +237,7 @@ def test_client_that_asks_for_token_ids_gets_them(gateway):
 
 
 def test_training_step_loads_adapter_and_requests_use_its_name(gateway):
-    path = gateway.train_step(1, gateway.tmp / "ckpt")
+    path = gateway.train_step(1)
     loads = [e for e in gateway.fake.events if e["kind"] == "load"]
     assert loads[-1]["name"] == "agent@1" and loads[-1]["path"] == str(path.resolve())
     result = gateway.client.chat.completions.with_raw_response.create(
@@ -260,11 +260,11 @@ def test_training_step_loads_adapter_and_requests_use_its_name(gateway):
 def test_adapter_load_errors_say_what_vllm_said(gateway):
     with pytest.raises(UpstreamError, match="No adapter found"):
         gateway.loop.run(gateway.engine.load_adapter("agent@9", gateway.tmp / "nowhere"))
-    wide = make_adapter(gateway.tmp / "ckpt", "agent@10", rank=64)
+    wide = make_adapter(gateway.settings.checkpoints_dir(), "agent@10", rank=64)
     with pytest.raises(UpstreamError, match="max_lora_rank"):
         gateway.loop.run(gateway.engine.load_adapter("agent@10", wide))
     # loading a loaded name again is fine (a re-load racing a restart)
-    path = make_adapter(gateway.tmp / "ckpt", "agent@11")
+    path = make_adapter(gateway.settings.checkpoints_dir(), "agent@11")
     gateway.loop.run(gateway.engine.load_adapter("agent@11", path))
     gateway.loop.run(gateway.engine.load_adapter("agent@11", path))
 
@@ -353,7 +353,7 @@ def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
         assert first["argv"][:2] == ["serve", BASE]
         assert "--enable-lora" in first["argv"] and "--gpu-memory-utilization=0.5" in first["argv"]
         assert first["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
-        gw.train_step(1, tmp_path / "ckpt")
+        gw.train_step(1)
 
         # vLLM dies after two chunks of a stream: the client gets a clear error in the stream
         script_fake(engine.url, crash_after_chunks=2)
@@ -389,7 +389,7 @@ def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
     with fake_vllm_process(port) as url:
         engine = attached_engine(url)
         with Gateway(engine, settings, Store(settings.db_path)) as gw:
-            gw.train_step(1, tmp_path / "ckpt")
+            gw.train_step(1)
             assert _answers(gw.client, "agent").startswith("[agent@1]")
             script_fake(url, crash_after_chunks=0)
             message = _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
