@@ -9,8 +9,8 @@ answer (bad JSON, wrong ids or count, a score outside [0, 1]) gets one retry wit
 the reason, then the judgement fails with that reason.
 
 Pure: turning recorded calls into trajectories, the prompt, validating the answer.
-I/O: the judge call (litellm for any provider or URL, or the gateway's own engine
-for `self`) and `RulerService`, which reads the group and stores the result.
+I/O: the judge call (`gateway.judges`) and `RulerService`, which reads the group
+and stores the result.
 """
 
 from __future__ import annotations
@@ -18,20 +18,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
-import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.errors import Conflict, InvalidRequest, UpstreamError
+from gateway.errors import Conflict, InvalidRequest
+from gateway.judges import SELF_JUDGE, JudgeCall, JudgeError, engine_judge, litellm_judge, redact
 
 log = logging.getLogger("rlproxy.ruler")
 
-SELF_JUDGE = "self"  # judge_model that means: the model this gateway serves
-JUDGE_TIMEOUT = 600.0  # seconds for one judge call; reasoning judges think long
 
 DEFAULT_RUBRIC = """\
 - A trajectory that reaches the goal must score clearly higher than one that does not.
@@ -66,12 +63,6 @@ RESPONSE_FORMAT: dict = {
     "type": "json_schema",
     "json_schema": {"name": "ruler_scores", "schema": ANSWER_SCHEMA, "strict": True},
 }
-
-
-class JudgeError(UpstreamError):
-    """The judge could not be reached, failed, or answered wrongly twice."""
-
-    error_type = "judge_error"
 
 
 class InvalidJudgeAnswer(ValueError):
@@ -292,8 +283,6 @@ def retry_messages(prompt: JudgePrompt, bad_answer: str | None, problem: str) ->
 
 # ------------------------------------------------------------------ judging (I/O)
 
-JudgeCall = Callable[[list[dict], dict], Awaitable[str | None]]  # (messages, response_format) -> content
-
 
 async def judge(trajectories: list[Trajectory], call: JudgeCall, rubric: str | None = None) -> list[dict]:
     """Score trajectories; returns `{"trajectory_id": session_id, "explanation", "score"}` per session."""
@@ -316,82 +305,6 @@ async def judge(trajectories: list[Trajectory], call: JudgeCall, rubric: str | N
          "score": by_session[t.session_id].score}
         for t in trajectories
     ]
-
-
-_SECRET_NAME = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD)", re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """Remove any secret from the environment that an error message might quote."""
-    for name, value in os.environ.items():
-        if len(value) >= 8 and _SECRET_NAME.search(name) and value in text:
-            text = text.replace(value, "***")
-    return text
-
-
-_litellm_module: Any = None
-
-
-async def _litellm() -> Any:
-    """Import litellm once, off the event loop (it takes seconds), without its network fetch."""
-    global _litellm_module
-    if _litellm_module is None:
-        # The model cost map is otherwise downloaded at import; the gateway does not phone out.
-        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-        import importlib
-
-        module = await asyncio.to_thread(importlib.import_module, "litellm")
-        module.suppress_debug_info = True
-        _litellm_module = module
-    return _litellm_module
-
-
-def litellm_judge(model: str, api_base: str | None = None, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
-    """A judge reached through litellm: a provider id (`openai/o3`, `anthropic/...`) with its key
-    from the environment, or any OpenAI-compatible server at `api_base`."""
-
-    async def call(messages: list[dict], response_format: dict) -> str | None:
-        litellm = await _litellm()
-        kwargs: dict[str, Any] = {"model": model, "messages": messages, "response_format": response_format,
-                                  "timeout": timeout, "caching": False, "drop_params": True}
-        if api_base:
-            kwargs["api_base"] = api_base
-            if model.split("/", 1)[0] not in litellm.provider_list:
-                kwargs["custom_llm_provider"] = "openai"  # `my-model` at an OpenAI-compatible URL
-            # A local judge often wants no key, but the OpenAI client insists on one.
-            kwargs["api_key"] = os.environ.get("RLPROXY_JUDGE_API_KEY") or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-        try:
-            response = await litellm.acompletion(**kwargs)
-        except Exception as exc:  # litellm raises its own zoo; the caller wants one kind
-            raise JudgeError(f"the judge '{model}' failed: {redact(str(exc))[:1000]}") from None
-        if not response.choices:
-            return None
-        return response.choices[0].message.content
-
-    return call
-
-
-def engine_judge(services: Any, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
-    """The gateway's own served model as judge; its calls are not recorded (no training on them)."""
-    from gateway.engines.base import EngineRequest
-
-    async def call(messages: list[dict], response_format: dict) -> str | None:
-        registry, engine = services.registry, services.engine
-        name = services.settings.model_name if engine.supports_adapters else engine.base_model_id
-        try:
-            async with services.gate.passage(), registry.use(name) as target:
-                body = {"model": target.model, "messages": messages, "response_format": response_format,
-                        "max_tokens": services.settings.default_max_tokens * 4}
-                request = EngineRequest(body=body, adapter=target.adapter, request_id="ruler_" + uuid.uuid4().hex)
-                completion = await asyncio.wait_for(engine.complete(request), timeout)
-        except asyncio.TimeoutError:
-            raise JudgeError(f"the judge '{SELF_JUDGE}' did not answer within {timeout:.0f} s") from None
-        except Exception as exc:
-            raise JudgeError(f"the judge '{SELF_JUDGE}' failed: {redact(str(exc))[:1000]}") from None
-        choices = completion.response.get("choices") or []
-        return (choices[0].get("message") or {}).get("content") if choices else None
-
-    return call
 
 
 class RulerService:
@@ -431,14 +344,14 @@ class RulerService:
             await store.set_ruler_status(group_id, "running")
             try:
                 scores = await judge(trajectories, call, rubric)
+                await store.record_judgement(group_id, judge_model, scores)
             except JudgeError as exc:
                 await store.set_ruler_status(group_id, "failed", exc.message)
                 raise
-            except Exception as exc:  # a bug must not leave the group "running" forever
+            except Exception as exc:  # anything else must not leave the group "running" forever
                 message = f"the judgement failed: {type(exc).__name__}: {redact(str(exc))[:500]}"
                 await store.set_ruler_status(group_id, "failed", message)
                 raise JudgeError(message) from exc
-            await store.record_judgement(group_id, judge_model, scores)
             tracer = self.services.tracer
             if tracer is not None:
                 tracer.on_judgement(group_id, scores, judge_model=judge_model)

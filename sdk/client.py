@@ -7,13 +7,14 @@ Each rlproxy route is one method here; sessions and groups (`sdk.session`,
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from sdk.errors import APIConnectionError, raise_for_response
+from sdk.errors import APIConnectionError, RLProxySDKError, raise_for_response
 
 if TYPE_CHECKING:  # the session and group modules import this one
     from sdk.group import AsyncGroup, Group
@@ -47,6 +48,17 @@ class Score:
     explanation: str | None
 
 
+def _import_openai() -> Any:
+    try:
+        import openai
+    except ImportError:  # the SDK itself needs httpx only
+        raise RLProxySDKError(
+            "session.openai_client() needs the openai package (pip install openai); "
+            "or pass session.headers() to the client you use"
+        ) from None
+    return openai
+
+
 def scores_from(body: dict) -> list[Score]:
     return [Score(item["session_id"], float(item["score"]), item.get("explanation")) for item in body["scores"]]
 
@@ -59,6 +71,10 @@ class _ClientBase:
         self.api_base = api_base(base_url or os.environ.get("RLPROXY_URL") or DEFAULT_URL)
         self.api_key = api_key if api_key is not None else os.environ.get("RLPROXY_API_KEY")
         self.timeout = timeout
+
+    def _openai_options(self) -> dict[str, Any]:
+        # The OpenAI client insists on a key; a gateway without one ignores it.
+        return {"base_url": self.api_base, "api_key": self.api_key or "rlproxy"}
 
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -92,6 +108,15 @@ class RLProxy(_ClientBase):
         super().__init__(base_url, api_key, timeout=timeout)
         self._http = http_client or httpx.Client(timeout=timeout)
         self._owns_http = http_client is None
+        self._openai: Any = None
+        self._openai_lock = threading.Lock()
+
+    def openai_base(self) -> Any:
+        """The one `openai.OpenAI` whose pool every session's client shares (made on first use)."""
+        with self._openai_lock:
+            if self._openai is None:
+                self._openai = _import_openai().OpenAI(**self._openai_options())
+            return self._openai
 
     # -- sessions and groups
 
@@ -141,6 +166,8 @@ class RLProxy(_ClientBase):
     # -- lifecycle
 
     def close(self) -> None:
+        if self._openai is not None:
+            self._openai.close()
         if self._owns_http:
             self._http.close()
 
@@ -159,6 +186,13 @@ class AsyncRLProxy(_ClientBase):
         super().__init__(base_url, api_key, timeout=timeout)
         self._http = http_client or httpx.AsyncClient(timeout=timeout)
         self._owns_http = http_client is None
+        self._openai: Any = None
+
+    def openai_base(self) -> Any:
+        """The one `openai.AsyncOpenAI` whose pool every session's client shares (made on first use)."""
+        if self._openai is None:
+            self._openai = _import_openai().AsyncOpenAI(**self._openai_options())
+        return self._openai
 
     def session(self, group: "str | Any | None" = None, split: str = "train",
                 session_id: str | None = None) -> "AsyncSession":
@@ -200,6 +234,8 @@ class AsyncRLProxy(_ClientBase):
         return scores_from(body)
 
     async def close(self) -> None:
+        if self._openai is not None:
+            await self._openai.close()
         if self._owns_http:
             await self._http.aclose()
 

@@ -137,40 +137,34 @@ class Group(_GroupBase):
         outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
 
         def one(session: Session) -> float | None:
-            try:
-                reward = _as_reward(rollout(session))
-                if reward is not None:
-                    session.reward(reward)
-                return reward
-            finally:
-                session.close()
+            reward = _as_reward(rollout(session))
+            if reward is not None:
+                session.reward(reward)
+            return reward
 
-        sessions = []
-        for index in range(n):
-            session = self.session()
-            session.index = index
-            sessions.append(session)
+        # At most `workers` rollouts are submitted at a time, so once too many have failed
+        # no further one starts.
+        waiting = list(range(n))
+        failures = 0
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"rollout-{self.id}") as pool:
-            pending: dict[Future, Session] = {pool.submit(one, s): s for s in sessions}
-            failures = 0
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            running: dict[Future, Session] = {}
+            while waiting or running:
+                while waiting and len(running) < workers and failures <= max_exceptions:
+                    session = self.session()
+                    session.index = waiting.pop(0)
+                    running[pool.submit(one, session)] = session
+                if not running:
+                    break
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
-                    session = pending.pop(future)
+                    session = running.pop(future)
                     error = future.exception()
                     outcomes[session.index] = (session, None if error else future.result(), error)
                     if error is not None:
                         failures += 1
-                        if failures > max_exceptions:
-                            for other in pending:
-                                other.cancel()  # not yet started: never starts
-                            wait(pending)
-                            for other, other_session in pending.items():
-                                if not other.cancelled():
-                                    other_error = other.exception()
-                                    outcomes[other_session.index] = (
-                                        other_session, None if other_error else other.result(), other_error)
-                            raise _too_many(outcomes, max_exceptions, error)
+                        last_error = error
+            if failures > max_exceptions:
+                raise _too_many(outcomes, max_exceptions, last_error)
         return _collect(outcomes)
 
     def __enter__(self) -> "Group":
@@ -206,45 +200,44 @@ class AsyncGroup(_GroupBase):
     async def run(self, rollout: Callable[[AsyncSession], Awaitable[Any]], n: int, concurrency: int | None = None,
                   max_exceptions: int = 0) -> RunResult:
         """`Group.run` for coroutines: n rollouts as tasks, `concurrency` at a time (default: all)."""
-        limit = asyncio.Semaphore(_check_run_args(n, concurrency, max_exceptions))
+        workers = _check_run_args(n, concurrency, max_exceptions)
         outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
 
         async def one(session: AsyncSession) -> float | None:
-            async with limit:
-                try:
-                    returned = rollout(session)
-                    if inspect.isawaitable(returned):
-                        returned = await returned
-                    reward = _as_reward(returned)
-                    if reward is not None:
-                        await session.reward(reward)
-                    return reward
-                finally:
-                    await session.close()
+            returned = rollout(session)
+            if inspect.isawaitable(returned):
+                returned = await returned
+            reward = _as_reward(returned)
+            if reward is not None:
+                await session.reward(reward)
+            return reward
 
-        tasks: dict[asyncio.Task, AsyncSession] = {}
-        for index in range(n):
-            session = self.session()
-            session.index = index
-            tasks[asyncio.ensure_future(one(session))] = session
-        pending = set(tasks)
+        waiting = list(range(n))
+        running: dict[asyncio.Task, AsyncSession] = {}
         failures = 0
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            while waiting or running:
+                while waiting and len(running) < workers and failures <= max_exceptions:
+                    session = self.session()
+                    session.index = waiting.pop(0)
+                    running[asyncio.ensure_future(one(session))] = session
+                if not running:
+                    break
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    session = tasks[task]
+                    session = running.pop(task)
                     error = task.exception()
                     outcomes[session.index] = (session, None if error else task.result(), error)
                     if error is not None:
                         failures += 1
-                        if failures > max_exceptions:
-                            raise _too_many(outcomes, max_exceptions, error)
+                        last_error = error
         finally:
-            for task in pending:  # too many failures, or we were cancelled: stop the rest
+            for task in running:  # only when we are cancelled ourselves
                 task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+        if failures > max_exceptions:
+            raise _too_many(outcomes, max_exceptions, last_error)
         return _collect(outcomes)
 
     async def __aenter__(self) -> "AsyncGroup":

@@ -21,13 +21,18 @@ from starlette.routing import Route
 
 from tests.helpers import ThreadServer
 
-TRAJECTORY_ID = re.compile(r'<trajectory id="([^"]+)">')
+# An opening tag on its own line: the instructions mention `<trajectory id="...">` inline.
+TRAJECTORY_ID = re.compile(r'^<trajectory id="([^"]+)">$', re.MULTILINE)
 
 
 def shown_ids(body: dict) -> list[str]:
-    """The trajectory ids in the judge prompt (its first user message)."""
-    user = next(m for m in body["messages"] if m["role"] == "user")
-    return TRAJECTORY_ID.findall(user["content"])
+    """The trajectory ids in the judge prompt: the first message with opening tags (litellm may
+    have turned the system message into a user one for some models, so roles are no guide)."""
+    for message in body["messages"]:
+        ids = TRAJECTORY_ID.findall(message.get("content") or "")
+        if ids:
+            return ids
+    return []
 
 
 def good_answer(body: dict) -> str:

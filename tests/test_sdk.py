@@ -1,0 +1,286 @@
+"""The SDK against a real gateway on loopback (openai engine in front of the fake upstream)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+import sdk
+from sdk import (
+    APIConnectionError,
+    AsyncRLProxy,
+    AuthenticationError,
+    BadRequestError,
+    NotFoundError,
+    RLProxy,
+    RLProxyAPIError,
+    RolloutsFailed,
+    ServerError,
+)
+from sdk.client import api_base
+from tests.fake_upstream import FakeUpstream
+from tests.helpers import free_port
+from tests.helpers_judge import FakeJudge
+from tests.helpers_upstream import openai_gateway
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with FakeUpstream() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, tmp_path_factory):
+    with openai_gateway(upstream.url, tmp_path_factory.mktemp("sdk-state")) as (server, services):
+        yield server, services
+
+
+@pytest.fixture
+def proxy(gateway):
+    server, _ = gateway
+    with RLProxy(server.url + "/v1") as client:
+        yield client
+
+
+def _ask(session, text: str) -> str:
+    client = session.openai_client(max_retries=0)
+    reply = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": text}])
+    return reply.choices[0].message.content
+
+
+# ---------------------------------------------------------------- the package
+
+
+def test_importing_the_sdk_loads_nothing_heavy():
+    code = ("import sys, sdk; heavy = ('torch', 'fastapi', 'transformers', 'gateway', 'pydantic_settings', "
+            "'openai', 'litellm', 'starlette'); print([m for m in heavy if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("given", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
+def test_base_url_with_or_without_v1(given):
+    assert api_base(given) == "http://h:8000/v1"
+
+
+def test_the_key_is_never_shown():
+    client = RLProxy("http://h:1", api_key="sk-sdk-secret-key")
+    assert "sk-sdk-secret-key" not in repr(client) and "sk-sdk-secret-key" not in repr(client.session())
+    client.close()
+
+
+# ---------------------------------------------------------------- blocking flows
+
+
+def test_a_group_of_parallel_sessions_with_rewards_then_closed(proxy, gateway):
+    _, services = gateway
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def rollout(session):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            answer = _ask(session, f"task {session.index}")
+        finally:
+            with lock:
+                running[0] -= 1
+        return len(answer) / 10
+
+    with proxy.group() as group:
+        result = group.run(rollout, n=6, concurrency=3)
+        assert result.n_failed == 0 and len(result.sessions) == 6
+        assert [s.index for s in result.sessions] == list(range(6))
+        assert result.rewards == [0.6] * 6
+    assert group.closed
+    assert 1 < most[0] <= 3  # in parallel, never more than `concurrency`
+
+    state = proxy.get_group(group.id)
+    assert state["closed"] and state["ready"] and state["n_sessions"] == 6
+    assert {s["id"] for s in state["sessions"]} == {s.id for s in result.sessions}
+    assert all(s["reward"] == 0.6 for s in state["sessions"])
+    call = services.store.session_calls(result.sessions[0].id)[0]
+    assert call["group_id"] == group.id and call["split"] == "train"
+
+
+def test_a_failing_rollout_is_counted_and_skipped(proxy):
+    def rollout(session):
+        if session.index == 1:
+            raise RuntimeError("tool crashed")
+        if session.index == 2:
+            _ask(session, "half way")
+            raise ValueError("lost the thread")
+        _ask(session, "fine")
+        return 1.0
+
+    with proxy.group() as group:
+        result = group.run(rollout, n=4, concurrency=2, max_exceptions=2)
+        assert result.n_failed == 2
+        assert [s.index for s in result.sessions] == [0, 3] and result.rewards == [1.0, 1.0]
+        assert [type(e) for e in result.exceptions] == [RuntimeError, ValueError]
+        assert [s.index for s in result.failed] == [1, 2]
+        # The one that failed after a call is in the group without a reward: the group waits for it.
+        group.close()
+        assert not group.get()["ready"]
+        result.failed[1].reward(0.0)
+    state = proxy.get_group(group.id)
+    assert state["ready"] and state["n_sessions"] == 3  # the one that failed before any call never existed
+
+
+def test_too_many_failures_stop_the_run(proxy):
+    started = []
+
+    def rollout(session):
+        started.append(session.index)
+        raise RuntimeError(f"boom {session.index}")
+
+    group = proxy.group()
+    with pytest.raises(RolloutsFailed) as info:
+        group.run(rollout, n=5, concurrency=1, max_exceptions=1)
+    assert started == [0, 1]  # the rest never started
+    assert info.value.result.n_failed == 2 and "boom 1" in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_rollout_must_return_a_number_or_none(proxy):
+    def rollout(session):
+        _ask(session, "x")
+        return "great"
+
+    result = proxy.group().run(rollout, n=1, max_exceptions=1)
+    assert isinstance(result.exceptions[0], TypeError)
+
+
+def test_sessions_and_headers_for_any_client(proxy, gateway):
+    server, services = gateway
+    session = proxy.session(group="g-headers", split="val")
+    assert session.headers() == {"X-Session-Id": session.id, "X-Group-Id": "g-headers", "X-Split": "val"}
+    response = httpx.post(server.url + "/v1/chat/completions", headers=session.headers(),
+                          json={"model": "fake-model", "messages": [{"role": "user", "content": "raw"}]})
+    assert response.status_code == 200 and response.headers["X-Session-Id"] == session.id
+    assert session.reward(0.5, metrics={"turns": 1})["metrics"] == {"turns": 1}
+    recorded = session.get()
+    assert recorded["split"] == "val" and recorded["group_id"] == "g-headers" and recorded["reward"] == 0.5
+
+
+# ---------------------------------------------------------------- typed errors
+
+
+def test_gateway_errors_are_typed_and_carry_its_message(proxy, gateway):
+    with pytest.raises(NotFoundError) as info:
+        proxy.session().reward(1.0)
+    error = info.value
+    assert error.status_code == 404 and error.type == "not_found_error"
+    assert "post a reward after the session's first chat completion" in error.message
+    assert isinstance(error, RLProxyAPIError)
+
+    with pytest.raises(NotFoundError):
+        proxy.group("never-used").close()
+    session = proxy.session()
+    _ask(session, "so it exists")
+    with pytest.raises(BadRequestError) as info:
+        proxy.reward(session.id, 1.0, metrics={"turns": "many"})  # type: ignore[dict-item]
+    assert info.value.status_code == 400 and "turns" in info.value.message
+
+
+def test_a_failed_judgement_is_a_server_error(proxy, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-judge-key-0000")
+    with proxy.group() as group:
+        group.run(lambda s: _ask(s, f"attempt {s.index}") and None, n=2)
+        with FakeJudge(answers=["nope", "still nope"]) as judge:
+            with pytest.raises(ServerError) as info:
+                group.ruler("openai/judge", judge_api_base=judge.url)
+        assert info.value.status_code == 502 and info.value.type == "judge_error"
+        assert "answered wrongly twice" in info.value.message
+        assert group.get()["ruler_status"] == "failed"
+        group.closed = True  # leave it open; nothing to close on exit
+
+
+def test_wrong_key_and_no_gateway(upstream, tmp_path):
+    with openai_gateway(upstream.url, tmp_path, api_key="sk-gateway-key-1234") as (server, _):
+        with RLProxy(server.url, api_key="sk-wrong") as client:
+            with pytest.raises(AuthenticationError) as info:
+                client.get_group("anything")
+            assert info.value.status_code == 401
+        with RLProxy(server.url, api_key="sk-gateway-key-1234") as client:
+            with pytest.raises(NotFoundError):
+                client.get_group("anything")
+            session = client.session()
+            assert _ask(session, "with a key") == "with a key"
+    with RLProxy(f"http://127.0.0.1:{free_port()}") as client:
+        with pytest.raises(APIConnectionError):
+            client.get_group("anything")
+
+
+# ---------------------------------------------------------------- asyncio flows
+
+
+async def test_async_group_run_then_ruler(gateway, monkeypatch):
+    server, _ = gateway
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-judge-key-0000")
+
+    async def rollout(session):
+        client = session.openai_client(max_retries=0)
+        reply = await client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "same task"},
+                                          {"role": "user", "content": f"attempt {session.index % 2}"}])
+        assert reply.choices[0].message.content.startswith("attempt")
+        return None  # RULER scores it
+
+    with FakeJudge() as judge:
+        async with AsyncRLProxy(server.url) as client:
+            async with client.group() as group:
+                result = await group.run(rollout, n=4, concurrency=4)
+                assert result.n_failed == 0
+                scores = await group.ruler("openai/judge", judge_api_base=judge.url)
+            assert group.closed
+            assert [s.session_id for s in scores] == [s.id for s in result.sessions]
+            assert {s.score for s in scores} == {1.0, 0.5}  # two distinct attempts, judged once each
+            state = await client.get_group(group.id)
+    assert len(judge.requests) == 1
+    assert state["ready"] and state["ruler_status"] == "scored"
+
+
+async def test_async_failures_and_typed_errors(gateway):
+    server, _ = gateway
+    async with AsyncRLProxy(server.url + "/v1/") as client:
+        async def rollout(session):
+            if session.index == 0:
+                raise RuntimeError("flaky tool")
+            async with session:
+                reply = await session.openai_client(max_retries=0).chat.completions.create(
+                    model="fake-model", messages=[{"role": "user", "content": "ok"}])
+            return 1.0 if reply.choices[0].message.content == "ok" else 0.0
+
+        async with client.group() as group:
+            result = await group.run(rollout, n=3, max_exceptions=1)
+        assert result.n_failed == 1 and result.rewards == [1.0, 1.0]
+        assert (await client.get_group(group.id))["ready"]
+
+        async def always_fails(session):
+            await asyncio.sleep(0)
+            raise RuntimeError("down")
+
+        with pytest.raises(RolloutsFailed):
+            await client.group().run(always_fails, n=3, max_exceptions=0)
+        with pytest.raises(NotFoundError) as info:
+            await client.session().reward(1.0)
+        assert info.value.status_code == 404
+
+
+def test_public_api_is_exported():
+    for name in ("RLProxy", "AsyncRLProxy", "Session", "AsyncSession", "Group", "AsyncGroup", "RunResult",
+                 "RLProxyAPIError", "NotFoundError", "BadRequestError", "AuthenticationError", "ServerError"):
+        assert hasattr(sdk, name), name
+    assert json.dumps(sdk.__all__)
