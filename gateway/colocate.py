@@ -21,7 +21,8 @@ holding the GPU (same machine: its pid is checked) is noticed, and serving resum
 `--gpu-mode dedicated` (vLLM and the trainer on separate GPUs): serving never pauses; the
 trainer skips groups sampled more than `--max-staleness` steps before the step it would
 produce (`is_stale`). A call records the adapter step that answered it (`calls.step`,
-NULL for the base model = step 0), so a group's step is the oldest among its calls.
+NULL for the base model = step 0), so a group's step is the oldest among its calls
+(`sampled_step(calls)`).
 
 The trainer's API is three functions, all blocking and safe to call from any process that
 opens the same store:
@@ -45,7 +46,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Iterator
 
 from gateway.errors import EngineUnavailable
 
@@ -75,6 +76,12 @@ def is_stale(group_step: int | None, current_step: int, max_staleness: int) -> b
     skipped: their logprobs come from a policy too far from the one being updated for the
     clipped ratio to mean much."""
     return current_step - (group_step or 0) > max_staleness
+
+
+def sampled_step(calls: Iterable[dict]) -> int:
+    """The step a group (or session) was sampled by: the oldest adapter step among its
+    recorded calls (`calls.step`; None = the base model = step 0). Feed it to `is_stale`."""
+    return min(((call.get("step") or 0) for call in calls), default=0)
 
 
 def holder_id() -> str:

@@ -29,6 +29,7 @@ from gateway.colocate import (
     holder_alive,
     is_stale,
     needs_gpu_lease,
+    sampled_step,
 )
 from gateway.errors import EngineUnavailable
 from gateway.store import Store
@@ -186,3 +187,5 @@ def test_dedicated_mode_never_pauses_and_skips_stale_groups(tmp_path):
     assert is_stale(group_step=1, current_step=4, max_staleness=2)
     assert is_stale(group_step=None, current_step=3, max_staleness=2)  # base model = step 0
     assert not is_stale(group_step=None, current_step=0, max_staleness=0)
+    calls = [{"step": 3}, {"step": None}, {"step": 4}]
+    assert sampled_step(calls) == 0 and sampled_step(calls[::2]) == 3 and sampled_step([]) == 0
