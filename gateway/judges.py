@@ -68,8 +68,10 @@ def litellm_judge(model: str, api_base: str | None = None, timeout: float = JUDG
             kwargs["api_base"] = api_base
             if model.split("/", 1)[0] not in litellm.provider_list:
                 kwargs["custom_llm_provider"] = "openai"  # `my-model` at an OpenAI-compatible URL
-            # A local judge often wants no key, but the OpenAI client insists on one.
-            kwargs["api_key"] = os.environ.get("RLPROXY_JUDGE_API_KEY") or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+            # The URL comes with the request, so the provider keys in the environment must not
+            # go there: only the key meant for such a judge. A local judge often wants none,
+            # but the OpenAI client insists on one.
+            kwargs["api_key"] = os.environ.get("RLPROXY_JUDGE_API_KEY") or "EMPTY"
         try:
             response = await litellm.acompletion(**kwargs)
         except Exception as exc:  # litellm raises its own zoo; the caller wants one kind

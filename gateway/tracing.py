@@ -97,7 +97,7 @@ def generation_fields(record: CallRecord) -> dict:
 class LangfuseTracer:
     """Sends what the gateway records to Langfuse, off the request path."""
 
-    def __init__(self, *, public_key: str, secret_key: str, host: str, flush_interval: float = 1.0,
+    def __init__(self, *, public_key: str, secret_key: str, host: str, flush_interval: float | None = None,
                  queue_size: int = QUEUE_SIZE):
         self._config = {"public_key": public_key, "secret_key": secret_key, "host": host,
                         "flush_interval": flush_interval}
@@ -166,6 +166,7 @@ class LangfuseTracer:
         # An own provider: the gateway does not take over the process's global OpenTelemetry setup.
         self._provider = TracerProvider()
         config = self._config
+        # flush_interval None: the SDK's default, or LANGFUSE_FLUSH_INTERVAL.
         return Langfuse(public_key=config["public_key"], secret_key=config["secret_key"], base_url=config["host"],
                         flush_interval=config["flush_interval"], tracer_provider=self._provider)
 

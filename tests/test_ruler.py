@@ -34,7 +34,8 @@ from tests.helpers_judge import FakeJudge, good_answer, shown_ids
 from tests.helpers_upstream import openai_gateway, raw_store_bytes
 
 GOLDEN = Path(__file__).parent / "golden" / "ruler_prompt.txt"
-JUDGE_KEY = "sk-judge-" + "41c2e9b0-never-store-me"
+JUDGE_KEY = "sk-judge-" + "41c2e9b0-never-store-me"  # RLPROXY_JUDGE_API_KEY: for judges at a judge_api_base
+PROVIDER_KEY = "sk-provider-" + "9a7d03c1-stays-home"  # OPENAI_API_KEY: must never go to a judge_api_base
 SYSTEM = "You are a careful calculator agent. Use the tool when it helps."
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",
                                             "parameters": {"type": "object",
@@ -171,8 +172,8 @@ def gateway(upstream, tmp_path_factory):
 
 @pytest.fixture
 def judge_env(monkeypatch):
-    monkeypatch.setenv("OPENAI_API_KEY", JUDGE_KEY)
-    monkeypatch.delenv("RLPROXY_JUDGE_API_KEY", raising=False)
+    monkeypatch.setenv("RLPROXY_JUDGE_API_KEY", JUDGE_KEY)
+    monkeypatch.setenv("OPENAI_API_KEY", PROVIDER_KEY)
 
 
 def _run_group(server, group_id: str, attempts: list[str]) -> list[str]:
@@ -214,7 +215,9 @@ def test_a_group_is_judged_scores_become_rewards_and_it_closes(gateway, judge_en
     body = request["body"]
     assert body["model"] == "judge-model"
     assert body["response_format"] == RESPONSE_FORMAT
-    assert request["headers"]["authorization"] == f"Bearer {JUDGE_KEY}"  # the key comes from the environment
+    # The judge's key comes from the environment; the provider key never goes to a URL a client chose.
+    assert request["headers"]["authorization"] == f"Bearer {JUDGE_KEY}"
+    assert PROVIDER_KEY not in json.dumps(request)
     system, user = body["messages"][0]["content"], body["messages"][1]["content"]
     assert DEFAULT_RUBRIC in system
     assert shown_ids(body) == ["1", "2"]  # sessions 0 and 2 are identical: judged once

@@ -194,8 +194,7 @@ def test_gateway_errors_are_typed_and_carry_its_message(proxy, gateway):
     assert info.value.status_code == 400 and "turns" in info.value.message
 
 
-def test_a_failed_judgement_is_a_server_error(proxy, monkeypatch):
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-judge-key-0000")
+def test_a_failed_judgement_is_a_server_error(proxy):
     with proxy.group() as group:
         group.run(lambda s: _ask(s, f"attempt {s.index}") and None, n=2)
         with FakeJudge(answers=["nope", "still nope"]) as judge:
@@ -226,9 +225,8 @@ def test_wrong_key_and_no_gateway(upstream, tmp_path):
 # ---------------------------------------------------------------- asyncio flows
 
 
-async def test_async_group_run_then_ruler(gateway, monkeypatch):
+async def test_async_group_run_then_ruler(gateway):
     server, _ = gateway
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-judge-key-0000")
 
     async def rollout(session):
         client = session.openai_client(max_retries=0)
