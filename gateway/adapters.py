@@ -3,6 +3,19 @@
 Served names: `NAME` (the newest loaded step), `NAME@N` (a pinned step, while
 loaded) and the base model's id (no adapter). Engines without adapters
 (`openai`) pass every name through unchanged.
+
+The hot-swap, driven by the store (the trainer's only channel to the gateway):
+
+1. every `poll_interval` the registry reads the `steps` rows of NAME;
+2. a new step N is loaded into the engine as `NAME@N`, from its checkpoint path
+   (checked to lie inside `settings.models_dir`: the path comes from another process);
+3. only once the load succeeded does the alias `NAME` move to N. Resolving a name and
+   moving the alias both run on the event loop without an `await` between reading and
+   writing, so a request sees either the old step or the new one, never a half-state;
+4. requests in flight keep the adapter they started with (`hold` counts them per step);
+   adapters beyond the newest `keep_adapters` are unloaded once nothing uses them.
+
+A failed load is logged, leaves the previous step serving, and is retried next poll.
 """
 
 from __future__ import annotations
@@ -10,15 +23,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 from gateway.engines.base import Engine
-from gateway.errors import NotFound
+from gateway.errors import Conflict, NotFound
 from gateway.settings import Settings
 from gateway.store import Store
 
 log = logging.getLogger("rlproxy.adapters")
+
+# A step is unloaded only if no request resolved it for this long: a stream resolves
+# its target before it starts holding it (headers go out first), and that gap must
+# never see its adapter vanish.
+_UNLOAD_GRACE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -30,24 +50,167 @@ class Target:
     step: int | None  # the step that will answer; None for the base model or an upstream
 
 
+class AdapterPathError(Exception):
+    """A step row names a checkpoint outside the models directory."""
+
+
+def checked_adapter_path(raw_path: str, models_dir: Path) -> Path:
+    """The step row's checkpoint path, resolved, if it lies inside `models_dir`.
+
+    Step rows are written by the trainer, another process (possibly another machine
+    sharing the store): a path from there never reaches the engine unchecked.
+    """
+    path = Path(raw_path).resolve()
+    root = Path(models_dir).resolve()
+    if not path.is_relative_to(root):
+        raise AdapterPathError(f"checkpoint path {raw_path!r} is outside the models directory {root}")
+    return path
+
+
 class AdapterRegistry:
-    """Maps requested model names to loaded adapters and keeps track of use."""
+    """Maps requested model names to loaded adapters, keeps track of use, hot-swaps."""
 
     def __init__(self, engine: Engine, store: Store, settings: Settings):
         self.engine = engine
         self.store = store
         self.settings = settings
         self.name = settings.model_name
-        self.loaded: dict[int, str] = {}  # step -> adapter name, in load order
+        self.loaded: dict[int, str] = {}  # step -> adapter name
         self.current: int | None = None  # step the alias NAME points at
         self.in_flight: dict[int, int] = {}  # step -> requests using it
-        self._lock = asyncio.Lock()
+        self.load_errors: dict[int, str] = {}  # step -> why its last load failed (cleared on success)
+        self.swaps = 0  # times the alias moved (for /metrics and tests)
+        self._last_resolved: dict[int, float] = {}  # step -> monotonic time a request last resolved it
+        self._lock = asyncio.Lock()  # one refresh at a time (poll loop, start, activate)
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Load what the store already has (a restart serves the newest step at once)."""
+        """Load what the store already has (a restart serves the newest step at once),
+        then watch the store for new steps."""
+        if not self.engine.supports_adapters:
+            return
+        try:
+            await self.refresh()
+        except Exception:  # a store or engine hiccup at start must not stop the gateway
+            log.exception("loading the trained adapters at start failed; retrying every %.1f s",
+                          self.settings.poll_interval)
+        self._task = asyncio.create_task(self._poll(), name="rlproxy-adapter-poll")
 
     async def close(self) -> None:
-        pass
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.poll_interval)
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop outlives any one failure
+                log.exception("adapter refresh failed; retrying in %.1f s", self.settings.poll_interval)
+
+    # ------------------------------------------------------------------ hot-swap
+
+    async def refresh(self) -> None:
+        """One look at the store: load new steps, move the alias, unload idle old ones."""
+        rows = await asyncio.to_thread(self.store.steps, self.name)
+        async with self._lock:
+            newest = sorted(rows, key=lambda row: row["step"])[-self.settings.keep_adapters:]
+            for row in newest:
+                step = row["step"]
+                if step in self.loaded:
+                    continue
+                if self.current is not None and step < self.current and self.loaded:
+                    continue  # older than what serves now: not worth loading after the fact
+                if await self._load(step, row["path"]):
+                    self._point_alias_at(step)
+            await self._unload_idle()
+
+    async def activate(self, step: int) -> bool:
+        """Load step `step` now (if needed) and point NAME at it if it is the newest.
+        For callers that know a step just landed (the colocated-GPU hand-back)."""
+        rows = [row for row in await asyncio.to_thread(self.store.steps, self.name) if row["step"] == step]
+        if not rows:
+            log.warning("step %s of %s has no step row; nothing to load", step, self.name)
+            return False
+        async with self._lock:
+            if step not in self.loaded and not await self._load(step, rows[0]["path"]):
+                return False
+            self._point_alias_at(step)
+            await self._unload_idle()
+        return True
+
+    async def _load(self, step: int, raw_path: str) -> bool:
+        adapter = f"{self.name}@{step}"
+        try:
+            path = checked_adapter_path(raw_path, self.settings.models_dir)
+            started = time.perf_counter()
+            try:
+                await self.engine.load_adapter(adapter, path)
+            except Conflict:
+                # Already in the engine under this name (loaded by another path): same files.
+                log.info("adapter %s was already loaded in the engine", adapter)
+        except Exception as exc:  # noqa: BLE001 - any failure: keep serving the previous step
+            message = f"{type(exc).__name__}: {getattr(exc, 'message', None) or exc}"
+            if self.load_errors.get(step) != message:  # once per distinct failure, not every poll
+                log.warning("loading %s failed (%s); still serving step %s, retrying every %.1f s",
+                            adapter, message, self.current, self.settings.poll_interval)
+            self.load_errors[step] = message
+            return False
+        self.load_errors.pop(step, None)
+        self.loaded[step] = adapter
+        log.info("loaded %s in %.2f s", adapter, time.perf_counter() - started)
+        return True
+
+    def _point_alias_at(self, step: int) -> None:
+        # No await between the check and the write: atomic for every request on this loop.
+        if self.current is None or step > self.current:
+            previous, self.current = self.current, step
+            self.swaps += 1
+            log.info("%s now serves step %d (was %s)", self.name, step, previous)
+
+    def _keep(self) -> set[int]:
+        """Steps that stay loaded: the newest `keep_adapters` loaded ones, and the current."""
+        newest = sorted(self.loaded)[-self.settings.keep_adapters:]
+        return {*newest, *([self.current] if self.current is not None else [])}
+
+    async def _unload_idle(self) -> None:
+        keep = self._keep()
+        now = time.monotonic()
+        for step in sorted(self.loaded):
+            if step in keep or self.in_flight.get(step, 0) > 0:
+                continue  # busy ones are retried on the next refresh
+            if now - self._last_resolved.get(step, float("-inf")) < _UNLOAD_GRACE_SECONDS:
+                continue
+            adapter = self.loaded.pop(step)  # new requests for NAME@step now get a 404
+            try:
+                await self.engine.unload_adapter(adapter)
+            except NotFound:
+                pass  # already gone: nothing to release
+            except Exception:  # noqa: BLE001 - keep it addressable and try again next time
+                log.exception("unloading %s failed; will retry", adapter)
+                self.loaded[step] = adapter
+                continue
+            self._last_resolved.pop(step, None)
+            log.info("unloaded %s", adapter)
+
+    def status(self) -> dict:
+        """What the registry serves, for health checks and logs."""
+        return {
+            "model": self.name,
+            "current_step": self.current,
+            "loaded_steps": sorted(self.loaded),
+            "in_flight": {step: n for step, n in self.in_flight.items() if n},
+            "load_errors": dict(self.load_errors),
+        }
+
+    # ------------------------------------------------------------------ names
 
     def served_names(self) -> list[str]:
         if not self.engine.supports_adapters:
@@ -56,6 +219,12 @@ class AdapterRegistry:
         return [self.name, *names]
 
     def resolve(self, requested: str) -> Target:
+        target = self._resolve(requested)
+        if target.step is not None:
+            self._last_resolved[target.step] = time.monotonic()
+        return target
+
+    def _resolve(self, requested: str) -> Target:
         if not self.engine.supports_adapters:
             return Target(model=requested, adapter=None, step=None)
         if requested == self.engine.base_model_id:

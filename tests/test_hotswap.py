@@ -1,0 +1,311 @@
+"""Hot-swap: new training steps are loaded and served while requests keep flowing.
+
+The registry's rules are checked against a fake engine (what loads, what moves, what
+waits for idle); the live test runs a real gateway on the tiny model, with steps
+published the way the trainer does it (a PEFT checkpoint under the models directory,
+then `Store.insert_step` from another connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx
+import openai
+import pytest
+
+from gateway import adapters as adapters_module
+from gateway.adapters import AdapterRegistry, checked_adapter_path
+from gateway.app import create_app
+from gateway.engines.base import Engine
+from gateway.errors import EngineUnavailable, NotFound
+from gateway.settings import Settings
+from gateway.store import Store
+from tests.helpers import ThreadServer
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+# ------------------------------------------------------------------ registry rules (fake engine)
+
+
+class FakeEngine(Engine):
+    kind = "fake"
+    supports_adapters = True
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, Path] = {}
+        self.fail_loads: dict[str, int] = {}  # adapter -> loads that fail before one succeeds
+        self.log: list[tuple[str, str]] = []
+
+    @property
+    def base_model_id(self) -> str:
+        return "base"
+
+    async def complete(self, request):  # pragma: no cover - not used here
+        raise NotImplementedError
+
+    def stream(self, request):  # pragma: no cover - not used here
+        raise NotImplementedError
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        if self.fail_loads.get(name, 0) > 0:
+            self.fail_loads[name] -= 1
+            raise EngineUnavailable(f"simulated failure loading {name}")
+        self.adapters[name] = path
+        self.log.append(("load", name))
+
+    async def unload_adapter(self, name: str) -> None:
+        del self.adapters[name]
+        self.log.append(("unload", name))
+
+
+def fake_checkpoint(settings: Settings, step: int) -> str:
+    path = settings.checkpoints_dir() / f"{step:04d}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    monkeypatch.setattr(adapters_module, "_UNLOAD_GRACE_SECONDS", 0.0)
+    settings = Settings(state_dir=tmp_path, keep_adapters=2, poll_interval=30)  # refresh() by hand
+    store = Store(settings.db_path)
+    engine = FakeEngine()
+    yield settings, store, engine, AdapterRegistry(engine, store, settings)
+    asyncio.run(store.close())
+
+
+def publish_fake(settings: Settings, store: Store, step: int, path: str | None = None) -> None:
+    store.insert_step(settings.model_name, step, path or fake_checkpoint(settings, step), {}, [])
+
+
+async def test_start_serves_the_newest_steps_and_base_before_any(fake):
+    settings, store, engine, registry = fake
+    assert registry.resolve("agent").step is None  # nothing trained yet: the base model answers
+    assert registry.resolve("agent").adapter is None
+    for step in range(4):
+        publish_fake(settings, store, step)
+    await registry.start()
+    try:
+        assert sorted(registry.loaded) == [2, 3]  # keep_adapters newest
+        assert registry.current == 3
+        assert registry.resolve("agent").adapter == "agent@3"
+        assert registry.resolve("agent@2").step == 2
+        with pytest.raises(NotFound):
+            registry.resolve("agent@1")
+        assert registry.served_names() == ["agent", "agent@2", "agent@3"]
+    finally:
+        await registry.close()
+
+
+async def test_alias_moves_and_old_adapters_unload_only_when_idle(fake):
+    settings, store, engine, registry = fake
+    publish_fake(settings, store, 0)
+    await registry.refresh()
+    async with registry.use("agent") as held:  # a request in flight on step 0
+        assert held.step == 0
+        publish_fake(settings, store, 1)
+        publish_fake(settings, store, 2)
+        await registry.refresh()
+        assert registry.current == 2 and registry.resolve("agent").step == 2
+        assert 0 in registry.loaded, "an adapter in use must not be unloaded"
+        assert ("unload", "agent@0") not in engine.log
+    await registry.refresh()  # idle now: beyond keep_adapters, so it goes
+    assert sorted(registry.loaded) == [1, 2]
+    assert engine.log[-1] == ("unload", "agent@0")
+    assert set(engine.adapters) == {"agent@1", "agent@2"}
+
+
+async def test_failed_load_keeps_the_previous_step_and_retries(fake, caplog):
+    settings, store, engine, registry = fake
+    publish_fake(settings, store, 0)
+    await registry.refresh()
+    engine.fail_loads["agent@1"] = 1
+    publish_fake(settings, store, 1)
+    await registry.refresh()
+    assert registry.current == 0  # still serving what worked
+    assert "simulated failure" in registry.load_errors[1]
+    assert any("loading agent@1 failed" in r.getMessage() for r in caplog.records)
+    await registry.refresh()  # next poll: it loads
+    assert registry.current == 1 and registry.load_errors == {}
+
+
+async def test_checkpoint_paths_outside_the_models_dir_are_refused(fake, tmp_path):
+    settings, store, engine, registry = fake
+    outside = tmp_path / "elsewhere" / "0000"
+    outside.mkdir(parents=True)
+    publish_fake(settings, store, 0, str(outside))
+    await registry.refresh()
+    assert registry.current is None and engine.log == []
+    assert "outside the models directory" in registry.load_errors[0]
+    sneaky = settings.models_dir / ".." / "elsewhere" / "0000"  # inside only before resolving
+    with pytest.raises(adapters_module.AdapterPathError):
+        checked_adapter_path(str(sneaky), settings.models_dir)
+    assert checked_adapter_path(fake_checkpoint(settings, 5), settings.models_dir).name == "0005"
+
+
+async def test_engines_without_adapters_pass_names_through(tmp_path):
+    class Upstream(FakeEngine):
+        supports_adapters = False
+
+    settings = Settings(state_dir=tmp_path, poll_interval=0.01)
+    store = Store(settings.db_path)
+    publish_fake(settings, store, 0)
+    registry = AdapterRegistry(Upstream(), store, settings)
+    await registry.start()
+    try:
+        await asyncio.sleep(0.05)
+        assert registry.loaded == {} and registry.served_names() == []
+        target = registry.resolve("gpt-4o-mini")
+        assert (target.model, target.adapter, target.step) == ("gpt-4o-mini", None, None)
+    finally:
+        await registry.close()
+        await store.close()
+
+
+# ------------------------------------------------------------------ live: real gateway, tiny model
+
+
+def save_adapter(base_dir: Path, path: Path, seed: int) -> None:
+    """A PEFT checkpoint for the tiny model, as the trainer writes one. seed 0: the fresh
+    adapter (B = 0, same as the base model); others: random B, a visibly different policy."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
+    torch.manual_seed(seed)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name and seed:
+                param.normal_(0.0, 0.5)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    os.rename(tmp, path)  # whole checkpoints only, like the trainer
+
+
+class Publisher:
+    """Plays the trainer: checkpoint files, then the step row, through its own connection."""
+
+    def __init__(self, settings: Settings):
+        from gateway.tiny_model import resolve_base_model
+
+        self.settings = settings
+        self.base_dir = Path(resolve_base_model(settings.base_model, settings.state_dir))
+        self.store = Store(settings.db_path)
+
+    def publish(self, step: int) -> None:
+        path = self.settings.checkpoints_dir() / f"{step:04d}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_adapter(self.base_dir, path, seed=step)
+        self.store.insert_step(self.settings.model_name, step, str(path.resolve()), {"loss": 0.0}, [])
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+async def _call(client: openai.AsyncOpenAI, model: str, stream: bool, session: str) -> tuple[str, str | None, str]:
+    """One chat completion; returns (request id, X-Model-Step, text)."""
+    headers = {"X-Session-Id": session, "X-Group-Id": "hotswap"}
+    raw = await client.chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, max_tokens=8, stream=stream, extra_headers=headers)
+    if stream:
+        text = ""
+        async for chunk in raw.parse():  # with_raw_response: parse() is not awaited
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+    else:
+        text = raw.parse().choices[0].message.content or ""
+    return raw.headers["x-request-id"], raw.headers.get("x-model-step"), text
+
+
+async def _until(predicate, what: str, timeout: float = 120.0) -> None:
+    """Wait for a condition (a hang guard, not a speed requirement)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def _model_ids(url: str) -> set[str]:
+    return {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
+
+
+async def test_requests_keep_flowing_while_two_steps_land(tmp_path):
+    settings = Settings(engine="local", state_dir=tmp_path, poll_interval=0.1, keep_adapters=3,
+                        default_max_tokens=8, max_batch_size=8)
+    publisher = Publisher(settings)
+    publisher.publish(0)  # the trainer saves step 0 (the fresh adapter) when it starts
+    seen: list[tuple[str, str | None, str]] = []  # (request id, X-Model-Step, model asked for)
+    try:
+        with ThreadServer(create_app(settings)) as server:
+            client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            stop = asyncio.Event()
+
+            async def agent(worker: int) -> None:
+                k = 0
+                while not stop.is_set():
+                    request_id, step, _ = await _call(client, "agent", stream=k % 2 == 1, session=f"w{worker}-{k}")
+                    seen.append((request_id, step, "agent"))
+                    k += 1
+
+            def steps_seen() -> set[str | None]:
+                return {step for _, step, _ in seen}
+
+            workers = [asyncio.create_task(agent(i)) for i in range(4)]
+            try:
+                await _until(lambda: "0" in steps_seen(), "requests served by step 0")
+                for step in (1, 2):
+                    await asyncio.to_thread(publisher.publish, step)
+                    await _until(lambda: str(step) in steps_seen(), f"requests served by step {step}")
+                count = len(seen)
+                await _until(lambda: len(seen) >= count + 8, "more requests after the second swap")
+            except BaseException:
+                for task in workers:
+                    task.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+                await client.close()  # idle keep-alive connections would hold up the server's shutdown
+                raise
+            stop.set()
+            await asyncio.gather(*workers)  # any failed request fails the test here
+
+            # The pinned name still answers with its own step (kept: keep_adapters=3).
+            for stream in (False, True):
+                request_id, step, _ = await _call(client, "agent@0", stream=stream, session=f"pinned-{stream}")
+                assert step == "0"
+                seen.append((request_id, step, "agent@0"))
+            assert _model_ids(server.url) >= {"agent", "agent@0", "agent@1", "agent@2", settings.base_model}
+
+            # A third step pushes step 0 beyond keep_adapters: it is unloaded once idle.
+            await asyncio.to_thread(publisher.publish, 3)
+            await _until(lambda: "agent@0" not in _model_ids(server.url), "step 0 to be unloaded")
+            assert _model_ids(server.url) >= {"agent", "agent@1", "agent@2", "agent@3", settings.base_model}
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model="agent@0", messages=MESSAGES, max_tokens=2)
+            request_id, step, _ = await _call(client, "agent", stream=False, session="after")
+            assert step == "3"
+            seen.append((request_id, step, "agent"))
+            await client.close()
+
+        # What was recorded: every call ok, each names an existing step, the one its header said.
+        calls = {row["id"]: row for row in publisher.store._query("SELECT id, step, status, model FROM calls")}
+        existing = {row["step"] for row in publisher.store.steps(settings.model_name)}
+        for request_id, header, model in seen:
+            call = calls[request_id]
+            assert call["status"] == "ok", call
+            assert call["step"] in existing
+            assert str(call["step"]) == header
+            assert call["model"] == model
+        assert {str(calls[r]["step"]) for r, _, m in seen if m == "agent"} >= {"0", "1", "2", "3"}
+        assert len(seen) >= 20
+    finally:
+        await publisher.close()
