@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from sdk.client import Score
-from sdk.errors import RolloutsFailed
+from sdk.client import Score, new_id
+from sdk.errors import NotFoundError, RolloutsFailed
 from sdk.session import AsyncSession, Session
 
 if TYPE_CHECKING:
@@ -86,8 +86,6 @@ class _GroupBase:
         self._lock = threading.Lock()
 
     def _new_session(self, cls: type, session_id: str | None) -> Any:
-        from sdk.client import new_id
-
         with self._lock:
             self._n_sessions += 1
         return cls(self.proxy, session_id or new_id("sess"), self.id, self.split)
@@ -172,7 +170,10 @@ class Group(_GroupBase):
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         if self._close_on_exit(exc_type):
-            self.close()
+            try:
+                self.close()
+            except NotFoundError:
+                pass  # no session made a call, so the gateway has no such group to close
 
 
 class AsyncGroup(_GroupBase):
@@ -245,4 +246,7 @@ class AsyncGroup(_GroupBase):
 
     async def __aexit__(self, exc_type: type | None, *exc: object) -> None:
         if self._close_on_exit(exc_type):
-            await self.close()
+            try:
+                await self.close()
+            except NotFoundError:
+                pass  # no session made a call, so the gateway has no such group to close

@@ -153,6 +153,14 @@ def test_too_many_failures_stop_the_run(proxy):
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+def test_a_group_no_call_reached_closes_quietly(proxy):
+    with proxy.group() as group:
+        result = group.run(lambda session: 1 / 0, n=2, max_exceptions=2)
+    assert result.n_failed == 2 and not group.closed
+    with pytest.raises(NotFoundError):
+        group.close()  # asked for explicitly, it still says the group does not exist
+
+
 def test_a_rollout_must_return_a_number_or_none(proxy):
     def rollout(session):
         _ask(session, "x")
@@ -243,7 +251,7 @@ async def test_async_group_run_then_ruler(gateway):
                 assert result.n_failed == 0
                 scores = await group.ruler("openai/judge", judge_api_base=judge.url)
             assert group.closed
-            assert [s.session_id for s in scores] == [s.id for s in result.sessions]
+            assert sorted(s.session_id for s in scores) == sorted(s.id for s in result.sessions)
             assert {s.score for s in scores} == {1.0, 0.5}  # two distinct attempts, judged once each
             state = await client.get_group(group.id)
     assert len(judge.requests) == 1
