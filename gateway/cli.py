@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import typing
 from typing import Callable, Literal
@@ -70,8 +71,104 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _configure_logging(settings)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=settings.log_level == "debug")
+    trainer = _start_trainer(args, settings)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                    access_log=settings.log_level == "debug")
+    finally:
+        _stop_trainer(trainer)
+    return 0
+
+
+_SECRET_SETTINGS = ("api_key", "upstream_api_key")
+
+
+def _settings_argv(args: argparse.Namespace) -> list[str]:
+    """The settings flags given on this command line, to hand on to a child command
+    (secrets left out: the trainer needs none, and argv is visible to every user)."""
+    argv: list[str] = []
+    for name, value in vars(args).items():
+        if name not in Settings.model_fields or name in _SECRET_SETTINGS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            for item in value:
+                argv.append(f"{flag}={item}")  # `--vllm-arg=--x=1`: a value may itself start with --
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the gateway dies, even by
+    SIGKILL (elsewhere the shared process group is the only tie)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _start_trainer(args: argparse.Namespace, settings: Settings):
+    """`--trainer auto`: `rlproxy train` with the same settings as a child process in the
+    gateway's process group; None when there is nothing to train for."""
+    import subprocess
+
+    log = logging.getLogger("rlproxy")
+    if settings.trainer == "off":
+        return None
+    if settings.engine == "openai":
+        log.info("trainer not started: the openai engine serves no adapters, so trained steps could not be "
+                 "served (calls are still recorded; train them with `rlproxy train` for another engine)")
+        return None
+    cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_argv(args)]
+    env = dict(os.environ)
+    if settings.device == "cpu":
+        # The local engine computes on the same cores: OpenMP threads of two processes
+        # competing for every core slow both down many times over, so the trainer takes half.
+        env.setdefault("RLPROXY_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+    log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
+    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+
+def _stop_trainer(proc, timeout: float = 30.0) -> None:
+    """SIGTERM: the worker finishes its current step and exits; after `timeout`, kill it
+    (safe: a checkpoint is never half written and a group is marked trained only with its
+    step row)."""
+    import subprocess
+
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from trainer.worker import run_worker
+
+    settings = settings_from_args(args)
+    _configure_logging(settings)
+    stop = threading.Event()
+
+    def request_stop(signum, frame) -> None:
+        logging.getLogger("rlproxy.trainer").info("stopping after the current step (signal %d again: at once)", signum)
+        stop.set()
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    run_worker(settings, stop, max_steps=args.max_steps)
     return 0
 
 
@@ -84,10 +181,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import demo_settings, options_from_args, report, run_demo
+
+    options = options_from_args(args)
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    summary = run_demo(demo_settings(given, options.out), options)
+    print(report(summary))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[tuple[str, ...], str], ...]]] = {
     "serve": ("run the gateway (and, with --trainer auto, a trainer worker beside it)", cmd_serve,
               ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
     "export": ("write recorded sessions as JSON lines", cmd_export, ((("state_dir",), "store"),)),
+    "demo": ("watch it learn: gateway, trainer and a toy agent on the built-in tiny model (CPU, minutes)",
+             cmd_demo, ((("state_dir", "log_level"), "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
+    "train": ("run a trainer worker alone: train on ready groups, save adapters, record steps", cmd_train,
+              ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
 }
 
 
@@ -102,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--output", "-o", default="-", help="file to write, or - for stdout")
             command.add_argument("--split", choices=["train", "val"], default=None, help="only this split")
             command.add_argument("--rewarded", action="store_true", help="only sessions with a reward")
+        if name == "demo":
+            from gateway.demo import add_arguments
+
+            add_arguments(command)
+        if name == "train":
+            command.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     return parser
 
 

@@ -178,6 +178,12 @@ def build_batch(
     return Batch(samples, trained, skipped, rewards)
 
 
+def sampling_step(calls: Sequence[dict]) -> int:
+    """The oldest adapter step that answered any of these calls (None, the base model,
+    counts as step 0): how stale a group's logprobs are."""
+    return min((c.get("step") or 0 for c in calls), default=0)
+
+
 def load_groups(store: Any, group_ids: Sequence[str]) -> tuple[list[dict], dict[str, list[dict]]]:
     """Read groups and their sessions' calls from the store (the one I/O function here)."""
     groups = [store.get_group(gid) for gid in group_ids]

@@ -17,11 +17,16 @@ last checkpoint + 1, and no group is lost or trained twice.
 
 One worker per model: a lock file in the checkpoint directory (released by the kernel
 when the process dies, even by SIGKILL) makes a second worker fail fast.
+
+With `--engine vllm`: in `--gpu-mode colocated` each step borrows the GPU from vLLM
+(`gateway.colocate.gpu_for_training`) and hands it back naming the new step; in
+`dedicated` mode groups sampled more than `--max-staleness` steps ago are skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import math
@@ -30,17 +35,18 @@ import sqlite3
 import sys
 import threading
 import time
-from pathlib import Path
 
-from gateway.errors import ConfigError, Conflict
+from gateway.errors import ConfigError, Conflict, EngineUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
 from trainer import checkpoints as ckpts
-from trainer.data import NO_SPREAD, ChatTemplateRenderer, build_batch, spread_groups
+from trainer.data import NO_SPREAD, ChatTemplateRenderer, build_batch, sampling_step, spread_groups
 
 log = logging.getLogger("rlproxy.trainer")
 
 TOO_LONG = "every sample is longer than max_tokens_per_row"
+GPU_LEASE_TIMEOUT = 600.0
+"""Seconds to wait for the gateway to drain and lend the GPU before postponing a step."""
 # Settings a checkpoint cannot be resumed under when they change.
 _ADAPTER_SHAPE = ("base_model", "lora_rank", "lora_alpha")
 
@@ -84,6 +90,11 @@ class TrainerWorker:
         from trainer.backends import get_backend
 
         torch.manual_seed(self.settings.seed)
+        threads = os.environ.get("RLPROXY_TORCH_THREADS")
+        if threads:
+            # Beside a local engine on the same cores, two processes each spinning one
+            # OpenMP thread per core make both many times slower: `serve` gives each half.
+            torch.set_num_threads(int(threads))
         started = time.perf_counter()
         self.backend = get_backend(self.settings.backend)(self.settings)
         self.render = ChatTemplateRenderer(self.backend.tokenizer)
@@ -194,6 +205,7 @@ class TrainerWorker:
             self.store.mark_skipped([g["id"] for g in drop], NO_SPREAD)
             self.skipped_since_step += len(drop)
             log.info("skipped %d group(s) with no reward spread", len(drop))
+        keep = self._drop_stale(keep)
         wanted = self.settings.groups_per_step
         if len(keep) >= wanted:
             self.store.consume_triggers(self.model)  # this step answers any pending ask too
@@ -205,10 +217,32 @@ class TrainerWorker:
             return keep
         return None
 
+    def _drop_stale(self, groups: list[dict]) -> list[dict]:
+        """`--gpu-mode dedicated` (vLLM keeps serving newer steps while this trains): mark
+        skipped the groups sampled more than `max_staleness` steps before the step this
+        worker trains from; their recorded logprobs are too far off-policy."""
+        if not (self.settings.engine == "vllm" and self.settings.gpu_mode == "dedicated"):
+            return groups
+        from gateway.colocate import is_stale
+
+        current = self.next_step - 1
+        fresh, stale = [], {}
+        for group in groups:
+            calls = [c for s in group["sessions"] for c in self.store.session_calls(s["id"])]
+            sampled_by = sampling_step(calls)
+            if is_stale(sampled_by, current, self.settings.max_staleness):
+                stale[group["id"]] = f"stale: sampled by step {sampled_by}, training from step {current}"
+            else:
+                fresh.append(group)
+        for gid, reason in stale.items():
+            self.store.mark_skipped([gid], reason)
+        if stale:
+            self.skipped_since_step += len(stale)
+            log.info("skipped %d group(s) sampled more than %d steps ago", len(stale), self.settings.max_staleness)
+        return fresh
+
     def train_once(self, groups: list[dict]) -> dict | None:
         """One step on `groups`: returns its metrics, or None if nothing was trainable."""
-        from trainer.step import train_step
-
         started = time.perf_counter()
         step = self.next_step
         calls = {s["id"]: self.store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
@@ -228,6 +262,34 @@ class TrainerWorker:
         if not samples:
             return None
 
+        with self._gpu() as lease:
+            metrics = self._train_and_record(step, samples, groups, trained_groups, started, dropped)
+            if lease is not None:
+                lease.step = step  # the gateway loads NAME@step when it takes the GPU back
+        self.next_step = step + 1
+        self.skipped_since_step = 0
+        kl = "-" if metrics["kl"] is None else f"{metrics['kl']:.4f}"
+        log.info(
+            "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, %d tokens in %.1f s (%.0f tok/s), "
+            "%d group(s), %d skipped",
+            step, metrics["loss"], metrics["reward_mean"], metrics["reward_std"], kl, metrics["clip_fraction"],
+            metrics["tokens"], metrics["seconds"], metrics["tokens"] / max(metrics["train_seconds"], 1e-9),
+            metrics["groups"], metrics["skipped_groups"],
+        )
+        return metrics
+
+    def _gpu(self):
+        """`--engine vllm --gpu-mode colocated`: borrow the GPU from vLLM for the step
+        (`gateway.colocate`); otherwise nothing to do."""
+        from gateway.colocate import gpu_for_training, needs_gpu_lease
+
+        if needs_gpu_lease(self.settings):
+            return gpu_for_training(self.store, self.model, timeout=GPU_LEASE_TIMEOUT)
+        return contextlib.nullcontext()
+
+    def _train_and_record(self, step, samples, groups, trained_groups, started, dropped) -> dict:
+        from trainer.step import train_step
+
         metrics = train_step(self.backend, samples, self.settings)
         rewards = [float(s["reward"]) for g in groups if g["id"] in trained_groups for s in g["sessions"]]
         metrics.update(
@@ -242,16 +304,6 @@ class TrainerWorker:
         checkpoint = self._save(step, metrics=metrics, groups=trained_groups)
         _test_pause("record", step)
         self.store.insert_step(self.model, step, str(checkpoint.path), metrics, trained_groups)
-        self.next_step = step + 1
-        self.skipped_since_step = 0
-        kl = "-" if metrics["kl"] is None else f"{metrics['kl']:.4f}"
-        log.info(
-            "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, %d tokens in %.1f s (%.0f tok/s), "
-            "%d group(s), %d skipped",
-            step, metrics["loss"], metrics["reward_mean"], metrics["reward_std"], kl, metrics["clip_fraction"],
-            metrics["tokens"], metrics["seconds"], metrics["tokens"] / max(metrics["train_seconds"], 1e-9),
-            metrics["groups"], metrics["skipped_groups"],
-        )
         return metrics
 
     def run(self, stop_event: threading.Event | None = None, max_steps: int | None = None) -> int:
@@ -266,7 +318,13 @@ class TrainerWorker:
             if groups is None:
                 stop_event.wait(self.settings.poll_interval)
                 continue
-            if self.train_once(groups) is not None:
+            try:
+                trained = self.train_once(groups)
+            except EngineUnavailable as exc:  # the gateway did not lend the GPU: try again later
+                log.warning("step %d postponed: %s", self.next_step, exc.message)
+                stop_event.wait(self.settings.poll_interval)
+                continue
+            if trained is not None:
                 done += 1
         return done
 

@@ -8,12 +8,13 @@ float32 (`autocast_adapter_dtype`), so the optimizer updates full-precision valu
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import torch
 
 from gateway.errors import ConfigError
-from gateway.settings import Settings
+from gateway.settings import TINY_MODEL_ID, Settings
 from trainer.backends.base import ADAPTER_FILES, LORA_TARGET_MODULES, OPTIMIZER_FILE, TrainingBackend
 from trainer.packing import PackedRow, token_logprobs
 
@@ -33,11 +34,20 @@ def model_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def lora_targets(model: torch.nn.Module) -> list[str] | str:
+def lora_targets(model: torch.nn.Module, base_model: str | None = None) -> list[str] | str:
     """`LORA_TARGET_MODULES` the model has; "all-linear" (peft: every linear layer but the
-    output head) for architectures that name their projections otherwise."""
+    output head) for architectures that name their projections otherwise.
+
+    The built-in tiny model also gets its output head: its random embeddings (std 0.02,
+    tied to the head) are so small that the final hidden state, RMS-normalised to norm
+    sqrt(64) = 8, moves no logit by more than about 1.3, whatever the inner layers do; an
+    adapter on the projections alone can never make a token likely, so nothing could be
+    seen to learn (`rlproxy demo`). A LoRA on `lm_head` is a separate delta on the output;
+    the tied weights themselves stay untouched."""
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     found = [m for m in LORA_TARGET_MODULES if m in present]
+    if found and base_model == TINY_MODEL_ID and "lm_head" in present:
+        found.append("lm_head")
     return found or "all-linear"
 
 
@@ -48,6 +58,9 @@ class PeftBackend(TrainingBackend):
         super().__init__(settings)
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-load bars would drown the step log
 
         from gateway.tiny_model import resolve_base_model
 
@@ -67,12 +80,16 @@ class PeftBackend(TrainingBackend):
             r=settings.lora_rank,
             lora_alpha=settings.lora_alpha,
             lora_dropout=settings.lora_dropout,
-            target_modules=lora_targets(base),
+            target_modules=lora_targets(base, settings.base_model),
             task_type="CAUSAL_LM",
         )
         # The fresh adapter (A random, B zero) is drawn from the trainer seed: step 0 is
         # the same on every machine.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft calls transformers' deprecated `is_gradient_checkpointing`: not ours to fix.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            # The tiny model's LoRA on its tied head (see `lora_targets`) is never merged.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings", category=UserWarning)
             torch.manual_seed(settings.seed)
             self.model = get_peft_model(base, config)
         self.model.train()
@@ -113,7 +130,9 @@ class PeftBackend(TrainingBackend):
     # -- files
     def save(self, directory: Path) -> None:
         directory = Path(directory)
-        self.model.save_pretrained(directory, safe_serialization=True)
+        # Only the LoRA weights: the base embeddings are never trained (peft would otherwise copy
+        # the tiny model's tied embedding matrix into every checkpoint, see `lora_targets`).
+        self.model.save_pretrained(directory, safe_serialization=True, save_embedding_layers=False)
         missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
         if missing:  # a peft version that names its files otherwise must not pass silently
             raise RuntimeError(f"peft's save_pretrained did not write {', '.join(missing)} in {directory}")
