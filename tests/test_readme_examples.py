@@ -4,9 +4,6 @@ The gateway is a child process (`--engine openai` in front of the fake upstream,
 trainer); the examples run as child processes too, with `RLPROXY_URL` pointing at it.
 The RULER example's `openai/o3` judge reaches the loopback judge through the gateway's
 `OPENAI_BASE_URL`, which litellm reads, so not a character of the example changes.
-
-The examples are taken from README.md once it holds them, else from
-docs/sdk_ruler_langfuse.md (where they are written before the README is assembled).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from tests.helpers import gateway_process
 from tests.helpers_judge import FakeJudge
 
 ROOT = Path(__file__).resolve().parents[1]
-CANDIDATES = (ROOT / "README.md", ROOT / "docs" / "sdk_ruler_langfuse.md")
+README = ROOT / "README.md"
 _FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
@@ -47,11 +44,7 @@ def sdk_examples(path: Path) -> list[str]:
 
 
 def examples_file() -> Path:
-    """README.md once the SDK examples are merged into it, else the section's own file."""
-    for path in CANDIDATES:
-        if path.exists() and sdk_examples(path):
-            return path
-    raise FileNotFoundError("no file holds the SDK examples: " + ", ".join(str(p) for p in CANDIDATES))
+    return README
 
 
 def _example(marker: str) -> str:
