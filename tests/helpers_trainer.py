@@ -47,24 +47,25 @@ class Recorder:
         n = len(prompt)
         return [float(logp[n + i - 1, t]) for i, t in enumerate(completion)]
 
-    def call(self, session_id: str, group_id: str, question: str, answer: str) -> None:
+    def call(self, session_id: str, group_id: str, question: str, answer: str, step: int | None = 0) -> None:
         messages = [{"role": "user", "content": question}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = self.encode(text)
         completion = self.encode(answer + self.tokenizer.eos_token)
         self.store.record_call_sync(CallRecord(
             id=f"{session_id}-call", session_id=session_id, group_id=group_id, split="train",
-            model=self.settings.model_name, served=f"{self.settings.model_name}@0", step=0, engine="local",
+            model=self.settings.model_name, served=f"{self.settings.model_name}@{step}", step=step, engine="local",
             stream=False, status="ok", request={"model": self.settings.model_name, "messages": messages},
             response={"choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
                                    "finish_reason": "stop"}]},
             latency_ms=1.0, prompt_ids=prompt, completion_ids=[completion],
             completion_logprobs=[self.logprobs(prompt, completion)]))
 
-    def group(self, group_id: str, rewards: list[float]) -> None:
-        """A closed group: one session per reward, each one call."""
+    def group(self, group_id: str, rewards: list[float], step: int | None = 0) -> None:
+        """A closed group: one session per reward, each one call answered by adapter `step`."""
         for i, reward in enumerate(rewards):
             session_id = f"{group_id}-s{i}"
-            self.call(session_id, group_id, f"What is {i} + {len(group_id)}?", ANSWERS[(i + len(group_id)) % len(ANSWERS)])
+            self.call(session_id, group_id, f"What is {i} + {len(group_id)}?", ANSWERS[(i + len(group_id)) % len(ANSWERS)],
+                      step)
             asyncio.run(self.store.set_reward(session_id, reward))
         asyncio.run(self.store.close_group(group_id))

@@ -83,3 +83,38 @@ def test_restart_resumes_weights_and_optimizer_and_locks_out_a_second_worker(tra
             TrainerWorker(settings).start()
     finally:
         worker.close()
+
+
+def test_dedicated_gpu_mode_skips_groups_sampled_too_long_ago(tmp_path):
+    settings = trainer_settings(tmp_path, engine="vllm", gpu_mode="dedicated", max_staleness=1)
+    recorder = Recorder(settings)
+    recorder.group("old", [1.0, 0.0], step=None)  # the base model answered: step 0
+    recorder.group("recent", [1.0, 0.0], step=2)
+    recorder.close()
+    worker = TrainerWorker(settings)  # not started: no model needed to choose groups
+    try:
+        worker.next_step = 4  # training from step 3
+        worker.settings = worker.settings.model_copy(update={"groups_per_step": 1})
+        assert [g["id"] for g in worker.groups_to_train()] == ["recent"]
+        assert worker.store.get_group("old")["skipped"].startswith("stale: sampled by step 0")
+    finally:
+        worker.close()
+
+
+def test_serve_hands_its_settings_to_the_trainer_and_starts_none_where_pointless(caplog):
+    from gateway.cli import _settings_argv, _start_trainer, build_parser, settings_from_args
+
+    serve = build_parser().parse_args(["serve", "--port", "9", "--model-name", "m", "--beta", "0.05",
+                                       "--vllm-arg=--enforce-eager", "--api-key", "sk-secret", "--loss-type", "dapo"])
+    argv = _settings_argv(serve)
+    assert "sk-secret" not in argv and "--api-key" not in argv
+    train = build_parser().parse_args(["train", *argv])
+    expected = settings_from_args(serve).public_dict()
+    assert settings_from_args(train).public_dict() == {**expected, "api_key": None}
+
+    with caplog.at_level("INFO", logger="rlproxy"):
+        openai = build_parser().parse_args(["serve", "--engine", "openai", "--upstream-url", "http://127.0.0.1:9"])
+        assert _start_trainer(openai, settings_from_args(openai)) is None
+        off = build_parser().parse_args(["serve", "--trainer", "off"])
+        assert _start_trainer(off, settings_from_args(off)) is None
+    assert "openai engine serves no adapters" in caplog.text
