@@ -209,7 +209,7 @@ class FakeUpstream:
         self._loop.call_later(0.05, self._loop.stop)
 
     def release(self) -> None:
-        """Let streams waiting at `[[hold]]` go on."""
+        """Let streams waiting at `[[hold]]` go on (and later ones pass straight through)."""
         assert self._loop is not None and self._released is not None
         self._loop.call_soon_threadsafe(self._released.set)
 

@@ -134,6 +134,27 @@ def test_tools_and_tool_messages_pass_through_and_are_recorded(client, upstream,
     assert recorded["finish_reason"] == "tool_calls"
 
 
+def test_a_client_that_leaves_mid_stream_is_recorded_as_such(base_url, upstream, store):
+    """The gateway notices the disconnect, stops relaying and records what was sent (499)."""
+    import time
+
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", headers={"X-Session-Id": "left-early"},
+                         json={"model": "fake-model", "stream": True,
+                               "messages": [{"role": "user", "content": "wait for me [[hold]]"}]}) as reply:
+            first = next(reply.iter_lines())
+            assert first.startswith("data: ") and '"role":"assistant"' in first
+        # leaving the block closed the connection while the upstream holds the rest
+    deadline = time.monotonic() + 30
+    while not store.session_calls("left-early") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    upstream.release()
+    (call,) = store.session_calls("left-early")
+    assert call["status"] == "error" and call["http_status"] == 499
+    assert "disconnected" in call["error"]
+    assert call["response"]["choices"][0]["message"]["role"] == "assistant"
+
+
 # ---------------------------------------------------------------- identity headers and metadata
 
 
