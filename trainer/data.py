@@ -19,6 +19,7 @@ tests feed hand-made rows.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -194,14 +195,33 @@ def load_groups(store: Any, group_ids: Sequence[str]) -> tuple[list[dict], dict[
 # ------------------------------------------------------------------ re-rendering
 
 
+_TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
+
+
 def _plain_message(message: dict) -> dict:
-    """A message as chat templates expect it: text parts joined into one string."""
+    """A wire message as chat templates expect it, the way the local engine renders it
+    (`gateway.engines.local`): text parts joined into one string, OpenAI's newer roles
+    mapped to the ones templates know, tool-call arguments given as an object (templates
+    write `arguments | tojson`; a JSON string would be encoded twice)."""
     out = dict(message)
+    out["role"] = _TEMPLATE_ROLES.get(out.get("role"), out.get("role"))
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = "".join(
             part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
         )
+    if out.get("tool_calls"):
+        calls = []
+        for call in out["tool_calls"]:
+            function = dict(call.get("function") or {})
+            try:
+                parsed = json.loads(function.get("arguments") or "")
+            except (TypeError, ValueError):
+                parsed = None
+            if isinstance(parsed, dict):
+                function["arguments"] = parsed
+            calls.append({**call, "function": function})
+        out["tool_calls"] = calls
     return out
 
 
