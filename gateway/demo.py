@@ -1,0 +1,486 @@
+"""`rlproxy demo`: the whole loop on the embedded default, watched as a reward curve.
+
+    gateway (this process, uvicorn on a free loopback port)   trainer (`rlproxy train`, child)
+        ▲  chat completions with X-Session-Id / X-Group-Id           │ trains on ready groups,
+        │  rewards, group close  (all over HTTP, `openai` client)    │ saves NAME@N, step row
+    the toy agent (this process)  ◄── hot-swap: NAME moves to N ─────┘
+
+The agent plays `gateway.demo_task` (SHOUT). Each round samples `groups_per_step` groups
+of `rollouts` parallel rollouts from whatever step `NAME` serves, posts their rewards,
+closes the groups, and waits until the trainer's next step is served. A group whose
+rollouts all scored the same teaches nothing (the trainer skips it), so the round samples
+another one in its place.
+
+What is measured, and why:
+- baseline_reward: an evaluation on the `val` split (recorded and scored, never trained
+  on) with the untrained adapter, step 0, before any training;
+- reward_by_step: the mean reward of the train rollouts each step sampled, attributed by
+  the `X-Model-Step` header of each response: exactly the on-policy reward GRPO sees,
+  at no extra cost;
+- final_reward: the same `val` evaluation as the baseline, on the last step served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gateway import demo_task
+from gateway.errors import ConfigError, RLProxyError
+from gateway.settings import Settings
+
+log = logging.getLogger("rlproxy.demo")
+
+# Settings the demo tunes for SHOUT on the random tiny model (flags and RLPROXY_* env win).
+# The learning rate is far above what suits a pretrained model: the tiny model is random and
+# LoRA has to move its output distribution a long way in a few dozen steps.
+DEMO_SETTINGS = {
+    "learning_rate": 1e-2,
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "groups_per_step": 4,
+    "poll_interval": 0.2,
+    "keep_adapters": 2,
+    "max_batch_size": 32,
+    "default_max_tokens": 8,
+    "max_tokens_per_row": 1024,
+    "log_level": "warning",
+}
+
+AIM_BASELINE_AT_MOST = 0.3
+AIM_FINAL_AT_LEAST = 0.8
+
+
+@dataclass
+class DemoOptions:
+    out: Path = Path("rlproxy-demo")
+    steps: int = 40  # training steps at most (a converged run stops early)
+    rollouts: int = 8  # rollouts per group (GRPO compares them)
+    seconds: float = 300.0  # budget: no new round starts after this
+    max_tokens: int = 6  # reply length: short replies keep a round well under a second
+    eval_groups: int = 4  # groups of `rollouts` for the baseline and final evaluations
+
+
+@dataclass
+class Record:
+    """What the agent saw, for the summary and the curve."""
+
+    baseline_reward: float | None = None
+    final_reward: float | None = None
+    final_step: int | None = None
+    rewards_by_step: dict[int, list[float]] = field(default_factory=dict)
+    groups_skipped: int = 0
+    stopped_because: str = ""
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's own flags (the settings flags are added by the CLI)."""
+    defaults = DemoOptions()
+    group = parser.add_argument_group("demo")
+    group.add_argument("--out", type=Path, default=defaults.out,
+                       help=f"where summary.json, reward_curve.png and the logs go (default: {defaults.out})")
+    group.add_argument("--steps", type=int, default=defaults.steps,
+                       help=f"training steps to run (default: {defaults.steps})")
+    group.add_argument("--rollouts", type=int, default=defaults.rollouts,
+                       help=f"rollouts per group, sampled in parallel (default: {defaults.rollouts})")
+    group.add_argument("--seconds", type=float, default=defaults.seconds,
+                       help=f"time budget: no new round starts after it (default: {defaults.seconds:g})")
+    group.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
+                       help=f"reply length in tokens (default: {defaults.max_tokens})")
+    group.add_argument("--eval-groups", type=int, default=defaults.eval_groups,
+                       help=f"groups in the baseline and final evaluations (default: {defaults.eval_groups})")
+
+
+def options_from_args(args: argparse.Namespace) -> DemoOptions:
+    options = DemoOptions(out=args.out, steps=args.steps, rollouts=args.rollouts, seconds=args.seconds,
+                          max_tokens=args.max_tokens, eval_groups=args.eval_groups)
+    for name in ("steps", "rollouts", "max_tokens", "eval_groups"):
+        if getattr(options, name) < (2 if name == "rollouts" else 1):
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {2 if name == 'rollouts' else 1}"
+                              + (" (GRPO compares rollouts of one group)" if name == "rollouts" else ""))
+    if options.seconds <= 0:
+        raise ConfigError("--seconds must be positive")
+    return options
+
+
+def demo_settings(given: dict, out: Path) -> Settings:
+    """Flags > RLPROXY_* environment > the demo's tuning > Settings' defaults. The state
+    dir defaults to OUT/state, so a demo never trains on top of another store."""
+    tuned = {k: v for k, v in DEMO_SETTINGS.items() if f"RLPROXY_{k.upper()}" not in os.environ}
+    if "state_dir" not in given and "RLPROXY_STATE_DIR" not in os.environ:
+        tuned["state_dir"] = out / "state"
+    settings = Settings(**{**tuned, **given})
+    if settings.engine != "local":
+        raise ConfigError("the demo runs on the local engine (the trainer's adapters are served in process); "
+                          "drop --engine")
+    return settings
+
+
+def _prepare_state(settings: Settings, out: Path) -> None:
+    """Start from an untrained model: the demo's own state dir is cleared (the built-in
+    model's cache is kept); a state dir given by the user must hold no steps of the model."""
+    state = Path(settings.state_dir)
+    if state.resolve() == (out / "state").resolve():
+        for leftover in (settings.db_path, Path(f"{settings.db_path}-wal"), Path(f"{settings.db_path}-shm")):
+            leftover.unlink(missing_ok=True)
+        shutil.rmtree(settings.models_dir, ignore_errors=True)
+        return
+    if settings.checkpoints_dir().is_dir() and any(settings.checkpoints_dir().iterdir()):
+        raise ConfigError(f"{settings.checkpoints_dir()} already holds checkpoints: the demo trains from scratch; "
+                          "give an empty --state-dir or another --model-name")
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def _free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))  # the OS picks a free port; uvicorn serves on this very socket
+    return sock
+
+
+@contextlib.contextmanager
+def _gateway(settings: Settings):
+    """The gateway under uvicorn in a thread of this process; yields its base URL."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    sock = _free_socket()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level=settings.log_level, log_config=None,
+                                           access_log=False, lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rlproxy-demo-gateway",
+                              daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RLProxyError("the gateway failed to start; see gateway.log")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def _die_with_parent() -> None:
+    """In the trainer child: have Linux SIGTERM it if the demo dies, even by SIGKILL."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _settings_flags(settings: Settings) -> list[str]:
+    """The settings as `rlproxy train` flags (no secrets: the trainer needs none)."""
+    argv: list[str] = []
+    for name, value in settings.public_dict().items():
+        if value is None or name in ("api_key", "upstream_api_key"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        for item in value if isinstance(value, list) else [value]:
+            argv += [flag, str(item)]
+    return argv
+
+
+class Trainer:
+    """`rlproxy train` as a child process, its output in OUT/trainer.log."""
+
+    def __init__(self, settings: Settings, log_path: Path, threads: int):
+        self.log_path = log_path
+        env = {**os.environ, "RLPROXY_TORCH_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+        # Its log is a file the user reads afterwards: one line per step is worth having.
+        cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_flags(settings), "--log-level", "info"]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RLProxyError(f"the trainer exited with code {self.proc.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        """SIGTERM (it finishes its step and exits), then SIGKILL to its group if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+# ---------------------------------------------------------------------------- the agent
+
+
+class Agent:
+    """Plays SHOUT against the gateway over its real HTTP API."""
+
+    def __init__(self, url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float):
+        import httpx
+        import openai
+
+        self.settings = settings
+        self.options = options
+        self.trainer = trainer
+        self.deadline = deadline
+        self.model = settings.model_name
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=2, timeout=120)
+        self.http = httpx.AsyncClient(base_url=url, timeout=120)
+        self.rng = random.Random(settings.seed)
+        self.record = Record()
+        self.pending: list[str] = []  # train groups closed but not yet trained or skipped
+        self._groups = 0
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.http.aclose()
+
+    async def served_step(self) -> int | None:
+        response = await self.http.get("/healthz")
+        response.raise_for_status()
+        return response.json().get("step")
+
+    async def rollout(self, group_id: str, index: int, prompt: str, split: str) -> tuple[float, int | None]:
+        """One session: one chat completion, its reward posted. Returns (reward, step that answered)."""
+        session_id = f"{group_id}-r{index}"
+        raw = await self.client.chat.completions.with_raw_response.create(
+            model=self.model, messages=demo_task.messages_for(prompt), max_tokens=self.options.max_tokens,
+            temperature=1.0, seed=self.rng.getrandbits(31),
+            extra_headers={"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split})
+        reply = raw.parse().choices[0].message.content
+        step = raw.headers.get("x-model-step")
+        reward = demo_task.reward(reply)
+        (await self.http.post(f"/v1/sessions/{session_id}/reward", json={"reward": reward})).raise_for_status()
+        return reward, int(step) if step is not None else None
+
+    async def group(self, split: str) -> tuple[str, list[tuple[float, int | None]]]:
+        """One task, `rollouts` rollouts in parallel, then the group is closed (ready)."""
+        self._groups += 1
+        group_id = f"demo-{split}-{self._groups:05d}"
+        prompt = demo_task.sample_prompt(self.rng)
+        results = await asyncio.gather(*(self.rollout(group_id, i, prompt, split)
+                                         for i in range(self.options.rollouts)))
+        (await self.http.post(f"/v1/groups/{group_id}/close", json={})).raise_for_status()
+        return group_id, list(results)
+
+    async def evaluate(self) -> tuple[float, int | None]:
+        """Mean reward of `eval_groups` val groups (never trained on), and the step that answered."""
+        groups = await asyncio.gather(*(self.group("val") for _ in range(self.options.eval_groups)))
+        results = [result for _, rollouts in groups for result in rollouts]
+        steps = {step for _, step in results}
+        return sum(r for r, _ in results) / len(results), max(s for s in steps if s is not None) if steps - {None} else None
+
+    async def wait_for_step(self, step: int, what: str) -> None:
+        while True:
+            served = await self.served_step()
+            if served is not None and served >= step:
+                return
+            self.trainer.check_alive()
+            if time.monotonic() > self.deadline + 120:
+                raise RLProxyError(f"gave up waiting for {what}; see trainer.log and gateway.log")
+            await asyncio.sleep(0.1)
+
+    async def _group_done(self, group_id: str) -> bool:
+        response = await self.http.get(f"/v1/groups/{group_id}")
+        response.raise_for_status()
+        group = response.json()
+        if group.get("skipped"):
+            self.record.groups_skipped += 1
+        return group.get("trained_step") is not None or bool(group.get("skipped"))
+
+    async def train_round(self, step: int) -> str | None:
+        """Sample groups from `step` until the trainer's next step is served. Returns why
+        the run should stop instead, or None."""
+        perfect = 0  # groups in a row where every rollout got the full reward
+        while True:
+            served = await self.served_step()
+            if served is not None and served > step:
+                return None
+            self.trainer.check_alive()
+            if time.monotonic() > self.deadline:
+                return "time budget"
+            self.pending = [g for g in self.pending if not await self._group_done(g)]
+            missing = self.settings.groups_per_step - len(self.pending)
+            if missing <= 0:
+                await asyncio.sleep(0.05)
+                continue
+            for group_id, results in await asyncio.gather(*(self.group("train") for _ in range(missing))):
+                self.pending.append(group_id)
+                for reward, sampled_by in results:
+                    if sampled_by is not None:
+                        self.record.rewards_by_step.setdefault(sampled_by, []).append(reward)
+                rewards = [r for r, _ in results]
+                perfect = perfect + 1 if min(rewards) >= 1.0 else 0
+            if perfect >= 2 * self.settings.groups_per_step:
+                return "converged"  # every rollout earns the full reward: no group has anything left to teach
+
+
+async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float,
+                 progress: bool) -> Record:
+    from tqdm import tqdm
+
+    agent = Agent(url, settings, options, trainer, deadline)
+    record = agent.record
+    try:
+        await agent.wait_for_step(0, "the untrained adapter (step 0)")
+        record.baseline_reward, _ = await agent.evaluate()
+        bar = tqdm(total=options.steps, desc="training", unit="step", disable=not progress, leave=True,
+                   bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed} {postfix}")
+        bar.set_postfix_str(f"baseline reward {record.baseline_reward:.2f}")
+        try:
+            step = 0
+            while step < options.steps:
+                stop = await agent.train_round(step)
+                rewards = record.rewards_by_step.get(step, [])
+                if rewards and progress:
+                    bar.write(f"step {step:3d}: reward {sum(rewards) / len(rewards):.2f}  ({len(rewards)} rollouts)")
+                if stop is not None:
+                    record.stopped_because = stop
+                    break
+                step = await agent.served_step()
+                bar.update(step - bar.n)
+                if rewards:
+                    bar.set_postfix_str(f"reward {sum(rewards) / len(rewards):.2f} (step {step - 1})")
+            else:
+                record.stopped_because = "steps"
+        finally:
+            bar.close()
+        record.final_reward, record.final_step = await agent.evaluate()
+    finally:
+        await agent.close()
+    return record
+
+
+# ---------------------------------------------------------------------------- outputs
+
+
+def summarize(record: Record, settings: Settings, options: DemoOptions, seconds: float) -> dict:
+    by_step = {str(step): sum(r) / len(r) for step, r in sorted(record.rewards_by_step.items())}
+    reached = (record.baseline_reward is not None and record.final_reward is not None
+               and record.baseline_reward <= AIM_BASELINE_AT_MOST and record.final_reward >= AIM_FINAL_AT_LEAST)
+    return {
+        "task": {"name": demo_task.NAME, "description": demo_task.DESCRIPTION},
+        "baseline_reward": record.baseline_reward,
+        "final_reward": record.final_reward,
+        "final_step": record.final_step,
+        "reward_by_step": by_step,
+        "rollouts_by_step": {str(step): len(r) for step, r in sorted(record.rewards_by_step.items())},
+        "groups_skipped": record.groups_skipped,
+        "stopped_because": record.stopped_because,
+        "seconds": round(seconds, 1),
+        "aim": {"baseline_at_most": AIM_BASELINE_AT_MOST, "final_at_least": AIM_FINAL_AT_LEAST, "reached": reached},
+        "demo": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
+        "settings": settings.public_dict(),
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    steps = [int(s) for s in summary["reward_by_step"]]
+    rewards = list(summary["reward_by_step"].values())
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, rewards, marker="o", markersize=3, label="train rollouts (mean reward per step)")
+    if summary["baseline_reward"] is not None:
+        ax.scatter([0], [summary["baseline_reward"]], color="tab:red", zorder=3, label="baseline (val, step 0)")
+    if summary["final_reward"] is not None:
+        ax.scatter([summary["final_step"] or 0], [summary["final_reward"]], color="tab:green", zorder=3,
+                   label=f"final (val, step {summary['final_step']})")
+    ax.axhline(AIM_FINAL_AT_LEAST, color="grey", linestyle="--", linewidth=1, label=f"aim {AIM_FINAL_AT_LEAST}")
+    ax.set(xlabel="training step (adapter that sampled)", ylabel="reward", ylim=(-0.02, 1.02),
+           title=f"rlproxy demo: {summary['task']['name']} ({summary['seconds']:.0f} s)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def _configure_logging(settings: Settings, path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(min(logging.INFO, logging.getLevelName(settings.log_level.upper())))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the agent's own requests: one line each
+    return handler
+
+
+def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True) -> dict:
+    """Run gateway + trainer + agent; write OUT/summary.json and OUT/reward_curve.png."""
+    started = time.monotonic()
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _prepare_state(settings, out)
+    handler = _configure_logging(settings, out / "gateway.log")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    # Loading the tiny model's adapters (LoRA on its tied output head, see trainer.backends.peft)
+    # makes peft warn about merging, which nothing here does; keep the newcomer's screen clean.
+    warnings.filterwarnings("ignore", message=".*tie_word_embeddings", category=UserWarning)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+    # Two processes on the same cores: each gets half, or their OpenMP threads fight.
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    torch.set_num_threads(threads)
+    print(f"rlproxy demo: {demo_task.DESCRIPTION}\n  {options.steps} steps x {settings.groups_per_step} groups x "
+          f"{options.rollouts} rollouts; outputs in {out}/", file=sys.stderr)
+    trainer = None
+    try:
+        with _gateway(settings) as url:
+            trainer = Trainer(settings, out / "trainer.log", threads)
+            try:
+                record = asyncio.run(_drive(url, settings, options, trainer, started + options.seconds, progress))
+            finally:
+                trainer.stop()
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    summary = summarize(record, settings, options, time.monotonic() - started)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, out / "reward_curve.png")
+    return summary
+
+
+def report(summary: dict) -> str:
+    """The closing lines a newcomer reads."""
+    aim = summary["aim"]
+    verdict = "aim reached" if aim["reached"] else (
+        f"aim not reached (baseline <= {aim['baseline_at_most']}, final >= {aim['final_at_least']})")
+    final = summary["final_reward"]
+    return (f"baseline reward {summary['baseline_reward']:.2f} -> final reward "
+            f"{final if final is None else f'{final:.2f}'} at step {summary['final_step']} "
+            f"in {summary['seconds']:.0f} s ({summary['stopped_because']}): {verdict}")
