@@ -2,13 +2,12 @@
 
 `POST /v1/chat/completions` is the gateway's hot path, so it is a bare ASGI
 endpoint (`chat_completions`): no dependency solving, no Request object, SSE
-written directly. `gateway.app` also sends it straight here, around FastAPI's
+framed once and handed to sse-starlette. `gateway.app` also sends it straight here, around FastAPI's
 middleware stack; the route below is what the route table (405s) sees.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import AsyncIterator
@@ -17,6 +16,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.chat import identify
@@ -29,8 +29,7 @@ router = APIRouter()
 SSE_PING_SECONDS = 15.0  # a comment line on a quiet stream, so proxies in between do not time it out
 _IDENTITY_HEADERS = frozenset((b"x-session-id", b"x-group-id", b"x-split"))
 _JSON = (b"content-type", b"application/json")
-_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store"),
-                (b"x-accel-buffering", b"no")]
+
 
 def validation_message(exc: ValidationError) -> str:
     parts = []
@@ -56,6 +55,13 @@ def parse_json_body(raw_bytes: bytes) -> dict:
 
 async def read_json(request: Request) -> dict:
     return parse_json_body(await request.body())
+
+
+def _response_headers_dict(session_id: str, step: int | None) -> dict[str, str]:
+    headers = {"X-Session-Id": session_id}
+    if step is not None:
+        headers["X-Model-Step"] = str(step)
+    return headers
 
 
 def _response_headers(session_id: str, step: int | None) -> list[tuple[bytes, bytes]]:
@@ -131,43 +137,19 @@ async def _chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
         await _send_json(send, 200, response, _response_headers(identity.session_id, target.step))
         return
     events, target = await services.chat.open_stream(chat_request, raw, identity, request_id)
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [*_SSE_HEADERS, *_response_headers(identity.session_id, target.step)]})
-    await _send_events(events, receive, send)
-
-
-async def _send_events(events: AsyncIterator[bytes], receive: Receive, send: Send) -> None:
-    """Relay SSE payloads; stop (and let the chat service record it) when the client leaves."""
-    last_sent = time.monotonic()
-
-    async def pump() -> None:
-        nonlocal last_sent
-        async for payload in events:
-            await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
-            last_sent = time.monotonic()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def ping() -> None:
-        while True:
-            await asyncio.sleep(SSE_PING_SECONDS)
-            if time.monotonic() - last_sent >= SSE_PING_SECONDS:
-                await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
-
-    async def watch_disconnect() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    pumping = asyncio.ensure_future(pump())
-    watchers = [asyncio.ensure_future(ping()), asyncio.ensure_future(watch_disconnect())]
+    response = EventSourceResponse(_sse_frames(events), headers=_response_headers_dict(identity.session_id, target.step),
+                                   ping=SSE_PING_SECONDS, sep="\n")
     try:
-        await asyncio.wait([pumping, watchers[1]], return_when=asyncio.FIRST_COMPLETED)
-        if pumping.done() and not pumping.cancelled() and pumping.exception() is not None:
-            log.error("stream relay failed: %r", pumping.exception())
+        await response(scope, receive, send)
     finally:
-        for task in (pumping, *watchers):
-            task.cancel()
-        await asyncio.gather(pumping, *watchers, return_exceptions=True)
         await events.aclose()  # records a stream the client left early
+
+
+async def _sse_frames(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Each payload framed as OpenAI does (`data: ...` and a blank line); bytes pass through
+    sse-starlette as they are, so a chunk is encoded once."""
+    async for payload in events:
+        yield b"data: " + payload + b"\n\n"
 
 
 router.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
