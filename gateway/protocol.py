@@ -145,6 +145,11 @@ class GroupCloseRequest(BaseModel):
     expected_sessions: int | None = Field(default=None, ge=1)
 
 
+class DiscardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str | None = Field(default=None, max_length=2000)
+
+
 class RulerRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     judge_model: str = Field(min_length=1)

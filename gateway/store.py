@@ -124,6 +124,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     reward REAL,
     metrics TEXT,
     rewarded_at REAL,
+    discarded INTEGER NOT NULL DEFAULT 0,
+    discard_reason TEXT,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
@@ -178,15 +180,25 @@ CREATE TABLE IF NOT EXISTS gpu_leases (
 );
 """
 
-# A group is ready when it is closed (or has its expected number of sessions)
-# and every session in it has a reward.
+# Columns added after the first release: (table, column, definition). `CREATE TABLE IF NOT
+# EXISTS` leaves an older file's tables as they were, so start-up adds what is missing.
+_ADDED_COLUMNS = (
+    ("sessions", "discarded", "INTEGER NOT NULL DEFAULT 0"),
+    ("sessions", "discard_reason", "TEXT"),
+)
+
+# A group is ready when it is closed (or has its expected number of sessions) and every
+# session in it has a reward. Discarded sessions (failed rollouts) are left out: they need
+# no reward and are never trained. They still count towards `expected_sessions`, because
+# that number says how many rollouts will arrive, and a failed one has arrived.
 _READY_GROUPS = """
-SELECT g.*, COUNT(s.id) AS n_sessions, COUNT(s.reward) AS n_rewarded
+SELECT g.*, SUM(s.discarded = 0) AS n_sessions, COUNT(CASE WHEN s.discarded = 0 THEN s.reward END) AS n_rewarded,
+       SUM(s.discarded) AS n_discarded
 FROM groups g JOIN sessions s ON s.group_id = g.id
 WHERE g.model = :model AND g.split = :split AND g.trained_step IS NULL AND g.skipped IS NULL
 GROUP BY g.id
-HAVING n_rewarded = n_sessions
-   AND (g.closed = 1 OR (g.expected_sessions IS NOT NULL AND n_sessions >= g.expected_sessions))
+HAVING n_sessions > 0 AND n_rewarded = n_sessions
+   AND (g.closed = 1 OR (g.expected_sessions IS NOT NULL AND n_sessions + n_discarded >= g.expected_sessions))
 ORDER BY g.created_at
 """
 
@@ -204,6 +216,21 @@ def _connect(path: Path | str, synchronous: str = "normal") -> sqlite3.Connectio
     conn.execute("PRAGMA busy_timeout=30000")
     conn.execute("PRAGMA foreign_keys=ON")
     return conn
+
+
+def _add_missing_columns(conn: sqlite3.Connection) -> None:
+    """Bring a file made by an older rlproxy up to the current schema. In one IMMEDIATE
+    transaction, so a gateway and a trainer starting together do not both add a column."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for table, column, definition in _ADDED_COLUMNS:
+            present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 class Store:
@@ -226,6 +253,7 @@ class Store:
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
         self._conn.executescript(_SCHEMA)
+        _add_missing_columns(self._conn)
         self._queue: asyncio.Queue | None = None
         self._writer: asyncio.Task | None = None
         self.commits = 0  # transactions the writer committed (for /metrics and tests)
@@ -332,6 +360,12 @@ class Store:
 
     async def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
         return await self._submit(lambda conn: _close_group(conn, group_id, expected_sessions))
+
+    async def discard_session(self, session_id: str, reason: str | None = None) -> dict:
+        """Leave a session (a failed rollout) out of its group: it needs no reward and is
+        never trained; its calls stay recorded. Discarding twice is harmless."""
+        await self._submit(lambda conn: _discard_session(conn, session_id, reason))
+        return self.get_session(session_id)
 
     async def set_ruler_status(self, group_id: str, status: str, error: str | None = None) -> None:
         def op(conn: sqlite3.Connection) -> None:
@@ -482,18 +516,25 @@ class Store:
         if not rows:
             raise NotFound(f"group '{group_id}' not found", param="group_id")
         group = rows[0]
-        sessions = [
+        every = [
             _decode_session(row)
             for row in self._query("SELECT * FROM sessions WHERE group_id = ? ORDER BY created_at", (group_id,))
         ]
+        # `sessions` are the ones the group is judged and trained on; discarded ones
+        # (failed rollouts) are listed apart, as in `_READY_GROUPS`.
+        sessions = [s for s in every if not s["discarded"]]
+        discarded = [s for s in every if s["discarded"]]
         group["closed"] = bool(group["closed"])
         group["sessions"] = sessions
+        group["discarded_sessions"] = discarded
         group["n_sessions"] = len(sessions)
         group["n_rewarded"] = sum(1 for s in sessions if s["reward"] is not None)
+        group["n_discarded"] = len(discarded)
+        expected = group["expected_sessions"]
         group["ready"] = bool(
             sessions
             and group["n_rewarded"] == len(sessions)
-            and (group["closed"] or (group["expected_sessions"] or 0) and len(sessions) >= group["expected_sessions"])
+            and (group["closed"] or (expected is not None and len(every) >= expected))
         )
         group["judgements"] = self._query(
             "SELECT session_id, judge_model, score, explanation, created_at FROM judgements"
@@ -623,9 +664,36 @@ def _close_group(conn: sqlite3.Connection, group_id: str, expected_sessions: int
     return {"group_id": group_id, "closed": expected_sessions is None, "expected_sessions": expected_sessions}
 
 
+def _discard_session(conn: sqlite3.Connection, session_id: str, reason: str | None) -> None:
+    row = conn.execute(
+        "SELECT s.group_id, g.trained_step FROM sessions s LEFT JOIN groups g ON g.id = s.group_id WHERE s.id = ?",
+        (session_id,),
+    ).fetchone()
+    if row is None:
+        raise NotFound(
+            f"session '{session_id}' not found: a session exists once it made a chat completion "
+            "(a rollout that failed before its first call has nothing to discard)",
+            param="session_id",
+        )
+    group_id, trained_step = row
+    if trained_step is not None:
+        raise Conflict(
+            f"session '{session_id}' cannot be discarded: its group '{group_id}' was already trained "
+            f"(step {trained_step})",
+            param="session_id",
+        )
+    # A second discard keeps the first reason unless it gives one.
+    conn.execute(
+        "UPDATE sessions SET discarded = 1, discard_reason = COALESCE(?, discard_reason), updated_at = ?"
+        " WHERE id = ?",
+        (reason, time.time(), session_id),
+    )
+
+
 def _decode_session(row: dict) -> dict:
     row = dict(row)
     row["metrics"] = json.loads(row["metrics"] or "{}")
+    row["discarded"] = bool(row["discarded"])
     return row
 
 

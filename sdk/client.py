@@ -87,6 +87,10 @@ class _ClientBase:
         return {"reward": float(value), "metrics": dict(metrics or {})}
 
     @staticmethod
+    def _discard_body(reason: str | None) -> dict:
+        return {} if reason is None else {"reason": str(reason)}
+
+    @staticmethod
     def _ruler_body(judge_model: str, rubric: str | None, judge_api_base: str | None) -> dict:
         body: dict[str, Any] = {"judge_model": judge_model}
         if rubric is not None:
@@ -150,6 +154,10 @@ class RLProxy(_ClientBase):
 
     def get_session(self, session_id: str) -> dict:
         return self._request("GET", f"/sessions/{session_id}")
+
+    def discard(self, session_id: str, reason: str | None = None) -> dict:
+        """Leave a session (a failed rollout) out of its group: no reward needed, never trained."""
+        return self._request("POST", f"/sessions/{session_id}/discard", self._discard_body(reason))
 
     def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
         return self._request("POST", f"/groups/{group_id}/close", {"expected_sessions": expected_sessions})
@@ -220,6 +228,9 @@ class AsyncRLProxy(_ClientBase):
 
     async def get_session(self, session_id: str) -> dict:
         return await self._request("GET", f"/sessions/{session_id}")
+
+    async def discard(self, session_id: str, reason: str | None = None) -> dict:
+        return await self._request("POST", f"/sessions/{session_id}/discard", self._discard_body(reason))
 
     async def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
         return await self._request("POST", f"/groups/{group_id}/close", {"expected_sessions": expected_sessions})

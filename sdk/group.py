@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from sdk.session import AsyncSession, Session
 if TYPE_CHECKING:
     from sdk.client import AsyncRLProxy, RLProxy
 
+log = logging.getLogger("rlproxy.sdk")
+
 
 @dataclass
 class RunResult:
@@ -30,6 +33,10 @@ class RunResult:
     rewards: list[float | None] = field(default_factory=list)  # what each returned (None: it posted its own or none)
     failed: list = field(default_factory=list)  # sessions whose rollout raised; they have no reward
     exceptions: list[BaseException] = field(default_factory=list)  # aligned with `failed`
+    # Sessions discarded on the gateway, so their group does not wait for them: every failed
+    # one that had made a call (one that failed before its first call never existed there),
+    # and any a rollout discarded itself.
+    discarded: list = field(default_factory=list)
 
     @property
     def n_failed(self) -> int:
@@ -54,6 +61,34 @@ def _check_run_args(n: int, concurrency: int | None, max_exceptions: int) -> int
     return min(n, concurrency or n)
 
 
+def _discard_reason(error: BaseException) -> str:
+    return f"rollout raised {type(error).__name__}: {error}"[:500]
+
+
+def _log_discard_failure(session: Any, exc: Exception) -> None:
+    log.warning("could not discard session %s of a failed rollout (its group waits for a reward until it "
+                "gets one or is discarded): %s", session.id, exc)
+
+
+def _discard_failed(session: Session, error: BaseException) -> None:
+    """Best effort: the rollout's own error is what `run` reports, so a failed discard is logged."""
+    try:
+        session.discard(_discard_reason(error))
+    except NotFoundError:
+        pass  # it failed before its first call: the gateway never saw this session
+    except Exception as exc:  # noqa: BLE001 - never hide the rollout's error behind this one
+        _log_discard_failure(session, exc)
+
+
+async def _discard_failed_async(session: AsyncSession, error: BaseException) -> None:
+    try:
+        await session.discard(_discard_reason(error))
+    except NotFoundError:
+        pass
+    except Exception as exc:  # noqa: BLE001
+        _log_discard_failure(session, exc)
+
+
 def _collect(outcomes: dict[int, tuple[Any, float | None, BaseException | None]]) -> RunResult:
     result = RunResult()
     for index in sorted(outcomes):
@@ -64,6 +99,8 @@ def _collect(outcomes: dict[int, tuple[Any, float | None, BaseException | None]]
         else:
             result.failed.append(session)
             result.exceptions.append(error)
+        if session.discarded:
+            result.discarded.append(session)
     return result
 
 
@@ -128,17 +165,22 @@ class Group(_GroupBase):
         A rollout that returns a number has it posted as its session's reward; one that
         returns None posts its own (or leaves it to `ruler`). Failed rollouts are counted
         and skipped; once more than `max_exceptions` fail, no new ones start and
-        `RolloutsFailed` is raised. A failed session that made calls has no reward, so
-        the group cannot become ready until it gets one (`ruler` scores it, or post one).
+        `RolloutsFailed` is raised. A failed rollout's session is discarded on the gateway
+        (`result.discarded`; its calls stay recorded), so the group becomes ready on the
+        others' rewards and the trainer never trains on it.
         """
         workers = _check_run_args(n, concurrency, max_exceptions)
         outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
 
         def one(session: Session) -> float | None:
-            reward = _as_reward(rollout(session))
-            if reward is not None:
-                session.reward(reward)
-            return reward
+            try:
+                reward = _as_reward(rollout(session))
+                if reward is not None:
+                    session.reward(reward)
+                return reward
+            except Exception as error:
+                _discard_failed(session, error)
+                raise
 
         # At most `workers` rollouts are submitted at a time, so once too many have failed
         # no further one starts.
@@ -205,13 +247,17 @@ class AsyncGroup(_GroupBase):
         outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
 
         async def one(session: AsyncSession) -> float | None:
-            returned = rollout(session)
-            if inspect.isawaitable(returned):
-                returned = await returned
-            reward = _as_reward(returned)
-            if reward is not None:
-                await session.reward(reward)
-            return reward
+            try:
+                returned = rollout(session)
+                if inspect.isawaitable(returned):
+                    returned = await returned
+                reward = _as_reward(returned)
+                if reward is not None:
+                    await session.reward(reward)
+                return reward
+            except Exception as error:  # not CancelledError: a cancelled run discards nothing
+                await _discard_failed_async(session, error)
+                raise
 
         waiting = list(range(n))
         running: dict[asyncio.Task, AsyncSession] = {}

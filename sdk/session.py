@@ -21,6 +21,7 @@ class _SessionBase:
         self.group_id = group_id
         self.split = split
         self.index: int | None = None  # position in `group.run`, if it made this session
+        self.discarded = False  # discarded on the gateway through this object
 
     def headers(self) -> dict[str, str]:
         """The headers that tie a call to this session; add them to any HTTP or LLM client."""
@@ -57,6 +58,14 @@ class Session(_SessionBase):
         """The recorded trajectory: calls, reward, metrics."""
         return self.proxy.get_session(self.id)
 
+    def discard(self, reason: str | None = None) -> dict:
+        """Leave this session out of its group (the rollout failed): the group no longer
+        waits for its reward and the trainer never trains on it; its calls stay recorded.
+        `NotFoundError` if it made no call yet (then there is nothing to discard)."""
+        body = self.proxy.discard(self.id, reason)
+        self.discarded = True
+        return body
+
     def __enter__(self) -> "Session":
         return self
 
@@ -74,6 +83,11 @@ class AsyncSession(_SessionBase):
 
     async def get(self) -> dict:
         return await self.proxy.get_session(self.id)
+
+    async def discard(self, reason: str | None = None) -> dict:
+        body = await self.proxy.discard(self.id, reason)
+        self.discarded = True
+        return body
 
     async def __aenter__(self) -> "AsyncSession":
         return self

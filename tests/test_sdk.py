@@ -18,6 +18,7 @@ from sdk import (
     AsyncRLProxy,
     AuthenticationError,
     BadRequestError,
+    ConflictError,
     NotFoundError,
     RLProxy,
     RLProxyAPIError,
@@ -29,6 +30,7 @@ from tests.fake_upstream import FakeUpstream
 from tests.helpers import free_port
 from tests.helpers_judge import FakeJudge
 from tests.helpers_upstream import openai_gateway
+from trainer.data import load_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +116,9 @@ def test_a_group_of_parallel_sessions_with_rewards_then_closed(proxy, gateway):
     assert call["group_id"] == group.id and call["split"] == "train"
 
 
-def test_a_failing_rollout_is_counted_and_skipped(proxy):
+def test_a_failing_rollout_is_counted_skipped_and_discarded(proxy, gateway):
+    _, services = gateway
+
     def rollout(session):
         if session.index == 1:
             raise RuntimeError("tool crashed")
@@ -130,12 +134,19 @@ def test_a_failing_rollout_is_counted_and_skipped(proxy):
         assert [s.index for s in result.sessions] == [0, 3] and result.rewards == [1.0, 1.0]
         assert [type(e) for e in result.exceptions] == [RuntimeError, ValueError]
         assert [s.index for s in result.failed] == [1, 2]
-        # The one that failed after a call is in the group without a reward: the group waits for it.
-        group.close()
-        assert not group.get()["ready"]
-        result.failed[1].reward(0.0)
+        # The one that failed after a call is discarded; the one that failed before any call never existed.
+        assert result.discarded == [result.failed[1]] and result.failed[1].discarded
     state = proxy.get_group(group.id)
-    assert state["ready"] and state["n_sessions"] == 3  # the one that failed before any call never existed
+    assert state["closed"] and state["ready"]  # on the two rewards alone
+    assert (state["n_sessions"], state["n_rewarded"], state["n_discarded"]) == (2, 2, 1)
+    assert [s["id"] for s in state["discarded_sessions"]] == [result.failed[1].id]
+
+    recorded = result.failed[1].get()
+    assert recorded["discarded"] is True and recorded["reward"] is None
+    assert recorded["discard_reason"] == "rollout raised ValueError: lost the thread"
+    assert [c["request"]["messages"][0]["content"] for c in recorded["calls"]] == ["half way"]  # kept
+    groups, calls = load_groups(services.store, [group.id])  # what the trainer would read
+    assert set(calls) == {s.id for s in result.sessions}
 
 
 def test_too_many_failures_stop_the_run(proxy):
@@ -180,6 +191,30 @@ def test_sessions_and_headers_for_any_client(proxy, gateway):
     assert session.reward(0.5, metrics={"turns": 1})["metrics"] == {"turns": 1}
     recorded = session.get()
     assert recorded["split"] == "val" and recorded["group_id"] == "g-headers" and recorded["reward"] == 0.5
+
+
+def test_discard_by_hand_and_its_errors(proxy, gateway):
+    server, services = gateway
+    with pytest.raises(NotFoundError) as info:
+        proxy.session().discard("never called")
+    assert info.value.status_code == 404 and "failed before its first call" in info.value.message
+
+    with proxy.group() as group:
+        result = group.run(lambda s: _ask(s, f"attempt {s.index}") and float(s.index), n=2)
+    session = result.sessions[0]
+    body = httpx.post(f"{server.url}/v1/sessions/{session.id}/discard", json={"reason": 3}).json()
+    assert body["error"]["type"] == "invalid_request_error" and "reason" in body["error"]["message"]
+
+    services.store.insert_step("sdk-discard", 1, "/ckpt/0001", {}, [group.id])  # as the trainer would
+    with pytest.raises(ConflictError) as info:
+        session.discard("too late")
+    assert info.value.status_code == 409 and "already trained (step 1)" in info.value.message
+    assert not session.discarded and session.get()["discarded"] is False
+
+    other = proxy.session()
+    _ask(other, "no group")
+    assert other.discard()["discarded"] is True  # no body, no reason: fine too
+    assert other.get()["discard_reason"] is None
 
 
 # ---------------------------------------------------------------- typed errors
@@ -272,7 +307,22 @@ async def test_async_failures_and_typed_errors(gateway):
         async with client.group() as group:
             result = await group.run(rollout, n=3, max_exceptions=1)
         assert result.n_failed == 1 and result.rewards == [1.0, 1.0]
+        assert result.discarded == []  # it failed before its first call: nothing to discard
         assert (await client.get_group(group.id))["ready"]
+
+        async def fails_after_a_call(session):
+            await session.openai_client(max_retries=0).chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": f"try {session.index}"}])
+            if session.index == 1:
+                raise RuntimeError("parser broke")
+            return float(session.index)
+
+        async with client.group() as group:
+            result = await group.run(fails_after_a_call, n=3, max_exceptions=1)
+        assert [s.index for s in result.discarded] == [1]
+        state = await client.get_group(group.id)
+        assert state["ready"] and state["n_sessions"] == 2 and state["n_discarded"] == 1
+        assert (await result.discarded[0].get())["discard_reason"] == "rollout raised RuntimeError: parser broke"
 
         async def always_fails(session):
             await asyncio.sleep(0)

@@ -6,6 +6,7 @@ import pytest
 
 from gateway.errors import Conflict, NotFound
 from gateway.store import CallRecord, Store, pack_floats, pack_ids, unpack_floats, unpack_ids
+from trainer.data import build_batch, load_groups
 
 
 def call(i: int, session: str, group: str | None = "g1", **extra) -> CallRecord:
@@ -129,3 +130,118 @@ def test_in_memory_store_for_tests():
     memory = Store(memory=True)
     memory.record_call_sync(call(1, "a"))
     assert memory.get_session("a")["n_calls"] == 1
+
+
+# ---------------------------------------------------------------- discarded sessions (failed rollouts)
+
+
+async def _group_with_a_failed_rollout(store) -> None:
+    """g1: a and b finished with rewards 1 and 0; c made two calls, then its rollout failed."""
+    await store.record_call(call(1, "a"))
+    await store.record_call(call(2, "b"))
+    await store.record_call(call(3, "c"))
+    await store.record_call(call(4, "c", prompt_ids=[1, 2, 3, 4, 5, 7]))
+    await store.set_reward("a", 1.0)
+    await store.set_reward("b", 0.0)
+    await store.close_group("g1")
+
+
+async def test_a_discarded_session_lets_its_group_become_ready(store):
+    await _group_with_a_failed_rollout(store)
+    assert store.ready_groups("agent") == []  # c has no reward: the group waits for it
+    session = await store.discard_session("c", "rollout raised ValueError: lost the thread")
+    assert session["discarded"] is True and session["discard_reason"] == "rollout raised ValueError: lost the thread"
+    assert [c["id"] for c in session["calls"]] == ["req3", "req4"]  # nothing is lost
+
+    ready = store.ready_groups("agent")
+    assert [g["id"] for g in ready] == ["g1"]
+    assert (ready[0]["n_sessions"], ready[0]["n_rewarded"], ready[0]["n_discarded"]) == (2, 2, 1)
+    group = store.get_group("g1")
+    assert group["ready"] is True and (group["n_sessions"], group["n_rewarded"], group["n_discarded"]) == (2, 2, 1)
+    assert [s["id"] for s in group["sessions"]] == ["a", "b"]
+    assert [s["id"] for s in group["discarded_sessions"]] == ["c"]
+    assert store.get_session("a")["discarded"] is False
+
+
+async def test_the_trainer_never_sees_a_discarded_session(store):
+    await _group_with_a_failed_rollout(store)
+    await store.discard_session("c")
+    groups, calls = load_groups(store, ["g1"])
+    assert set(calls) == {"a", "b"}
+    batch = build_batch(groups, calls)
+    assert batch.group_ids == ["g1"] and batch.rewards == [1.0, 0.0]
+    assert {s.trajectory_id for s in batch.samples} == {"a", "b"}
+    # A group dict that still lists it among its sessions (hand-made, older layout) is filtered too.
+    group = store.get_group("g1")
+    mixed = {**group, "sessions": group["sessions"] + group["discarded_sessions"]}
+    batch = build_batch([mixed], {**calls, "c": store.session_calls("c")})
+    assert {s.trajectory_id for s in batch.samples} == {"a", "b"} and batch.rewards == [1.0, 0.0]
+
+
+async def test_discarded_sessions_count_towards_expected_sessions(store):
+    # expected_sessions says how many rollouts will arrive; a failed one has arrived.
+    await store.record_call(call(1, "a"))
+    await store.close_group("g1", expected_sessions=3)
+    await store.record_call(call(2, "b"))
+    await store.record_call(call(3, "c"))
+    await store.set_reward("a", 1.0)
+    await store.set_reward("b", 0.5)
+    assert store.ready_groups("agent") == []
+    await store.discard_session("c")
+    assert [g["id"] for g in store.ready_groups("agent")] == ["g1"]
+    assert store.get_group("g1")["ready"] is True
+
+
+async def test_a_group_whose_every_session_is_discarded_is_never_ready(store):
+    await store.record_call(call(1, "a"))
+    await store.close_group("g1")
+    await store.discard_session("a", "tool crashed")
+    await store.discard_session("a")  # again: harmless, keeps the first reason
+    assert store.get_session("a")["discard_reason"] == "tool crashed"
+    assert store.ready_groups("agent") == []
+    group = store.get_group("g1")
+    assert group["ready"] is False and group["n_sessions"] == 0 and group["n_discarded"] == 1
+
+
+async def test_discarding_unknown_or_trained_sessions_fails(store):
+    with pytest.raises(NotFound, match="session 'nope' not found"):
+        await store.discard_session("nope")
+    for i, session in enumerate(["a", "b"]):
+        await store.record_call(call(i, session))
+        await store.set_reward(session, float(i))
+    await store.close_group("g1")
+    store.insert_step("agent", 1, "/ckpt/0001", {}, ["g1"])
+    with pytest.raises(Conflict, match="group 'g1' was already trained"):
+        await store.discard_session("a", "too late")
+    assert store.get_session("a")["discarded"] is False
+    assert [s["id"] for s in store.get_group("g1")["sessions"]] == ["a", "b"]
+
+
+async def test_an_older_database_gets_the_discard_columns(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE sessions (id TEXT PRIMARY KEY, group_id TEXT, split TEXT NOT NULL, model TEXT NOT NULL,"
+        " n_calls INTEGER NOT NULL DEFAULT 0, reward REAL, metrics TEXT, rewarded_at REAL,"
+        " created_at REAL NOT NULL, updated_at REAL NOT NULL);"
+        "INSERT INTO sessions (id, group_id, split, model, n_calls, created_at, updated_at)"
+        " VALUES ('old', 'g1', 'train', 'agent', 1, 0, 0);"
+        "CREATE TABLE groups (id TEXT PRIMARY KEY, model TEXT NOT NULL, split TEXT NOT NULL,"
+        " closed INTEGER NOT NULL DEFAULT 0, expected_sessions INTEGER, trained_step INTEGER, skipped TEXT,"
+        " ruler_status TEXT, ruler_error TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL);"
+        "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES ('g1', 'agent', 'train', 0, 0);"
+    )
+    old.close()
+    upgraded = Store(path)
+    assert upgraded.get_session("old")["discarded"] is False
+    assert upgraded.get_group("g1")["n_sessions"] == 1
+    await upgraded.start()
+    await upgraded.discard_session("old", "from before the upgrade")
+    await upgraded.close()
+    reopened = Store(path)  # the columns are there now: nothing to add, nothing lost
+    assert reopened.get_session("old")["discard_reason"] == "from before the upgrade"
+    assert reopened.get_group("g1")["n_discarded"] == 1
+    await reopened.start()
+    await reopened.close()

@@ -11,7 +11,8 @@ trajectory, with the same advantage.
 
 Calls recorded without token ids (the `openai` engine) are re-rendered with the base
 model's chat template (`ChatTemplateRenderer`) and trained without old logprobs (NaN:
-the loss then takes the ratio as 1). Calls that failed are skipped.
+the loss then takes the ratio as 1). Calls that failed are skipped, and so are
+discarded sessions (rollouts that failed: `POST /v1/sessions/{id}/discard`).
 
 Everything here but `load_groups` is a pure function over the store's plain dicts, so
 tests feed hand-made rows.
@@ -129,9 +130,16 @@ NO_SPREAD = "no reward spread: every rollout of the group scored the same"
 NO_TOKENS = "no trainable tokens: every call failed or had no completion"
 
 
+def trained_sessions(group: dict) -> list[dict]:
+    """The sessions of a group that are trained on, in session order (`Store.get_group`
+    layout). `get_group` lists discarded sessions apart already; filtering here too keeps
+    a hand-made or older dict from putting a failed rollout's tokens into a batch."""
+    return [s for s in group["sessions"] if not s.get("discarded")]
+
+
 def group_rewards(group: dict) -> list[float]:
-    """Rewards of a group's sessions, in session order (`Store.get_group` layout)."""
-    return [float(s["reward"]) for s in group["sessions"]]
+    """Rewards of a group's trained sessions, in session order (`Store.get_group` layout)."""
+    return [float(s["reward"]) for s in trained_sessions(group)]
 
 
 def spread_groups(groups: Sequence[dict]) -> tuple[list[dict], list[dict]]:
@@ -162,7 +170,7 @@ def build_batch(
     for gid, advantages_G in advantages.items():
         group = by_id[gid]
         group_samples = []
-        for session, advantage in zip(group["sessions"], advantages_G):
+        for session, advantage in zip(trained_sessions(group), advantages_G):
             group_samples += trajectory_samples(
                 calls_by_session.get(session["id"], []),
                 trajectory_id=session["id"],
@@ -188,7 +196,7 @@ def sampling_step(calls: Sequence[dict]) -> int:
 def load_groups(store: Any, group_ids: Sequence[str]) -> tuple[list[dict], dict[str, list[dict]]]:
     """Read groups and their sessions' calls from the store (the one I/O function here)."""
     groups = [store.get_group(gid) for gid in group_ids]
-    calls = {s["id"]: store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
+    calls = {s["id"]: store.session_calls(s["id"]) for g in groups for s in trained_sessions(g)}
     return groups, calls
 
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.chat import _check_id
 from gateway.errors import InvalidRequest
-from gateway.protocol import GroupCloseRequest, RewardRequest, TriggerRequest
+from gateway.protocol import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
 from gateway.routes.openai import read_json, validation_message
 
 router = APIRouter()
@@ -40,6 +40,14 @@ async def post_reward(session_id: str, request: Request) -> Response:
     if services.tracer is not None:
         services.tracer.on_reward(session_id, body.reward, body.metrics)
     return json_response(result)
+
+
+@router.post("/v1/sessions/{session_id}/discard")
+async def discard_session(session_id: str, request: Request) -> Response:
+    """Leave a failed rollout out of its group (no reward needed, never trained); calls are kept."""
+    store = request.app.state.services.store
+    body = await parse(request, DiscardRequest, allow_empty=True)
+    return json_response(await store.discard_session(_check_id(session_id, "session_id"), body.reason))
 
 
 @router.get("/v1/sessions/{session_id}")
