@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
+from gateway.engines.sse import sse_data
 from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd
 from gateway.errors import ConfigError, RLProxyError, UpstreamError, UpstreamTimeout
 from gateway.settings import Settings
@@ -151,7 +152,7 @@ class OpenAIEngine(Engine):
                         f"the upstream at {self.base_url} answered a stream request with {resp.content_type or 'no'}"
                         f" content instead of text/event-stream: {_excerpt(await resp.read())}"
                     )
-                async for payload in _sse_payloads(resp.content):
+                async for payload in sse_data(resp.content):
                     if payload == b"[DONE]":
                         finished = True
                         break
@@ -233,24 +234,6 @@ class OpenAIEngine(Engine):
             return UpstreamRejected(status, message, _str_or_none(error.get("type")),
                                     _str_or_none(error.get("param")), _str_or_none(error.get("code")))
         return UpstreamError(f"the upstream at {self.base_url} answered {status}: {message}")
-
-
-async def _sse_payloads(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The `data` of each server-sent event (multi-line data joined by newlines)."""
-    data: list[bytes] = []
-    async for line in content:
-        line = line.rstrip(b"\r\n")
-        if not line:
-            if data:
-                yield b"\n".join(data)
-                data = []
-            continue
-        if line.startswith(b"data:"):
-            value = line[5:]
-            data.append(value[1:] if value.startswith(b" ") else value)
-        # `event:`, `id:`, `retry:` and `:` comments carry nothing a chat chunk needs.
-    if data:
-        yield b"\n".join(data)
 
 
 def _excerpt(payload: bytes, limit: int = 300) -> str:

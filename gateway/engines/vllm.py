@@ -42,6 +42,7 @@ from gateway.engines.vllm_server import (
     vllm_environment,
     vllm_gpu_for,
 )
+from gateway.engines.sse import sse_data
 from gateway.engines.vllm_wire import (
     ClientAsk,
     StreamSplitter,
@@ -49,7 +50,6 @@ from gateway.engines.vllm_wire import (
     loads,
     maybe_json,
     split_completion,
-    sse_data,
     vllm_body,
 )
 from gateway.errors import ConfigError, EngineUnavailable, RLProxyError, UpstreamError, UpstreamTimeout

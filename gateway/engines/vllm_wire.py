@@ -13,9 +13,7 @@ Pure functions over JSON dicts (no I/O but the SSE reader), so each rule is test
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator
 
-import aiohttp
 import orjson
 
 from gateway.engines.base import ChoiceTokens, TokenRecord
@@ -185,19 +183,3 @@ def error_message(data: object) -> str:
     if isinstance(error, dict):
         return str(error.get("message") or error.get("detail") or "")
     return str(error)
-
-
-async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The `data` of each server-sent event."""
-    lines: list[bytes] = []
-    async for line in content:
-        line = line.rstrip(b"\r\n")
-        if not line:
-            if lines:
-                yield b"\n".join(lines)
-                lines = []
-        elif line.startswith(b"data:"):
-            value = line[5:]
-            lines.append(value[1:] if value.startswith(b" ") else value)
-    if lines:
-        yield b"\n".join(lines)

@@ -45,6 +45,45 @@ OPTIMIZER_FILE = "optimizer.pt"
 with the same AdamW moments instead of restarting them at zero."""
 
 
+def save_peft_checkpoint(model: Any, optimizer: Any, directory: Path, **save_options: Any) -> None:
+    """The adapter in PEFT format plus the optimizer state, checked: a library version
+    that names its files otherwise must not pass silently."""
+    import torch
+
+    directory = Path(directory)
+    model.save_pretrained(str(directory), **save_options)
+    missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
+    if missing:
+        raise RuntimeError(f"save_pretrained did not write {', '.join(missing)} in {directory}")
+    torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+
+
+def load_peft_checkpoint(model: Any, optimizer: Any, directory: Path, device: "torch.device") -> None:
+    """Adapter weights (and the optimizer state when saved) from a `save_peft_checkpoint` dir."""
+    import logging
+
+    import torch
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from gateway.errors import ConfigError
+
+    directory = Path(directory)
+    weights = load_file(directory / ADAPTER_FILES[1], device=str(device))
+    unexpected = getattr(set_peft_model_state_dict(model, weights), "unexpected_keys", None)
+    if unexpected:
+        raise ConfigError(
+            f"checkpoint {directory} does not fit this adapter (unexpected weights such as "
+            f"{unexpected[0]}); it was trained with other LoRA settings or another base model"
+        )
+    optimizer_file = directory / OPTIMIZER_FILE
+    if optimizer_file.is_file():
+        optimizer.load_state_dict(torch.load(optimizer_file, map_location=device, weights_only=True))
+    else:
+        logging.getLogger("rlproxy.trainer").warning(
+            "checkpoint %s has no %s: the optimizer restarts from zero", directory, OPTIMIZER_FILE)
+
+
 class TrainingBackend(ABC):
     """A base model with one trainable LoRA adapter, and its optimizer.
 

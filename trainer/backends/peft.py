@@ -15,7 +15,12 @@ import torch
 
 from gateway.errors import ConfigError
 from gateway.settings import TINY_MODEL_ID, Settings
-from trainer.backends.base import ADAPTER_FILES, LORA_TARGET_MODULES, OPTIMIZER_FILE, TrainingBackend
+from trainer.backends.base import (
+    LORA_TARGET_MODULES,
+    TrainingBackend,
+    load_peft_checkpoint,
+    save_peft_checkpoint,
+)
 from trainer.packing import PackedRow, token_logprobs
 
 log = logging.getLogger("rlproxy.trainer")
@@ -129,31 +134,10 @@ class PeftBackend(TrainingBackend):
 
     # -- files
     def save(self, directory: Path) -> None:
-        directory = Path(directory)
         # Only the LoRA weights: the base embeddings are never trained (peft would otherwise copy
         # the tiny model's tied embedding matrix into every checkpoint, see `lora_targets`).
-        self.model.save_pretrained(directory, safe_serialization=True, save_embedding_layers=False)
-        missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
-        if missing:  # a peft version that names its files otherwise must not pass silently
-            raise RuntimeError(f"peft's save_pretrained did not write {', '.join(missing)} in {directory}")
-        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        save_peft_checkpoint(self.model, self.optimizer, directory, safe_serialization=True,
+                             save_embedding_layers=False)
 
     def load(self, directory: Path) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        weights = load_file(directory / ADAPTER_FILES[1], device=str(self._device))
-        result = set_peft_model_state_dict(self.model, weights)
-        unexpected = getattr(result, "unexpected_keys", None)
-        if unexpected:
-            raise ConfigError(
-                f"checkpoint {directory} does not fit this adapter (unexpected weights such as "
-                f"{unexpected[0]}); it was trained with other LoRA settings or another base model"
-            )
-        optimizer_file = directory / OPTIMIZER_FILE
-        if optimizer_file.is_file():
-            state = torch.load(optimizer_file, map_location=self._device, weights_only=True)
-            self.optimizer.load_state_dict(state)
-        else:
-            log.warning("checkpoint %s has no %s: the optimizer restarts from zero", directory, OPTIMIZER_FILE)
+        load_peft_checkpoint(self.model, self.optimizer, directory, self._device)

@@ -28,7 +28,12 @@ import torch
 
 from gateway.errors import ConfigError
 from gateway.settings import Settings
-from trainer.backends.base import ADAPTER_FILES, LORA_TARGET_MODULES, OPTIMIZER_FILE, TrainingBackend
+from trainer.backends.base import (
+    LORA_TARGET_MODULES,
+    TrainingBackend,
+    load_peft_checkpoint,
+    save_peft_checkpoint,
+)
 from trainer.packing import PackedRow
 
 log = logging.getLogger("rlproxy.trainer")
@@ -172,28 +177,7 @@ class UnslothBackend(TrainingBackend):
 
     # -- files
     def save(self, directory: Path) -> None:
-        directory = Path(directory)
-        self.model.save_pretrained(str(directory))  # PEFT format: what vLLM loads
-        missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
-        if missing:
-            raise RuntimeError(f"save_pretrained did not write {', '.join(missing)} in {directory}")
-        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        save_peft_checkpoint(self.model, self.optimizer, directory)  # PEFT format: what vLLM loads
 
     def load(self, directory: Path) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        weights = load_file(directory / ADAPTER_FILES[1], device=str(self.device))
-        result = set_peft_model_state_dict(self.model, weights)
-        unexpected = getattr(result, "unexpected_keys", None)
-        if unexpected:
-            raise ConfigError(
-                f"checkpoint {directory} does not fit this adapter (unexpected weights such as "
-                f"{unexpected[0]}); it was trained with other LoRA settings or another base model"
-            )
-        optimizer_file = directory / OPTIMIZER_FILE
-        if optimizer_file.is_file():
-            self.optimizer.load_state_dict(torch.load(optimizer_file, map_location=self.device, weights_only=True))
-        else:
-            log.warning("checkpoint %s has no %s: the optimizer restarts from zero", directory, OPTIMIZER_FILE)
+        load_peft_checkpoint(self.model, self.optimizer, directory, self.device)
