@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -69,7 +70,7 @@ AIM_FINAL_AT_LEAST = 0.8
 @dataclass
 class DemoOptions:
     out: Path = Path("rlproxy-demo")
-    steps: int = 40  # training steps at most (a converged run stops early)
+    steps: int = 60  # training steps at most (a converged run stops early)
     rollouts: int = 8  # rollouts per group (GRPO compares them)
     seconds: float = 300.0  # budget: no new round starts after this
     max_tokens: int = 6  # reply length: short replies keep a round well under a second
@@ -166,8 +167,11 @@ def _gateway(settings: Settings):
     from gateway.app import create_app
 
     sock = _free_socket()
+    # Keep-alive longer than the clients' (httpx, and so openai: 5 s): with uvicorn's default of
+    # 5 s both ends drop an idle connection at the same moment, and a round starting just then
+    # reuses a connection the server is closing (ReadError).
     server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level=settings.log_level, log_config=None,
-                                           access_log=False, lifespan="on"))
+                                           access_log=False, lifespan="on", timeout_keep_alive=75))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rlproxy-demo-gateway",
                               daemon=True)
     thread.start()
@@ -305,18 +309,17 @@ class Agent:
                 raise RLProxyError(f"gave up waiting for {what}; see trainer.log and gateway.log")
             await asyncio.sleep(0.1)
 
-    async def _group_done(self, group_id: str) -> bool:
+    async def _still_pending(self, group_id: str) -> bool:
         response = await self.http.get(f"/v1/groups/{group_id}")
         response.raise_for_status()
         group = response.json()
-        if group.get("skipped"):
-            self.record.groups_skipped += 1
-        return group.get("trained_step") is not None or bool(group.get("skipped"))
+        return group.get("trained_step") is None and not group.get("skipped")
 
     async def train_round(self, step: int) -> str | None:
         """Sample groups from `step` until the trainer's next step is served. Returns why
         the run should stop instead, or None."""
         perfect = 0  # groups in a row where every rollout got the full reward
+        checked = -math.inf  # a new step just took some pending groups: look at once
         while True:
             served = await self.served_step()
             if served is not None and served > step:
@@ -324,17 +327,23 @@ class Agent:
             self.trainer.check_alive()
             if time.monotonic() > self.deadline:
                 return "time budget"
-            self.pending = [g for g in self.pending if not await self._group_done(g)]
+            if time.monotonic() - checked > 2.0:
+                # Which groups did the new step take? Later, rarely needed: the store has the last word.
+                self.pending = [g for g in self.pending if await self._still_pending(g)]
+                checked = time.monotonic()
             missing = self.settings.groups_per_step - len(self.pending)
             if missing <= 0:
                 await asyncio.sleep(0.05)
                 continue
             for group_id, results in await asyncio.gather(*(self.group("train") for _ in range(missing))):
-                self.pending.append(group_id)
                 for reward, sampled_by in results:
                     if sampled_by is not None:
                         self.record.rewards_by_step.setdefault(sampled_by, []).append(reward)
                 rewards = [r for r, _ in results]
+                if max(rewards) - min(rewards) > 1e-6:
+                    self.pending.append(group_id)
+                else:  # no spread: the trainer skips it (nothing to learn), so another takes its place
+                    self.record.groups_skipped += 1
                 perfect = perfect + 1 if min(rewards) >= 1.0 else 0
             if perfect >= 2 * self.settings.groups_per_step:
                 return "converged"  # every rollout earns the full reward: no group has anything left to teach
@@ -350,7 +359,7 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
         await agent.wait_for_step(0, "the untrained adapter (step 0)")
         record.baseline_reward, _ = await agent.evaluate()
         bar = tqdm(total=options.steps, desc="training", unit="step", disable=not progress, leave=True,
-                   bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed} {postfix}")
+                   bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed}{postfix}")
         bar.set_postfix_str(f"baseline reward {record.baseline_reward:.2f}")
         try:
             step = 0
