@@ -296,8 +296,8 @@ class Agent:
         """Mean reward of `eval_groups` val groups (never trained on), and the step that answered."""
         groups = await asyncio.gather(*(self.group("val") for _ in range(self.options.eval_groups)))
         results = [result for _, rollouts in groups for result in rollouts]
-        steps = {step for _, step in results}
-        return sum(r for r, _ in results) / len(results), max(s for s in steps if s is not None) if steps - {None} else None
+        answered_by = [step for _, step in results if step is not None]
+        return sum(r for r, _ in results) / len(results), max(answered_by, default=None)
 
     async def wait_for_step(self, step: int, what: str) -> None:
         while True:
@@ -371,10 +371,10 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
                 if stop is not None:
                     record.stopped_because = stop
                     break
+                if rewards:
+                    bar.set_postfix_str(f"reward {sum(rewards) / len(rewards):.2f} (step {step})")
                 step = await agent.served_step()
                 bar.update(step - bar.n)
-                if rewards:
-                    bar.set_postfix_str(f"reward {sum(rewards) / len(rewards):.2f} (step {step - 1})")
             else:
                 record.stopped_because = "steps"
         finally:
