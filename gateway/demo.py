@@ -427,7 +427,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.set(xlabel="training step (adapter that sampled)", ylabel="reward", ylim=(-0.02, 1.02),
            title=f"rlproxy demo: {summary['task']['name']} ({summary['seconds']:.0f} s)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
