@@ -114,7 +114,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
             from gateway.colocate import Colocator, activate_step
 
             colocator = Colocator(engine, gate, store, settings.model_name,
-                                  lambda step: activate_step(registry, store, settings.model_name, step),
+                                  lambda step: activate_step(registry, settings.model_name, step),
                                   poll_interval=min(settings.poll_interval, 0.5))
             await colocator.start()
             services.extras["colocator"] = colocator

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Mapping
 
 from gateway.adapters import AdapterRegistry, Target
-from gateway.engines.base import Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
+from gateway.engines.base import Engine, EngineRequest, StreamEnd, TokenRecord
 from gateway.errors import InvalidRequest, RLProxyError
 from gateway.gate import RequestGate
 from gateway.protocol import ChatCompletionRequest

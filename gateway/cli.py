@@ -13,7 +13,6 @@ import sys
 import typing
 from typing import Callable, Literal
 
-from pydantic import SecretStr
 
 from gateway.errors import RLProxyError
 from gateway.settings import Settings
@@ -63,6 +62,9 @@ def _configure_logging(settings: Settings) -> None:
     )
 
 
+KEEP_ALIVE_SECONDS = 75
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -73,8 +75,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     trainer = _start_trainer(args, settings)
     try:
+        # Keep-alive well past the clients' own 5 s (httpx, openai): with equal timeouts both
+        # ends drop an idle connection at once and a request sent then fails with a ReadError.
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                    access_log=settings.log_level == "debug")
+                    access_log=settings.log_level == "debug", timeout_keep_alive=KEEP_ALIVE_SECONDS)
     finally:
         _stop_trainer(trainer)
     return 0

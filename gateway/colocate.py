@@ -45,7 +45,6 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Iterator
 
 from gateway.errors import EngineUnavailable
@@ -285,23 +284,8 @@ class Colocator:
         log.info("serving resumed%s", f" with step {step}" if step is not None else "")
 
 
-async def activate_step(registry: "AdapterRegistry", store: "Store", model: str, step: int) -> None:
-    """Load NAME@step from its step row and point NAME at it (the newest step wins).
-
-    Uses the registry's own `activate(step)` (path checks, unloading old steps) when it has
-    one; otherwise loads through the engine and records the step itself."""
-    activate = getattr(registry, "activate", None)
-    if activate is not None:
-        if not await activate(step):
-            log.warning("step %s of %s could not be loaded; the previous step keeps serving", step, model)
-        return
-    rows = [row for row in await asyncio.to_thread(store.steps, model) if row["step"] == step]
-    if not rows:
-        log.warning("step %s of %s has no step row; nothing to load", step, model)
-        return
-    name = f"{model}@{step}"
-    if step not in registry.loaded:
-        await registry.engine.load_adapter(name, Path(rows[0]["path"]))
-        registry.loaded[step] = name
-    if registry.current is None or step > registry.current:
-        registry.current = step
+async def activate_step(registry: "AdapterRegistry", model: str, step: int) -> None:
+    """Load NAME@step and point NAME at it (the newest step wins), through the registry so
+    its path check and its unloading of old steps apply."""
+    if not await registry.activate(step):
+        log.warning("step %s of %s could not be loaded; the previous step keeps serving", step, model)

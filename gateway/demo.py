@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gateway import demo_task
+from gateway.cli import KEEP_ALIVE_SECONDS
 from gateway.errors import ConfigError, RLProxyError
 from gateway.settings import Settings
 
@@ -171,7 +172,7 @@ def _gateway(settings: Settings):
     # 5 s both ends drop an idle connection at the same moment, and a round starting just then
     # reuses a connection the server is closing (ReadError).
     server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level=settings.log_level, log_config=None,
-                                           access_log=False, lifespan="on", timeout_keep_alive=75))
+                                           access_log=False, lifespan="on", timeout_keep_alive=KEEP_ALIVE_SECONDS))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rlproxy-demo-gateway",
                               daemon=True)
     thread.start()

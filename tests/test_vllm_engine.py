@@ -84,7 +84,7 @@ class Gateway:
         """What the trainer leaves behind (checkpoint + step row), then the gateway's hot-swap."""
         path = make_adapter(self.settings.checkpoints_dir(), f"{step:04d}")
         self.store.insert_step("agent", step, str(path), {}, [])
-        self.loop.run(activate_step(self.services.registry, self.store, "agent", step))
+        self.loop.run(activate_step(self.services.registry, "agent", step))
         return path
 
     def calls(self, session: str) -> list[dict]:
