@@ -35,6 +35,7 @@ class Identity:
     group_id: str | None
     split: str
     minted: bool  # the gateway made the session id up (returned in X-Session-Id)
+    client_request_id: str | None = None  # the client's X-Request-Id, recorded beside ours
 
 
 def _check_id(value: str, what: str) -> str:
@@ -58,7 +59,11 @@ def identify(headers: Mapping[str, str], body: dict) -> Identity:
     session_id = "sess_" + uuid.uuid4().hex if minted else _check_id(str(session_id), "session_id")
     if group_id is not None:
         group_id = _check_id(str(group_id), "group_id")
-    return Identity(session_id=session_id, group_id=group_id, split=split, minted=minted)
+    client_request_id = headers.get("x-request-id")
+    if client_request_id is not None and not _ID_PATTERN.match(client_request_id):
+        client_request_id = None  # a tracing aid only: an odd one is dropped, not refused
+    return Identity(session_id=session_id, group_id=group_id, split=split, minted=minted,
+                    client_request_id=client_request_id)
 
 
 def engine_body(request: ChatCompletionRequest, raw: dict, target: Target) -> dict:
@@ -108,6 +113,7 @@ class ChatService:
     ) -> CallRecord:
         record = CallRecord(
             id=request_id,
+            client_request_id=identity.client_request_id,
             session_id=identity.session_id,
             group_id=identity.group_id,
             split=identity.split,

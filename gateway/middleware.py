@@ -33,8 +33,9 @@ new_request_id = _RequestIds()
 
 
 class RequestIdMiddleware:
-    """Gives every request an id (kept from the client's X-Request-Id when sane)
-    in `scope["state"]["request_id"]` and echoes it as a response header."""
+    """Gives every request a fresh id in `scope["state"]["request_id"]` and returns it as the
+    X-Request-Id response header. A client's own X-Request-Id is not adopted: the id is the
+    call row's primary key, and a client that reuses one (a retry) must not lose its call."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -43,14 +44,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = None
-        for name, value in scope["headers"]:
-            if name == REQUEST_ID_HEADER:
-                candidate = value.decode("latin-1")
-                if 0 < len(candidate) <= 128 and candidate.replace("-", "").replace("_", "").isalnum():
-                    request_id = candidate
-                break
-        request_id = request_id or new_request_id()
+        request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
         header = (REQUEST_ID_HEADER, request_id.encode())
 

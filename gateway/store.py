@@ -89,6 +89,7 @@ class CallRecord:
     completion_ids: list[list[int]] | None = None  # one list per choice
     completion_logprobs: list[list[float]] | None = None  # one list per choice, or None
     created_at: float = field(default_factory=time.time)
+    client_request_id: str | None = None  # the client's own X-Request-Id, kept for tracing
 
 
 _SCHEMA = """
@@ -112,7 +113,8 @@ CREATE TABLE IF NOT EXISTS calls (
     completion_logprobs BLOB,
     completion_lengths TEXT,
     latency_ms REAL NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    client_request_id TEXT
 );
 CREATE INDEX IF NOT EXISTS calls_session ON calls (session_id, created_at);
 CREATE TABLE IF NOT EXISTS sessions (
@@ -185,6 +187,7 @@ CREATE TABLE IF NOT EXISTS gpu_leases (
 _ADDED_COLUMNS = (
     ("sessions", "discarded", "INTEGER NOT NULL DEFAULT 0"),
     ("sessions", "discard_reason", "TEXT"),
+    ("calls", "client_request_id", "TEXT"),
 )
 
 # A group is ready when it is closed (or has its expected number of sessions) and every
@@ -589,7 +592,8 @@ def _insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
     conn.execute(
         "INSERT INTO calls (id, session_id, group_id, split, model, served, step, engine, stream, status,"
         " http_status, error, request, response, prompt_ids, completion_ids, completion_logprobs,"
-        " completion_lengths, latency_ms, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " completion_lengths, latency_ms, created_at, client_request_id)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (
             call.id,
             call.session_id,
@@ -611,6 +615,7 @@ def _insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
             json.dumps(lengths) if lengths is not None else None,
             call.latency_ms,
             now,
+            call.client_request_id,
         ),
     )
     base_model = call.model.split("@", 1)[0]

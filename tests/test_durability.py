@@ -73,7 +73,7 @@ def test_every_acknowledged_call_survives_sigkill(tmp_path):
 
     db = sqlite3.connect(state_dir / "rlproxy.db")  # recovers the WAL the killed writer left
     try:
-        rows = dict(db.execute("SELECT id, status FROM calls").fetchall())
+        rows = dict(db.execute("SELECT client_request_id, status FROM calls").fetchall())
     finally:
         db.close()
     missing = [rid for rid in acknowledged if rid not in rows]

@@ -203,12 +203,15 @@ def test_missing_session_is_minted_and_returned(client, store):
     list(raw.parse())
 
 
-def test_client_request_id_is_kept(client, store):
-    raw = client.chat.completions.with_raw_response.create(
-        model="fake-model", messages=[{"role": "user", "content": "traced"}],
-        extra_headers={"X-Request-Id": "my-trace-123", "X-Session-Id": "traced"})
-    assert raw.headers["x-request-id"] == "my-trace-123"
-    assert store.session_calls("traced")[0]["id"] == "my-trace-123"
+def test_client_request_id_is_recorded_and_a_reused_one_loses_no_call(client, store):
+    for _ in range(2):  # a retry that sends the same id again
+        raw = client.chat.completions.with_raw_response.create(
+            model="fake-model", messages=[{"role": "user", "content": "traced"}],
+            extra_headers={"X-Request-Id": "my-trace-123", "X-Session-Id": "traced"})
+        assert raw.headers["x-request-id"] != "my-trace-123"  # ours: the call row's key
+    calls = store.session_calls("traced")
+    assert [c["client_request_id"] for c in calls] == ["my-trace-123", "my-trace-123"]
+    assert len({c["id"] for c in calls}) == 2
 
 
 @pytest.mark.parametrize(("headers", "says"), [
