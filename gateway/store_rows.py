@@ -1,0 +1,232 @@
+"""What a store row holds and the writes that make one, as plain functions on a connection.
+
+The array codec (token ids as packed int32, logprobs as packed float32), `CallRecord`
+(one chat completion as the gateway saw it), and the ops the store's writer runs inside
+its transaction: each takes the writer's `sqlite3.Connection` and neither begins nor
+commits, so `Store` decides how they are batched. `decode_*` turn a read row back into
+what the API returns.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import orjson
+
+from gateway.errors import Conflict, NotFound
+
+# ------------------------------------------------------------------ array codec
+
+
+def pack_ids(ids: Iterable[int] | None) -> bytes | None:
+    return None if ids is None else array("i", ids).tobytes()
+
+
+def unpack_ids(blob: bytes | None) -> list[int] | None:
+    if blob is None:
+        return None
+    values = array("i")
+    values.frombytes(blob)
+    return values.tolist()
+
+
+def pack_floats(values: Iterable[float] | None) -> bytes | None:
+    return None if values is None else array("f", values).tobytes()
+
+
+def unpack_floats(blob: bytes | None) -> list[float] | None:
+    if blob is None:
+        return None
+    values = array("f")
+    values.frombytes(blob)
+    return values.tolist()
+
+
+def _split(flat: list | None, lengths: list[int]) -> list[list] | None:
+    if flat is None:
+        return None
+    out, start = [], 0
+    for length in lengths:
+        out.append(flat[start : start + length])
+        start += length
+    return out
+
+
+# ------------------------------------------------------------------ records
+
+
+@dataclass
+class CallRecord:
+    """One chat completion call as the gateway saw it."""
+
+    id: str  # the request id (X-Request-Id)
+    session_id: str
+    group_id: str | None
+    split: str  # "train" | "val"
+    model: str  # the name the client asked for
+    served: str | None  # what the engine answered with: base id or adapter name such as "agent@3"
+    step: int | None  # adapter step that produced the answer; None for the base model or an upstream
+    engine: str
+    stream: bool
+    status: str  # "ok" | "error"
+    request: dict
+    response: dict | None
+    latency_ms: float
+    error: str | None = None
+    http_status: int = 200
+    prompt_ids: list[int] | None = None
+    completion_ids: list[list[int]] | None = None  # one list per choice
+    completion_logprobs: list[list[float]] | None = None  # one list per choice, or None
+    created_at: float = field(default_factory=time.time)
+    client_request_id: str | None = None  # the client's own X-Request-Id, kept for tracing
+
+# ------------------------------------------------------------------ ops (run on the writer connection)
+
+
+def _to_json(value: Any) -> str:
+    """orjson on the hot path (a tenth of json's cost); json for what orjson refuses (huge ints)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return json.dumps(value, default=str)
+
+
+def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
+    now = call.created_at
+    lengths = [len(ids) for ids in call.completion_ids] if call.completion_ids is not None else None
+    flat_ids = [t for ids in call.completion_ids for t in ids] if call.completion_ids is not None else None
+    flat_lps = (
+        [lp for lps in call.completion_logprobs for lp in lps] if call.completion_logprobs is not None else None
+    )
+    conn.execute(
+        "INSERT INTO calls (id, session_id, group_id, split, model, served, step, engine, stream, status,"
+        " http_status, error, request, response, prompt_ids, completion_ids, completion_logprobs,"
+        " completion_lengths, latency_ms, created_at, client_request_id)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        (
+            call.id,
+            call.session_id,
+            call.group_id,
+            call.split,
+            call.model,
+            call.served,
+            call.step,
+            call.engine,
+            int(call.stream),
+            call.status,
+            call.http_status,
+            call.error,
+            _to_json(call.request),
+            _to_json(call.response) if call.response is not None else None,
+            pack_ids(call.prompt_ids),
+            pack_ids(flat_ids),
+            pack_floats(flat_lps),
+            json.dumps(lengths) if lengths is not None else None,
+            call.latency_ms,
+            now,
+            call.client_request_id,
+        ),
+    )
+    base_model = call.model.split("@", 1)[0]
+    conn.execute(
+        "INSERT INTO sessions (id, group_id, split, model, n_calls, created_at, updated_at) VALUES (?,?,?,?,1,?,?)"
+        " ON CONFLICT(id) DO UPDATE SET n_calls = n_calls + 1, updated_at = excluded.updated_at,"
+        " group_id = COALESCE(sessions.group_id, excluded.group_id)",
+        (call.session_id, call.group_id, call.split, base_model, now, now),
+    )
+    if call.group_id is not None:
+        conn.execute(
+            "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES (?,?,?,?,?)"
+            " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
+            (call.group_id, base_model, call.split, now, now),
+        )
+
+
+def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float]) -> dict:
+    row = conn.execute("SELECT metrics FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    if row is None:
+        raise NotFound(
+            f"session '{session_id}' not found: post a reward after the session's first chat completion",
+            param="session_id",
+        )
+    merged = {**json.loads(row[0] or "{}"), **metrics}
+    now = time.time()
+    conn.execute(
+        "UPDATE sessions SET reward = ?, metrics = ?, rewarded_at = ?, updated_at = ? WHERE id = ?",
+        (reward, json.dumps(merged), now, now, session_id),
+    )
+    return {"session_id": session_id, "reward": reward, "metrics": merged}
+
+
+def require_group(conn: sqlite3.Connection, group_id: str) -> None:
+    if conn.execute("SELECT 1 FROM groups WHERE id = ?", (group_id,)).fetchone() is None:
+        raise NotFound(
+            f"group '{group_id}' not found: a group exists once a call was made with its X-Group-Id",
+            param="group_id",
+        )
+
+
+def close_group(conn: sqlite3.Connection, group_id: str, expected_sessions: int | None) -> dict:
+    require_group(conn, group_id)
+    now = time.time()
+    if expected_sessions is None:
+        conn.execute("UPDATE groups SET closed = 1, updated_at = ? WHERE id = ?", (now, group_id))
+    else:
+        conn.execute(
+            "UPDATE groups SET expected_sessions = ?, updated_at = ? WHERE id = ?", (expected_sessions, now, group_id)
+        )
+    return {"group_id": group_id, "closed": expected_sessions is None, "expected_sessions": expected_sessions}
+
+
+def discard_session(conn: sqlite3.Connection, session_id: str, reason: str | None) -> None:
+    row = conn.execute(
+        "SELECT s.group_id, g.trained_step FROM sessions s LEFT JOIN groups g ON g.id = s.group_id WHERE s.id = ?",
+        (session_id,),
+    ).fetchone()
+    if row is None:
+        raise NotFound(
+            f"session '{session_id}' not found: a session exists once it made a chat completion "
+            "(a rollout that failed before its first call has nothing to discard)",
+            param="session_id",
+        )
+    group_id, trained_step = row
+    if trained_step is not None:
+        raise Conflict(
+            f"session '{session_id}' cannot be discarded: its group '{group_id}' was already trained "
+            f"(step {trained_step})",
+            param="session_id",
+        )
+    # A second discard keeps the first reason unless it gives one.
+    conn.execute(
+        "UPDATE sessions SET discarded = 1, discard_reason = COALESCE(?, discard_reason), updated_at = ?"
+        " WHERE id = ?",
+        (reason, time.time(), session_id),
+    )
+
+
+def decode_session(row: dict) -> dict:
+    row = dict(row)
+    row["metrics"] = json.loads(row["metrics"] or "{}")
+    row["discarded"] = bool(row["discarded"])
+    return row
+
+
+def decode_call(row: dict) -> dict:
+    row = dict(row)
+    lengths = json.loads(row.pop("completion_lengths") or "null")
+    row["stream"] = bool(row["stream"])
+    row["request"] = json.loads(row["request"])
+    row["response"] = json.loads(row["response"]) if row["response"] else None
+    row["prompt_ids"] = unpack_ids(row["prompt_ids"])
+    if lengths is not None:
+        row["completion_ids"] = _split(unpack_ids(row["completion_ids"]), lengths)
+        row["completion_logprobs"] = _split(unpack_floats(row["completion_logprobs"]), lengths)
+    else:
+        row["completion_ids"] = None
+        row["completion_logprobs"] = None
+    return row

@@ -1,0 +1,155 @@
+"""The store's SQLite schema and how a connection to it is opened.
+
+`SCHEMA` creates every table (idempotent); `add_missing_columns` brings a file made by
+an older rlproxy up to date; `READY_GROUPS` is the query the trainer polls for groups it
+can train on; `connect` opens a file in WAL mode with the durability the settings ask for.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS calls (
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    group_id TEXT,
+    split TEXT NOT NULL,
+    model TEXT NOT NULL,
+    served TEXT,
+    step INTEGER,
+    engine TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    http_status INTEGER NOT NULL,
+    error TEXT,
+    request TEXT NOT NULL,
+    response TEXT,
+    prompt_ids BLOB,
+    completion_ids BLOB,
+    completion_logprobs BLOB,
+    completion_lengths TEXT,
+    latency_ms REAL NOT NULL,
+    created_at REAL NOT NULL,
+    client_request_id TEXT
+);
+CREATE INDEX IF NOT EXISTS calls_session ON calls (session_id, created_at);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    group_id TEXT,
+    split TEXT NOT NULL,
+    model TEXT NOT NULL,
+    n_calls INTEGER NOT NULL DEFAULT 0,
+    reward REAL,
+    metrics TEXT,
+    rewarded_at REAL,
+    discarded INTEGER NOT NULL DEFAULT 0,
+    discard_reason TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sessions_group ON sessions (group_id);
+CREATE TABLE IF NOT EXISTS groups (
+    id TEXT PRIMARY KEY,
+    model TEXT NOT NULL,
+    split TEXT NOT NULL,
+    closed INTEGER NOT NULL DEFAULT 0,
+    expected_sessions INTEGER,
+    trained_step INTEGER,
+    skipped TEXT,
+    ruler_status TEXT,
+    ruler_error TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS steps (
+    model TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    metrics TEXT,
+    groups TEXT,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (model, step)
+);
+CREATE TABLE IF NOT EXISTS judgements (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    judge_model TEXT NOT NULL,
+    score REAL NOT NULL,
+    explanation TEXT,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS judgements_group ON judgements (group_id);
+CREATE TABLE IF NOT EXISTS triggers (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    model TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    consumed_at REAL
+);
+-- One GPU shared by vLLM and the trainer (--gpu-mode colocated); see gateway/colocate.py.
+-- state: idle -> requested (trainer) -> granted (gateway: drained, vLLM asleep)
+--        -> released (trainer: step saved) -> idle (gateway: vLLM awake, adapter loaded).
+CREATE TABLE IF NOT EXISTS gpu_leases (
+    model TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    holder TEXT,
+    step INTEGER,
+    updated_at REAL NOT NULL
+);
+"""
+
+# Columns added after the first release: (table, column, definition). `CREATE TABLE IF NOT
+# EXISTS` leaves an older file's tables as they were, so start-up adds what is missing.
+_ADDED_COLUMNS = (
+    ("sessions", "discarded", "INTEGER NOT NULL DEFAULT 0"),
+    ("sessions", "discard_reason", "TEXT"),
+    ("calls", "client_request_id", "TEXT"),
+)
+
+# A group is ready when it is closed (or has its expected number of sessions) and every
+# session in it has a reward. Discarded sessions (failed rollouts) are left out: they need
+# no reward and are never trained. They still count towards `expected_sessions`, because
+# that number says how many rollouts will arrive, and a failed one has arrived.
+READY_GROUPS = """
+SELECT g.*, SUM(s.discarded = 0) AS n_sessions, COUNT(CASE WHEN s.discarded = 0 THEN s.reward END) AS n_rewarded,
+       SUM(s.discarded) AS n_discarded
+FROM groups g JOIN sessions s ON s.group_id = g.id
+WHERE g.model = :model AND g.split = :split AND g.trained_step IS NULL AND g.skipped IS NULL
+GROUP BY g.id
+HAVING n_sessions > 0 AND n_rewarded = n_sessions
+   AND (g.closed = 1 OR (g.expected_sessions IS NOT NULL AND n_sessions + n_discarded >= g.expected_sessions))
+ORDER BY g.created_at
+"""
+
+
+def connect(path: Path | str, synchronous: str = "normal") -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    # NORMAL (WAL): a committed transaction is in the WAL file before COMMIT returns, so it
+    # survives the process crashing or being killed; only an OS crash or power loss can undo
+    # the newest ones. FULL also survives those, for an fsync per group commit (1-15 ms on a
+    # shared VM's disk: most of a call's added latency at low concurrency).
+    if synchronous.lower() not in ("normal", "full"):
+        raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
+    conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+def add_missing_columns(conn: sqlite3.Connection) -> None:
+    """Bring a file made by an older rlproxy up to the current schema. In one IMMEDIATE
+    transaction, so a gateway and a trainer starting together do not both add a column."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for table, column, definition in _ADDED_COLUMNS:
+            present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
