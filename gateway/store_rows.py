@@ -64,7 +64,7 @@ def _split(flat: list | None, lengths: list[int]) -> list[list] | None:
 class CallRecord:
     """One chat completion call as the gateway saw it."""
 
-    id: str  # the request id (X-Request-Id)
+    id: str  # the gateway's request id (its X-Request-Id response header)
     session_id: str
     group_id: str | None
     split: str  # "train" | "val"
