@@ -135,14 +135,27 @@ class TrainingBackend(ABC):
         gradients: the reference of the KL penalty (only asked for when beta > 0)."""
 
     # -- optimisation
-    @abstractmethod
+    def init_optimizer(self) -> None:
+        """AdamW at `learning_rate` over `self.model`'s trainable (LoRA) parameters; call it
+        once the adapter is attached. The methods below work on what it sets."""
+        import torch
+
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self._params, lr=self.settings.learning_rate)
+
     def zero_grad(self) -> None:
         """Clear the adapter's gradients before a pass accumulates new ones."""
+        self.optimizer.zero_grad(set_to_none=True)
 
-    @abstractmethod
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients to `settings.max_grad_norm`, take one optimizer
         step, clear the gradients; return the gradient norm before clipping."""
+        import torch
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
 
     # -- files
     @abstractmethod
@@ -159,4 +172,4 @@ class TrainingBackend(ABC):
     # -- introspection
     def trainable_parameters(self) -> int:
         """Number of trained (LoRA) parameters, for the log."""
-        return 0
+        return sum(p.numel() for p in self._params)

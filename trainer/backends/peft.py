@@ -98,8 +98,7 @@ class PeftBackend(TrainingBackend):
             torch.manual_seed(settings.seed)
             self.model = get_peft_model(base, config)
         self.model.train()
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=settings.learning_rate)
+        self.init_optimizer()
 
     # -- what the model is
     @property
@@ -110,9 +109,6 @@ class PeftBackend(TrainingBackend):
     def device(self) -> torch.device:
         return self._device
 
-    def trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self._params)
-
     # -- forward passes
     def token_logprobs(self, row: PackedRow) -> torch.Tensor:
         return token_logprobs(self.model, row)
@@ -121,16 +117,6 @@ class PeftBackend(TrainingBackend):
     def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
         with self.model.disable_adapter():
             return token_logprobs(self.model, row)
-
-    # -- optimisation
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
 
     # -- files
     def save(self, directory: Path) -> None:

@@ -124,8 +124,7 @@ class UnslothBackend(TrainingBackend):
             random_state=settings.seed,
         )
         FastLanguageModel.for_training(self.model)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=settings.learning_rate)
+        self.init_optimizer()
 
     # -- what the model is
     @property
@@ -135,9 +134,6 @@ class UnslothBackend(TrainingBackend):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    def trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self._params)
 
     # -- forward passes
     def token_logprobs(self, row: PackedRow) -> torch.Tensor:
@@ -164,16 +160,6 @@ class UnslothBackend(TrainingBackend):
     def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
         with self.model.disable_adapter():
             return self.token_logprobs(row)
-
-    # -- optimisation
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
 
     # -- files
     def save(self, directory: Path) -> None:
