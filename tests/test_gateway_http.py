@@ -11,17 +11,10 @@ import httpx
 import openai
 import pytest
 
-from tests.fake_upstream import FakeUpstream
 from tests.helpers_upstream import openai_gateway, raw_store_bytes
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
                                            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    with FakeUpstream() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

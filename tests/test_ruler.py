@@ -28,7 +28,6 @@ from gateway.ruler import (
     trajectory_from_calls,
 )
 from gateway.settings import Settings
-from tests.fake_upstream import FakeUpstream
 from tests.helpers import ThreadServer
 from tests.helpers_judge import FakeJudge, good_answer, shown_ids
 from tests.helpers_upstream import openai_gateway, raw_store_bytes
@@ -155,12 +154,6 @@ def test_a_fenced_answer_in_any_order_is_accepted():
 
 
 # ---------------------------------------------------------------- through the gateway
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    with FakeUpstream() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -26,19 +26,12 @@ from sdk import (
     ServerError,
 )
 from sdk.client import api_base
-from tests.fake_upstream import FakeUpstream
 from tests.helpers import free_port
 from tests.helpers_judge import FakeJudge
 from tests.helpers_upstream import openai_gateway
 from trainer.data import load_groups
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    with FakeUpstream() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

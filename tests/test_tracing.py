@@ -28,7 +28,6 @@ from starlette.routing import Route
 from gateway.settings import Settings
 from gateway.store import CallRecord
 from gateway.tracing import LangfuseTracer, build_tracer, generation_fields
-from tests.fake_upstream import FakeUpstream
 from tests.helpers import ThreadServer, free_port
 from tests.helpers_judge import FakeJudge
 from tests.helpers_upstream import openai_gateway
@@ -102,12 +101,6 @@ def receiver():
     with ThreadServer(received.app) as server:
         received.url = server.url
         yield received
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    with FakeUpstream() as server:
-        yield server
 
 
 def _env(monkeypatch, host: str) -> None:
