@@ -133,7 +133,8 @@ class ChatService:
             record.prompt_ids = tokens.prompt_ids
             record.completion_ids = [choice.completion_ids for choice in tokens.choices]
             if all(choice.logprobs is not None for choice in tokens.choices):
-                record.completion_logprobs = [choice.logprobs for choice in tokens.choices]
+                record.behaviour_logprobs = [choice.logprobs for choice in tokens.choices]
+            record.sampling = tokens.sampling
         return record
 
     async def _commit(self, record: CallRecord) -> None:

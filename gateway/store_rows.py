@@ -81,7 +81,9 @@ class CallRecord:
     http_status: int = 200
     prompt_ids: list[int] | None = None
     completion_ids: list[list[int]] | None = None  # one list per choice
-    completion_logprobs: list[list[float]] | None = None  # one list per choice, or None
+    # behaviour logprobs (see engines.base.ChoiceTokens): one list per choice, or None
+    behaviour_logprobs: list[list[float]] | None = None
+    sampling: dict | None = None  # the sampling parameters in force (engines.base.TokenRecord)
     created_at: float = field(default_factory=time.time)
     client_request_id: str | None = None  # the client's own X-Request-Id, kept for tracing
 
@@ -101,13 +103,13 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
     lengths = [len(ids) for ids in call.completion_ids] if call.completion_ids is not None else None
     flat_ids = [t for ids in call.completion_ids for t in ids] if call.completion_ids is not None else None
     flat_lps = (
-        [lp for lps in call.completion_logprobs for lp in lps] if call.completion_logprobs is not None else None
+        [lp for lps in call.behaviour_logprobs for lp in lps] if call.behaviour_logprobs is not None else None
     )
     conn.execute(
         "INSERT INTO calls (id, session_id, group_id, split, model, served, step, engine, stream, status,"
         " http_status, error, request, response, prompt_ids, completion_ids, completion_logprobs,"
-        " completion_lengths, latency_ms, created_at, client_request_id)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " completion_lengths, latency_ms, created_at, client_request_id, sampling)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (
             call.id,
             call.session_id,
@@ -130,6 +132,7 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
             call.latency_ms,
             now,
             call.client_request_id,
+            _to_json(call.sampling) if call.sampling is not None else None,
         ),
     )
     base_model = call.model.split("@", 1)[0]
@@ -225,8 +228,11 @@ def decode_call(row: dict) -> dict:
     row["prompt_ids"] = unpack_ids(row["prompt_ids"])
     if lengths is not None:
         row["completion_ids"] = _split(unpack_ids(row["completion_ids"]), lengths)
-        row["completion_logprobs"] = _split(unpack_floats(row["completion_logprobs"]), lengths)
+        behaviour = unpack_floats(row.pop("completion_logprobs"))
+        row["behaviour_logprobs"] = _split(behaviour, lengths) if behaviour is not None else None
     else:
+        row.pop("completion_logprobs")
         row["completion_ids"] = None
-        row["completion_logprobs"] = None
+        row["behaviour_logprobs"] = None
+    row["sampling"] = json.loads(row["sampling"]) if row.get("sampling") else None
     return row

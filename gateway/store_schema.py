@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS calls (
     completion_lengths TEXT,
     latency_ms REAL NOT NULL,
     created_at REAL NOT NULL,
-    client_request_id TEXT
+    client_request_id TEXT,
+    sampling TEXT
 );
 CREATE INDEX IF NOT EXISTS calls_session ON calls (session_id, created_at);
 CREATE TABLE IF NOT EXISTS sessions (
@@ -62,7 +63,8 @@ CREATE TABLE IF NOT EXISTS groups (
     ruler_status TEXT,
     ruler_error TEXT,
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    failed TEXT
 );
 CREATE TABLE IF NOT EXISTS steps (
     model TEXT NOT NULL,
@@ -107,6 +109,8 @@ _ADDED_COLUMNS = (
     ("sessions", "discarded", "INTEGER NOT NULL DEFAULT 0"),
     ("sessions", "discard_reason", "TEXT"),
     ("calls", "client_request_id", "TEXT"),
+    ("calls", "sampling", "TEXT"),
+    ("groups", "failed", "TEXT"),
 )
 
 # A group is ready when it is closed (or has its expected number of sessions) and every
@@ -118,6 +122,7 @@ SELECT g.*, SUM(s.discarded = 0) AS n_sessions, COUNT(CASE WHEN s.discarded = 0 
        SUM(s.discarded) AS n_discarded
 FROM groups g JOIN sessions s ON s.group_id = g.id
 WHERE g.model = :model AND g.split = :split AND g.trained_step IS NULL AND g.skipped IS NULL
+  AND g.failed IS NULL
 GROUP BY g.id
 HAVING n_sessions > 0 AND n_rewarded = n_sessions
    AND (g.closed = 1 OR (g.expected_sessions IS NOT NULL AND n_sessions + n_discarded >= g.expected_sessions))

@@ -59,7 +59,7 @@ class Recorder:
             response={"choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
                                    "finish_reason": "stop"}]},
             latency_ms=1.0, prompt_ids=prompt, completion_ids=[completion],
-            completion_logprobs=[self.logprobs(prompt, completion)]))
+            behaviour_logprobs=[self.logprobs(prompt, completion)]))
 
     def group(self, group_id: str, rewards: list[float], step: int | None = 0) -> None:
         """A closed group: one session per reward, each one call answered by adapter `step`."""

@@ -52,7 +52,7 @@ def check_tokens_match(call: dict, texts: list[str], tokenizer) -> None:
     """Recorded completion ids decode to what the client got; one logprob per token."""
     assert call["prompt_ids"], "prompt token ids recorded"
     assert len(call["completion_ids"]) == len(texts)
-    for ids, logprobs, text in zip(call["completion_ids"], call["completion_logprobs"], texts):
+    for ids, logprobs, text in zip(call["completion_ids"], call["behaviour_logprobs"], texts):
         decoded = tokenizer.decode(ids, skip_special_tokens=True)
         assert decoded.strip() == text.strip()
         assert len(logprobs) == len(ids) and all(lp <= 0 for lp in logprobs)
@@ -101,7 +101,7 @@ async def test_async_client_and_logprobs(gateway, tokenizer):
     assert all(len(entry.top_logprobs) == 2 for entry in content)
     (call,) = recorded(gateway, "local-async")
     # The client's logprobs are the ones recorded for training.
-    assert [round(e.logprob, 4) for e in content] == [round(lp, 4) for lp in call["completion_logprobs"][0]]
+    assert [round(e.logprob, 4) for e in content] == [round(lp, 4) for lp in call["behaviour_logprobs"][0]]
     await client.close()
 
 

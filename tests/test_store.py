@@ -14,7 +14,7 @@ def call(i: int, session: str, group: str | None = "g1", **extra) -> CallRecord:
         id=f"req{i}", session_id=session, group_id=group, split="train", model="agent", served="agent@0", step=0,
         engine="local", stream=False, status="ok", request={"messages": [{"role": "user", "content": str(i)}]},
         response={"choices": []}, latency_ms=1.0, prompt_ids=[1, 2, 3], completion_ids=[[4, 5], [6]],
-        completion_logprobs=[[-0.5, -0.25], [-1.0]],
+        behaviour_logprobs=[[-0.5, -0.25], [-1.0]],
     )
     fields.update(extra)
     return CallRecord(**fields)
@@ -48,7 +48,7 @@ async def test_choices_decode_per_choice(store):
     recorded = store.get_session("s1")["calls"][0]
     assert recorded["prompt_ids"] == [1, 2, 3]
     assert recorded["completion_ids"] == [[4, 5], [6]]
-    assert recorded["completion_logprobs"] == [[-0.5, -0.25], [-1.0]]
+    assert recorded["behaviour_logprobs"] == [[-0.5, -0.25], [-1.0]]
 
 
 async def test_group_ready_needs_close_and_every_reward(store):

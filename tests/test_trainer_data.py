@@ -77,14 +77,14 @@ def response(reply, finish_reason):
 def local_call(call_id, messages, reply, p, c, lp, finish_reason):
     return {"id": call_id, "status": "ok", "request": {"messages": messages, "tools": TOOLS},
             "response": response(reply, finish_reason),
-            "prompt_ids": p, "completion_ids": [c, [7, 7]], "completion_logprobs": [lp, [-1.0, -1.0]]}
+            "prompt_ids": p, "completion_ids": [c, [7, 7]], "behaviour_logprobs": [lp, [-1.0, -1.0]]}
 
 
 def openai_call(call_id, messages, reply, finish_reason):
     """The `openai` engine records no token ids."""
     return {"id": call_id, "status": "ok", "request": {"messages": messages, "tools": TOOLS},
             "response": response(reply, finish_reason),
-            "prompt_ids": None, "completion_ids": None, "completion_logprobs": None}
+            "prompt_ids": None, "completion_ids": None, "behaviour_logprobs": None}
 
 
 def test_multi_turn_session_with_tools_merges_into_one_sample(session):
@@ -124,7 +124,7 @@ def test_a_prompt_that_does_not_extend_starts_a_new_sample(tokenizer, session):
 def test_calls_without_token_ids_are_re_rendered_without_logprobs(tokenizer, session):
     calls = [openai_call("o1", MESSAGES_1, REPLY_1, "tool_calls"),
              {"id": "o-err", "status": "error", "request": {"messages": MESSAGES_1}, "response": None,
-              "prompt_ids": None, "completion_ids": None, "completion_logprobs": None},
+              "prompt_ids": None, "completion_ids": None, "behaviour_logprobs": None},
              openai_call("o2", MESSAGES_2, REPLY_2, "stop")]
     samples = trajectory_samples(calls, trajectory_id="s2", group_id="g1", advantage=1.0,
                                  render=ChatTemplateRenderer(tokenizer))
@@ -179,7 +179,7 @@ def test_store_rows_round_trip(session):
             id=f"{sid}-1", session_id=sid, group_id="g", split="train", model="agent", served="agent@0", step=0,
             engine="local", stream=False, status="ok", request=c["request"], response=c["response"],
             latency_ms=1.0, prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"],
-            completion_logprobs=c["completion_logprobs"]))
+            behaviour_logprobs=c["behaviour_logprobs"]))
     asyncio.run(store.set_reward("a", 1.0))
     asyncio.run(store.set_reward("b", 0.0))
     asyncio.run(store.close_group("g"))

@@ -181,7 +181,7 @@ def test_non_stream_records_tokens_and_returns_plain_openai(gateway):
     (call,) = gateway.calls("s-plain")
     assert call["prompt_ids"] == prompt_ids_for(MESSAGES)
     assert call["completion_ids"] == [[5000, 5010, 5020, 5030]]
-    assert call["completion_logprobs"] == [[-0.25, -0.5, -0.75, -1.0]]
+    assert call["behaviour_logprobs"] == [[-0.25, -0.5, -0.75, -1.0]]
     assert call["response"]["choices"][0]["logprobs"] is None  # the record is what the client saw
     sent = [e for e in gateway.fake.events if e["kind"] == "chat"][-1]
     assert sent["model"] == BASE
@@ -196,7 +196,7 @@ def test_non_stream_logprobs_cut_to_what_the_client_asked(gateway):
         assert [len(entry.top_logprobs) for entry in choice.logprobs.content] == [2, 2, 2]
     (call,) = gateway.calls("s-lp")
     assert call["completion_ids"] == [[5000, 5010, 5020], [5001, 5011, 5021]]
-    assert call["completion_logprobs"][1] == pytest.approx([-0.26, -0.51, -0.76])
+    assert call["behaviour_logprobs"][1] == pytest.approx([-0.26, -0.51, -0.76])
 
 
 def test_stream_records_tokens_from_chunks(gateway):
@@ -214,7 +214,7 @@ def test_stream_records_tokens_from_chunks(gateway):
     (call,) = gateway.calls("s-stream")
     assert call["prompt_ids"] == prompt_ids_for(MESSAGES)
     assert call["completion_ids"] == [[5000, 5010, 5020, 5030, 5040]]
-    assert call["completion_logprobs"] == [[-0.25, -0.5, -0.75, -1.0, -1.25]]
+    assert call["behaviour_logprobs"] == [[-0.25, -0.5, -0.75, -1.0, -1.25]]
     assert call["response"]["choices"][0]["message"]["content"] == text
 
 
@@ -226,7 +226,7 @@ def test_stream_with_logprobs_and_usage(gateway):
     assert [len(e.top_logprobs) for e in entries] == [1, 1, 1]
     assert chunks[-1].usage.completion_tokens == 3
     (call,) = gateway.calls("s-stream-lp")
-    assert call["completion_logprobs"] == [[-0.25, -0.5, -0.75]]
+    assert call["behaviour_logprobs"] == [[-0.25, -0.5, -0.75]]
 
 
 def test_client_that_asks_for_token_ids_gets_them(gateway):

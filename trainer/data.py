@@ -61,7 +61,7 @@ def call_turn(call: dict, render: Render | None = None) -> Turn | None:
     completions = call.get("completion_ids")
     if prompt_ids is not None and completions:
         ids = completions[0]
-        logprobs = (call.get("completion_logprobs") or [None])[0]
+        logprobs = (call.get("behaviour_logprobs") or [None])[0]
         if logprobs is None or len(logprobs) != len(ids):
             logprobs = [NAN] * len(ids)
         return Turn(tuple(prompt_ids), tuple(ids), tuple(float(x) for x in logprobs))

@@ -19,7 +19,9 @@ class ChoiceTokens:
     """What one choice sampled."""
 
     completion_ids: list[int]
-    # logprob of each sampled token under the sampling policy (raw, temperature 1); None if unknown
+    # Behaviour logprobs: log mu(token) of each sampled token under the distribution it was
+    # actually drawn from (temperature, then penalties, then top-k, then top-p, renormalised).
+    # None where the engine cannot know it (an upstream's sampling is not ours to see).
     logprobs: list[float] | None
 
 
@@ -29,6 +31,10 @@ class TokenRecord:
 
     prompt_ids: list[int] | None
     choices: list[ChoiceTokens] = field(default_factory=list)
+    sampling: dict | None = None
+    """The sampling parameters in force for this call, every one explicit (no engine default
+    left implicit): temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
+    repetition_penalty, seed, max_tokens. The trainer scores each sample at its temperature."""
 
 
 @dataclass
