@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable, Mapping
 
 from gateway.adapters import AdapterRegistry, Target
 from gateway.engines.base import Engine, EngineRequest, StreamEnd, TokenRecord
-from gateway.errors import InvalidRequest, RLProxyError
+from gateway.errors import Conflict, InvalidRequest, RLProxyError
 from gateway.gate import RequestGate
 from gateway.protocol import ChatCompletionRequest
 from gateway.store import CallRecord, Store
@@ -82,6 +82,18 @@ def engine_body(request: ChatCompletionRequest, raw: dict, target: Target) -> di
     return body
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "max_tokens")
+
+
+def requested_sampling(raw: dict) -> dict:
+    """The sampling parameters a request set, for engines that cannot report the ones in
+    force (an upstream's own defaults are unknown: a field the client left out is None)."""
+    out = {name: raw.get(name) for name in SAMPLING_FIELDS}
+    out["max_tokens"] = raw.get("max_completion_tokens") or raw.get("max_tokens")
+    return out
+
+
 class ChatService:
     def __init__(
         self,
@@ -97,6 +109,26 @@ class ChatService:
         self.gate = gate
         # Called with every committed call (metrics, tracing); they must not block.
         self.observers = observers or []
+        # Split of the sessions and groups this process recorded: a call that contradicts
+        # one is refused before it is generated (the store checks again in the transaction,
+        # which also covers calls that went to other replicas).
+        self._splits: dict[str, str] = {}
+
+    def check_split(self, identity: Identity) -> None:
+        for key, what in ((f"s:{identity.session_id}", "session"), (f"g:{identity.group_id}", "group")):
+            known = self._splits.get(key)
+            if known is not None and known != identity.split and (what == "session" or identity.group_id):
+                name = identity.session_id if what == "session" else identity.group_id
+                raise Conflict(f"{what} '{name}' holds '{known}' sessions; this call says X-Split '{identity.split}'. "
+                               f"Use one split per {what}" + (" (a separate group id for val rollouts)."
+                                                             if what == "group" else "."), param="split")
+
+    def _remember_split(self, record: CallRecord) -> None:
+        if len(self._splits) > 200_000:
+            self._splits.clear()
+        self._splits[f"s:{record.session_id}"] = record.split
+        if record.group_id is not None:
+            self._splits[f"g:{record.group_id}"] = record.split
 
     def _record(
         self,
@@ -135,10 +167,13 @@ class ChatService:
             if all(choice.logprobs is not None for choice in tokens.choices):
                 record.behaviour_logprobs = [choice.logprobs for choice in tokens.choices]
             record.sampling = tokens.sampling
+        if record.sampling is None:
+            record.sampling = requested_sampling(raw)
         return record
 
     async def _commit(self, record: CallRecord) -> None:
         await self.store.record_call(record)
+        self._remember_split(record)
         for observe in self.observers:
             try:
                 observe(record)
@@ -150,6 +185,7 @@ class ChatService:
     ) -> tuple[dict, Target]:
         started = time.perf_counter()
         target = None
+        self.check_split(identity)
         try:
             async with self.gate.passage(), self.registry.use(request.model) as target:
                 completion = await self.engine.complete(
@@ -170,6 +206,7 @@ class ChatService:
     ) -> tuple[AsyncIterator[bytes], Target]:
         """Resolve the target and wait for the first chunk before the response starts, so a
         request the engine refuses at once gets its real HTTP status, not a 200 stream."""
+        self.check_split(identity)
         await self.gate.wait()
         target = self.registry.resolve(request.model)
         events = self._stream(request, raw, identity, request_id, target, time.perf_counter())

@@ -46,7 +46,8 @@ class Settings(BaseSettings):
     vllm_arg: list[str] = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
     max_loras: int = Field(4, description="adapters vLLM keeps loaded at once")
     gpu_mode: Literal["colocated", "dedicated"] = Field("colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs")
-    max_staleness: int = Field(2, description="dedicated mode: skip groups sampled more than this many steps ago")
+    max_staleness: int = Field(2, ge=0, description="skip groups sampled more than this many steps before the "
+                               "step being trained from (every engine that serves adapters)")
 
     # -- trainer
     trainer: Literal["auto", "off"] = Field("auto", description="auto: run a trainer worker beside the gateway")
@@ -58,6 +59,12 @@ class Settings(BaseSettings):
     epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon)")
     beta: float = Field(0.0, ge=0, description="weight of the k3 KL against the base model")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
+    tis_cap: float = Field(2.0, ge=0, description="truncated importance sampling: weight each token by "
+                           "min(pi_old/mu, C), mu the sampler's probability; 0 turns it off")
+    delta: float | None = Field(None, description="dual clip: cap the ratio at delta for negative advantages "
+                                "(TRL's delta; must exceed 1 + epsilon_high); default off")
+    max_tokens_norm: int | None = Field(None, ge=1, description="dr_grpo: the fixed token budget a trajectory's "
+                                        "loss is divided by; default: the largest max_tokens the calls asked for")
     lora_rank: int = Field(16, ge=1, description="LoRA rank")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha")
     lora_dropout: float = Field(0.0, ge=0, description="LoRA dropout")

@@ -234,11 +234,21 @@ class Store:
         return self._run_sync(op)
 
     def insert_step(
-        self, model: str, step: int, path: str, metrics: dict, group_ids: list[str]
+        self, model: str, step: int, path: str, metrics: dict, group_ids: list[str],
+        session_ids: list[str] | None = None,
     ) -> None:
-        """Insert a step row and mark its groups trained, in one transaction."""
+        """Insert a step row and mark its groups trained, in one transaction. With
+        `session_ids` (the sessions the step trained on), a Conflict if any of them was
+        discarded meanwhile: the step must then be taken back."""
 
         def op(conn: sqlite3.Connection) -> None:
+            if session_ids:
+                marks = ",".join("?" * len(session_ids))
+                gone = conn.execute(f"SELECT id FROM sessions WHERE discarded = 1 AND id IN ({marks})",
+                                    session_ids).fetchall()
+                if gone:
+                    raise Conflict(f"session(s) {', '.join(r[0] for r in gone)} were discarded while step {step} "
+                                   "trained on them")
             conn.execute(
                 "INSERT INTO steps (model, step, path, metrics, groups, created_at) VALUES (?, ?, ?, ?, ?, ?)",
                 (model, step, path, json.dumps(metrics), json.dumps(group_ids), time.time()),
@@ -250,6 +260,16 @@ class Store:
                 )
                 if cursor.rowcount != 1:
                     raise Conflict(f"group '{group_id}' is unknown or already trained")
+
+        self._run_sync(op)
+
+    def mark_failed(self, group_ids: Iterable[str], reason: str) -> None:
+        """Set groups aside: training them kept failing (the reason says how). Never retried."""
+
+        def op(conn: sqlite3.Connection) -> None:
+            for group_id in group_ids:
+                conn.execute("UPDATE groups SET failed = ?, updated_at = ? WHERE id = ? AND trained_step IS NULL",
+                             (reason, time.time(), group_id))
 
         self._run_sync(op)
 

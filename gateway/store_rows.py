@@ -136,6 +136,7 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
         ),
     )
     base_model = call.model.split("@", 1)[0]
+    _check_split(conn, call)
     conn.execute(
         "INSERT INTO sessions (id, group_id, split, model, n_calls, created_at, updated_at) VALUES (?,?,?,?,1,?,?)"
         " ON CONFLICT(id) DO UPDATE SET n_calls = n_calls + 1, updated_at = excluded.updated_at,"
@@ -148,6 +149,22 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
             " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
             (call.group_id, base_model, call.split, now, now),
         )
+
+
+def _check_split(conn: sqlite3.Connection, call: CallRecord) -> None:
+    """A session keeps one split, and it is its group's: a val rollout inside a train group
+    would be trained on, a train one inside a val group never would."""
+    row = conn.execute("SELECT split, group_id FROM sessions WHERE id = ?", (call.session_id,)).fetchone()
+    if row is not None and row[0] != call.split:
+        raise Conflict(f"session '{call.session_id}' is a '{row[0]}' session; this call says X-Split '{call.split}'. "
+                       "Keep one split per session.", param="split")
+    group_id = call.group_id or (row[1] if row is not None else None)
+    if group_id is None:
+        return
+    group = conn.execute("SELECT split FROM groups WHERE id = ?", (group_id,)).fetchone()
+    if group is not None and group[0] != call.split:
+        raise Conflict(f"group '{group_id}' holds '{group[0]}' sessions; this call says X-Split '{call.split}'. "
+                       "Use one split per group (a separate group id for val rollouts).", param="split")
 
 
 def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float]) -> dict:

@@ -137,19 +137,93 @@ async def test_n_choices_are_distinct_and_each_decodes(engine):
     assert result.response["usage"]["completion_tokens"] == sum(len(i) for i in ids)
 
 
-async def test_logprobs_match_a_teacher_forced_forward(engine, reference):
-    # concurrent requests with different prompt lengths: left padding and batch merging must not leak
-    # the longest prompt finishes first, so the batch also drops its padding columns mid-flight
-    # and the recorded logprobs are the raw model's, whatever temperature / top_p / penalties sampled
-    sampling = [{}, {"temperature": 0.5, "top_p": 0.8}, {"temperature": 1.3, "frequency_penalty": 1.0}]
+def processed_reference(model, prompt_ids, completion_ids, sampling: dict) -> list[float]:
+    """Independent reference for behaviour logprobs: one unpadded forward over prompt +
+    completion, then, per position, the distribution the sampler draws from, written out
+    directly: presence/frequency penalties from the counts of the completion so far, logits
+    divided by temperature, softmax, then the top-p nucleus (smallest set of best tokens
+    whose mass reaches top_p) renormalised."""
+    T = sampling.get("temperature", 1.0)
+    top_p = sampling.get("top_p", 1.0)
+    presence, frequency = sampling.get("presence_penalty", 0.0), sampling.get("frequency_penalty", 0.0)
+    with torch.no_grad():
+        logits_TV = model(torch.tensor([prompt_ids + completion_ids])).logits[0].double()
+    out = []
+    for i, token in enumerate(completion_ids):
+        scores = logits_TV[len(prompt_ids) - 1 + i].clone()
+        for seen in set(completion_ids[:i]):
+            count = completion_ids[:i].count(seen)
+            scores[seen] -= frequency * count + presence
+        probs = torch.softmax(scores / T, dim=-1)
+        if top_p < 1.0:
+            order = sorted(range(len(probs)), key=lambda t: -float(probs[t]))
+            nucleus, mass = [], 0.0
+            for t in order:
+                nucleus.append(t)
+                mass += float(probs[t])
+                if mass >= top_p:
+                    break
+            kept = torch.zeros_like(probs)
+            kept[nucleus] = probs[nucleus]
+            probs = kept / kept.sum()
+        out.append(float(torch.log(probs[token])))
+    return out
+
+
+@pytest.mark.parametrize("sampling", [
+    {},
+    {"temperature": 0.5},
+    {"temperature": 0.7, "top_p": 0.6},
+    {"temperature": 1.3, "presence_penalty": 1.5},
+    {"temperature": 0.8, "frequency_penalty": 1.0, "top_p": 0.9},
+], ids=["T1", "T0.5", "T0.7-top_p", "presence", "frequency-top_p"])
+async def test_behaviour_logprobs_are_the_processed_distribution(engine, reference, sampling):
+    # Concurrent requests with different prompt lengths and samplings share the batch: left
+    # padding, batch merging and other rows' settings must not leak into a row's logprobs.
+    # The longest prompt finishes first, so the batch also drops padding columns mid-flight.
+    others = [{"temperature": 1.0}, {"temperature": 0.3, "top_p": 0.5}]
     requests = [request([{"role": "user", "content": "Hi " * k}], max_tokens=limit, seed=k, n=1 + k % 2, **extra)
-                for (k, limit), extra in zip(((1, 20), (7, 12), (30, 5)), sampling)]
+                for (k, limit), extra in zip(((1, 20), (7, 12), (30, 5)), [sampling, *others])]
     results = await asyncio.gather(*(engine.complete(r) for r in requests))
-    for result in results:
-        for tokens in result.tokens.choices:
-            expected = teacher_forced(reference, result.tokens.prompt_ids, tokens.completion_ids)
-            assert len(tokens.logprobs) == len(tokens.completion_ids)
-            assert max(abs(a - b) for a, b in zip(tokens.logprobs, expected)) < 1e-4
+    result = results[0]
+    assert result.tokens.sampling == {"temperature": sampling.get("temperature", 1.0),
+                                      "top_p": sampling.get("top_p", 1.0), "top_k": -1, "min_p": 0.0,
+                                      "presence_penalty": sampling.get("presence_penalty", 0.0),
+                                      "frequency_penalty": sampling.get("frequency_penalty", 0.0),
+                                      "repetition_penalty": 1.0, "seed": 1, "max_tokens": 20}
+    for tokens in result.tokens.choices:
+        expected = processed_reference(reference, result.tokens.prompt_ids, tokens.completion_ids, sampling)
+        assert len(tokens.logprobs) == len(tokens.completion_ids)
+        assert max(abs(a - b) for a, b in zip(tokens.logprobs, expected)) < 1e-4
+        if sampling.get("temperature", 1.0) != 1.0 or sampling.get("top_p", 1.0) < 1.0:
+            raw = teacher_forced(reference, result.tokens.prompt_ids, tokens.completion_ids)
+            assert max(abs(a - b) for a, b in zip(tokens.logprobs, raw)) > 0.05  # not the raw model's
+
+
+async def test_top_k_and_repetition_penalty_shape_the_recorded_distribution(engine, reference):
+    prompt = [{"role": "user", "content": "Say something long."}]
+    result = await engine.complete(request(prompt, max_tokens=16, seed=3, temperature=0.9, top_k=5,
+                                           repetition_penalty=1.3))
+    assert result.tokens.sampling["top_k"] == 5 and result.tokens.sampling["repetition_penalty"] == 1.3
+    prompt_ids, ids = result.tokens.prompt_ids, result.tokens.choices[0].completion_ids
+    with torch.no_grad():
+        logits_TV = reference(torch.tensor([prompt_ids + ids])).logits[0].double()
+    for i, (token, recorded) in enumerate(zip(ids, result.tokens.choices[0].logprobs)):
+        scores = logits_TV[len(prompt_ids) - 1 + i].clone()
+        for seen in set(prompt_ids + ids[:i]):  # vLLM's rule: divide positive logits, multiply negative ones
+            scores[seen] = scores[seen] / 1.3 if scores[seen] > 0 else scores[seen] * 1.3
+        scores = scores / 0.9
+        best5 = scores.topk(5).indices
+        assert token in best5.tolist()
+        expected = scores[token] - torch.logsumexp(scores[best5], dim=0)
+        assert abs(recorded - float(expected)) < 1e-4
+
+
+@pytest.mark.parametrize("body", [{"top_k": "5"}, {"top_k": 2.5}, {"min_p": 2}, {"repetition_penalty": 0}])
+async def test_bad_extra_sampling_fields_are_refused(engine, body):
+    with pytest.raises(InvalidRequest) as info:
+        await engine.complete(request(max_tokens=2, **body))
+    assert next(iter(body)) in info.value.message
 
 
 async def test_response_logprobs_and_top_logprobs(engine):

@@ -105,10 +105,10 @@ def test_epsilon_high_is_asymmetric():
 
 
 def test_dr_grpo_sums_over_a_constant():
-    loss, grad, _, _ = run(LossConfig("dr_grpo", epsilon=0.2))
     total = -1.19 - 1.2 - 0.5 + 0.405 + 0.4 + 0.75
-    # Default constant: longest trajectory's completion length (3); then mean over 2 trajectories.
-    assert loss == pytest.approx(total / (3 * 2), abs=1e-6)
+    # A fixed budget (TRL: max_completion_length), never the batch's longest trajectory.
+    with pytest.raises(ValueError, match="max_tokens_norm"):
+        run(LossConfig("dr_grpo", epsilon=0.2))
     loss, grad, _, _ = run(LossConfig("dr_grpo", epsilon=0.2, max_tokens_norm=10))
     assert loss == pytest.approx(total / (10 * 2), abs=1e-6)
     assert grad["a"] == pytest.approx(-1.19 / 20, abs=1e-6)
@@ -214,7 +214,7 @@ def test_unknown_old_logprobs_mean_ratio_one(loss_type):
     # Sample 1 recorded without logprobs: its ratios are 1 with REINFORCE gradient -A = 0.5,
     # over 6 for every loss here (3 tokens x 2 trajectories; dr_grpo: constant 3 x 2
     # trajectories; dapo: 6 tokens; gspo: s = 1, -A s / 3 / 2; cispo: weight 1, / 6).
-    loss, grad, _, m = run(LossConfig(loss_type, epsilon=0.2), old_nan=("c", "d", "e"))
+    loss, grad, _, m = run(LossConfig(loss_type, epsilon=0.2, max_tokens_norm=3), old_nan=("c", "d", "e"))
     for k in "cde":
         assert grad[k] == pytest.approx(0.5 / 6, abs=1e-6)
     assert math.isfinite(loss)
@@ -226,7 +226,7 @@ def test_unknown_old_logprobs_mean_ratio_one(loss_type):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_padded_layout_and_chunks_give_the_same_loss(loss_type):
-    cfg = LossConfig(loss_type, epsilon=0.2, beta=0.05)
+    cfg = LossConfig(loss_type, epsilon=0.2, beta=0.05, max_tokens_norm=3)
     ref = {k: v - 0.1 for k, v in LOGP.items()}
     flat = batch(ref=ref)
     whole, _ = compute_loss(config=cfg, **flat)
@@ -261,3 +261,77 @@ def test_chunk_without_trained_tokens_is_zero_and_backpropagates():
     loss.backward()
     assert loss.item() == 0.0 and m["loss"] == 0.0
     assert t["logprobs"].grad.abs().sum().item() == 0.0
+
+
+def test_cispo_averages_over_every_token_of_the_batch():
+    # MiniMax-M1 eq. 4 / TRL: one mean over all trained tokens, so a trajectory weighs in
+    # proportion to its length. Trajectory t1 is cut to one token (c): 4 tokens in all.
+    t = batch()
+    t["loss_mask"] = torch.tensor([False, True, True, True, False, True, False, False])
+    t["trajectory_tokens"] = torch.tensor([3.0] * 4 + [1.0] * 4)
+    loss, _ = compute_loss(config=LossConfig("cispo", epsilon=0.2, epsilon_high=0.2), **t)
+    w = {"a": 1.19, "b": 1.2, "f": 0.5, "c": 0.81}
+    expected = sum(-w[k] * ADV[k] * LOGP[k] for k in w) / 4
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def tis_batch(behaviour):
+    """The example with pi_old = logp (a first pass: ratio 1) and a behaviour logprob per token."""
+    logp = [0.0 if k == "P" else LOGP[k] for k in ORDER]
+    return dict(
+        logprobs=torch.tensor(logp, requires_grad=True),
+        old_logprobs=torch.tensor([NAN if k == "P" else LOGP[k] for k in ORDER]),
+        behaviour_logprobs=torch.tensor([NAN if k == "P" else behaviour[k] for k in ORDER]),
+        advantages=torch.tensor([1.0] * 4 + [-0.5] * 4),
+        loss_mask=torch.tensor([k != "P" for k in ORDER]),
+        segment_ids=torch.tensor([0] * 4 + [1] * 4),
+        trajectory_tokens=torch.tensor([3.0] * 8),
+    )
+
+
+def test_truncated_importance_sampling_hand_example():
+    # pi_old/mu per token: a e^0.5 = 1.6487; b e^1.0 = 2.718 -> capped at 2; f e^-0.5 = 0.6065;
+    # c unknown mu -> 1; d e^0 = 1; e e^0.2 = 1.2214.
+    behaviour = {"a": LOGP["a"] - 0.5, "b": LOGP["b"] - 1.0, "f": LOGP["f"] + 0.5,
+                 "c": NAN, "d": LOGP["d"], "e": LOGP["e"] - 0.2}
+    w = {"a": math.exp(0.5), "b": 2.0, "f": math.exp(-0.5), "c": 1.0, "d": 1.0, "e": math.exp(0.2)}
+    t = tis_batch(behaviour)
+    loss, m = compute_loss(config=LossConfig("grpo", epsilon=0.2, tis_cap=2.0), **t)
+    loss.backward()
+    # ratio 1 everywhere: token loss -A * w, mean per trajectory then over 2.
+    expected = (-(w["a"] + w["b"] + w["f"]) / 3 + 0.5 * (w["c"] + w["d"] + w["e"]) / 3) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    grad = {k: t["logprobs"].grad[i].item() for i, k in enumerate(ORDER) if k != "P"}
+    assert grad == pytest.approx({k: -ADV[k] * w[k] / 6 for k in w}, abs=1e-5)
+    # Metrics: |log pi_old - log mu| over the 5 tokens with a known mu; shares over 6.
+    assert m["mismatch_logprob_abs"] == pytest.approx((0.5 + 1.0 + 0.5 + 0.0 + 0.2) / 5, abs=1e-6)
+    assert m["tis_capped_fraction"] == pytest.approx(1 / 6)
+    assert m["behaviour_unknown_fraction"] == pytest.approx(1 / 6)
+    assert m["tis_weight_mean"] == pytest.approx(sum(w.values()) / 6, abs=1e-5)
+    # Cap 0 turns the correction off: the plain GRPO loss, metrics still reported.
+    off, m_off = compute_loss(config=LossConfig("grpo", epsilon=0.2, tis_cap=0.0), **tis_batch(behaviour))
+    assert off.item() == pytest.approx((-1.0 + 0.5) / 2, abs=1e-6)
+    assert m_off["mismatch_logprob_abs"] == pytest.approx(m["mismatch_logprob_abs"])
+
+
+def test_gspo_takes_a_sequence_level_importance_weight():
+    # Sample 0: log(pi_old/mu) = 0.3, 0.6, -0.3 -> mean 0.2, weight e^0.2 for all three tokens;
+    # sample 1: 1.0, 1.5, 2.0 -> mean 1.5, e^1.5 = 4.48 capped at 2.
+    behaviour = {"a": LOGP["a"] - 0.3, "b": LOGP["b"] - 0.6, "f": LOGP["f"] + 0.3,
+                 "c": LOGP["c"] - 1.0, "d": LOGP["d"] - 1.5, "e": LOGP["e"] - 2.0}
+    loss, m = compute_loss(config=LossConfig("gspo", epsilon=3e-4, epsilon_high=4e-4, tis_cap=2.0),
+                           **tis_batch(behaviour))
+    expected = (-1.0 * math.exp(0.2) + 0.5 * 2.0) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    assert m["tis_capped_fraction"] == pytest.approx(3 / 6)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    # delta = 1.4: e (r = 1.5, A < 0) would cost -rA = 0.75; capped at 1.4 * 0.5 = 0.7, no gradient.
+    loss, grad, _, m = run(LossConfig("grpo", epsilon=0.2, delta=1.4))
+    expected = ((-1.19 - 1.2 - 0.5) / 3 + (0.405 + 0.4 + 0.7) / 3) / 2
+    assert loss == pytest.approx(expected, abs=1e-6)
+    assert grad["e"] == 0.0 and grad["c"] != 0.0
+    assert m["clip_fraction"] == pytest.approx(3 / 6)  # b, d and e
+    with pytest.raises(ValueError, match="delta"):
+        LossConfig("grpo", epsilon=0.2, delta=1.1)

@@ -143,6 +143,36 @@ def test_attention_mask_is_causal_and_block_diagonal():
 # --- against the model ----------------------------------------------------------------
 
 
+def test_logprobs_at_each_calls_temperature_equal_a_direct_computation(setup):
+    # pi_old is the policy that sampled: a packed row whose samples (and calls within a
+    # sample) were sampled at different temperatures gives, for each token, the log-softmax
+    # of the logits divided by that token's temperature, computed here sample by sample.
+    model, _, samples = setup
+    tempered = []
+    for k, s in enumerate(samples):
+        n = len(s.token_ids)
+        # two "calls" per sample: the first half of the completion at one temperature, the rest at another
+        temps = tuple(1.0 if t == 0 else (0.5 + 0.1 * k if t < n // 2 else 1.3) for t in range(n))
+        tempered.append(Sample(s.token_ids, s.loss_mask, s.old_logprobs, s.advantage, s.trajectory_id, s.group_id,
+                               temperatures=temps))
+    with torch.no_grad():
+        for row in pack(tempered, MAX_TOKENS_PER_ROW):
+            lp_T = token_logprobs(model, row)
+            for i in row.sample_indices:
+                ids = torch.tensor(tempered[i].token_ids)
+                logits_TV = model(input_ids=ids[None]).logits[0].double()
+                want = [0.0] + [float(torch.log_softmax(logits_TV[t - 1] / tempered[i].temperatures[t], dim=-1)[ids[t]])
+                                for t in range(1, len(ids))]
+                torch.testing.assert_close(lp_T[row.segment_ids_T == i].double(), torch.tensor(want, dtype=torch.float64),
+                                           atol=1e-5, rtol=0)
+        padded = padded_batch(tempered)
+        lp_BT = padded_token_logprobs(model, padded)
+        row = pack(tempered, MAX_TOKENS_PER_ROW)[0]
+        for i in row.sample_indices:
+            n = len(tempered[i].token_ids)
+            torch.testing.assert_close(lp_BT[i, :n], token_logprobs(model, row)[row.segment_ids_T == i], atol=1e-5, rtol=0)
+
+
 def test_packed_logprobs_equal_each_sample_alone(setup):
     model, _, samples = setup
     rows = pack(samples, MAX_TOKENS_PER_ROW)
@@ -232,7 +262,7 @@ def loss_and_grads(model, chunks, cfg):
     return total.item(), dict(metrics), dict(zip(names, grads))
 
 
-CONFIGS = [LossConfig(t, epsilon=0.2) for t in LOSS_TYPES] + [
+CONFIGS = [LossConfig(t, epsilon=0.2, max_tokens_norm=16 if t == "dr_grpo" else None) for t in LOSS_TYPES] + [
     LossConfig("grpo", epsilon=0.2, epsilon_high=0.28, beta=0.1),
     LossConfig("gspo", epsilon=3e-3, epsilon_high=4e-3, beta=0.05),
     LossConfig("dr_grpo", epsilon=0.2, max_tokens_norm=32),

@@ -9,10 +9,15 @@ trained on. A turn whose prompt does not extend the sequence (the agent rewrote 
 history, or a tokenizer merged across the boundary) starts a new sample of the same
 trajectory, with the same advantage.
 
+Each token keeps the temperature its call sampled at (`Sample.temperatures`): the trainer
+scores pi_old at it, so the policy it compares against is the one that sampled. Greedy
+calls (temperature 0) are scored at 1, as engines report their logprobs.
+
 Calls recorded without token ids (the `openai` engine) are re-rendered with the base
-model's chat template (`ChatTemplateRenderer`) and trained without old logprobs (NaN:
-the loss then takes the ratio as 1). Calls that failed are skipped, and so are
-discarded sessions (rollouts that failed: `POST /v1/sessions/{id}/discard`).
+model's chat template (`ChatTemplateRenderer`) and trained without behaviour logprobs
+(NaN: the behaviour policy is unknown, so no importance weight applies). Calls that failed
+are skipped, and so are discarded sessions (rollouts that failed:
+`POST /v1/sessions/{id}/discard`).
 
 Everything here but `load_groups` is a pure function over the store's plain dicts, so
 tests feed hand-made rows.
@@ -20,6 +25,7 @@ tests feed hand-made rows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -43,7 +49,9 @@ class Turn:
     completion_ids: tuple[int, ...]
     """The sampled tokens of choice 0."""
     completion_logprobs: tuple[float, ...]
-    """Same length as `completion_ids`; NaN where unknown."""
+    """Same length as `completion_ids`; behaviour logprobs, NaN where unknown."""
+    temperature: float = 1.0
+    """The temperature the completion was sampled at (1 for greedy or unknown)."""
 
 
 Render = Callable[[dict, dict], "Turn | None"]
@@ -53,10 +61,24 @@ Render = Callable[[dict, dict], "Turn | None"]
 # ------------------------------------------------------------------ calls -> turns
 
 
+def sampling_temperature(call: dict) -> float:
+    """The temperature a call's completion was sampled at: the engine's record of the
+    sampling in force, else what the request asked for; greedy (0) and unknown count as 1."""
+    temperature = (call.get("sampling") or {}).get("temperature")
+    if temperature is None:
+        temperature = (call.get("request") or {}).get("temperature")
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        return 1.0
+    return temperature if temperature > 0 and math.isfinite(temperature) else 1.0
+
+
 def call_turn(call: dict, render: Render | None = None) -> Turn | None:
     """The turn a recorded call contributes, or None (failed call, or nothing usable)."""
     if call.get("status") != "ok":
         return None
+    temperature = sampling_temperature(call)
     prompt_ids = call.get("prompt_ids")
     completions = call.get("completion_ids")
     if prompt_ids is not None and completions:
@@ -64,10 +86,11 @@ def call_turn(call: dict, render: Render | None = None) -> Turn | None:
         logprobs = (call.get("behaviour_logprobs") or [None])[0]
         if logprobs is None or len(logprobs) != len(ids):
             logprobs = [NAN] * len(ids)
-        return Turn(tuple(prompt_ids), tuple(ids), tuple(float(x) for x in logprobs))
+        return Turn(tuple(prompt_ids), tuple(ids), tuple(float(x) for x in logprobs), temperature)
     if render is None or not call.get("response"):
         return None
-    return render(call["request"], call["response"])
+    turn = render(call["request"], call["response"])
+    return dataclasses.replace(turn, temperature=temperature) if turn is not None else None
 
 
 def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, advantage: float) -> list[Sample]:
@@ -76,12 +99,14 @@ def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, adv
     ids: list[int] = []
     mask: list[bool] = []
     old: list[float] = []
+    temps: list[float] = []
 
     def flush() -> None:
         # A sample needs a trained token, and a first token that is context (no logprob).
         if ids and any(mask) and not mask[0]:
-            samples.append(Sample(tuple(ids), tuple(mask), tuple(old), advantage, trajectory_id, group_id))
-        ids.clear(), mask.clear(), old.clear()
+            samples.append(Sample(tuple(ids), tuple(mask), tuple(old), advantage, trajectory_id, group_id,
+                                  temperatures=tuple(temps)))
+        ids.clear(), mask.clear(), old.clear(), temps.clear()
 
     for turn in turns:
         if not turn.prompt_ids:
@@ -95,9 +120,11 @@ def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, adv
         ids.extend(new_prompt)
         mask.extend([False] * len(new_prompt))
         old.extend([NAN] * len(new_prompt))
+        temps.extend([1.0] * len(new_prompt))
         ids.extend(turn.completion_ids)
         mask.extend([True] * len(turn.completion_ids))
         old.extend(turn.completion_logprobs)
+        temps.extend([turn.temperature] * len(turn.completion_ids))
     flush()
     return samples
 
@@ -187,6 +214,50 @@ def build_batch(
     return Batch(samples, trained, skipped, rewards)
 
 
+TOO_LONG = "too long: a sample's prompt alone exceeds max_tokens_per_row; raise --max-tokens-per-row"
+
+
+def fit_to_rows(samples: Sequence[Sample], max_tokens: int) -> tuple[list[Sample], dict[str, str], int]:
+    """Samples that fit in a packed row: an over-long one keeps its first `max_tokens`
+    tokens (the sampled prefix: attention is causal, so the kept tokens' logprobs do not
+    change; the completion tokens cut off are simply not trained). A group with a sample
+    that keeps no trained token is left out whole, never trained in part.
+
+    Returns (samples, {group id: reason} for the groups left out, number of samples cut)."""
+    too_long: dict[str, str] = {}
+    fitted: list[Sample] = []
+    cut = 0
+    for sample in samples:
+        if len(sample.token_ids) > max_tokens:
+            cut += 1
+            if not any(sample.loss_mask[:max_tokens]):
+                too_long[sample.group_id] = TOO_LONG
+                continue
+            sample = dataclasses.replace(
+                sample,
+                token_ids=sample.token_ids[:max_tokens],
+                loss_mask=sample.loss_mask[:max_tokens],
+                old_logprobs=sample.old_logprobs[:max_tokens],
+                temperatures=sample.temperatures[:max_tokens] if sample.temperatures is not None else None,
+            )
+        fitted.append(sample)
+    return [s for s in fitted if s.group_id not in too_long], too_long, cut
+
+
+def token_budget(calls: Sequence[dict]) -> int | None:
+    """The largest completion budget (`max_tokens`) these calls asked for: dr_grpo's fixed
+    divisor when `--max-tokens-norm` is not set."""
+    budgets = []
+    for call in calls:
+        value = (call.get("sampling") or {}).get("max_tokens")
+        if value is None:
+            request = call.get("request") or {}
+            value = request.get("max_completion_tokens") or request.get("max_tokens")
+        if isinstance(value, int) and value > 0:
+            budgets.append(value)
+    return max(budgets, default=None)
+
+
 def sampling_step(calls: Sequence[dict]) -> int:
     """The oldest adapter step that answered any of these calls (None, the base model,
     counts as step 0): how stale a group's logprobs are."""
@@ -233,6 +304,27 @@ def _plain_message(message: dict) -> dict:
     return out
 
 
+_MARK = "\u2063rlproxy-end-of-reply\u2063"
+
+
+def turn_terminator(tokenizer: Any) -> str | None:
+    """The token the chat template closes an assistant turn with (`<|im_end|>` for Qwen,
+    `<|eot_id|>` for Llama 3), which is what the model samples to stop, and not always
+    `tokenizer.eos_token` (a base Qwen's is `<|endoftext|>`). Found by rendering a reply and
+    reading the special token right after it; the eos token where the template shows none."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARK}], tokenize=False)
+    except Exception:  # no chat template, or one that refuses this conversation
+        return tokenizer.eos_token
+    after = text[text.rfind(_MARK) + len(_MARK):] if _MARK in text else ""
+    ids = list(tokenizer(after, add_special_tokens=False)["input_ids"]) if after else []
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    if ids and ids[0] in special:
+        return tokenizer.convert_ids_to_tokens(ids[0])
+    return tokenizer.eos_token
+
+
 class ChatTemplateRenderer:
     """Turns a call recorded without token ids into a turn, with the tokenizer's chat
     template: prompt = the request's messages (and tools) with the generation prompt;
@@ -242,7 +334,7 @@ class ChatTemplateRenderer:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self.end_of_turn = tokenizer.eos_token
+        self.end_of_turn = turn_terminator(tokenizer)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

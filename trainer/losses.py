@@ -5,9 +5,17 @@ which loss, so the differences between GRPO, Dr. GRPO, DAPO, GSPO and CISPO are 
 five lines. Inputs are per-token tensors of any shape: one packed row [T], several rows
 concatenated, or a padded batch [B, T]; only tokens with `loss_mask` True count.
 
-The ratio is r_t = exp(logp_t - old_logp_t) against the logprobs recorded at sampling
-time. Where those are unknown (NaN: calls recorded without logprobs) the current logprob,
-detached, stands in: r_t = 1 with gradient grad(logp_t), i.e. plain REINFORCE.
+Three policies meet here. pi (the adapter being trained, with gradients), pi_old (the
+same adapter at the start of the step, scored once without gradients at each call's
+sampling temperature) and mu (the behaviour policy: what the engine actually sampled
+from, recorded per token). The trust-region ratio is r_t = pi/pi_old, so every pass of
+`--epochs-per-step` is clipped against the step's start. The sampler/trainer gap (top-p,
+penalties, a stale or differently quantised sampler) is corrected by truncated importance
+sampling (Ionides 2008; Yao et al. 2025, "Your efficient RL framework secretly brings you
+off-policy RL training"): the policy loss of each token is weighted by
+w_t = min(pi_old/mu, tis_cap), detached; w = 1 where mu is unknown (NaN) or tis_cap is 0.
+GSPO takes the sequence-level weight min(exp(mean_t log(pi_old/mu)), tis_cap), matching
+its sequence-level ratio. The KL term is added after the weighting, as TRL does.
 
 Normalisation is batch-wide (`LossNorm`), so a batch processed as several chunks (one
 packed row per forward/backward) gives losses and gradients that *sum* to those of the
@@ -31,12 +39,16 @@ class Tokens:
     logprobs_N: torch.Tensor
     """Current policy, float32, carries the gradient."""
     old_logprobs_N: torch.Tensor
-    """Sampling policy; NaN already replaced by the detached current logprob."""
+    """pi_old, the policy at the start of the step; NaN already replaced by the detached
+    current logprob."""
     advantages_N: torch.Tensor
     segment_ids_N: torch.Tensor
     """Which sample a token belongs to (GSPO's sequence ratio)."""
     trajectory_tokens_N: torch.Tensor
     """Trained tokens of the token's trajectory over the whole batch."""
+    tis_weight_N: torch.Tensor | None = None
+    """Truncated importance weight min(pi_old/mu, cap) of each token (1 where mu is
+    unknown); None: no correction."""
 
 
 Surrogate = Callable[[Tokens, LossConfig], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
@@ -54,9 +66,11 @@ def _clip_min(ratio_N: torch.Tensor, adv_N: torch.Tensor, cfg: LossConfig):
     """PPO's pessimistic bound -min(r A, clip(r, 1-eps, 1+eps_high) A). The clipped term
     wins (and the gradient is 0) only when it is lower: A > 0 with r > 1+eps_high, or
     A < 0 with r < 1-eps."""
-    unclipped_N = ratio_N * adv_N
+    capped_N = ratio_N if cfg.delta is None else ratio_N.clamp(max=cfg.delta)  # dual clip (TRL's delta)
+    unclipped_N = capped_N * adv_N
     clipped_N = ratio_N.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv_N
-    return -torch.minimum(unclipped_N, clipped_N), ratio_N.detach(), clipped_N < unclipped_N
+    removed_N = (clipped_N < unclipped_N) | (capped_N.detach() < ratio_N.detach())
+    return -torch.minimum(unclipped_N, clipped_N), ratio_N.detach(), removed_N
 
 
 def token_clipped_surrogate(x: Tokens, cfg: LossConfig):
@@ -101,13 +115,16 @@ def mean_per_trajectory(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: Los
 
 
 def sum_over_constant(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossNorm):
-    """Dr. GRPO (Liu et al. 2025): each trajectory's token-loss *sum* divided by one
-    constant (max_tokens_norm, else the longest trajectory's length in the batch), then
-    mean over trajectories. Every token weighs the same, so a trajectory weighs in
-    proportion to its length: no per-length division that would favour long wrong answers
-    (small per-token penalty) and short right ones."""
-    constant = cfg.max_tokens_norm or norm.max_trajectory_tokens
-    return v_N.sum() / (constant * norm.num_trajectories)
+    """Dr. GRPO (Liu et al. 2025): each trajectory's token-loss *sum* divided by one fixed
+    token budget (`max_tokens_norm`; TRL: max_completion_length), then mean over
+    trajectories. Every token weighs the same, so a trajectory weighs in proportion to its
+    length: no per-length division that would favour long wrong answers (small per-token
+    penalty) and short right ones. The budget must not depend on the batch (the longest
+    trajectory would make the step size depend on one outlier)."""
+    if cfg.max_tokens_norm is None:
+        raise ValueError("dr_grpo needs max_tokens_norm, a fixed token budget (--max-tokens-norm, "
+                         "default: the largest max_tokens the calls asked for)")
+    return v_N.sum() / (cfg.max_tokens_norm * norm.num_trajectories)
 
 
 def mean_over_tokens(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossNorm):
@@ -128,8 +145,30 @@ LOSSES: dict[str, LossSpec] = {
     # DAPO's other half, clip-higher, is `epsilon_high` > `epsilon` (the paper: 0.28/0.2).
     "dapo": LossSpec(token_clipped_surrogate, mean_over_tokens),
     "gspo": LossSpec(sequence_clipped_surrogate, mean_per_trajectory),
-    "cispo": LossSpec(cispo_surrogate, mean_per_trajectory),
+    # MiniMax-M1 (eq. 4) and TRL normalise CISPO by the total number of tokens in the batch.
+    "cispo": LossSpec(cispo_surrogate, mean_over_tokens),
 }
+
+
+def truncated_importance_weights(
+    old_N: torch.Tensor, behaviour_N: torch.Tensor, segment_ids_N: torch.Tensor, cap: float, sequence_level: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights_N, capped_N, known_N): min(pi_old/mu, cap) per token, or per sample (the
+    geometric mean over its tokens with a known mu) when `sequence_level`; 1 where mu is
+    unknown, and everywhere when cap is 0 (off). All detached."""
+    known_N = ~torch.isnan(behaviour_N)
+    if cap <= 0:
+        return torch.ones_like(old_N), torch.zeros_like(known_N), known_N
+    log_w_N = torch.where(known_N, old_N.detach() - behaviour_N, torch.zeros_like(old_N))
+    if sequence_level and log_w_N.numel():
+        _, seg_N = torch.unique(segment_ids_N, return_inverse=True)
+        S = int(seg_N.max()) + 1
+        sums_S = log_w_N.new_zeros(S).index_add(0, seg_N, log_w_N)
+        counts_S = log_w_N.new_zeros(S).index_add(0, seg_N, known_N.to(log_w_N.dtype))
+        log_w_N = (sums_S / counts_S.clamp(min=1))[seg_N]
+    weights_N = torch.exp(log_w_N)
+    capped_N = weights_N > cap
+    return weights_N.clamp(max=cap), capped_N, known_N
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -140,14 +179,19 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def loss_norm(loss_mask: torch.Tensor, trajectory_tokens: torch.Tensor) -> LossNorm:
+def loss_norm(
+    loss_mask: torch.Tensor, trajectory_tokens: torch.Tensor, behaviour_logprobs: torch.Tensor | None = None
+) -> LossNorm:
     """`LossNorm` from tensors holding the *whole* batch (a trajectory of n trained tokens
     adds n * 1/n = 1 to the trajectory count)."""
-    ttok_N = trajectory_tokens[loss_mask].double()
+    mask = loss_mask.bool()
+    ttok_N = trajectory_tokens[mask].double()
+    known = int((~torch.isnan(behaviour_logprobs[mask])).sum()) if behaviour_logprobs is not None else 0
     return LossNorm(
         num_trajectories=round(float((1.0 / ttok_N).sum())) if ttok_N.numel() else 0,
-        num_loss_tokens=int(loss_mask.sum()),
+        num_loss_tokens=int(mask.sum()),
         max_trajectory_tokens=int(ttok_N.max()) if ttok_N.numel() else 0,
+        num_known_behaviour_tokens=known,
     )
 
 
@@ -162,10 +206,13 @@ def compute_loss(
     config: LossConfig,
     ref_logprobs: torch.Tensor | None = None,
     norm: LossNorm | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The `config.loss_type` loss of a batch, or of one chunk of it.
 
-    All tensors share one shape. `norm` is the whole batch's; leave it None only when the
+    All tensors share one shape. `old_logprobs` is pi_old (NaN: the detached current
+    logprob stands in, ratio 1); `behaviour_logprobs` is mu, NaN where unknown (None: no
+    importance correction). `norm` is the whole batch's; leave it None only when the
     tensors are the whole batch. With a chunk, the returned loss is that chunk's share:
     the shares sum to the batch loss, so call backward on each and the gradients add up.
 
@@ -174,13 +221,16 @@ def compute_loss(
     with beta = 0, the KL is only reported).
     Metrics (detached floats, additive over chunks): loss, policy_loss (the loss without
     the KL), kl (mean per trained token), clip_fraction (trained tokens whose gradient
-    clipping removed or, for cispo, whose weight was capped), ratio_mean.
+    clipping removed or, for cispo, whose weight was capped), ratio_mean, and with
+    `behaviour_logprobs`: mismatch_logprob_abs (mean |log pi_old - log mu| over tokens with
+    a known mu), tis_weight_mean, tis_capped_fraction and behaviour_unknown_fraction (shares
+    of trained tokens).
     """
     spec = LOSSES[config.loss_type]  # LossConfig already checked the name
     if config.beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (the base model's, adapter disabled)")
     if norm is None:
-        norm = loss_norm(loss_mask, trajectory_tokens)
+        norm = loss_norm(loss_mask, trajectory_tokens, behaviour_logprobs)
     mask = loss_mask.bool()
     logprobs_N = logprobs[mask].float()
     old_N = old_logprobs[mask].float()
@@ -191,12 +241,21 @@ def compute_loss(
         segment_ids_N=segment_ids[mask],
         trajectory_tokens_N=trajectory_tokens[mask].float(),
     )
+    metric_names = ["loss", "policy_loss", "kl", "clip_fraction", "ratio_mean"]
+    if behaviour_logprobs is not None:
+        metric_names += ["mismatch_logprob_abs", "tis_weight_mean", "tis_capped_fraction", "behaviour_unknown_fraction"]
     if logprobs_N.numel() == 0:
         # Nothing to train on in this chunk; keep the graph so backward() still works.
         zero = logprobs.sum() * 0.0
-        return zero, {k: 0.0 for k in ("loss", "policy_loss", "kl", "clip_fraction", "ratio_mean")}
+        return zero, {k: 0.0 for k in metric_names}
 
+    tis = None
+    if behaviour_logprobs is not None:
+        tis = truncated_importance_weights(x.old_logprobs_N, behaviour_logprobs[mask].float(), x.segment_ids_N,
+                                           config.tis_cap, sequence_level=config.loss_type == "gspo")
     policy_N, ratio_N, clipped_N = spec.surrogate(x, config)
+    if tis is not None:
+        policy_N = policy_N * tis[0]
     loss_N = policy_N
     kl_N = None
     if ref_logprobs is not None:
@@ -214,4 +273,14 @@ def compute_loss(
             "clip_fraction": float(clipped_N.float().sum() / per_token),
             "ratio_mean": float(ratio_N.sum() / per_token),
         }
+        if tis is not None:
+            weights_N, capped_N, known_N = tis
+            gap_N = (x.old_logprobs_N - behaviour_logprobs[mask].float()).abs()
+            metrics.update(
+                mismatch_logprob_abs=float(torch.where(known_N, gap_N, 0.0).sum())
+                / max(norm.num_known_behaviour_tokens, 1),
+                tis_weight_mean=float(weights_N.sum() / per_token),
+                tis_capped_fraction=float((capped_N & known_N).float().sum() / per_token),
+                behaviour_unknown_fraction=float((~known_N).float().sum() / per_token),
+            )
     return loss, metrics

@@ -36,10 +36,13 @@ class PackedRow:
     """bool; True on trained (sampled completion) tokens."""
 
     old_logprobs_T: torch.Tensor
-    """float32; sampling-time logprobs, NaN where unknown."""
+    """float32; behaviour logprobs (log mu, recorded at sampling time), NaN where unknown."""
 
     advantages_T: torch.Tensor
     """float32; the token's trajectory advantage."""
+
+    temperatures_T: torch.Tensor
+    """float32; the sampling temperature of token t (logits at t-1 are divided by it)."""
 
     trajectory_tokens_T: torch.Tensor
     """float32; trained tokens of the token's trajectory over the whole batch (its
@@ -63,6 +66,7 @@ class PaddedBatch:
     old_logprobs_BT: torch.Tensor
     advantages_BT: torch.Tensor
     trajectory_tokens_BT: torch.Tensor
+    temperatures_BT: torch.Tensor
 
 
 def _trajectory_tokens(samples: Sequence[Sample]) -> dict[str, int]:
@@ -75,10 +79,11 @@ def _trajectory_tokens(samples: Sequence[Sample]) -> dict[str, int]:
 def _row(
     samples: Sequence[Sample], indices: Sequence[int], traj_tokens: dict[str, int]
 ) -> PackedRow:
-    ids, pos, seg, mask, old, adv, ttok = [], [], [], [], [], [], []
+    ids, pos, seg, mask, old, adv, ttok, temp = [], [], [], [], [], [], [], []
     for i in indices:
         s = samples[i]
         n = len(s.token_ids)
+        temp += s.temperatures if s.temperatures is not None else [1.0] * n
         ids += s.token_ids
         pos += range(n)
         seg += [i] * n
@@ -93,6 +98,7 @@ def _row(
         loss_mask_T=torch.tensor(mask, dtype=torch.bool),
         old_logprobs_T=torch.tensor(old, dtype=torch.float32),
         advantages_T=torch.tensor(adv, dtype=torch.float32),
+        temperatures_T=torch.tensor(temp, dtype=torch.float32),
         trajectory_tokens_T=torch.tensor(ttok, dtype=torch.float32),
         sample_indices=tuple(indices),
     )
@@ -147,6 +153,7 @@ def padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatc
     old = torch.full((B, T), math.nan, dtype=torch.float32)
     adv = torch.zeros((B, T), dtype=torch.float32)
     ttok = torch.zeros((B, T), dtype=torch.float32)
+    temp = torch.ones((B, T), dtype=torch.float32)
     for b, s in enumerate(samples):
         n = len(s.token_ids)
         input_ids[b, :n] = torch.tensor(s.token_ids)
@@ -157,7 +164,9 @@ def padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatc
         old[b, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
         adv[b, :n] = s.advantage
         ttok[b, :n] = traj_tokens[s.trajectory_id]
-    return PaddedBatch(input_ids, attention, position, segment, loss_mask, old, adv, ttok)
+        if s.temperatures is not None:
+            temp[b, :n] = torch.tensor(s.temperatures, dtype=torch.float32)
+    return PaddedBatch(input_ids, attention, position, segment, loss_mask, old, adv, ttok, temp)
 
 
 def attention_mask_4d(
@@ -184,14 +193,17 @@ def attention_mask_4d(
 
 
 def selective_log_softmax(
-    logits_NV: torch.Tensor, targets_N: torch.Tensor, chunk: int = 1024
+    logits_NV: torch.Tensor, targets_N: torch.Tensor, temperatures_N: torch.Tensor | None = None,
+    chunk: int = 1024,
 ) -> torch.Tensor:
-    """log_softmax(logits)[target] per row, as `logit[target] - logsumexp(logits)`, in
-    chunks of rows: only one chunk's [chunk, V] float32 temporary lives at a time instead
-    of a full [N, V] log_softmax."""
+    """log_softmax(logits / temperature)[target] per row, as `logit[target] -
+    logsumexp(logits)`, in chunks of rows: only one chunk's [chunk, V] float32 temporary
+    lives at a time instead of a full [N, V] log_softmax."""
     out = []
     for start in range(0, logits_NV.shape[0], chunk):
         block_nV = logits_NV[start : start + chunk].float()
+        if temperatures_N is not None:
+            block_nV = block_nV / temperatures_N[start : start + chunk, None]
         picked_n = block_nV.gather(-1, targets_N[start : start + chunk, None]).squeeze(-1)
         out.append(picked_n - torch.logsumexp(block_nV, dim=-1))
     if not out:
@@ -205,7 +217,8 @@ def _param(model: torch.nn.Module) -> torch.Tensor:
 
 def token_logprobs(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
     """logprobs_T of one packed row: entry t is log p(token t | the earlier tokens of its
-    own sample); 0 at each sample's first token (no context; never trained on).
+    own sample) at token t's sampling temperature (the logits at t-1 divided by it);
+    0 at each sample's first token (no context; never trained on).
 
     Runs the model with the block-diagonal mask and restarting position ids. Gradients
     flow when called outside `torch.no_grad()`.
@@ -218,8 +231,8 @@ def token_logprobs(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
         attention_mask=attention_mask_4d(row.segment_ids_T.to(p.device), dtype=p.dtype),
         use_cache=False,
     ).logits[0]
-    # logits at t-1 predict token t.
-    next_T = selective_log_softmax(logits_TV[:-1], ids_T[1:])
+    # logits at t-1 predict token t, at the temperature token t was sampled with.
+    next_T = selective_log_softmax(logits_TV[:-1], ids_T[1:], row.temperatures_T[1:].to(p.device))
     logprobs_T = torch.cat([next_T.new_zeros(1), next_T])
     # At a sample's first token, position t-1 belongs to the previous sample.
     return logprobs_T.masked_fill(row.position_ids_T.to(p.device) == 0, 0.0)
@@ -239,7 +252,8 @@ def padded_token_logprobs(model: torch.nn.Module, batch: PaddedBatch) -> torch.T
     ).logits
     B, T, V = logits_BTV.shape
     next_BT = selective_log_softmax(
-        logits_BTV[:, :-1].reshape(-1, V), ids_BT[:, 1:].reshape(-1)
+        logits_BTV[:, :-1].reshape(-1, V), ids_BT[:, 1:].reshape(-1),
+        batch.temperatures_BT[:, 1:].reshape(-1).to(p.device),
     ).view(B, T - 1)
     logprobs_BT = torch.cat([next_BT.new_zeros(B, 1), next_BT], dim=1)
     return logprobs_BT.masked_fill(~attention_BT, 0.0)

@@ -1,16 +1,27 @@
-"""One training step over a batch of samples: pack, loss, backward, optimizer step.
+"""One training step over a batch of samples: pack, score pi_old, loss, backward, optimizer step.
 
 No store, no files: the worker hands in samples and gets metrics back. The loss of the
 whole batch is computed row by row (one forward/backward per packed row, gradients
 accumulating), normalised by batch-wide counts (`LossNorm`), so the update equals the one
 of the batch taken at once while only one row's activations live at a time.
+
+pi_old, the policy the step starts from, is scored once for every trained token, at each
+call's sampling temperature, without gradients, before the first pass; every pass of
+`epochs_per_step` is clipped against it. With one pass and no dropout the first pass's own
+logprobs, detached, are exactly pi_old (same weights, same inputs), so that forward is not
+run twice.
+
+A step whose loss or gradient norm is not finite raises `NonFiniteStep` before the
+optimizer moves: the adapter and the optimizer state are as they were before the step.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
+from gateway.errors import RLProxyError
 from gateway.settings import Settings
 from trainer.backends.base import TrainingBackend
 from trainer.losses import compute_loss
@@ -18,52 +29,92 @@ from trainer.packing import pack
 from trainer.types import LossConfig, LossNorm, Sample
 
 
-def loss_config(settings: Settings) -> LossConfig:
+class NonFiniteStep(RLProxyError):
+    """The loss or the gradient norm of a step was NaN or infinite: nothing was updated."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
+def loss_config(settings: Settings, token_budget: int | None = None) -> LossConfig:
     return LossConfig(
         loss_type=settings.loss_type,
         epsilon=settings.epsilon,
         epsilon_high=settings.epsilon_high,
         beta=settings.beta,
+        tis_cap=settings.tis_cap,
+        delta=settings.delta,
+        max_tokens_norm=settings.max_tokens_norm or token_budget,
     )
 
 
-def train_step(backend: TrainingBackend, samples: Sequence[Sample], settings: Settings) -> dict:
+def train_step(
+    backend: TrainingBackend, samples: Sequence[Sample], settings: Settings, *, token_budget: int | None = None
+) -> dict:
     """Train on `samples` for `settings.epochs_per_step` passes, one optimizer step per
-    pass. Returns metrics: loss, policy_loss, kl (None when beta is 0: the reference
-    forward is skipped), clip_fraction, ratio_mean (means over passes), grad_norm (last
-    pass), tokens, loss_tokens, samples, rows, train_seconds."""
+    pass. `token_budget` is dr_grpo's fixed divisor when `--max-tokens-norm` is unset.
+
+    Returns metrics: loss, policy_loss, kl (None when beta is 0: the reference forward is
+    skipped), clip_fraction, ratio_mean, the sampler/trainer mismatch
+    (mismatch_logprob_abs, tis_weight_mean, tis_capped_fraction,
+    behaviour_unknown_fraction; means over passes), grad_norm (last pass), tokens,
+    loss_tokens, samples, rows, old_policy_seconds, train_seconds. Raises `NonFiniteStep`
+    (with the weights restored) when a loss or gradient norm is not finite."""
     if not samples:
         raise ValueError("train_step needs at least one sample")
     started = time.perf_counter()
-    config = loss_config(settings)
+    config = loss_config(settings, token_budget)
     rows = pack(samples, settings.max_tokens_per_row)
     norm = LossNorm.from_samples(samples)
     device = backend.device
+    import torch
 
     # The reference model does not change during the step: one forward per row.
     refs = [backend.reference_logprobs(row) for row in rows] if config.beta > 0 else [None] * len(rows)
+    reuse_first_pass = settings.epochs_per_step == 1 and settings.lora_dropout == 0
+    old_started = time.perf_counter()
+    olds = [None] * len(rows)
+    if not reuse_first_pass:
+        with torch.no_grad():
+            olds = [backend.token_logprobs(row).detach() for row in rows]
+    old_seconds = time.perf_counter() - old_started
 
+    # A later pass that fails must not leave the earlier passes' updates behind.
+    snapshot = backend.snapshot() if settings.epochs_per_step > 1 else None
     totals: dict[str, float] = {}
     grad_norm = 0.0
-    for _ in range(settings.epochs_per_step):
+    try:
+        for _ in range(settings.epochs_per_step):
+            backend.zero_grad()
+            for index, (row, ref_T) in enumerate(zip(rows, refs)):
+                logprobs_T = backend.token_logprobs(row)
+                if olds[index] is None:
+                    olds[index] = logprobs_T.detach()
+                loss, metrics = compute_loss(
+                    logprobs=logprobs_T,
+                    old_logprobs=olds[index],
+                    behaviour_logprobs=row.old_logprobs_T.to(device),
+                    advantages=row.advantages_T.to(device),
+                    loss_mask=row.loss_mask_T.to(device),
+                    segment_ids=row.segment_ids_T.to(device),
+                    trajectory_tokens=row.trajectory_tokens_T.to(device),
+                    config=config,
+                    ref_logprobs=ref_T,
+                    norm=norm,
+                )
+                if not math.isfinite(metrics["loss"]):
+                    raise NonFiniteStep(f"the loss of row {index} is {metrics['loss']}")
+                loss.backward()
+                for key, value in metrics.items():  # each row's share: they add up to the batch's
+                    totals[key] = totals.get(key, 0.0) + value
+            grad_norm = backend.optimizer_step(require_finite=True)
+            if not math.isfinite(grad_norm):
+                raise NonFiniteStep(f"the gradient norm is {grad_norm}")
+    except NonFiniteStep:
         backend.zero_grad()
-        for row, ref_T in zip(rows, refs):
-            logprobs_T = backend.token_logprobs(row)
-            loss, metrics = compute_loss(
-                logprobs=logprobs_T,
-                old_logprobs=row.old_logprobs_T.to(device),
-                advantages=row.advantages_T.to(device),
-                loss_mask=row.loss_mask_T.to(device),
-                segment_ids=row.segment_ids_T.to(device),
-                trajectory_tokens=row.trajectory_tokens_T.to(device),
-                config=config,
-                ref_logprobs=ref_T,
-                norm=norm,
-            )
-            loss.backward()
-            for key, value in metrics.items():  # each row's share: they add up to the batch's
-                totals[key] = totals.get(key, 0.0) + value
-        grad_norm = backend.optimizer_step()
+        if snapshot is not None:
+            backend.restore(snapshot)
+        raise
 
     passes = settings.epochs_per_step
     out = {key: value / passes for key, value in totals.items()}
@@ -75,6 +126,7 @@ def train_step(backend: TrainingBackend, samples: Sequence[Sample], settings: Se
         loss_tokens=norm.num_loss_tokens,
         samples=len(samples),
         rows=len(rows),
+        old_policy_seconds=old_seconds,
         train_seconds=time.perf_counter() - started,
     )
     return out

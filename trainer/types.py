@@ -25,8 +25,10 @@ class Sample:
     """Length T; True exactly on sampled completion tokens (what the policy chose)."""
 
     old_logprobs: tuple[float, ...]
-    """Length T; logprob of token t under the sampling policy. NaN where unknown: prompt
-    tokens, or completions recorded without logprobs (the ratio is then taken as 1)."""
+    """Length T; behaviour logprob log mu of token t: under the distribution the engine
+    actually sampled it from (temperature, penalties, top-k, top-p). NaN where unknown:
+    prompt tokens, or completions recorded without logprobs (an upstream's; the importance
+    weight is then 1)."""
 
     advantage: float
     """The trajectory's advantage, shared by all of its samples."""
@@ -37,10 +39,21 @@ class Sample:
     group_id: str
     """The group whose rewards the advantage was computed against."""
 
+    temperatures: tuple[float, ...] | None = None
+    """Length T; the sampling temperature of the call that produced token t: the logits
+    that predict token t are divided by it when the policy is scored, so pi_old is the
+    policy that sampled. 1.0 on prompt tokens; None means 1.0 everywhere."""
+
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if n == 0:
             raise ValueError(f"sample of trajectory {self.trajectory_id!r} has no tokens")
+        if self.temperatures is not None:
+            if len(self.temperatures) != n:
+                raise ValueError(f"sample of trajectory {self.trajectory_id!r}: temperatures "
+                                 f"({len(self.temperatures)}) must have one entry per token ({n})")
+            if not all(t > 0 and math.isfinite(t) for t in self.temperatures):
+                raise ValueError(f"sample of trajectory {self.trajectory_id!r}: temperatures must be > 0")
         if len(self.loss_mask) != n or len(self.old_logprobs) != n:
             raise ValueError(
                 f"sample of trajectory {self.trajectory_id!r}: token_ids ({n}), loss_mask "
@@ -100,8 +113,19 @@ class LossConfig:
     reference logprobs are needed)."""
 
     max_tokens_norm: int | None = None
-    """dr_grpo only: the constant a trajectory's token-loss sum is divided by. None means
-    the longest trajectory's completion length in the batch."""
+    """dr_grpo only: the fixed token budget a trajectory's token-loss sum is divided by
+    (TRL: max_completion_length). Required for dr_grpo; the worker sets it from
+    `--max-tokens-norm`, else from the largest `max_tokens` its calls asked for."""
+
+    tis_cap: float = 2.0
+    """Truncated importance sampling: each token's policy loss is weighted by
+    min(pi_old / mu, tis_cap), mu the behaviour probability the engine recorded (sequence
+    level for gspo); 1 where mu is unknown. 0 turns the correction off."""
+
+    delta: float | None = None
+    """Dual clip (TRL's `delta`): the unclipped ratio is capped at delta, which bounds
+    -r*A for negative advantages (PPO's min never clips them from above). Must exceed
+    1 + epsilon_high. None: off."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -116,6 +140,10 @@ class LossConfig:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.max_tokens_norm is not None and self.max_tokens_norm <= 0:
             raise ValueError(f"max_tokens_norm must be a positive int, got {self.max_tokens_norm}")
+        if not self.tis_cap >= 0:
+            raise ValueError(f"tis_cap must be >= 0 (0 turns it off), got {self.tis_cap}")
+        if self.delta is not None and not self.delta > 1.0 + self.eps_high:
+            raise ValueError(f"delta must be > 1 + epsilon_high = {1.0 + self.eps_high}, got {self.delta}")
 
     @property
     def eps_low(self) -> float:
@@ -141,18 +169,24 @@ class LossNorm:
     """Trained tokens in the batch."""
 
     max_trajectory_tokens: int
-    """Trained tokens of the longest trajectory (dr_grpo's default constant)."""
+    """Trained tokens of the longest trajectory (reported; dr_grpo uses a fixed budget)."""
+
+    num_known_behaviour_tokens: int = 0
+    """Trained tokens whose behaviour logprob is known (the mismatch metric's denominator)."""
 
     @classmethod
     def from_samples(cls, samples: "tuple[Sample, ...] | list[Sample]") -> "LossNorm":
         tokens_by_trajectory: dict[str, int] = {}
+        known = 0
         for s in samples:
             tokens_by_trajectory[s.trajectory_id] = (
                 tokens_by_trajectory.get(s.trajectory_id, 0) + s.num_loss_tokens
             )
+            known += sum(1 for m, lp in zip(s.loss_mask, s.old_logprobs) if m and not math.isnan(lp))
         counts = [n for n in tokens_by_trajectory.values() if n > 0]
         return cls(
             num_trajectories=len(counts),
             num_loss_tokens=sum(counts),
             max_trajectory_tokens=max(counts, default=0),
+            num_known_behaviour_tokens=known,
         )

@@ -19,8 +19,17 @@ One worker per model: a lock file in the checkpoint directory (released by the k
 when the process dies, even by SIGKILL) makes a second worker fail fast.
 
 With `--engine vllm`: in `--gpu-mode colocated` each step borrows the GPU from vLLM
-(`gateway.colocate.gpu_for_training`) and hands it back naming the new step; in
-`dedicated` mode groups sampled more than `--max-staleness` steps ago are skipped.
+(`gateway.colocate.gpu_for_training`) and hands it back naming the new step. With every
+engine that serves adapters (local, vllm), groups sampled more than `--max-staleness`
+steps before the step being trained from are skipped: their behaviour policy is too far
+from pi_old for the importance weights to correct.
+
+A step never publishes a broken adapter: a non-finite loss or gradient (`NonFiniteStep`)
+or any other failure of the step leaves weights, checkpoints and step rows as they were
+and the groups untrained; the same batch failing `MAX_ATTEMPTS` times is set aside (its
+groups marked failed with the reason, visible in `GET /v1/groups/{id}`) and the worker
+goes on. A session discarded while its group was being trained takes the step back
+(checkpoint removed, weights restored) and the group is trained again without it.
 """
 
 from __future__ import annotations
@@ -40,11 +49,13 @@ from gateway.errors import ConfigError, Conflict, EngineUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
 from trainer import checkpoints as ckpts
-from trainer.data import NO_SPREAD, ChatTemplateRenderer, build_batch, sampling_step, spread_groups
+from trainer.data import (NO_SPREAD, ChatTemplateRenderer, build_batch, fit_to_rows, sampling_step, spread_groups,
+                          token_budget)
 
 log = logging.getLogger("rlproxy.trainer")
 
-TOO_LONG = "every sample is longer than max_tokens_per_row"
+MAX_ATTEMPTS = 3
+"""Failures of the same batch before its groups are set aside as failed."""
 GPU_LEASE_TIMEOUT = 600.0
 """Seconds to wait for the gateway to drain and lend the GPU before postponing a step."""
 # Settings a checkpoint cannot be resumed under when they change.
@@ -77,6 +88,9 @@ class TrainerWorker:
         self.backend = None
         self.next_step = 0
         self.skipped_since_step = 0
+        self.failures: dict[tuple[str, ...], int] = {}  # batch (its group ids) -> failed attempts
+        self.failed_steps = 0  # attempts that failed (non-finite or an error), for the log and the step metrics
+        self.max_tokens_seen: int | None = None  # dr_grpo's budget when --max-tokens-norm is unset
         self._lock_file = None
 
     # ------------------------------------------------------------------ start
@@ -218,10 +232,11 @@ class TrainerWorker:
         return None
 
     def _drop_stale(self, groups: list[dict]) -> list[dict]:
-        """`--gpu-mode dedicated` (vLLM keeps serving newer steps while this trains): mark
-        skipped the groups sampled more than `max_staleness` steps before the step this
-        worker trains from; their recorded logprobs are too far off-policy."""
-        if not (self.settings.engine == "vllm" and self.settings.gpu_mode == "dedicated"):
+        """Mark skipped the groups sampled more than `max_staleness` steps before the step
+        this worker trains from: their behaviour logprobs are too far off-policy. Applies to
+        every engine that serves our adapters (local keeps serving while it trains, vLLM
+        in dedicated mode too); an `openai` upstream's policy is not ours, so it has no step."""
+        if self.settings.engine == "openai":
             return groups
         from gateway.colocate import is_stale
 
@@ -242,41 +257,71 @@ class TrainerWorker:
         return fresh
 
     def train_once(self, groups: list[dict]) -> dict | None:
-        """One step on `groups`: returns its metrics, or None if nothing was trainable."""
+        """One step on `groups`: returns its metrics, or None if nothing was trained (nothing
+        trainable, the step failed, or a discard took it back)."""
         started = time.perf_counter()
         step = self.next_step
         calls = {s["id"]: self.store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
         batch = build_batch(groups, calls, scale_rewards=self.settings.scale_rewards, render=self.render)
-        limit = self.settings.max_tokens_per_row
-        samples = [s for s in batch.samples if len(s.token_ids) <= limit]
-        dropped = len(batch.samples) - len(samples)
-        if dropped:
-            log.warning("step %d: %d sample(s) longer than --max-tokens-per-row %d left out; raise it to train them",
-                        step, dropped, limit)
-        skipped = dict(batch.skipped)
-        trained_groups = sorted({s.group_id for s in samples}, key=batch.group_ids.index)
-        skipped.update({gid: TOO_LONG for gid in batch.group_ids if gid not in trained_groups})
+        samples, skipped_long, cut = fit_to_rows(batch.samples, self.settings.max_tokens_per_row)
+        if cut:
+            log.warning("step %d: %d sample(s) longer than --max-tokens-per-row %d: trained on their first %d "
+                        "tokens; raise it to train them whole", step, cut, self.settings.max_tokens_per_row,
+                        self.settings.max_tokens_per_row)
+        skipped = {**batch.skipped, **skipped_long}
+        trained_groups = [gid for gid in batch.group_ids if gid not in skipped]
         for reason in set(skipped.values()):
             self.store.mark_skipped([gid for gid, r in skipped.items() if r == reason], reason)
         self.skipped_since_step += len(skipped)
         if not samples:
             return None
+        budget = token_budget([c for g in groups if g["id"] in trained_groups for s in g["sessions"]
+                               for c in calls.get(s["id"], [])])
+        if budget is not None:
+            self.max_tokens_seen = max(budget, self.max_tokens_seen or 0)
+        sessions = {g["id"]: [s["id"] for s in g["sessions"]] for g in groups if g["id"] in trained_groups}
 
-        with self._gpu() as lease:
-            metrics = self._train_and_record(step, samples, groups, trained_groups, started, dropped)
-            if lease is not None:
-                lease.step = step  # the gateway loads NAME@step when it takes the GPU back
+        key = tuple(sorted(trained_groups))
+        try:
+            with self._gpu() as lease:
+                metrics = self._train_and_record(step, samples, groups, trained_groups, sessions, started, cut)
+                if lease is not None and metrics is not None:
+                    lease.step = step  # the gateway loads NAME@step when it takes the GPU back
+        except (EngineUnavailable, ConfigError):
+            raise
+        except Exception as exc:  # NonFiniteStep, out of memory, a bad batch: never the worker's end
+            self._step_failed(key, exc)
+            return None
+        self.failures.pop(key, None)
+        if metrics is None:
+            return None
         self.next_step = step + 1
         self.skipped_since_step = 0
+        self.failed_steps = 0
         kl = "-" if metrics["kl"] is None else f"{metrics['kl']:.4f}"
         log.info(
-            "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, %d tokens in %.1f s (%.0f tok/s), "
-            "%d group(s), %d skipped",
+            "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, mismatch %.4f, %d tokens in %.1f s "
+            "(%.0f tok/s), %d group(s), %d skipped",
             step, metrics["loss"], metrics["reward_mean"], metrics["reward_std"], kl, metrics["clip_fraction"],
-            metrics["tokens"], metrics["seconds"], metrics["tokens"] / max(metrics["train_seconds"], 1e-9),
-            metrics["groups"], metrics["skipped_groups"],
+            metrics.get("mismatch_logprob_abs", 0.0), metrics["tokens"], metrics["seconds"],
+            metrics["tokens"] / max(metrics["train_seconds"], 1e-9), metrics["groups"], metrics["skipped_groups"],
         )
         return metrics
+
+    def _step_failed(self, key: tuple[str, ...], exc: Exception) -> None:
+        """Count a failed attempt at a batch; set the batch aside after `MAX_ATTEMPTS`."""
+        attempts = self.failures.get(key, 0) + 1
+        self.failures[key] = attempts
+        self.failed_steps += 1
+        reason = f"{type(exc).__name__}: {exc}"
+        if attempts < MAX_ATTEMPTS:
+            log.warning("step %d failed (attempt %d of %d; nothing was saved): %s",
+                        self.next_step, attempts, MAX_ATTEMPTS, reason)
+            return
+        log.error("step %d failed %d times on the same groups; setting them aside as failed: %s",
+                  self.next_step, attempts, reason)
+        self.store.mark_failed(list(key), f"training failed {attempts} times: {reason}"[:2000])
+        self.failures.pop(key, None)
 
     def _gpu(self):
         """`--engine vllm --gpu-mode colocated`: borrow the GPU from vLLM for the step
@@ -287,24 +332,48 @@ class TrainerWorker:
             return gpu_for_training(self.store, self.model, timeout=GPU_LEASE_TIMEOUT)
         return contextlib.nullcontext()
 
-    def _train_and_record(self, step, samples, groups, trained_groups, started, dropped) -> dict:
+    def _train_and_record(self, step, samples, groups, trained_groups, sessions, started, cut) -> dict | None:
         from trainer.step import train_step
 
-        metrics = train_step(self.backend, samples, self.settings)
+        snapshot = self.backend.snapshot()
+        metrics = train_step(self.backend, samples, self.settings, token_budget=self.max_tokens_seen)
         rewards = [float(s["reward"]) for g in groups if g["id"] in trained_groups for s in g["sessions"]]
         metrics.update(
             reward_mean=sum(rewards) / len(rewards),
             reward_std=_std(rewards),
             groups=len(trained_groups),
             skipped_groups=self.skipped_since_step,
-            dropped_samples=dropped,
+            cut_samples=cut,
+            failed_attempts=self.failed_steps,
         )
         _test_pause("train", step)
+        if self._discarded_meanwhile(sessions):
+            self.backend.restore(snapshot)
+            return None
         metrics["seconds"] = time.perf_counter() - started
         checkpoint = self._save(step, metrics=metrics, groups=trained_groups)
         _test_pause("record", step)
-        self.store.insert_step(self.model, step, str(checkpoint.path), metrics, trained_groups)
+        try:
+            self.store.insert_step(self.model, step, str(checkpoint.path), metrics, trained_groups,
+                                   session_ids=[sid for ids in sessions.values() for sid in ids])
+        except Conflict as exc:  # a discard landed between the check and the record
+            log.warning("step %d taken back: %s", step, exc.message)
+            ckpts.discard(checkpoint)
+            self.backend.restore(snapshot)
+            return None
         return metrics
+
+    def _discarded_meanwhile(self, sessions: dict[str, list[str]]) -> bool:
+        """Whether a session this step trained on was discarded while it trained: the step
+        is then taken back and its groups trained again without that session."""
+        for group_id, session_ids in sessions.items():
+            now = {s["id"] for s in self.store.get_group(group_id)["sessions"]}
+            gone = [sid for sid in session_ids if sid not in now]
+            if gone:
+                log.warning("session(s) %s of group %s were discarded during step %d; training it again without them",
+                            ", ".join(gone), group_id, self.next_step)
+                return True
+        return False
 
     def run(self, stop_event: threading.Event | None = None, max_steps: int | None = None) -> int:
         """Train until `stop_event` is set (checked between steps) or `max_steps` steps are

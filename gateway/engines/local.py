@@ -6,8 +6,12 @@ the worker thread (gateway/engines/local_worker.py, which owns the model and run
 continuous batch, the sampling and the adapter loads), and turns what the worker sends back
 into OpenAI responses, stream chunks and token records.
 
-The logprob recorded for each sampled token is the raw model's (see local_worker.py), what
-the trainer uses as old logprobs. Streaming sends content as it is decoded: text that could
+The logprob recorded for each sampled token is its behaviour logprob: under the processed
+distribution it was sampled from (penalties, temperature, min_p, top-k, top-p; see
+local_worker.py), with the sampling parameters in force (`TokenRecord.sampling`). A client
+that asks for `logprobs` gets those same numbers (as vLLM's `processed_logprobs` mode gives
+them), not the raw model's. vLLM's `top_k`, `min_p` and `repetition_penalty` are accepted as
+extra body fields. Streaming sends content as it is decoded: text that could
 still become a stop string, an incomplete UTF-8 character or (with tools) a `<tool_call>`
 block is held back. `response_format` is accepted and ignored (no constrained decoding);
 `tool_choice` "required" or a named function is treated as "auto".
@@ -179,7 +183,7 @@ class LocalEngine(Engine):
             "choices": choices,
             "usage": _usage(job.prompt_ids, results),
         }
-        return Completion(response=response, tokens=_token_record(job.prompt_ids, results))
+        return Completion(response=response, tokens=_token_record(job, results))
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         req, job, parse_tools = self._submit(request, stream=True)
@@ -241,7 +245,7 @@ class LocalEngine(Engine):
             raise
         if include_usage:
             yield StreamChunk({**head, "choices": [], "usage": _usage(job.prompt_ids, results)})
-        yield StreamEnd(_token_record(job.prompt_ids, results))
+        yield StreamEnd(_token_record(job, results))
 
     def _submit(self, request: EngineRequest, *, stream: bool) -> tuple[ChatCompletionRequest, Job, bool]:
         """Validate, render and tokenise on the event loop; queue the job for the worker."""
@@ -262,6 +266,7 @@ class LocalEngine(Engine):
                 f"this model's context is {self._context} tokens; the messages take {len(prompt_ids)} tokens{asked}. "
                 "Shorten the messages or lower max_completion_tokens / max_tokens.",
                 param="messages", code="context_length_exceeded")
+        extra = _extra_sampling(req.model_extra or {})
         sampling = Sampling(
             max_new_tokens=limit if limit is not None else min(self.default_max_tokens, room),
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -270,6 +275,8 @@ class LocalEngine(Engine):
             frequency_penalty=req.frequency_penalty or 0.0,
             stops=[s for s in (req.stop or []) if s],
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            seed=req.seed,
+            **extra,
         )
         job = Job(prompt_ids, req.n, adapter, sampling, req.seed, stream, self.device)
         self.inbox.put(job)
@@ -375,9 +382,34 @@ def _usage(prompt_ids: list[int], results: list[ChoiceResult]) -> dict:
             "total_tokens": len(prompt_ids) + completion}
 
 
-def _token_record(prompt_ids: list[int], results: list[ChoiceResult]) -> TokenRecord:
-    return TokenRecord(prompt_ids=list(prompt_ids),
-                       choices=[ChoiceTokens(list(r.completion_ids), list(r.logprobs)) for r in results])
+def _token_record(job: Job, results: list[ChoiceResult]) -> TokenRecord:
+    return TokenRecord(prompt_ids=list(job.prompt_ids),
+                       choices=[ChoiceTokens(list(r.completion_ids), list(r.logprobs)) for r in results],
+                       sampling=job.sampling.in_force())
+
+
+# vLLM's sampling fields beyond OpenAI's, accepted as extra body fields: (name, type, check, hint)
+_EXTRA_SAMPLING = (
+    ("top_k", int, lambda v: v == -1 or v >= 0, "-1 or 0 (off), or a positive number of tokens"),
+    ("min_p", float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    ("repetition_penalty", float, lambda v: v > 0, "a number > 0 (1 is off)"),
+)
+
+
+def _extra_sampling(extra: dict) -> dict:
+    """top_k, min_p and repetition_penalty from the request's extra fields, checked."""
+    out = {}
+    for name, kind, valid, hint in _EXTRA_SAMPLING:
+        value = extra.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise InvalidRequest(f"'{name}' must be {hint}; got {value!r}", param=name)
+        value = kind(value)
+        if not valid(value):
+            raise InvalidRequest(f"'{name}' must be {hint}; got {value!r}", param=name)
+        out[name] = value
+    return out
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -14,10 +14,16 @@ batch:
 - adapter loads and unloads run on the worker between steps; an unload waits until no
   queued or running request uses the adapter.
 
-Sampling is per request (temperature, top_p, presence/frequency penalties, its own
-`torch.Generator` from `seed`); the logprob recorded for each sampled token is the raw
-model's (log_softmax of the logits at temperature 1, before penalties, temperature and
-top_p), as vLLM's default logprobs are, and it is what the trainer uses as old logprobs.
+Sampling is per request (its own `torch.Generator` from `seed`), in vLLM's order
+(vllm/v1/sample/sampler.py): repetition, frequency and presence penalties on the logits,
+then temperature, then min_p, then top-k, then top-p, renormalised. The logprob recorded
+for each sampled token is its *behaviour* logprob: log mu(token) under exactly that
+processed distribution, the one the token was drawn from (what vLLM reports with
+`--logprobs-mode processed_logprobs`). The trainer's importance weights divide by it, so
+it must be the sampler's, not the raw model's. Greedy rows (temperature 0) report the
+penalised distribution at temperature 1, as vLLM does. Tokens that top-k/top-p/min_p
+removed have probability 0: their logprob (in `top_logprobs`) is -inf, sent as -9999.0
+like vLLM.
 Completion ids include the final `<|im_end|>` when the model stops by itself, so
 prompt + completion is a prefix of the next turn's rendering.
 
@@ -67,6 +73,17 @@ class Sampling:
     frequency_penalty: float
     stops: list[str]
     top_logprobs: int  # top entries to record per token (0: none)
+    top_k: int = 0  # 0 or -1: off (vLLM's convention)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def in_force(self) -> dict:
+        """The parameters that shaped the distribution, all explicit (TokenRecord.sampling)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k if self.top_k > 0 else -1,
+                "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "seed": self.seed, "max_tokens": self.max_new_tokens}
 
 
 @dataclass
@@ -402,26 +419,12 @@ class Worker:
     # ------------------------------------------------------------ sampling
 
     def _sample(self, logits_BV, rows: list[_Row]):
-        """Sample one token per row. Returns tokens [B], their raw logprobs [B] and, if any row
-        asked for them, the top (id, logprob) pairs of every row."""
+        """Sample one token per row. Returns tokens [B], their behaviour logprobs [B] and, if
+        any row asked for them, the top (id, logprob) pairs of every row (same distribution)."""
         torch = self.torch
-        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)  # raw: what the trainer's ratios start from
-        scores_BV = logits_BV
-        penalised = [i for i, row in enumerate(rows)
-                     if row.ids and (row.job.sampling.presence_penalty or row.job.sampling.frequency_penalty)]
-        if penalised:
-            scores_BV = logits_BV.clone()
-            for i in penalised:
-                counts_V = torch.bincount(torch.tensor(rows[i].ids, device=self.device),
-                                          minlength=scores_BV.shape[1])[: scores_BV.shape[1]].to(scores_BV.dtype)
-                sampling = rows[i].job.sampling
-                scores_BV[i] -= sampling.frequency_penalty * counts_V + sampling.presence_penalty * (counts_V > 0)
-        temperature_B = torch.tensor([row.job.sampling.temperature for row in rows], device=self.device)
-        probs_BV = torch.softmax(scores_BV / temperature_B.clamp(min=1e-6)[:, None], dim=-1)
-        top_p = [row.job.sampling.top_p for row in rows]
-        if min(top_p) < 1.0:
-            probs_BV = _top_p(probs_BV, torch.tensor([p if p < 1.0 else float("inf") for p in top_p],
-                                                     device=self.device))
+        logprobs_BV = processed_logprobs(logits_BV, [row.job.sampling for row in rows],
+                                         [row.job.prompt_ids for row in rows], [row.ids for row in rows])
+        probs_BV = logprobs_BV.exp()
         # inverse-CDF sampling, vectorised; each job draws its uniforms from its own generator,
         # so what a seed samples does not depend on the rest of the batch
         uniform_B = torch.zeros(len(rows), device=self.device)
@@ -437,12 +440,13 @@ class Worker:
         tokens_B = tokens_B.clamp(max=probs_BV.shape[1] - 1)
         greedy = [i for i, row in enumerate(rows) if row.job.sampling.temperature == 0]
         if greedy:
-            tokens_B[greedy] = scores_BV[greedy].argmax(dim=-1)
+            tokens_B[greedy] = logprobs_BV[greedy].argmax(dim=-1)
         chosen_B = logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
         top = None
         want_top = max(row.job.sampling.top_logprobs for row in rows)
         if want_top:
             values_BK, indices_BK = logprobs_BV.topk(want_top, dim=-1)
+            values_BK = values_BK.clamp(min=MASKED_LOGPROB)  # JSON has no -inf; vLLM sends -9999.0
             top = [list(zip(ids, values)) for ids, values in zip(indices_BK.tolist(), values_BK.tolist())]
         return tokens_B, chosen_B, top
 
@@ -560,15 +564,75 @@ class Worker:
 # ---------------------------------------------------------------- helpers
 
 
-def _top_p(probs_BV, top_p_B):
-    """Per row, zero the tail outside the smallest set of tokens whose mass reaches top_p
-    (the best token always stays; top_p = inf keeps everything)."""
+MASKED_LOGPROB = -9999.0
+"""What a token that top-k/top-p/min_p removed reports as its logprob (vLLM's stand-in for -inf)."""
+
+
+def processed_logprobs(logits_BV, samplings: list[Sampling], prompts: list[list[int]], outputs: list[list[int]]):
+    """log mu: the log-probabilities of the distribution each row samples from, [B, V] float32.
+
+    vLLM's order: penalties on the logits (repetition over prompt and output tokens,
+    frequency and presence over output tokens), temperature, min_p, top-k, top-p; the
+    kept tokens renormalised, the removed ones -inf. Temperature 0 (greedy) is taken as 1
+    here, as vLLM's processed logprobs do for greedy requests.
+    """
     import torch
 
-    sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-    before_BV = sorted_BV.cumsum(dim=-1) - sorted_BV  # mass of the better tokens
-    sorted_BV = sorted_BV.masked_fill(before_BV >= top_p_B[:, None], 0.0)
-    return torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
+    B, V = logits_BV.shape
+    scores_BV = logits_BV.float()
+    penalised = [i for i, s in enumerate(samplings)
+                 if s.repetition_penalty != 1.0 or (outputs[i] and (s.presence_penalty or s.frequency_penalty))]
+    if penalised:
+        scores_BV = scores_BV.clone()
+        for i in penalised:
+            s = samplings[i]
+            if s.repetition_penalty != 1.0:
+                seen_V = torch.zeros(V, dtype=torch.bool, device=scores_BV.device)
+                seen = [t for t in (*prompts[i], *outputs[i]) if t < V]
+                if seen:
+                    seen_V[torch.tensor(seen, device=scores_BV.device)] = True
+                row_V = scores_BV[i]
+                scaled_V = torch.where(row_V > 0, row_V / s.repetition_penalty, row_V * s.repetition_penalty)
+                scores_BV[i] = torch.where(seen_V, scaled_V, row_V)
+            if outputs[i] and (s.presence_penalty or s.frequency_penalty):
+                counts_V = torch.bincount(torch.tensor(outputs[i], device=scores_BV.device), minlength=V)[:V]
+                counts_V = counts_V.to(scores_BV.dtype)
+                scores_BV[i] -= s.frequency_penalty * counts_V + s.presence_penalty * (counts_V > 0)
+    temperature_B = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in samplings],
+                                 device=scores_BV.device)
+    logprobs_BV = torch.log_softmax(scores_BV / temperature_B[:, None], dim=-1)
+    keep_BV = None
+    for i, s in enumerate(samplings):
+        if s.min_p <= 0 and not 0 < s.top_k < V and s.top_p >= 1.0:
+            continue
+        if keep_BV is None:
+            keep_BV = torch.ones_like(logprobs_BV, dtype=torch.bool)
+        keep_BV[i] = _kept_tokens(logprobs_BV[i], s)
+    if keep_BV is not None:
+        logprobs_BV = torch.log_softmax(logprobs_BV.masked_fill(~keep_BV, float("-inf")), dim=-1)
+    return logprobs_BV
+
+
+def _kept_tokens(logprobs_V, s: Sampling):
+    """The tokens min_p, then top-k, then top-p leave in (the best one always stays)."""
+    import torch
+
+    probs_V = logprobs_V.exp()
+    keep_V = torch.ones_like(probs_V, dtype=torch.bool)
+    if s.min_p > 0:
+        keep_V &= probs_V >= s.min_p * probs_V.max()
+    if 0 < s.top_k < probs_V.shape[0]:
+        kth = probs_V.masked_fill(~keep_V, -1.0).topk(s.top_k).values[-1]
+        keep_V &= probs_V >= kth
+    if s.top_p < 1.0:
+        kept_V = probs_V.masked_fill(~keep_V, 0.0)
+        kept_V = kept_V / kept_V.sum()
+        sorted_V, order_V = kept_V.sort(descending=True)
+        before_V = sorted_V.cumsum(0) - sorted_V  # mass of the better tokens
+        in_nucleus_V = torch.zeros_like(keep_V)
+        in_nucleus_V[order_V] = before_V < s.top_p
+        keep_V &= in_nucleus_V
+    return keep_V
 
 
 def _deliver(items: list) -> None:

@@ -147,15 +147,36 @@ class TrainingBackend(ABC):
         """Clear the adapter's gradients before a pass accumulates new ones."""
         self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, require_finite: bool = False) -> float:
         """Clip the accumulated gradients to `settings.max_grad_norm`, take one optimizer
-        step, clear the gradients; return the gradient norm before clipping."""
+        step, clear the gradients; return the gradient norm before clipping. With
+        `require_finite`, a NaN or infinite norm skips the step (AdamW would spread it into
+        every weight and moment)."""
+        import math
+
         import torch
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
-        self.optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm))
+        if not require_finite or math.isfinite(grad_norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return grad_norm
+
+    def snapshot(self) -> dict:
+        """A copy of the adapter weights and the optimizer state, for `restore`."""
+        import copy
+
+        return {"params": [p.detach().clone() for p in self._params],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+
+    def restore(self, snapshot: dict) -> None:
+        """Put back what `snapshot` copied: a step that failed half-way leaves no trace."""
+        import torch
+
+        with torch.no_grad():
+            for param, saved in zip(self._params, snapshot["params"]):
+                param.copy_(saved)
+        self.optimizer.load_state_dict(snapshot["optimizer"])
 
     # -- files
     @abstractmethod
