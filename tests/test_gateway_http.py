@@ -220,6 +220,45 @@ def test_bad_identity_is_a_400(client, headers, says):
 # ---------------------------------------------------------------- rewards, sessions, groups
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_split_that_contradicts_the_session_or_group_is_a_409(client, store, stream):
+    # A val rollout inside a train group would be trained on: refused before it is generated.
+    _chat(client, "train rollout", extra_headers={"X-Session-Id": f"split-a-{stream}", "X-Group-Id": f"split-g-{stream}"})
+    for headers in ({"X-Session-Id": f"split-b-{stream}", "X-Group-Id": f"split-g-{stream}", "X-Split": "val"},
+                    {"X-Session-Id": f"split-a-{stream}", "X-Split": "val"}):
+        with pytest.raises(openai.ConflictError) as info:
+            _chat(client, "val rollout", stream=stream, extra_headers=headers)
+        assert "X-Split 'val'" in info.value.message and "one split per" in info.value.message
+    assert [s["id"] for s in store.get_group(f"split-g-{stream}")["sessions"]] == [f"split-a-{stream}"]
+
+
+def test_a_call_from_another_replica_with_a_contradicting_split_is_refused_by_the_store(store):
+    # The store checks again in the transaction (another replica's calls never went through
+    # this process's check).
+    import asyncio
+
+    from gateway.errors import Conflict
+    from gateway.store import CallRecord
+
+    def record(session, split):
+        return CallRecord(id=f"{session}-{split}", session_id=session, group_id="replica-g", split=split, model="m",
+                          served=None, step=None, engine="openai", stream=False, status="ok", request={},
+                          response=None, latency_ms=1.0)
+    store.record_call_sync(record("replica-a", "train"))
+    with pytest.raises(Conflict, match="one split per group"):
+        store.record_call_sync(record("replica-b", "val"))
+
+
+def test_session_view_shows_sampling_beside_behaviour_logprobs(client, http):
+    _chat(client, "sampled", temperature=0.7, top_p=0.9, extra_headers={"X-Session-Id": "sampling-view"})
+    (call,) = http.get("/v1/sessions/sampling-view").json()["calls"]
+    # An upstream's behaviour policy is not ours to see: no behaviour logprobs, and only the
+    # parameters the request set (None: the upstream's own default, unknown).
+    assert call["behaviour_logprobs"] is None
+    assert call["sampling"]["temperature"] == 0.7 and call["sampling"]["top_p"] == 0.9
+    assert call["sampling"]["presence_penalty"] is None
+
+
 def test_reward_and_session_roundtrip(client, http):
     _chat(client, "solve it", extra_headers={"X-Session-Id": "rewarded"})
     reply = http.post("/v1/sessions/rewarded/reward", json={"reward": 0.75, "metrics": {"steps": 3}})

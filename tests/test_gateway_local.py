@@ -56,6 +56,10 @@ def check_tokens_match(call: dict, texts: list[str], tokenizer) -> None:
         decoded = tokenizer.decode(ids, skip_special_tokens=True)
         assert decoded.strip() == text.strip()
         assert len(logprobs) == len(ids) and all(lp <= 0 for lp in logprobs)
+    # the sampling in force, every parameter explicit (no engine default left implicit)
+    assert set(call["sampling"]) == {"temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                     "frequency_penalty", "repetition_penalty", "seed", "max_tokens"}
+    assert all(call["sampling"][k] is not None for k in call["sampling"] if k != "seed")
 
 
 def test_sync_call_is_recorded_with_tokens_that_decode_to_the_answer(gateway, client, tokenizer):

@@ -16,10 +16,14 @@ from gateway.tiny_model import ensure_tiny_model
 from trainer.data import (
     NO_SPREAD,
     NO_TOKENS,
+    TOO_LONG,
     ChatTemplateRenderer,
     build_batch,
+    fit_to_rows,
     load_groups,
+    sampling_temperature,
     trajectory_samples,
+    turn_terminator,
 )
 
 TOOLS = [{"type": "function", "function": {
@@ -192,3 +196,47 @@ def test_store_rows_round_trip(session):
     assert list(s.token_ids) == session["p1"] + session["c1"]
     assert [x for x, m in zip(s.old_logprobs, s.loss_mask) if m] == pytest.approx(session["lp1"], abs=1e-6)
     json.dumps([list(x.token_ids) for x in batch.samples])  # plain ints
+
+
+def test_each_token_keeps_its_calls_sampling_temperature(session):
+    # The engine's record of the sampling in force wins; greedy (0) and unknown count as 1.
+    c1, c2 = (dict(c) for c in (session["calls"][0], session["calls"][2]))
+    c1["sampling"] = {"temperature": 0.7, "top_p": 0.9}
+    c2["sampling"] = {"temperature": 0.0}
+    (sample,) = trajectory_samples([c1, c2], trajectory_id="s1", group_id="g1", advantage=0.5)
+    p1, n1, p2 = len(session["p1"]), len(session["c1"]), len(session["p2"])
+    expected = [1.0] * len(sample.token_ids)
+    expected[p1:p1 + n1] = [0.7] * n1
+    assert list(sample.temperatures) == expected  # the second call was greedy: scored at 1
+    # an upstream's call: the request's temperature
+    o1 = {**session["calls"][0], "prompt_ids": None, "completion_ids": None, "behaviour_logprobs": None,
+          "request": {**session["calls"][0]["request"], "temperature": 0.4}}
+    assert sampling_temperature(o1) == 0.4
+    assert sampling_temperature({"request": {}}) == 1.0
+
+
+def test_an_over_long_sample_keeps_its_prefix_or_its_whole_group_is_left_out(session):
+    (whole,) = trajectory_samples(session["calls"], trajectory_id="s1", group_id="g1", advantage=0.5)
+    p1, n1 = len(session["p1"]), len(session["c1"])
+    other = trajectory_samples(session["calls"][:1], trajectory_id="s2", group_id="g2", advantage=-0.5)
+    # room for the first call and half its completion: the prefix keeps exactly those tokens
+    limit = p1 + n1 // 2
+    fitted, left_out, cut = fit_to_rows([whole, *other], limit)
+    assert cut == 2 and left_out == {}
+    assert [len(s.token_ids) for s in fitted] == [limit, limit]
+    assert fitted[0].token_ids == whole.token_ids[:limit] and fitted[0].loss_mask == whole.loss_mask[:limit]
+    assert fitted[0].temperatures == whole.temperatures[:limit]
+    # room for less than the first prompt: nothing of it could train, so its group goes whole
+    fitted, left_out, _ = fit_to_rows([whole, *other], p1 - 1)
+    assert fitted == [] and left_out == {"g1": TOO_LONG, "g2": TOO_LONG}
+
+
+def test_re_rendering_ends_a_turn_with_the_templates_terminator_not_the_eos_token(tmp_path_factory):
+    # A base Qwen's eos token is <|endoftext|>, while its chat template closes turns with
+    # <|im_end|>: the turn the model sampled ends with the template's terminator.
+    tok = AutoTokenizer.from_pretrained(ensure_tiny_model(tmp_path_factory.mktemp("tiny-eos")))
+    tok.eos_token = "<|endoftext|>"
+    assert turn_terminator(tok) == "<|im_end|>"
+    done = ChatTemplateRenderer(tok)({"messages": MESSAGES_1}, response({"role": "assistant", "content": "It is"}, "stop"))
+    assert done.completion_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.convert_tokens_to_ids("<|endoftext|>") not in done.completion_ids

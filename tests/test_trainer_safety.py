@@ -1,0 +1,180 @@
+"""A trainer that never publishes a broken step: NaN steps, batches that keep failing, groups
+never trained in part, discards that race a step, staleness on every engine."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+
+from tests.helpers_trainer import Recorder, trainer_settings
+from trainer import worker as worker_module
+from trainer.data import TOO_LONG
+from trainer.worker import MAX_ATTEMPTS, TrainerWorker
+
+
+def files_digest(root) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+
+
+@pytest.fixture
+def worker(tmp_path):
+    settings = trainer_settings(tmp_path, groups_per_step=2)
+    recorder = Recorder(settings)
+    recorder.group("g1", [1.0, 0.0, 0.5])
+    recorder.group("g2", [0.0, 1.0])
+    recorder.group("g3", [1.0, 0.0])
+    recorder.group("g4", [0.2, 0.9])
+    recorder.close()
+    worker = TrainerWorker(settings)
+    worker.start()
+    yield worker
+    worker.close()
+
+
+def poison(worker, times: int):
+    """The next `times` forward passes with gradients give NaN logprobs (a blown-up loss)."""
+    real = worker.backend.token_logprobs
+    left = [times]
+
+    def token_logprobs(row):
+        out = real(row)
+        if left[0] > 0 and out.requires_grad:
+            left[0] -= 1
+            return out * math.nan
+        return out
+
+    worker.backend.token_logprobs = token_logprobs
+    return left
+
+
+def lora_weights(worker):
+    return [p.detach().clone() for p in worker.backend._params]
+
+
+def test_a_nan_step_changes_nothing_and_the_next_good_batch_trains(worker):
+    root = worker.root
+    before_files, before_steps = files_digest(root), worker.store.steps("agent")
+    before_weights = lora_weights(worker)
+    groups = worker.groups_to_train()
+    poison(worker, 1)
+    assert worker.train_once(groups) is None
+    # adapter files, step rows and weights as they were; the groups stay ready, untrained
+    assert files_digest(root) == before_files
+    assert worker.store.steps("agent") == before_steps
+    assert all((a == b).all() for a, b in zip(before_weights, lora_weights(worker)))
+    assert all(worker.store.get_group(g["id"])["trained_step"] is None for g in groups)
+    assert worker.next_step == 1
+    # the next attempt is a good batch: it trains, and the step says an attempt failed before it
+    metrics = worker.train_once(worker.groups_to_train())
+    assert metrics is not None and math.isfinite(metrics["loss"]) and metrics["failed_attempts"] == 1
+    assert [s["step"] for s in worker.store.steps("agent")] == [0, 1]
+    assert all(math.isfinite(float(p.detach().abs().sum())) for p in worker.backend._params)
+
+
+def test_a_nan_in_a_later_pass_restores_the_earlier_passes_update(worker):
+    worker.settings = worker.settings.model_copy(update={"epochs_per_step": 2})
+    before = lora_weights(worker)
+    real = worker.backend.token_logprobs
+    calls = {"n": 0}
+
+    def second_pass_nan(row):
+        out = real(row)
+        if out.requires_grad:
+            calls["n"] += 1
+            if calls["n"] > 1:  # the first pass is one packed row here; the second pass blows up
+                return out * math.nan
+        return out
+
+    worker.backend.token_logprobs = second_pass_nan
+    assert worker.train_once(worker.groups_to_train()) is None
+    assert calls["n"] >= 2
+    assert all((a == b).all() for a, b in zip(before, lora_weights(worker)))
+
+
+def test_a_batch_that_keeps_failing_is_set_aside_and_the_worker_goes_on(worker):
+    groups = worker.groups_to_train()
+    ids = sorted(g["id"] for g in groups)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    real = worker_module.TrainerWorker._train_and_record
+    worker._train_and_record = out_of_memory
+    for attempt in range(MAX_ATTEMPTS):
+        assert worker.train_once(worker.groups_to_train()) is None
+    for gid in ids:
+        group = worker.store.get_group(gid)
+        assert group["trained_step"] is None
+        assert group["failed"].startswith(f"training failed {MAX_ATTEMPTS} times: RuntimeError: CUDA out of memory")
+    ready = [g["id"] for g in worker.store.ready_groups("agent")]
+    assert not set(ids) & set(ready)  # never retried
+    worker._train_and_record = real.__get__(worker)
+    metrics = worker.train_once(worker.groups_to_train())  # the other groups still train
+    assert metrics is not None and metrics["failed_attempts"] == MAX_ATTEMPTS
+
+
+@pytest.mark.parametrize("phase", ["train", "record"])
+def test_a_discard_that_races_the_step_takes_it_back(worker, monkeypatch, phase):
+    groups = worker.groups_to_train()
+    victim = groups[0]["sessions"][0]["id"]
+    before_files, before_weights = files_digest(worker.root), lora_weights(worker)
+
+    def discard_now(at: str, step: int) -> None:
+        if at == phase:  # after training (train) or after the checkpoint was written (record)
+            import asyncio
+            asyncio.run(worker.store.discard_session(victim, "the rollout crashed"))
+
+    monkeypatch.setattr(worker_module, "_test_pause", discard_now)
+    assert worker.train_once(groups) is None
+    assert files_digest(worker.root) == before_files  # a written checkpoint was removed again
+    assert all((a == b).all() for a, b in zip(before_weights, lora_weights(worker)))
+    assert [s["step"] for s in worker.store.steps("agent")] == [0]
+    monkeypatch.setattr(worker_module, "_test_pause", lambda at, step: None)
+    metrics = worker.train_once(worker.groups_to_train())
+    assert metrics is not None
+    step = worker.store.steps("agent")[-1]
+    group = worker.store.get_group(groups[0]["id"])
+    assert group["trained_step"] == step["step"] == 1
+    assert victim not in {s["id"] for s in group["sessions"]}
+
+
+def test_a_group_with_an_over_long_sample_is_never_trained_in_part(tmp_path):
+    settings = trainer_settings(tmp_path, groups_per_step=2, max_tokens_per_row=60)
+    recorder = Recorder(settings)
+    recorder.group("short", [1.0, 0.0])
+    # one session of this group has a prompt longer than a row: nothing of it can be trained
+    recorder.call("long-s0", "long", "What is " + "very " * 80 + "long?", "No.")
+    recorder.call("long-s1", "long", "What is 1?", "It is 42.")
+    import asyncio
+    asyncio.run(recorder.store.set_reward("long-s0", 1.0))
+    asyncio.run(recorder.store.set_reward("long-s1", 0.0))
+    asyncio.run(recorder.store.close_group("long"))
+    recorder.close()
+    worker = TrainerWorker(settings)
+    worker.start()
+    try:
+        metrics = worker.train_once(worker.groups_to_train())
+        assert metrics is not None and metrics["groups"] == 1
+        assert worker.store.get_group("short")["trained_step"] == 1
+        long = worker.store.get_group("long")
+        assert long["trained_step"] is None and long["skipped"] == TOO_LONG
+    finally:
+        worker.close()
+
+
+def test_staleness_applies_to_the_local_engine_too(tmp_path):
+    settings = trainer_settings(tmp_path, engine="local", max_staleness=1, groups_per_step=1)
+    recorder = Recorder(settings)
+    recorder.group("old", [1.0, 0.0], step=None)  # the base model answered: step 0
+    recorder.group("recent", [1.0, 0.0], step=3)
+    recorder.close()
+    worker = TrainerWorker(settings)  # not started: no model needed to choose groups
+    try:
+        worker.next_step = 5  # training from step 4
+        assert [g["id"] for g in worker.groups_to_train()] == ["recent"]
+        assert worker.store.get_group("old")["skipped"] == "stale: sampled by step 0, training from step 4"
+    finally:
+        worker.close()
