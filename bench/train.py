@@ -28,6 +28,12 @@ TRL comes from PyPI into a venv under bench/out/ that sees the system packages, 
     python bench/train.py --no-trl     # skip TRL
     python bench/train.py --samples 16 # a batch without a long rollout: less padding to save
 
+A second table measures the pi_old pass of a real training step (`trainer.step.train_step`:
+pi_old scored without gradients before the first pass, then forward + loss + backward and
+the optimizer step per pass), as the share of the step it takes: with
+`--epochs-per-step 2`, and with one pass where LoRA dropout forces a separate pass (one
+pass without dropout reuses the pass's own detached logprobs: no extra forward at all).
+
 How much packing gains is how much padding there was to save: the table's `pad x` column
 (tokens computed / real tokens) says it. With 32 samples one rollout is long (844 tokens)
 and pads every other one, as a single long tool-using episode does in a real batch.
@@ -140,11 +146,11 @@ def timed_runs(run_once, runs: int) -> tuple[list[float], float]:
 # ---------------------------------------------------------------- variants (each in its own process)
 
 
-def load_backend(model_dir: Path, state_dir: Path):
+def load_backend(model_dir: Path, state_dir: Path, **settings):
     from gateway.settings import Settings
     from trainer.backends.peft import PeftBackend
 
-    return PeftBackend(Settings(base_model=str(model_dir), state_dir=state_dir, **LORA))
+    return PeftBackend(Settings(base_model=str(model_dir), state_dir=state_dir, **LORA, **settings))
 
 
 def sample_logprobs(model, specs) -> list[list[float]]:
@@ -218,6 +224,24 @@ def variant_ours(args, layout: str) -> dict:
     times, loss = timed_runs(run_once, args.runs)
     return {"variant": layout, "times": times, "loss": loss, "real_tokens": real_tokens,
             "compute_tokens": compute_tokens, "forwards": forwards, "base_mb": base_mb, "peak_mb": maxrss_mb()}
+
+
+def variant_step(args, epochs: int, dropout: float) -> dict:
+    """Whole `train_step`s: how much of one the pi_old pass takes."""
+    from trainer.step import train_step
+
+    specs = batch_spec(args.samples)
+    backend = load_backend(Path(args.model_dir), Path(tempfile.mkdtemp()),
+                           epochs_per_step=epochs, lora_dropout=dropout, max_tokens_per_row=args.row_tokens)
+    samples = build_samples(specs, sample_logprobs(backend.model, specs))
+    train_step(backend, samples, backend.settings)  # warm-up
+    old, total = [], []
+    for _ in range(args.runs):
+        metrics = train_step(backend, samples, backend.settings)
+        old.append(metrics["old_policy_seconds"])
+        total.append(metrics["train_seconds"])
+    return {"variant": f"step-e{epochs}-d{dropout}", "epochs": epochs, "dropout": dropout, "old_s": old,
+            "step_s": total, "real_tokens": sum(len(s.token_ids) for s in samples)}
 
 
 def variant_trl(args) -> dict:
@@ -342,7 +366,13 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-        result = variant_trl(args) if args.child == "trl" else variant_ours(args, args.child)
+        if args.child == "trl":
+            result = variant_trl(args)
+        elif args.child.startswith("step-"):
+            _, epochs, dropout = args.child.split("-")
+            result = variant_step(args, int(epochs), float(dropout))
+        else:
+            result = variant_ours(args, args.child)
         print(json.dumps(result))
         return 0
 
@@ -376,7 +406,20 @@ def main() -> int:
               f"{r['peak_mb'] - r['base_mb']:>7.0f}{r['loss']:>10.5f}")
     print("\ntokens/s counts real (non-padding) tokens; peak MB = ru_maxrss of the variant's own process, "
           "+MB = above its size once model and batch were loaded.")
-    (OUT / "train.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    steps = [run_child(sys.executable, child, args, model_dir) for child in ("step-1-0.05", "step-2-0.0")]
+    print(f"\npi_old pass of a training step (trainer.step.train_step incl. the optimizer step), median of {args.runs}\n")
+    header = f"{'step':<34}{'pi_old s':>10}{'step s':>9}{'pi_old share':>14}{'target':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in steps:
+        r["median_old_s"], r["median_step_s"] = statistics.median(r["old_s"]), statistics.median(r["step_s"])
+        share = r["median_old_s"] / r["median_step_s"]
+        r["share"] = share
+        what = f"{r['epochs']} pass(es), LoRA dropout {r['dropout']}"
+        print(f"{what:<34}{r['median_old_s']:>10.3f}{r['median_step_s']:>9.3f}{share:>13.1%}"
+              f"{'<= 35%':>9}")
+    print("one pass without dropout: pi_old = the pass's own detached logprobs, 0 s (no extra forward)")
+    (OUT / "train.json").write_text(json.dumps({"args": vars(args), "results": results, "steps": steps}, indent=2))
     return 0
 
 
