@@ -14,6 +14,8 @@ import typing
 from typing import Callable, Literal
 
 
+from pydantic import ValidationError
+
 from gateway.errors import RLProxyError
 from gateway.settings import Settings
 
@@ -21,7 +23,8 @@ SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level")
 ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
           "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_arg", "max_loras",
           "gpu_mode", "max_staleness")
-TRAINER = ("trainer", "backend", "groups_per_step", "learning_rate", "loss_type", "epsilon", "epsilon_high", "beta",
+TRAINER = ("trainer", "backend", "groups_per_step", "learning_rate", "loss_type", "epsilon", "epsilon_high", "delta",
+           "beta", "tis_cap", "max_tokens_norm",
            "scale_rewards", "lora_rank", "lora_alpha", "lora_dropout", "max_tokens_per_row", "epochs_per_step",
            "max_grad_norm", "seed", "keep_adapters", "poll_interval")
 
@@ -234,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args) or 0
     except RLProxyError as exc:
         print(f"rlproxy {args.command}: {exc.message}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:  # a setting out of range: say which flag and why, no traceback
+        for error in exc.errors():
+            flag = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") if error["loc"] else "settings"
+            print(f"rlproxy {args.command}: {flag}: {error['msg']}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
@@ -74,6 +74,14 @@ class Settings(BaseSettings):
     seed: int = Field(0, description="trainer seed")
     keep_adapters: int = Field(3, ge=1, description="adapters the gateway keeps loaded (older ones unloaded once idle)")
     poll_interval: float = Field(1.0, gt=0, description="seconds between looks at the store (trainer and hot-swap)")
+
+    @model_validator(mode="after")
+    def _dual_clip_above_the_clip_range(self) -> "Settings":
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        if self.delta is not None and not self.delta > 1.0 + high:
+            raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1.0 + high}): it caps the ratio "
+                             "above the clip range; leave it unset to turn the dual clip off")
+        return self
 
     def public_dict(self) -> dict:
         """Settings without secrets, for logs and the copy beside checkpoints."""

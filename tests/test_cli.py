@@ -66,3 +66,13 @@ def test_export_without_a_store_says_what_to_pass(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 2
     assert "--state-dir" in done.stderr
+
+
+def test_a_setting_out_of_range_is_a_clean_error_naming_the_flag(capsys, tmp_path):
+    from gateway.cli import main
+
+    assert main(["train", "--state-dir", str(tmp_path), "--groups-per-step", "0"]) == 2
+    assert "--groups-per-step: Input should be greater than or equal to 1" in capsys.readouterr().err
+    assert main(["train", "--state-dir", str(tmp_path), "--delta", "1.1"]) == 2
+    err = capsys.readouterr().err
+    assert "delta (1.1) must exceed 1 + epsilon_high (1.2)" in err and "Traceback" not in err
