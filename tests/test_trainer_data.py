@@ -240,3 +240,15 @@ def test_re_rendering_ends_a_turn_with_the_templates_terminator_not_the_eos_toke
     done = ChatTemplateRenderer(tok)({"messages": MESSAGES_1}, response({"role": "assistant", "content": "It is"}, "stop"))
     assert done.completion_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.convert_tokens_to_ids("<|endoftext|>") not in done.completion_ids
+
+
+def test_a_val_session_is_never_trained_even_inside_a_train_group(session):
+    # A store from before the split check could hold one: it is left out of the batch and its
+    # reward out of the advantages.
+    group = {"id": "g", "sessions": [{"id": "t0", "reward": 1.0, "split": "train"},
+                                     {"id": "t1", "reward": 0.0, "split": "train"},
+                                     {"id": "v0", "reward": 5.0, "split": "val"}]}
+    calls = {sid: session["calls"] for sid in ("t0", "t1", "v0")}
+    batch = build_batch([group], calls)
+    assert [s.trajectory_id for s in batch.samples] == ["t0", "t1"]
+    assert batch.rewards == [1.0, 0.0]

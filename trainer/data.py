@@ -160,8 +160,10 @@ NO_TOKENS = "no trainable tokens: every call failed or had no completion"
 def trained_sessions(group: dict) -> list[dict]:
     """The sessions of a group that are trained on, in session order (`Store.get_group`
     layout). `get_group` lists discarded sessions apart already; filtering here too keeps
-    a hand-made or older dict from putting a failed rollout's tokens into a batch."""
-    return [s for s in group["sessions"] if not s.get("discarded")]
+    a hand-made or older dict from putting a failed rollout's tokens into a batch. A `val`
+    session is never trained, even one a store from before the split check let into a
+    train group."""
+    return [s for s in group["sessions"] if not s.get("discarded") and s.get("split", "train") != "val"]
 
 
 def group_rewards(group: dict) -> list[float]:
