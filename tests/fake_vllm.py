@@ -46,6 +46,7 @@ WORDS = ("hello", "from", "the", "fake", "vllm", "server", "with", "lora")
 class FakeState:
     base_model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     max_lora_rank: int = 16
+    max_model_len: int = 4096  # on every model card, as vLLM's are
     sleep_mode: bool = True
     lora_updating: bool = True  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE
@@ -111,8 +112,9 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         data = [{"id": state.base_model, "object": "model", "owned_by": "vllm", "root": state.base_model,
-                 "parent": None}]
-        data += [{"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": state.base_model}
+                 "parent": None, "max_model_len": state.max_model_len}]
+        data += [{"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": state.base_model,
+                  "max_model_len": state.max_model_len}
                  for name, path in state.loaded.items()]
         return JSONResponse({"object": "list", "data": data})
 
