@@ -82,7 +82,9 @@ class GatewayApp(FastAPI):
 
 
 def _error_response(exc: RLProxyError) -> JSONResponse:
-    return JSONResponse(exc.to_openai(), status_code=exc.status_code)
+    # 413: the rest of the body is still coming; close rather than read it all.
+    headers = {"Connection": "close"} if exc.status_code == 413 else None
+    return JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=headers)
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,

@@ -87,11 +87,12 @@ class BodyLimitMiddleware:
 
 
 async def _send_error(send: Send, status: int, error, *, close: bool = False) -> None:
-    headers = [(b"content-type", b"application/json")]
+    body = orjson.dumps(error.to_openai())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))  # the unread body must not be taken for the next request
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": orjson.dumps(error.to_openai())})
+    await send({"type": "http.response.body", "body": body})
 
 
 def check_chat_limits(request, limits: Limits, context_length: int | None) -> None:

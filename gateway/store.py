@@ -98,7 +98,6 @@ class Store:
                 _rollback(conn)
                 self._raise_failure(exc)
                 raise
-            self.health.recovered()
             return result
 
     def _raise_failure(self, exc: BaseException) -> None:
@@ -163,20 +162,21 @@ class Store:
                 self._raise_failure(exc)
                 raise
             self.commits += 1
-            self.health.recovered()
         return outcomes
 
     async def probe(self) -> None:
         """A write as large as a typical call, committed (and removed in the same
         transaction): succeeds only when calls can be recorded again. Raises the store's
         failure otherwise. Used while the store is degraded (by `/healthz` and before each
-        call), so the gateway notices by itself that the cause went away."""
+        call), so the gateway notices by itself that the cause went away. Only a probe ends
+        the degraded state: a small write (a reward) may fit where a call does not."""
 
         def op(conn: sqlite3.Connection) -> None:
             conn.execute("INSERT INTO store_probe (payload, created_at) VALUES (zeroblob(16384), ?)", (time.time(),))
             conn.execute("DELETE FROM store_probe")
 
         await self._submit(op)
+        self.health.recovered()
 
     # -------------------------------------------------------------- writes
 
