@@ -52,9 +52,12 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
         "choices": {"type": "array", "items": _object({"index": {"type": "integer"}, "message": {"type": "object"}},
                                                       {"finish_reason": _NULLABLE_STRING})},
     }, {"usage": {"type": ["object", "null"]}}),
-    "ChatCompletionStream": {"type": "string", "description": "server-sent events: `data: {chat.completion.chunk}` "
-                             "lines, then `data: [DONE]` once the call is recorded; an error after the first chunk "
-                             "comes as `data: {\"error\": {...}}` (and no `[DONE]`)."},
+    # One server-sent event: `data` is a chat.completion.chunk as JSON, then `[DONE]` once the
+    # call is recorded; an error after the first chunk comes as `{"error": {...}}` (and no `[DONE]`).
+    "ChatCompletionStream": {"type": "object", "required": ["data"],
+                             "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                             "description": "server-sent events: `data: {chat.completion.chunk}` lines, then "
+                                            "`data: [DONE]` once the call is recorded"},
     "ModelList": _object({"object": {"const": "list"},
                           "data": {"type": "array", "items": _object({"id": _STRING, "object": {"const": "model"}},
                                                                      {"created": {"type": "integer"},
@@ -129,12 +132,29 @@ _ROUTE_ERRORS = {
 }
 _DEFAULT_ERRORS = ("400", "401", "404", "409", "413", "503", "507")
 _PATH_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"}
+# What the models' validators check beyond their fields' types, said in JSON Schema so that
+# generated clients and fuzzers know it too.
+_CONSTRAINTS = {
+    "ChatMessage": {"allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+        {"if": {"properties": {"role": {"enum": ["system", "developer", "user"]}}, "required": ["role"]},
+         "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}},
+    ]},
+    "ChatCompletionRequest": {"allOf": [
+        {"if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+    ]},
+}
 
 
 def _model_schema(model: type[BaseModel], components: dict) -> dict:
     schema = model.model_json_schema(ref_template=_REF, mode="validation")
     components.update(schema.pop("$defs", {}))
     components[model.__name__] = schema
+    for name, extra in _CONSTRAINTS.items():
+        if name in components:
+            components[name].update(extra)
     return _ref(model.__name__)
 
 
