@@ -17,6 +17,7 @@ from gateway.chat import ChatService
 from gateway.engines.base import Engine
 from gateway.errors import RLProxyError
 from gateway.gate import RequestGate
+from gateway.limits import BodyLimitMiddleware, Limits
 from gateway.metrics import Metrics
 from gateway.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.settings import Settings
@@ -81,7 +82,9 @@ class GatewayApp(FastAPI):
 
 
 def _error_response(exc: RLProxyError) -> JSONResponse:
-    return JSONResponse(exc.to_openai(), status_code=exc.status_code)
+    # 413: the rest of the body is still coming; close rather than read it all.
+    headers = {"Connection": "close"} if exc.status_code == 413 else None
+    return JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=headers)
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,
@@ -100,7 +103,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
         observers.append(tracer.on_call)
     services = Services(
         settings=settings, engine=engine, store=store, registry=registry, gate=gate,
-        chat=ChatService(engine, store, registry, gate, observers), metrics=metrics, tracer=tracer,
+        chat=ChatService(engine, store, registry, gate, observers, limits=Limits.from_settings(settings)),
+        metrics=metrics, tracer=tracer,
     )
 
     @asynccontextmanager
@@ -169,11 +173,23 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
     app.include_router(rl_routes.router)
     app.include_router(ruler_routes.router)
 
+    from gateway.openapi import install_openapi
+    from gateway.security import cors_middleware, warn_if_exposed
+
+    install_openapi(app)
+    warn_if_exposed(settings)
+    # The same stack, innermost first, in front of FastAPI's routes and the chat fast path:
+    # body limit, bearer key, CORS (only with --cors-origin), request id.
+    app.add_middleware(BodyLimitMiddleware, limit_mb=settings.max_body_mb)
     if settings.api_key is not None:
         app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
+    if settings.cors_origin:
+        app.add_middleware(cors_middleware, origins=settings.cors_origin)
     app.add_middleware(RequestIdMiddleware)
-    chat_endpoint = openai_routes.chat_completions
+    chat_endpoint = BodyLimitMiddleware(openai_routes.chat_completions, limit_mb=settings.max_body_mb)
     if settings.api_key is not None:
         chat_endpoint = BearerAuthMiddleware(chat_endpoint, api_key=settings.api_key.get_secret_value())
+    if settings.cors_origin:
+        chat_endpoint = cors_middleware(chat_endpoint, origins=settings.cors_origin)
     app.chat_fast_path = RequestIdMiddleware(chat_endpoint)
     return app

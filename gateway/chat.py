@@ -16,8 +16,9 @@ from typing import AsyncIterator, Callable, Mapping
 
 from gateway.adapters import AdapterRegistry, Target
 from gateway.engines.base import Engine, EngineRequest, StreamEnd, TokenRecord
-from gateway.errors import Conflict, InvalidRequest, RLProxyError
+from gateway.errors import Conflict, InvalidRequest, RLProxyError, StoreUnavailable
 from gateway.gate import RequestGate
+from gateway.limits import Limits, check_chat_limits
 from gateway.protocol import ChatCompletionRequest
 from gateway.store import CallRecord, Store
 
@@ -102,7 +103,9 @@ class ChatService:
         registry: AdapterRegistry,
         gate: RequestGate,
         observers: list[Callable[[CallRecord], None]] | None = None,
+        limits: Limits | None = None,
     ):
+        self.limits = limits or Limits()
         self.engine = engine
         self.store = store
         self.registry = registry
@@ -180,9 +183,18 @@ class ChatService:
             except Exception:  # an observer's failure never fails a call
                 log.exception("call observer failed")
 
+    async def admit(self, request: ChatCompletionRequest) -> None:
+        """Refuse, before any engine work, a request over the limits, or any request while the
+        store cannot record (its answer could not be acknowledged): a probe write decides,
+        so calls come back by themselves once the disk has room again."""
+        check_chat_limits(request, self.limits, getattr(self.engine, "context_length", None))
+        if self.store.health.degraded:
+            await self.store.probe()
+
     async def complete(
         self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str
     ) -> tuple[dict, Target]:
+        await self.admit(request)
         started = time.perf_counter()
         target = None
         self.check_split(identity)
@@ -206,6 +218,7 @@ class ChatService:
     ) -> tuple[AsyncIterator[bytes], Target]:
         """Resolve the target and wait for the first chunk before the response starts, so a
         request the engine refuses at once gets its real HTTP status, not a 200 stream."""
+        await self.admit(request)
         self.check_split(identity)
         await self.gate.wait()
         target = self.registry.resolve(request.model)
@@ -257,7 +270,15 @@ class ChatService:
                 await asyncio.shield(self._commit(record))
         record = self._record(request_id=request_id, identity=identity, raw=raw, target=target, stream=True,
                               started=started, response=accumulator.response(), tokens=tokens, error=error)
-        await self._commit(record)
+        try:
+            await self._commit(record)
+        except StoreUnavailable as store_error:
+            if not yielded:
+                raise
+            # Chunks went out, but the call is not on disk: no `[DONE]`, so the client does not
+            # take it for a finished call; the error event says why.
+            yield orjson.dumps(store_error.to_openai())
+            return
         if error is not None:
             if not yielded:
                 raise error  # nothing sent yet: open_stream turns it into an HTTP error

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 from gateway.errors import RLProxyError
 from gateway.settings import Settings
 
-SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level")
+SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level", "max_body_mb", "max_messages", "max_n",
+           "cors_origin")
 ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
           "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_arg", "max_loras",
           "gpu_mode", "max_staleness")

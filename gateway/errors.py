@@ -67,3 +67,29 @@ class ConfigError(RLProxyError):
 
     status_code = 500
     error_type = "config_error"
+
+
+class RequestTooLarge(RLProxyError):
+    """A request over one of the gateway's limits on size (`--max-body-mb`)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class StoreUnavailable(RLProxyError):
+    """The store cannot record right now (read-only, locked, unavailable): nothing was
+    acknowledged; the gateway recovers by itself once the cause is gone."""
+
+    status_code = 503
+    error_type = "store_unavailable"
+
+    def __init__(self, message: str, *, cause: str, code: str | None = None):
+        super().__init__(message, code=code or f"store_{cause}")
+        self.cause = cause  # full, read_only, locked, unavailable, damaged: the label in /metrics
+
+
+class StoreFull(StoreUnavailable):
+    """The disk holding the store is full."""
+
+    status_code = 507
+    error_type = "insufficient_storage"

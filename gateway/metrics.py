@@ -17,6 +17,11 @@ class Metrics:
         )
         self.store_commits = Gauge("rlproxy_store_commits", "transactions committed by the writer",
                                    registry=self.registry)
+        self.store_errors = Counter("rlproxy_store_errors", "writes and reads the store failed, by cause "
+                                    "(full, read_only, locked, unavailable, damaged)", ["cause"],
+                                    registry=self.registry)
+        self._store_errors_seen: dict[str, int] = {}
+        self.store_degraded = Gauge("rlproxy_store_degraded", "1 while the store cannot record", registry=self.registry)
         self.model_step = Gauge("rlproxy_model_step", "step the alias NAME serves (-1: base)", registry=self.registry)
         self.held = Gauge("rlproxy_requests_held", "requests waiting at the gate", registry=self.registry)
         self.in_flight = Gauge("rlproxy_requests_in_flight", "requests inside the engine", registry=self.registry)
@@ -27,6 +32,11 @@ class Metrics:
 
     def render(self, services) -> tuple[bytes, str]:
         self.store_commits.set(services.store.commits)
+        health = services.store.health
+        for cause, count in list(health.errors.items()):  # the store counts; the counter follows
+            self.store_errors.labels(cause=cause).inc(count - self._store_errors_seen.get(cause, 0))
+            self._store_errors_seen[cause] = count
+        self.store_degraded.set(1 if health.degraded else 0)
         current = services.registry.current
         self.model_step.set(-1 if current is None else current)
         self.held.set(services.gate.held)

@@ -28,6 +28,11 @@ class Settings(BaseSettings):
         "full: also an OS crash or power loss (an fsync per group commit)")
     api_key: SecretStr | None = Field(None, description="bearer key required on every route but /healthz")
     log_level: str = Field("info", description="debug, info, warning or error")
+    max_body_mb: float = Field(32.0, gt=0, description="largest request body in MB; larger ones get 413")
+    max_messages: int = Field(2048, ge=1, description="most messages in one chat request")
+    max_n: int = Field(128, ge=1, le=128, description="most choices (n) in one chat request")
+    cors_origin: list[str] = Field(default_factory=list, description="origin allowed to call from a browser "
+                                   "(repeatable; CORS is off unless given)")
 
     # -- engine
     engine: Literal["local", "openai", "vllm"] = Field("local", description="what produces completions")

@@ -27,6 +27,7 @@ import sqlite_utils
 
 from gateway import store_rows, store_schema
 from gateway.errors import Conflict, NotFound
+from gateway.store_health import StoreHealth, classify
 from gateway.store_rows import CallRecord, pack_floats, pack_ids, unpack_floats, unpack_ids
 
 __all__ = ["CallRecord", "Store", "pack_floats", "pack_ids", "unpack_floats", "unpack_ids"]
@@ -35,7 +36,8 @@ __all__ = ["CallRecord", "Store", "pack_floats", "pack_ids", "unpack_floats", "u
 class Store:
     """The SQLite store. `Store(path)` for a file, `Store(memory=True)` for tests."""
 
-    def __init__(self, path: Path | str | None = None, *, memory: bool = False, synchronous: str = "normal"):
+    def __init__(self, path: Path | str | None = None, *, memory: bool = False, synchronous: str = "normal",
+                 busy_timeout: float = 30.0):
         if memory:
             # One shared in-memory database, reachable from the writer thread too.
             uri = f"file:rlproxy-{id(self)}?mode=memory&cache=shared"
@@ -45,8 +47,8 @@ class Store:
             if path is None:
                 raise ValueError("Store needs a path, or memory=True")
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._conn = store_schema.connect(path, synchronous)
-            self._read_conn = store_schema.connect(path, synchronous)
+            self._conn = store_schema.connect(path, synchronous, busy_timeout)
+            self._read_conn = store_schema.connect(path, synchronous, busy_timeout)
         self.path = path
         self.db = sqlite_utils.Database(self._conn)
         self._write_lock = threading.Lock()
@@ -56,6 +58,9 @@ class Store:
         self._queue: asyncio.Queue | None = None
         self._writer: asyncio.Task | None = None
         self.commits = 0  # transactions the writer committed (for /metrics and tests)
+        # A disk or file failure (full, read-only, locked, gone) until a write commits again.
+        self.busy_timeout = busy_timeout
+        self.health = StoreHealth()
 
     # -------------------------------------------------------------- lifecycle
 
@@ -84,14 +89,23 @@ class Store:
 
     def _run_sync(self, op: Callable[[sqlite3.Connection], Any]) -> Any:
         with self._write_lock:
-            self._conn.execute("BEGIN IMMEDIATE")
+            conn = self._conn
             try:
-                result = op(self._conn)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
+                _begin(conn)
+                result = op(conn)
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                _rollback(conn)
+                self._raise_failure(exc)
                 raise
-            self._conn.execute("COMMIT")
             return result
+
+    def _raise_failure(self, exc: BaseException) -> None:
+        """Raise `exc` as the store failure it is (noting it in `health`); return if it is none."""
+        failure = classify(exc, self.busy_timeout)
+        if failure is not None:
+            self.health.failed(failure)
+            raise failure from (None if failure is exc else exc)
 
     async def _write_loop(self) -> None:
         assert self._queue is not None
@@ -127,24 +141,42 @@ class Store:
         outcomes: list[tuple[bool, Any]] = []
         with self._write_lock:
             conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
             try:
+                _begin(conn)
                 for op in ops:
                     conn.execute("SAVEPOINT op")
                     try:
                         outcomes.append((True, op(conn)))
                         conn.execute("RELEASE op")
                     except Exception as exc:  # noqa: BLE001 - handed to the caller
+                        if classify(exc) is not None:
+                            # The disk or file failed, not this op: SQLite may have rolled the
+                            # whole transaction back already, so the whole round fails.
+                            raise
                         conn.execute("ROLLBACK TO op")
                         conn.execute("RELEASE op")
                         outcomes.append((False, exc))
                 conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+            except BaseException as exc:
+                _rollback(conn)
+                self._raise_failure(exc)
                 raise
             self.commits += 1
         return outcomes
+
+    async def probe(self) -> None:
+        """A write as large as a typical call, committed (and removed in the same
+        transaction): succeeds only when calls can be recorded again. Raises the store's
+        failure otherwise. Used while the store is degraded (by `/healthz` and before each
+        call), so the gateway notices by itself that the cause went away. Only a probe ends
+        the degraded state: a small write (a reward) may fit where a call does not."""
+
+        def op(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT INTO store_probe (payload, created_at) VALUES (zeroblob(16384), ?)", (time.time(),))
+            conn.execute("DELETE FROM store_probe")
+
+        await self._submit(op)
+        self.health.recovered()
 
     # -------------------------------------------------------------- writes
 
@@ -314,9 +346,13 @@ class Store:
 
     def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
         with self._read_lock:
-            cursor = self._read_conn.execute(sql, params)
-            names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row)) for row in cursor.fetchall()]
+            try:
+                cursor = self._read_conn.execute(sql, params)
+                names = [d[0] for d in cursor.description]
+                return [dict(zip(names, row)) for row in cursor.fetchall()]
+            except sqlite3.Error as exc:
+                self._raise_failure(exc)
+                raise
 
     def get_session(self, session_id: str) -> dict:
         rows = self._query("SELECT * FROM sessions WHERE id = ?", (session_id,))
@@ -385,3 +421,19 @@ class Store:
         for table in ("calls", "sessions", "groups", "steps", "judgements"):
             out[table] = self._query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
         return out
+
+
+def _begin(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        _rollback(conn)  # an earlier round's COMMIT or ROLLBACK failed half-way and left it open
+    conn.execute("BEGIN IMMEDIATE")
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back whatever is open; a failing ROLLBACK (the disk that failed the COMMIT) must
+    not hide the first error nor leave the next round inside this transaction."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass

@@ -94,6 +94,12 @@ CREATE TABLE IF NOT EXISTS triggers (
 -- One GPU shared by vLLM and the trainer (--gpu-mode colocated); see gateway/colocate.py.
 -- state: idle -> requested (trainer) -> granted (gateway: drained, vLLM asleep)
 --        -> released (trainer: step saved) -> idle (gateway: vLLM awake, adapter loaded).
+-- Written and emptied by the store's probe while it is degraded (gateway/store_health.py).
+CREATE TABLE IF NOT EXISTS store_probe (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    payload BLOB,
+    created_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS gpu_leases (
     model TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -130,8 +136,8 @@ ORDER BY g.created_at
 """
 
 
-def connect(path: Path | str, synchronous: str = "normal") -> sqlite3.Connection:
-    conn = sqlite3.connect(str(path), timeout=30.0, check_same_thread=False, isolation_level=None)
+def connect(path: Path | str, synchronous: str = "normal", busy_timeout: float = 30.0) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), timeout=busy_timeout, check_same_thread=False, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     # NORMAL (WAL): a committed transaction is in the WAL file before COMMIT returns, so it
     # survives the process crashing or being killed; only an OS crash or power loss can undo
@@ -140,7 +146,7 @@ def connect(path: Path | str, synchronous: str = "normal") -> sqlite3.Connection
     if synchronous.lower() not in ("normal", "full"):
         raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
     conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
-    conn.execute("PRAGMA busy_timeout=30000")
+    conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
     conn.execute("PRAGMA foreign_keys=ON")
     return conn
 

@@ -46,6 +46,7 @@ WORDS = ("hello", "from", "the", "fake", "vllm", "server", "with", "lora")
 class FakeState:
     base_model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     max_lora_rank: int = 16
+    max_model_len: int = 4096  # on every model card, as vLLM's are
     sleep_mode: bool = True
     lora_updating: bool = True  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE
@@ -111,8 +112,9 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         data = [{"id": state.base_model, "object": "model", "owned_by": "vllm", "root": state.base_model,
-                 "parent": None}]
-        data += [{"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": state.base_model}
+                 "parent": None, "max_model_len": state.max_model_len}]
+        data += [{"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": state.base_model,
+                  "max_model_len": state.max_model_len}
                  for name, path in state.loaded.items()]
         return JSONResponse({"object": "list", "data": data})
 
@@ -130,9 +132,11 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
         if body.get("top_logprobs") and not body.get("logprobs"):
             return _error(400, "when using `top_logprobs`, `logprobs` must be set to true.", "BadRequestError")
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 6)
-        if max_tokens > 4096:
-            return _error(400, f"This model's maximum context length is 4096 tokens. However, you requested "
-                               f"{max_tokens} output tokens.", "BadRequestError")
+        prompt_length = len(prompt_ids_for(body.get("messages") or []))
+        if prompt_length + max_tokens > state.max_model_len:  # as vLLM: prompt and completion together
+            return _error(400, f"This model's maximum context length is {state.max_model_len} tokens. However, "
+                               f"you requested {max_tokens} output tokens and your prompt contains {prompt_length} "
+                               "input tokens.", "BadRequestError")
         n = int(body.get("n") or 1)
         want_ids = bool(body.get("return_token_ids"))
         top = int(body.get("top_logprobs") or 0)

@@ -271,7 +271,8 @@ def test_adapter_load_errors_say_what_vllm_said(gateway):
 
 def test_vllm_errors_keep_their_meaning(gateway):
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        gateway.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=100_000)
+        # Under the context alone (the gateway lets it through), over it with the prompt: vLLM's 400.
+        gateway.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=4095)
     # an adapter the engine loaded but vLLM lost, and that cannot be loaded again
     gateway.engine.adapters["agent@78"] = Path("/nowhere")
     try:

@@ -76,6 +76,12 @@ class Engine(ABC):
     supports_adapters: bool = False
 
     @property
+    def context_length(self) -> int | None:
+        """Tokens the model takes, prompt and completion together; None when unknown. The
+        gateway refuses a request asking for more before it reaches the engine."""
+        return None
+
+    @property
     @abstractmethod
     def base_model_id(self) -> str:
         """The id under which the base model (no adapter) is served."""

@@ -81,6 +81,10 @@ class LocalEngine(Engine):
     def base_model_id(self) -> str:
         return self.served_base_id
 
+    @property
+    def context_length(self) -> int | None:
+        return self._context or None
+
     async def start(self) -> None:
         if self._thread is not None:
             return

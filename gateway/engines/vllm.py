@@ -132,6 +132,10 @@ class VLLMEngine(Engine):
 
     # ---------------------------------------------------------------- lifecycle
 
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self, "_max_model_len", None)
+
     async def start(self) -> None:
         if self._session is None:
             # No cookie jar: nothing from vLLM should leak between clients.
@@ -170,6 +174,8 @@ class VLLMEngine(Engine):
             return
         cards = data.get("data") or []
         ids = [card.get("id") for card in cards]
+        lengths = [card.get("max_model_len") for card in cards if isinstance(card.get("max_model_len"), int)]
+        self._max_model_len = max(lengths) if lengths else None  # vLLM's model cards carry it
         if self._base_model in ids:
             self._vllm_base = self._base_model
             return

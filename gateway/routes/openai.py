@@ -105,7 +105,9 @@ class ChatCompletionsEndpoint:
             pass
         except RLProxyError as exc:
             if not started:
-                await _send_json(send, exc.status_code, exc.to_openai())
+                # 413: the rest of the body is still coming; close rather than read it all.
+                close = [(b"connection", b"close")] if exc.status_code == 413 else None
+                await _send_json(send, exc.status_code, exc.to_openai(), close)
         except Exception:
             log.exception("unexpected error on POST /v1/chat/completions")
             if not started:

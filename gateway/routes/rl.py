@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from gateway.chat import _check_id
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, StoreUnavailable
 from gateway.protocol import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
 from gateway.routes.openai import read_json, validation_message
 
@@ -87,9 +87,22 @@ async def training_trigger(request: Request) -> Response:
 
 @router.get("/healthz")
 async def healthz(request: Request) -> Response:
+    """200 `ok`, or 503 `degraded` with the reason while the store cannot record. While
+    degraded each look probes the store with a write, so it turns `ok` once the cause is gone."""
     services = request.app.state.services
-    return json_response({"status": "ok", "engine": services.engine.kind, "model": services.settings.model_name,
-                          "step": services.registry.current})
+    store = services.store
+    if store.health.degraded:
+        try:
+            await store.probe()
+        except StoreUnavailable:
+            pass
+    body = {"status": "ok", "engine": services.engine.kind, "model": services.settings.model_name,
+            "step": services.registry.current}
+    if not store.health.degraded:
+        return json_response(body)
+    report = store.health.report()
+    body.update(status="degraded", reason=report["reason"], store=report)
+    return json_response(body, status_code=503)
 
 
 @router.get("/metrics")

@@ -1,0 +1,113 @@
+"""The gateway's limits on what one request may ask for, each refused with an error that
+names the limit and the flag that sets it.
+
+- `BodyLimitMiddleware`: the body's size (`--max-body-mb`), from `Content-Length` before a
+  byte is read, and counted while a chunked body arrives (413).
+- `check_chat_limits`: messages (`--max-messages`), `n` (`--max-n`), and the completion
+  tokens asked for against the engine's context (400).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import InvalidRequest, RequestTooLarge
+
+_MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_mb: float = 32.0
+    max_messages: int = 2048
+    max_n: int = 128
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * _MB)
+
+    @classmethod
+    def from_settings(cls, settings) -> "Limits":
+        return cls(max_body_mb=settings.max_body_mb, max_messages=settings.max_messages, max_n=settings.max_n)
+
+
+def body_too_large(limit_mb: float, size: int | None = None) -> RequestTooLarge:
+    got = f"the request body is {size / _MB:.1f} MB" if size is not None else "the request body is larger"
+    return RequestTooLarge(
+        f"{got}, over the gateway's limit of {limit_mb:g} MB (--max-body-mb): "
+        "send less (fewer or shorter messages, smaller images), or raise --max-body-mb",
+        code="request_too_large")
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over `limit_mb` with 413 and OpenAI's error shape.
+
+    A `Content-Length` over the limit is answered before the body is read; a chunked body
+    is counted as it arrives, and the app's next `receive()` raises `RequestTooLarge` once
+    it passes the limit (the chat endpoint and FastAPI's handler turn that into the 413), so
+    a 60 MB upload is never held in memory whole."""
+
+    def __init__(self, app: ASGIApp, limit_mb: float):
+        self.app = app
+        self.limit_mb = limit_mb
+        self.limit = int(limit_mb * _MB)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    size = int(value)
+                except ValueError:
+                    await _send_error(send, 400, InvalidRequest("the Content-Length header is not a number"))
+                    return
+                if size > self.limit:
+                    await _send_error(send, 413, body_too_large(self.limit_mb, size), close=True)
+                    return
+                # Within the limit, and the server will not deliver more than it says.
+                await self.app(scope, receive, send)
+                return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise body_too_large(self.limit_mb)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+async def _send_error(send: Send, status: int, error, *, close: bool = False) -> None:
+    body = orjson.dumps(error.to_openai())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))  # the unread body must not be taken for the next request
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def check_chat_limits(request, limits: Limits, context_length: int | None) -> None:
+    """Refuse a chat request over the gateway's limits (400, naming the limit)."""
+    if len(request.messages) > limits.max_messages:
+        raise InvalidRequest(
+            f"'messages' has {len(request.messages)} messages, over the gateway's limit of {limits.max_messages} "
+            "(--max-messages): shorten the conversation", param="messages", code="too_many_messages")
+    if request.n > limits.max_n:
+        raise InvalidRequest(
+            f"'n' is {request.n}, over the gateway's limit of {limits.max_n} choices per request (--max-n): "
+            "ask for fewer, or send several requests", param="n", code="n_too_large")
+    asked = request.max_completion_tokens or request.max_tokens
+    if context_length and asked is not None and asked >= context_length:
+        field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+        raise InvalidRequest(
+            f"'{field}' is {asked}, but the model's context is {context_length} tokens, prompt included: "
+            f"ask for fewer than {context_length} tokens", param=field, code="context_length_exceeded")

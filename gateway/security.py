@@ -1,0 +1,45 @@
+"""Security defaults that are not a middleware of their own: CORS only when asked for, and a
+warning when the gateway listens beyond loopback with no key.
+
+(The bearer-key check, constant time, is `gateway.middleware.BearerAuthMiddleware`; ids and
+names from requests are checked by `gateway.chat._check_id` before they reach the store.)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp
+
+log = logging.getLogger("rlproxy")
+
+# What a browser client may read of rlproxy's own response headers.
+_EXPOSED = ["X-Session-Id", "X-Request-Id", "X-Model-Step"]
+
+
+def cors_middleware(app: ASGIApp, origins: list[str]) -> ASGIApp:
+    """CORS for the given origins only (`--cors-origin`, repeatable; `*` for any). Without
+    the flag no CORS header is sent, so browsers keep other sites' pages off the gateway."""
+    return CORSMiddleware(app, allow_origins=list(origins), allow_methods=["GET", "POST", "OPTIONS"],
+                          allow_headers=["*"], expose_headers=_EXPOSED, allow_credentials=False)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def warn_if_exposed(settings) -> None:
+    """`--host 0.0.0.0` (or any address beyond loopback) without `--api-key` serves anyone
+    who can reach the port: say so at start-up."""
+    if settings.api_key is None and not is_loopback(settings.host):
+        log.warning(
+            "listening on %s with no API key: anyone who can reach this port can use the model, post rewards "
+            "and read every recorded call. Set --api-key (or RLPROXY_API_KEY), or listen on 127.0.0.1.",
+            settings.host)

@@ -1,0 +1,93 @@
+"""What to say when the store cannot write, and whether it can now.
+
+`classify` turns SQLite's failures of the disk or the file (full, read-only, locked by
+another process, gone, damaged) into `StoreUnavailable`/`StoreFull`, with the cause and what
+to do; anything else (a constraint, a bug) is not the store's health and stays as it is.
+`StoreHealth` remembers the failure until a write commits again, for `/healthz`, for the
+chat service (which then probes before doing engine work) and for `/metrics`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sqlite3
+import time
+
+from gateway.errors import StoreFull, StoreUnavailable
+
+log = logging.getLogger("rlproxy.store")
+
+_RECOVERS = "the gateway recovers by itself once that is fixed, no restart needed"
+# SQLite's primary result codes (the low byte of the extended code).
+_FULL, _READONLY, _BUSY, _LOCKED, _IOERR, _CANTOPEN, _CORRUPT, _PROTOCOL, _NOTADB = 13, 8, 5, 6, 10, 14, 11, 15, 26
+
+_BY_MESSAGE = (("disk is full", _FULL), ("readonly", _READONLY), ("is locked", _BUSY), ("disk I/O", _IOERR),
+               ("unable to open", _CANTOPEN), ("malformed", _CORRUPT), ("not a database", _NOTADB))
+
+
+def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable | None:
+    """The store failure `exc` amounts to, or None when it is not one."""
+    if isinstance(exc, StoreUnavailable):
+        return exc
+    if not isinstance(exc, sqlite3.Error) or isinstance(exc, sqlite3.IntegrityError):
+        return None
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    if code is None:
+        code = next((c for text, c in _BY_MESSAGE if text in str(exc)), None)
+        if code is None:
+            return None
+    primary, name = code & 0xFF, getattr(exc, "sqlite_errorname", f"SQLite error {code}")
+    if primary == _FULL:
+        return StoreFull(f"the store cannot record: the disk holding the gateway's state dir is full ({name}). "
+                         f"Free space on that disk (or give the store a page limit it can grow into); {_RECOVERS}.",
+                         cause="full")
+    if primary == _READONLY:
+        return StoreUnavailable(f"the store cannot record: its file is read-only ({name}). Make the state dir and "
+                                f"its files writable by the gateway (and the disk mounted read-write); {_RECOVERS}.",
+                                cause="read_only")
+    if primary in (_BUSY, _LOCKED):
+        return StoreUnavailable(f"the store cannot record: another process has held its write lock for over "
+                                f"{busy_timeout:g} s ({name}). Stop whatever keeps a long write transaction open "
+                                f"on the store (a backup, a sqlite3 shell); {_RECOVERS}.", cause="locked")
+    if primary in (_IOERR, _CANTOPEN, _PROTOCOL):
+        return StoreUnavailable(f"the store is unavailable: the disk or file under the state dir failed ({name}: "
+                                f"{exc}). Check that the disk is mounted, writable and has room; {_RECOVERS}.",
+                                cause="unavailable")
+    if primary in (_CORRUPT, _NOTADB):
+        return StoreUnavailable(f"the store file is damaged ({name}). Restore it from a backup or move it away "
+                                "(the gateway starts a new one).", cause="damaged")
+    return None
+
+
+class StoreHealth:
+    """The store's last failure, until a write commits again; error counts by cause."""
+
+    def __init__(self) -> None:
+        self.failure: StoreUnavailable | None = None
+        self.since: float | None = None
+        self.errors: collections.Counter[str] = collections.Counter()
+
+    @property
+    def degraded(self) -> bool:
+        return self.failure is not None
+
+    def failed(self, error: StoreUnavailable) -> None:
+        self.errors[error.cause] += 1
+        if self.failure is None or self.failure.cause != error.cause:
+            log.error("store failure: %s", error.message)
+            self.since = time.time()
+        self.failure = error
+
+    def recovered(self) -> None:
+        if self.failure is not None:
+            log.warning("store recovered after %.1f s (%s)", time.time() - (self.since or time.time()),
+                        self.failure.cause)
+            self.failure = None
+            self.since = None
+
+    def report(self) -> dict:
+        if self.failure is None:
+            return {"status": "ok"}
+        return {"status": "degraded", "cause": self.failure.cause, "reason": self.failure.message,
+                "since": self.since}

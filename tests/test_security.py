@@ -1,0 +1,137 @@
+"""Security review, as tests: the bearer key is compared in constant time and never stored,
+logged, exported or echoed; ids and names from requests never become paths; listening beyond
+loopback without a key is warned about; CORS is off unless asked for."""
+
+from __future__ import annotations
+
+import logging
+import os
+from urllib.parse import quote
+
+import httpx
+import pytest
+
+from gateway import middleware
+from gateway.app import create_app
+from gateway.export import export_trajectories
+from gateway.settings import Settings
+from gateway.store import Store
+from tests.helpers import ThreadServer
+from tests.helpers_upstream import openai_gateway, raw_store_bytes
+from tests.helpers_vllm import attached_engine, fake_vllm_thread, vllm_settings
+
+KEY = "sk-gateway-" + "5be1c0ffee-do-not-leak"
+WRONG = "sk-wrong-" + "77aa-also-never-echoed"
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def test_bearer_key_is_compared_in_constant_time(upstream, tmp_path, monkeypatch):
+    compared = []
+    real = middleware.hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(middleware.hmac, "compare_digest", spy)
+    with openai_gateway(upstream.url, tmp_path, api_key=KEY) as (server, _):
+        for path in ("/v1/chat/completions", "/v1/sessions/s1/reward"):
+            reply = httpx.post(server.url + path, json=CHAT, headers={"Authorization": f"Bearer {WRONG}"})
+            assert reply.status_code == 401
+    assert compared and all(b == f"Bearer {KEY}".encode() for _, b in compared)
+
+
+def test_no_key_in_store_logs_exports_or_error_messages(upstream, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    state = tmp_path / "state"
+    with openai_gateway(upstream.url, state, api_key=KEY, upstream_api_key="sk-upstream-" + "1d2e3f-secret",
+                        log_level="debug") as (server, services):
+        good = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "sec-1", "X-Group-Id": "sec-g"}
+        assert httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=good).status_code == 200
+        assert httpx.post(server.url + "/v1/sessions/sec-1/reward", json={"reward": 1}, headers=good).status_code == 200
+        answers = [
+            httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {WRONG}"}),
+            httpx.post(server.url + "/v1/chat/completions", json={"model": "fake-model", "messages": "x"}, headers=good),
+            httpx.get(server.url + "/v1/sessions/nope", headers=good),
+            httpx.get(server.url + "/metrics", headers=good),
+            httpx.get(server.url + "/healthz"),
+            httpx.get(server.url + "/openapi.json", headers=good),
+        ]
+        exported = tmp_path / "export.jsonl"
+        export_trajectories(services.settings.db_path, str(exported))
+    secrets = (KEY, WRONG, "sk-upstream-1d2e3f-secret")
+    places = {
+        "store": raw_store_bytes(state).decode("latin-1"),
+        "logs": caplog.text + "\n".join(repr(r.args) for r in caplog.records),
+        "export": exported.read_text(),
+        "answers": "\n".join(a.text + repr(a.headers) for a in answers),
+        "settings": repr(services.settings.public_dict()),
+    }
+    assert "sec-1" in places["export"]  # the export did write the session
+    for where, text in places.items():
+        for secret in secrets:
+            assert secret not in text, f"a key is in the {where}"
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "agent@../../../tmp/x", "agent@1/../../x", "/etc/passwd",
+                                  "agent@0001", "agent@-1"])
+def test_model_names_from_requests_never_become_paths(tmp_path, name):
+    with fake_vllm_thread() as (fake_server, fake):
+        settings = vllm_settings(tmp_path, vllm_url=fake_server.url + "/v1")
+        app = create_app(settings, engine=attached_engine(fake_server.url), store=Store(settings.db_path))
+        with ThreadServer(app) as server:
+            reply = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                               json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
+            assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+            assert not [e for e in fake.events if e["kind"] in ("load", "chat")]  # nothing loaded, nothing asked
+    assert not (tmp_path / "tmp").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("session", ["../../x", "a/b", "..", ".hidden", "x" * 200, "a\\b"])
+def test_session_and_group_ids_are_checked_before_use(upstream, tmp_path, session):
+    with openai_gateway(upstream.url, tmp_path / "state") as (server, _):
+        for headers in ({"X-Session-Id": session}, {"X-Group-Id": session}):
+            reply = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=headers)
+            assert reply.status_code == 400 and "not valid" in reply.json()["error"]["message"]
+        reply = httpx.post(server.url + "/v1/sessions/" + quote(session, safe="") + "/reward", json={"reward": 1.0})
+        assert reply.status_code in (400, 404)
+    assert sorted(os.listdir(tmp_path)) == ["state"]
+
+
+def test_listening_beyond_loopback_without_a_key_is_warned_about(caplog):
+    class Engine:  # never started: create_app only wires it
+        kind, supports_adapters = "openai", False
+
+    caplog.set_level(logging.WARNING, logger="rlproxy")
+    warnings = []
+    for host, key in (("0.0.0.0", None), ("::", None), ("10.1.2.3", None), ("0.0.0.0", KEY),
+                      ("127.0.0.1", None), ("localhost", None), ("::1", None)):
+        caplog.clear()
+        create_app(Settings(engine="openai", host=host, api_key=key), engine=Engine(), store=Store(memory=True))
+        warnings.append(any("no API key" in r.getMessage() and "--api-key" in r.getMessage() for r in caplog.records))
+    assert warnings == [True, True, True, False, False, False, False]
+
+
+def test_cors_is_off_unless_asked_for(upstream, tmp_path):
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    with openai_gateway(upstream.url, tmp_path / "off") as (server, _):
+        answer = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in answer.headers
+        answer = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={"Origin": "http://app.example"})
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+    with openai_gateway(upstream.url, tmp_path / "on", api_key=KEY,
+                        cors_origin=["http://app.example", "http://other.example"]) as (server, _):
+        for path in ("/v1/chat/completions", "/v1/sessions/s/reward"):
+            answer = httpx.options(server.url + path, headers=preflight)
+            assert answer.status_code == 200  # a preflight carries no key, and needs none
+            assert answer.headers["access-control-allow-origin"] == "http://app.example"
+        answer = httpx.post(server.url + "/v1/chat/completions", json=CHAT,
+                            headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"})
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "http://app.example"
+        assert "x-session-id" in answer.headers["access-control-expose-headers"].lower()
+        denied = httpx.options(server.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert denied.headers.get("access-control-allow-origin") != "http://evil.example"
+        assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 401  # still needs the key

@@ -1,0 +1,232 @@
+"""The store failing under the gateway: a full disk (SQLite's page limit, and a real small
+tmpfs where this machine lets us mount one), a read-only store, a write lock held by another
+process. Calls answer 503/507 with the cause and what to do, nothing is acknowledged that
+was not recorded, /healthz says `degraded` with the reason, /metrics counts the errors, and
+the gateway recovers by itself, without a restart, once the cause is gone."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.errors import StoreFull, StoreUnavailable
+from gateway.settings import Settings
+from gateway.store import Store
+from gateway.store_health import classify
+from tests.helpers import ThreadServer
+
+BIG = "x" * 200_000  # a call that needs new pages (and WAL space) to be recorded
+
+
+def _chat(url: str, text: str = "hello", *, stream: bool = False, session: str = "s1") -> httpx.Response:
+    body = {"model": "fake-model", "stream": stream, "messages": [{"role": "user", "content": text}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=60)
+
+
+@contextlib.contextmanager
+def gateway(upstream_url: str, state_dir: Path, **store_kwargs):
+    settings = Settings(engine="openai", upstream_url=upstream_url, state_dir=state_dir, trainer="off")
+    store = Store(settings.db_path, **store_kwargs)
+    app = create_app(settings, store=store)
+    with ThreadServer(app) as server:
+        yield server.url, store
+
+
+def _recorded(store: Store) -> set[str]:
+    return {row["id"] for row in store._query("SELECT id FROM calls")}
+
+
+def _assert_healthy(url: str) -> None:
+    health = httpx.get(url + "/healthz")
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+
+def _metric(url: str, line_start: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_full_disk_by_page_limit_answers_507_and_recovers_without_restart(upstream, tmp_path):
+    with gateway(upstream.url, tmp_path) as (url, store):
+        assert _chat(url).status_code == 200
+        acknowledged = {_chat(url).headers["x-request-id"]}
+        pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+        store._conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full now
+
+        refused = _chat(url, BIG)
+        assert refused.status_code == 507, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "insufficient_storage" and error["code"] == "store_full"
+        assert "disk" in error["message"] and "full" in error["message"] and "Free space" in error["message"]
+        assert "recovers by itself" in error["message"]
+        assert refused.headers["x-request-id"] not in _recorded(store)
+
+        # Degraded: every call is refused before engine work, streams too, with the same cause.
+        sent_before = len(upstream.chat_requests())
+        assert _chat(url, "small").status_code == 507
+        assert _chat(url, "small", stream=True).status_code == 507
+        assert len(upstream.chat_requests()) == sent_before
+        health = httpx.get(url + "/healthz")
+        assert health.status_code == 503
+        assert health.json()["status"] == "degraded" and "full" in health.json()["reason"]
+        assert health.json()["store"]["cause"] == "full"
+        assert _metric(url, 'rlproxy_store_errors_total{cause="full"}') >= 3
+        assert _metric(url, "rlproxy_store_degraded ") == 1
+
+        store._conn.execute("PRAGMA max_page_count = 1073741823")  # space is back
+        _assert_healthy(url)
+        for stream in (False, True):
+            reply = _chat(url, BIG, stream=stream)
+            assert reply.status_code == 200, reply.text
+            acknowledged.add(reply.headers["x-request-id"])
+        assert acknowledged <= _recorded(store)
+        assert _metric(url, "rlproxy_store_degraded ") == 0
+
+
+def test_stream_whose_record_fails_ends_with_the_error_and_no_done(upstream, tmp_path):
+    with gateway(upstream.url, tmp_path) as (url, store):
+        assert _chat(url).status_code == 200
+        pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+        store._conn.execute(f"PRAGMA max_page_count = {pages}")
+        reply = _chat(url, BIG, stream=True)  # not degraded yet: the stream starts, its record fails
+        assert reply.status_code == 200
+        events = [line.removeprefix("data: ") for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert "[DONE]" not in events
+        assert '"store_full"' in events[-1]
+        assert reply.headers["x-request-id"] not in _recorded(store)
+        store._conn.execute("PRAGMA max_page_count = 1073741823")
+        _assert_healthy(url)
+
+
+def test_read_only_store_answers_503_and_recovers(upstream, tmp_path):
+    with gateway(upstream.url, tmp_path) as (url, store):
+        assert _chat(url).status_code == 200
+        store._conn.execute("PRAGMA query_only = ON")  # writes now fail as on a read-only file
+        reply = _chat(url)
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "store_read_only" and "read-only" in error["message"]
+        assert "writable" in error["message"]
+        reward = httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0})
+        assert reward.status_code == 503 and reward.json()["error"]["code"] == "store_read_only"
+        assert httpx.get(url + "/healthz").json()["store"]["cause"] == "read_only"
+        store._conn.execute("PRAGMA query_only = OFF")
+        _assert_healthy(url)
+        assert _chat(url).status_code == 200
+        assert httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0}).status_code == 200
+
+
+HOLD_LOCK = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+db.execute("ROLLBACK")
+"""
+
+
+def test_store_locked_by_another_process_answers_503_and_recovers(upstream, tmp_path):
+    with gateway(upstream.url, tmp_path, busy_timeout=0.3) as (url, store):
+        assert _chat(url).status_code == 200
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(store.path)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "locked"
+            reply = _chat(url)
+            assert reply.status_code == 503, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "store_locked" and "another process" in error["message"]
+            health = httpx.get(url + "/healthz")
+            assert health.status_code == 503 and health.json()["store"]["cause"] == "locked"
+        finally:
+            holder.communicate("\n", timeout=30)
+        _assert_healthy(url)
+        assert _chat(url).status_code == 200
+
+
+def test_classify_names_each_cause():
+    def error(code: int, text: str) -> sqlite3.OperationalError:
+        exc = sqlite3.OperationalError(text)
+        exc.sqlite_errorcode, exc.sqlite_errorname = code, "SQLITE_X"
+        return exc
+
+    assert isinstance(classify(error(13, "database or disk is full")), StoreFull)
+    assert classify(error(8, "attempt to write a readonly database")).cause == "read_only"
+    assert classify(error(5, "database is locked")).cause == "locked"
+    assert classify(error(10 | (3 << 8), "disk I/O error")).cause == "unavailable"  # SQLITE_IOERR_WRITE
+    assert classify(error(14, "unable to open database file")).cause == "unavailable"
+    assert classify(error(11, "database disk image is malformed")).cause == "damaged"
+    assert classify(sqlite3.IntegrityError("UNIQUE constraint failed")) is None  # a bug, not the disk
+    assert classify(ValueError("x")) is None
+    assert all(isinstance(classify(error(c, "x")), StoreUnavailable) for c in (13, 8, 5, 6, 10, 14, 11, 26))
+
+
+# ---------------------------------------------------------------- a real small disk
+
+
+@contextlib.contextmanager
+def small_tmpfs(size_mb: int):
+    """A tmpfs of `size_mb` MB (needs root and the right to mount; skips otherwise)."""
+    mount_point = Path(tempfile.mkdtemp(prefix="rlproxy-tmpfs-"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mount_point)],
+                          capture_output=True)
+    if done.returncode != 0:
+        mount_point.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the page-limit test covers it")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+        mount_point.rmdir()
+
+
+def _fill(directory: Path) -> Path:
+    filler = directory / "filler"
+    with open(filler, "wb") as out:
+        with contextlib.suppress(OSError):
+            while True:
+                out.write(b"\0" * 65536)
+                out.flush()
+    return filler
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_full_tmpfs_answers_507_and_recovers_when_space_is_freed(upstream):
+    with small_tmpfs(8) as disk, gateway(upstream.url, disk / "state") as (url, store):
+        acknowledged = set()
+        for _ in range(3):
+            reply = _chat(url, "warm up")
+            assert reply.status_code == 200
+            acknowledged.add(reply.headers["x-request-id"])
+        filler = _fill(disk)
+        statuses = []
+        for _ in range(40):  # the WAL has some room left from before; calls fill it
+            reply = _chat(url, BIG)
+            statuses.append(reply.status_code)
+            if reply.status_code == 200:
+                acknowledged.add(reply.headers["x-request-id"])
+            else:
+                break
+        assert statuses[-1] == 507, statuses
+        assert reply.json()["error"]["code"] == "store_full"
+        assert httpx.get(url + "/healthz").json()["status"] == "degraded"
+        assert _chat(url).status_code == 507
+
+        filler.unlink()  # space is back
+        _assert_healthy(url)
+        reply = _chat(url, BIG)
+        assert reply.status_code == 200
+        acknowledged.add(reply.headers["x-request-id"])
+        assert acknowledged <= _recorded(store)
