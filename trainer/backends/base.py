@@ -163,11 +163,20 @@ class TrainingBackend(ABC):
         return grad_norm
 
     def snapshot(self) -> dict:
-        """A copy of the adapter weights and the optimizer state, for `restore`."""
-        import copy
+        """A copy of the adapter weights and the optimizer state, for `restore`. Kept in host
+        memory: on a GPU shared with a sleeping vLLM every megabyte of device memory counts."""
+        import torch
 
-        return {"params": [p.detach().clone() for p in self._params],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        def to_host(value):
+            if isinstance(value, torch.Tensor):
+                return value.detach().to("cpu", copy=True)
+            if isinstance(value, dict):
+                return {k: to_host(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [to_host(v) for v in value]
+            return value
+
+        return {"params": [to_host(p) for p in self._params], "optimizer": to_host(self.optimizer.state_dict())}
 
     def restore(self, snapshot: dict) -> None:
         """Put back what `snapshot` copied: a step that failed half-way leaves no trace."""
