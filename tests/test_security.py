@@ -135,3 +135,21 @@ def test_cors_is_off_unless_asked_for(upstream, tmp_path):
         denied = httpx.options(server.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
         assert denied.headers.get("access-control-allow-origin") != "http://evil.example"
         assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 401  # still needs the key
+
+
+def test_no_key_in_traces(monkeypatch, upstream, tmp_path):
+    from tests.test_tracing import _env, _Receiver
+
+    received = _Receiver()
+    with ThreadServer(received.app) as receiver_server:
+        _env(monkeypatch, receiver_server.url)
+        with openai_gateway(upstream.url, tmp_path, api_key=KEY) as (server, services):
+            assert services.tracer is not None
+            good = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "trace-sec"}
+            assert httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=good).status_code == 200
+            assert httpx.post(server.url + "/v1/sessions/trace-sec/reward", json={"reward": 0.5},
+                              headers=good).status_code == 200
+            received.wait_for(lambda: received.generations("trace-sec") and received.scores)
+    sent = repr(received.spans) + repr(received.scores) + repr(received.paths)
+    assert "trace-sec" in sent and KEY not in sent
+    assert not any(KEY in auth for auth in received.auth)

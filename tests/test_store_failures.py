@@ -230,3 +230,56 @@ def test_full_tmpfs_answers_507_and_recovers_when_space_is_freed(upstream):
         assert reply.status_code == 200
         acknowledged.add(reply.headers["x-request-id"])
         assert acknowledged <= _recorded(store)
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(tmp_path):
+    """The store fails while the worker looks for groups, then again as it records a step
+    (its checkpoint saved): it waits, then records that step from its checkpoint, once."""
+    import threading
+
+    from tests.helpers_trainer import Recorder, trainer_settings
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path)
+    recorder = Recorder(settings)
+    recorder.group("g1", [1.0, 0.0])
+    recorder.group("g2", [0.0, 1.0])
+    recorder.close()
+    worker = TrainerWorker(settings)
+    worker.start()
+    failures = {"ready_groups": 2, "insert_step": 1}
+
+    def failing(name):
+        real = getattr(worker.store, name)
+
+        def method(*args, **kwargs):
+            if failures[name] > 0:
+                failures[name] -= 1
+                raise StoreFull("the disk is full (test)", cause="full")
+            return real(*args, **kwargs)
+
+        return method
+
+    worker.store.ready_groups = failing("ready_groups")
+    worker.store.insert_step = failing("insert_step")
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
+                break
+            stop.wait(0.1)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        worker.close()
+    store = Store(settings.db_path)
+    assert failures == {"ready_groups": 0, "insert_step": 0}
+    steps = store.steps("agent")
+    assert [s["step"] for s in steps] == [0, 1] and sorted(steps[1]["groups"]) == ["g1", "g2"]
+    assert {store.get_group(g)["trained_step"] for g in ("g1", "g2")} == {1}
+    assert sorted(p.name for p in settings.checkpoints_dir().iterdir() if p.is_dir()) == ["0000", "0001"]

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 
-from gateway.errors import ConfigError, Conflict, EngineUnavailable
+from gateway.errors import ConfigError, Conflict, EngineUnavailable, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
 from trainer import checkpoints as ckpts
@@ -382,15 +382,26 @@ class TrainerWorker:
         done = 0
         log.info("trainer waiting for %d ready group(s) of model '%s' per step",
                  self.settings.groups_per_step, self.model)
+        store_failed = False
         while not stop_event.is_set() and (max_steps is None or done < max_steps):
-            groups = self.groups_to_train()
-            if groups is None:
-                stop_event.wait(self.settings.poll_interval)
-                continue
             try:
+                if store_failed:
+                    # A step may have saved its checkpoint and then failed to record it: record
+                    # (or discard) that checkpoint as a restart would, and go on from it.
+                    self._resume()
+                    store_failed = False
+                groups = self.groups_to_train()
+                if groups is None:
+                    stop_event.wait(self.settings.poll_interval)
+                    continue
                 trained = self.train_once(groups)
             except EngineUnavailable as exc:  # the gateway did not lend the GPU: try again later
                 log.warning("step %d postponed: %s", self.next_step, exc.message)
+                stop_event.wait(self.settings.poll_interval)
+                continue
+            except StoreUnavailable as exc:  # full disk, lock, ...: wait for it, as the gateway does
+                log.warning("step %d waits for the store: %s", self.next_step, exc.message)
+                store_failed = True
                 stop_event.wait(self.settings.poll_interval)
                 continue
             if trained is not None:
