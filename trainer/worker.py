@@ -287,8 +287,8 @@ class TrainerWorker:
                 metrics = self._train_and_record(step, samples, groups, trained_groups, sessions, started, cut)
                 if lease is not None and metrics is not None:
                     lease.step = step  # the gateway loads NAME@step when it takes the GPU back
-        except (EngineUnavailable, ConfigError):
-            raise
+        except (EngineUnavailable, ConfigError, StoreUnavailable):
+            raise  # not the batch's fault: the run loop waits for the engine or the store
         except Exception as exc:  # NonFiniteStep, out of memory, a bad batch: never the worker's end
             self._step_failed(key, exc)
             return None
