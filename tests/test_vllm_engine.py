@@ -397,10 +397,15 @@ def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
             assert "went away" in message
             wait_until(lambda: _expect_503(lambda: gw.client.chat.completions.create(
                 model="agent", messages=MESSAGES)) is not None, what="503 while vLLM is gone")
+            health = httpx.get(str(gw.client.base_url).removesuffix("/v1/") + "/healthz")
+            assert health.status_code == 503 and health.json()["status"] == "degraded"
+            assert health.json()["reason"].startswith("the vllm engine cannot serve")
             with fake_vllm_process(port) as again:  # whoever runs vLLM brings it back
                 text = wait_until(lambda: _answers(gw.client, "agent"), what="reconnect")
                 assert text.startswith("[agent@1]")
                 assert "agent@1" in fake_state(again)["loaded"]
+                health = httpx.get(str(gw.client.base_url).removesuffix("/v1/") + "/healthz")
+                assert health.status_code == 200 and health.json()["status"] == "ok"
 
 
 async def test_managed_vllm_that_cannot_start_says_why(tmp_path):

@@ -106,6 +106,10 @@ class Engine(ABC):
     async def unload_adapter(self, name: str) -> None:
         raise NotImplementedError(f"the {self.kind} engine does not serve adapters")
 
+    def health(self) -> str | None:
+        """None while the engine can serve; otherwise why not (shown by `/healthz`)."""
+        return None
+
     async def list_models(self) -> list[str]:
         """Model ids this engine answers for besides rlproxy's own names."""
         return [self.base_model_id]

@@ -298,6 +298,13 @@ class LocalEngine(Engine):
                                  param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def health(self) -> str | None:
+        if self._thread is None:
+            return "the local engine is not started"
+        if not self._thread.is_alive():
+            return "the local engine's worker thread has stopped; see the gateway log"
+        return None
+
     def _require_started(self) -> None:
         if self._thread is None:
             raise EngineUnavailable("the local engine is not started")

@@ -130,6 +130,9 @@ class VLLMEngine(Engine):
     def available(self) -> bool:
         return self._ready.is_set()
 
+    def health(self) -> str | None:
+        return None if self.available else self._down_reason
+
     # ---------------------------------------------------------------- lifecycle
 
     @property

@@ -87,8 +87,9 @@ async def training_trigger(request: Request) -> Response:
 
 @router.get("/healthz")
 async def healthz(request: Request) -> Response:
-    """200 `ok`, or 503 `degraded` with the reason while the store cannot record. While
-    degraded each look probes the store with a write, so it turns `ok` once the cause is gone."""
+    """200 `ok`, or 503 `degraded` with the reason while the store cannot record or the
+    engine cannot serve. While the store is degraded each look probes it with a write, so
+    it turns `ok` once the cause is gone."""
     services = request.app.state.services
     store = services.store
     if store.health.degraded:
@@ -98,10 +99,14 @@ async def healthz(request: Request) -> Response:
             pass
     body = {"status": "ok", "engine": services.engine.kind, "model": services.settings.model_name,
             "step": services.registry.current}
-    if not store.health.degraded:
+    engine_down = services.engine.health()
+    if not store.health.degraded and engine_down is None:
         return json_response(body)
-    report = store.health.report()
-    body.update(status="degraded", reason=report["reason"], store=report)
+    if store.health.degraded:
+        report = store.health.report()
+        body.update(status="degraded", reason=report["reason"], store=report)
+    else:
+        body.update(status="degraded", reason=f"the {services.engine.kind} engine cannot serve: {engine_down}")
     return json_response(body, status_code=503)
 
 
