@@ -178,3 +178,17 @@ def test_staleness_applies_to_the_local_engine_too(tmp_path):
         assert worker.store.get_group("old")["skipped"] == "stale: sampled by step 0, training from step 4"
     finally:
         worker.close()
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_the_weights_as_they_were(worker):
+    # The update happened in memory; the checkpoint write fails: the next attempt must start
+    # from the same adapter, not from one updated twice.
+    before = lora_weights(worker)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    worker._save = disk_full
+    assert worker.train_once(worker.groups_to_train()) is None
+    assert all((a == b).all() for a, b in zip(before, lora_weights(worker)))
+    assert worker.failed_steps == 1 and [s["step"] for s in worker.store.steps("agent")] == [0]

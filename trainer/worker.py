@@ -333,9 +333,21 @@ class TrainerWorker:
         return contextlib.nullcontext()
 
     def _train_and_record(self, step, samples, groups, trained_groups, sessions, started, cut) -> dict | None:
+        """Train, checkpoint, record. Whatever stops it half-way (an error, a discard) puts
+        the weights back as they were, so the next attempt starts from the same adapter."""
+        snapshot = self.backend.snapshot()
+        try:
+            metrics = self._train_checkpoint_record(step, samples, groups, trained_groups, sessions, started, cut)
+        except Exception:
+            self.backend.restore(snapshot)
+            raise
+        if metrics is None:  # taken back: nothing was published
+            self.backend.restore(snapshot)
+        return metrics
+
+    def _train_checkpoint_record(self, step, samples, groups, trained_groups, sessions, started, cut) -> dict | None:
         from trainer.step import train_step
 
-        snapshot = self.backend.snapshot()
         metrics = train_step(self.backend, samples, self.settings, token_budget=self.max_tokens_seen)
         rewards = [float(s["reward"]) for g in groups if g["id"] in trained_groups for s in g["sessions"]]
         metrics.update(
@@ -348,7 +360,6 @@ class TrainerWorker:
         )
         _test_pause("train", step)
         if self._discarded_meanwhile(sessions):
-            self.backend.restore(snapshot)
             return None
         metrics["seconds"] = time.perf_counter() - started
         checkpoint = self._save(step, metrics=metrics, groups=trained_groups)
@@ -359,7 +370,6 @@ class TrainerWorker:
         except Conflict as exc:  # a discard landed between the check and the record
             log.warning("step %d taken back: %s", step, exc.message)
             ckpts.discard(checkpoint)
-            self.backend.restore(snapshot)
             return None
         return metrics
 
