@@ -21,7 +21,7 @@ SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level")
 ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
           "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_arg", "max_loras",
           "gpu_mode", "max_staleness")
-TRAINER = ("trainer", "backend", "groups_per_step", "learning_rate", "loss_type", "epsilon", "epsilon_high", "beta",
+TRAINER = ("trainer", "backend", "load_in_4bit", "groups_per_step", "learning_rate", "loss_type", "epsilon", "epsilon_high", "beta",
            "scale_rewards", "lora_rank", "lora_alpha", "lora_dropout", "max_tokens_per_row", "epochs_per_step",
            "max_grad_norm", "seed", "keep_adapters", "poll_interval")
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Show that rlproxy's GPU set resolves for Linux x86-64 (CUDA wheels), without installing it:
+# pip's resolver runs against PyPI's wheel metadata for manylinux x86-64 / CPython 3.11 and
+# writes a report; the versions that matter are printed. Outside the test suite (it talks to
+# PyPI; pip fetches metadata, and a whole wheel only where PyPI serves no metadata file).
+#
+#   bash deploy/resolve-gpu.sh                 # the pins of pyproject.toml's [gpu] + [train] extras
+#   bash deploy/resolve-gpu.sh 'vllm==X' ...   # try another set
+set -euo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d /tmp/rlproxy-resolve.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+if [ "$#" -gt 0 ]; then
+  reqs=("$@")
+else
+  # the extras' requirement strings, read from pyproject.toml (the CPU torch pin is in [cpu])
+  mapfile -t reqs < <(python - "$here/pyproject.toml" <<'PY'
+import sys, tomllib
+extras = tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]
+for name in ("train", "gpu"):
+    print("\n".join(extras[name]))
+PY
+)
+fi
+printf 'resolving for manylinux x86-64, CPython 3.11:\n'; printf '  %s\n' "${reqs[@]}"
+pip install --dry-run --quiet --ignore-installed --report "$work/report.json" \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform linux_x86_64 --python-version 3.11 --implementation cp --only-binary=:all: \
+  --target "$work/target" "${reqs[@]}"
+python - "$work/report.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+versions = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
+            for item in report["install"]}
+keys = ("vllm", "unsloth", "unsloth-zoo", "torch", "transformers", "peft", "trl", "bitsandbytes",
+        "xformers", "triton", "flashinfer-python", "accelerate", "nvidia-cudnn-cu12", "nvidia-cublas-cu12")
+print(f"resolved {len(versions)} distributions; the ones that matter:")
+for key in keys:
+    if key in versions:
+        print(f"  {key}=={versions[key]}")
+PY
