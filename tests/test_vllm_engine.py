@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -503,3 +504,50 @@ async def test_managed_vllm_that_cannot_start_says_why(tmp_path):
     with pytest.raises(ConfigError, match=r"rlproxy\[gpu\]"):
         await missing.start()
     await missing.close()
+
+
+# ---------------------------------------------------------------------------- `vllm` on PATH
+
+
+def _stand_ins(bin_dir: Path) -> None:
+    """A `vllm` executable that is the fake server, and an `nvidia-smi` that reports an 80 GiB card."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_LAUNCHER[1]}" "$@"\n')
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 81920\n")  # MiB, as --format=csv,noheader,nounits
+    for name in ("vllm", "nvidia-smi"):
+        (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("mode, vllm_arg", [("colocated", []), ("dedicated", []),
+                                            ("colocated", ["--gpu-memory-utilization=0.55"])])
+async def test_managed_vllm_command_line_and_environment_through_path(tmp_path, monkeypatch, mode, vllm_arg):
+    """Acceptance (issue 9): the managed vLLM as started through a stand-in `vllm` on PATH."""
+    _stand_ins(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    settings = vllm_settings(tmp_path, gpu_mode=mode, device="cuda:0", vllm_port=free_port(), vllm_arg=vllm_arg,
+                             base_model="Qwen/Qwen2.5-7B-Instruct")
+    engine = VLLMEngine.from_settings(settings, startup_timeout=60)
+    await engine.start()
+    try:
+        state = await asyncio.to_thread(fake_state, engine.url)
+    finally:
+        await engine.close()
+    argv, env = state["argv"], state["env"]
+    assert argv[:2] == ["serve", "Qwen/Qwen2.5-7B-Instruct"]
+    assert argv[argv.index("--generation-config") + 1] == "vllm"
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    shares = [a for a in argv if a.startswith("--gpu-memory-utilization")]
+    if mode == "dedicated":
+        assert "--enable-sleep-mode" not in argv and not shares and env["VLLM_SERVER_DEV_MODE"] is None
+        assert env["CUDA_VISIBLE_DEVICES"] == "1"
+        return
+    assert "--enable-sleep-mode" in argv and env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "0"
+    if vllm_arg:
+        assert shares == ["--gpu-memory-utilization=0.55"]  # the user's share, and only it
+    else:
+        # 80 GiB card, 7B trainer in bf16: (80 - (13.04 + 2.5) - 1) / 80
+        trainer_gib = 7e9 * 2 / 1024**3 + 2.5
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == f"{int((80 - trainer_gib - 1) / 80 * 100) / 100:.2f}"
