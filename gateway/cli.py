@@ -163,6 +163,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     _configure_logging(settings)
+    from gateway.colocate import needs_gpu_lease, wait_for_vllm
+
+    if needs_gpu_lease(settings):  # vLLM profiles the whole GPU while it starts: load nothing before
+        wait_for_vllm((settings.vllm_url or f"http://127.0.0.1:{settings.vllm_port}").removesuffix("/v1"))
     stop = threading.Event()
 
     def request_stop(signum, frame) -> None:
