@@ -6,6 +6,7 @@
 #
 #   bash deploy/resolve-gpu.sh                 # the pins of pyproject.toml's [gpu] + [train] extras
 #   bash deploy/resolve-gpu.sh 'vllm==X' ...   # try another set
+#   STAND_IN="llguidance==1.7.0" bash deploy/resolve-gpu.sh   # an index missing a dependency
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d /tmp/rlproxy-resolve.XXXXXX)"
@@ -22,8 +23,29 @@ for name in ("train", "gpu"):
 PY
 )
 fi
+extra=()
+if [ -n "${STAND_IN:-}" ]; then
+  # An index that lacks a dependency (a mirror's snapshot) can still check the rest of the set:
+  # STAND_IN="name==version ..." adds empty wheels of exactly those, said loudly below.
+  mkdir -p "$work/stubs"
+  python - "$work/stubs" $STAND_IN <<'PY'
+import base64, hashlib, sys, zipfile
+for spec in sys.argv[2:]:
+    name, version = spec.split("==")
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: rlproxy-stand-in\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b'=').decode()},{len(t)}\n"
+                     for p, t in files.items()) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(f"{sys.argv[1]}/{name}-{version}-py3-none-any.whl", "w") as z:
+        for p, t in {**files, f"{dist}/RECORD": record}.items():
+            z.writestr(p, t)
+PY
+  echo "STAND-INS (this index lacks them; their own dependencies are not checked): $STAND_IN"
+  extra=(--find-links "$work/stubs")
+fi
 printf 'resolving for manylinux x86-64, CPython 3.11:\n'; printf '  %s\n' "${reqs[@]}"
-pip install --dry-run --quiet --ignore-installed --report "$work/report.json" \
+pip install "${extra[@]}" --dry-run --quiet --ignore-installed --report "$work/report.json" \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform linux_x86_64 --python-version 3.11 --implementation cp --only-binary=:all: \
   --target "$work/target" "${reqs[@]}"

@@ -387,10 +387,20 @@ async def test_sleep_wake_and_is_sleeping(tmp_path):
             path = make_adapter(tmp_path, "agent@2")
             await engine.load_adapter("agent@2", path)
             assert "agent@2" not in fake.loaded
+            # nor does a recovery (a health blip while asleep) load into the sleeping server
+            engine.mark_down("a blip")
+            await engine.recover()
+            assert "agent@2" not in fake.loaded
+            # the stand-in refuses it as vLLM must (LoRA slots unmapped at level 1)
+            async with httpx.AsyncClient() as client:
+                refused = await client.post(server.url + "/v1/load_lora_adapter",
+                                            json={"lora_name": "x", "lora_path": str(path)})
+            assert refused.status_code == 500 and "sleeping" in refused.text
             await engine.wake_up()
             assert await engine.is_sleeping() is False
             assert "agent@2" in fake.loaded
-            assert [e["kind"] for e in fake.events if e["kind"] != "chat"] == ["sleep", "wake_up", "load"]
+            assert [e["kind"] for e in fake.events if e["kind"] != "chat"] == ["sleep", "load_refused_asleep",
+                                                                               "wake_up", "load"]
             assert [e for e in fake.events if e["kind"] == "sleep"][0]["level"] == 1
         finally:
             await engine.close()

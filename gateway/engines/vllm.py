@@ -311,6 +311,10 @@ class VLLMEngine(Engine):
         raise EngineUnavailable(self._down_reason)
 
     async def _reload_adapters(self) -> None:
+        if self._asleep:
+            # Its LoRA slots are unmapped at sleep level 1: never load into a sleeping vLLM.
+            self._pending.update(self.adapters)
+            return
         for name, path in list(self.adapters.items()):
             try:
                 await self._post_load(name, path)
@@ -420,7 +424,7 @@ class VLLMEngine(Engine):
 
     async def _reload_missing(self, adapter: str | None) -> bool:
         """vLLM said 404 for an adapter we loaded: it restarted behind our back. Load it again."""
-        if adapter is None or adapter not in self.adapters:
+        if adapter is None or adapter not in self.adapters or self._asleep:
             return False
         log.warning("vLLM no longer knows adapter %s (restarted?); loading it again", adapter)
         try:
