@@ -46,8 +46,8 @@ PY
 fi
 printf 'resolving for manylinux x86-64, CPython 3.11:\n'; printf '  %s\n' "${reqs[@]}"
 pip install "${extra[@]}" --dry-run --quiet --ignore-installed --report "$work/report.json" \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform linux_x86_64 --python-version 3.11 --implementation cp --only-binary=:all: \
+  $(for v in 35 34 31 28 27 24 17; do printf -- '--platform manylinux_2_%s_x86_64 ' "$v"; done) \
+  --platform manylinux2014_x86_64 --platform linux_x86_64 --python-version 3.11 --implementation cp --only-binary=:all: \
   --target "$work/target" "${reqs[@]}"
 python - "$work/report.json" <<'PY'
 import json, sys

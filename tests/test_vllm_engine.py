@@ -561,3 +561,22 @@ async def test_managed_vllm_command_line_and_environment_through_path(tmp_path, 
         # 80 GiB card, 7B trainer in bf16: (80 - (13.04 + 2.5) - 1) / 80
         trainer_gib = 7e9 * 2 / 1024**3 + 2.5
         assert argv[argv.index("--gpu-memory-utilization") + 1] == f"{int((80 - trainer_gib - 1) / 80 * 100) / 100:.2f}"
+
+
+def test_colocated_memory_share_from_card_and_model(tmp_path):
+    from gateway.engines.vllm_memory import colocated_memory_share, params_from_model
+
+    assert params_from_model("Qwen/Qwen2.5-7B-Instruct") == 7e9
+    assert params_from_model("Qwen/Qwen2.5-0.5B-Instruct") == 0.5e9
+    assert params_from_model("mistralai/Mixtral-8x7B-v0.1") == 56e9
+    assert params_from_model("some/model") is None
+    local = tmp_path / "m"
+    local.mkdir()
+    (local / "model.safetensors").write_bytes(b"\0" * 4000)
+    assert params_from_model(str(local)) == 2000
+    # by hand: 48 GiB card, 7B bf16 trainer = 13.04 + 2.5 GiB resident, 1 GiB margin -> 0.65
+    assert colocated_memory_share(48, 7e9) == 0.65
+    assert colocated_memory_share(141, 0.5e9) == 0.9  # capped
+    with pytest.raises(ConfigError, match="dedicated"):
+        colocated_memory_share(24, 7e9)  # vLLM's 7.4 GiB share cannot hold its 13 GiB of weights
+    assert colocated_memory_share(24, 7e9, four_bit=True) > 0.5  # 4-bit fits both copies

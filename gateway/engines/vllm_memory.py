@@ -6,8 +6,11 @@ and its CUDA context) resident the whole time; only while a step trains does vLL
 give back its weights and KV cache for the trainer's activations. So vLLM may take what is
 left after the trainer's resident memory and a margin:
 
-    share = (card - trainer_resident - margin) / card,   clamped to [MIN_SHARE, MAX_SHARE]
+    share = (card - trainer_resident - margin) / card,   at most MAX_SHARE
     trainer_resident = bytes per parameter x parameters + TRAINER_OVERHEAD_GIB
+
+and refuses (pointing at `--gpu-mode dedicated`) where that share cannot hold vLLM's own
+weights plus VLLM_MIN_EXTRA_GIB: such a model does not fit twice on the card.
 
 Parameters come from the model id ("Qwen2.5-7B-Instruct" -> 7e9) or, for a local directory,
 from its safetensors bytes; the card's memory from `nvidia-smi` (the gateway never touches
@@ -35,6 +38,8 @@ TRAINER_OVERHEAD_GIB = 2.5
 """CUDA context (~0.5 GiB), LoRA weights and AdamW moments, the caching allocator's slack."""
 MARGIN_GIB = 1.0
 """What vLLM's sleeping residue (CUDA graphs, its context) and fragmentation need on top."""
+VLLM_MIN_EXTRA_GIB = 3.0
+"""What vLLM needs beyond its weights to serve at all: a few GiB of KV cache, activations, graphs."""
 MIN_SHARE, MAX_SHARE, FALLBACK_SHARE = 0.25, 0.9, 0.5
 
 _SIZE_IN_NAME = re.compile(r"(?<![0-9.])(\d+(?:\.\d+)?)\s*[bB](?![a-zA-Z])")
@@ -78,10 +83,13 @@ def colocated_memory_share(card_gib: float, params: float, four_bit: bool = Fals
     """vLLM's `--gpu-memory-utilization` on a card it shares with the trainer (see module doc)."""
     trainer = trainer_resident_gib(params, four_bit)
     share = (card_gib - trainer - MARGIN_GIB) / card_gib
-    if share < MIN_SHARE:
+    # vLLM's own copy of the weights plus room for a useful KV cache must fit in its share too
+    serving = params * BYTES_PER_PARAM[four_bit] / GIB + VLLM_MIN_EXTRA_GIB
+    if share < MIN_SHARE or share * card_gib < serving:
         raise ConfigError(
             f"a {params / 1e9:g}B model cannot be served and trained on one {card_gib:.0f} GiB GPU: the trainer "
-            f"keeps ~{trainer:.1f} GiB resident, leaving vLLM under {MIN_SHARE:.0%} of the card. Use "
+            f"keeps ~{trainer:.1f} GiB resident, leaving vLLM {max(share, 0) * card_gib:.1f} GiB where its weights "
+            f"and a KV cache need ~{serving:.1f}. Use "
             "--gpu-mode dedicated (two GPUs), a smaller model, or set the share yourself with "
             "--vllm-arg=--gpu-memory-utilization=S"
         )
