@@ -32,12 +32,13 @@ if [ -n "${STAND_IN:-}" ]; then
 import base64, hashlib, sys, zipfile
 for spec in sys.argv[2:]:
     name, version = spec.split("==")
-    dist = f"{name}-{version}.dist-info"
+    stem = name.replace("-", "_")  # a wheel's file and dist-info names use underscores
+    dist = f"{stem}-{version}.dist-info"
     files = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
              f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: rlproxy-stand-in\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     record = "".join(f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b'=').decode()},{len(t)}\n"
                      for p, t in files.items()) + f"{dist}/RECORD,,\n"
-    with zipfile.ZipFile(f"{sys.argv[1]}/{name}-{version}-py3-none-any.whl", "w") as z:
+    with zipfile.ZipFile(f"{sys.argv[1]}/{stem}-{version}-py3-none-any.whl", "w") as z:
         for p, t in {**files, f"{dist}/RECORD": record}.items():
             z.writestr(p, t)
 PY
@@ -45,7 +46,11 @@ PY
   extra=(--find-links "$work/stubs")
 fi
 printf 'resolving for manylinux x86-64, CPython 3.11:\n'; printf '  %s\n' "${reqs[@]}"
-pip install "${extra[@]}" --dry-run --quiet --ignore-installed --report "$work/report.json" \
+# What a GPU machine gets from PyPI: this machine's pip configuration (local wheel dirs,
+# constraint files, a CPU torch) is left out, unless RESOLVE_LOCAL_CONFIG=1.
+isolate=(env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null)
+[ "${RESOLVE_LOCAL_CONFIG:-0}" = 1 ] && isolate=(env)
+"${isolate[@]}" pip install "${extra[@]}" --dry-run --quiet --ignore-installed --report "$work/report.json" \
   $(for v in 35 34 31 28 27 24 17; do printf -- '--platform manylinux_2_%s_x86_64 ' "$v"; done) \
   --platform manylinux2014_x86_64 --platform linux_x86_64 --python-version 3.11 --implementation cp --only-binary=:all: \
   --target "$work/target" "${reqs[@]}"

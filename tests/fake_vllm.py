@@ -183,8 +183,10 @@ def completion_tokens(model: str, max_tokens: int, choice: int, lps: list[float]
 
 
 def logprob_entry(text: str, logprob: float, top: int, candidates: list[float] | None = None) -> dict:
-    names = ["<|im_end|>" if not text else text] + [f"alt{j}" for j in range(1, 25)]
     values = list(candidates or [logprob - j for j in range(25)])
+    pick = values.index(logprob) if logprob in values else 0  # which candidate was sampled
+    names = [f"alt{j}" for j in range(len(values))]
+    names[pick] = text or "<|im_end|>"
     tops = sorted(({"token": names[j], "logprob": v, "bytes": list(names[j].encode())}
                    for j, v in enumerate(values) if v != float("-inf")), key=lambda e: -e["logprob"])
     return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": tops[:top]}

@@ -229,6 +229,9 @@ def test_non_stream_logprobs_cut_to_what_the_client_asked(gateway):
     assert len(completion.choices) == 2
     for choice in completion.choices:
         assert [len(entry.top_logprobs) for entry in choice.logprobs.content] == [2, 2, 2]
+    # vLLM's top_logprobs need not hold the sampled token (position 1 sampled the runner-up)
+    second = completion.choices[0].logprobs.content[1]
+    assert second.top_logprobs[0].token != second.token and second.top_logprobs[0].logprob > second.logprob
     (call,) = gateway.calls("s-lp")
     assert call["completion_ids"] == [[5000, 5010, 5020], [5001, 5011, 5021]]
     assert call["behaviour_logprobs"][1] == pytest.approx(reference_mu(3))
