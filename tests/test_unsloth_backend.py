@@ -130,7 +130,7 @@ def test_calls_unsloth_as_documented_in_order(tmp_path, unsloth_standin):
     _, loaded = unsloth_standin[0]
     # 16-bit LoRA on the exact id vLLM serves (issue 8): no swap to a bnb-4bit copy
     assert loaded == {"model_name": "Qwen/Qwen2.5-7B-Instruct", "max_seq_length": 1024, "load_in_4bit": False,
-                      "dtype": torch.bfloat16, "use_exact_model_name": True, "device_map": {"": 1}}
+                      "load_in_16bit": True, "dtype": torch.bfloat16, "use_exact_model_name": True, "device_map": {"": 1}}
     _, peft = unsloth_standin[1]
     assert peft == {"r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": list(LORA_TARGET_MODULES),
                     "use_gradient_checkpointing": "unsloth", "random_state": 7}
@@ -228,7 +228,10 @@ def test_head_transforms_match_a_direct_computation():
 
     assert head_transform({"final_logit_softcapping": 30.0}) == (1.0, 30.0)
     assert head_transform({"logit_scale": 0.0625}) == (0.0625, None)
-    assert head_transform({"logits_scaling": 4.0}) == (0.25, None)
+    assert head_transform({"logits_scaling": 4.0, "model_type": "granite"}) == (0.25, None)
+    assert head_transform({"logits_scaling": 4.0, "model_type": "hyperclovax"}) == (4.0, None)
+    assert head_transform({"logits_scaling": 4.0, "model_type": "minicpm3"}) == (1.0, None)
+    assert head_transform({"model_type": "qwen2"}) == (1.0, None)
     torch.manual_seed(1)
     hidden_TH, weight_VH = torch.randn(7, HIDDEN) * 3, torch.randn(VOCAB, HIDDEN)
     targets_T = torch.randint(0, VOCAB, (7,))

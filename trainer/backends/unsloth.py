@@ -72,16 +72,29 @@ def logit_chunk_size(vocab_size: int) -> int:
     return max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
 
 
+# Config fields that transform the logits after the output head, and what they do. The same
+# table Unsloth's loss reads (unsloth/models/llama.py, `resolve_logit_transforms`, 2026.10.9).
+_SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+_MULTIPLY_FIELDS = ("logit_scale", "lm_head_multiplier", "output_multiplier")
+_DIVIDE_FIELDS = ("logits_scaling",)
+# `logits_scaling` multiplies in HyperCLOVA X and scales hidden states (not logits) in MiniCPM3.
+_DIVIDE_OVERRIDES = {"hyperclovax": "multiply", "minicpm3": None}
+
+
 def head_transform(config) -> tuple[float, float | None]:
     """(multiplier, softcap) the architecture applies to its logits after the output head:
-    `logit_scale` multiplies (Cohere), `logits_scaling` divides (Granite), `final_logit_softcapping`
-    caps as cap * tanh(logits / cap) (Gemma 2)."""
+    logits * multiplier, then cap * tanh(logits / cap) (Gemma 2's final-logit softcapping)."""
     get = (lambda name: getattr(config, name, None)) if not isinstance(config, dict) else config.get
-    scale = float(get("logit_scale") or 1.0)
-    if get("logits_scaling"):
-        scale /= float(get("logits_scaling"))
-    cap = get("final_logit_softcapping")
-    return scale, (float(cap) if cap else None)
+    first = lambda names: next((float(get(n)) for n in names if get(n)), None)  # noqa: E731
+    scale = first(_MULTIPLY_FIELDS) or 1.0
+    divide = first(_DIVIDE_FIELDS)
+    if divide:
+        kind = _DIVIDE_OVERRIDES.get(get("model_type") or "", "divide")
+        if kind == "divide":
+            scale /= divide
+        elif kind == "multiply":
+            scale *= divide
+    return scale, first(_SOFTCAP_FIELDS)
 
 
 def _chunk_logprobs(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, targets_C: torch.Tensor,
@@ -139,6 +152,7 @@ class UnslothBackend(TrainingBackend):
                 model_name=settings.base_model,
                 max_seq_length=settings.max_tokens_per_row,
                 load_in_4bit=four_bit,
+                load_in_16bit=not four_bit,  # 16-bit LoRA: the weights vLLM serves
                 dtype=torch.bfloat16,
                 use_exact_model_name=True,  # never swap to Unsloth's bnb-4bit copy of the model
                 device_map={"": index},
