@@ -583,3 +583,24 @@ def test_colocated_memory_share_from_card_and_model(tmp_path):
     with pytest.raises(ConfigError, match="dedicated"):
         colocated_memory_share(24, 7e9)  # vLLM's 7.4 GiB share cannot hold its 13 GiB of weights
     assert colocated_memory_share(24, 7e9, four_bit=True) > 0.5  # 4-bit fits both copies
+
+
+async def test_adapter_routes_exist_with_the_env_var_alone(tmp_path):
+    """As in vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING registers the routes; without --enable-lora a
+    load is refused by the route (not a 404), and the error says what vLLM said."""
+    with fake_vllm_thread(lora_enabled=False) as (server, _):
+        engine = attached_engine(server.url)
+        await engine.start()
+        try:
+            with pytest.raises(UpstreamError, match=r"\(400\).*--enable-lora"):
+                await engine.load_adapter("agent@1", make_adapter(tmp_path, "agent@1"))
+        finally:
+            await engine.close()
+    with fake_vllm_thread(lora_updating=False) as (server, _):
+        engine = attached_engine(server.url)
+        await engine.start()
+        try:
+            with pytest.raises(UpstreamError, match="no runtime LoRA routes.*VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+                await engine.load_adapter("agent@1", make_adapter(tmp_path, "agent@1"))
+        finally:
+            await engine.close()
