@@ -24,8 +24,8 @@ SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level", "m
 ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
           "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_arg", "max_loras",
           "gpu_mode", "max_staleness")
-TRAINER = ("trainer", "backend", "groups_per_step", "learning_rate", "loss_type", "epsilon", "epsilon_high", "delta",
-           "beta", "tis_cap", "max_tokens_norm",
+TRAINER = ("trainer", "backend", "load_in_4bit", "groups_per_step", "learning_rate", "loss_type", "epsilon",
+           "epsilon_high", "delta", "beta", "tis_cap", "max_tokens_norm",
            "scale_rewards", "lora_rank", "lora_alpha", "lora_dropout", "max_tokens_per_row", "epochs_per_step",
            "max_grad_norm", "seed", "keep_adapters", "poll_interval")
 
@@ -167,6 +167,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     _configure_logging(settings)
+    from gateway.colocate import needs_gpu_lease, wait_for_vllm
+
+    if needs_gpu_lease(settings):  # vLLM profiles the whole GPU while it starts: load nothing before
+        wait_for_vllm((settings.vllm_url or f"http://127.0.0.1:{settings.vllm_port}").removesuffix("/v1"))
     stop = threading.Event()
 
     def request_stop(signum, frame) -> None:

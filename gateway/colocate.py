@@ -165,7 +165,37 @@ def gpu_for_training(store: "Store", model: str, timeout: float | None = None) -
     try:
         yield lease
     finally:
+        free_trainer_cache()
         release_gpu(store, model, lease.step, lease.holder)
+
+
+def free_trainer_cache() -> None:
+    """Give the caching allocator's blocks back before vLLM wakes: it re-maps its weights and KV
+    cache into memory the trainer's freed-but-cached activations would otherwise still hold."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")  # never import torch (and start CUDA) just for this
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def wait_for_vllm(url: str, timeout: float = 1800.0, interval: float = 2.0) -> bool:
+    """Colocated trainer: block until vLLM answers `/health` (it profiles the whole GPU while it
+    loads; a trainer that allocates meanwhile makes its start fail). False on timeout."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(interval)
+    return False
 
 
 # ---------------------------------------------------------------------------- gateway side (async)

@@ -13,6 +13,16 @@ What it serves, as vLLM does:
   `VLLM_SERVER_DEV_MODE=1`, and need `--enable-sleep-mode`.
 - `GET /v1/models` (adapters listed with `parent`), `GET /health`.
 
+Stricter where vLLM is: sampling fields a request leaves out come from the model's generation
+config (`MODEL_GENERATION_CONFIG`, Qwen2.5-Instruct's) unless started with `--generation-config
+vllm`; logprobs are raw (`log_softmax` of the logits) unless `--logprobs-mode
+processed_logprobs` (then penalties, temperature, min_p, top-k, top-p as vLLM's sampler applies
+them, over `FAKE_LOGITS`); a choice that stops ends with EOS in `token_ids` and `logprobs` (not
+in the text); `top_logprobs` need not hold the sampled token; `/sleep` and `/wake_up` answer
+JSON, and `/sleep` aborts in-flight streams; loading an adapter while asleep is refused (500);
+a rank above `--max-lora-rank` is a 500; the adapter routes exist with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING alone (loading then needs `--enable-lora`).
+
 Made for tests: every completion's text names the model that answered (`[agent@1] ...`), so a
 test sees which adapter served it; `/fake/state` shows the event log (load, unload, sleep,
 wake_up, chat — and any chat that arrived while asleep), argv and the vLLM env vars;
@@ -51,6 +61,9 @@ class FakeState:
     lora_updating: bool = True  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE
     exit_on_crash: bool = False  # True in a subprocess: a crash ends the process
+    lora_enabled: bool = True  # --enable-lora
+    logprobs_mode: str = "raw_logprobs"  # vLLM's default; rlproxy starts it with processed_logprobs
+    generation_config: str = "auto"  # vLLM's default: sampling defaults from the model's files
     argv: list[str] = field(default_factory=list)
     env: dict[str, str | None] = field(default_factory=dict)
     loaded: dict[str, str] = field(default_factory=dict)
@@ -61,6 +74,8 @@ class FakeState:
     parser_holds: bool = False
     crash_after_chunks: int | None = None
     in_flight: int = 0
+    sampling: list[dict] = field(default_factory=list)  # what each chat sampled with
+    aborts: int = 0  # bumped by /sleep: vLLM aborts in-flight requests when it goes to sleep
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def event(self, kind: str, **data) -> None:
@@ -72,7 +87,7 @@ class FakeState:
             return {
                 "base_model": self.base_model, "loaded": dict(self.loaded), "asleep": self.asleep,
                 "events": list(self.events), "chats_while_asleep": self.chats_while_asleep,
-                "argv": self.argv, "env": self.env, "in_flight": self.in_flight, "pid": os.getpid(),
+                "argv": self.argv, "env": self.env, "sampling": list(self.sampling), "in_flight": self.in_flight, "pid": os.getpid(),
             }
 
 
@@ -82,6 +97,66 @@ def _error(status: int, message: str, err_type: str, param: str | None = None) -
                         status_code=status)
 
 
+# The model's generation_config.json (Qwen2.5-Instruct's): applied to fields a request leaves out
+# unless vLLM runs with --generation-config vllm.
+MODEL_GENERATION_CONFIG = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+VLLM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                 "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+# Logits over 8 candidates at every position; candidate 0 is the token the fake's text shows.
+FAKE_LOGITS = (3.0, 2.6, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0)
+EOS_ID = 151645  # <|im_end|>: in token_ids (and logprobs) when a choice stops, never in the text
+
+
+def effective_sampling(body: dict, state: "FakeState") -> dict:
+    """What vLLM samples with: the request's fields, else the model's generation config (unless
+    --generation-config vllm), else vLLM's own defaults."""
+    out = dict(VLLM_DEFAULTS)
+    if state.generation_config != "vllm":
+        out.update(MODEL_GENERATION_CONFIG)
+    out.update({k: body[k] for k in VLLM_DEFAULTS if body.get(k) is not None})
+    return out
+
+
+def candidate_logprobs(params: dict, mode: str) -> list[float]:
+    """Logprobs of the 8 candidates as vLLM returns them in `mode` (its sampler's order: penalties on
+    the raw logits - candidate 0 counts as already seen -, temperature, min_p, top-k, top-p)."""
+    import math
+
+    def log_softmax(xs):
+        finite = [x for x in xs if x != -math.inf]
+        top = max(finite)
+        z = top + math.log(sum(math.exp(x - top) for x in finite))
+        return [x - z if x != -math.inf else -math.inf for x in xs]
+
+    logits = list(FAKE_LOGITS)
+    if mode == "raw_logprobs":
+        return log_softmax(logits)
+    rep = params["repetition_penalty"]
+    logits[0] = logits[0] / rep if logits[0] > 0 else logits[0] * rep
+    logits[0] -= params["frequency_penalty"] + params["presence_penalty"]
+    temperature = params["temperature"]
+    if temperature < 1e-5:
+        return log_softmax(logits)  # the all-greedy path: penalised logits at T = 1
+    logits = [x / temperature for x in logits]
+    probs = [math.exp(lp) for lp in log_softmax(logits)]
+    if params["min_p"] > 0:
+        cut = params["min_p"] * max(probs)
+        logits = [x if p >= cut else -math.inf for x, p in zip(logits, probs)]
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    k = params["top_k"]
+    if k and k > 0:
+        for i in order[k:]:
+            logits[i] = -math.inf
+    if params["top_p"] < 1:
+        probs = [math.exp(lp) for lp in log_softmax(logits)]
+        total = 0.0
+        for rank, i in enumerate(order):
+            if total >= params["top_p"] and rank > 0:
+                logits[i] = -math.inf
+            total += probs[i]
+    return log_softmax(logits)
+
+
 def prompt_ids_for(messages: list[dict]) -> list[int]:
     """A stand-in tokenizer: one id per character of a simple chat rendering."""
     text = "".join(f"<{m.get('role')}>{m.get('content') if isinstance(m.get('content'), str) else ''}"
@@ -89,15 +164,32 @@ def prompt_ids_for(messages: list[dict]) -> list[int]:
     return [ord(ch) % 4096 for ch in text]
 
 
-def completion_tokens(model: str, max_tokens: int, choice: int) -> list[tuple[int, str, float]]:
-    """(id, text, logprob) per sampled token; the first names the model that answered."""
+def completion_tokens(model: str, max_tokens: int, choice: int, lps: list[float] | None = None,
+                      stop: bool = False) -> list[tuple[int, str, float, list[float]]]:
+    """(id, text, logprob, candidates' logprobs) per sampled token; the first names the model.
+    Odd positions sample candidate 1 where it survives top-k/top-p (so `top_logprobs` need not
+    hold the sampled token); a choice that stops ends with EOS (empty text, its own logprob)."""
+    import math
+
+    lps = lps or [-0.25] * len(FAKE_LOGITS)
     pieces = [f"[{model}]", *[" " + w for w in WORDS]][:max_tokens]
-    return [(5000 + 10 * i + choice, text, -0.25 * (i + 1) - 0.01 * choice) for i, text in enumerate(pieces)]
+    out = []
+    for i, text in enumerate(pieces):
+        pick = 1 if i % 2 and lps[1] != -math.inf else 0
+        out.append((5000 + 10 * i + choice, text, lps[pick], lps))
+    if stop:
+        pick = 1 if len(pieces) % 2 and lps[1] != -math.inf else 0
+        out.append((EOS_ID, "", lps[pick], lps))
+    return out
 
 
-def logprob_entry(text: str, logprob: float, top: int) -> dict:
-    tops = [{"token": text, "logprob": logprob, "bytes": list(text.encode())}]
-    tops += [{"token": f"alt{j}", "logprob": logprob - j, "bytes": list(f"alt{j}".encode())} for j in range(1, 25)]
+def logprob_entry(text: str, logprob: float, top: int, candidates: list[float] | None = None) -> dict:
+    values = list(candidates or [logprob - j for j in range(25)])
+    pick = values.index(logprob) if logprob in values else 0  # which candidate was sampled
+    names = [f"alt{j}" for j in range(len(values))]
+    names[pick] = text or "<|im_end|>"
+    tops = sorted(({"token": names[j], "logprob": v, "bytes": list(names[j].encode())}
+                   for j, v in enumerate(values) if v != float("-inf")), key=lambda e: -e["logprob"])
     return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": tops[:top]}
 
 
@@ -142,8 +234,11 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
         top = int(body.get("top_logprobs") or 0)
         want_lp = bool(body.get("logprobs"))
         prompt_ids = prompt_ids_for(body.get("messages") or [])
-        choices = [completion_tokens(model, max_tokens, i) for i in range(n)]
         finish = "length" if max_tokens < len(WORDS) + 1 else "stop"
+        params = effective_sampling(body, state)
+        state.sampling.append(params)
+        lps = candidate_logprobs(params, state.logprobs_mode)
+        choices = [completion_tokens(model, max_tokens, i, lps, stop=finish == "stop") for i in range(n)]
         created, cid = int(time.time()), "chatcmpl-" + uuid.uuid4().hex
         if body.get("stream"):
             return StreamingResponse(
@@ -156,12 +251,12 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
         for i, tokens in enumerate(choices):
             out_choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": "".join(t for _, t, _ in tokens), "refusal": None,
+                "message": {"role": "assistant", "content": "".join(t for _, t, _, _ in tokens), "refusal": None,
                             "annotations": None, "audio": None, "function_call": None, "reasoning": None},
-                "logprobs": {"content": [logprob_entry(t, lp, top) for _, t, lp in tokens]} if want_lp else None,
+                "logprobs": {"content": [logprob_entry(t, lp, top, c) for _, t, lp, c in tokens]} if want_lp else None,
                 "finish_reason": finish,
                 "stop_reason": None,
-                "token_ids": [tid for tid, _, _ in tokens] if want_ids else None,
+                "token_ids": [tid for tid, _, _, _ in tokens] if want_ids else None,
             })
         completion = sum(len(t) for t in choices)
         return JSONResponse({
@@ -195,13 +290,19 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
             if name in state.loaded and not body.get("load_inplace"):
                 return _error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                    "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+            if not state.lora_enabled:
+                return _error(400, "LoRA is not enabled. Start vLLM with --enable-lora.", "BadRequestError")
+            if state.asleep:
+                # Its LoRA slots are unmapped at sleep level 1: a real vLLM fails or corrupts here.
+                state.event("load_refused_asleep", name=name)
+                return _error(500, "cannot load a LoRA adapter while the engine is sleeping", "InternalServerError")
             config = Path(path) / "adapter_config.json"
             if not config.exists():
                 return _error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
             rank = json.loads(config.read_text()).get("r", 8)
             if rank > state.max_lora_rank:
-                return _error(400, f"LoRA rank {rank} is greater than max_lora_rank {state.max_lora_rank}.",
-                              "BadRequestError")
+                return _error(500, f"LoRA rank {rank} is greater than max_lora_rank {state.max_lora_rank}.",
+                              "InternalServerError")
             state.loaded[name] = path
             state.event("load", name=name, path=path, asleep=state.asleep)
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -224,14 +325,16 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
                               "InternalServerError")
             level = int(request.query_params.get("level", "1"))
             state.event("sleep", level=level, in_flight=state.in_flight)
+            with state.lock:
+                state.aborts += 1  # vLLM's /sleep aborts whatever is still generating
             state.asleep = True
-            return Response(status_code=200)
+            return JSONResponse({"status": "ok", "is_sleeping": True})
 
         @app.post("/wake_up")
         async def wake_up() -> Response:
             state.event("wake_up")
             state.asleep = False
-            return Response(status_code=200)
+            return JSONResponse({"status": "ok", "is_sleeping": False})
 
         @app.get("/is_sleeping")
         async def is_sleeping() -> JSONResponse:
@@ -256,6 +359,7 @@ async def _stream(state: FakeState, cid: str, created: int, model: str, prompt_i
 
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
     sent = 0
+    aborts = state.aborts
     with state.lock:
         state.in_flight += 1
     try:
@@ -267,7 +371,9 @@ async def _stream(state: FakeState, cid: str, created: int, model: str, prompt_i
             yield sse(first)
         for i, tokens in enumerate(choices):
             held = ""
-            for position, (tid, text, lp) in enumerate(tokens):
+            for position, (tid, text, lp, cands) in enumerate(tokens):
+                if state.aborts != aborts:
+                    return  # /sleep aborted this request: the stream ends without [DONE]
                 if state.crash_after_chunks is not None and sent >= state.crash_after_chunks:
                     _crash(state)
                 if state.token_delay:
@@ -278,7 +384,7 @@ async def _stream(state: FakeState, cid: str, created: int, model: str, prompt_i
                 else:
                     delta, held = {"content": held + text}, ""
                 choice = {"index": i, "delta": delta,
-                          "logprobs": {"content": [logprob_entry(text, lp, top)]} if want_lp else None,
+                          "logprobs": {"content": [logprob_entry(text, lp, top, cands)]} if want_lp else None,
                           "finish_reason": finish if last else None}
                 if last:
                     choice["stop_reason"] = None
@@ -309,12 +415,18 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-lora-rank", type=int, default=16)
     serve.add_argument("--max-loras", type=int, default=1)
     serve.add_argument("--enable-sleep-mode", action="store_true")
+    serve.add_argument("--generation-config", default="auto")
+    serve.add_argument("--logprobs-mode", default="raw_logprobs",
+                       choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"))
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    serve.add_argument("--quantization", default=None)
     args, _unknown = serve.parse_known_args(argv[1:]) if argv and argv[0] == "serve" else parser.parse_known_args(argv)
     env_names = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES")
     state = FakeState(
         base_model=args.model, max_lora_rank=args.max_lora_rank, sleep_mode=args.enable_sleep_mode,
-        lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1")
-        and args.enable_lora,
+        lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1"),
+        lora_enabled=args.enable_lora, logprobs_mode=args.logprobs_mode,
+        generation_config=args.generation_config,
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1", exit_on_crash=True, argv=argv,
         env={name: os.environ.get(name) for name in env_names},
     )

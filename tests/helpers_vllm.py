@@ -38,7 +38,8 @@ def fake_vllm_process(port: int, *, sleep_mode: bool = True, log_path: Path | No
     if sleep_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     cmd = [*FAKE_LAUNCHER, "serve", BASE, "--host", "127.0.0.1", "--port", str(port), "--enable-lora",
-           "--max-lora-rank", "16", *(["--enable-sleep-mode"] if sleep_mode else [])]
+           "--max-lora-rank", "16", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
+           *(["--enable-sleep-mode"] if sleep_mode else [])]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

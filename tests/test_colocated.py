@@ -189,3 +189,26 @@ def test_dedicated_mode_never_pauses_and_skips_stale_groups(tmp_path):
     assert not is_stale(group_step=None, current_step=0, max_staleness=0)
     calls = [{"step": 3}, {"step": None}, {"step": 4}]
     assert sampled_step(calls) == 0 and sampled_step(calls[::2]) == 3 and sampled_step([]) == 0
+
+
+def test_trainer_waits_for_vllm_health_and_frees_its_cache_before_release(tmp_path, monkeypatch):
+    """Issue 9.1: the colocated trainer loads nothing before vLLM answers /health, and empties
+    its CUDA cache before the lease is released (vLLM wakes into that memory)."""
+    import gateway.colocate as colocate
+
+    with fake_vllm_thread() as (server, _):
+        assert colocate.wait_for_vllm(server.url, timeout=30, interval=0.05)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert not colocate.wait_for_vllm(closed, timeout=0.3, interval=0.05)
+
+    store = Store(tmp_path / "db.sqlite")
+    order: list[str] = []
+    monkeypatch.setattr(colocate, "acquire_gpu_for_training",
+                        lambda *a, **k: colocate.TrainingLease(model="agent", holder="h"))
+    monkeypatch.setattr(colocate, "free_trainer_cache", lambda: order.append("free"))
+    monkeypatch.setattr(colocate, "release_gpu", lambda *a, **k: order.append("release"))
+    with colocate.gpu_for_training(store, "agent"):
+        order.append("train")
+    assert order == ["train", "free", "release"]

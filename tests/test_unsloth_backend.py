@@ -128,8 +128,9 @@ def test_calls_unsloth_as_documented_in_order(tmp_path, unsloth_standin):
     backend = get_backend("unsloth")(settings(tmp_path))
     assert [name for name, _ in unsloth_standin] == ["from_pretrained", "get_peft_model", "for_training"]
     _, loaded = unsloth_standin[0]
-    assert loaded == {"model_name": "Qwen/Qwen2.5-7B-Instruct", "max_seq_length": 1024, "load_in_4bit": True,
-                      "dtype": None, "device_map": {"": 1}}
+    # 16-bit LoRA on the exact id vLLM serves (issue 8): no swap to a bnb-4bit copy
+    assert loaded == {"model_name": "Qwen/Qwen2.5-7B-Instruct", "max_seq_length": 1024, "load_in_4bit": False,
+                      "load_in_16bit": True, "dtype": torch.bfloat16, "use_exact_model_name": True, "device_map": {"": 1}}
     _, peft = unsloth_standin[1]
     assert peft == {"r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": list(LORA_TARGET_MODULES),
                     "use_gradient_checkpointing": "unsloth", "random_state": 7}
@@ -157,6 +158,25 @@ def test_packed_logprobs_in_chunks_match_a_full_log_softmax(tmp_path, unsloth_st
     # the KL reference runs with the adapter off and no graph
     reference = backend.reference_logprobs(row)
     assert not reference.requires_grad and reference.shape == logprobs_T.shape
+
+
+def test_logprobs_are_scored_at_the_temperature_each_token_was_sampled_at(tmp_path, unsloth_standin):
+    """Issue 8: the unsloth backend divides by the recorded temperature, like the peft backend."""
+    backend = get_backend("unsloth")(settings(tmp_path, lora_dropout=0.0))
+    ids = [3, 4, 5, 6, 7]
+    temps = (1.0, 1.0, 0.5, 0.7, 1.3)
+    hot = Sample(token_ids=tuple(ids), loss_mask=(False, False, True, True, True),
+                 old_logprobs=tuple([float("nan")] * 5), advantage=1.0, trajectory_id="t0", group_id="g",
+                 temperatures=temps)
+    (row,) = pack([hot], max_tokens_per_row=64)
+    got = backend.token_logprobs(row).detach()
+    with torch.no_grad():
+        os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "0"
+        logits = backend.model(input_ids=torch.tensor(ids)[None]).logits[0]
+        os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "1"
+    # token t is predicted by logits at t-1, divided by the temperature token t was sampled at
+    expected = [0.0] + [torch.log_softmax(logits[t - 1].float() / temps[t], -1)[ids[t]].item() for t in range(1, 5)]
+    torch.testing.assert_close(got, torch.tensor(expected))
 
 
 def test_chunked_logprobs_and_gradients_equal_unchunked():
@@ -219,3 +239,34 @@ def test_a_cpu_device_with_a_gpu_present_says_to_pass_cuda(tmp_path, monkeypatch
         get_backend("unsloth")(settings(tmp_path, device="cpu"))
     with pytest.raises(ConfigError, match="only 1 GPU"):
         get_backend("unsloth")(settings(tmp_path, device="cuda:3"))
+
+
+def test_head_transforms_match_a_direct_computation():
+    """Gemma 2's final-logit softcapping and Cohere's logit_scale, applied to the chunked head."""
+    from trainer.backends.unsloth import head_transform
+
+    assert head_transform({"final_logit_softcapping": 30.0}) == (1.0, 30.0)
+    assert head_transform({"logit_scale": 0.0625}) == (0.0625, None)
+    assert head_transform({"logits_scaling": 4.0, "model_type": "granite"}) == (0.25, None)
+    assert head_transform({"logits_scaling": 4.0, "model_type": "hyperclovax"}) == (4.0, None)
+    assert head_transform({"logits_scaling": 4.0, "model_type": "minicpm3"}) == (1.0, None)
+    assert head_transform({"model_type": "qwen2"}) == (1.0, None)
+    torch.manual_seed(1)
+    hidden_TH, weight_VH = torch.randn(7, HIDDEN) * 3, torch.randn(VOCAB, HIDDEN)
+    targets_T = torch.randint(0, VOCAB, (7,))
+    for scale, cap in ((1.0, 5.0), (0.0625, None), (0.5, 2.0)):
+        logits = hidden_TH @ weight_VH.T * scale
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        expected = torch.log_softmax(logits, -1).gather(-1, targets_T[:, None]).squeeze(-1)
+        got = chunked_token_logprobs(hidden_TH, weight_VH, targets_T, chunk=3, scale=scale, softcap=cap)
+        torch.testing.assert_close(got, expected)
+
+
+def test_four_bit_is_opt_in_and_needs_the_checkpoint_vllm_serves(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    settings = Settings(backend="unsloth", device="cuda", base_model="Qwen/Qwen2.5-7B-Instruct", load_in_4bit=True)
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=None))
+    with pytest.raises(ConfigError, match="bnb-4bit checkpoint.*--base-model"):
+        get_backend("unsloth")(settings)

@@ -10,12 +10,15 @@ its adapters loaded again.
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import sys
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 
 from gateway.app import create_app
 from gateway.colocate import activate_step
@@ -25,7 +28,7 @@ from gateway.engines.vllm_server import max_lora_rank_for, vllm_command, vllm_en
 from gateway.engines.vllm_wire import ClientAsk, StreamSplitter, split_completion, vllm_body
 from gateway.errors import ConfigError, EngineUnavailable, UpstreamError
 from gateway.store import Store
-from tests.fake_vllm import prompt_ids_for
+from tests.fake_vllm import EOS_ID, FAKE_LOGITS, WORDS, prompt_ids_for
 from tests.helpers import ThreadServer
 from tests.helpers_vllm import (
     BASE,
@@ -94,7 +97,8 @@ class Gateway:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-gw")
-    with fake_vllm_thread() as (fake_server, fake):
+    # set up as rlproxy starts vLLM: processed logprobs, no generation-config defaults
+    with fake_vllm_thread(logprobs_mode="processed_logprobs", generation_config="vllm") as (fake_server, fake):
         settings = vllm_settings(tmp, vllm_url=fake_server.url + "/v1")
         with Gateway(attached_engine(fake_server.url), settings, Store(settings.db_path)) as gw:
             gw.fake, gw.fake_url, gw.tmp = fake, fake_server.url, tmp
@@ -109,6 +113,24 @@ def _reset_script(request):
         gw.fake.parser_holds, gw.fake.token_delay, gw.fake.crash_after_chunks = False, 0.0, None
 
 
+def reference_mu(n: int, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, presence_penalty=0.0):
+    """Independent of the fake's code: the processed distribution over FAKE_LOGITS computed with
+    torch as vLLM's sampler does (penalties on raw logits - candidate 0 was seen -, temperature,
+    top-k, top-p keeping the smallest head of mass >= p), and the logprob of each sampled token
+    (candidate 0, or 1 at odd positions where it survives)."""
+    logits = torch.tensor(FAKE_LOGITS, dtype=torch.float64)
+    logits[0] = logits[0] / repetition_penalty - presence_penalty
+    logits = logits / temperature
+    if top_k > 0:
+        logits[logits < torch.topk(logits, top_k).values[-1]] = -math.inf
+    if top_p < 1:
+        probs, order = torch.sort(torch.softmax(logits, -1), descending=True)
+        before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above
+        logits[order[(before >= top_p) & (torch.arange(len(probs)) > 0)]] = -math.inf
+    lp = torch.log_softmax(logits, -1).tolist()
+    return [lp[1] if i % 2 and lp[1] != -math.inf else lp[0] for i in range(n)]
+
+
 # ---------------------------------------------------------------------------- pure pieces
 
 
@@ -116,8 +138,15 @@ def test_vllm_serve_command_and_environment():
     cmd = vllm_command(BASE, port=8011, max_loras=3, lora_rank=20, sleep_mode=True,
                        extra_args=["--gpu-memory-utilization=0.6", "--max-model-len=8192"])
     assert cmd == ["vllm", "serve", BASE, "--host", "127.0.0.1", "--port", "8011", "--enable-lora",
-                   "--max-lora-rank", "32", "--max-loras", "3", "--enable-sleep-mode",
+                   "--max-lora-rank", "32", "--max-loras", "3", "--generation-config", "vllm",
+                   "--logprobs-mode", "processed_logprobs", "--enable-sleep-mode",
                    "--gpu-memory-utilization=0.6", "--max-model-len=8192"]
+    # our share only where the user gave none; 4-bit training: vLLM serves the bnb checkpoint
+    shared = vllm_command(BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=True, memory_share=0.713,
+                          quantization="bitsandbytes")
+    assert shared[-4:] == ["--gpu-memory-utilization", "0.71", "--quantization", "bitsandbytes"]
+    assert "--gpu-memory-utilization" not in vllm_command(BASE, port=1, max_loras=1, lora_rank=16,
+                                                          sleep_mode=False, memory_share=0.7)
     assert "--enable-sleep-mode" not in vllm_command(BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=False)
     assert [max_lora_rank_for(r) for r in (1, 2, 8, 16, 17, 64, 300)] == [1, 8, 8, 16, 32, 64, 320]
     with pytest.raises(ConfigError, match="512"):
@@ -140,7 +169,8 @@ def test_from_settings(tmp_path):
     managed = VLLMEngine.from_settings(vllm_settings(tmp_path, vllm_port=8123, vllm_arg=["--enforce-eager"],
                                                      gpu_mode="colocated", device="cuda:0"))
     assert managed.managed and managed.url == "http://127.0.0.1:8123"
-    assert managed.process.command[-2:] == ["--enable-sleep-mode", "--enforce-eager"]
+    assert managed.process.command[-4:] == ["--enable-sleep-mode", "--gpu-memory-utilization", "0.50",
+                                            "--enforce-eager"]  # no nvidia-smi here: the fallback share
     assert managed.process.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert managed.process.log_path == tmp_path / "state" / "vllm.log"
     assert managed.kind == "vllm" and managed.supports_adapters and managed.base_model_id == BASE
@@ -149,7 +179,9 @@ def test_from_settings(tmp_path):
 def test_request_body_asks_for_token_ids_and_logprobs():
     body = {"model": "agent", "messages": MESSAGES, "temperature": 0.7}
     sent = vllm_body(body, "agent@3", ClientAsk.of(body))
-    assert sent == {**body, "model": "agent@3", "return_token_ids": True, "logprobs": True, "top_logprobs": 0}
+    assert sent == {**body, "model": "agent@3", "return_token_ids": True, "logprobs": True, "top_logprobs": 0,
+                    "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "repetition_penalty": 1.0}  # every field explicit: no generation-config default applies
     asked = {**body, "logprobs": True, "top_logprobs": 3}
     assert vllm_body(asked, BASE, ClientAsk.of(asked))["top_logprobs"] == 3
 
@@ -181,7 +213,10 @@ def test_non_stream_records_tokens_and_returns_plain_openai(gateway):
     (call,) = gateway.calls("s-plain")
     assert call["prompt_ids"] == prompt_ids_for(MESSAGES)
     assert call["completion_ids"] == [[5000, 5010, 5020, 5030]]
-    assert call["behaviour_logprobs"] == [[-0.25, -0.5, -0.75, -1.0]]
+    assert call["behaviour_logprobs"] == [pytest.approx(reference_mu(4))]
+    assert call["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                                "seed": None, "max_tokens": 4}
     assert call["response"]["choices"][0]["logprobs"] is None  # the record is what the client saw
     sent = [e for e in gateway.fake.events if e["kind"] == "chat"][-1]
     assert sent["model"] == BASE
@@ -194,9 +229,12 @@ def test_non_stream_logprobs_cut_to_what_the_client_asked(gateway):
     assert len(completion.choices) == 2
     for choice in completion.choices:
         assert [len(entry.top_logprobs) for entry in choice.logprobs.content] == [2, 2, 2]
+    # vLLM's top_logprobs need not hold the sampled token (position 1 sampled the runner-up)
+    second = completion.choices[0].logprobs.content[1]
+    assert second.top_logprobs[0].token != second.token and second.top_logprobs[0].logprob > second.logprob
     (call,) = gateway.calls("s-lp")
     assert call["completion_ids"] == [[5000, 5010, 5020], [5001, 5011, 5021]]
-    assert call["behaviour_logprobs"][1] == pytest.approx([-0.26, -0.51, -0.76])
+    assert call["behaviour_logprobs"][1] == pytest.approx(reference_mu(3))
 
 
 def test_stream_records_tokens_from_chunks(gateway):
@@ -214,7 +252,7 @@ def test_stream_records_tokens_from_chunks(gateway):
     (call,) = gateway.calls("s-stream")
     assert call["prompt_ids"] == prompt_ids_for(MESSAGES)
     assert call["completion_ids"] == [[5000, 5010, 5020, 5030, 5040]]
-    assert call["behaviour_logprobs"] == [[-0.25, -0.5, -0.75, -1.0, -1.25]]
+    assert call["behaviour_logprobs"] == [pytest.approx(reference_mu(5))]
     assert call["response"]["choices"][0]["message"]["content"] == text
 
 
@@ -226,7 +264,62 @@ def test_stream_with_logprobs_and_usage(gateway):
     assert [len(e.top_logprobs) for e in entries] == [1, 1, 1]
     assert chunks[-1].usage.completion_tokens == 3
     (call,) = gateway.calls("s-stream-lp")
-    assert call["behaviour_logprobs"] == [[-0.25, -0.5, -0.75]]
+    assert call["behaviour_logprobs"] == [pytest.approx(reference_mu(3))]
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.5), dict(temperature=0.7, top_p=0.9),
+                                    dict(temperature=0.8, presence_penalty=0.5),
+                                    dict(temperature=1.0, top_k=3, repetition_penalty=1.2)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_behaviour_logprobs_are_the_processed_distribution(gateway, params, stream):
+    """Issue 8: mu of each sampled token under the distribution vLLM sampled from, the call's
+    sampling recorded, a stopped choice's EOS with its logprob, the client's text without it."""
+    session = f"s-mu-{stream}-{'-'.join(f'{k}{v}' for k, v in params.items())}"
+    openai_params = {k: v for k, v in params.items() if k not in ("top_k", "repetition_penalty")}
+    result = gateway.client.chat.completions.create(
+        model=BASE, messages=MESSAGES, max_tokens=50, stream=stream, extra_headers={"X-Session-Id": session},
+        extra_body={k: v for k, v in params.items() if k not in openai_params}, **openai_params)
+    text = ("".join(c.choices[0].delta.content or "" for c in result if c.choices) if stream
+            else result.choices[0].message.content)
+    assert "<|im_end|>" not in text and text.endswith(" lora")
+    (call,) = gateway.calls(session)
+    ids = call["completion_ids"][0]
+    assert ids[-1] == EOS_ID and len(ids) == len(WORDS) + 2  # model tag, words, EOS
+    assert call["behaviour_logprobs"][0] == pytest.approx(reference_mu(len(ids), **params))
+    assert {k: call["sampling"][k] for k in params} == params
+    assert gateway.fake.sampling[-1]["top_p"] == params.get("top_p", 1.0)  # never the model's 0.8
+
+
+def test_greedy_calls_record_no_behaviour_logprobs(gateway):
+    gateway.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=3, temperature=0,
+                                           extra_headers={"X-Session-Id": "s-greedy"})
+    (call,) = gateway.calls("s-greedy")
+    assert call["behaviour_logprobs"] in ([None], None) and call["sampling"]["temperature"] == 0
+
+
+async def test_a_misconfigured_vllm_is_caught(caplog):
+    """The fake as vLLM starts by default (raw logprobs, generation-config defaults): an engine
+    that left a field to vLLM would record T 0.7 / top_p 0.8 mu, and attaching warns."""
+    with fake_vllm_thread() as (server, fake):
+        engine = attached_engine(server.url)
+        await engine.start()
+        try:
+            assert "returns raw logprobs" in caplog.text
+            assert await engine._check_logprobs_mode() is False
+            done = await engine.complete(EngineRequest(body={"model": BASE, "messages": MESSAGES, "max_tokens": 4,
+                                                             "temperature": 0.5},
+                                                       adapter=None, request_id="r"))
+            assert fake.sampling[-1]["top_p"] == 1.0 and fake.sampling[-1]["top_k"] == -1  # not 0.8 / 20
+            assert done.tokens.choices[0].logprobs != pytest.approx(reference_mu(4, temperature=0.5))  # raw
+        finally:
+            await engine.close()
+    with fake_vllm_thread(logprobs_mode="processed_logprobs") as (server, fake):
+        engine = attached_engine(server.url)
+        await engine.start()
+        try:
+            assert await engine._check_logprobs_mode() is True
+        finally:
+            await engine.close()
 
 
 def test_client_that_asks_for_token_ids_gets_them(gateway):
@@ -258,10 +351,10 @@ def test_training_step_loads_adapter_and_requests_use_its_name(gateway):
 
 
 def test_adapter_load_errors_say_what_vllm_said(gateway):
-    with pytest.raises(UpstreamError, match="No adapter found"):
+    with pytest.raises(UpstreamError, match="No adapter found.*PEFT adapter directory"):
         gateway.loop.run(gateway.engine.load_adapter("agent@9", gateway.tmp / "nowhere"))
     wide = make_adapter(gateway.settings.checkpoints_dir(), "agent@10", rank=64)
-    with pytest.raises(UpstreamError, match="max_lora_rank"):
+    with pytest.raises(UpstreamError, match=r"\(500\).*max_lora_rank.*restart vLLM with a --max-lora-rank"):
         gateway.loop.run(gateway.engine.load_adapter("agent@10", wide))
     # loading a loaded name again is fine (a re-load racing a restart)
     path = make_adapter(gateway.settings.checkpoints_dir(), "agent@11")
@@ -298,11 +391,21 @@ async def test_sleep_wake_and_is_sleeping(tmp_path):
             path = make_adapter(tmp_path, "agent@2")
             await engine.load_adapter("agent@2", path)
             assert "agent@2" not in fake.loaded
+            # nor does a recovery (a health blip while asleep) load into the sleeping server
+            engine.mark_down("a blip")
+            await engine.recover()
+            assert "agent@2" not in fake.loaded
+            # the stand-in refuses it as vLLM must (LoRA slots unmapped at level 1)
+            async with httpx.AsyncClient() as client:
+                refused = await client.post(server.url + "/v1/load_lora_adapter",
+                                            json={"lora_name": "x", "lora_path": str(path)})
+            assert refused.status_code == 500 and "sleeping" in refused.text
             await engine.wake_up()
             assert await engine.is_sleeping() is False
             assert "agent@2" in fake.loaded
-            assert [e["kind"] for e in fake.events if e["kind"] != "chat"] == ["sleep", "wake_up", "load"]
-            assert fake.events[0]["level"] == 1
+            assert [e["kind"] for e in fake.events if e["kind"] != "chat"] == ["sleep", "load_refused_asleep",
+                                                                               "wake_up", "load"]
+            assert [e for e in fake.events if e["kind"] == "sleep"][0]["level"] == 1
         finally:
             await engine.close()
 
@@ -420,3 +523,90 @@ async def test_managed_vllm_that_cannot_start_says_why(tmp_path):
     with pytest.raises(ConfigError, match=r"rlproxy\[gpu\]"):
         await missing.start()
     await missing.close()
+
+
+# ---------------------------------------------------------------------------- `vllm` on PATH
+
+
+def _stand_ins(bin_dir: Path) -> None:
+    """A `vllm` executable that is the fake server, and an `nvidia-smi` that reports an 80 GiB card."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_LAUNCHER[1]}" "$@"\n')
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 81920\n")  # MiB, as --format=csv,noheader,nounits
+    for name in ("vllm", "nvidia-smi"):
+        (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("mode, vllm_arg", [("colocated", []), ("dedicated", []),
+                                            ("colocated", ["--gpu-memory-utilization=0.55"])])
+async def test_managed_vllm_command_line_and_environment_through_path(tmp_path, monkeypatch, mode, vllm_arg):
+    """Acceptance (issue 9): the managed vLLM as started through a stand-in `vllm` on PATH."""
+    _stand_ins(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    settings = vllm_settings(tmp_path, gpu_mode=mode, device="cuda:0", vllm_port=free_port(), vllm_arg=vllm_arg,
+                             base_model="Qwen/Qwen2.5-7B-Instruct")
+    engine = VLLMEngine.from_settings(settings, startup_timeout=60)
+    await engine.start()
+    try:
+        state = await asyncio.to_thread(fake_state, engine.url)
+    finally:
+        await engine.close()
+    argv, env = state["argv"], state["env"]
+    assert argv[:2] == ["serve", "Qwen/Qwen2.5-7B-Instruct"]
+    assert argv[argv.index("--generation-config") + 1] == "vllm"
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    shares = [a for a in argv if a.startswith("--gpu-memory-utilization")]
+    if mode == "dedicated":
+        assert "--enable-sleep-mode" not in argv and not shares and env["VLLM_SERVER_DEV_MODE"] is None
+        assert env["CUDA_VISIBLE_DEVICES"] == "1"
+        return
+    assert "--enable-sleep-mode" in argv and env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "0"
+    if vllm_arg:
+        assert shares == ["--gpu-memory-utilization=0.55"]  # the user's share, and only it
+    else:
+        # 80 GiB card, 7B trainer in bf16: (80 - (13.04 + 2.5) - 1) / 80
+        trainer_gib = 7e9 * 2 / 1024**3 + 2.5
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == f"{int((80 - trainer_gib - 1) / 80 * 100) / 100:.2f}"
+
+
+def test_colocated_memory_share_from_card_and_model(tmp_path):
+    from gateway.engines.vllm_memory import colocated_memory_share, params_from_model
+
+    assert params_from_model("Qwen/Qwen2.5-7B-Instruct") == 7e9
+    assert params_from_model("Qwen/Qwen2.5-0.5B-Instruct") == 0.5e9
+    assert params_from_model("mistralai/Mixtral-8x7B-v0.1") == 56e9
+    assert params_from_model("some/model") is None
+    local = tmp_path / "m"
+    local.mkdir()
+    (local / "model.safetensors").write_bytes(b"\0" * 4000)
+    assert params_from_model(str(local)) == 2000
+    # by hand: 48 GiB card, 7B bf16 trainer = 13.04 + 2.5 GiB resident, 1 GiB margin -> 0.65
+    assert colocated_memory_share(48, 7e9) == 0.65
+    assert colocated_memory_share(141, 0.5e9) == 0.9  # capped
+    with pytest.raises(ConfigError, match="dedicated"):
+        colocated_memory_share(24, 7e9)  # vLLM's 7.4 GiB share cannot hold its 13 GiB of weights
+    assert colocated_memory_share(24, 7e9, four_bit=True) > 0.5  # 4-bit fits both copies
+
+
+async def test_adapter_routes_exist_with_the_env_var_alone(tmp_path):
+    """As in vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING registers the routes; without --enable-lora a
+    load is refused by the route (not a 404), and the error says what vLLM said."""
+    with fake_vllm_thread(lora_enabled=False) as (server, _):
+        engine = attached_engine(server.url)
+        await engine.start()
+        try:
+            with pytest.raises(UpstreamError, match=r"\(400\).*--enable-lora"):
+                await engine.load_adapter("agent@1", make_adapter(tmp_path, "agent@1"))
+        finally:
+            await engine.close()
+    with fake_vllm_thread(lora_updating=False) as (server, _):
+        engine = attached_engine(server.url)
+        await engine.start()
+        try:
+            with pytest.raises(UpstreamError, match="no runtime LoRA routes.*VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+                await engine.load_adapter("agent@1", make_adapter(tmp_path, "agent@1"))
+        finally:
+            await engine.close()

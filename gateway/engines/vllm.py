@@ -8,6 +8,32 @@ What it asks vLLM for, and what the client gets:
 - the client's response is stripped back to what it asked for: no token ids, `logprobs: null`
   unless it asked, `top_logprobs` cut to its number; the token record goes to the store.
 
+Behaviour logprobs (what the trainer's importance weights divide by). vLLM runs with
+`--logprobs-mode processed_logprobs` and `--generation-config vllm`, and every request carries
+every sampling field (`vllm_wire.sampling_in_force`: OpenAI's default for what the client left
+out). What vLLM's processed logprobs then are, read in vLLM's source (vllm/v1/sample/sampler.py
+at 3e342658, `Sampler.forward` / `sample` / `apply_logits_processors`, and
+vllm/v1/sample/ops/topk_topp_sampler.py at 3babc05a, `TopKTopPSampler.forward_native`):
+  log_softmax of the float32 logits after, in this order: allowed-token mask, bad words, the
+  non-argmax-invariant logits processors (min_tokens, logit_bias), the penalties (repetition,
+  frequency, presence: on the raw logits, *before* temperature), temperature, the
+  argmax-invariant processors (min_p), then top-k and top-p (masked to -inf, renormalised).
+  That is the distribution the token was drawn from (`forward_native` samples from the softmax
+  of the same tensor); vLLM switches its FlashInfer sampler off in these modes for that reason.
+Not covered, and corrected by the trainer's truncated importance sampling min(pi_old/mu, C)
+(gateway records them, the trainer weights each token):
+  - greedy calls (temperature 0): the all-greedy path returns log_softmax of the penalised
+    logits at T = 1, not the point mass it sampled from; rlproxy records no mu for them
+    (`vllm_wire.behaviour_logprobs`), so their weight is 1;
+  - numerics: vLLM's bf16 forward (and its LoRA kernels, batch-dependent reductions) against
+    the trainer's; speculative decoding's bonus tokens; structured output (its grammar bitmask
+    is applied outside these modes' tensor). The step metrics show the mismatch.
+The client's `logprobs` (when it asks) are these same processed values: the log-probability
+of each token under the distribution that produced it, not the model's raw softmax.
+Attached (`--vllm-url`): rlproxy cannot set vLLM's flags; that server must run with
+`--generation-config vllm --logprobs-mode processed_logprobs`. At start a one-token probe with
+top_k = 1 tells: processed logprobs give exactly 0 for it, raw ones do not; rlproxy warns then.
+
 Adapters: `POST /v1/load_lora_adapter {"lora_name": "NAME@N", "lora_path": DIR}` and
 `POST /v1/unload_lora_adapter {"lora_name": ...}` (vLLM needs
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). vLLM serves an adapter under its lora_name, so a
@@ -28,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -35,8 +62,10 @@ import aiohttp
 import orjson
 
 from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
+from gateway.engines.vllm_memory import default_memory_share
 from gateway.engines.vllm_server import (
     VLLMProcess,
+    has_flag,
     probe_health,
     vllm_command,
     vllm_environment,
@@ -49,6 +78,7 @@ from gateway.engines.vllm_wire import (
     error_message,
     loads,
     maybe_json,
+    sampling_in_force,
     split_completion,
     vllm_body,
 )
@@ -111,13 +141,19 @@ class VLLMEngine(Engine):
                 "the vllm engine serves a Hugging Face model, not the built-in tiny one: pass "
                 "--base-model (e.g. Qwen/Qwen2.5-7B-Instruct), or --vllm-url to attach to a running vLLM"
             )
+        gpu = vllm_gpu_for(settings.device, settings.gpu_mode)
+        share = None
+        if colocated and not has_flag(settings.vllm_arg, "--gpu-memory-utilization"):
+            share = default_memory_share(settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu),
+                                         four_bit=settings.load_in_4bit)
         command = vllm_command(
             settings.base_model, port=settings.vllm_port, max_loras=settings.max_loras,
-            lora_rank=settings.lora_rank, sleep_mode=colocated, extra_args=settings.vllm_arg,
-            launcher=launcher or ["vllm"],
+            lora_rank=settings.lora_rank, sleep_mode=colocated, memory_share=share,
+            # 4-bit training (opt-in): vLLM serves the very bnb-4bit checkpoint the trainer loads.
+            quantization="bitsandbytes" if settings.load_in_4bit else None,
+            extra_args=settings.vllm_arg, launcher=launcher or ["vllm"],
         )
-        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=vllm_gpu_for(settings.device,
-                                                                                      settings.gpu_mode))
+        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu)
         process = VLLMProcess(command, env, f"http://127.0.0.1:{settings.vllm_port}",
                               settings.state_dir / "vllm.log", startup_timeout=startup_timeout)
         return cls(settings.base_model, process=process, timeout=settings.upstream_timeout)
@@ -152,6 +188,8 @@ class VLLMEngine(Engine):
                 "or drop --vllm-url to let rlproxy start one"
             )
         await self._detect_base_model()
+        if not self.managed:
+            await self._check_logprobs_mode()
         self._ready.set()
         self._monitor = asyncio.create_task(self._watch(), name="rlproxy-vllm-monitor")
 
@@ -188,6 +226,30 @@ class VLLMEngine(Engine):
             if self._base_model == TINY_MODEL_ID:
                 self._base_model = roots[0]  # attached without --base-model: serve it under vLLM's name
             log.info("vLLM serves the base model as '%s'", self._vllm_base)
+
+    async def _check_logprobs_mode(self) -> bool | None:
+        """Attached vLLM: does it return processed logprobs? One token at top_k = 1: under
+        processed_logprobs the only unmasked token has logprob exactly 0. Warns when it has not;
+        returns True/False, or None when the probe could not tell."""
+        probe = {"model": self._vllm_base, "messages": [{"role": "user", "content": "Say OK."}],
+                 "max_tokens": 1, "temperature": 1.0, "top_k": 1, "top_p": 1.0, "logprobs": True,
+                 "top_logprobs": 0}
+        try:
+            status, payload = await self._post("/v1/chat/completions", probe)
+            content = (loads(payload, "a chat completion")["choices"][0].get("logprobs") or {}).get("content")
+            value = float(content[0]["logprob"]) if status == 200 and content else None
+        except (RLProxyError, KeyError, IndexError, TypeError, ValueError):
+            value = None
+        if value is None:
+            log.info("could not check the attached vLLM's --logprobs-mode; it must be processed_logprobs")
+            return None
+        if abs(value) > 1e-3:
+            log.warning(
+                "the vLLM at %s returns raw logprobs (a top_k=1 token got %.4f, not 0): behaviour logprobs "
+                "will be wrong and the trainer's importance weights with them. Restart it with "
+                "--logprobs-mode processed_logprobs --generation-config vllm", self.url, value)
+            return False
+        return True
 
     # ---------------------------------------------------------------- health and restart
 
@@ -258,6 +320,10 @@ class VLLMEngine(Engine):
         raise EngineUnavailable(self._down_reason)
 
     async def _reload_adapters(self) -> None:
+        if self._asleep:
+            # Its LoRA slots are unmapped at sleep level 1: never load into a sleeping vLLM.
+            self._pending.update(self.adapters)
+            return
         for name, path in list(self.adapters.items()):
             try:
                 await self._post_load(name, path)
@@ -293,6 +359,7 @@ class VLLMEngine(Engine):
     async def complete(self, request: EngineRequest) -> Completion:
         self._check_ready()
         ask = ClientAsk.of(request.body)
+        sampling = sampling_in_force(request.body)
         body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
         for attempt in (1, 2):
             try:
@@ -311,7 +378,7 @@ class VLLMEngine(Engine):
         if status >= 400:
             raise self._status_error(status, payload, request)
         data = loads(payload, "a chat completion")
-        response, tokens = split_completion(data, ask)
+        response, tokens = split_completion(data, ask, sampling)
         self._warn_if_no_tokens(tokens)
         return Completion(response=response, tokens=tokens)
 
@@ -319,7 +386,7 @@ class VLLMEngine(Engine):
         self._check_ready()
         ask = ClientAsk.of(request.body)
         body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
-        splitter = StreamSplitter(ask)
+        splitter = StreamSplitter(ask, sampling_in_force(request.body))
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
         finished = False
         try:
@@ -366,7 +433,7 @@ class VLLMEngine(Engine):
 
     async def _reload_missing(self, adapter: str | None) -> bool:
         """vLLM said 404 for an adapter we loaded: it restarted behind our back. Load it again."""
-        if adapter is None or adapter not in self.adapters:
+        if adapter is None or adapter not in self.adapters or self._asleep:
             return False
         log.warning("vLLM no longer knows adapter %s (restarted?); loading it again", adapter)
         try:
@@ -405,9 +472,7 @@ class VLLMEngine(Engine):
         if status == 400 and "already been loaded" in message:
             return  # idempotent: a re-load after a restart race
         if status != 200:
-            hint = ("; start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
-                    if status in (404, 405) else "")
-            raise UpstreamError(f"vLLM could not load adapter {name} from {path} ({status}): {message}{hint}")
+            raise UpstreamError(load_error(name, path, status, message))
         log.info("vLLM loaded adapter %s from %s", name, path)
 
     async def unload_adapter(self, name: str) -> None:
@@ -475,6 +540,24 @@ class VLLMEngine(Engine):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def load_error(name: str, path: Path, status: int, message: str) -> str:
+    """What a failed `/v1/load_lora_adapter` means, in vLLM's terms (vllm/lora/request.py and
+    the serving_models load handler): 404 with "No adapter found" is a bad path; a 404 without
+    vLLM's error body is the route missing; a 500 naming the rank is `--max-lora-rank`."""
+    head = f"vLLM could not load adapter {name} from {path} ({status}): {message}"
+    lowered = message.lower()
+    if status == 404 and ("no adapter found" in lowered or "loading lora" in lowered):
+        return (head + "; the path must be a PEFT adapter directory (adapter_config.json + "
+                "adapter_model.safetensors) that the vLLM process can read: same machine or a shared path")
+    if status in (404, 405):
+        return head + ("; vLLM has no runtime LoRA routes: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                       "and --enable-lora")
+    if status >= 500 and "rank" in lowered:
+        return head + ("; the adapter's rank is above vLLM's --max-lora-rank: restart vLLM with a "
+                       "--max-lora-rank at least --lora-rank (rlproxy sets it when it starts vLLM)")
+    return head
 
 
 def _sleep_error(path: str, status: int, payload: bytes) -> str:

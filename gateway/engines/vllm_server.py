@@ -8,7 +8,14 @@ The command follows vLLM's documented CLI:
 
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True [VLLM_SERVER_DEV_MODE=1] \\
     vllm serve BASE --host 127.0.0.1 --port P --enable-lora --max-lora-rank R --max-loras N \\
-        [--enable-sleep-mode] [--vllm-arg ...]
+        --generation-config vllm --logprobs-mode processed_logprobs \\
+        [--enable-sleep-mode --gpu-memory-utilization S] [--quantization bitsandbytes] [--vllm-arg ...]
+
+`--generation-config vllm`: no sampling defaults from the model's `generation_config.json`
+(rlproxy sends every field anyway; this is the second lock). `--logprobs-mode
+processed_logprobs`: the logprobs vLLM returns are those of the distribution it sampled from
+(see `gateway.engines.vllm` for exactly what that includes). Colocated: sleep mode plus a
+memory share (`colocated_memory_share`) that leaves the trainer's resident model room.
 
 It listens on loopback only: the runtime-LoRA and sleep endpoints it then exposes must
 not be reachable from outside (the gateway is the only client).
@@ -43,6 +50,11 @@ def max_lora_rank_for(rank: int) -> int:
     raise ConfigError(f"--lora-rank {rank} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
 
 
+def has_flag(args: list[str] | tuple[str, ...], flag: str) -> bool:
+    """True when `flag` is among `args`, as `--flag value` or `--flag=value`."""
+    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
+
+
 def vllm_command(
     base_model: str,
     *,
@@ -50,10 +62,13 @@ def vllm_command(
     max_loras: int,
     lora_rank: int,
     sleep_mode: bool,
+    memory_share: float | None = None,
+    quantization: str | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
     launcher: list[str] | tuple[str, ...] = ("vllm",),
 ) -> list[str]:
-    """The `vllm serve` command line; `extra_args` (from `--vllm-arg`) go last so they can override."""
+    """The `vllm serve` command line; `extra_args` (from `--vllm-arg`) go last so they can override
+    (vLLM's parser keeps the last value); a memory share the user gives replaces ours."""
     cmd = [
         *launcher, "serve", base_model,
         "--host", "127.0.0.1",
@@ -61,9 +76,20 @@ def vllm_command(
         "--enable-lora",
         "--max-lora-rank", str(max_lora_rank_for(lora_rank)),
         "--max-loras", str(max_loras),
+        "--generation-config", "vllm",
+        "--logprobs-mode", "processed_logprobs",
     ]
     if sleep_mode:
         cmd.append("--enable-sleep-mode")
+        if memory_share is not None and not has_flag(extra_args, "--gpu-memory-utilization"):
+            cmd += ["--gpu-memory-utilization", f"{memory_share:.2f}"]
+    if quantization:
+        cmd += ["--quantization", quantization]
+    for flag in ("--generation-config", "--logprobs-mode"):
+        if has_flag(extra_args, flag):
+            log.warning("--vllm-arg overrides %s: the recorded behaviour logprobs may then not be those "
+                        "of the distribution vLLM sampled from (the trainer's importance weights correct "
+                        "only part of that)", flag)
     cmd.extend(extra_args)
     return cmd
 

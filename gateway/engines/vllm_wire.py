@@ -1,8 +1,10 @@
 """vLLM's chat wire, both ways: what rlproxy asks vLLM for, and what the client gets back.
 
 Pure functions over JSON dicts (no I/O but the SSE reader), so each rule is tested alone:
-- `vllm_body`: the client's body with `return_token_ids: true`, `logprobs: true` and the
-  client's own `top_logprobs` (0 when it asked for none);
+- `vllm_body`: the client's body with `return_token_ids: true`, `logprobs: true`, the
+  client's own `top_logprobs` (0 when it asked for none) and every sampling field explicit
+  (`sampling_in_force`: what the client left out gets OpenAI's default, never the model's
+  `generation_config.json`);
 - `split_completion` / `StreamSplitter`: vLLM's answer -> the client's OpenAI-shaped answer
   (no token ids, `logprobs: null` unless asked, `top_logprobs` cut to the number asked) plus
   the `TokenRecord` (prompt ids from `prompt_token_ids`, completion ids from each choice's
@@ -39,14 +41,54 @@ class ClientAsk:
                    token_ids=bool(body.get("return_token_ids")))
 
 
+# OpenAI's defaults for what a client leaves out; vLLM's own spelling where it has extras.
+# top_k -1 = off (vLLM >= 0.8 also reads 0 as off; -1 is accepted by every version we support).
+OPENAI_SAMPLING_DEFAULTS = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+}
+SAMPLING_KEYS = (*OPENAI_SAMPLING_DEFAULTS, "seed", "max_tokens")
+
+
+def sampling_in_force(body: dict) -> dict:
+    """Every sampling parameter of this call, explicit: the client's value or OpenAI's default.
+
+    Sent to vLLM as is, so its `--generation-config` defaults can never apply, and recorded as
+    `TokenRecord.sampling`. `max_tokens` None = up to the context length; `seed` None = unseeded.
+    """
+    out = {}
+    for key, default in OPENAI_SAMPLING_DEFAULTS.items():
+        value = body.get(key)
+        out[key] = default if value is None else value
+    out["seed"] = body.get("seed")
+    limit = body.get("max_completion_tokens")
+    out["max_tokens"] = limit if limit is not None else body.get("max_tokens")
+    return out
+
+
 def vllm_body(body: dict, model: str, ask: ClientAsk) -> dict:
-    """The body sent to vLLM: the client's, with the served model and token ids and logprobs switched on."""
+    """The body sent to vLLM: the client's, with the served model, token ids and logprobs
+    switched on and every sampling field explicit."""
     out = dict(body)
+    out.update({key: value for key, value in sampling_in_force(body).items()
+                if key in OPENAI_SAMPLING_DEFAULTS})
     out["model"] = model
     out["return_token_ids"] = True
     out["logprobs"] = True
     out["top_logprobs"] = ask.top_logprobs if ask.logprobs else 0
     return out
+
+
+def behaviour_logprobs(values: list[float] | None, sampling: dict) -> list[float] | None:
+    """The recorded mu: vLLM's processed logprobs, except for greedy calls (temperature 0).
+
+    A greedy token is drawn from a point mass (mu = 1), but vLLM's greedy path returns
+    log_softmax of the penalised logits (sampler.py, `Sampler.sample`, all_greedy branch):
+    not the distribution sampled from, so it is left unknown (the trainer's weight is 1).
+    """
+    if values is None or not sampling.get("temperature"):
+        return None
+    return values
 
 
 def _logprob_values(logprobs: dict | None) -> list[float] | None:
@@ -72,8 +114,10 @@ def _drop_null(mapping: dict, keys: tuple[str, ...]) -> None:
             del mapping[key]
 
 
-def split_completion(data: dict, ask: ClientAsk) -> tuple[dict, TokenRecord | None]:
-    """A vLLM chat.completion -> (what the client sees, the token record). Mutates and returns `data`."""
+def split_completion(data: dict, ask: ClientAsk, sampling: dict | None = None) -> tuple[dict, TokenRecord | None]:
+    """A vLLM chat.completion -> (what the client sees, the token record). Mutates and returns `data`.
+    `sampling` is `sampling_in_force` of the request (recorded, and greedy calls record no mu)."""
+    sampling = sampling if sampling is not None else dict(OPENAI_SAMPLING_DEFAULTS)
     prompt_ids = data.pop("prompt_token_ids", None)
     _drop_null(data, _NULL_EXTRAS)
     choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
@@ -84,7 +128,7 @@ def split_completion(data: dict, ask: ClientAsk) -> tuple[dict, TokenRecord | No
         if ids is not None:
             if values is not None and len(values) != len(ids):
                 values = None  # misaligned logprobs are worse than none: the trainer re-scores
-            records.append(ChoiceTokens(completion_ids=list(ids), logprobs=values))
+            records.append(ChoiceTokens(completion_ids=list(ids), logprobs=behaviour_logprobs(values, sampling)))
         choice["logprobs"] = _client_logprobs(choice.get("logprobs"), ask)
         if ask.token_ids:
             choice["token_ids"] = ids
@@ -95,14 +139,15 @@ def split_completion(data: dict, ask: ClientAsk) -> tuple[dict, TokenRecord | No
         data["prompt_token_ids"] = prompt_ids
     if prompt_ids is None or len(records) != len(choices):
         return data, None
-    return data, TokenRecord(prompt_ids=list(prompt_ids), choices=records)
+    return data, TokenRecord(prompt_ids=list(prompt_ids), choices=records, sampling=sampling)
 
 
 class StreamSplitter:
     """Per stream: strips each vLLM chunk to what the client asked for and collects the token record."""
 
-    def __init__(self, ask: ClientAsk):
+    def __init__(self, ask: ClientAsk, sampling: dict | None = None):
         self.ask = ask
+        self.sampling = sampling if sampling is not None else dict(OPENAI_SAMPLING_DEFAULTS)
         self.prompt_ids: list[int] | None = None
         self.ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[float] | None] = {}
@@ -152,9 +197,9 @@ class StreamSplitter:
         for index in range(count):
             ids = self.ids.get(index, [])
             values = self.logprobs.get(index)
-            choices.append(ChoiceTokens(completion_ids=ids, logprobs=values if values is not None and
-                                        len(values) == len(ids) else None))
-        return TokenRecord(prompt_ids=self.prompt_ids, choices=choices)
+            aligned = values if values is not None and len(values) == len(ids) else None
+            choices.append(ChoiceTokens(completion_ids=ids, logprobs=behaviour_logprobs(aligned, self.sampling)))
+        return TokenRecord(prompt_ids=self.prompt_ids, choices=choices, sampling=self.sampling)
 
 
 

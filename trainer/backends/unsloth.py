@@ -1,8 +1,14 @@
-"""The `unsloth` backend: Unsloth's FastLanguageModel (QLoRA) on one NVIDIA GPU.
+"""The `unsloth` backend: Unsloth's FastLanguageModel (LoRA) on one NVIDIA GPU.
 
 What it does, in Unsloth's documented calls:
-- base model in 4 bit: `FastLanguageModel.from_pretrained(model_name, max_seq_length,
-  load_in_4bit=True, dtype=None)` (dtype None: bfloat16 where the GPU has it, else float16);
+- base model in 16 bit by default, on the exact id vLLM serves: `from_pretrained(model_name,
+  load_in_4bit=False, dtype=bfloat16, use_exact_model_name=True)` - the trainer scores the
+  policy vLLM samples from, so the importance ratio measures policy change, not quantisation;
+  `--load-in-4bit` (opt-in) trains QLoRA on a bnb-4bit checkpoint, which must then be the
+  `--base-model` itself so vLLM serves the same weights (`--quantization bitsandbytes`);
+- forward under `torch.autocast("cuda", bfloat16)`, as Unsloth's own trainers run it; the
+  output head applied here honours `logit_scale` (Cohere) and `final_logit_softcapping` (Gemma 2)
+  and `logits_scaling` (Granite), the transforms Unsloth applies where it returns hidden states;
 - LoRA: `FastLanguageModel.get_peft_model(model, r, lora_alpha, lora_dropout, target_modules,
   use_gradient_checkpointing="unsloth", random_state)` (Unsloth's offloaded checkpointing);
 - packed rows go in as Unsloth's own GRPO sends them: restarting `position_ids` plus
@@ -66,14 +72,52 @@ def logit_chunk_size(vocab_size: int) -> int:
     return max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
 
 
-def _chunk_logprobs(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
+# Config fields that transform the logits after the output head, and what they do. The same
+# table Unsloth's loss reads (unsloth/models/llama.py, `resolve_logit_transforms`, 2026.10.9).
+_SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+_MULTIPLY_FIELDS = ("logit_scale", "lm_head_multiplier", "output_multiplier")
+_DIVIDE_FIELDS = ("logits_scaling",)
+# `logits_scaling` multiplies in HyperCLOVA X and scales hidden states (not logits) in MiniCPM3.
+_DIVIDE_OVERRIDES = {"hyperclovax": "multiply", "minicpm3": None}
+
+
+def head_transform(config) -> tuple[float, float | None]:
+    """(multiplier, softcap) the architecture applies to its logits after the output head:
+    logits * multiplier, then cap * tanh(logits / cap) (Gemma 2's final-logit softcapping)."""
+    get = (lambda name: getattr(config, name, None)) if not isinstance(config, dict) else config.get
+    first = lambda names: next((float(get(n)) for n in names if get(n)), None)  # noqa: E731
+    scale = first(_MULTIPLY_FIELDS) or 1.0
+    divide = first(_DIVIDE_FIELDS)
+    if divide:
+        kind = _DIVIDE_OVERRIDES.get(get("model_type") or "", "divide")
+        if kind == "divide":
+            scale /= divide
+        elif kind == "multiply":
+            scale *= divide
+    return scale, first(_SOFTCAP_FIELDS)
+
+
+def _chunk_logprobs(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, targets_C: torch.Tensor,
+                    scale: float = 1.0, softcap: float | None = None,
+                    temperatures_C: torch.Tensor | None = None) -> torch.Tensor:
     logits_CV = (hidden_CH @ weight_VH.T).float()  # matmul in the model's dtype, softmax in float32
+    if scale != 1.0:
+        logits_CV = logits_CV * scale
+    if softcap:
+        logits_CV = softcap * torch.tanh(logits_CV / softcap)
+    if temperatures_C is not None:  # the model's final logits, then the sampler's temperature (vLLM's order)
+        logits_CV = logits_CV / temperatures_C[:, None]
     return logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - torch.logsumexp(logits_CV, dim=-1)
 
 
 def chunked_token_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, targets_T: torch.Tensor,
-                           chunk: int | None = None) -> torch.Tensor:
-    """log softmax(hidden @ weight.T)[t, targets[t]] for every t, `chunk` positions at a time.
+                           chunk: int | None = None, scale: float = 1.0,
+                           softcap: float | None = None,
+                           temperatures_T: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(hidden @ weight.T / T_t)[t, targets[t]] for every t, `chunk` positions at a time.
+
+    `temperatures_T` is the temperature each target was sampled at (None: 1), so the trainer
+    scores the distribution the engine sampled from.
 
     With gradients on, each chunk runs under activation checkpointing: backward recomputes
     its logits instead of keeping them, so peak memory is one chunk's [chunk, V] logits.
@@ -83,10 +127,12 @@ def chunked_token_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, tar
     out = []
     for start in range(0, hidden_TH.shape[0], chunk):
         h_CH, t_C = hidden_TH[start : start + chunk], targets_T[start : start + chunk]
+        temp_C = temperatures_T[start : start + chunk] if temperatures_T is not None else None
         if grad:
-            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h_CH, weight_VH, t_C, use_reentrant=False))
+            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h_CH, weight_VH, t_C, scale, softcap,
+                                                         temp_C, use_reentrant=False))
         else:
-            out.append(_chunk_logprobs(h_CH, weight_VH, t_C))
+            out.append(_chunk_logprobs(h_CH, weight_VH, t_C, scale, softcap, temp_C))
     return torch.cat(out) if out else hidden_TH.new_zeros(0, dtype=torch.float32)
 
 
@@ -103,12 +149,20 @@ class UnslothBackend(TrainingBackend):
         except ImportError as exc:
             raise ConfigError(f"the unsloth backend needs Unsloth: pip install 'rlproxy[gpu]' ({exc})") from exc
         self._fast = FastLanguageModel
+        four_bit = settings.load_in_4bit
+        if four_bit and "bnb-4bit" not in settings.base_model and "bnb_4bit" not in settings.base_model:
+            raise ConfigError(
+                f"--load-in-4bit trains on a bnb-4bit checkpoint, and vLLM must serve that same checkpoint: pass "
+                f"one as --base-model (e.g. unsloth/...-bnb-4bit), not '{settings.base_model}', or drop "
+                "--load-in-4bit to train 16-bit LoRA on the model vLLM serves")
         try:
             model, self._tokenizer = FastLanguageModel.from_pretrained(
                 model_name=settings.base_model,
                 max_seq_length=settings.max_tokens_per_row,
-                load_in_4bit=True,
-                dtype=None,
+                load_in_4bit=four_bit,
+                load_in_16bit=not four_bit,  # 16-bit LoRA: the weights vLLM serves
+                dtype=torch.bfloat16,
+                use_exact_model_name=True,  # never swap to Unsloth's bnb-4bit copy of the model
                 device_map={"": index},
             )
         except OSError as exc:
@@ -124,6 +178,7 @@ class UnslothBackend(TrainingBackend):
             random_state=settings.seed,
         )
         FastLanguageModel.for_training(self.model)
+        self._scale, self._softcap = head_transform(getattr(self.model, "config", {}) or {})
         self.init_optimizer()
 
     # -- what the model is
@@ -140,18 +195,23 @@ class UnslothBackend(TrainingBackend):
         device = self.device
         ids_T = row.input_ids_T.to(device)
         positions_T = row.position_ids_T.to(device)
-        out_TH = self.model(
-            input_ids=ids_T[None],
-            position_ids=positions_T[None],
-            packed_seq_lengths=segment_lengths(row.segment_ids_T).to(device),
-            use_cache=False,
-        ).logits[0]
-        head_VH = self.model.get_output_embeddings().weight
-        if out_TH.shape[-1] == head_VH.shape[1]:
-            # hidden states at t-1 predict token t
-            next_T = chunked_token_logprobs(out_TH[:-1], head_VH, ids_T[1:])
-        else:  # an Unsloth that ignored UNSLOTH_RETURN_HIDDEN_STATES and gave logits
-            next_T = torch.log_softmax(out_TH[:-1].float(), dim=-1).gather(-1, ids_T[1:, None]).squeeze(-1)
+        next_temps_T = row.temperatures_T[1:].to(device)  # the temperature token t was sampled at
+        # Unsloth trains on CUDA only; the CPU stand-in in the tests runs in float32.
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out_TH = self.model(
+                input_ids=ids_T[None],
+                position_ids=positions_T[None],
+                packed_seq_lengths=segment_lengths(row.segment_ids_T).to(device),
+                use_cache=False,
+            ).logits[0]
+            head_VH = self.model.get_output_embeddings().weight
+            if out_TH.shape[-1] == head_VH.shape[1]:
+                # hidden states at t-1 predict token t; the head's scale / softcap applied here
+                next_T = chunked_token_logprobs(out_TH[:-1], head_VH, ids_T[1:], scale=self._scale,
+                                                softcap=self._softcap, temperatures_T=next_temps_T)
+            else:  # an Unsloth that ignored UNSLOTH_RETURN_HIDDEN_STATES: its logits are final
+                logits_TV = out_TH[:-1].float() / next_temps_T[:, None]
+                next_T = torch.log_softmax(logits_TV, dim=-1).gather(-1, ids_T[1:, None]).squeeze(-1)
         logprobs_T = torch.cat([next_T.new_zeros(1), next_T])
         # A sample's first token has no context in its own sample.
         return logprobs_T.masked_fill(positions_T == 0, 0.0)
@@ -163,7 +223,9 @@ class UnslothBackend(TrainingBackend):
 
     # -- files
     def save(self, directory: Path) -> None:
-        save_peft_checkpoint(self.model, self.optimizer, directory)  # PEFT format: what vLLM loads
+        # PEFT format, what vLLM loads; without the embedding layers (Unsloth would otherwise add the
+        # full embed/head matrices when it resized or touched them: GBs that vLLM's LoRA loader rejects)
+        save_peft_checkpoint(self.model, self.optimizer, directory, save_embedding_layers=False)
 
     def load(self, directory: Path) -> None:
         load_peft_checkpoint(self.model, self.optimizer, directory, self.device)
