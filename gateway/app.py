@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import session_url
 from gateway.adapters import AdapterRegistry
 from gateway.chat import ChatService
 from gateway.engines.base import Engine
@@ -72,6 +73,8 @@ class GatewayApp(FastAPI):
     chat_fast_path: Any = None
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope = session_url.rewrite(scope)  # /sessions/{sid}/v1/... -> /v1/... with X-Session-Id
         if (self.chat_fast_path is not None and scope["type"] == "http" and scope["method"] == "POST"
                 and scope["path"] == "/v1/chat/completions"):
             scope["app"] = self
@@ -80,8 +83,20 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _error_response(exc: RLProxyError) -> JSONResponse:
-    return JSONResponse(exc.to_openai(), status_code=exc.status_code)
+def _error_response(exc: RLProxyError, path: str = "") -> JSONResponse:
+    from gateway.routes.protocols import error_response
+
+    return error_response(path, exc)  # in the shape of the route's protocol
+
+
+def _validation_text(errors: list) -> str:
+    """FastAPI's validation errors as one sentence: where, and what is wrong."""
+    parts = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts) or "the request body is not valid"
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,
@@ -137,13 +152,13 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
 
     @app.exception_handler(RLProxyError)
     async def _rlproxy_error(request: Request, exc: RLProxyError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         from gateway.errors import InvalidRequest
 
-        return _error_response(InvalidRequest(str(exc.errors()[:3])))
+        return _error_response(InvalidRequest(_validation_text(exc.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -154,18 +169,21 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
             error.message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             error.message = f"method {request.method} is not allowed on {request.url.path}"
-        return _error_response(error)
+        return _error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"))
+        return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"),
+                               request.url.path)
 
     from gateway.routes import openai as openai_routes
+    from gateway.routes import protocols as protocol_routes
     from gateway.routes import rl as rl_routes
     from gateway.routes import ruler as ruler_routes
 
     app.include_router(openai_routes.router)
+    app.include_router(protocol_routes.router)
     app.include_router(rl_routes.router)
     app.include_router(ruler_routes.router)
 

@@ -84,6 +84,9 @@ class CallRecord:
     completion_logprobs: list[list[float]] | None = None  # one list per choice, or None
     created_at: float = field(default_factory=time.time)
     client_request_id: str | None = None  # the client's own X-Request-Id, kept for tracing
+    protocol: str = "chat"  # what the client spoke; `request`/`response` are always the chat form
+    wire_request: dict | None = None  # the client's body, for protocols other than chat
+    wire_response: dict | None = None  # what that client got back
 
 # ------------------------------------------------------------------ ops (run on the writer connection)
 
@@ -106,8 +109,8 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
     conn.execute(
         "INSERT INTO calls (id, session_id, group_id, split, model, served, step, engine, stream, status,"
         " http_status, error, request, response, prompt_ids, completion_ids, completion_logprobs,"
-        " completion_lengths, latency_ms, created_at, client_request_id)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " completion_lengths, latency_ms, created_at, client_request_id, protocol, wire_request, wire_response)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (
             call.id,
             call.session_id,
@@ -130,6 +133,9 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
             call.latency_ms,
             now,
             call.client_request_id,
+            call.protocol,
+            _to_json(call.wire_request) if call.wire_request is not None else None,
+            _to_json(call.wire_response) if call.wire_response is not None else None,
         ),
     )
     base_model = call.model.split("@", 1)[0]
@@ -222,6 +228,9 @@ def decode_call(row: dict) -> dict:
     row["stream"] = bool(row["stream"])
     row["request"] = json.loads(row["request"])
     row["response"] = json.loads(row["response"]) if row["response"] else None
+    for key in ("wire_request", "wire_response"):
+        if key in row:
+            row[key] = json.loads(row[key]) if row[key] else None
     row["prompt_ids"] = unpack_ids(row["prompt_ids"])
     if lengths is not None:
         row["completion_ids"] = _split(unpack_ids(row["completion_ids"]), lengths)

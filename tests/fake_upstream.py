@@ -13,7 +13,7 @@ gateway forwards bodies, not headers, so the body is what reaches us):
     [[stream_error]]    stream: one chunk, then an error event
     [[truncate]]        stream: one chunk, then drop the connection (no [DONE])
     [[hold]]            stream: one chunk, then wait for `release()` before the rest
-    [[tool_call]]       answer with a call to the request's first tool
+    [[tool_call]]       answer with a call to the request's first tool (in words after a tool result)
 
 In-process: `with FakeUpstream() as upstream:` (a thread with its own loop);
 `upstream.url` is the base URL an OpenAI client would use and
@@ -275,8 +275,9 @@ class FakeUpstream:
 
     def _tool_call(self, body: dict, index: int) -> dict | None:
         tools = body.get("tools") or []
-        if not tools:
-            return None
+        messages = body.get("messages") or []
+        if not tools or (messages and messages[-1].get("role") == "tool"):
+            return None  # a tool's result is answered in words, so an agent's loop ends
         name = tools[0].get("function", {}).get("name", "tool")
         return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": '{"x": 1}'}}
 
