@@ -118,6 +118,15 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
         chat=ChatService(engine, store, registry, gate, observers), metrics=metrics, tracer=tracer,
     )
 
+    if settings.upstream_protocol:
+        if engine.kind != "openai":
+            from gateway.errors import ConfigError
+
+            raise ConfigError("--upstream-protocol needs --engine openai: only an upstream can speak a protocol itself")
+        from gateway.passthrough import PassThrough
+
+        services.extras["passthrough"] = PassThrough(services.chat, settings.upstream_protocol)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await store.start()

@@ -98,6 +98,14 @@ async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wi
                  to_wire: Callable[[dict], dict], encoder: Callable[[], _Encoder], stream: bool) -> Response:
     services = request.app.state.services
     request_id = request.scope["state"]["request_id"]
+    relay = services.extras.get("passthrough")
+    if relay is not None and relay.serves(wire.protocol):  # --upstream-protocol: the upstream speaks it
+        if not stream:
+            answer, target = await relay.complete(wire.protocol, wire.request, chat_body, identity, request_id)
+            return JSONResponse(answer, headers=_headers(identity.session_id, target.step))
+        frames, target = await relay.open_stream(wire.protocol, wire.request, chat_body, identity, request_id)
+        return StreamingResponse(frames, media_type="text/event-stream",
+                                 headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"})
     if stream:
         chat_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
     chat_request = _chat_request(chat_body)
