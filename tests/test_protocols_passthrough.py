@@ -66,7 +66,11 @@ def native_upstream() -> Starlette:
                                           "finish_reason": "length"}],
                              "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
 
+    async def retrieve(request: Request):
+        return JSONResponse({**RESPONSE, "id": request.path_params["rid"]})
+
     app = Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]),
+                            Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
                             Route("/v1/messages", messages, methods=["POST"]),
                             Route("/v1/completions", completions, methods=["POST"])])
     app.state.seen = seen
@@ -92,6 +96,7 @@ def test_responses_relayed_and_recorded_in_chat_form(gateway):
     [row] = services.store.session_calls("pt-1")
     assert row["protocol"] == "responses" and row["wire_response"]["id"] == "resp_upstream1"
     assert row["request"]["messages"] == [{"role": "user", "content": "hi"}]
+    assert client.responses.retrieve("resp_upstream1").output_text == "native hi"  # asked of the upstream
     message = row["response"]["choices"][0]["message"]
     assert message["content"] == "native hi" and message["tool_calls"][0]["function"]["arguments"] == "{\"a\": 1}"
 

@@ -181,13 +181,14 @@ class OpenAIEngine(Engine):
 
     # ---------------------------------------------------------------- other protocols, relayed as they are
 
-    async def relay(self, path: str, body: dict) -> dict:
-        """POST `body` to `{upstream}{path}` in a protocol the upstream speaks itself
-        (`--upstream-protocol`); its JSON answer, errors mapped as for chat."""
+    async def relay(self, path: str, body: dict | None) -> dict:
+        """POST `body` (GET when None) to `{upstream}{path}` in a protocol the upstream speaks
+        itself (`--upstream-protocol`); its JSON answer, errors mapped as for chat."""
         session = await self._client()
+        data = None if body is None else orjson.dumps(body)
         try:
-            async with session.post(URL(self.base_url + path), data=orjson.dumps(body), headers=self._headers,
-                                    timeout=self._call_timeout) as resp:
+            async with session.request("GET" if body is None else "POST", URL(self.base_url + path), data=data,
+                                       headers=self._headers, timeout=self._call_timeout) as resp:
                 payload, status = await resp.read(), resp.status
         except asyncio.TimeoutError:
             raise self._timeout() from None

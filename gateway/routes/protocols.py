@@ -9,6 +9,7 @@ back. Errors leave in each protocol's own shape (`error_response`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, AsyncIterator, Callable
 
 import orjson
@@ -25,6 +26,7 @@ from gateway.routes.openai import read_json, validation_message
 router = APIRouter()
 
 _IDENTITY_HEADERS = ("x-session-id", "x-group-id", "x-split", "x-request-id")
+_UPSTREAM_ID = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -152,8 +154,16 @@ async def create_response(body: responses.ResponsesRequest, request: Request) ->
 
 @router.get("/v1/responses/{response_id}", summary="Retrieve a stored response")
 async def get_response(response_id: str, request: Request) -> Response:
-    row = _stored_response(request.app.state.services.store, response_id)
-    return JSONResponse(row["wire_response"])
+    services = request.app.state.services
+    relay = services.extras.get("passthrough")
+    try:
+        return JSONResponse(_stored_response(services.store, response_id)["wire_response"])
+    except NotFound:
+        # --upstream-protocol responses: the ids are the upstream's, so ask it (the id is
+        # checked before it becomes part of a URL)
+        if relay is None or not relay.serves(responses.PROTOCOL) or not _UPSTREAM_ID.match(response_id):
+            raise
+    return JSONResponse(await services.engine.relay(f"/responses/{response_id}", None))
 
 
 # ------------------------------------------------------------------ Anthropic Messages
