@@ -170,6 +170,14 @@ class ChatService:
                                             stream=False, started=started, response=None, tokens=None, error=exc,
                                             wire=wire))
             raise
+        except asyncio.CancelledError:
+            # The route gave up on the call because its client left: recorded (499), never trained.
+            gone = RLProxyError("the client disconnected before the answer was ready")
+            gone.status_code = 499
+            await asyncio.shield(self._commit(self._record(
+                request_id=request_id, identity=identity, raw=raw, target=target, stream=False, started=started,
+                response=None, tokens=None, error=gone, wire=wire)))
+            raise
         response = completion.response
         response["model"] = request.model  # the client sees the name it asked for
         await self._commit(self._record(request_id=request_id, identity=identity, raw=raw, target=target,

@@ -1,7 +1,7 @@
 """A small, fast OpenAI-compatible upstream on loopback, for tests and the bench.
 
 `POST /v1/chat/completions` echoes the last user message (stream or not, `n`
-choices) and `GET /v1/models` lists two models. It is a raw asyncio protocol on
+choices), `GET /v1/models` lists two models and `GET /health` answers 200 (as vLLM's). It is a raw asyncio protocol on
 httptools, not a web framework, so in the bench it is never the bottleneck.
 
 Scripted behaviour, chosen by a magic token in the last user message (the
@@ -224,6 +224,9 @@ class FakeUpstream:
         if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
             conn._respond(401, orjson.dumps({"error": {"message": "fake upstream: wrong API key",
                                                        "type": "authentication_error"}}), close=close)
+            return
+        if path == "/health" and method == "GET":  # as vLLM answers it (rLLM's gateway polls it)
+            conn._respond(200, b"", close=close)
             return
         if path == "/v1/models" and method == "GET":
             data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in MODELS]

@@ -248,3 +248,16 @@ def test_openai_agents_sdk_default_responses_model(gateway, upstream):
     rows = calls(gateway, "agent-sdk")
     assert [r["protocol"] for r in rows] == ["responses", "responses"]
     assert rows[1]["request"]["messages"][-1]["role"] == "tool"
+
+
+def test_client_that_leaves_a_non_stream_call_is_recorded_as_499(gateway):
+    import time
+
+    impatient = openai.OpenAI(base_url=gateway[0].url + "/v1", api_key="sk-gw", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.responses.create(model="fake-model", input="[[delay=3]] slow", extra_headers={"X-Session-Id": "left"})
+    deadline = time.monotonic() + 30
+    while not calls(gateway, "left") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [row] = calls(gateway, "left")
+    assert row["http_status"] == 499 and row["status"] == "error" and row["protocol"] == "responses"
