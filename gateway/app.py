@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import session_url
@@ -83,7 +83,7 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _error_response(exc: RLProxyError, path: str = "") -> JSONResponse:
+def _error_response(exc: RLProxyError, path: str = "") -> Response:
     from gateway.routes.protocols import error_response
 
     return error_response(path, exc)  # in the shape of the route's protocol
@@ -160,17 +160,17 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
     app.state.services = services
 
     @app.exception_handler(RLProxyError)
-    async def _rlproxy_error(request: Request, exc: RLProxyError) -> JSONResponse:
+    async def _rlproxy_error(request: Request, exc: RLProxyError) -> Response:
         return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         from gateway.errors import InvalidRequest
 
         return _error_response(InvalidRequest(_validation_text(exc.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         error = RLProxyError(str(exc.detail))
         error.status_code = exc.status_code
         error.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -181,7 +181,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
         return _error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"),
                                request.url.path)

@@ -15,7 +15,6 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.errors import InvalidRequest
 from gateway.protocols import text_of
 
 PROTOCOL = "completions"

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from gateway.chat import Identity, identify
@@ -31,16 +31,21 @@ _IDENTITY_HEADERS = ("x-session-id", "x-group-id", "x-split", "x-request-id")
 _UPSTREAM_ID = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
 
 
+def _json(data: Any, status_code: int = 200, headers: dict | None = None) -> Response:
+    """JSON by orjson (a tenth of the stdlib's cost, as on the chat route)."""
+    return Response(orjson.dumps(data), status_code=status_code, headers=headers, media_type="application/json")
+
+
 def is_anthropic_path(path: str) -> bool:
     return path.endswith("/v1/messages") or path.startswith("/v1/messages/")
 
 
-def error_response(path: str, exc: RLProxyError) -> JSONResponse:
+def error_response(path: str, exc: RLProxyError) -> Response:
     """`exc` in the shape the route's protocol documents: Anthropic's for /v1/messages,
     OpenAI's everywhere else."""
     if is_anthropic_path(path):
-        return JSONResponse(messages.error_body(exc.status_code, exc.message), status_code=exc.status_code)
-    return JSONResponse(exc.to_openai(), status_code=exc.status_code)
+        return _json(messages.error_body(exc.status_code, exc.message), exc.status_code)
+    return _json(exc.to_openai(), exc.status_code)
 
 
 def _headers(session_id: str, step: int | None) -> dict[str, str]:
@@ -128,7 +133,7 @@ async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wi
     if relay is not None and relay.serves(wire.protocol):  # --upstream-protocol: the upstream speaks it
         if not stream:
             answer, target = await relay.complete(wire.protocol, wire.request, chat_body, identity, request_id)
-            return JSONResponse(answer, headers=_headers(identity.session_id, target.step))
+            return _json(answer, headers=_headers(identity.session_id, target.step))
         frames, target = await relay.open_stream(wire.protocol, wire.request, chat_body, identity, request_id)
         return StreamingResponse(frames, media_type="text/event-stream",
                                  headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"})
@@ -141,7 +146,7 @@ async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wi
         if answered is None:
             return Response(status_code=499)  # nobody reads it
         response, target = answered
-        return JSONResponse(to_wire(response), headers=_headers(identity.session_id, target.step))
+        return _json(to_wire(response), headers=_headers(identity.session_id, target.step))
     events, target = await services.chat.open_stream(chat_request, chat_body, identity, request_id, wire)
     return StreamingResponse(_encode(events, encoder()), media_type="text/event-stream",
                              headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"})
@@ -185,13 +190,13 @@ async def get_response(response_id: str, request: Request) -> Response:
     services = request.app.state.services
     relay = services.extras.get("passthrough")
     try:
-        return JSONResponse(_stored_response(services.store, response_id)["wire_response"])
+        return _json(_stored_response(services.store, response_id)["wire_response"])
     except NotFound:
         # --upstream-protocol responses: the ids are the upstream's, so ask it (the id is
         # checked before it becomes part of a URL)
         if relay is None or not relay.serves(responses.PROTOCOL) or not _UPSTREAM_ID.match(response_id):
             raise
-    return JSONResponse(await services.engine.relay(f"/responses/{response_id}", None))
+    return _json(await services.engine.relay(f"/responses/{response_id}", None))
 
 
 # ------------------------------------------------------------------ Anthropic Messages
@@ -243,4 +248,4 @@ async def create_completion(body: completions.CompletionRequest, request: Reques
                                                         Wire(completions.PROTOCOL, raw, to_wire))
         answers.append(to_wire(response))
         step = target.step
-    return JSONResponse(completions.merge(answers), headers=_headers(identity.session_id, step))
+    return _json(completions.merge(answers), headers=_headers(identity.session_id, step))
