@@ -91,3 +91,52 @@ def test_mixed_protocol_session_trains_with_hand_checked_masks(gateway, tokenize
     assert [(list(s.token_ids), list(s.loss_mask)) for s in samples] == expected
     trained = [t for s in samples for t, m in zip(s.token_ids, s.loss_mask) if m]
     assert trained == [t for r in rows for t in r["completion_ids"][0]]  # every sampled token, nothing else
+
+
+def test_responses_continued_by_id_and_retrieved(gateway, tokenizer):
+    url = gateway[0].url
+    store = gateway[1].store
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    tool = {"type": "function", "name": "lookup", "description": "look a word up",
+            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}
+    first = oai.responses.create(model=TINY_MODEL_ID, input="define cat", tools=[tool], max_output_tokens=8,
+                                 extra_headers={"X-Session-Id": "local-chain"})
+    second = oai.responses.create(model=TINY_MODEL_ID, previous_response_id=first.id, max_output_tokens=8, input=[
+        {"type": "function_call", "call_id": "call_9", "name": "lookup", "arguments": '{"word": "cat"}'},
+        {"type": "function_call_output", "call_id": "call_9", "output": "a small feline"}], tools=[tool])
+    assert oai.responses.retrieve(second.id).output_text == second.output_text
+    rows = store.session_calls("local-chain")  # continued by id: the same session without a header
+    assert len(rows) == 2
+    assert decoded(tokenizer, rows[1]) == second.output_text.strip()
+    prompt = tokenizer.decode(rows[1]["prompt_ids"])
+    # the second prompt holds the first turn, the tool's definition, the call and its result
+    assert "define cat" in prompt and "lookup" in prompt and "a small feline" in prompt
+
+
+def test_anthropic_tool_result_reaches_the_prompt(gateway, tokenizer):
+    claude = anthropic.Anthropic(base_url=f"{gateway[0].url}/sessions/local-tool", api_key="x", max_retries=0)
+    tool = {"name": "lookup", "description": "look a word up",
+            "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}}}
+    reply = claude.messages.create(model=TINY_MODEL_ID, max_tokens=8, tools=[tool], messages=[
+        {"role": "user", "content": "define dog"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "lookup",
+                                           "input": {"word": "dog"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a loyal canine"}]}])
+    [row] = gateway[1].store.session_calls("local-tool")
+    prompt = tokenizer.decode(row["prompt_ids"])
+    assert "a loyal canine" in prompt and '"word": "dog"' in prompt and "lookup" in prompt
+    assert decoded(tokenizer, row) == "".join(b.text for b in reply.content if b.type == "text").strip()
+
+
+def test_openai_agents_sdk_on_the_local_engine(gateway, tokenizer):
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    client = openai.AsyncOpenAI(base_url=f"{gateway[0].url}/sessions/local-agent/v1", api_key="x", max_retries=0)
+    agents.set_tracing_disabled(True)
+    agent = agents.Agent(name="a", instructions="answer", model=agents.OpenAIResponsesModel(
+        model=TINY_MODEL_ID, openai_client=client), model_settings=agents.ModelSettings(max_tokens=8))
+    result = asyncio.run(agents.Runner.run(agent, "hello"))
+    [row] = gateway[1].store.session_calls("local-agent")
+    assert row["protocol"] == "responses"
+    assert decoded(tokenizer, row) == (result.final_output or "").strip()
