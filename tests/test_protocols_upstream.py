@@ -261,3 +261,18 @@ def test_client_that_leaves_a_non_stream_call_is_recorded_as_499(gateway):
         time.sleep(0.05)
     [row] = calls(gateway, "left")
     assert row["http_status"] == 499 and row["status"] == "error" and row["protocol"] == "responses"
+
+
+def test_mid_stream_failures_in_each_protocols_shape(gateway, oai):
+    events = list(oai.responses.create(model="fake-model", input="[[stream_error]] a b", stream=True))
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    assert "mid-stream" in events[-2].message and events[-1].response.status == "failed"
+    claude = anthropic.Anthropic(base_url=gateway[0].url, api_key="sk-gw", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        with claude.messages.stream(model="fake-model", max_tokens=5,
+                                    messages=[{"role": "user", "content": "[[stream_error]] a"}]) as stream:
+            list(stream)
+    assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "api_error"
+    with pytest.raises(anthropic.RateLimitError) as info:  # an upstream 429 keeps its status, in Anthropic's shape
+        claude.messages.create(model="fake-model", max_tokens=5, messages=[{"role": "user", "content": "[[status=429]]"}])
+    assert info.value.body["error"]["type"] == "rate_limit_error"

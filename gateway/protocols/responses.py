@@ -361,9 +361,14 @@ class ResponsesStream:
         return events
 
     def error(self, error: dict) -> list[tuple[str, bytes]]:
+        """The documented failure: an `error` event, then `response.failed` with the response
+        as far as it got."""
         body = error.get("error") or {}
-        return [self._event("error", code=body.get("code") or body.get("type"), message=body.get("message", ""),
-                            param=body.get("param"))]
+        code, message = body.get("code") or body.get("type") or "server_error", body.get("message", "")
+        response = _envelope(self.request, self.resp_id, self.created, "failed")
+        response["output"], response["error"] = self.output, {"code": code, "message": message}
+        return [self._event("error", code=code, message=message, param=body.get("param")),
+                self._event("response.failed", response=response)]
 
 
 # ------------------------------------------------------------------ response -> chat (pass-through)
