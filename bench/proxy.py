@@ -1,10 +1,14 @@
-"""Proxy overhead: direct vs rlproxy (openai engine, recording on) vs LiteLLM's proxy.
+"""Proxy overhead: direct vs rlproxy (openai engine, recording on) vs LiteLLM's proxy vs rLLM's gateway.
 
 One run, one loopback upstream (tests/fake_upstream.py in its own process), each
 proxy in its own process. For each target and concurrency: requests/s, p50 and
 p99 latency (medians over the runs) and the p50 added over calling the upstream
 directly. Non-stream chat completions; every connection sends a session id that
-changes every few calls, as an agent would.
+changes every few calls, as an agent would (in the URL for rLLM's gateway, which takes it
+from there). `rlproxy-resp` is the same rlproxy answering the Responses API
+(`POST /v1/responses`, translated to chat completions for the chat-only upstream).
+`rllm` is `rllm-model-gateway` from PyPI (the nearest RL capture gateway: its SQLite
+store, sessions in its URL), installed like LiteLLM into a venv under bench/out/.
 
 The load generator is a raw asyncio HTTP/1.1 client (uvloop + httptools, one
 keep-alive connection per concurrent slot, pre-encoded requests): it costs a
@@ -46,10 +50,15 @@ import httptools
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 LITELLM_VENV = OUT / "litellm-venv"
+RLLM_VENV = OUT / "rllm-venv"
+RLLM_PACKAGE = "rllm-model-gateway==0.1.0"
 MODEL = "fake-model"
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "system", "content": "You are a terse assistant."},
                                                 {"role": "user", "content": "Say hello to the benchmark."}],
                    "max_tokens": 16, "temperature": 0.7}).encode()
+RESPONSES_BODY = json.dumps({"model": MODEL, "instructions": "You are a terse assistant.",
+                             "input": "Say hello to the benchmark.", "max_output_tokens": 16,
+                             "temperature": 0.7}).encode()
 CALLS_PER_SESSION = 8
 # Both proxies authenticate every call with this key (LiteLLM refuses to start without one).
 API_KEY = "sk-bench-" + secrets.token_hex(24)
@@ -69,8 +78,9 @@ class Service:
     name: str
     proc: subprocess.Popen
     port: int
-    path: str  # the chat completions path
+    path: str  # the chat completions path; `{session}` is replaced by the call's session id
     log: Path
+    body: bytes = BODY
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -116,7 +126,7 @@ def warm_up(service: Service, calls: int = 30) -> None:
     with httpx.Client(base_url=f"http://127.0.0.1:{service.port}", timeout=120,
                       headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}) as http:
         for _ in range(calls):
-            reply = http.post(service.path, content=BODY)
+            reply = http.post(service.path.format(session="warm-up"), content=service.body)
             if reply.status_code != 200:
                 raise RuntimeError(f"{service.name} answered {reply.status_code} to the warm-up call: {reply.text[:500]}")
 
@@ -141,6 +151,31 @@ def start_rlproxy(upstream: Service, workdir: Path) -> tuple[Service, Path]:
     service = Service("rlproxy", proc, port, "/v1/chat/completions", log)
     _wait_http(service, "/healthz")
     return service, state_dir / "rlproxy.db"
+
+
+def rllm_python(install: bool) -> Path | None:
+    """The interpreter of a venv (system packages visible) with rLLM's gateway, installed if asked."""
+    python = RLLM_VENV / "bin" / "python"
+    check = [str(python), "-c", "import rllm_model_gateway.server"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    if not install:
+        return None
+    print(f"installing {RLLM_PACKAGE} into bench/out/rllm-venv ...", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(RLLM_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", RLLM_PACKAGE], check=True)
+    return python if subprocess.run(check, capture_output=True).returncode == 0 else None
+
+
+def start_rllm(python: Path, upstream: Service, workdir: Path) -> Service:
+    port = free_port()
+    log = workdir / "rllm.log"
+    proc = _spawn([str(python), "-m", "rllm_model_gateway", "--host", "127.0.0.1", "--port", str(port),
+                   "--worker", f"http://127.0.0.1:{upstream.port}/v1", "--store", "sqlite",
+                   "--db-path", str(workdir / "rllm.db"), "--log-level", "warning"], log)
+    service = Service("rllm", proc, port, "/sessions/{session}/v1/chat/completions", log)
+    _wait_http(service, "/health")
+    return service
 
 
 def litellm_python() -> Path | None:
@@ -243,10 +278,11 @@ class _Connection(asyncio.Protocol):
         return await self.done
 
 
-def _request_bytes(port: int, path: str, session: str) -> bytes:
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {API_KEY}\r\nX-Session-Id: {session}\r\nContent-Length: {len(BODY)}\r\n\r\n")
-    return head.encode() + BODY
+def _request_bytes(port: int, path: str, session: str, body: bytes = BODY) -> bytes:
+    head = (f"POST {path.format(session=session)} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nAuthorization: Bearer {API_KEY}\r\nX-Session-Id: {session}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
 
 
 @dataclass
@@ -271,7 +307,7 @@ class CellResult:
 
 
 async def run_cell(port: int, path: str, concurrency: int, seconds: float, warmup: float, tag: str,
-                   pgid: int | None = None) -> CellResult:
+                   pgid: int | None = None, body: bytes = BODY) -> CellResult:
     loop = asyncio.get_running_loop()
     connections = [(await loop.create_connection(_Connection, "127.0.0.1", port))[1] for _ in range(concurrency)]
     latencies: list[float] = []
@@ -282,7 +318,7 @@ async def run_cell(port: int, path: str, concurrency: int, seconds: float, warmu
         nonlocal measuring
         n = 0
         while time.perf_counter() < stop_at:
-            data = _request_bytes(port, path, f"bench-{tag}-{index}-{n // CALLS_PER_SESSION}")
+            data = _request_bytes(port, path, f"bench-{tag}-{index}-{n // CALLS_PER_SESSION}", body)
             n += 1
             started = time.perf_counter()
             status = await conn.request(data)
@@ -336,12 +372,12 @@ def summarise(target: str, concurrency: int, cells: list[CellResult]) -> Row:
 
 
 def print_table(rows: list[Row], concurrencies: list[int]) -> None:
-    print(f"\n{'target':<10} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
+    print(f"\n{'target':<13} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
           f"{'cpu ms/req':>10} {'errors':>6}")
     for row in rows:
         added = "" if row.added_p50_ms is None else f"{row.added_p50_ms:+.3f}"
         cpu = "" if row.cpu_ms_per_request is None else f"{row.cpu_ms_per_request:.3f}"
-        print(f"{row.target:<10} {row.concurrency:>5} {row.rps:>9.0f} {row.p50_ms:>8.3f} {row.p99_ms:>8.3f} "
+        print(f"{row.target:<13} {row.concurrency:>5} {row.rps:>9.0f} {row.p50_ms:>8.3f} {row.p99_ms:>8.3f} "
               f"{added:>8} {cpu:>10} {row.errors:>6}")
     by = {(r.target, r.concurrency): r for r in rows}
     print()
@@ -349,6 +385,8 @@ def print_table(rows: list[Row], concurrencies: list[int]) -> None:
         if ("rlproxy", c) in by and ("litellm", c) in by:
             ratio = by[("rlproxy", c)].rps / by[("litellm", c)].rps
             print(f"rlproxy / litellm req/s at c={c}: {ratio:.1f}x")
+        if ("rlproxy", c) in by and ("rllm", c) in by:
+            print(f"rlproxy / rllm    req/s at c={c}: {by[('rlproxy', c)].rps / by[('rllm', c)].rps:.1f}x")
         if ("rlproxy", c) in by and ("direct", c) in by:
             print(f"rlproxy / direct  req/s at c={c}: {by[('rlproxy', c)].rps / by[('direct', c)].rps:.2f}")
 
@@ -359,13 +397,16 @@ def print_targets(rows: list[Row]) -> None:
     checks = []
     if ("rlproxy", 1) in by and by[("rlproxy", 1)].added_p50_ms is not None:
         added = by[("rlproxy", 1)].added_p50_ms
-        checks.append((f"p50 added at c=1 <= 1 ms: {added:.3f} ms", added <= 1.0))
+        checks.append((f"p50 added at c=1 <= 0.5 ms: {added:.3f} ms", added <= 0.5))
+    if ("rlproxy", 64) in by and ("rllm", 64) in by:
+        ratio = by[("rlproxy", 64)].rps / by[("rllm", 64)].rps
+        checks.append((f"rlproxy >= 10x rLLM's gateway at c=64: {ratio:.1f}x", ratio >= 10))
     if ("rlproxy", 64) in by:
         rps = by[("rlproxy", 64)].rps
         checks.append((f"rlproxy >= 1,500 req/s at c=64 (recording on): {rps:.0f}", rps >= 1500))
         if ("litellm", 64) in by:
             ratio = rps / by[("litellm", 64)].rps
-            checks.append((f"rlproxy >= 15x LiteLLM at c=64: {ratio:.1f}x", ratio >= 15))
+            checks.append((f"rlproxy >= 25x LiteLLM at c=64: {ratio:.1f}x", ratio >= 25))
     for text, met in checks:
         print(f"  [{'met' if met else 'MISSED'}] {text}")
 
@@ -409,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run (default 3)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
+    parser.add_argument("--no-rllm", action="store_true", help="skip rLLM's gateway")
+    parser.add_argument("--no-responses", action="store_true", help="skip the Responses API row")
     parser.add_argument("--profile", action="store_true", help="py-spy the gateway at the highest concurrency")
     args = parser.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
@@ -431,6 +474,17 @@ def main(argv: list[str] | None = None) -> int:
         rlproxy, db_path = start_rlproxy(upstream, workdir)
         services.append(rlproxy)
         targets: dict[str, Service] = {"direct": upstream, "rlproxy": rlproxy}
+        if not args.no_responses:
+            targets["rlproxy-resp"] = Service("rlproxy-resp", rlproxy.proc, rlproxy.port, "/v1/responses",
+                                              rlproxy.log, RESPONSES_BODY)
+        if not args.no_rllm:
+            python = rllm_python(install=not args.quick)
+            if python is None:
+                print("rLLM's gateway skipped: not installed (a run without --quick installs it)", file=sys.stderr)
+            else:
+                rllm = start_rllm(python, upstream, workdir)
+                services.append(rllm)
+                targets["rllm"] = rllm
         if not args.no_litellm:
             python = litellm_python()
             if python is None and not args.quick:
@@ -452,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, service in targets.items():
                 for concurrency in args.concurrency:
                     cell = asyncio.run(run_cell(service.port, service.path, concurrency, seconds, warmup,
-                                                f"{name}{run}c{concurrency}", pgid=service.proc.pid))
+                                                f"{name}{run}c{concurrency}", pgid=service.proc.pid,
+                                                body=service.body))
                     cells.setdefault((name, concurrency), []).append(cell)
                     print(f"  run {run + 1}/{runs} {name:<8} c={concurrency:<3} {cell.rps:8.0f} req/s "
                           f"p50 {cell.percentile(0.5):7.3f} ms  cpu {cell.cpu_ms_per_request or 0:.3f} ms/req  "

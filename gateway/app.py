@@ -9,9 +9,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import session_url
 from gateway.adapters import AdapterRegistry
 from gateway.chat import ChatService
 from gateway.engines.base import Engine
@@ -73,6 +74,8 @@ class GatewayApp(FastAPI):
     chat_fast_path: Any = None
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope = session_url.rewrite(scope)  # /sessions/{sid}/v1/... -> /v1/... with X-Session-Id
         if (self.chat_fast_path is not None and scope["type"] == "http" and scope["method"] == "POST"
                 and scope["path"] == "/v1/chat/completions"):
             scope["app"] = self
@@ -81,10 +84,20 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _error_response(exc: RLProxyError) -> JSONResponse:
-    # 413: the rest of the body is still coming; close rather than read it all.
-    headers = {"Connection": "close"} if exc.status_code == 413 else None
-    return JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=headers)
+def _error_response(exc: RLProxyError, path: str = "") -> Response:
+    from gateway.routes.protocols import error_response
+
+    return error_response(path, exc)  # in the shape of the route's protocol
+
+
+def _validation_text(errors: list) -> str:
+    """FastAPI's validation errors as one sentence: where, and what is wrong."""
+    parts = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts) or "the request body is not valid"
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,
@@ -106,6 +119,15 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
         chat=ChatService(engine, store, registry, gate, observers, limits=Limits.from_settings(settings)),
         metrics=metrics, tracer=tracer,
     )
+
+    if settings.upstream_protocol:
+        if engine.kind != "openai":
+            from gateway.errors import ConfigError
+
+            raise ConfigError("--upstream-protocol needs --engine openai: only an upstream can speak a protocol itself")
+        from gateway.passthrough import PassThrough
+
+        services.extras["passthrough"] = PassThrough(services.chat, settings.upstream_protocol)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -140,17 +162,17 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
     app.state.services = services
 
     @app.exception_handler(RLProxyError)
-    async def _rlproxy_error(request: Request, exc: RLProxyError) -> JSONResponse:
-        return _error_response(exc)
+    async def _rlproxy_error(request: Request, exc: RLProxyError) -> Response:
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         from gateway.errors import InvalidRequest
 
-        return _error_response(InvalidRequest(str(exc.errors()[:3])))
+        return _error_response(InvalidRequest(_validation_text(exc.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         error = RLProxyError(str(exc.detail))
         error.status_code = exc.status_code
         error.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -158,18 +180,21 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
             error.message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             error.message = f"method {request.method} is not allowed on {request.url.path}"
-        return _error_response(error)
+        return _error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"))
+        return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"),
+                               request.url.path)
 
     from gateway.routes import openai as openai_routes
+    from gateway.routes import protocols as protocol_routes
     from gateway.routes import rl as rl_routes
     from gateway.routes import ruler as ruler_routes
 
     app.include_router(openai_routes.router)
+    app.include_router(protocol_routes.router)
     app.include_router(rl_routes.router)
     app.include_router(ruler_routes.router)
 

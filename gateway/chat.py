@@ -20,6 +20,7 @@ from gateway.errors import Conflict, InvalidRequest, RLProxyError, StoreUnavaila
 from gateway.gate import RequestGate
 from gateway.limits import Limits, check_chat_limits
 from gateway.protocol import ChatCompletionRequest
+from gateway.protocols import Wire
 from gateway.store import CallRecord, Store
 
 log = logging.getLogger("rlproxy.chat")
@@ -145,6 +146,7 @@ class ChatService:
         response: dict | None,
         tokens: TokenRecord | None,
         error: RLProxyError | None = None,
+        wire: Wire | None = None,
     ) -> CallRecord:
         record = CallRecord(
             id=request_id,
@@ -164,6 +166,14 @@ class ChatService:
             response=response,
             latency_ms=(time.perf_counter() - started) * 1000.0,
         )
+        if wire is not None:
+            record.protocol = wire.protocol
+            record.wire_request = wire.request
+            if response is not None:
+                try:
+                    record.wire_response = wire.to_wire(response)
+                except Exception:  # the record must not be lost to a translation bug
+                    log.exception("could not translate a %s response for the record", wire.protocol)
         if tokens is not None:
             record.prompt_ids = tokens.prompt_ids
             record.completion_ids = [choice.completion_ids for choice in tokens.choices]
@@ -192,7 +202,8 @@ class ChatService:
             await self.store.probe()
 
     async def complete(
-        self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str
+        self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str,
+        wire: Wire | None = None,
     ) -> tuple[dict, Target]:
         await self.admit(request)
         started = time.perf_counter()
@@ -205,16 +216,27 @@ class ChatService:
                 )
         except RLProxyError as exc:
             await self._commit(self._record(request_id=request_id, identity=identity, raw=raw, target=target,
-                                            stream=False, started=started, response=None, tokens=None, error=exc))
+                                            stream=False, started=started, response=None, tokens=None, error=exc,
+                                            wire=wire))
+            raise
+        except asyncio.CancelledError:
+            # The route gave up on the call because its client left: recorded (499), never trained.
+            gone = RLProxyError("the client disconnected before the answer was ready")
+            gone.status_code = 499
+            await asyncio.shield(self._commit(self._record(
+                request_id=request_id, identity=identity, raw=raw, target=target, stream=False, started=started,
+                response=None, tokens=None, error=gone, wire=wire)))
             raise
         response = completion.response
         response["model"] = request.model  # the client sees the name it asked for
         await self._commit(self._record(request_id=request_id, identity=identity, raw=raw, target=target,
-                                        stream=False, started=started, response=response, tokens=completion.tokens))
+                                        stream=False, started=started, response=response, tokens=completion.tokens,
+                                        wire=wire))
         return response, target
 
     async def open_stream(
-        self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str
+        self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str,
+        wire: Wire | None = None,
     ) -> tuple[AsyncIterator[bytes], Target]:
         """Resolve the target and wait for the first chunk before the response starts, so a
         request the engine refuses at once gets its real HTTP status, not a 200 stream."""
@@ -222,7 +244,7 @@ class ChatService:
         self.check_split(identity)
         await self.gate.wait()
         target = self.registry.resolve(request.model)
-        events = self._stream(request, raw, identity, request_id, target, time.perf_counter())
+        events = self._stream(request, raw, identity, request_id, target, time.perf_counter(), wire)
         first = await events.__anext__()  # raises the engine's error when no chunk came before it
         return _prepend(first, events), target
 
@@ -234,6 +256,7 @@ class ChatService:
         request_id: str,
         resolved: Target,
         started: float,
+        wire: Wire | None = None,
     ) -> AsyncIterator[bytes]:
         """Yields SSE `data` payloads; `[DONE]` only after the call row is committed."""
         import orjson
@@ -266,10 +289,12 @@ class ChatService:
                 error = RLProxyError("stream ended early: the client disconnected")
                 error.status_code = 499
                 record = self._record(request_id=request_id, identity=identity, raw=raw, target=target, stream=True,
-                                      started=started, response=accumulator.response(), tokens=tokens, error=error)
+                                      started=started, response=accumulator.response(), tokens=tokens, error=error,
+                                      wire=wire)
                 await asyncio.shield(self._commit(record))
         record = self._record(request_id=request_id, identity=identity, raw=raw, target=target, stream=True,
-                              started=started, response=accumulator.response(), tokens=tokens, error=error)
+                              started=started, response=accumulator.response(), tokens=tokens, error=error,
+                              wire=wire)
         try:
             await self._commit(record)
         except StoreUnavailable as store_error:

@@ -22,6 +22,7 @@ from gateway.settings import Settings
 SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level", "max_body_mb", "max_messages", "max_n",
            "cors_origin")
 ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
+          "upstream_protocol",
           "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_arg", "max_loras",
           "gpu_mode", "max_staleness")
 TRAINER = ("trainer", "backend", "load_in_4bit", "groups_per_step", "learning_rate", "loss_type", "epsilon",

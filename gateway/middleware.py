@@ -57,34 +57,45 @@ class RequestIdMiddleware:
 
 
 class BearerAuthMiddleware:
-    """Requires `Authorization: Bearer <key>` on every route but the open ones.
+    """Requires `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients
+    send it) on every route but the open ones.
 
     The key is compared in constant time and never logged or echoed."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/healthz",)):
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._expected_bare = api_key.encode()
         self._open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open_paths:
             await self.app(scope, receive, send)
             return
-        supplied = b""
+        supplied = x_api_key = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 supplied = value
-                break
-        if hmac.compare_digest(supplied, self._expected):
+            elif name == b"x-api-key":
+                x_api_key = value
+        # Both compared every time, in constant time: which one matched is not a timing signal.
+        bearer_ok = hmac.compare_digest(supplied, self._expected)
+        x_api_key_ok = hmac.compare_digest(x_api_key, self._expected_bare)
+        if bearer_ok or (x_api_key and x_api_key_ok):
             await self.app(scope, receive, send)
             return
         message = (
-            "missing API key: send 'Authorization: Bearer <key>' (the key rlproxy was started with)"
-            if not supplied
-            else "invalid API key: the bearer key does not match the one rlproxy was started with"
+            "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>' (the key rlproxy was "
+            "started with)"
+            if not supplied and not x_api_key
+            else "invalid API key: the key does not match the one rlproxy was started with"
         )
-        body = orjson.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
-                                       "code": "invalid_api_key"}})
+        path = scope["path"]
+        if path.endswith("/v1/messages"):  # Anthropic's clients read Anthropic's error shape
+            body = orjson.dumps({"type": "error", "error": {"type": "authentication_error", "message": message}})
+        else:
+            body = orjson.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
+                                           "code": "invalid_api_key"}})
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
         await send({"type": "http.response.body", "body": body})

@@ -47,6 +47,12 @@ def _ref(name: str) -> dict:
 RESPONSE_SCHEMAS: dict[str, dict] = {
     "Error": _object({"error": _object({"message": _STRING, "type": _STRING},
                                        {"param": _NULLABLE_STRING, "code": _NULLABLE_STRING})}),
+    # One event of the Responses, Messages or legacy completions stream: `event` names it (Responses
+    # and Messages), `data` is its JSON as the protocol documents it.
+    "ServerSentEvent": {"type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}},
+    # /v1/messages answers errors as Anthropic documents them
+    "AnthropicError": _object({"type": {"const": "error"}, "error": _object({"type": _STRING, "message": _STRING})}),
     "ChatCompletion": _object({
         "id": _STRING, "object": {"const": "chat.completion"}, "created": {"type": "integer"}, "model": _STRING,
         "choices": {"type": "array", "items": _object({"index": {"type": "integer"}, "message": {"type": "object"}},
@@ -66,7 +72,8 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
                      "request": {"type": "object"}},
                     {"response": {"type": ["object", "null"]}, "step": _NULLABLE_INT,
                      "prompt_ids": {"type": ["array", "null"]}, "completion_ids": {"type": ["array", "null"]},
-                     "completion_logprobs": {"type": ["array", "null"]}}),
+                     "behaviour_logprobs": {"type": ["array", "null"]}, "sampling": {"type": ["object", "null"]},
+                     "protocol": _STRING}),
     "Session": _object({"id": _STRING, "split": _STRING, "model": _STRING, "n_calls": {"type": "integer"},
                         "discarded": {"type": "boolean"}, "metrics": {"type": "object"}},
                        {"group_id": _NULLABLE_STRING, "reward": {"type": ["number", "null"]},
@@ -130,6 +137,11 @@ _ROUTE_ERRORS = {
     ("post", "/v1/chat/completions"): ("400", "401", "404", "413", "502", "503", "504", "507"),
     ("get", "/healthz"): ("413",),
 }
+_MODEL_CALL_ERRORS = ("400", "401", "404", "409", "413", "502", "503", "504", "507")
+for _protocol_path in ("/v1/responses", "/v1/messages", "/v1/completions"):
+    _ROUTE_ERRORS[("post", _protocol_path)] = _MODEL_CALL_ERRORS
+# The routes that answer a server-sent event stream when the body says `stream: true`.
+_STREAMING_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions")
 _DEFAULT_ERRORS = ("400", "401", "404", "409", "413", "503", "507")
 _PATH_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"}
 # What the models' validators check beyond their fields' types, said in JSON Schema so that
@@ -188,12 +200,16 @@ def build_openapi(app: FastAPI) -> dict:
                     responses.pop(status)
             for status, (description, media, schema_name) in answers.items():
                 content = {media: {"schema": _ref(schema_name) if schema_name else {"type": "string"}}}
-                if path == "/v1/chat/completions":
-                    content["text/event-stream"] = {"schema": _ref("ChatCompletionStream")}
                 responses[status] = {"description": description, "content": content}
+            if method == "post" and path in _STREAMING_PATHS:
+                for status in [s for s in responses if s.startswith("2")]:
+                    responses[status].setdefault("content", {})["text/event-stream"] = {
+                        "schema": _ref("ChatCompletionStream") if path == "/v1/chat/completions"
+                        else _ref("ServerSentEvent")}
+            error_schema = _ref("AnthropicError") if path == "/v1/messages" else _ref("Error")
             for status in _ROUTE_ERRORS.get((method, path), _DEFAULT_ERRORS):
                 responses.setdefault(status, {"description": _ERRORS[status],
-                                              "content": {_JSON: {"schema": _ref("Error")}}})
+                                              "content": {_JSON: {"schema": error_schema}}})
     return spec
 
 

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
     upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
     upstream_timeout: float = Field(600.0, description="seconds before an upstream call is answered with 504")
+    upstream_protocol: list[Literal["responses", "messages", "completions"]] = Field(
+        default_factory=list, description="--engine openai: a protocol the upstream speaks itself, relayed as it is "
+        "instead of translated to chat completions (repeatable)")
     max_batch_size: int = Field(16, description="local engine: most requests generated together")
     default_max_tokens: int = Field(256, description="completion limit when a request sets none")
     device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")

@@ -366,6 +366,10 @@ class Store:
         rows = self._query("SELECT * FROM calls WHERE session_id = ? ORDER BY created_at, rowid", (session_id,))
         return [store_rows.decode_call(row) for row in rows]
 
+    def get_call(self, call_id: str) -> dict | None:
+        rows = self._query("SELECT * FROM calls WHERE id = ?", (call_id,))
+        return store_rows.decode_call(rows[0]) if rows else None
+
     def get_group(self, group_id: str) -> dict:
         rows = self._query("SELECT * FROM groups WHERE id = ?", (group_id,))
         if not rows:

@@ -86,6 +86,9 @@ class CallRecord:
     sampling: dict | None = None  # the sampling parameters in force (engines.base.TokenRecord)
     created_at: float = field(default_factory=time.time)
     client_request_id: str | None = None  # the client's own X-Request-Id, kept for tracing
+    protocol: str = "chat"  # what the client spoke; `request`/`response` are always the chat form
+    wire_request: dict | None = None  # the client's body, for protocols other than chat
+    wire_response: dict | None = None  # what that client got back
 
 # ------------------------------------------------------------------ ops (run on the writer connection)
 
@@ -108,8 +111,8 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
     conn.execute(
         "INSERT INTO calls (id, session_id, group_id, split, model, served, step, engine, stream, status,"
         " http_status, error, request, response, prompt_ids, completion_ids, completion_logprobs,"
-        " completion_lengths, latency_ms, created_at, client_request_id, sampling)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " completion_lengths, latency_ms, created_at, client_request_id, sampling, protocol, wire_request,"
+        " wire_response) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (
             call.id,
             call.session_id,
@@ -133,6 +136,9 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
             now,
             call.client_request_id,
             _to_json(call.sampling) if call.sampling is not None else None,
+            call.protocol,
+            _to_json(call.wire_request) if call.wire_request is not None else None,
+            _to_json(call.wire_response) if call.wire_response is not None else None,
         ),
     )
     base_model = call.model.split("@", 1)[0]
@@ -242,6 +248,9 @@ def decode_call(row: dict) -> dict:
     row["stream"] = bool(row["stream"])
     row["request"] = json.loads(row["request"])
     row["response"] = json.loads(row["response"]) if row["response"] else None
+    for key in ("wire_request", "wire_response"):
+        if key in row:
+            row[key] = json.loads(row[key]) if row[key] else None
     row["prompt_ids"] = unpack_ids(row["prompt_ids"])
     if lengths is not None:
         row["completion_ids"] = _split(unpack_ids(row["completion_ids"]), lengths)

@@ -117,6 +117,11 @@ _ADDED_COLUMNS = (
     ("calls", "client_request_id", "TEXT"),
     ("calls", "sampling", "TEXT"),
     ("groups", "failed", "TEXT"),
+    # The protocol a call came in by (chat, responses, messages, completions) and, for any but
+    # chat, the client's own request and response; `request`/`response` hold the chat form.
+    ("calls", "protocol", "TEXT NOT NULL DEFAULT 'chat'"),
+    ("calls", "wire_request", "TEXT"),
+    ("calls", "wire_response", "TEXT"),
 )
 
 # A group is ready when it is closed (or has its expected number of sessions) and every

@@ -1,7 +1,7 @@
 """A small, fast OpenAI-compatible upstream on loopback, for tests and the bench.
 
 `POST /v1/chat/completions` echoes the last user message (stream or not, `n`
-choices) and `GET /v1/models` lists two models. It is a raw asyncio protocol on
+choices), `GET /v1/models` lists two models and `GET /health` answers 200 (as vLLM's). It is a raw asyncio protocol on
 httptools, not a web framework, so in the bench it is never the bottleneck.
 
 Scripted behaviour, chosen by a magic token in the last user message (the
@@ -13,7 +13,7 @@ gateway forwards bodies, not headers, so the body is what reaches us):
     [[stream_error]]    stream: one chunk, then an error event
     [[truncate]]        stream: one chunk, then drop the connection (no [DONE])
     [[hold]]            stream: one chunk, then wait for `release()` before the rest
-    [[tool_call]]       answer with a call to the request's first tool
+    [[tool_call]]       answer with a call to the request's first tool (in words after a tool result)
 
 In-process: `with FakeUpstream() as upstream:` (a thread with its own loop);
 `upstream.url` is the base URL an OpenAI client would use and
@@ -225,6 +225,9 @@ class FakeUpstream:
             conn._respond(401, orjson.dumps({"error": {"message": "fake upstream: wrong API key",
                                                        "type": "authentication_error"}}), close=close)
             return
+        if path == "/health" and method == "GET":  # as vLLM answers it (rLLM's gateway polls it)
+            conn._respond(200, b"", close=close)
+            return
         if path == "/v1/models" and method == "GET":
             data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in MODELS]
             conn._respond(200, orjson.dumps({"object": "list", "data": data}), close=close)
@@ -275,8 +278,9 @@ class FakeUpstream:
 
     def _tool_call(self, body: dict, index: int) -> dict | None:
         tools = body.get("tools") or []
-        if not tools:
-            return None
+        messages = body.get("messages") or []
+        if not tools or (messages and messages[-1].get("role") == "tool"):
+            return None  # a tool's result is answered in words, so an agent's loop ends
         name = tools[0].get("function", {}).get("name", "tool")
         return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": '{"x": 1}'}}
 

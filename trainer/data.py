@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.advantages import compute_advantages, has_reward_spread
+from trainer.retries import trainable_calls
 from trainer.types import Sample
 
 log = logging.getLogger("rlproxy.trainer")
@@ -132,8 +133,9 @@ def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, adv
 def trajectory_samples(
     calls: Sequence[dict], *, trajectory_id: str, group_id: str, advantage: float, render: Render | None = None
 ) -> list[Sample]:
-    """A session's calls (in call order) as samples."""
-    turns = [turn for call in calls if (turn := call_turn(call, render)) is not None]
+    """A session's calls (in call order) as samples; retry orphans and calls the client never
+    got an answer to (`trainer.retries`) are left out."""
+    turns = [turn for call in trainable_calls(calls) if (turn := call_turn(call, render)) is not None]
     return merge_turns(turns, trajectory_id=trajectory_id, group_id=group_id, advantage=advantage)
 
 

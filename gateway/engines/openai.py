@@ -179,6 +179,54 @@ class OpenAIEngine(Engine):
             raise UpstreamError(f"the upstream at {self.base_url} closed the stream before sending [DONE]")
         yield StreamEnd(tokens=None)
 
+    # ---------------------------------------------------------------- other protocols, relayed as they are
+
+    async def relay(self, path: str, body: dict | None) -> dict:
+        """POST `body` (GET when None) to `{upstream}{path}` in a protocol the upstream speaks
+        itself (`--upstream-protocol`); its JSON answer, errors mapped as for chat."""
+        session = await self._client()
+        data = None if body is None else orjson.dumps(body)
+        try:
+            async with session.request("GET" if body is None else "POST", URL(self.base_url + path), data=data,
+                                       headers=self._headers, timeout=self._call_timeout) as resp:
+                payload, status = await resp.read(), resp.status
+        except asyncio.TimeoutError:
+            raise self._timeout() from None
+        except aiohttp.ClientError as exc:
+            raise self._unreachable(exc) from None
+        if status >= 400:
+            raise self._status_error(status, payload)
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict):
+            raise UpstreamError(f"the upstream at {self.base_url} answered {path} with something that is not a JSON "
+                                f"object: {_excerpt(payload)}")
+        return data
+
+    async def relay_stream(self, path: str, body: dict) -> AsyncIterator[bytes]:
+        """The `data` payloads of the upstream's event stream for `path` (`[DONE]` too, where
+        the protocol sends one); each protocol's payloads name their event in `type`."""
+        session = await self._client()
+        try:
+            resp = await session.post(URL(self.base_url + path), data=orjson.dumps(body), headers=self._headers,
+                                      timeout=self._stream_timeout)
+            try:
+                if resp.status >= 400:
+                    raise self._status_error(resp.status, await resp.read())
+                if resp.content_type != "text/event-stream":
+                    raise UpstreamError(f"the upstream at {self.base_url} answered a stream request on {path} with "
+                                        f"{resp.content_type or 'no'} content: {_excerpt(await resp.read())}")
+                async for payload in sse_data(resp.content):
+                    yield payload
+            finally:
+                resp.release()
+        except asyncio.TimeoutError:
+            raise self._timeout() from None
+        except aiohttp.ClientError as exc:
+            raise self._unreachable(exc) from None
+
     # ---------------------------------------------------------------- models
 
     async def list_models(self) -> list[str]:

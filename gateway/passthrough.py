@@ -1,0 +1,128 @@
+"""Protocols relayed as they are to an upstream that speaks them (`--upstream-protocol`).
+
+By default every protocol is translated to chat completions, so any chat upstream serves
+it. With the `openai` engine, an upstream that speaks Responses, Messages or completions
+itself may be given the client's body unchanged (only `model` and rlproxy's metadata keys
+change), so nothing a translation cannot express is lost. The call is recorded as any
+other: the protocol, the client's request and response, and the chat form of both (the
+response translated back by the protocol's `to_chat_response`) for the trainer. A stream's
+last event (or `[DONE]`) is held until the call row is committed, as for chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import ModuleType
+from typing import AsyncIterator
+
+import orjson
+
+from gateway.chat import ChatService, Identity
+from gateway.errors import RLProxyError, UpstreamError
+from gateway.protocols import Wire, completions, messages, responses
+
+PATHS = {responses.PROTOCOL: "/responses", messages.PROTOCOL: "/messages", completions.PROTOCOL: "/completions"}
+MODULES: dict[str, ModuleType] = {responses.PROTOCOL: responses, messages.PROTOCOL: messages,
+                                  completions.PROTOCOL: completions}
+_IDENTITY_KEYS = ("session_id", "group_id", "split")
+
+
+def upstream_body(raw: dict, model: str) -> dict:
+    body = {**raw, "model": model}
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict) and any(key in metadata for key in _IDENTITY_KEYS):
+        rest = {k: v for k, v in metadata.items() if k not in _IDENTITY_KEYS}
+        body.pop("metadata")
+        if rest:
+            body["metadata"] = rest
+    return body
+
+
+class PassThrough:
+    def __init__(self, chat: ChatService, protocols: list[str]):
+        self.chat = chat
+        self.protocols = frozenset(protocols)
+
+    def serves(self, protocol: str) -> bool:
+        return protocol in self.protocols
+
+    def _record(self, protocol, raw, chat_body, identity, request_id, target, stream, started, wire_response,
+                error=None):
+        module = MODULES[protocol]
+        chat_response = module.to_chat_response(wire_response) if wire_response is not None else None
+        wire = Wire(protocol, raw, lambda _chat: wire_response)
+        return self.chat._record(request_id=request_id, identity=identity, raw=chat_body, target=target,
+                                 stream=stream, started=started, response=chat_response, tokens=None, error=error,
+                                 wire=wire)
+
+    async def complete(self, protocol: str, raw: dict, chat_body: dict, identity: Identity, request_id: str):
+        started, target = time.perf_counter(), None
+        try:
+            async with self.chat.gate.passage(), self.chat.registry.use(raw["model"]) as target:
+                answer = await self.chat.engine.relay(PATHS[protocol], upstream_body(raw, target.model))
+        except RLProxyError as exc:
+            await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, False,
+                                                 started, None, exc))
+            raise
+        answer["model"] = raw["model"]  # the client sees the name it asked for
+        await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, False,
+                                             started, answer))
+        return answer, target
+
+    async def open_stream(self, protocol: str, raw: dict, chat_body: dict, identity: Identity, request_id: str):
+        await self.chat.gate.wait()
+        target = self.chat.registry.resolve(raw["model"])
+        events = self._stream(protocol, raw, chat_body, identity, request_id, target, time.perf_counter())
+        first = await events.__anext__()  # the upstream's refusal becomes the HTTP status, not a 200 stream
+        return _prepend(first, events), target
+
+    async def _stream(self, protocol, raw, chat_body, identity, request_id, target, started) -> AsyncIterator[bytes]:
+        """SSE frames; the last one only after the call row is committed."""
+        accumulator = MODULES[protocol].Accumulator()
+        held: bytes | None = None
+        error: RLProxyError | None = None
+        finished = False
+        try:
+            async with self.chat.registry.use(raw["model"]) as target:
+                async for payload in self.chat.engine.relay_stream(PATHS[protocol], upstream_body(raw, target.model)):
+                    kind = None
+                    if payload != b"[DONE]":
+                        event = orjson.loads(payload)
+                        kind = event.get("type") if protocol != completions.PROTOCOL else None
+                        accumulator.add(event)
+                    if held is not None:
+                        yield held
+                    held = (b"event: " + kind.encode() + b"\n" if kind else b"") + b"data: " + payload + b"\n\n"
+            finished = True
+            if held is None:
+                raise UpstreamError(f"the upstream's {PATHS[protocol]} stream ended without an event")
+        except RLProxyError as exc:
+            error = exc
+        finally:
+            if not finished and error is None:  # the client left: still record what was sent
+                gone = RLProxyError("stream ended early: the client disconnected")
+                gone.status_code = 499
+                await asyncio.shield(self.chat._commit(self._record(
+                    protocol, raw, chat_body, identity, request_id, target, True, started, accumulator.response, gone)))
+        await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, True, started,
+                                             accumulator.response if error is None else None, error))
+        if error is not None:
+            if held is None:
+                raise error
+            yield held
+            body = (messages.error_body(error.status_code, error.message) if protocol == messages.PROTOCOL
+                    else error.to_openai())
+            yield b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
+            return
+        if held is not None:
+            yield held
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()

@@ -1,0 +1,265 @@
+"""Routes for the protocols other than chat: Responses, Anthropic Messages, legacy completions.
+
+Thin: parse the body (its model is the route's request schema in /openapi.json), translate
+to the chat form (`gateway.protocols.*`), hand it to the chat service with a `Wire` so the
+call row keeps what the client sent and got, and translate the answer (or the stream)
+back. Errors leave in each protocol's own shape (`error_response`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import re
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from gateway.chat import Identity, identify
+from gateway.errors import InvalidRequest, NotFound, RLProxyError
+from gateway.protocol import ChatCompletionRequest
+from gateway.protocols import Wire, completions, messages, responses
+from gateway.routes.openai import read_json, validation_message
+
+router = APIRouter()
+
+_IDENTITY_HEADERS = ("x-session-id", "x-group-id", "x-split", "x-request-id")
+_UPSTREAM_ID = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+
+
+def _json(data: Any, status_code: int = 200, headers: dict | None = None) -> Response:
+    """JSON by orjson (a tenth of the stdlib's cost, as on the chat route)."""
+    return Response(orjson.dumps(data), status_code=status_code, headers=headers, media_type="application/json")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.endswith("/v1/messages") or path.startswith("/v1/messages/")
+
+
+def error_response(path: str, exc: RLProxyError) -> Response:
+    """`exc` in the shape the route's protocol documents: Anthropic's for /v1/messages,
+    OpenAI's everywhere else."""
+    # 413: the rest of the body is still coming; close rather than read it all.
+    headers = {"Connection": "close"} if exc.status_code == 413 else None
+    if is_anthropic_path(path):
+        return _json(messages.error_body(exc.status_code, exc.message), exc.status_code, headers)
+    return _json(exc.to_openai(), exc.status_code, headers)
+
+
+def _headers(session_id: str, step: int | None) -> dict[str, str]:
+    headers = {"X-Session-Id": session_id}
+    if step is not None:
+        headers["X-Model-Step"] = str(step)
+    return headers
+
+
+def _identity(request: Request, raw: dict) -> Identity:
+    return identify({name: request.headers[name] for name in _IDENTITY_HEADERS if name in request.headers}, raw)
+
+
+def _reparsed(model: type[BaseModel], raw: dict) -> Any:
+    """The body again, from the orjson parse the record is made of: FastAPI's stdlib parse keeps
+    integers past 64 bits, which no JSON encoder downstream (orjson, the store) can write back."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(validation_message(exc)) from None
+
+
+def _chat_request(body: dict) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(validation_message(exc)) from None
+
+
+class _Encoder:
+    """What a protocol's stream encoder offers (`ResponsesStream`, `MessagesStream`, `CompletionsStream`)."""
+
+    start: Callable[[], list]
+    chunk: Callable[[dict], list]
+    finish: Callable[[], list]
+    error: Callable[[dict], list]
+
+
+def _frame(kind: str | None, data: bytes) -> bytes:
+    return (b"event: " + kind.encode() + b"\n" if kind else b"") + b"data: " + data + b"\n\n"
+
+
+async def _encode(events: AsyncIterator[bytes], encoder: _Encoder) -> AsyncIterator[bytes]:
+    """Chat SSE payloads (the chat service's, `[DONE]` last and only once recorded) re-encoded."""
+    failed = False
+    try:
+        for kind, data in encoder.start():
+            yield _frame(kind, data)
+        async for payload in events:
+            if payload == b"[DONE]":
+                if not failed:
+                    for kind, data in encoder.finish():
+                        yield _frame(kind, data)
+                continue
+            chunk = orjson.loads(payload)
+            if "error" in chunk and "choices" not in chunk:
+                failed = True
+                produced = encoder.error(chunk)
+            else:
+                produced = encoder.chunk(chunk)
+            for kind, data in produced:
+                yield _frame(kind, data)
+    finally:
+        await events.aclose()  # records a stream the client left early
+
+
+async def _unless_client_leaves(request: Request, call: Awaitable[Any]) -> Any:
+    """`call`'s result, or None: cancelled when the client disconnects first (the chat service
+    then records the call with status 499, so an answer nobody got is never trained)."""
+    task = asyncio.ensure_future(call)
+
+    async def client_left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":  # the body was read already
+            pass
+
+    watcher = asyncio.ensure_future(client_left())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wire,
+                 to_wire: Callable[[dict], dict], encoder: Callable[[], _Encoder], stream: bool) -> Response:
+    services = request.app.state.services
+    request_id = request.scope["state"]["request_id"]
+    relay = services.extras.get("passthrough")
+    if relay is not None and relay.serves(wire.protocol):  # --upstream-protocol: the upstream speaks it
+        if not stream:
+            answer, target = await relay.complete(wire.protocol, wire.request, chat_body, identity, request_id)
+            return _json(answer, headers=_headers(identity.session_id, target.step))
+        frames, target = await relay.open_stream(wire.protocol, wire.request, chat_body, identity, request_id)
+        return StreamingResponse(frames, media_type="text/event-stream",
+                                 headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"})
+    if stream:
+        chat_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
+    chat_request = _chat_request(chat_body)
+    if not stream:
+        answered = await _unless_client_leaves(
+            request, services.chat.complete(chat_request, chat_body, identity, request_id, wire))
+        if answered is None:
+            return Response(status_code=499)  # nobody reads it
+        response, target = answered
+        return _json(to_wire(response), headers=_headers(identity.session_id, target.step))
+    events, target = await services.chat.open_stream(chat_request, chat_body, identity, request_id, wire)
+    return StreamingResponse(_encode(events, encoder()), media_type="text/event-stream",
+                             headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"})
+
+
+# ------------------------------------------------------------------ OpenAI Responses
+
+
+def _stored_response(store: Any, resp_id: str) -> dict:
+    call_id = responses.call_id_of(resp_id)
+    row = store.get_call(call_id) if call_id else None
+    if row is None or row.get("protocol") != responses.PROTOCOL or row.get("status") != "ok":
+        raise NotFound(f"response '{resp_id[:80]}' not found: use the id of a completed response from this gateway",
+                       param="response_id")
+    return row
+
+
+@router.post("/v1/responses", summary="Create a model response (OpenAI Responses API)")
+async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
+    raw = await read_json(request)
+    body = _reparsed(responses.ResponsesRequest, raw)
+    identity = _identity(request, raw)
+    history = None
+    if body.previous_response_id:
+        previous = _stored_response(request.app.state.services.store, body.previous_response_id)
+        history = responses.history_of(previous["request"], previous["wire_request"], previous["response"])
+        if identity.minted:  # a conversation continued by id stays in its session
+            identity = dataclasses.replace(identity, session_id=previous["session_id"],
+                                           group_id=identity.group_id or previous["group_id"], minted=False)
+    resp_id = responses.response_id(request.scope["state"]["request_id"])
+
+    def to_wire(chat_response: dict) -> dict:
+        return responses.from_chat(chat_response, raw, resp_id)
+
+    wire = Wire(responses.PROTOCOL, raw, to_wire)
+    return await _serve(request, responses.to_chat(body, history), identity, wire, to_wire,
+                        lambda: responses.ResponsesStream(raw, resp_id), body.stream)
+
+
+@router.get("/v1/responses/{response_id}", summary="Retrieve a stored response")
+async def get_response(response_id: str, request: Request) -> Response:
+    services = request.app.state.services
+    relay = services.extras.get("passthrough")
+    try:
+        return _json(_stored_response(services.store, response_id)["wire_response"])
+    except NotFound:
+        # --upstream-protocol responses: the ids are the upstream's, so ask it (the id is
+        # checked before it becomes part of a URL)
+        if relay is None or not relay.serves(responses.PROTOCOL) or not _UPSTREAM_ID.match(response_id):
+            raise
+    return _json(await services.engine.relay(f"/responses/{response_id}", None))
+
+
+# ------------------------------------------------------------------ Anthropic Messages
+
+
+@router.post("/v1/messages", summary="Create a message (Anthropic Messages API)")
+async def create_message(body: messages.MessagesRequest, request: Request) -> Response:
+    raw = await read_json(request)
+    body = _reparsed(messages.MessagesRequest, raw)
+    identity = _identity(request, raw)
+    msg_id = messages.message_id(request.scope["state"]["request_id"])
+
+    def to_wire(chat_response: dict) -> dict:
+        return messages.from_chat(chat_response, raw, msg_id)
+
+    wire = Wire(messages.PROTOCOL, raw, to_wire)
+    return await _serve(request, messages.to_chat(body), identity, wire, to_wire,
+                        lambda: messages.MessagesStream(raw, msg_id), body.stream)
+
+
+# ------------------------------------------------------------------ legacy completions
+
+
+@router.post("/v1/completions", summary="Create a completion (legacy completions)")
+async def create_completion(body: completions.CompletionRequest, request: Request) -> Response:
+    raw = await read_json(request)
+    body = _reparsed(completions.CompletionRequest, raw)
+    identity = _identity(request, raw)
+    request_id = request.scope["state"]["request_id"]
+    cmpl_id = completions.completion_id(request_id)
+    prompts = body.prompts()
+    if len(prompts) == 1:
+        def to_wire(chat_response: dict) -> dict:
+            return completions.from_chat(chat_response, raw, cmpl_id)
+
+        wire = Wire(completions.PROTOCOL, raw, to_wire)
+        return await _serve(request, completions.to_chat(body, prompts[0]), identity, wire, to_wire,
+                            lambda: completions.CompletionsStream(raw, cmpl_id), body.stream)
+    # Several prompts: one call row each (the first under the request's id), choices numbered across them.
+    services = request.app.state.services
+    answers, step = [], None
+    for i, prompt in enumerate(prompts):
+        first = i * body.n
+
+        def to_wire(chat_response: dict, first: int = first) -> dict:
+            return completions.from_chat(chat_response, raw, cmpl_id, first_index=first)
+
+        chat_body = completions.to_chat(body, prompt)
+        call_id = request_id if i == 0 else f"{request_id}.{i}"
+        response, target = await services.chat.complete(_chat_request(chat_body), chat_body, identity, call_id,
+                                                        Wire(completions.PROTOCOL, raw, to_wire))
+        answers.append(to_wire(response))
+        step = target.step
+    return _json(completions.merge(answers), headers=_headers(identity.session_id, step))

@@ -1,0 +1,124 @@
+"""`--upstream-protocol`: Responses, Messages and completions relayed as they are to an
+upstream that speaks them (a loopback stand-in here), recorded with the chat form of the
+answer for the trainer."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from tests.helpers import ThreadServer
+from tests.helpers_upstream import openai_gateway
+
+RESPONSE = {"id": "resp_upstream1", "object": "response", "created_at": 1, "status": "completed", "model": "m",
+            "output": [{"type": "message", "id": "msg_u", "status": "completed", "role": "assistant",
+                        "content": [{"type": "output_text", "text": "native hi", "annotations": []}]},
+                       {"type": "function_call", "id": "fc_u", "call_id": "call_u", "name": "f",
+                        "arguments": "{\"a\": 1}", "status": "completed"}],
+            "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}}
+MESSAGE_EVENTS = [
+    {"type": "message_start", "message": {"id": "msg_up", "type": "message", "role": "assistant", "model": "m",
+                                          "content": [], "stop_reason": None, "stop_sequence": None,
+                                          "usage": {"input_tokens": 4, "output_tokens": 0}}},
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "native "}},
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "anthropic"}},
+    {"type": "content_block_stop", "index": 0},
+    {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "toolu_1", "name": "f",
+                                                                  "input": {}}},
+    {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"b\": "}},
+    {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "2}"}},
+    {"type": "content_block_stop", "index": 1},
+    {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 5}},
+    {"type": "message_stop"},
+]
+
+
+def native_upstream() -> Starlette:
+    seen: list[tuple[str, dict]] = []
+
+    async def responses(request: Request):
+        body = await request.json()
+        seen.append(("responses", body))
+        return JSONResponse({**RESPONSE, "model": body["model"]})
+
+    async def messages(request: Request):
+        body = await request.json()
+        seen.append(("messages", body))
+
+        async def events():
+            for event in MESSAGE_EVENTS:
+                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def completions(request: Request):
+        body = await request.json()
+        seen.append(("completions", body))
+        return JSONResponse({"id": "cmpl-up", "object": "text_completion", "created": 1, "model": body["model"],
+                             "choices": [{"index": 0, "text": " raw continuation", "logprobs": None,
+                                          "finish_reason": "length"}],
+                             "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
+
+    async def retrieve(request: Request):
+        return JSONResponse({**RESPONSE, "id": request.path_params["rid"]})
+
+    app = Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]),
+                            Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
+                            Route("/v1/messages", messages, methods=["POST"]),
+                            Route("/v1/completions", completions, methods=["POST"])])
+    app.state.seen = seen
+    return app
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    upstream = native_upstream()
+    with ThreadServer(upstream) as up, openai_gateway(
+            up.url + "/v1", tmp_path_factory.mktemp("state"),
+            upstream_protocol=["responses", "messages", "completions"]) as (server, services):
+        yield server, services, upstream.state.seen
+
+
+def test_responses_relayed_and_recorded_in_chat_form(gateway):
+    server, services, seen = gateway
+    client = openai.OpenAI(base_url=server.url + "/sessions/pt-1/v1", api_key="x", max_retries=0)
+    out = client.responses.create(model="fake-model", input="hi", metadata={"session_id": "ignored", "k": "v"})
+    assert out.id == "resp_upstream1" and out.output_text == "native hi"
+    protocol, body = seen[-1]
+    assert protocol == "responses" and body["input"] == "hi" and body["metadata"] == {"k": "v"}
+    [row] = services.store.session_calls("pt-1")
+    assert row["protocol"] == "responses" and row["wire_response"]["id"] == "resp_upstream1"
+    assert row["request"]["messages"] == [{"role": "user", "content": "hi"}]
+    assert client.responses.retrieve("resp_upstream1").output_text == "native hi"  # asked of the upstream
+    message = row["response"]["choices"][0]["message"]
+    assert message["content"] == "native hi" and message["tool_calls"][0]["function"]["arguments"] == "{\"a\": 1}"
+
+
+def test_messages_stream_relayed_and_accumulated(gateway):
+    server, services, _ = gateway
+    client = anthropic.Anthropic(base_url=server.url + "/sessions/pt-2", api_key="x", max_retries=0)
+    with client.messages.stream(model="fake-model", max_tokens=9, messages=[{"role": "user", "content": "q"}]) as s:
+        final = s.get_final_message()
+    assert final.content[0].text == "native anthropic" and final.content[1].input == {"b": 2}
+    [row] = services.store.session_calls("pt-2")
+    assert row["wire_response"]["content"][1]["input"] == {"b": 2}
+    choice = row["response"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "native anthropic"
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"b": 2}
+
+
+def test_completions_relayed(gateway):
+    server, services, seen = gateway
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    out = client.completions.create(model="fake-model", prompt="once", extra_headers={"X-Session-Id": "pt-3"})
+    assert out.choices[0].text == " raw continuation" and seen[-1] == ("completions", {
+        "model": "fake-model", "prompt": "once"})
+    [row] = services.store.session_calls("pt-3")
+    assert row["response"]["choices"][0]["message"]["content"] == " raw continuation"

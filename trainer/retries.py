@@ -1,0 +1,69 @@
+"""Retries are not trajectories: which of a session's calls the trainer must leave out.
+
+A call whose answer never reached the client (it left: 499) is recorded as an error and
+`call_turn` skips it already. A client's retry leaves an orphan: two calls of one session
+with the same request (the same conversation so far), of which the conversation went on
+from at most one answer. The orphan is every such call but the one a later call continued
+from (its request's messages extend the call's messages with that call's answer); when
+none was continued from (the retried call was the last turn), the latest one is kept.
+
+Pure functions over the store's call dicts (`request` is always the chat form, whatever
+protocol the call came in by, so calls of different protocols compare).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import orjson
+
+
+def _key(call: dict) -> bytes:
+    """What makes two requests the same question: the conversation, the tools, the model."""
+    request = call.get("request") or {}
+    return orjson.dumps([request.get("model"), request.get("messages"), request.get("tools")],
+                        option=orjson.OPT_SORT_KEYS)
+
+
+def _answer(call: dict) -> tuple:
+    message = ((call.get("response") or {}).get("choices") or [{}])[0].get("message") or {}
+    calls = tuple(((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+                  for c in message.get("tool_calls") or [])
+    return (message.get("content") or "", calls)
+
+
+def _continues(later: dict, earlier: dict) -> bool:
+    """`later`'s conversation is `earlier`'s followed by `earlier`'s answer."""
+    before = (earlier.get("request") or {}).get("messages") or []
+    after = (later.get("request") or {}).get("messages") or []
+    if len(after) <= len(before) or after[: len(before)] != before:
+        return False
+    next_message = after[len(before)]
+    if next_message.get("role") != "assistant":
+        return False
+    calls = tuple(((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+                  for c in next_message.get("tool_calls") or [])
+    return (next_message.get("content") or "", calls) == _answer(earlier)
+
+
+def retry_orphans(calls: Sequence[dict]) -> set[str]:
+    """Ids of the calls (in call order, one session) that a retry made orphans."""
+    ok = [c for c in calls if c.get("status") == "ok"]
+    by_request: dict[bytes, list[int]] = {}
+    for i, call in enumerate(ok):
+        by_request.setdefault(_key(call), []).append(i)
+    orphans: set[str] = set()
+    for positions in by_request.values():
+        if len(positions) < 2:
+            continue
+        continued = [i for i in positions if any(_continues(later, ok[i]) for later in ok[i + 1:])]
+        keep = continued[-1] if continued else positions[-1]
+        orphans.update(ok[i]["id"] for i in positions if i != keep)
+    return orphans
+
+
+def trainable_calls(calls: Sequence[dict]) -> list[dict]:
+    """A session's calls without those whose answer never reached the client (499) and
+    without retry orphans, in order."""
+    orphans = retry_orphans(calls)
+    return [c for c in calls if c.get("http_status") != 499 and c.get("id") not in orphans]
