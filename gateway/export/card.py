@@ -75,6 +75,9 @@ def plot_curve(history: list[dict], val: dict[int, list[float]], path: Path, tit
     ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2)
     if val:
         ax.plot(list(val), [sum(v) / len(v) for v in val.values()], marker="s", label="val reward (by answering step)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title(title)
