@@ -247,3 +247,34 @@ def test_parquet_needs_a_file_and_unknown_format_is_refused(trained):
     done = subprocess.run([sys.executable, "-m", "gateway.cli", "export", "--format", "csv"],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_calls_recorded_without_token_ids_are_rendered_like_the_trainer_does(tmp_path):
+    """An `openai`-engine call has no token ids: its sample is the chat template's rendering
+    (`ChatTemplateRenderer`, what the trainer trains on) with no behaviour logprobs."""
+    from transformers import AutoTokenizer
+
+    from gateway.settings import Settings
+    from gateway.tiny_model import resolve_base_model
+
+    settings = Settings(state_dir=tmp_path)
+    store = Store(settings.db_path)
+    messages = [{"role": "user", "content": "Hello"}]
+    store.record_call_sync(CallRecord(
+        id="r1", session_id="s1", group_id="g", split="train", model="agent", served=None, step=None,
+        engine="openai", stream=False, status="ok", request={"model": "agent", "messages": messages},
+        response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi! How can I help you?"},
+                               "finish_reason": "stop"}]}, latency_ms=1.0))
+    asyncio.run(store.close())
+    row = pq.read_table(export(settings, tmp_path, "parquet")).to_pylist()[0]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(settings.base_model, tmp_path))
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    completion = ids("Hi! How can I help you?<|im_end|>")
+    assert row["token_ids"] == ids(prompt) + completion
+    assert row["loss_mask"] == [False] * len(ids(prompt)) + [True] * len(completion)
+    assert row["old_logprobs"] == [None] * len(row["token_ids"])
+    assert row["step"] is None and row["sampled_by_step"] is None
+    line = json.loads(export(settings, tmp_path, "openai").read_text())
+    validate_fine_tuning_line(line)
+    assert line == {"messages": [*messages, {"role": "assistant", "content": "Hi! How can I help you?"}]}

@@ -59,9 +59,28 @@ def parse_model_ref(ref: str) -> tuple[str, int | None]:
     return name, int(step)
 
 
+def _recorded_steps(settings: Settings, name: str) -> set[int]:
+    """Steps the store records for `name` (empty without a store beside the checkpoints)."""
+    if not settings.db_path.is_file():
+        return set()
+    from gateway.export.selection import close_store, open_store
+
+    store = open_store(settings.db_path)
+    try:
+        return {row["step"] for row in store.steps(name)}
+    finally:
+        close_store(store)
+
+
 def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Checkpoint:
+    """Step `step` of `name`, or its newest. With a store beside the checkpoints, only steps it
+    records count: a checkpoint written by a worker killed before recording it may still be
+    discarded when the worker restarts (`trainer.worker`)."""
     root = settings.checkpoints_dir(name)
     available = ckpts.list_checkpoints(root)
+    recorded = _recorded_steps(settings, name)
+    if recorded:
+        available = [c for c in available if c.step in recorded]
     if not available:
         raise NotFound(f"no checkpoints of model '{name}' in {root}: pass the --state-dir the trainer ran with")
     if step is None:
