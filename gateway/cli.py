@@ -195,8 +195,8 @@ def cmd_export_model(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     done = export_model(settings, args.model, args.out, merged=args.merged)
-    kind = "merged model" if done.merged else "adapter"
-    print(f"exported {done.name}@{done.step} as a {kind} to {done.out}", file=sys.stderr)
+    kind = "a merged model" if done.merged else "an adapter"
+    print(f"exported {done.name}@{done.step} as {kind} to {done.out}", file=sys.stderr)
     return 0
 
 
