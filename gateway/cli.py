@@ -186,11 +186,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from gateway.export import export_trajectories
+    from gateway.export.records import export_trajectories
+    from gateway.export.selection import SessionFilter
 
     settings = settings_from_args(args)
-    count = export_trajectories(settings.db_path, args.output, split=args.split, only_rewarded=args.rewarded)
-    print(f"exported {count} sessions to {args.output}", file=sys.stderr)
+    where = SessionFilter(split=args.split, rewarded=args.rewarded, min_reward=args.min_reward,
+                          since_step=args.since_step, groups=tuple(args.group or ()))
+    result = export_trajectories(settings.db_path, args.output, fmt=args.format, where=where,
+                                 base_model=settings.base_model, state_dir=settings.state_dir)
+    what = "sessions" if args.format == "rlproxy" else "samples"
+    print(f"exported {result.rows} {what} ({result.sessions} sessions matched) to {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    from gateway.export.model import export_model
+
+    settings = settings_from_args(args)
+    done = export_model(settings, args.model, args.out, merged=args.merged)
+    kind = "a merged model" if done.merged else "an adapter"
+    print(f"exported {done.name}@{done.step} as {kind} to {done.out}", file=sys.stderr)
     return 0
 
 
@@ -207,7 +222,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[tuple[str, ...], str], ...]]] = {
     "serve": ("run the gateway (and, with --trainer auto, a trainer worker beside it)", cmd_serve,
               ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
-    "export": ("write recorded sessions as JSON lines", cmd_export, ((("state_dir",), "store"),)),
+    "export": ("write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples", cmd_export,
+               ((("state_dir", "base_model"), "store"),)),
+    "export-model": ("write a trained step as a PEFT adapter or a merged model, with a model card",
+                     cmd_export_model, ((("state_dir",), "store"),)),
     "demo": ("watch it learn: gateway, trainer and a toy agent on the built-in tiny model (CPU, minutes)",
              cmd_demo, ((("state_dir", "log_level"), "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
     "train": ("run a trainer worker alone: train on ready groups, save adapters, record steps", cmd_train,
@@ -226,6 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--output", "-o", default="-", help="file to write, or - for stdout")
             command.add_argument("--split", choices=["train", "val"], default=None, help="only this split")
             command.add_argument("--rewarded", action="store_true", help="only sessions with a reward")
+            command.add_argument("--format", choices=["rlproxy", "openai", "parquet"], default="rlproxy",
+                                 help="rlproxy: one session per line; openai: chat fine-tuning JSONL, one trained "
+                                 "sample per line; parquet: one row per trained sample with token ids and masks")
+            command.add_argument("--min-reward", type=float, default=None, help="only sessions rewarded at least this")
+            command.add_argument("--since-step", type=int, default=None,
+                                 help="only sessions answered entirely by this adapter step or a later one")
+            command.add_argument("--group", action="append", metavar="GROUP_ID", help="only this group (repeatable)")
+        if name == "export-model":
+            command.add_argument("model", metavar="NAME[@STEP]", help="the model and step, as served (newest if no @STEP)")
+            command.add_argument("--out", required=True, help="directory to create (must not exist or be empty)")
+            command.add_argument("--merged", action="store_true",
+                                 help="write the base model with the adapter merged in, instead of the adapter")
         if name == "demo":
             from gateway.demo import add_arguments
 

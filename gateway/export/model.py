@@ -1,0 +1,181 @@
+"""`rlproxy export-model NAME@N --out DIR`: a trained step as files other servers load.
+
+Without `--merged` DIR holds the step's PEFT adapter (`adapter_config.json`,
+`adapter_model.safetensors`: what `PeftModel.from_pretrained` and vLLM's `--lora-modules`
+read), with `base_model_name_or_path` naming the base it was trained on. With `--merged`
+DIR holds the base model with the adapter folded into its weights (safetensors, the base's
+tokenizer, chat template and generation config): a plain model any server loads.
+Either way DIR also gets `training_settings.json` (the settings the step was trained
+with, secrets excluded), `trainer_state.json`, the model card `README.md` and
+`reward_curve.png`.
+
+Tied embeddings: a model whose output head shares its matrix with the input embeddings
+(the built-in tiny model, many small models) and whose adapter has a LoRA on the head
+(the tiny model's does, see `trainer.backends.peft.lora_targets`) must be untied before
+merging. Folding the head's delta into the shared matrix would change the input
+embeddings too, and the merged model would no longer compute what was trained. The merged
+model gets its own head and `tie_word_embeddings: false`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.errors import ConfigError, InvalidRequest, NotFound
+from gateway.settings import Settings
+from trainer import checkpoints as ckpts
+from trainer.backends.base import ADAPTER_FILES
+
+log = logging.getLogger("rlproxy.export")
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SETTINGS_FILE = "training_settings.json"
+
+
+@dataclass(frozen=True)
+class ModelExport:
+    name: str
+    step: int
+    out: Path
+    merged: bool
+    checkpoint: Path
+
+
+def parse_model_ref(ref: str) -> tuple[str, int | None]:
+    """`NAME` (newest step) or `NAME@N`; the name must be a plain model name, since it
+    becomes part of a path."""
+    name, sep, step = ref.partition("@")
+    if not _NAME.match(name):
+        raise InvalidRequest(f"'{name}' is not a model name (letters, digits, '.', '_', '-'): give NAME or NAME@STEP")
+    if not sep:
+        return name, None
+    if not step.isdigit():
+        raise InvalidRequest(f"'{ref}': the step after @ must be a number, as in {name}@3")
+    return name, int(step)
+
+
+def _recorded_steps(settings: Settings, name: str) -> set[int]:
+    """Steps the store records for `name` (empty without a store beside the checkpoints)."""
+    if not settings.db_path.is_file():
+        return set()
+    from gateway.export.selection import close_store, open_store
+
+    store = open_store(settings.db_path)
+    try:
+        return {row["step"] for row in store.steps(name)}
+    finally:
+        close_store(store)
+
+
+def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Checkpoint:
+    """Step `step` of `name`, or its newest. With a store beside the checkpoints, only steps it
+    records count: a checkpoint written by a worker killed before recording it may still be
+    discarded when the worker restarts (`trainer.worker`)."""
+    root = settings.checkpoints_dir(name)
+    available = ckpts.list_checkpoints(root)
+    recorded = _recorded_steps(settings, name)
+    if recorded:
+        available = [c for c in available if c.step in recorded]
+    if not available:
+        raise NotFound(f"no checkpoints of model '{name}' in {root}: pass the --state-dir the trainer ran with")
+    if step is None:
+        return available[-1]
+    for checkpoint in available:
+        if checkpoint.step == step:
+            return checkpoint
+    steps = ", ".join(str(c.step) for c in available)
+    raise NotFound(f"model '{name}' has no checkpoint for step {step} in {root} (steps: {steps})")
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} already exists and is not empty: choose a new --out directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = False) -> ModelExport:
+    name, step = parse_model_ref(ref)
+    checkpoint = find_checkpoint(settings, name, step)
+    trained_with = checkpoint.settings()
+    base_model = trained_with.get("base_model", settings.base_model)
+    out = Path(out)
+    _prepare_out(out)
+    if merged:
+        write_merged(checkpoint.path, base_model, settings.state_dir, out)
+    else:
+        write_adapter(checkpoint.path, base_model, out)
+    (out / SETTINGS_FILE).write_text(json.dumps(trained_with, indent=2, sort_keys=True))
+    shutil.copyfile(checkpoint.path / ckpts.STATE_FILE, out / ckpts.STATE_FILE)
+
+    from gateway.export.card import write_card
+
+    write_card(out, settings, name=name, step=checkpoint.step, base_model=base_model, trained_with=trained_with,
+               merged=merged)
+    return ModelExport(name, checkpoint.step, out, merged, checkpoint.path)
+
+
+def write_adapter(checkpoint: Path, base_model: str, out: Path) -> None:
+    """The PEFT files, with the base named by its id (the checkpoint records the local
+    path the trainer loaded it from); the optimizer state stays behind."""
+    config = json.loads((checkpoint / ADAPTER_FILES[0]).read_text())
+    config["base_model_name_or_path"] = base_model
+    (out / ADAPTER_FILES[0]).write_text(json.dumps(config, indent=2, sort_keys=True))
+    shutil.copyfile(checkpoint / ADAPTER_FILES[1], out / ADAPTER_FILES[1])
+
+
+def _output_and_input_names(model) -> tuple[set[str], set[str]]:
+    """Module names of the output head and of the input embeddings."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    heads = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head and n}
+    embeds = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is embed and n}
+    return heads, embeds
+
+
+def untie_if_adapted(model, adapter_config: dict) -> bool:
+    """Give the output head its own copy of the tied matrix when the adapter changes the
+    head or the embeddings; True if it did. (Merging into a shared matrix would apply
+    the head's delta to the inputs as well.)"""
+    import torch
+
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return False
+    targets = adapter_config.get("target_modules") or []
+    targets = {targets} if isinstance(targets, str) else set(targets)
+    heads, embeds = _output_and_input_names(model)
+    if not (targets & (heads | embeds)):
+        return False
+    head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    if text_config is not None and text_config is not model.config:
+        text_config.tie_word_embeddings = False
+    return True
+
+
+def write_merged(checkpoint: Path, base_model: str, state_dir: Path, out: Path) -> None:
+    """The base with the adapter merged, in the base's own dtype, with its tokenizer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gateway.tiny_model import resolve_base_model
+
+    source = resolve_base_model(base_model, state_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        base = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
+    except OSError as exc:
+        raise ConfigError(f"cannot load the base model '{base_model}' to merge into: {exc}. It must be "
+                          "available here (a local path, or a Hugging Face id in the cache)") from exc
+    adapter_config = json.loads((checkpoint / ADAPTER_FILES[0]).read_text())
+    if untie_if_adapted(base, adapter_config):
+        log.info("the adapter changes a tied output head: the merged model gets its own head")
+    model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=False)
+    merged = model.merge_and_unload()
+    merged.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))

@@ -1,0 +1,159 @@
+"""`rlproxy export`: recorded sessions as files other tools read.
+
+- `rlproxy`: one session per line, as `GET /v1/sessions/{id}` returns it (calls included).
+- `openai`: one trained sample per line, as a conversation in OpenAI's chat fine-tuning
+  format (`openai_format`), for SFT or distillation elsewhere.
+- `parquet`: one row per trained sample, with the trainer's token ids, loss mask and
+  behaviour logprobs (`PARQUET_SCHEMA`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterator
+
+import orjson
+
+from gateway.errors import ConfigError, InvalidRequest
+from gateway.export.openai_format import conversation
+from gateway.export.samples import ExportedSample, LazyRenderer, exported_samples
+from gateway.export.selection import SessionFilter, close_store, open_store, select_sessions
+
+FORMATS = ("rlproxy", "openai", "parquet")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    sessions: int
+    """Sessions that passed the filters."""
+    rows: int
+    """Lines or rows written: sessions (rlproxy) or samples (openai, parquet)."""
+
+
+@contextmanager
+def _output(path: str) -> Iterator[IO[bytes]]:
+    if path == "-":
+        yield sys.stdout.buffer
+        sys.stdout.buffer.flush()
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as out:
+        yield out
+
+
+def export_trajectories(
+    db_path: Path,
+    output: str,
+    *,
+    fmt: str = "rlproxy",
+    where: SessionFilter | None = None,
+    base_model: str | None = None,
+    state_dir: Path | None = None,
+) -> ExportResult:
+    """Write the sessions `where` selects from the store at `db_path` to `output` (a path,
+    or "-" for stdout) in format `fmt`. `base_model` renders calls recorded without token
+    ids (the `openai` engine) for the sample formats."""
+    if fmt not in FORMATS:
+        raise InvalidRequest(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "parquet" and output == "-":
+        raise InvalidRequest("parquet is a binary file format: give a file with --output")
+    where = where or SessionFilter()
+    state_dir = Path(state_dir) if state_dir is not None else Path(db_path).parent
+    store = open_store(db_path)
+    try:
+        sessions = list(select_sessions(store, db_path, where))
+        if fmt == "rlproxy":
+            with _output(output) as out:
+                for session in sessions:
+                    out.write(orjson.dumps(session, default=str) + b"\n")
+            return ExportResult(len(sessions), len(sessions))
+        from gateway.settings import TINY_MODEL_ID
+
+        render = LazyRenderer(base_model or TINY_MODEL_ID, state_dir)
+        samples = exported_samples(store, sessions, render, state_dir / "models")
+        if fmt == "openai":
+            rows = _write_openai(samples, output)
+        else:
+            rows = _write_parquet(samples, output)
+        return ExportResult(len(sessions), rows)
+    finally:
+        close_store(store)
+
+
+def _write_openai(samples: Iterator[ExportedSample], output: str) -> int:
+    rows = 0
+    with _output(output) as out:
+        for item in samples:
+            line = conversation(item.call.get("request") or {}, item.call.get("response") or {})
+            if line is not None:
+                out.write(orjson.dumps(line) + b"\n")
+                rows += 1
+    return rows
+
+
+def parquet_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("session_id", pa.string()),
+        ("group_id", pa.string()),
+        ("split", pa.string()),
+        ("model", pa.string()),
+        ("sample_index", pa.int32()),        # position among the session's samples
+        ("step", pa.int32()),                # the step that trained it; null if never trained
+        ("sampled_by_step", pa.int32()),     # the adapter step that answered the sample's last call
+        ("reward", pa.float64()),
+        ("advantage", pa.float64()),         # as trained; null if never trained
+        ("token_ids", pa.list_(pa.int32())),  # prompt + completion, what the trainer's row holds
+        ("loss_mask", pa.list_(pa.bool_())),  # True on the sampled tokens the loss covers
+        ("old_logprobs", pa.list_(pa.float64())),  # behaviour logprobs; null where unknown (prompt tokens)
+        ("temperatures", pa.list_(pa.float64())),  # the temperature each token was sampled (and is scored) at
+        ("prompt_ids", pa.list_(pa.int32())),      # token_ids before the first trained token
+        ("completion_ids", pa.list_(pa.int32())),  # token_ids from the first trained token on
+        ("messages", pa.string()),           # JSON: the conversation (request messages + reply)
+        ("tools", pa.string()),              # JSON: the request's tools, or null
+    ])
+
+
+def _row(item: ExportedSample) -> dict:
+    sample, session, call = item.sample, item.session, item.call
+    first = sample.loss_mask.index(True)
+    request = call.get("request") or {}
+    choices = (call.get("response") or {}).get("choices") or [{}]
+    messages = [*(request.get("messages") or []), choices[0].get("message")]
+    return {
+        "session_id": session["id"],
+        "group_id": session.get("group_id"),
+        "split": session.get("split"),
+        "model": session.get("model"),
+        "sample_index": item.index,
+        "step": item.step,
+        "sampled_by_step": call.get("step"),
+        "reward": session.get("reward"),
+        "advantage": item.advantage,
+        "token_ids": list(sample.token_ids),
+        "loss_mask": list(sample.loss_mask),
+        "old_logprobs": [None if math.isnan(x) else x for x in sample.old_logprobs],
+        "temperatures": list(sample.temperatures) if sample.temperatures is not None else [1.0] * len(sample.token_ids),
+        "prompt_ids": list(sample.token_ids[:first]),
+        "completion_ids": list(sample.token_ids[first:]),
+        "messages": orjson.dumps([m for m in messages if m is not None]).decode(),
+        "tools": orjson.dumps(request["tools"]).decode() if request.get("tools") else None,
+    }
+
+
+def _write_parquet(samples: Iterator[ExportedSample], output: str) -> int:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("--format parquet needs pyarrow: pip install 'rlproxy[export]'") from None
+    schema = parquet_schema()
+    rows = [_row(item) for item in samples]
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), output)
+    return len(rows)

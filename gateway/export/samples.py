@@ -1,0 +1,152 @@
+"""Sessions as the trainer's own samples, each tied to the call whose conversation it is.
+
+Samples come from the trainer's public functions (`trainer.data.build_batch`,
+`trajectory_samples`), never re-derived here, so an export holds exactly the token ids,
+loss masks and behaviour logprobs the trainer trains on:
+
+- a session whose group was trained at step S gets the samples and advantages of step S's
+  batch, rebuilt with the settings saved beside that step's checkpoint (`scale_rewards`
+  decides the advantages, `max_tokens_per_row` which samples were left out);
+- any other session (val, not yet trained, no reward spread) gets the samples the trainer
+  would build from it, with no step and no advantage.
+
+A sample merges consecutive calls of a session (`trainer.data`): its tokens are the last
+merged call's prompt + completion, so that call's request messages plus its reply are the
+sample's conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from gateway.store import Store
+from trainer.data import build_batch, trained_sessions, trajectory_samples
+from trainer.types import Sample
+
+log = logging.getLogger("rlproxy.export")
+
+
+@dataclass(frozen=True)
+class ExportedSample:
+    sample: Sample
+    session: dict
+    """The session row (`Store.get_session`, calls included)."""
+    call: dict
+    """The last call merged into the sample: its request + reply is the sample's conversation."""
+    index: int
+    """Position of the sample among its session's samples."""
+    step: int | None
+    """The step that trained this sample; None if it was never trained."""
+    advantage: float | None
+    """The advantage it was trained with; None if it was never trained."""
+
+
+class LazyRenderer:
+    """`trainer.data.ChatTemplateRenderer` over the base model's tokenizer, loaded on the
+    first call recorded without token ids (the `openai` engine); exports of sessions the
+    local or vLLM engine answered never load a tokenizer."""
+
+    def __init__(self, base_model: str, state_dir: Path):
+        self.base_model = base_model
+        self.state_dir = state_dir
+        self._render = None
+
+    def __call__(self, request: dict, response: dict):
+        if self._render is None:
+            from transformers import AutoTokenizer
+
+            from gateway.tiny_model import resolve_base_model
+            from trainer.data import ChatTemplateRenderer
+
+            path = resolve_base_model(self.base_model, self.state_dir)
+            self._render = ChatTemplateRenderer(AutoTokenizer.from_pretrained(path))
+        return self._render(request, response)
+
+
+def _same_tokens(a: Sample, b: Sample) -> bool:
+    return a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+
+
+def last_calls(calls: list[dict], samples: list[Sample], render: Any) -> list[dict | None]:
+    """For each sample of a session, the call that ends it: the first prefix of the
+    session's calls whose last sample is that sample (a later call either extends it, which
+    changes its tokens, or starts a new one). Quadratic in calls; sessions are short."""
+    found: list[dict | None] = [None] * len(samples)
+    for k in range(len(calls)):
+        partial = trajectory_samples(calls[: k + 1], trajectory_id="x", group_id="x", advantage=0.0, render=render)
+        if not partial:
+            continue
+        for i, sample in enumerate(samples):
+            if found[i] is None and _same_tokens(partial[-1], sample):
+                found[i] = calls[k]
+                break
+    return found
+
+
+class StepBatches:
+    """The batch each step trained on, rebuilt once per step and kept."""
+
+    def __init__(self, store: Store, settings_dir: Path, render: Any):
+        self.store = store
+        self.render = render
+        self.models_dir = Path(settings_dir)
+        self._rows = {(row["model"], row["step"]): row for row in store.steps()}
+        self._cache: dict[tuple[str, int], dict[str, list[Sample]]] = {}
+
+    def _settings(self, row: dict) -> dict:
+        """The settings saved beside the step's checkpoint (defaults if it is gone)."""
+        path = Path(row["path"]) / "settings.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            log.warning("step %s@%s: no readable %s; rebuilding its batch with default settings",
+                        row["model"], row["step"], path)
+            return {}
+
+    def samples(self, model: str, step: int) -> dict[str, list[Sample]]:
+        """Session id -> its samples in step `step` of `model` (empty if the step is unknown)."""
+        key = (model, step)
+        if key not in self._cache:
+            row = self._rows.get(key)
+            by_session: dict[str, list[Sample]] = {}
+            if row is not None:
+                saved = self._settings(row)
+                groups = [self.store.get_group(gid) for gid in row["groups"]]
+                calls = {s["id"]: self.store.session_calls(s["id"]) for g in groups for s in trained_sessions(g)}
+                batch = build_batch(groups, calls, scale_rewards=saved.get("scale_rewards", "group"), render=self.render)
+                limit = saved.get("max_tokens_per_row")
+                for sample in batch.samples:
+                    if limit is None or len(sample.token_ids) <= limit:
+                        by_session.setdefault(sample.trajectory_id, []).append(sample)
+            self._cache[key] = by_session
+        return self._cache[key]
+
+
+def exported_samples(store: Store, sessions: Iterable[dict], render: Any, models_dir: Path) -> Iterator[ExportedSample]:
+    batches = StepBatches(store, models_dir, render)
+    groups: dict[str, dict] = {}
+    for session in sessions:
+        gid = session.get("group_id")
+        trained_step = None
+        if gid:
+            if gid not in groups:
+                groups[gid] = store.get_group(gid)
+            trained_step = groups[gid].get("trained_step")
+        calls = session["calls"]
+        if trained_step is not None and not session.get("discarded"):
+            samples = batches.samples(session["model"], trained_step).get(session["id"], [])
+            step, trained = trained_step, True
+        else:
+            samples = trajectory_samples(calls, trajectory_id=session["id"], group_id=gid or "", advantage=0.0,
+                                         render=render)
+            step, trained = None, False
+        for index, (sample, call) in enumerate(zip(samples, last_calls(calls, samples, render))):
+            if call is None:  # cannot happen with the trainer's merge rule; never guess a conversation
+                log.warning("session %s: sample %d matches no call; left out", session["id"], index)
+                continue
+            yield ExportedSample(sample, session, call, index, step if trained else None,
+                                 sample.advantage if trained else None)

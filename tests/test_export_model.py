@@ -1,0 +1,158 @@
+"""`rlproxy export-model`: a step trained on the built-in model, taken out as a PEFT adapter
+and as a merged model, checked against peft's own base + adapter computation and served."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import openai
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gateway.store import CallRecord
+from gateway.tiny_model import resolve_base_model
+from tests.helpers import gateway_process
+from tests.helpers_trainer import Recorder, trainer_settings
+from trainer.worker import run_worker
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two steps of the worker on the tiny model, and one val session answered by step 1."""
+    settings = trainer_settings(tmp_path_factory.mktemp("state"))
+    recorder = Recorder(settings)
+    for gid in ("g1", "g2", "g3", "g4"):
+        recorder.group(gid, [1.0, 0.0, 0.5])
+    for sid, step, reward in (("val-s0", 1, 0.75), ("val-s1", 1, None), ("val-s2", 2, 0.5)):
+        recorder.store.record_call_sync(CallRecord(  # scored on the val split: shown on the card, never trained
+            id=f"{sid}-call", session_id=sid, group_id="val-g", split="val", model="agent", served=f"agent@{step}",
+            step=step, engine="local", stream=False, status="ok", request={"messages": []},
+            response={"choices": []}, latency_ms=1.0))
+        if reward is not None:
+            asyncio.run(recorder.store.set_reward(sid, reward))
+    recorder.close()
+    assert run_worker(settings, max_steps=2) == 2
+    return settings
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True)
+
+
+def base_model(settings):
+    return AutoModelForCausalLM.from_pretrained(resolve_base_model(settings.base_model, settings.state_dir),
+                                                dtype=torch.float32).eval()
+
+
+PROMPTS = [[1, 5, 9, 22, 40, 7, 300, 12], [3, 3, 100, 250, 17]]
+
+
+@torch.no_grad()
+def logits(model):
+    return [model(input_ids=torch.tensor([ids])).logits[0] for ids in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def merged_dir(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "merged"
+    done = cli("export-model", "agent@1", "--out", str(out), "--merged", "--state-dir", str(trained.state_dir))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_adapter_export_loads_with_peft_and_names_its_base(trained, tmp_path):
+    out = tmp_path / "adapter"
+    done = cli("export-model", "agent", "--out", str(out), "--state-dir", str(trained.state_dir))
+    assert done.returncode == 0, done.stderr
+    assert "agent@2" in done.stderr  # NAME alone: the newest step
+    files = {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "training_settings.json", "trainer_state.json",
+            "README.md", "reward_curve.png"} <= files
+    assert "optimizer.pt" not in files
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "rlproxy/tiny-qwen2"
+    assert json.loads((out / "training_settings.json").read_text())["lora_rank"] == 4
+
+    model = PeftModel.from_pretrained(base_model(trained), out).eval()
+    saved = load_file(trained.checkpoints_dir() / "0002" / "adapter_model.safetensors")
+    loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(loaded) == len(saved) > 0
+    for name, tensor in saved.items():
+        match = [p for n, p in loaded.items() if n.replace(".default", "") == name]
+        assert len(match) == 1 and torch.equal(match[0], tensor), name
+    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_model_card_holds_the_training_record(trained, merged_dir):
+    card = (merged_dir / "README.md").read_text()
+    state = json.loads((trained.checkpoints_dir() / "0001" / "trainer_state.json").read_text())
+    assert "base_model: rlproxy/tiny-qwen2" in card and "# agent@1" in card
+    assert "- groups trained: 2" in card and "- sessions trained: 6" in card
+    assert f"- tokens trained: {state['metrics']['tokens']}" in card
+    reward_row = f"| 1 | {state['metrics']['reward_mean']:.4g} | {state['metrics']['reward_std']:.4g} | " \
+                 f"{state['metrics']['loss']:.4g} |"
+    assert reward_row in card
+    assert "| 1 | 0.75 | 1 |" in card  # the val session answered by step 1
+    assert "| `lora_rank` | 4 |" in card and "| `loss_type` | grpo |" in card
+    rows = [line for line in card.split("## Reward")[1].split("## Settings")[0].splitlines() if line.startswith("| 2 |")]
+    assert rows == []  # step 2, and val sessions it answered, are not part of agent@1
+
+
+def test_merged_logits_equal_base_plus_adapter_through_peft(trained, merged_dir):
+    reference = PeftModel.from_pretrained(base_model(trained), trained.checkpoints_dir() / "0001").eval()
+    want = logits(reference)
+    base_logits = logits(base_model(trained))
+    # The adapter moves logits (or this test would prove nothing), its head LoRA included.
+    assert max((w - b).abs().max().item() for w, b in zip(want, base_logits)) > 1e-2
+    assert any("lm_head" in n and "lora_B" in n and p.abs().sum() > 0 for n, p in reference.named_parameters())
+
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    for got, expected in zip(logits(merged), want):
+        assert (got - expected).abs().max().item() < 1e-4
+    # The tiny model ties its head to its embeddings and the adapter has a LoRA on the head:
+    # the merged head is untied, and the input embeddings are the base's, unchanged.
+    assert merged.config.tie_word_embeddings is False
+    assert merged.lm_head.weight.data_ptr() != merged.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(merged.model.embed_tokens.weight, base_model(trained).model.embed_tokens.weight)
+    files = {p.name for p in merged_dir.iterdir()}
+    assert "model.safetensors" in files and "adapter_config.json" not in files
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    base_tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(trained.base_model, trained.state_dir))
+    assert tokenizer.chat_template == base_tokenizer.chat_template and len(tokenizer) == len(base_tokenizer)
+
+
+def test_merged_model_serves_the_same_greedy_completion_as_the_step(trained, merged_dir, tmp_path):
+    messages = [{"role": "user", "content": "What is the weather in Paris today?"}]
+
+    def greedy(url, model):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16)
+        return reply.choices[0].message.content
+
+    with gateway_process(["--state-dir", str(trained.state_dir), "--trainer", "off", "--lora-rank", "4",
+                          "--lora-alpha", "8"]) as (_, url):
+        served = [m.id for m in openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data]
+        assert "agent@1" in served, served
+        from_step = greedy(url, "agent@1")
+    with gateway_process(["--state-dir", str(tmp_path / "fresh"), "--trainer", "off",
+                          "--base-model", str(merged_dir)]) as (_, url):
+        from_merged = greedy(url, str(merged_dir))
+    assert from_step and from_merged == from_step
+
+
+def test_bad_references_say_what_to_pass(trained, tmp_path):
+    done = cli("export-model", "agent@9", "--out", str(tmp_path / "x"), "--state-dir", str(trained.state_dir))
+    assert done.returncode == 2 and "no checkpoint for step 9" in done.stderr and "0, 1, 2" in done.stderr
+    done = cli("export-model", "../etc", "--out", str(tmp_path / "y"), "--state-dir", str(trained.state_dir))
+    assert done.returncode == 2 and "not a model name" in done.stderr
+    done = cli("export-model", "other", "--out", str(tmp_path / "z"), "--state-dir", str(trained.state_dir))
+    assert done.returncode == 2 and "--state-dir" in done.stderr
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    done = cli("export-model", "agent@1", "--out", str(tmp_path / "full"), "--state-dir", str(trained.state_dir))
+    assert done.returncode == 2 and "not empty" in done.stderr
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
