@@ -21,6 +21,7 @@ from gateway.metrics import Metrics
 from gateway.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.ui.auth import DashboardAuthMiddleware
 
 log = logging.getLogger("rlproxy")
 
@@ -161,6 +162,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"))
 
+    from gateway import ui
+    from gateway.routes import lists as list_routes
     from gateway.routes import openai as openai_routes
     from gateway.routes import rl as rl_routes
     from gateway.routes import ruler as ruler_routes
@@ -168,9 +171,11 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
     app.include_router(openai_routes.router)
     app.include_router(rl_routes.router)
     app.include_router(ruler_routes.router)
+    app.include_router(list_routes.router)
+    ui.install(app)  # the dashboard's pages; its cookie login is DashboardAuthMiddleware's
 
     if settings.api_key is not None:
-        app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
+        app.add_middleware(DashboardAuthMiddleware, api_key=settings.api_key.get_secret_value())
     app.add_middleware(RequestIdMiddleware)
     chat_endpoint = openai_routes.chat_completions
     if settings.api_key is not None:
