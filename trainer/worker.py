@@ -41,6 +41,7 @@ from gateway.settings import Settings
 from gateway.store import Store
 from trainer import checkpoints as ckpts
 from trainer.data import NO_SPREAD, ChatTemplateRenderer, build_batch, sampling_step, spread_groups
+from trainer.reporting import Reporter
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -78,6 +79,7 @@ class TrainerWorker:
         self.next_step = 0
         self.skipped_since_step = 0
         self._lock_file = None
+        self.reporter = Reporter.create(settings)  # --report-to: never stops training
 
     # ------------------------------------------------------------------ start
 
@@ -124,6 +126,7 @@ class TrainerWorker:
         self._lock_file = lock
 
     def close(self) -> None:
+        self.reporter.close()
         if self._own_store:
             asyncio.run(self.store.close())  # no writer task: this only closes the connections
             self._own_store = False
@@ -268,6 +271,7 @@ class TrainerWorker:
                 lease.step = step  # the gateway loads NAME@step when it takes the GPU back
         self.next_step = step + 1
         self.skipped_since_step = 0
+        self.reporter.report_step(step, metrics, self.store, self.model)
         kl = "-" if metrics["kl"] is None else f"{metrics['kl']:.4f}"
         log.info(
             "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, %d tokens in %.1f s (%.0f tok/s), "
