@@ -81,6 +81,13 @@ function card(label, value) {
 
 // ------------------------------------------------------------------ charts (uPlot)
 
+function tick(v) {
+  // uPlot's default rounds small values (a loss of 0.002) to "0": keep three significant digits.
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  return a >= 1000 || a < 0.001 ? v.toExponential(1) : String(Number(v.toPrecision(3)));
+}
+
 function chartWidth(node) { return Math.max(260, node.clientWidth - 16); }
 
 function lineChart(node, key, title, series, data, height = 200, extra = {}) {
@@ -89,7 +96,7 @@ function lineChart(node, key, title, series, data, height = 200, extra = {}) {
   const opts = Object.assign({
     title, width: chartWidth(node), height,
     scales: { x: { time: false } },
-    axes: [{ label: "step" }, {}],
+    axes: [{ label: "step" }, { size: 60, values: (u, ticks) => ticks.map(tick) }],
     series: [{ label: "step" }, ...series],
   }, extra);
   const chart = new uPlot(opts, data, node);
@@ -109,7 +116,9 @@ const METRICS = [
 function curveBySplit(curve, split, steps) {
   const at = new Map(curve.filter((r) => r.split === split).map((r) => [r.step, r]));
   const pick = (f) => steps.map((s) => (at.has(s) ? f(at.get(s)) : null));
-  return { mean: pick((r) => r.mean), lo: pick((r) => r.mean - r.std), hi: pick((r) => r.mean + r.std),
+  // The band is mean ± std, kept within the rewards actually seen.
+  return { mean: pick((r) => r.mean), lo: pick((r) => Math.max(r.mean - r.std, r.min)),
+           hi: pick((r) => Math.min(r.mean + r.std, r.max)),
            n: pick((r) => r.n) };
 }
 
@@ -119,7 +128,9 @@ async function overview() {
   const callsNode = el("div", { class: "panel", id: "calls-chart" });
   const metricsNode = el("div", { class: "metrics", id: "metric-charts" });
   const dataTable = el("details", { id: "curve-data" }, el("summary", { text: "Curve data" }));
-  content.replaceChildren(top, el("div", { class: "grid" }, rewardNode, callsNode),
+  const note = el("p", { class: "muted", text: "Reward of the rollouts each step's policy sampled (a session counts for "
+    + "the step that answered its first call); val rollouts are never trained on. Updates every 5 s." });
+  content.replaceChildren(top, el("div", { class: "grid" }, rewardNode, callsNode), note,
     el("h2", { text: "Training metrics" }), metricsNode, dataTable);
 
   async function refresh() {
@@ -134,7 +145,7 @@ async function overview() {
     const train = curveBySplit(d.reward_curve, "train", steps);
     const val = curveBySplit(d.reward_curve, "val", steps);
     const band = (stroke) => ({ stroke, width: 0, points: { show: false } });
-    lineChart(rewardNode, "reward", "Reward per step (mean ± std of the rollouts each step sampled)", [
+    lineChart(rewardNode, "reward", "Reward per step (mean ± std)", [
       { label: "train", stroke: "#2f6fdb", width: 2, spanGaps: true, points: { size: 6 } },
       { label: "val", stroke: "#e07b16", width: 2, spanGaps: true, points: { size: 6 } },
       Object.assign(band("#2f6fdb"), { label: "train −std" }), Object.assign(band("#2f6fdb"), { label: "train +std" }),
