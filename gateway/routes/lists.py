@@ -96,14 +96,25 @@ async def session_tokens(session_id: str, request: Request) -> Response:
         ids = (call.get("completion_ids") or [[]])[0]
         logprobs = (call.get("completion_logprobs") or [None])[0] or [None] * len(ids)
         texts = _token_texts(tokenizer, ids)
+        behaviour = _first_choice(call.get("behaviour_logprobs"), len(ids))
         calls.append({
             "call_id": call["id"], "step": call.get("step"), "status": call["status"],
             "prompt_tokens": len(call.get("prompt_ids") or []),
             "trained": bool(trained_step is not None and not session["discarded"] and call["status"] == "ok" and ids),
+            "sampling": call.get("sampling"),
             "tokens": [{"id": t, "text": texts[i] if texts else None,
-                        "logprob": logprobs[i] if i < len(logprobs) else None} for i, t in enumerate(ids)],
+                        "logprob": logprobs[i] if i < len(logprobs) else None,
+                        "behaviour_logprob": behaviour[i] if behaviour else None} for i, t in enumerate(ids)],
         })
     return json_response({"session_id": session_id, "trained_step": trained_step, "calls": calls})
+
+
+def _first_choice(values, n: int) -> list | None:
+    """Choice 0's per-token values from a per-choice list (or a flat one), if they line up."""
+    if not values:
+        return None
+    first = values[0] if isinstance(values[0], list) else values
+    return first if len(first) == n else None
 
 
 def _token_texts(tokenizer, ids: list[int]) -> list[str] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from html import escape
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -126,7 +126,8 @@ class DashboardAuthMiddleware(BearerAuthMiddleware):
         secure = "; Secure" if scope.get("scheme") == "https" else ""
         cookie = f"{COOKIE}={self._token.decode()}; Path=/; HttpOnly; SameSite=Strict{secure}"
         await send({"type": "http.response.start", "status": 303,
-                    "headers": [(b"location", _safe_next(target).encode()), (b"set-cookie", cookie.encode()),
+                    # Re-encoded: a decoded path may hold CR/LF, which must never reach a header.
+                    "headers": [(b"location", quote(_safe_next(target), safe="/?&=%-._~:@+").encode()), (b"set-cookie", cookie.encode()),
                                 (b"cache-control", b"no-store")]})
         await send({"type": "http.response.body", "body": b""})
 

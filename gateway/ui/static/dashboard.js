@@ -377,10 +377,13 @@ function stripReply(message) {
 function tokenView(tokens) {
   return el("div", { id: "tokens" }, tokens.calls.map((call) => el("div", { class: "panel" },
     el("div", { class: "muted", text: `call ${call.call_id} · step ${call.step ?? "base"} · ${call.prompt_tokens} prompt tokens · `
-      + `${call.tokens.length} completion tokens · ${call.trained ? "trained" : "not trained"}` }),
+      + `${call.tokens.length} completion tokens · ${call.trained ? "trained" : "not trained"}`
+      + (call.sampling ? ` · sampling ${JSON.stringify(call.sampling)}` : "") }),
     el("div", { class: "tokens" }, call.tokens.map((t) => el("span", {
       class: "tok" + (call.trained ? " trained" : ""),
-      title: `id ${t.id}, logprob ${t.logprob === null ? "unknown" : t.logprob.toFixed(4)}`,
+      title: `id ${t.id}, logprob ${t.logprob === null ? "unknown" : t.logprob.toFixed(4)}`
+        + (t.behaviour_logprob === null || t.behaviour_logprob === undefined ? ""
+          : `, behaviour logprob μ ${t.behaviour_logprob.toFixed(4)}`),
     }, t.text === null ? `#${t.id}` : t.text, el("small", { text: t.logprob === null ? "" : t.logprob.toFixed(2) })))))));
 }
 
