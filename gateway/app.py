@@ -23,6 +23,7 @@ from gateway.metrics import Metrics
 from gateway.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.ui.auth import DashboardAuthMiddleware
 
 log = logging.getLogger("rlproxy")
 
@@ -188,6 +189,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
         return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"),
                                request.url.path)
 
+    from gateway import ui
+    from gateway.routes import lists as list_routes
     from gateway.routes import openai as openai_routes
     from gateway.routes import protocols as protocol_routes
     from gateway.routes import rl as rl_routes
@@ -197,6 +200,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
     app.include_router(protocol_routes.router)
     app.include_router(rl_routes.router)
     app.include_router(ruler_routes.router)
+    app.include_router(list_routes.router)
+    ui.install(app)  # the dashboard's pages; its cookie login is DashboardAuthMiddleware's
 
     from gateway.openapi import install_openapi
     from gateway.security import cors_middleware, warn_if_exposed
@@ -207,7 +212,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
     # body limit, bearer key, CORS (only with --cors-origin), request id.
     app.add_middleware(BodyLimitMiddleware, limit_mb=settings.max_body_mb)
     if settings.api_key is not None:
-        app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
+        app.add_middleware(DashboardAuthMiddleware, api_key=settings.api_key.get_secret_value())
     if settings.cors_origin:
         app.add_middleware(cors_middleware, origins=settings.cors_origin)
     app.add_middleware(RequestIdMiddleware)

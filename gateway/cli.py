@@ -28,7 +28,7 @@ ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_ke
 TRAINER = ("trainer", "backend", "load_in_4bit", "groups_per_step", "learning_rate", "loss_type", "epsilon",
            "epsilon_high", "delta", "beta", "tis_cap", "max_tokens_norm",
            "scale_rewards", "lora_rank", "lora_alpha", "lora_dropout", "max_tokens_per_row", "epochs_per_step",
-           "max_grad_norm", "seed", "keep_adapters", "poll_interval")
+           "max_grad_norm", "seed", "keep_adapters", "poll_interval", "report_to", "report_project")
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], title: str) -> None:

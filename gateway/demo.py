@@ -203,6 +203,9 @@ def _settings_flags(settings: Settings) -> list[str]:
         if value is None or name in ("api_key", "upstream_api_key"):
             continue
         flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):  # switches take no value: --x / --no-x
+            argv.append(flag if value else "--no-" + flag[2:])
+            continue
         for item in value if isinstance(value, list) else [value]:
             argv += [flag, str(item)]
     return argv

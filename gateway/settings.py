@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     seed: int = Field(0, description="trainer seed")
     keep_adapters: int = Field(3, ge=1, description="adapters the gateway keeps loaded (older ones unloaded once idle)")
+    report_to: Literal["none", "wandb", "trackio"] = Field(
+        "none", description="experiment tracker for every step's metrics and the run's settings (trainer/reporting.py)")
+    report_project: str = Field("rlproxy", description="the tracker's project name")
     poll_interval: float = Field(1.0, gt=0, description="seconds between looks at the store (trainer and hot-swap)")
 
     @model_validator(mode="after")

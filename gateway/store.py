@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import sqlite_utils
 
-from gateway import store_rows, store_schema
+from gateway import store_lists, store_rows, store_schema
 from gateway.errors import Conflict, NotFound
 from gateway.store_health import StoreHealth, classify
 from gateway.store_rows import CallRecord, pack_floats, pack_ids, unpack_floats, unpack_ids
@@ -419,6 +419,19 @@ class Store:
     def latest_step(self, model: str) -> int | None:
         rows = self._query("SELECT MAX(step) AS step FROM steps WHERE model = ?", (model,))
         return rows[0]["step"] if rows else None
+
+    # Paged lists and the reward curve (the dashboard, GET /v1/sessions and /v1/groups).
+    def list_sessions(self, f: store_lists.ListFilter) -> dict:
+        return store_lists.list_sessions(self._query, f)
+
+    def list_groups(self, f: store_lists.ListFilter) -> dict:
+        return store_lists.list_groups(self._query, f)
+
+    def reward_curve(self, model: str) -> list[dict]:
+        return store_lists.reward_curve(self._query, model)
+
+    def calls_per_minute(self, now: float, minutes: int = 60) -> list[dict]:
+        return store_lists.calls_per_minute(self._query, now, minutes)
 
     def counts(self) -> dict[str, int]:
         out = {}

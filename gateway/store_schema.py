@@ -52,6 +52,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     updated_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sessions_group ON sessions (group_id);
+-- Newest-first keyset pages of the dashboard and GET /v1/sessions, /v1/groups (gateway/store_lists.py).
+CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at, id);
 CREATE TABLE IF NOT EXISTS groups (
     id TEXT PRIMARY KEY,
     model TEXT NOT NULL,
@@ -66,6 +68,8 @@ CREATE TABLE IF NOT EXISTS groups (
     updated_at REAL NOT NULL,
     failed TEXT
 );
+CREATE INDEX IF NOT EXISTS groups_created ON groups (created_at, id);
+CREATE INDEX IF NOT EXISTS calls_created ON calls (created_at);
 CREATE TABLE IF NOT EXISTS steps (
     model TEXT NOT NULL,
     step INTEGER NOT NULL,

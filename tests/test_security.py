@@ -13,7 +13,7 @@ import pytest
 
 from gateway import middleware
 from gateway.app import create_app
-from gateway.export import export_trajectories
+from gateway.export.records import export_trajectories
 from gateway.settings import Settings
 from gateway.store import Store
 from tests.helpers import ThreadServer

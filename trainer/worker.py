@@ -51,6 +51,7 @@ from gateway.store import Store
 from trainer import checkpoints as ckpts
 from trainer.data import (NO_SPREAD, ChatTemplateRenderer, build_batch, fit_to_rows, sampling_step, spread_groups,
                           token_budget)
+from trainer.reporting import Reporter
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -92,6 +93,7 @@ class TrainerWorker:
         self.failed_steps = 0  # attempts that failed (non-finite or an error), for the log and the step metrics
         self.max_tokens_seen: int | None = None  # dr_grpo's budget when --max-tokens-norm is unset
         self._lock_file = None
+        self.reporter = Reporter.create(settings)  # --report-to: never stops training
 
     # ------------------------------------------------------------------ start
 
@@ -138,6 +140,7 @@ class TrainerWorker:
         self._lock_file = lock
 
     def close(self) -> None:
+        self.reporter.close()
         if self._own_store:
             asyncio.run(self.store.close())  # no writer task: this only closes the connections
             self._own_store = False
@@ -298,6 +301,7 @@ class TrainerWorker:
         self.next_step = step + 1
         self.skipped_since_step = 0
         self.failed_steps = 0
+        self.reporter.report_step(step, metrics, self.store, self.model)
         kl = "-" if metrics["kl"] is None else f"{metrics['kl']:.4f}"
         log.info(
             "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, mismatch %.4f, %d tokens in %.1f s "

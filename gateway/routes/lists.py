@@ -1,0 +1,126 @@
+"""The JSON the dashboard reads, as documented API: paged session and group lists, and a
+one-request overview (serving state, calls per minute, reward curves, step metrics)."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from gateway.chat import _check_id
+from gateway.routes.rl import json_response
+from gateway.store_lists import MAX_LIMIT, ListFilter
+
+router = APIRouter()
+
+Limit = Query(50, ge=1, le=MAX_LIMIT, description="rows per page")
+Cursor = Query(None, description="`next_cursor` of the previous page (pages go newest first)")
+Split = Query(None, description="only this split")
+MinReward = Query(None, description="reward at least this (groups: mean reward of their sessions)")
+MaxReward = Query(None, description="reward at most this (groups: mean reward of their sessions)")
+Since = Query(None, description="created at or after this time (unix seconds)")
+Until = Query(None, description="created before this time (unix seconds)")
+
+
+@router.get("/v1/sessions", summary="List sessions, newest first, paged and filtered")
+async def list_sessions(
+    request: Request, limit: int = Limit, cursor: str | None = Cursor,
+    split: Literal["train", "val"] | None = Split, group_id: str | None = Query(None, description="only this group"),
+    min_reward: float | None = MinReward, max_reward: float | None = MaxReward,
+    since: float | None = Since, until: float | None = Until,
+) -> Response:
+    """`{"object": "list", "data": [session...], "has_more", "next_cursor"}`; each session
+    without its calls (`GET /v1/sessions/{id}` has them) but with `step`, the adapter step
+    that answered its first call."""
+    store = request.app.state.services.store
+    if group_id is not None:
+        _check_id(group_id, "group_id")
+    f = ListFilter(limit=limit, cursor=cursor, split=split, group_id=group_id, min_reward=min_reward,
+                   max_reward=max_reward, since=since, until=until)
+    return json_response(store.list_sessions(f))
+
+
+@router.get("/v1/groups", summary="List groups, newest first, paged and filtered")
+async def list_groups(
+    request: Request, limit: int = Limit, cursor: str | None = Cursor,
+    split: Literal["train", "val"] | None = Split,
+    state: Literal["trained", "skipped", "pending"] | None = Query(None, description="trained, skipped or neither"),
+    min_reward: float | None = MinReward, max_reward: float | None = MaxReward,
+    since: float | None = Since, until: float | None = Until,
+) -> Response:
+    """`{"object": "list", "data": [group...], "has_more", "next_cursor"}`; each group with
+    `n_sessions`, `n_rewarded` and its sessions' `reward_mean`, `reward_min`, `reward_max`."""
+    store = request.app.state.services.store
+    f = ListFilter(limit=limit, cursor=cursor, split=split, state=state, min_reward=min_reward,
+                   max_reward=max_reward, since=since, until=until)
+    return json_response(store.list_groups(f))
+
+
+@router.get("/v1/dashboard", summary="Serving state, calls per minute, reward curves and step metrics")
+async def dashboard(request: Request) -> Response:
+    """What the dashboard's first page shows, in one request: `model`, `engine`, `step`
+    (serving now), `calls_per_minute` (last 60 minutes), `reward_curve` (per step and
+    split: n, mean, std, min, max of the rollouts that step sampled) and `steps` (each
+    training step's metrics)."""
+    services = request.app.state.services
+    model = services.settings.model_name
+    steps = services.store.steps(model)
+    return json_response({
+        "model": model,
+        "base_model": services.settings.base_model,
+        "engine": services.engine.kind,
+        "step": services.registry.current,
+        "counts": services.store.counts(),
+        "calls_per_minute": services.store.calls_per_minute(time.time()),
+        "reward_curve": services.store.reward_curve(model),
+        "steps": [{"step": s["step"], "created_at": s["created_at"], "metrics": s["metrics"],
+                   "groups": s["groups"]} for s in steps],
+    })
+
+
+@router.get("/v1/sessions/{session_id}/tokens", summary="The session's completion tokens: text, logprob, trained")
+async def session_tokens(session_id: str, request: Request) -> Response:
+    """For each call: its completion tokens (choice 0) with the recorded logprob and, where
+    the gateway's engine has a tokenizer, each token's text; and whether the call's tokens
+    were trained on (its group was trained, the session was not discarded, the call
+    succeeded: `trainer.data.call_turn`'s rule; only choice 0 of an `n>1` call trains)."""
+    services = request.app.state.services
+    session = services.store.get_session(_check_id(session_id, "session_id"))
+    group = services.store.get_group(session["group_id"]) if session.get("group_id") else None
+    trained_step = group.get("trained_step") if group else None
+    tokenizer = getattr(services.engine, "tokenizer", None)
+    calls = []
+    for call in session["calls"]:
+        ids = (call.get("completion_ids") or [[]])[0]
+        logprobs = (call.get("behaviour_logprobs") or [None])[0] or [None] * len(ids)
+        texts = _token_texts(tokenizer, ids)
+        behaviour = _first_choice(call.get("behaviour_logprobs"), len(ids))
+        calls.append({
+            "call_id": call["id"], "step": call.get("step"), "status": call["status"],
+            "prompt_tokens": len(call.get("prompt_ids") or []),
+            "trained": bool(trained_step is not None and not session["discarded"] and call["status"] == "ok" and ids),
+            "sampling": call.get("sampling"),
+            "tokens": [{"id": t, "text": texts[i] if texts else None,
+                        "logprob": logprobs[i] if i < len(logprobs) else None,
+                        "behaviour_logprob": behaviour[i] if behaviour else None} for i, t in enumerate(ids)],
+        })
+    return json_response({"session_id": session_id, "trained_step": trained_step, "calls": calls})
+
+
+def _first_choice(values, n: int) -> list | None:
+    """Choice 0's per-token values from a per-choice list (or a flat one), if they line up."""
+    if not values:
+        return None
+    first = values[0] if isinstance(values[0], list) else values
+    return first if len(first) == n else None
+
+
+def _token_texts(tokenizer, ids: list[int]) -> list[str] | None:
+    if tokenizer is None or not ids:
+        return None
+    try:
+        return tokenizer.batch_decode([[t] for t in ids])
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot decode leaves ids only
+        return None

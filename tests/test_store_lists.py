@@ -1,0 +1,97 @@
+"""Paged, filtered lists and the reward curve, checked against sums done by hand here."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from gateway import store_rows
+from gateway.errors import InvalidRequest
+from gateway.store import CallRecord, Store
+from gateway.store_lists import ListFilter
+
+
+def call(session, group, split, step, t, i=0):
+    return CallRecord(id=f"{session}-{i}", session_id=session, group_id=group, split=split, model="agent",
+                      served=None, step=step, engine="local", stream=False, status="ok",
+                      request={"messages": []}, response=None, latency_ms=1.0, created_at=t)
+
+
+@pytest.fixture
+def store():
+    store = Store(memory=True)
+    # 3 groups x 4 sessions; every session created at the same second within a group (ties on created_at).
+    rewards = {}
+
+    def op(conn):
+        for g, (split, step) in enumerate((("train", 0), ("val", 0), ("train", 1))):
+            for s in range(4):
+                sid = f"g{g}-s{s}"
+                store_rows.insert_call(conn, call(sid, f"g{g}", split, step, 1000.0 + g))
+                store_rows.insert_call(conn, call(sid, f"g{g}", split, step + 1, 1000.5 + g, 1))  # later call, later step
+                rewards[sid] = 0.25 * s + 0.1 * g
+                store_rows.set_reward(conn, sid, rewards[sid], {})
+
+    store._run_sync(op)
+    store.rewards = rewards
+    yield store
+    asyncio.run(store.close())
+
+
+def test_keyset_pages_walk_every_session_once_despite_ties(store):
+    seen, cursor = [], None
+    while True:
+        page = store.list_sessions(ListFilter(limit=5, cursor=cursor))
+        seen += [s["id"] for s in page["data"]]
+        if not page["has_more"]:
+            assert page["next_cursor"] is None
+            break
+        cursor = page["next_cursor"]
+    assert sorted(seen) == sorted(store.rewards) and len(seen) == 12
+    assert seen[:4] == ["g2-s3", "g2-s2", "g2-s1", "g2-s0"]  # newest first, then id descending
+
+
+def test_filters(store):
+    val = store.list_sessions(ListFilter(limit=50, split="val"))["data"]
+    assert sorted(s["id"] for s in val) == ["g1-s0", "g1-s1", "g1-s2", "g1-s3"]
+    high = store.list_sessions(ListFilter(limit=50, min_reward=0.5, max_reward=0.8))["data"]
+    assert sorted(s["id"] for s in high) == sorted(k for k, r in store.rewards.items() if 0.5 <= r <= 0.8)
+    timed = store.list_sessions(ListFilter(limit=50, since=1001.0, until=1002.0))["data"]
+    assert {s["group_id"] for s in timed} == {"g1"}
+    assert store.list_sessions(ListFilter(limit=50, group_id="g2"))["data"][0]["step"] == 1  # first call's step
+    groups = store.list_groups(ListFilter(limit=50, min_reward=0.5))["data"]
+    means = {g: statistics.mean(r for k, r in store.rewards.items() if k.startswith(g + "-")) for g in ("g0", "g1", "g2")}
+    assert sorted(g["id"] for g in groups) == sorted(g for g, m in means.items() if m >= 0.5)
+    for g in groups:
+        assert g["reward_mean"] == pytest.approx(means[g["id"]]) and g["n_sessions"] == 4
+
+
+def test_reward_curve_by_hand(store):
+    curve = {(r["split"], r["step"]): r for r in store.reward_curve("agent")}
+    assert set(curve) == {("train", 0), ("val", 0), ("train", 1)}
+    train0 = [r for k, r in store.rewards.items() if k.startswith("g0-")]
+    assert curve[("train", 0)]["n"] == 4
+    assert curve[("train", 0)]["mean"] == pytest.approx(statistics.mean(train0))
+    assert curve[("train", 0)]["std"] == pytest.approx(statistics.pstdev(train0))
+    assert curve[("train", 0)]["max"] == pytest.approx(max(train0))
+
+
+def test_bad_input_says_what_to_fix(store):
+    with pytest.raises(InvalidRequest, match="next_cursor"):
+        store.list_sessions(ListFilter(cursor="not-a-cursor"))
+    with pytest.raises(InvalidRequest, match="limit"):
+        store.list_groups(ListFilter(limit=0))
+    with pytest.raises(InvalidRequest, match="finite"):
+        store.list_sessions(ListFilter(min_reward=float("nan")))
+
+
+def test_calls_per_minute_counts_each_minute():
+    store = Store(memory=True)
+    store._run_sync(lambda conn: [store_rows.insert_call(conn, call(f"s{i}", None, "train", 0, t, i))
+                                  for i, t in enumerate((600.0, 610.0, 659.0, 660.0, 780.0))])
+    minutes = store.calls_per_minute(now=800.0, minutes=4)
+    assert minutes == [{"minute": 600, "calls": 3}, {"minute": 660, "calls": 1}, {"minute": 720, "calls": 0},
+                       {"minute": 780, "calls": 1}]
+    asyncio.run(store.close())

@@ -1,0 +1,58 @@
+"""The dashboard's browser login: cookie for reads only, no open redirect, no header injection."""
+
+from __future__ import annotations
+
+from starlette.testclient import TestClient
+
+from gateway.ui.auth import COOKIE, DashboardAuthMiddleware, cookie_token
+
+KEY = "ui-auth-key"
+
+
+async def hello(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def client() -> TestClient:
+    return TestClient(DashboardAuthMiddleware(hello, api_key=KEY), follow_redirects=False)
+
+
+def test_login_sets_a_cookie_that_is_not_the_key():
+    response = client().post("/ui/login", data={"key": KEY, "next": "/ui/steps"})
+    assert response.status_code == 303 and response.headers["location"] == "/ui/steps"
+    cookie = response.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and KEY not in cookie
+    assert cookie_token(KEY) in cookie
+
+
+def test_cookie_reads_but_never_writes():
+    c = client()
+    c.cookies.set(COOKIE, cookie_token(KEY))
+    assert c.get("/ui").status_code == 200 and c.get("/v1/sessions").status_code == 200
+    assert c.post("/v1/sessions/s/reward").status_code == 401
+    c.cookies.set(COOKIE, cookie_token("another-key"))
+    assert c.get("/ui").status_code == 401
+
+
+def test_key_in_the_url_once_then_dropped_from_it():
+    response = client().get(f"/ui/groups?key={KEY}&split=val")
+    assert response.status_code == 303 and response.headers["location"] == "/ui/groups?split=val"
+    wrong = client().get("/ui?key=nope-nope")
+    assert wrong.status_code == 401 and "nope-nope" not in wrong.text
+
+
+def test_no_open_redirect_and_no_header_injection():
+    response = client().post("/ui/login", data={"key": KEY, "next": "//evil.example/ui"})
+    assert response.headers["location"] == "/ui"
+    response = client().get(f"/ui/x%0d%0aSet-Cookie:%20a=b?key={KEY}")
+    assert response.status_code == 303 and "\r" not in response.headers["location"]
+    assert response.headers.get_list("set-cookie") == [response.headers["set-cookie"]]
+
+
+def test_bearer_key_still_works_and_healthz_is_open():
+    c = client()
+    assert c.get("/ui", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert c.get("/v1/groups").status_code == 401
+    assert c.get("/healthz").status_code == 200
+    assert c.get("/ui/static/dashboard.js").status_code == 200  # the page's own assets hold no data

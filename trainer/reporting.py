@@ -1,0 +1,137 @@
+"""Experiment tracking: `--report-to wandb|trackio|none` sends every step's metrics and the
+run's settings to a tracker.
+
+A tracker is a guest: one that is not installed, cannot start, or fails while logging is
+logged as a warning and switched off, and training goes on. Each step logs the trainer's
+own metrics (loss, KL, clip share, grad norm, mismatch, tokens, time, reward of the
+trained groups) plus the reward mean and spread of the rollouts that step sampled, for
+train and val, read from the store (`gateway.store_lists.reward_curve`, the dashboard's
+curve), under `train/...` and `val/...`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Protocol
+
+log = logging.getLogger("rlproxy.trainer")
+
+CHOICES = ("none", "wandb", "trackio")
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def finish(self) -> None: ...
+
+
+class _WandbTracker:
+    def __init__(self, project: str, name: str | None, config: dict):
+        import wandb  # imported here: an optional dependency
+
+        self._wandb = wandb
+        self._run = wandb.init(project=project, name=name, config=config, reinit="finish_previous")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        self._run.finish()
+
+
+class _TrackioTracker:
+    def __init__(self, project: str, name: str | None, config: dict):
+        import trackio  # imported here: an optional dependency
+
+        self._trackio = trackio
+        trackio.init(project=project, name=name, config=config)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._trackio.log(metrics, step=step)
+
+    def finish(self) -> None:
+        self._trackio.finish()
+
+
+_TRACKERS = {"wandb": _WandbTracker, "trackio": _TrackioTracker}
+
+
+def step_metrics(step: int, metrics: dict, curve: list[dict]) -> dict[str, float]:
+    """The numbers logged for `step`: the trainer's metrics (finite numbers only) under
+    `train/` (`train/reward_mean` and `train/reward_std` are the trained groups' rewards),
+    and, from the store's reward curve, the rollouts of each split that the policy this
+    update started from (step - 1) sampled: `{split}/sampled_reward_mean`, `_std`, `_min`,
+    `_max` and `{split}/sampled_rollouts`. So `val/sampled_reward_mean` at step N is the
+    val score of the policy before update N."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        out[f"train/{key}"] = float(value)
+    for row in curve:
+        if row["step"] != step - 1:
+            continue
+        split = row["split"]
+        for key in ("mean", "std", "min", "max"):
+            out[f"{split}/sampled_reward_{key}"] = float(row[key])
+        out[f"{split}/sampled_rollouts"] = float(row["n"])
+    return out
+
+
+class Reporter:
+    """Forwards steps to a tracker; never raises. `Reporter.create(settings)` is the hook."""
+
+    def __init__(self, tracker: Tracker | None, name: str = "none"):
+        self.tracker = tracker
+        self.name = name
+
+    @classmethod
+    def create(cls, settings: Any) -> "Reporter":
+        choice = getattr(settings, "report_to", "none") or "none"
+        if choice == "none":
+            return cls(None)
+        factory = _TRACKERS.get(choice)
+        if factory is None:
+            log.warning("--report-to %r is not one of %s: not reporting", choice, ", ".join(CHOICES))
+            return cls(None)
+        config = settings.public_dict()  # secrets masked
+        project = getattr(settings, "report_project", None) or "rlproxy"
+        try:
+            tracker = factory(project, settings.model_name, config)
+        except ImportError:
+            log.warning("--report-to %s: the %s package is not installed (pip install %s); training goes on "
+                        "without it", choice, choice, choice)
+            return cls(None)
+        except Exception as exc:  # noqa: BLE001 - a tracker never stops training
+            log.warning("--report-to %s: could not start (%s: %s); training goes on without it",
+                        choice, type(exc).__name__, exc)
+            return cls(None)
+        log.info("reporting steps to %s (project %s)", choice, project)
+        return cls(tracker, choice)
+
+    def report_step(self, step: int, metrics: dict, store: Any = None, model: str | None = None) -> None:
+        if self.tracker is None:
+            return
+        try:
+            curve = store.reward_curve(model) if store is not None and model is not None else []
+            self.tracker.log(step_metrics(step, metrics, curve), step)
+        except Exception as exc:  # noqa: BLE001 - a tracker never stops training
+            log.warning("--report-to %s failed at step %d (%s: %s); no more reports this run",
+                        self.name, step, type(exc).__name__, exc)
+            self._drop()
+
+    def close(self) -> None:
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.finish()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("--report-to %s: finishing failed (%s: %s)", self.name, type(exc).__name__, exc)
+        self.tracker = None
+
+    def _drop(self) -> None:
+        tracker, self.tracker = self.tracker, None
+        try:
+            tracker.finish()
+        except Exception:  # noqa: BLE001
+            pass
