@@ -170,6 +170,7 @@ class ChatService:
         """Resolve the target and wait for the first chunk before the response starts, so a
         request the engine refuses at once gets its real HTTP status, not a 200 stream."""
         await self.gate.wait()
+        await self.registry.ensure(request.model)  # a pinned step not loaded: load it now
         target = self.registry.resolve(request.model)
         events = self._stream(request, raw, identity, request_id, target, time.perf_counter())
         first = await events.__anext__()  # raises the engine's error when no chunk came before it
