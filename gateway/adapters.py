@@ -1,8 +1,8 @@
 """Which adapter answers a request: model names, steps, and the hot-swap.
 
-Served names: `NAME` (the newest loaded step), `NAME@N` (a pinned step, while
-loaded) and the base model's id (no adapter). Engines without adapters
-(`openai`) pass every name through unchanged.
+Served names: `NAME` (the newest loaded step), `NAME@N` (any step with a step row:
+loaded on demand if it is not loaded, ART's convention) and the base model's id (no
+adapter). Engines without adapters (`openai`) pass every name through unchanged.
 
 The hot-swap, driven by the store (the trainer's only channel to the gateway):
 
@@ -13,7 +13,9 @@ The hot-swap, driven by the store (the trainer's only channel to the gateway):
    moving the alias both run on the event loop without an `await` between reading and
    writing, so a request sees either the old step or the new one, never a half-state;
 4. requests in flight keep the adapter they started with (`hold` counts them per step);
-   adapters beyond the newest `keep_adapters` are unloaded once nothing uses them.
+   beyond `keep_adapters` loaded steps, the least recently used ones (never the one the
+   alias points at) are unloaded once nothing uses them. A request for an unloaded
+   `NAME@N` loads it again (`ensure`), so a pinned old step answers, only slower once.
 
 A failed load is logged, leaves the previous step serving, and is retried next poll.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from gateway.engines.base import Engine
-from gateway.errors import Conflict, NotFound
+from gateway.errors import Conflict, EngineUnavailable, NotFound
 from gateway.settings import Settings
 from gateway.store import Store
 
@@ -48,6 +50,18 @@ class Target:
     model: str  # what the engine is asked for (body["model"])
     adapter: str | None  # adapter name such as "agent@3"; None = base model / upstream
     step: int | None  # the step that will answer; None for the base model or an upstream
+
+
+def _ranges(steps: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8" (a message stays short after thousands of steps)."""
+    if not steps:
+        return "none (nothing trained yet)"
+    parts, start = [], steps[0]
+    for prev, cur in zip(steps, [*steps[1:], None]):
+        if cur is None or cur != prev + 1:  # a run ends at prev
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)
 
 
 class AdapterPathError(Exception):
@@ -165,6 +179,7 @@ class AdapterRegistry:
             return False
         self.load_errors.pop(step, None)
         self.loaded[step] = adapter
+        self._last_resolved[step] = time.monotonic()  # a fresh load is a use: LRU keeps it
         log.info("loaded %s in %.2f s", adapter, time.perf_counter() - started)
         return True
 
@@ -176,9 +191,16 @@ class AdapterRegistry:
             log.info("%s now serves step %d (was %s)", self.name, step, previous)
 
     def _keep(self) -> set[int]:
-        """Steps that stay loaded: the newest `keep_adapters` loaded ones, and the current."""
-        newest = sorted(self.loaded)[-self.settings.keep_adapters:]
-        return {*newest, *([self.current] if self.current is not None else [])}
+        """Steps that stay loaded: the current one, and the most recently used others up to
+        `keep_adapters` in all (a load counts as a use, so without pinned requests these
+        are the newest steps)."""
+        keep = {self.current} if self.current is not None else set()
+        by_recency = sorted(self.loaded, key=lambda s: (self._last_resolved.get(s, float("-inf")), s), reverse=True)
+        for step in by_recency:
+            if len(keep) >= self.settings.keep_adapters:
+                break
+            keep.add(step)
+        return keep
 
     async def _unload_idle(self) -> None:
         keep = self._keep()
@@ -199,6 +221,32 @@ class AdapterRegistry:
                 continue
             self._last_resolved.pop(step, None)
             log.info("unloaded %s", adapter)
+
+    async def ensure(self, requested: str) -> None:
+        """Make `NAME@N` servable: load step N on demand if it has a step row and is not
+        loaded (bounded by `keep_adapters`: the least recently used idle step goes). 404
+        with the steps there are when there is no step N. Other names: nothing to do."""
+        step = self._pinned_step(requested)
+        if step is None or step in self.loaded:
+            return
+        rows = {row["step"]: row for row in await asyncio.to_thread(self.store.steps, self.name)}
+        if step not in rows:
+            raise NotFound(
+                f"model '{requested}' has no checkpoint: model '{self.name}' has steps {_ranges(sorted(rows))}",
+                param="model", code="model_not_found")
+        async with self._lock:
+            if step not in self.loaded and not await self._load(step, rows[step]["path"]):
+                raise EngineUnavailable(
+                    f"loading step {step} of '{self.name}' failed ({self.load_errors.get(step)}); try again")
+            self._last_resolved[step] = time.monotonic()
+            await self._unload_idle()
+        log.info("loaded %s on demand", requested)
+
+    def _pinned_step(self, requested: str) -> int | None:
+        if not self.engine.supports_adapters or not requested.startswith(self.name + "@"):
+            return None
+        suffix = requested[len(self.name) + 1 :]
+        return int(suffix) if suffix.isdigit() else None
 
     def status(self) -> dict:
         """What the registry serves, for health checks and logs."""
@@ -240,7 +288,8 @@ class AdapterRegistry:
                 step = int(suffix)
                 return Target(model=requested, adapter=self.loaded[step], step=step)
             raise NotFound(
-                f"model '{requested}' is not loaded; loaded: {', '.join(self.served_names()) or 'none'}",
+                f"model '{requested}' is not loaded; loaded: {', '.join(self.served_names()) or 'none'} "
+                f"(any step with a checkpoint loads on demand: `{self.name}@N`)",
                 param="model",
                 code="model_not_found",
             )
@@ -253,7 +302,9 @@ class AdapterRegistry:
 
     @contextlib.asynccontextmanager
     async def use(self, requested: str) -> AsyncIterator[Target]:
-        """Resolve a name and hold the adapter loaded while the request runs."""
+        """Resolve a name (loading a pinned step on demand) and hold the adapter loaded
+        while the request runs."""
+        await self.ensure(requested)
         async with self.hold(self.resolve(requested)) as target:
             yield target
 

@@ -243,6 +243,7 @@ class ChatService:
         await self.admit(request)
         self.check_split(identity)
         await self.gate.wait()
+        await self.registry.ensure(request.model)  # a pinned step not loaded: load it now
         target = self.registry.resolve(request.model)
         events = self._stream(request, raw, identity, request_id, target, time.perf_counter(), wire)
         first = await events.__anext__()  # raises the engine's error when no chunk came before it

@@ -17,7 +17,8 @@ from typing import Callable, Literal
 from pydantic import ValidationError
 
 from gateway.errors import RLProxyError
-from gateway.settings import Settings
+from gateway.settings import KEEP_ALIVE_SECONDS, Settings
+from gateway.tuning import log_settings
 
 SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level", "max_body_mb", "max_messages", "max_n",
            "cors_origin")
@@ -54,9 +55,12 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...],
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Flags given on the command line override the environment and defaults."""
+    """Flags given on the command line override the environment and the defaults, which
+    are tuned per model (`gateway.tuning`: the built-in model has its own)."""
+    from gateway.tuning import for_model
+
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return Settings(**given)
+    return for_model(Settings(**given))
 
 
 def _configure_logging(settings: Settings) -> None:
@@ -67,9 +71,6 @@ def _configure_logging(settings: Settings) -> None:
     )
 
 
-KEEP_ALIVE_SECONDS = 75
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -77,6 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     _configure_logging(settings)
+    log_settings(settings, logging.getLogger("rlproxy"), "serve")
     app = create_app(settings)
     trainer = _start_trainer(args, settings)
     try:
@@ -168,6 +170,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     _configure_logging(settings)
+    log_settings(settings, logging.getLogger("rlproxy.trainer"), "train")
     from gateway.colocate import needs_gpu_lease, wait_for_vllm
 
     if needs_gpu_lease(settings):  # vLLM profiles the whole GPU while it starts: load nothing before
@@ -210,11 +213,11 @@ def cmd_export_model(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gateway.demo import demo_settings, options_from_args, report, run_demo
+    from gateway.demo.driver import demo_settings, options_from_args, report, run_demo
 
     options = options_from_args(args)
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    summary = run_demo(demo_settings(given, options.out), options)
+    summary = run_demo(demo_settings(given, options.out, options.task), options)
     print(report(summary))
     return 0
 
@@ -257,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--merged", action="store_true",
                                  help="write the base model with the adapter merged in, instead of the adapter")
         if name == "demo":
-            from gateway.demo import add_arguments
+            from gateway.demo.driver import add_arguments
 
             add_arguments(command)
         if name == "train":

@@ -14,6 +14,9 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
+KEEP_ALIVE_SECONDS = 75
+"""uvicorn's keep-alive, well past the clients' own 5 s (httpx, openai): with equal timeouts
+both ends drop an idle connection at once and a request sent then fails with a ReadError."""
 
 
 class Settings(BaseSettings):

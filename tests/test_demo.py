@@ -52,6 +52,7 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
     assert summary["demo"]["steps"] == 2 and summary["demo"]["rollouts"] == 4
     assert summary["settings"]["groups_per_step"] == 2
     assert summary["settings"]["learning_rate"] == 1e-2  # the demo's tuning, not the serve default
+    assert summary["task"] == "shout"  # the default task; every task writes the same keys
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step 2" in (out / "trainer.log").read_text()
 

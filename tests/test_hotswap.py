@@ -141,6 +141,45 @@ async def test_failed_load_keeps_the_previous_step_and_retries(fake, caplog):
     assert registry.current == 1 and registry.load_errors == {}
 
 
+async def test_any_step_with_a_checkpoint_loads_on_demand_and_lru_unloads(fake):
+    settings, store, engine, registry = fake  # keep_adapters=2
+    for step in range(11):
+        publish_fake(settings, store, step)
+    await registry.refresh()
+    assert sorted(registry.loaded) == [9, 10] and registry.current == 10
+    async with registry.use("agent@0") as target:  # ten steps on: step 0 still answers
+        assert (target.adapter, target.step) == ("agent@0", 0)
+        assert ("load", "agent@0") in engine.log
+        assert ("unload", "agent@9") in engine.log  # least recently used, idle: it made room
+    assert sorted(registry.loaded) == [0, 10]
+    async with registry.use("agent@3"):  # step 0 was used more recently than... nothing else: LRU order
+        pass
+    assert sorted(registry.loaded) == [3, 10]  # the alias's step always stays; 0 was the LRU
+    await registry.ensure("agent@3")  # loaded: nothing to do
+    assert engine.log.count(("load", "agent@3")) == 1
+    with pytest.raises(NotFound) as missing:
+        await registry.ensure("agent@11")
+    assert "has no checkpoint" in missing.value.message and "steps 0-10" in missing.value.message
+    await registry.ensure("gpt-4o")  # not a pinned name: left to resolve()
+
+
+async def test_a_pinned_step_in_use_is_not_unloaded_to_make_room(fake):
+    settings, store, engine, registry = fake  # keep_adapters=2
+    for step in range(4):
+        publish_fake(settings, store, step)
+    await registry.refresh()
+    async with registry.use("agent@0"), registry.use("agent@1"):
+        assert sorted(registry.loaded) == [0, 1, 3]  # over the bound while all are busy
+    await registry.refresh()  # idle now: back within keep_adapters, the LRU one gone
+    assert sorted(registry.loaded) == [1, 3]
+
+
+def test_step_ranges_in_messages():
+    assert adapters_module._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert adapters_module._ranges([4]) == "4"
+    assert adapters_module._ranges([]).startswith("none")
+
+
 async def test_checkpoint_paths_outside_the_models_dir_are_refused(fake, tmp_path):
     settings, store, engine, registry = fake
     outside = tmp_path / "elsewhere" / "0000"
@@ -290,12 +329,18 @@ async def test_requests_keep_flowing_while_two_steps_land(tmp_path):
                 seen.append((request_id, step, "agent@0"))
             assert _model_ids(server.url) >= {"agent", "agent@0", "agent@1", "agent@2", settings.base_model}
 
-            # A third step pushes step 0 beyond keep_adapters: it is unloaded once idle.
+            # A third step goes beyond keep_adapters: the least recently used step (1: step 0
+            # was just asked for by name) is unloaded once idle...
             await asyncio.to_thread(publisher.publish, 3)
-            await _until(lambda: "agent@0" not in _model_ids(server.url), "step 0 to be unloaded")
-            assert _model_ids(server.url) >= {"agent", "agent@1", "agent@2", "agent@3", settings.base_model}
-            with pytest.raises(openai.NotFoundError):
-                await client.chat.completions.create(model="agent@0", messages=MESSAGES, max_tokens=2)
+            await _until(lambda: "agent@1" not in _model_ids(server.url), "step 1 to be unloaded")
+            assert _model_ids(server.url) >= {"agent", "agent@0", "agent@2", "agent@3", settings.base_model}
+            # ...and loaded again on demand: any step with a checkpoint answers.
+            for stream in (True, False):
+                request_id, step, _ = await _call(client, "agent@1", stream=stream, session=f"reloaded-{stream}")
+                assert step == "1"
+                seen.append((request_id, step, "agent@1"))
+            with pytest.raises(openai.NotFoundError, match="steps 0-3"):
+                await client.chat.completions.create(model="agent@9", messages=MESSAGES, max_tokens=2)
             request_id, step, _ = await _call(client, "agent", stream=False, session="after")
             assert step == "3"
             seen.append((request_id, step, "agent"))

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from gateway import demo_task
+from gateway.demo import shout as demo_task
 from gateway.settings import Settings
 from gateway.engines.local_worker import Sampling, processed_logprobs
 from trainer.advantages import compute_advantages

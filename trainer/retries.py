@@ -18,9 +18,12 @@ from collections.abc import Sequence
 import orjson
 
 
-def _key(call: dict) -> bytes:
-    """What makes two requests the same question: the conversation, the tools, the model."""
+def _key(call: dict) -> bytes | None:
+    """What makes two requests the same question: the conversation, the tools, the model
+    (None for a call without a conversation: nothing to compare)."""
     request = call.get("request") or {}
+    if not request.get("messages"):
+        return None
     return orjson.dumps([request.get("model"), request.get("messages"), request.get("tools")],
                         option=orjson.OPT_SORT_KEYS)
 
@@ -46,24 +49,30 @@ def _continues(later: dict, earlier: dict) -> bool:
     return (next_message.get("content") or "", calls) == _answer(earlier)
 
 
-def retry_orphans(calls: Sequence[dict]) -> set[str]:
-    """Ids of the calls (in call order, one session) that a retry made orphans."""
-    ok = [c for c in calls if c.get("status") == "ok"]
+def _orphan_positions(calls: Sequence[dict]) -> set[int]:
+    """Positions in `calls` (call order, one session) of the calls a retry made orphans."""
+    ok = [(n, c) for n, c in enumerate(calls) if c.get("status") == "ok"]
     by_request: dict[bytes, list[int]] = {}
-    for i, call in enumerate(ok):
-        by_request.setdefault(_key(call), []).append(i)
-    orphans: set[str] = set()
+    for i, (_, call) in enumerate(ok):
+        if (key := _key(call)) is not None:
+            by_request.setdefault(key, []).append(i)
+    orphans: set[int] = set()
     for positions in by_request.values():
         if len(positions) < 2:
             continue
-        continued = [i for i in positions if any(_continues(later, ok[i]) for later in ok[i + 1:])]
+        continued = [i for i in positions if any(_continues(later, ok[i][1]) for _, later in ok[i + 1:])]
         keep = continued[-1] if continued else positions[-1]
-        orphans.update(ok[i]["id"] for i in positions if i != keep)
+        orphans.update(ok[i][0] for i in positions if i != keep)
     return orphans
+
+
+def retry_orphans(calls: Sequence[dict]) -> set[str]:
+    """Ids of the calls (in call order, one session) that a retry made orphans."""
+    return {calls[n]["id"] for n in _orphan_positions(calls)}
 
 
 def trainable_calls(calls: Sequence[dict]) -> list[dict]:
     """A session's calls without those whose answer never reached the client (499) and
-    without retry orphans, in order."""
-    orphans = retry_orphans(calls)
-    return [c for c in calls if c.get("http_status") != 499 and c.get("id") not in orphans]
+    without retry orphans, in order. (Positions, not ids: calls built by hand may have none.)"""
+    orphans = _orphan_positions(calls)
+    return [c for n, c in enumerate(calls) if c.get("http_status") != 499 and n not in orphans]

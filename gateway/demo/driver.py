@@ -1,11 +1,12 @@
-"""`rlproxy demo`: the whole loop on the embedded default, watched as a reward curve.
+"""The demo driver: the whole loop on the embedded default, watched as a reward curve.
 
     gateway (this process, uvicorn on a free loopback port)   trainer (`rlproxy train`, child)
         ▲  chat completions with X-Session-Id / X-Group-Id           │ trains on ready groups,
         │  rewards, group close  (all over HTTP, `openai` client)    │ saves NAME@N, step row
     the toy agent (this process)  ◄── hot-swap: NAME moves to N ─────┘
 
-The agent plays `gateway.demo_task` (SHOUT). Each round samples `groups_per_step` groups
+The agent plays one task of `gateway.demo` (`--task`; the shape every task has is written
+there): the driver has no task-specific code. Each round samples `groups_per_step` groups
 of `rollouts` parallel rollouts from whatever step `NAME` serves, posts their rewards,
 closes the groups, and waits until the trainer's next step is served. A group whose
 rollouts all scored the same teaches nothing (the trainer skips it), so the round samples
@@ -41,26 +42,22 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gateway import demo_task
-from gateway.cli import KEEP_ALIVE_SECONDS
+from types import ModuleType
+
+from gateway.demo import DEFAULT_TASK, TASKS, load_task
 from gateway.errors import ConfigError, RLProxyError
-from gateway.settings import Settings
+from gateway.settings import KEEP_ALIVE_SECONDS, Settings
+from gateway.tuning import TINY_MODEL_SETTINGS
 
 log = logging.getLogger("rlproxy.demo")
 
-# Settings the demo tunes for SHOUT on the random tiny model (flags and RLPROXY_* env win).
-# The learning rate is far above what suits a pretrained model: the tiny model is random and
-# LoRA has to move its output distribution a long way in a few dozen steps.
+# The demo's settings (flags and RLPROXY_* env win): the built-in model's tuning (the same
+# that `rlproxy serve` uses on it), a quick hot-swap, a quiet screen; then the task's own.
 DEMO_SETTINGS = {
-    "learning_rate": 1e-2,
-    "lora_rank": 8,
-    "lora_alpha": 16,
-    "groups_per_step": 4,
+    **TINY_MODEL_SETTINGS,
     "poll_interval": 0.2,
     "keep_adapters": 2,
     "max_batch_size": 32,
-    "default_max_tokens": 8,
-    "max_tokens_per_row": 1024,
     "log_level": "warning",
 }
 
@@ -70,12 +67,16 @@ AIM_FINAL_AT_LEAST = 0.8
 
 @dataclass
 class DemoOptions:
+    task: str = DEFAULT_TASK
     out: Path = Path("rlproxy-demo")
     steps: int = 60  # training steps at most (a converged run stops early)
     rollouts: int = 8  # rollouts per group (GRPO compares them)
     seconds: float = 300.0  # budget: no new round starts after this
     max_tokens: int = 6  # reply length: short replies keep a round well under a second
     eval_groups: int = 4  # groups of `rollouts` for the baseline and final evaluations
+
+
+_TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups")
 
 
 @dataclass
@@ -97,23 +98,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's own flags (the settings flags are added by the CLI)."""
     defaults = DemoOptions()
     group = parser.add_argument_group("demo")
+    group.add_argument("--task", choices=TASKS, default=DEFAULT_TASK,
+                       help=f"what the agent learns (default: {DEFAULT_TASK}); each is a module of gateway.demo")
     group.add_argument("--out", type=Path, default=defaults.out,
                        help=f"where summary.json, reward_curve.png and the logs go (default: {defaults.out})")
-    group.add_argument("--steps", type=int, default=defaults.steps,
-                       help=f"training steps to run (default: {defaults.steps})")
-    group.add_argument("--rollouts", type=int, default=defaults.rollouts,
-                       help=f"rollouts per group, sampled in parallel (default: {defaults.rollouts})")
-    group.add_argument("--seconds", type=float, default=defaults.seconds,
-                       help=f"time budget: no new round starts after it (default: {defaults.seconds:g})")
-    group.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
-                       help=f"reply length in tokens (default: {defaults.max_tokens})")
-    group.add_argument("--eval-groups", type=int, default=defaults.eval_groups,
-                       help=f"groups in the baseline and final evaluations (default: {defaults.eval_groups})")
+    group.add_argument("--steps", type=int, default=None,
+                       help=f"training steps to run (default: the task's, else {defaults.steps})")
+    group.add_argument("--rollouts", type=int, default=None,
+                       help=f"rollouts per group, sampled in parallel (default: the task's, else {defaults.rollouts})")
+    group.add_argument("--seconds", type=float, default=None,
+                       help=f"time budget: no new round starts after it (default: the task's, else {defaults.seconds:g})")
+    group.add_argument("--max-tokens", type=int, default=None,
+                       help=f"tokens per reply (default: the task's, else {defaults.max_tokens})")
+    group.add_argument("--eval-groups", type=int, default=None,
+                       help=f"groups in the baseline and final evaluations (default: the task's, else "
+                            f"{defaults.eval_groups})")
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:
-    options = DemoOptions(out=args.out, steps=args.steps, rollouts=args.rollouts, seconds=args.seconds,
-                          max_tokens=args.max_tokens, eval_groups=args.eval_groups)
+    """Flags > the task's OPTIONS > DemoOptions' defaults."""
+    task = load_task(getattr(args, "task", DEFAULT_TASK))
+    chosen = {**{k: v for k, v in task.OPTIONS.items() if k in _TASK_OPTIONS},
+              **{k: getattr(args, k) for k in _TASK_OPTIONS if getattr(args, k, None) is not None}}
+    options = DemoOptions(task=task.NAME, out=args.out, **chosen)
     for name in ("steps", "rollouts", "max_tokens", "eval_groups"):
         if getattr(options, name) < (2 if name == "rollouts" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {2 if name == 'rollouts' else 1}"
@@ -123,10 +130,11 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     return options
 
 
-def demo_settings(given: dict, out: Path) -> Settings:
-    """Flags > RLPROXY_* environment > the demo's tuning > Settings' defaults. The state
-    dir defaults to OUT/state, so a demo never trains on top of another store."""
-    tuned = {k: v for k, v in DEMO_SETTINGS.items() if f"RLPROXY_{k.upper()}" not in os.environ}
+def demo_settings(given: dict, out: Path, task: str = DEFAULT_TASK) -> Settings:
+    """Flags > RLPROXY_* environment > the task's tuning > the demo's > Settings' defaults.
+    The state dir defaults to OUT/state, so a demo never trains on top of another store."""
+    tuned = {k: v for k, v in {**DEMO_SETTINGS, **load_task(task).SETTINGS}.items()
+             if f"RLPROXY_{k.upper()}" not in os.environ}
     if "state_dir" not in given and "RLPROXY_STATE_DIR" not in os.environ:
         tuned["state_dir"] = out / "state"
     settings = Settings(**{**tuned, **given})
@@ -246,14 +254,16 @@ class Trainer:
 
 
 class Agent:
-    """Plays SHOUT against the gateway over its real HTTP API."""
+    """Plays the task's episodes against the gateway over its real HTTP API."""
 
-    def __init__(self, url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float):
+    def __init__(self, url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float,
+                 task: ModuleType):
         import httpx
         import openai
 
         self.settings = settings
         self.options = options
+        self.task = task
         self.trainer = trainer
         self.deadline = deadline
         self.model = settings.model_name
@@ -273,25 +283,36 @@ class Agent:
         response.raise_for_status()
         return response.json().get("step")
 
-    async def rollout(self, group_id: str, index: int, prompt: str, split: str) -> tuple[float, int | None]:
-        """One session: one chat completion, its reward posted. Returns (reward, step that answered)."""
+    async def rollout(self, group_id: str, index: int, spec, split: str) -> tuple[float, float, int | None]:
+        """One session: the task's episode, each of its model calls a chat completion in this
+        session; its reward posted. Returns (score, training reward, the oldest step that
+        answered)."""
         session_id = f"{group_id}-r{index}"
-        raw = await self.client.chat.completions.with_raw_response.create(
-            model=self.model, messages=demo_task.messages_for(prompt), max_tokens=self.options.max_tokens,
-            temperature=1.0, seed=self.rng.getrandbits(31),
-            extra_headers={"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split})
-        reply = raw.parse().choices[0].message.content
-        step = raw.headers.get("x-model-step")
-        reward = demo_task.reward(reply)
-        (await self.http.post(f"/v1/sessions/{session_id}/reward", json={"reward": reward})).raise_for_status()
-        return reward, int(step) if step is not None else None
+        steps: list[int] = []
 
-    async def group(self, split: str) -> tuple[str, list[tuple[float, int | None]]]:
+        async def chat(messages: list[dict]) -> str | None:
+            raw = await self.client.chat.completions.with_raw_response.create(
+                model=self.model, messages=messages, max_tokens=self.options.max_tokens,
+                temperature=1.0, seed=self.rng.getrandbits(31),
+                extra_headers={"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split})
+            step = raw.headers.get("x-model-step")
+            if step is not None:
+                steps.append(int(step))
+            return raw.parse().choices[0].message.content
+
+        result = await self.task.episode(spec, chat)
+        reward, score = (float(result), float(result)) if isinstance(result, (int, float)) else map(float, result)
+        posted = reward if split == "train" else score  # val is never trained: it gets the score itself
+        (await self.http.post(f"/v1/sessions/{session_id}/reward",
+                              json={"reward": posted, "metrics": {"score": score}})).raise_for_status()
+        return score, reward, min(steps, default=None)
+
+    async def group(self, split: str) -> tuple[str, list[tuple[float, float, int | None]]]:
         """One task, `rollouts` rollouts in parallel, then the group is closed (ready)."""
         self._groups += 1
         group_id = f"demo-{split}-{self._groups:05d}"
-        prompt = demo_task.sample_prompt(self.rng)
-        results = await asyncio.gather(*(self.rollout(group_id, i, prompt, split)
+        spec = self.task.sample(self.rng)  # the same for every rollout of the group
+        results = await asyncio.gather(*(self.rollout(group_id, i, spec, split)
                                          for i in range(self.options.rollouts)))
         (await self.http.post(f"/v1/groups/{group_id}/close", json={})).raise_for_status()
         return group_id, list(results)
@@ -300,8 +321,8 @@ class Agent:
         """Mean reward of `eval_groups` val groups (never trained on), and the step that answered."""
         groups = await asyncio.gather(*(self.group("val") for _ in range(self.options.eval_groups)))
         results = [result for _, rollouts in groups for result in rollouts]
-        answered_by = [step for _, step in results if step is not None]
-        return sum(r for r, _ in results) / len(results), max(answered_by, default=None)
+        answered_by = [step for _, _, step in results if step is not None]
+        return sum(score for score, _, _ in results) / len(results), max(answered_by, default=None)
 
     async def wait_for_step(self, step: int, what: str) -> None:
         while True:
@@ -340,10 +361,10 @@ class Agent:
                 await asyncio.sleep(0.05)
                 continue
             for group_id, results in await asyncio.gather(*(self.group("train") for _ in range(missing))):
-                for reward, sampled_by in results:
+                for score, _, sampled_by in results:
                     if sampled_by is not None:
-                        self.record.rewards_by_step.setdefault(sampled_by, []).append(reward)
-                rewards = [r for r, _ in results]
+                        self.record.rewards_by_step.setdefault(sampled_by, []).append(score)
+                rewards = [reward for _, reward, _ in results]  # what the trainer sees
                 if max(rewards) - min(rewards) > 1e-6:
                     self.pending.append(group_id)
                 else:  # no spread: the trainer skips it (nothing to learn), so another takes its place
@@ -357,7 +378,7 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
                  progress: bool) -> Record:
     from tqdm import tqdm
 
-    agent = Agent(url, settings, options, trainer, deadline)
+    agent = Agent(url, settings, options, trainer, deadline, load_task(options.task))
     record = agent.record
     try:
         await agent.wait_for_step(0, "the untrained adapter (step 0)")
@@ -393,11 +414,13 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
 
 
 def summarize(record: Record, settings: Settings, options: DemoOptions, seconds: float) -> dict:
+    task = load_task(options.task)
     by_step = {str(step): sum(r) / len(r) for step, r in sorted(record.rewards_by_step.items())}
     reached = (record.baseline_reward is not None and record.final_reward is not None
                and record.baseline_reward <= AIM_BASELINE_AT_MOST and record.final_reward >= AIM_FINAL_AT_LEAST)
     return {
-        "task": {"name": demo_task.NAME, "description": demo_task.DESCRIPTION},
+        "task": task.NAME,
+        "task_description": task.DESCRIPTION,
         "baseline_reward": record.baseline_reward,
         "final_reward": record.final_reward,
         "final_step": record.final_step,
@@ -429,7 +452,7 @@ def plot(summary: dict, path: Path) -> None:
                    label=f"final (val, step {summary['final_step']})")
     ax.axhline(AIM_FINAL_AT_LEAST, color="grey", linestyle="--", linewidth=1, label=f"aim {AIM_FINAL_AT_LEAST}")
     ax.set(xlabel="training step (adapter that sampled)", ylabel="reward", ylim=(-0.02, 1.02),
-           title=f"rlproxy demo: {summary['task']['name']} ({summary['seconds']:.0f} s)")
+           title=f"rlproxy demo: {summary['task']} ({summary['seconds']:.0f} s)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -469,7 +492,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     # Two processes on the same cores: each gets half, or their OpenMP threads fight.
     threads = max(1, (os.cpu_count() or 2) // 2)
     torch.set_num_threads(threads)
-    print(f"rlproxy demo: {demo_task.DESCRIPTION}\n  {options.steps} steps x {settings.groups_per_step} groups x "
+    print(f"rlproxy demo --task {options.task}: {load_task(options.task).DESCRIPTION}\n  {options.steps} steps x {settings.groups_per_step} groups x "
           f"{options.rollouts} rollouts; outputs in {out}/", file=sys.stderr)
     trainer = None
     try:

@@ -1,4 +1,4 @@
-"""The toy task `rlproxy demo` trains on: SHOUT.
+"""Demo task SHOUT (`rlproxy demo --task shout`): one call per episode.
 
 The agent is asked to shout; its reward is the fraction of its reply's characters that
 are capital letters. Why this task, for a randomly initialised tiny model on a CPU:
@@ -11,7 +11,7 @@ are capital letters. Why this task, for a randomly initialised tiny model on a C
   single-capital tokens, which LoRA can learn in a few dozen small steps;
 - replies are short (a few tokens), so a step's rollouts take well under a second.
 
-Pure functions, no I/O: the demo driver does the HTTP.
+The task shape is documented in `gateway.demo`; the driver does the HTTP.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ PROMPTS = (
     "Make some noise: capitals only!",
 )
 
+OPTIONS = {"rollouts": 8, "max_tokens": 6, "steps": 60}
+SETTINGS = {"default_max_tokens": 8, "max_tokens_per_row": 1024}
+
 SYSTEM = "You are a loud agent. You always answer in CAPITAL LETTERS."
 
 
@@ -40,9 +43,17 @@ def messages_for(prompt: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
 
-def sample_prompt(rng: random.Random) -> str:
+def sample(rng: random.Random) -> str:
     """The task of one group (every rollout of a group gets the same prompt)."""
     return rng.choice(PROMPTS)
+
+
+sample_prompt = sample
+
+
+async def episode(prompt: str, chat) -> float:
+    """One rollout: ask once, score the reply."""
+    return reward(await chat(messages_for(prompt)))
 
 
 def reward(reply: str | None) -> float:

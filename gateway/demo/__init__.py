@@ -1,0 +1,40 @@
+"""`rlproxy demo [--task NAME]`: the whole loop on the built-in model, watched as a reward curve.
+
+`driver` runs gateway + trainer + a toy agent and knows nothing about any task; each task is
+one module of this package with the same small shape, so a new one is a copy of an old one:
+
+    NAME: str                 the `--task` name
+    DESCRIPTION: str          one line, printed at start and kept in summary.json
+    OPTIONS: dict             the demo options it needs (`rollouts`, `max_tokens`, `steps`, ...)
+    SETTINGS: dict            settings tuned for it on the built-in model (flags and env win)
+    sample(rng) -> spec       the task of one group: every rollout of the group gets the same
+                              spec (a prompt; for a game, the opponent's dice)
+    async episode(spec, chat) -> float | (float, float)
+                              one rollout: the agent's side of the conversation, each model
+                              call an `await chat(messages)` returning the reply text (None
+                              for an empty reply); returns the reward, or (training reward,
+                              score) when the task shapes its training reward: the score is
+                              what is reported and what `val` sessions are given
+
+Pure game or prompt logic plus the `episode` coroutine: the driver does every piece of
+HTTP (session and group headers, rewards, group close), so a task never sees the gateway.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+TASKS = ("shout", "tictactoe")
+DEFAULT_TASK = "shout"
+"""What `rlproxy demo` runs without `--task`: the most convincing task that finishes within
+about 5 minutes on 2 CPU cores (README, "What the demo shows")."""
+
+
+def load_task(name: str) -> ModuleType:
+    """The task module `name` (one of TASKS; the name never becomes a path unchecked)."""
+    if name not in TASKS:
+        from gateway.errors import ConfigError
+
+        raise ConfigError(f"unknown demo task '{name}'; choose one of: {', '.join(TASKS)}")
+    return importlib.import_module(f"gateway.demo.{name}")
