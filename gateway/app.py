@@ -21,6 +21,7 @@ from gateway.metrics import Metrics
 from gateway.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store_open import open_store
 
 log = logging.getLogger("rlproxy")
 
@@ -87,7 +88,7 @@ def _error_response(exc: RLProxyError) -> JSONResponse:
 def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,
                tracer: Any = None) -> FastAPI:
     engine = engine or build_engine(settings)
-    store = store or Store(settings.db_path, synchronous=settings.store_sync)
+    store = store or open_store(settings)
     gate = RequestGate()
     registry = AdapterRegistry(engine, store, settings)
     metrics = Metrics()

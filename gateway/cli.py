@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from gateway.errors import RLProxyError
 from gateway.settings import Settings
 
-SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level")
+SERVICE = ("host", "port", "state_dir", "store", "store_sync", "api_key", "log_level")
 ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
           "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_arg", "max_loras",
           "gpu_mode", "max_staleness")
@@ -183,7 +183,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from gateway.export import export_trajectories
 
     settings = settings_from_args(args)
-    count = export_trajectories(settings.db_path, args.output, split=args.split, only_rewarded=args.rewarded)
+    count = export_trajectories(settings.store or settings.db_path, args.output, split=args.split, only_rewarded=args.rewarded)
     print(f"exported {count} sessions to {args.output}", file=sys.stderr)
     return 0
 
@@ -201,7 +201,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[tuple[str, ...], str], ...]]] = {
     "serve": ("run the gateway (and, with --trainer auto, a trainer worker beside it)", cmd_serve,
               ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
-    "export": ("write recorded sessions as JSON lines", cmd_export, ((("state_dir",), "store"),)),
+    "export": ("write recorded sessions as JSON lines", cmd_export, ((("state_dir", "store"), "store"),)),
     "demo": ("watch it learn: gateway, trainer and a toy agent on the built-in tiny model (CPU, minutes)",
              cmd_demo, ((("state_dir", "log_level"), "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
     "train": ("run a trainer worker alone: train on ready groups, save adapters, record steps", cmd_train,
@@ -210,10 +210,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlproxy", description=__doc__.splitlines()[0].strip("`: "))
+    # allow_abbrev=False: `--store` must never be read as an abbreviation of `--store-sync`.
+    parser = argparse.ArgumentParser(prog="rlproxy", description=__doc__.splitlines()[0].strip("`: "),
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, _, groups) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         for names, title in groups:
             _add_settings_flags(command, names, title)
         if name == "export":

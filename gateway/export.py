@@ -2,37 +2,37 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
 import orjson
-import sqlite_utils
 
 from gateway.errors import NotFound
-from gateway.store import Store
+from gateway.store_open import is_postgres_url, open_store
 
 
-def export_trajectories(db_path: Path, output: str, *, split: str | None = None, only_rewarded: bool = False) -> int:
-    if not Path(db_path).exists():
-        raise NotFound(f"no store at {db_path}: pass the --state-dir the gateway ran with")
-    store = Store(db_path)
+def export_trajectories(db_path: Path | str, output: str, *, split: str | None = None,
+                        only_rewarded: bool = False) -> int:
+    """`db_path`: the SQLite file, or a postgresql:// URL (`--store`)."""
+    if not is_postgres_url(str(db_path)) and not Path(db_path).exists():
+        raise NotFound(f"no store at {db_path}: pass the --state-dir (or --store) the gateway ran with")
+    store = open_store(db_path)
     where, params = [], []
     if split:
         where.append("split = ?")
         params.append(split)
     if only_rewarded:
         where.append("reward IS NOT NULL")
-    db = sqlite_utils.Database(db_path)
-    rows = db["sessions"].rows_where(" AND ".join(where) or None, params, order_by="created_at", select="id")
+    sql = "SELECT id FROM sessions" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY created_at, id"
     out = sys.stdout.buffer if output == "-" else open(output, "wb")
     count = 0
     try:
-        for row in rows:
+        for row in store._query(sql, tuple(params)):
             out.write(orjson.dumps(store.get_session(row["id"]), default=str) + b"\n")
             count += 1
     finally:
         if out is not sys.stdout.buffer:
             out.close()
-        store._conn.close()
-        store._read_conn.close()
+        asyncio.run(store.close())  # no writer task: this only closes the connections
     return count

@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     store_sync: Literal["normal", "full"] = Field(
         "normal", description="normal: a recorded call survives the gateway crashing or being killed; "
         "full: also an OS crash or power loss (an fsync per group commit)")
+    store: str | None = Field(None, description="postgresql://... to share one store between gateway replicas "
+                              "and trainers on other machines (pip install 'rlproxy[postgres]'); "
+                              "default: SQLite under the state dir")
     api_key: SecretStr | None = Field(None, description="bearer key required on every route but /healthz")
     log_level: str = Field("info", description="debug, info, warning or error")
 

@@ -21,9 +21,10 @@ import asyncio
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-from gateway import store_pg_schema
+from gateway import store_files, store_pg_schema
 from gateway.store import Store
 
 _RETRYABLE = ("40P01", "40001")  # deadlock detected, serialization failure: rerun the batch
@@ -184,6 +185,35 @@ class PostgresStore(Store):
         for key in ("n_sessions", "n_rewarded", "n_discarded"):
             row[key] = int(row[key])
         return row
+
+    def insert_step(self, model: str, step: int, path: str, metrics: dict, group_ids: list[str],
+                    session_ids: list[str] | None = None) -> None:
+        """As `Store.insert_step`, after the checkpoint's files went into the store (their own
+        transaction, committed first): a step row is never visible without its files."""
+        directory = Path(path)
+        if directory.is_dir():
+            self._transaction(lambda conn: store_files.upload_step_files(conn, model, step, directory))
+        super().insert_step(model, step, path, metrics, group_ids, session_ids)
+
+    def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
+        rows = self._query("SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
+                           " WHERE f.model = ? AND f.step = ? ORDER BY f.name", (model, step))
+        return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
+
+    def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
+        """A local directory holding step `step`'s files, verified: the files in the store are
+        fetched into `models_dir/MODEL/store/NNNN` (the trainer's own path is on its machine).
+        A step recorded without files (by an older rlproxy) keeps its path."""
+        listing = self.step_files(model, step)
+        if not listing:
+            return raw_path
+        dest = Path(models_dir).resolve() / model / "store" / f"{int(step):04d}"
+
+        def read_blob(digest: str) -> bytes | None:
+            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
+            return bytes(rows[0]["data"]) if rows else None
+
+        return str(store_files.materialize(read_blob, listing, dest))
 
     def claim_groups(self, model: str, holder: str, split: str = "train", limit: int | None = None,
                      ttl_s: float = 3600.0) -> list[dict]:
