@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-_SECRET_SETTINGS = ("api_key", "upstream_api_key")
+_SECRET_SETTINGS = ("api_key", "upstream_api_key", "store")  # a store URL may hold a password
 
 
 def _settings_argv(args: argparse.Namespace) -> list[str]:
@@ -134,6 +134,8 @@ def _start_trainer(args: argparse.Namespace, settings: Settings):
         return None
     cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_argv(args)]
     env = dict(os.environ)
+    if settings.store:
+        env["RLPROXY_STORE"] = settings.store  # by environment, not argv: its password stays private
     if settings.device == "cpu":
         # The local engine computes on the same cores: OpenMP threads of two processes
         # competing for every core slow both down many times over, so the trainer takes half.

@@ -7,6 +7,8 @@ A copy is saved next to every checkpoint (secrets excluded).
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Literal
 
@@ -91,6 +93,8 @@ class Settings(BaseSettings):
         data = self.model_dump(mode="json")
         for secret in ("api_key", "upstream_api_key"):
             data[secret] = "***" if data.get(secret) else None
+        if data.get("store"):
+            data["store"] = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", data["store"])  # the password, if any
         return data
 
     @property

@@ -13,12 +13,22 @@ def upstream():
 
 
 @pytest.fixture(scope="session")
-def postgres_url(tmp_path_factory):
+def postgres_url():
     """A running PostgreSQL (see tests/helpers_postgres.py), one per test session."""
     from tests.helpers_postgres import postgres_server
 
-    with postgres_server(tmp_path_factory.mktemp("pg")) as url:
-        yield url
+    import shutil
+    import tempfile
+    import uuid
+    from pathlib import Path
+
+    # Not under pytest's basetemp: pytest runs beside this one may prune old basetemps.
+    root = Path(tempfile.gettempdir()) / f"rlproxy-pg-{uuid.uuid4().hex[:12]}"
+    try:
+        with postgres_server(root) as url:
+            yield url
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
