@@ -9,13 +9,13 @@ from pathlib import Path
 import orjson
 
 from gateway.errors import NotFound
-from gateway.store_open import is_postgres_url, open_store
+from gateway.store_open import open_store
 
 
 def export_trajectories(db_path: Path | str, output: str, *, split: str | None = None,
                         only_rewarded: bool = False) -> int:
     """`db_path`: the SQLite file, or a postgresql:// URL (`--store`)."""
-    if not is_postgres_url(str(db_path)) and not Path(db_path).exists():
+    if "://" not in str(db_path) and not Path(db_path).exists():
         raise NotFound(f"no store at {db_path}: pass the --state-dir (or --store) the gateway ran with")
     store = open_store(db_path)
     where, params = [], []
