@@ -154,3 +154,19 @@ async def test_two_trainers_racing_to_insert_a_step_for_one_group_one_wins(pg):
     for t in trainers:
         t.close_sync()
     await gateway.close()
+
+
+async def test_a_failing_write_in_a_batch_fails_alone(store):
+    """Group commit: a write that fails (a split conflict) is rolled back alone; the writes
+    batched with it are committed and acknowledged."""
+    await store.record_call(call(0, "s-train", group="g-mixed"))
+    outcomes = await asyncio.gather(
+        store.record_call(call(1, "s-a", group="g-a")),
+        store.record_call(call(2, "s-train", group="g-mixed", split="val")),  # a train session: refused
+        store.record_call(call(3, "s-b", group="g-b")),
+        return_exceptions=True,
+    )
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], Conflict)
+    assert [c["id"] for c in store.session_calls("s-train")] == ["req0"]
+    assert store.get_session("s-a")["n_calls"] == 1 and store.get_session("s-b")["n_calls"] == 1
