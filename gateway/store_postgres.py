@@ -234,6 +234,20 @@ class PostgresStore(Store):
 
         return str(store_files.materialize(read_blob, listing, dest))
 
+    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
+        """A trainer on a machine without the checkpoint (moved, or a new node): the step's
+        files (adapter, optimizer state, trainer state) from the store into `dest`, verified.
+        None if the step was recorded without files."""
+        listing = self.step_files(model, step)
+        if not listing:
+            return None
+
+        def read_blob(digest: str) -> bytes | None:
+            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
+            return bytes(rows[0]["data"]) if rows else None
+
+        return store_files.materialize(read_blob, listing, Path(dest))
+
     def claim_groups(self, model: str, holder: str, split: str = "train", limit: int | None = None,
                      ttl_s: float = 3600.0) -> list[dict]:
         """Ready groups that no other trainer holds, claimed for `holder` (for `ttl_s`): the

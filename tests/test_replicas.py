@@ -98,6 +98,21 @@ def test_two_replicas_and_a_trainer_share_one_postgres(tmp_path, postgres_db):
             reply = _chat(http, base, "after", "g2", "hello", f"after-{base[-5:]}")
             assert reply["model"].startswith("agent")
 
+        # A trainer on a new machine (an empty state dir) resumes from the checkpoint in the store.
+        for k, reward in enumerate((0.0, 1.0)):
+            _chat(http, (a, b)[k], f"m{k}", "g3", f"moved {k}", f"m{k}-0")
+            assert http.post((a, b)[k] + f"/v1/sessions/m{k}/reward", json={"reward": reward}).status_code == 200
+        assert http.post(b + "/v1/groups/g3/close", json={}).status_code == 200
+        moved = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "train", "--store", url, "--state-dir", str(tmp_path / "t2"),
+             "--groups-per-step", "1", "--max-steps", "1", "--log-level", "info"],
+            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, timeout=600)
+        log = moved.stdout.decode(errors="replace") + moved.stderr.decode(errors="replace")
+        assert moved.returncode == 0, log[-3000:]
+        assert "checkpoint fetched from the store" in log
+        assert [s["step"] for s in http.get(b + "/v1/training/steps").json()["data"]][-1] == 2
+        assert http.get(a + "/v1/groups/g3").json()["trained_step"] == 2
+
         # A replica killed under load loses no acknowledged call.
         completed: list[str] = []
         stop = threading.Event()

@@ -54,3 +54,19 @@ def test_names_from_the_store_never_become_paths(tmp_path):
     with pytest.raises(StepFilesError, match="plain file name"):
         materialize(lambda digest: data, listing, tmp_path / "d")
     assert not (tmp_path / "escape").exists()
+
+
+def test_a_trainer_on_a_new_machine_restores_its_checkpoint(postgres_db, tmp_path):
+    from trainer import checkpoints as ckpts
+
+    store = PostgresStore(postgres_db)
+    ckpt = _checkpoint(tmp_path / "old" / "checkpoints" / "0003", b"w" * 100, step=3)
+    (ckpt / "optimizer.pt").write_bytes(b"adam state")
+    store.insert_step("agent", 3, str(ckpt), {}, [])
+    root = tmp_path / "new" / "checkpoints"
+    assert store.restore_checkpoint("agent", 3, ckpts.checkpoint_dir(root, 3)) == root / "0003"
+    latest = ckpts.latest_checkpoint(root)
+    assert latest is not None and latest.step == 3 and latest.state() == {"step": 3}
+    assert (latest.path / "optimizer.pt").read_bytes() == b"adam state"
+    assert store.restore_checkpoint("agent", 4, ckpts.checkpoint_dir(root, 4)) is None  # no such step
+    store.close_sync()

@@ -161,6 +161,10 @@ class TrainerWorker:
         recorded = {row["step"] for row in self.store.steps(self.model)}
         last_recorded = max(recorded, default=-1)
 
+        restore = getattr(self.store, "restore_checkpoint", None)  # PostgreSQL: a trainer on a new machine
+        if restore and last_recorded >= 0 and ckpts.latest_checkpoint(self.root) is None:
+            if restore(self.model, last_recorded, ckpts.checkpoint_dir(self.root, last_recorded)):
+                log.info("step %d: checkpoint fetched from the store", last_recorded)
         latest = ckpts.latest_checkpoint(self.root)
         if latest is None:
             if last_recorded > 0:
