@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gateway import store_files, store_pg_schema
+from gateway.errors import ConfigError
 from gateway.store import Store
 
 _RETRYABLE = ("40P01", "40001")  # deadlock detected, serialization failure: rerun the batch
@@ -77,6 +78,11 @@ class _PgConn:
         return _PgCursor(self._conn.execute(sql, params or None))
 
 
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
 def _is_retryable(exc: BaseException) -> bool:
     return getattr(exc, "sqlstate", None) in _RETRYABLE
 
@@ -86,14 +92,19 @@ class PostgresStore(Store):
 
     backend = "postgres"
 
-    def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, **_ignored: Any):
-        from psycopg_pool import ConnectionPool
+    def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout: float = 30.0, **_ignored: Any):
+        from psycopg_pool import ConnectionPool, PoolTimeout
 
         self.path = url
         self.url = url
         self._pool = ConnectionPool(url, min_size=min_size, max_size=max_size, open=True,
                                     kwargs={"autocommit": True}, name="rlproxy-store")
-        self._pool.wait(timeout=30.0)
+        try:
+            self._pool.wait(timeout=timeout)
+        except PoolTimeout:
+            self._pool.close()
+            raise ConfigError(f"cannot connect to the store at {redact(url)} within {timeout:.0f} s: check --store "
+                              "(host, port, database, user, password) and that PostgreSQL is running") from None
         self._write_lock = threading.Lock()  # group commits of this process, one at a time
         self._read_lock = threading.Lock()
         with self._pool.connection() as conn:

@@ -47,3 +47,18 @@ def test_export_reads_from_postgres(postgres_db, tmp_path):
     assert main(["export", "--store", postgres_db, "--output", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["s-exported"] and rows[0]["calls"][0]["id"] == "req1"
+
+
+def test_an_unreachable_store_is_a_clean_error_without_the_password(tmp_path):
+    import socket
+
+    import pytest
+
+    from gateway.errors import ConfigError
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once closed
+    with pytest.raises(ConfigError) as caught:
+        PostgresStore(f"postgresql://user:hunter2@127.0.0.1:{port}/db?connect_timeout=1", timeout=2)
+    assert "cannot connect" in caught.value.message and "hunter2" not in caught.value.message
