@@ -170,3 +170,44 @@ async def test_a_failing_write_in_a_batch_fails_alone(store):
     assert isinstance(outcomes[1], Conflict)
     assert [c["id"] for c in store.session_calls("s-train")] == ["req0"]
     assert store.get_session("s-a")["n_calls"] == 1 and store.get_session("s-b")["n_calls"] == 1
+
+
+async def test_ruler_judgements_close_the_group_and_keep_the_independent_reward(store):
+    for k in range(2):
+        await store.record_call(call(k, f"r{k}", group="gr"))
+    await store.set_reward("r0", 0.5)
+    await store.set_ruler_status("gr", "running")
+    assert store.get_group("gr")["ruler_status"] == "running"
+    await store.record_judgement("gr", "judge", [{"trajectory_id": "r0", "score": 0.9, "explanation": "good"},
+                                                 {"trajectory_id": "r1", "score": 0.1}])
+    group = store.get_group("gr")
+    assert group["ruler_status"] == "scored" and group["closed"] and group["ready"]
+    first = store.get_session("r0")
+    assert first["reward"] == 0.9 and first["metrics"] == {"independent_reward": 0.5, "ruler_score": 0.9}
+    assert [(j["session_id"], j["score"], j["explanation"]) for j in group["judgements"]] == \
+        [("r0", 0.9, "good"), ("r1", 0.1, None)]
+    # Judged without closing: an open group stays open.
+    await store.record_call(call(5, "r5", group="gopen"))
+    await store.record_judgement("gopen", "judge", [{"trajectory_id": "r5", "score": 1.0}], close=False)
+    assert not store.get_group("gopen")["closed"]
+
+
+async def test_gpu_lease_is_compare_and_set(store):
+    assert store.gpu_lease("agent")["state"] == "idle"
+    assert store.move_gpu_lease("agent", "requested", expect=("idle",), holder="trainer")
+    assert not store.move_gpu_lease("agent", "requested", expect=("idle",), holder="other")
+    assert not store.move_gpu_lease("agent", "granted", expect=("requested",), expect_holder="other")
+    assert store.move_gpu_lease("agent", "granted", expect=("requested",), expect_holder="trainer", step=3)
+    lease = store.gpu_lease("agent")
+    assert (lease["state"], lease["holder"], lease["step"]) == ("granted", "trainer", 3)
+
+
+async def test_skipped_and_failed_groups_are_never_ready(store):
+    await _ready_groups(store, 3)
+    store.mark_skipped(["g0"], "no spread")
+    store.mark_failed(["g1"], "kept failing")
+    assert [g["id"] for g in store.ready_groups("agent")] == ["g2"]
+    assert store.get_group("g0")["skipped"] == "no spread" and store.get_group("g1")["failed"] == "kept failing"
+    first = await store.request_trigger("agent")
+    second = await store.request_trigger("agent")
+    assert second > first  # trigger ids come from the database, in order
