@@ -185,7 +185,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from gateway.export import export_trajectories
 
     settings = settings_from_args(args)
-    count = export_trajectories(settings.store or settings.db_path, args.output, split=args.split, only_rewarded=args.rewarded)
+    count = export_trajectories(settings.store or settings.db_path, args.output, split=args.split,
+                                only_rewarded=args.rewarded)
     print(f"exported {count} sessions to {args.output}", file=sys.stderr)
     return 0
 

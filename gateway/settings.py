@@ -8,7 +8,6 @@ A copy is saved next to every checkpoint (secrets excluded).
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 from typing import Literal
 

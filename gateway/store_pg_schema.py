@@ -12,6 +12,7 @@ A database newer than this code is refused: running old code on it could lose co
 from __future__ import annotations
 
 from gateway import store_schema
+from gateway.errors import ConfigError
 
 _V1 = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -161,7 +162,7 @@ def migrate(conn) -> int:
             current = 1  # tables made before versions were recorded: the first release
             conn.execute("INSERT INTO schema_version (version) VALUES (1)")
         if current > VERSION:
-            raise RuntimeError(f"the store's schema is version {current}, newer than this rlproxy's "
+            raise ConfigError(f"the store's schema is version {current}, newer than this rlproxy's "
                                f"({VERSION}): upgrade rlproxy on this machine")
         for version in range(current + 1, VERSION + 1):
             conn.execute(MIGRATIONS[version])

@@ -9,6 +9,7 @@ import psycopg
 import pytest
 
 from gateway import store_pg_schema, store_schema
+from gateway.errors import ConfigError
 from gateway.store import Store
 from gateway.store_postgres import PostgresStore
 from tests.test_store import call
@@ -73,7 +74,7 @@ async def test_sqlite_newer_than_the_code_is_refused(tmp_path):
     conn = sqlite3.connect(path)
     conn.execute(f"PRAGMA user_version = {store_schema.SCHEMA_VERSION + 1}")
     conn.close()
-    with pytest.raises(RuntimeError, match="newer than this rlproxy"):
+    with pytest.raises(ConfigError, match="newer than this rlproxy"):
         Store(path)
 
 
@@ -111,5 +112,5 @@ async def test_postgres_newer_than_the_code_is_refused(postgres_db):
     await store.close()
     with psycopg.connect(postgres_db, autocommit=True) as conn:
         conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (store_pg_schema.VERSION + 1,))
-    with pytest.raises(RuntimeError, match="newer than this rlproxy"):
+    with pytest.raises(ConfigError, match="newer than this rlproxy"):
         PostgresStore(postgres_db)
