@@ -24,6 +24,7 @@ from gateway.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.ui.auth import DashboardAuthMiddleware
+from gateway.store_open import open_store
 
 log = logging.getLogger("rlproxy")
 
@@ -104,7 +105,7 @@ def _validation_text(errors: list) -> str:
 def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,
                tracer: Any = None) -> FastAPI:
     engine = engine or build_engine(settings)
-    store = store or Store(settings.db_path, synchronous=settings.store_sync)
+    store = store or open_store(settings)
     gate = RequestGate()
     registry = AdapterRegistry(engine, store, settings)
     metrics = Metrics()

@@ -20,7 +20,7 @@ from gateway.errors import RLProxyError
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 from gateway.tuning import log_settings
 
-SERVICE = ("host", "port", "state_dir", "store_sync", "api_key", "log_level", "max_body_mb", "max_messages", "max_n",
+SERVICE = ("host", "port", "state_dir", "store", "store_sync", "api_key", "log_level", "max_body_mb", "max_messages", "max_n",
            "cors_origin")
 ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
           "upstream_protocol",
@@ -91,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-_SECRET_SETTINGS = ("api_key", "upstream_api_key")
+_SECRET_SETTINGS = ("api_key", "upstream_api_key", "store")  # a store URL may hold a password
 
 
 def _settings_argv(args: argparse.Namespace) -> list[str]:
@@ -138,6 +138,8 @@ def _start_trainer(args: argparse.Namespace, settings: Settings):
         return None
     cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_argv(args)]
     env = dict(os.environ)
+    if settings.store:
+        env["RLPROXY_STORE"] = settings.store  # by environment, not argv: its password stays private
     if settings.device == "cpu":
         # The local engine computes on the same cores: OpenMP threads of two processes
         # competing for every core slow both down many times over, so the trainer takes half.
@@ -195,7 +197,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     where = SessionFilter(split=args.split, rewarded=args.rewarded, min_reward=args.min_reward,
                           since_step=args.since_step, groups=tuple(args.group or ()))
-    result = export_trajectories(settings.db_path, args.output, fmt=args.format, where=where,
+    result = export_trajectories(settings.store or settings.db_path, args.output, fmt=args.format, where=where,
                                  base_model=settings.base_model, state_dir=settings.state_dir)
     what = "sessions" if args.format == "rlproxy" else "samples"
     print(f"exported {result.rows} {what} ({result.sessions} sessions matched) to {args.output}", file=sys.stderr)
@@ -226,9 +228,9 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "serve": ("run the gateway (and, with --trainer auto, a trainer worker beside it)", cmd_serve,
               ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
     "export": ("write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples", cmd_export,
-               ((("state_dir", "base_model"), "store"),)),
+               ((("state_dir", "store", "base_model"), "store"),)),
     "export-model": ("write a trained step as a PEFT adapter or a merged model, with a model card",
-                     cmd_export_model, ((("state_dir",), "store"),)),
+                     cmd_export_model, ((("state_dir", "store"), "store"),)),
     "demo": ("watch it learn: gateway, trainer and a toy agent on the built-in tiny model (CPU, minutes)",
              cmd_demo, ((("state_dir", "log_level"), "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
     "train": ("run a trainer worker alone: train on ready groups, save adapters, record steps", cmd_train,
@@ -237,10 +239,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlproxy", description=__doc__.splitlines()[0].strip("`: "))
+    # allow_abbrev=False: `--store` must never be read as an abbreviation of `--store-sync`.
+    parser = argparse.ArgumentParser(prog="rlproxy", description=__doc__.splitlines()[0].strip("`: "),
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, _, groups) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         for names, title in groups:
             _add_settings_flags(command, names, title)
         if name == "export":

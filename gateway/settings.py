@@ -7,6 +7,7 @@ A copy is saved next to every checkpoint (secrets excluded).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -29,6 +30,9 @@ class Settings(BaseSettings):
     store_sync: Literal["normal", "full"] = Field(
         "normal", description="normal: a recorded call survives the gateway crashing or being killed; "
         "full: also an OS crash or power loss (an fsync per group commit)")
+    store: str | None = Field(None, description="postgresql://... to share one store between gateway replicas "
+                              "and trainers on other machines (pip install 'rlproxy[postgres]'); "
+                              "default: SQLite under the state dir")
     api_key: SecretStr | None = Field(None, description="bearer key required on every route but /healthz")
     log_level: str = Field("info", description="debug, info, warning or error")
     max_body_mb: float = Field(32.0, gt=0, description="largest request body in MB; larger ones get 413")
@@ -103,6 +107,8 @@ class Settings(BaseSettings):
         data = self.model_dump(mode="json")
         for secret in ("api_key", "upstream_api_key"):
             data[secret] = "***" if data.get(secret) else None
+        if data.get("store"):
+            data["store"] = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", data["store"])  # the password, if any
         return data
 
     @property

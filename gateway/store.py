@@ -236,7 +236,8 @@ class Store:
                     (group_id, session_id, judge_model, score, item.get("explanation"), now),
                 )
             conn.execute(
-                "UPDATE groups SET ruler_status = 'scored', ruler_error = NULL, closed = closed OR ?, updated_at = ?"
+                "UPDATE groups SET ruler_status = 'scored', ruler_error = NULL,"
+                " closed = CASE WHEN ? = 1 THEN 1 ELSE closed END, updated_at = ?"  # portable SQL
                 " WHERE id = ?",
                 (1 if close else 0, now, group_id),
             )

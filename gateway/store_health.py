@@ -30,6 +30,8 @@ def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable
     """The store failure `exc` amounts to, or None when it is not one."""
     if isinstance(exc, StoreUnavailable):
         return exc
+    if type(exc).__module__.split(".")[0] in ("psycopg", "psycopg_pool"):
+        return _classify_postgres(exc)
     if not isinstance(exc, sqlite3.Error) or isinstance(exc, sqlite3.IntegrityError):
         return None
     code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
@@ -57,6 +59,28 @@ def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable
     if primary in (_CORRUPT, _NOTADB):
         return StoreUnavailable(f"the store file is damaged ({name}). Restore it from a backup or move it away "
                                 "(the gateway starts a new one).", cause="damaged")
+    return None
+
+
+def _classify_postgres(exc: BaseException) -> StoreUnavailable | None:
+    """psycopg's failures of the server or the connection (by SQLSTATE; a pool timeout or a
+    lost connection has none). A constraint, a syntax error, a bug: None, not the store's health."""
+    state = getattr(exc, "sqlstate", None) or ""
+    if state == "53100":
+        return StoreFull("the store cannot record: PostgreSQL's disk is full (53100 disk_full). Free space on the "
+                         f"database server's disk; {_RECOVERS}.", cause="full")
+    if state == "25006":
+        return StoreUnavailable("the store cannot record: the PostgreSQL server is read-only (25006; a standby, or "
+                                f"default_transaction_read_only). Point --store at the primary; {_RECOVERS}.",
+                                cause="read_only")
+    if state.startswith("23") or state.startswith("42") or state.startswith("22"):
+        return None  # the statement's fault (constraint, SQL, data), not the server's
+    kind = type(exc).__name__
+    if state[:2] in ("08", "53", "57", "58") or (not state and kind in ("OperationalError", "PoolTimeout",
+                                                                         "PoolClosed", "InterfaceError")):
+        return StoreUnavailable(f"the store is unavailable: PostgreSQL cannot be reached or refused the work "
+                                f"({kind}{' ' + state if state else ''}: {str(exc).strip()[:200]}). Check that the "
+                                f"server is running and reachable at --store; {_RECOVERS}.", cause="unavailable")
     return None
 
 

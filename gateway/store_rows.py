@@ -145,7 +145,7 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
     _check_split(conn, call)
     conn.execute(
         "INSERT INTO sessions (id, group_id, split, model, n_calls, created_at, updated_at) VALUES (?,?,?,?,1,?,?)"
-        " ON CONFLICT(id) DO UPDATE SET n_calls = n_calls + 1, updated_at = excluded.updated_at,"
+        " ON CONFLICT(id) DO UPDATE SET n_calls = sessions.n_calls + 1, updated_at = excluded.updated_at,"
         " group_id = COALESCE(sessions.group_id, excluded.group_id)",
         (call.session_id, call.group_id, call.split, base_model, now, now),
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from gateway.errors import ConfigError
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -128,6 +130,9 @@ _ADDED_COLUMNS = (
     ("calls", "wire_response", "TEXT"),
 )
 
+# The schema's version (`PRAGMA user_version`): 1 is the first release, each added column one more.
+SCHEMA_VERSION = 1 + len(_ADDED_COLUMNS)
+
 # A group is ready when it is closed (or has its expected number of sessions) and every
 # session in it has a reward. Discarded sessions (failed rollouts) are left out: they need
 # no reward and are never trained. They still count towards `expected_sessions`, because
@@ -165,10 +170,15 @@ def add_missing_columns(conn: sqlite3.Connection) -> None:
     transaction, so a gateway and a trainer starting together do not both add a column."""
     conn.execute("BEGIN IMMEDIATE")
     try:
+        found = conn.execute("PRAGMA user_version").fetchone()[0]
+        if found > SCHEMA_VERSION:
+            raise ConfigError(f"the store's schema is version {found}, newer than this rlproxy's "
+                               f"({SCHEMA_VERSION}): upgrade rlproxy on this machine")
         for table, column, definition in _ADDED_COLUMNS:
             present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
             if column not in present:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")

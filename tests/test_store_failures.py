@@ -194,11 +194,11 @@ def small_tmpfs(size_mb: int):
 
 def _fill(directory: Path) -> Path:
     filler = directory / "filler"
-    with open(filler, "wb") as out:
+    # Unbuffered: a buffered file would try its unwritten rest again on close, and fail there.
+    with open(filler, "wb", buffering=0) as out:
         with contextlib.suppress(OSError):
             while True:
                 out.write(b"\0" * 65536)
-                out.flush()
     return filler
 
 
@@ -283,3 +283,50 @@ def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(
     assert [s["step"] for s in steps] == [0, 1] and sorted(steps[1]["groups"]) == ["g1", "g2"]
     assert {store.get_group(g)["trained_step"] for g in ("g1", "g2")} == {1}
     assert sorted(p.name for p in settings.checkpoints_dir().iterdir() if p.is_dir()) == ["0000", "0001"]
+
+
+# ---------------------------------------------------------------- PostgreSQL
+
+
+def test_postgres_gone_read_only_answers_503_and_recovers_by_itself(upstream, tmp_path, postgres_url, postgres_db):
+    """The database fails over to a read-only server (and drops every connection): calls get
+    503 store_read_only, /healthz says degraded; once it takes writes again the gateway
+    recovers without a restart, on fresh connections."""
+    import psycopg
+
+    import re
+
+    from gateway.store_postgres import PostgresStore
+
+    name = re.match(r"postgres(?:ql)?://[^/]*/([^?]*)", postgres_db).group(1)
+
+    def admin(sql: str) -> None:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(sql)
+
+    def drop_connections() -> None:
+        admin(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+              " AND pid <> pg_backend_pid()")
+
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = PostgresStore(postgres_db)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        acknowledged = {_chat(url).headers["x-request-id"]}
+
+        admin(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+        drop_connections()
+        reply = _chat(url)
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "store_read_only" and "primary" in error["message"]
+        health = httpx.get(url + "/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+
+        admin(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+        drop_connections()  # the read-only setting sticks to open sessions: new ones see it gone
+        _assert_healthy(url)
+        reply = _chat(url)
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        assert acknowledged <= _recorded(store)

@@ -19,9 +19,15 @@ def call(session, group, split, step, t, i=0):
                       request={"messages": []}, response=None, latency_ms=1.0, created_at=t)
 
 
-@pytest.fixture
-def store():
-    store = Store(memory=True)
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request):
+    """The same rows in either backend: the dashboard's SQL must run on both."""
+    if request.param == "sqlite":
+        store = Store(memory=True)
+    else:
+        from gateway.store_postgres import PostgresStore
+
+        store = PostgresStore(request.getfixturevalue("postgres_db"))
     # 3 groups x 4 sessions; every session created at the same second within a group (ties on created_at).
     rewards = {}
 

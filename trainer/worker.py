@@ -40,6 +40,7 @@ import fcntl
 import logging
 import math
 import os
+import socket
 import sqlite3
 import sys
 import threading
@@ -48,6 +49,7 @@ import time
 from gateway.errors import ConfigError, Conflict, EngineUnavailable, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store_open import open_store
 from trainer import checkpoints as ckpts
 from trainer.data import (NO_SPREAD, ChatTemplateRenderer, build_batch, fit_to_rows, sampling_step, spread_groups,
                           token_budget)
@@ -79,12 +81,15 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
 
 
+_HOLDER = f"{socket.gethostname()}:{os.getpid()}"  # this trainer, in claims on a shared store
+
+
 class TrainerWorker:
     def __init__(self, settings: Settings, store: Store | None = None):
         self.settings = settings
         self.model = settings.model_name
         self._own_store = store is None
-        self.store = store or Store(settings.db_path)  # no writer task: sync writes, WAL
+        self.store = store or open_store(settings)  # no writer task: sync writes (SQLite: WAL)
         self.root = settings.checkpoints_dir().resolve()
         self.backend = None
         self.next_step = 0
@@ -159,6 +164,10 @@ class TrainerWorker:
         recorded = {row["step"] for row in self.store.steps(self.model)}
         last_recorded = max(recorded, default=-1)
 
+        restore = getattr(self.store, "restore_checkpoint", None)  # PostgreSQL: a trainer on a new machine
+        if restore and last_recorded >= 0 and ckpts.latest_checkpoint(self.root) is None:
+            if restore(self.model, last_recorded, ckpts.checkpoint_dir(self.root, last_recorded)):
+                log.info("step %d: checkpoint fetched from the store", last_recorded)
         latest = ckpts.latest_checkpoint(self.root)
         if latest is None:
             if last_recorded > 0:
@@ -214,7 +223,8 @@ class TrainerWorker:
         """The groups of the next step, or None while there are too few. Ready groups
         without a reward spread are marked skipped at once: they never teach anything,
         so they do not count towards `groups_per_step`."""
-        ready = self.store.ready_groups(self.model)
+        claim = getattr(self.store, "claim_groups", None)  # PostgreSQL: several trainers, disjoint groups
+        ready = claim(self.model, _HOLDER) if claim else self.store.ready_groups(self.model)
         if not ready:
             return None
         keep, drop = spread_groups([self.store.get_group(g["id"]) for g in ready])

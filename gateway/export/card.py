@@ -33,16 +33,17 @@ def train_history(settings: Settings, name: str, up_to: int) -> list[dict]:
 
 def store_figures(settings: Settings, name: str, up_to: int, trained_groups: set[str]) -> dict:
     """Sessions trained on and val rewards by the step that answered them (empty without a store)."""
-    if not settings.db_path.is_file():
-        return {}
-    from gateway.export.selection import SessionFilter, close_store, open_store, select_sessions
+    from gateway.export.selection import SessionFilter, close_store, open_store, select_sessions, store_exists
     from trainer.data import sampling_step
 
-    store = open_store(settings.db_path)
+    target = settings.store or settings.db_path
+    if not store_exists(target):
+        return {}
+    store = open_store(target)
     try:
         trained_sessions = sum(store.get_group(g)["n_sessions"] for g in trained_groups)
         val: dict[int, list[float]] = defaultdict(list)
-        for session in select_sessions(store, settings.db_path, SessionFilter(split="val", rewarded=True)):
+        for session in select_sessions(store, SessionFilter(split="val", rewarded=True)):
             if session["model"] != name:
                 continue
             step = sampling_step([c for c in session["calls"] if c.get("status") == "ok"])

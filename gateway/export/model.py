@@ -61,11 +61,12 @@ def parse_model_ref(ref: str) -> tuple[str, int | None]:
 
 def _recorded_steps(settings: Settings, name: str) -> set[int]:
     """Steps the store records for `name` (empty without a store beside the checkpoints)."""
-    if not settings.db_path.is_file():
-        return set()
-    from gateway.export.selection import close_store, open_store
+    from gateway.export.selection import close_store, open_store, store_exists
 
-    store = open_store(settings.db_path)
+    target = settings.store or settings.db_path
+    if not store_exists(target):
+        return set()
+    store = open_store(target)
     try:
         return {row["step"] for row in store.steps(name)}
     finally:

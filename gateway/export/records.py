@@ -22,6 +22,7 @@ from gateway.errors import ConfigError, InvalidRequest
 from gateway.export.openai_format import conversation
 from gateway.export.samples import ExportedSample, LazyRenderer, exported_samples
 from gateway.export.selection import SessionFilter, close_store, open_store, select_sessions
+from gateway.store_open import is_postgres_url
 
 FORMATS = ("rlproxy", "openai", "parquet")
 
@@ -46,7 +47,7 @@ def _output(path: str) -> Iterator[IO[bytes]]:
 
 
 def export_trajectories(
-    db_path: Path,
+    db_path: Path | str,
     output: str,
     *,
     fmt: str = "rlproxy",
@@ -62,10 +63,12 @@ def export_trajectories(
     if fmt == "parquet" and output == "-":
         raise InvalidRequest("parquet is a binary file format: give a file with --output")
     where = where or SessionFilter()
+    if state_dir is None and is_postgres_url(str(db_path)):
+        raise InvalidRequest("exporting from --store postgresql://... needs the --state-dir the trainer wrote to")
     state_dir = Path(state_dir) if state_dir is not None else Path(db_path).parent
     store = open_store(db_path)
     try:
-        sessions = list(select_sessions(store, db_path, where))
+        sessions = list(select_sessions(store, where))
         if fmt == "rlproxy":
             with _output(output) as out:
                 for session in sessions:

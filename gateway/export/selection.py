@@ -8,14 +8,14 @@ step `since_step` or later (the base model counts as step 0), the way one takes 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import sqlite_utils
-
 from gateway.errors import InvalidRequest, NotFound
 from gateway.store import Store
+from gateway.store_open import open_store as open_backend
 from trainer.data import sampling_step
 
 
@@ -41,19 +41,24 @@ class SessionFilter:
             raise InvalidRequest(f"--since-step must be 0 or more, not {self.since_step}")
 
 
-def open_store(db_path: Path) -> Store:
-    if not Path(db_path).is_file():
-        raise NotFound(f"no store at {db_path}: pass the --state-dir the gateway ran with")
-    return Store(db_path)
+def store_exists(target: Path | str) -> bool:
+    """A store URL (`--store`: its backend says whether it is one), or an SQLite file that is there."""
+    return "://" in str(target) or Path(target).is_file()
+
+
+def open_store(target: Path | str) -> Store:
+    """The store at `target`: an SQLite file, or a postgresql:// URL (`--store`)."""
+    if not store_exists(target):
+        raise NotFound(f"no store at {target}: pass the --state-dir (or --store) the gateway ran with")
+    return open_backend(target)
 
 
 def close_store(store: Store) -> None:
-    """Close a store opened for reading (no writer task was started)."""
-    store._conn.close()
-    store._read_conn.close()
+    """Close a store opened for reading (no writer task was started: this closes connections)."""
+    asyncio.run(store.close())
 
 
-def select_sessions(store: Store, db_path: Path, where: SessionFilter) -> Iterator[dict]:
+def select_sessions(store: Store, where: SessionFilter) -> Iterator[dict]:
     """Sessions (`Store.get_session` dicts, calls included) that pass `where`, oldest first."""
     clauses, params = [], []
     if where.split:
@@ -69,12 +74,10 @@ def select_sessions(store: Store, db_path: Path, where: SessionFilter) -> Iterat
         params += list(where.groups)
     if not where.include_discarded:
         clauses.append("discarded = 0")
-    db = sqlite_utils.Database(db_path)
-    try:
-        ids = [row["id"] for row in db["sessions"].rows_where(
-            " AND ".join(clauses) or None, params, order_by="created_at, rowid", select="id")]
-    finally:
-        db.conn.close()
+    # Portable SQL (the PostgreSQL store runs it too): ids break ties between equal times.
+    sql = "SELECT id FROM sessions" + (" WHERE " + " AND ".join(clauses) if clauses else "") + \
+        " ORDER BY created_at, id"
+    ids = [row["id"] for row in store._query(sql, tuple(params))]
     for session_id in ids:
         session = store.get_session(session_id)
         if where.since_step is not None:

@@ -1,0 +1,93 @@
+"""Adapters through the store: a step's checkpoint files, content-addressed and checksummed.
+
+The trainer's `insert_step` (on PostgreSQL) first writes every file of the checkpoint
+directory as a blob keyed by its SHA-256 (`blobs`), and the step's file list (`step_files`),
+then the step row: once a replica sees a step, its files are there. A replica whose models
+dir lacks the step (the trainer is on another machine) fetches the files into
+`MODELS_DIR/NAME/store/NNNN/`, checks every file's SHA-256 and size against the list, and
+only then hands the directory to the engine. No shared filesystem is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from gateway.errors import ConfigError
+
+
+class StepFilesError(ConfigError):
+    """A step's files in the store do not match their checksums (or are missing)."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The regular files at the top of a checkpoint directory (what a step consists of)."""
+    return sorted(p for p in Path(directory).iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def upload_step_files(conn, model: str, step: int, directory: Path) -> int:
+    """Write the checkpoint's files into the store (inside the caller's transaction).
+    Content-addressed: a file already stored (an unchanged config) is not sent twice."""
+    conn.execute("DELETE FROM step_files WHERE model = ? AND step = ?", (model, step))
+    count = 0
+    for path in checkpoint_files(directory):
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        present = conn.execute("SELECT 1 FROM blobs WHERE sha256 = ?", (digest,)).fetchone()
+        if present is None:
+            conn.execute("INSERT INTO blobs (sha256, size, data) VALUES (?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
+                         (digest, len(data), data))
+        conn.execute("INSERT INTO step_files (model, step, name, sha256) VALUES (?, ?, ?, ?)",
+                      (model, step, path.name, digest))
+        count += 1
+    return count
+
+
+def _safe_name(name: str) -> str:
+    # Names come from the database (another machine): never a path.
+    if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+        raise StepFilesError(f"step file name {name!r} is not a plain file name")
+    return name
+
+
+def _verified(directory: Path, listing: list[tuple[str, str, int]]) -> bool:
+    return all((directory / name).is_file() and (directory / name).stat().st_size == size
+               and sha256_file(directory / name) == digest for name, digest, size in listing)
+
+
+def materialize(read_blob, listing: list[tuple[str, str, int]], dest: Path) -> Path:
+    """Fetch the files of `listing` (name, sha256, size) into `dest`, verified, atomically:
+    written into a hidden sibling, each file's checksum checked, then renamed to `dest`."""
+    if dest.is_dir() and _verified(dest, listing):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for name, digest, size in listing:
+            data = read_blob(digest)
+            if data is None or len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+                raise StepFilesError(f"file {name!r} of {dest.name} does not match its checksum in the store")
+            target = tmp / _safe_name(name)
+            with open(target, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        if not _verified(tmp, listing):
+            raise StepFilesError(f"files of {dest.name} changed while written")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

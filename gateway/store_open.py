@@ -1,0 +1,41 @@
+"""Pick the store's backend: `open_store(settings)` or `open_store("postgresql://...")`.
+
+No `--store` (the default): the SQLite file under the state dir, for one machine. A
+PostgreSQL URL: `PostgresStore`, shared by any number of gateways and trainers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gateway.errors import ConfigError
+from gateway.store import Store
+
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(value: str | None) -> bool:
+    return bool(value) and str(value).startswith(POSTGRES_SCHEMES)
+
+
+def open_store(target: Any) -> Store:
+    """A `Store` for Settings (its `store` URL, else its SQLite file) or for a URL or path."""
+    if hasattr(target, "state_dir"):
+        url = getattr(target, "store", None)
+        if not url:
+            return Store(target.db_path, synchronous=target.store_sync)
+        target = url
+    text = str(target)
+    if is_postgres_url(text):
+        try:
+            from gateway.store_postgres import PostgresStore
+        except ImportError as exc:  # psycopg missing
+            raise ConfigError("--store postgresql://... needs the PostgreSQL extra: pip install 'rlproxy[postgres]'"
+                             f" ({exc})") from None
+        return PostgresStore(text)
+    if text.startswith("sqlite:///"):
+        text = text[len("sqlite:///"):]
+    elif "://" in text:
+        raise ConfigError(f"--store must be a postgresql:// URL or an SQLite file path, not {text!r}")
+    return Store(Path(text))

@@ -1,0 +1,317 @@
+"""The store on PostgreSQL: the same `Store` interface and guarantees, shared by many machines.
+
+`PostgresStore` is a `Store` whose connections come from a psycopg 3 pool. Every write op of
+`Store` (and of `gateway/store_rows.py`) runs unchanged: `_PgConn` gives them the sqlite3-shaped
+`execute(sql, params)` they call, rewriting `?` placeholders to psycopg's `%s`. What the two
+dialects disagree on is overridden here: the schema (`store_pg_schema.py`), the ready-groups
+query, the order of a session's calls (a database sequence, never a replica's clock), and the
+transaction handling (group commit with retry on deadlock, acknowledgement after COMMIT).
+
+Several gateways and trainers may share one database:
+- calls of one session may land on any replica; they are ordered by `calls.seq`, which the
+  database hands out, and a client sends call n+1 only after call n was acknowledged (committed);
+- a group is marked trained in the transaction that inserts its step (`Store.insert_step`: its
+  `UPDATE ... WHERE trained_step IS NULL` waits on a racing trainer's row lock and then sees the
+  group trained, so the second step is refused with Conflict); `claim_groups` lets a trainer take ready groups through a claim row, so two trainers never take the same group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gateway import store_files, store_pg_schema
+from gateway.errors import ConfigError
+from gateway.store import Store
+from gateway.store_health import StoreHealth, classify
+
+_RETRYABLE = ("40P01", "40001")  # deadlock detected, serialization failure: rerun the batch
+
+
+class _PgCursor:
+    def __init__(self, cursor):
+        self._cursor = cursor
+        self._conn = cursor.connection
+
+    def fetchone(self):
+        return self._cursor.fetchone()
+
+    def fetchall(self):
+        return self._cursor.fetchall()
+
+    @property
+    def rowcount(self) -> int:
+        return self._cursor.rowcount
+
+    @property
+    def description(self):
+        return self._cursor.description
+
+    @property
+    def lastrowid(self) -> int:
+        # The id a serial column just handed out in this session (triggers, judgements).
+        return int(self._conn.execute("SELECT lastval()").fetchone()[0])
+
+
+_QMARK = re.compile(r"\?")
+
+
+def translate(sql: str) -> str:
+    """sqlite3 placeholders to psycopg's: `?` -> `%s` (a literal `%` doubled first)."""
+    return _QMARK.sub("%s", sql.replace("%", "%%"))
+
+
+class _PgConn:
+    """The sqlite3.Connection surface the store's ops use, on one psycopg connection."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def execute(self, sql: str, params: tuple | list | dict = ()) -> _PgCursor:
+        if isinstance(params, dict):
+            sql = re.sub(r":(\w+)", r"%(\1)s", sql.replace("%", "%%"))
+        else:
+            sql = translate(sql)
+        return _PgCursor(self._conn.execute(sql, params or None))
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    return getattr(exc, "sqlstate", None) in _RETRYABLE
+
+
+class PostgresStore(Store):
+    """`PostgresStore(url)`: the store in a PostgreSQL database (created tables if missing)."""
+
+    backend = "postgres"
+
+    def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout: float = 30.0, **_ignored: Any):
+        from psycopg_pool import ConnectionPool, PoolTimeout
+
+        self.path = url
+        self.url = url
+        # check: a connection the server dropped (a restart) is replaced before use, so the
+        # store recovers by itself once PostgreSQL is back.
+        self._pool = ConnectionPool(url, min_size=min_size, max_size=max_size, open=True, timeout=timeout,
+                                    kwargs={"autocommit": True}, name="rlproxy-store",
+                                    check=ConnectionPool.check_connection)
+        try:
+            self._pool.wait(timeout=timeout)
+        except PoolTimeout:
+            self._pool.close()
+            raise ConfigError(f"cannot connect to the store at {redact(url)} within {timeout:.0f} s: check --store "
+                              "(host, port, database, user, password) and that PostgreSQL is running") from None
+        self._write_lock = threading.Lock()  # group commits of this process, one at a time
+        self._read_lock = threading.Lock()
+        with self._pool.connection() as conn:
+            store_pg_schema.migrate(conn)
+        self._queue: asyncio.Queue | None = None
+        self._writer: asyncio.Task | None = None
+        self.commits = 0
+        self.retries = 0  # batches rerun after a deadlock with another replica
+        self.busy_timeout = timeout
+        self.health = StoreHealth()  # the server unreachable or full, until a write commits again
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await self._queue.put(None)
+            await self._writer
+            self._writer = None
+        self._pool.close()
+
+    def close_sync(self) -> None:
+        self._pool.close()
+
+    # -------------------------------------------------------------- transactions
+
+    def _transaction(self, body: Callable[[_PgConn], Any]) -> Any:
+        """Run `body` in one transaction, rerun whole if PostgreSQL picked it as a deadlock
+        victim (two replicas' batches touching the same sessions in another order)."""
+        try:
+            for attempt in range(20):
+                with self._pool.connection() as raw:
+                    try:
+                        with raw.transaction():
+                            return body(_PgConn(raw))
+                    except Exception as exc:
+                        if not _is_retryable(exc) or attempt == 19:
+                            raise
+                        self.retries += 1
+                time.sleep(0.005 * (attempt + 1))
+            raise AssertionError("unreachable")
+        except Exception as exc:
+            self._raise_failure(exc)  # the server's failure, said as the store's (503/507)
+            raise
+
+    def _run_sync(self, op: Callable[[Any], Any]) -> Any:
+        return self._transaction(op)
+
+    def _apply_batch(self, ops: list[Callable[[Any], Any]]) -> list[tuple[bool, Any]]:
+        """Every op in one transaction (group commit). Ops rarely fail, so the batch first runs
+        without savepoints (each is a round trip to the server); if an op raises, that attempt
+        is rolled back and the batch runs again with a savepoint per op, so the failing op is
+        rolled back alone. A deadlock reruns the whole batch: nothing was acknowledged yet."""
+
+        class _OpFailed(Exception):
+            pass
+
+        def fast(conn: _PgConn) -> list[tuple[bool, Any]]:
+            outcomes: list[tuple[bool, Any]] = []
+            for op in ops:
+                try:
+                    outcomes.append((True, op(conn)))
+                except Exception as exc:
+                    if _is_retryable(exc) or classify(exc) is not None:
+                        raise  # a deadlock, or the server failing: the whole batch, not this op
+                    raise _OpFailed from exc
+            return outcomes
+
+        def careful(conn: _PgConn) -> list[tuple[bool, Any]]:
+            outcomes: list[tuple[bool, Any]] = []
+            for op in ops:
+                conn.execute("SAVEPOINT op")
+                try:
+                    outcomes.append((True, op(conn)))
+                    conn.execute("RELEASE SAVEPOINT op")
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    if _is_retryable(exc) or classify(exc) is not None:
+                        raise
+                    conn.execute("ROLLBACK TO SAVEPOINT op")
+                    conn.execute("RELEASE SAVEPOINT op")
+                    outcomes.append((False, exc))
+            return outcomes
+
+        with self._write_lock:
+            try:
+                outcomes = self._transaction(fast)
+            except _OpFailed:
+                outcomes = self._transaction(careful)
+            self.commits += 1
+        return outcomes
+
+    # -------------------------------------------------------------- dialect differences
+
+    def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
+        try:
+            with self._pool.connection() as raw:
+                cursor = _PgConn(raw).execute(sql, params)
+                names = [d[0] for d in cursor.description]
+                return [dict(zip(names, row)) for row in cursor.fetchall()]
+        except Exception as exc:
+            self._raise_failure(exc)
+            raise
+
+    async def probe(self) -> None:
+        """`Store.probe` on PostgreSQL: a call-sized write, committed and removed."""
+
+        def op(conn: _PgConn) -> None:
+            conn.execute("INSERT INTO store_probe (payload, created_at) VALUES (?, ?)", (bytes(16384), time.time()))
+            conn.execute("DELETE FROM store_probe")
+
+        await self._submit(op)
+        self.health.recovered()
+
+    def session_calls(self, session_id: str) -> list[dict]:
+        from gateway import store_rows
+
+        rows = self._query("SELECT * FROM calls WHERE session_id = ? ORDER BY seq", (session_id,))
+        for row in rows:
+            row.pop("seq", None)
+            for key in ("prompt_ids", "completion_ids", "completion_logprobs"):
+                if isinstance(row.get(key), memoryview):
+                    row[key] = bytes(row[key])
+        return [store_rows.decode_call(row) for row in rows]
+
+    def ready_groups(self, model: str, split: str = "train", limit: int | None = None) -> list[dict]:
+        sql = store_pg_schema.READY_GROUPS + (f" LIMIT {int(limit)}" if limit else "")
+        return [self._ready_row(row) for row in self._query(sql, {"model": model, "split": split})]
+
+    @staticmethod
+    def _ready_row(row: dict) -> dict:
+        for key in ("n_sessions", "n_rewarded", "n_discarded"):
+            row[key] = int(row[key])
+        return row
+
+    def insert_step(self, model: str, step: int, path: str, metrics: dict, group_ids: list[str],
+                    session_ids: list[str] | None = None) -> None:
+        """As `Store.insert_step`, after the checkpoint's files went into the store (their own
+        transaction, committed first): a step row is never visible without its files."""
+        directory = Path(path)
+        if directory.is_dir():
+            self._transaction(lambda conn: store_files.upload_step_files(conn, model, step, directory))
+        super().insert_step(model, step, path, metrics, group_ids, session_ids)
+
+    def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
+        rows = self._query("SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
+                           " WHERE f.model = ? AND f.step = ? ORDER BY f.name", (model, step))
+        return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
+
+    def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
+        """A local directory holding step `step`'s files, verified: the files in the store are
+        fetched into `models_dir/MODEL/store/NNNN` (the trainer's own path is on its machine).
+        A step recorded without files (by an older rlproxy) keeps its path."""
+        listing = self.step_files(model, step)
+        if not listing:
+            return raw_path
+        dest = Path(models_dir).resolve() / model / "store" / f"{int(step):04d}"
+
+        def read_blob(digest: str) -> bytes | None:
+            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
+            return bytes(rows[0]["data"]) if rows else None
+
+        return str(store_files.materialize(read_blob, listing, dest))
+
+    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
+        """A trainer on a machine without the checkpoint (moved, or a new node): the step's
+        files (adapter, optimizer state, trainer state) from the store into `dest`, verified.
+        None if the step was recorded without files."""
+        listing = self.step_files(model, step)
+        if not listing:
+            return None
+
+        def read_blob(digest: str) -> bytes | None:
+            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
+            return bytes(rows[0]["data"]) if rows else None
+
+        return store_files.materialize(read_blob, listing, Path(dest))
+
+    def claim_groups(self, model: str, holder: str, split: str = "train", limit: int | None = None,
+                     ttl_s: float = 3600.0) -> list[dict]:
+        """Ready groups that no other trainer holds, claimed for `holder` (for `ttl_s`): the
+        claim row is the lock (an upsert that only takes a free or expired claim), so two
+        trainers asking at once get disjoint sets."""
+
+        def op(conn: _PgConn) -> list[str]:
+            # One upsert per group: a racing trainer's claim row makes ours wait for its commit,
+            # then the WHERE sees the committed holder, so a group is never claimed twice.
+            now, taken = time.time(), []
+            for row in self.ready_groups(model, split):
+                won = conn.execute(
+                    "INSERT INTO group_claims (group_id, holder, expires_at) VALUES (?, ?, ?)"
+                    " ON CONFLICT (group_id) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at"
+                    " WHERE group_claims.holder = excluded.holder OR group_claims.expires_at < ?"
+                    " RETURNING group_id",
+                    (row["id"], holder, now + ttl_s, now),
+                ).fetchone()
+                if won:
+                    taken.append(row["id"])
+                    if limit and len(taken) >= limit:
+                        break
+            return taken
+
+        taken = set(self._run_sync(op))
+        return [row for row in self.ready_groups(model, split) if row["id"] in taken]
+
+    def release_claims(self, holder: str) -> None:
+        self._run_sync(lambda conn: conn.execute("DELETE FROM group_claims WHERE holder = ?", (holder,)))
+
+    def schema_version(self) -> int:
+        return int(self._query("SELECT MAX(version) AS v FROM schema_version")[0]["v"])

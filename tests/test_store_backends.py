@@ -1,0 +1,213 @@
+"""The store's conformance suite on both backends: every test of tests/test_store.py that takes
+the `store` fixture runs here against SQLite and against a real PostgreSQL (pgserver, or
+RLPROXY_TEST_POSTGRES), plus what only matters with several processes on one database."""
+
+import asyncio
+import threading
+
+import pytest
+
+import tests.test_store as suite
+from gateway.errors import Conflict
+from gateway.store import Store
+from gateway.store_open import open_store
+from gateway.store_postgres import PostgresStore
+from tests.test_store import call
+
+# Re-run the store suite's tests with the parametrised fixture below.
+for _name in dir(suite):
+    if _name.startswith("test_"):
+        _test = getattr(suite, _name)
+        import inspect
+
+        if "store" in inspect.signature(_test).parameters:
+            globals()[_name] = _test
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request, tmp_path):
+    if request.param == "sqlite":
+        s = Store(tmp_path / "rlproxy.db")
+    else:
+        s = PostgresStore(request.getfixturevalue("postgres_db"))
+    await s.start()
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+def pg(postgres_db):
+    return postgres_db
+
+
+async def test_open_store_picks_the_backend_from_the_url(tmp_path, pg):
+    sqlite = open_store(tmp_path / "x.db")
+    assert type(sqlite) is Store
+    await sqlite.close()
+    postgres = open_store(pg)
+    assert isinstance(postgres, PostgresStore)
+    await postgres.close()
+
+
+async def test_calls_of_one_session_on_two_replicas_form_one_ordered_trajectory(pg):
+    """Order comes from the database sequence, not from the replicas' clocks: replica b's
+    clock runs an hour behind, and the session still reads in the order the calls committed."""
+    a, b = PostgresStore(pg), PostgresStore(pg)
+    await a.start()
+    await b.start()
+    try:
+        for i in range(6):
+            replica = a if i % 2 == 0 else b
+            record = call(i, "s1")
+            record.created_at -= 3600 if replica is b else 0
+            await replica.record_call(record)
+        for replica in (a, b):
+            calls = replica.session_calls("s1")
+            assert [c["id"] for c in calls] == [f"req{i}" for i in range(6)]
+            assert replica.get_session("s1")["n_calls"] == 6
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_two_replicas_writing_the_same_sessions_at_once_lose_nothing(pg):
+    """Batches from two replicas touching the same sessions in opposite orders can deadlock
+    in PostgreSQL; the batch chosen as victim is rerun, so every awaited call is stored."""
+    a, b = PostgresStore(pg), PostgresStore(pg)
+    await a.start()
+    await b.start()
+    try:
+        sessions = [f"s{k}" for k in range(8)]
+        writes = []
+        for i in range(160):
+            k = (i // 2) % 8
+            session = sessions[k] if i % 2 == 0 else sessions[7 - k]
+            writes.append((a if i % 2 == 0 else b).record_call(call(i, session, group=f"g{i % 3}")))
+        await asyncio.gather(*writes)
+        assert a.counts()["calls"] == 160
+        assert sum(a.get_session(s)["n_calls"] for s in sessions) == 160
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _ready_groups(store, n):
+    for g in range(n):
+        for k in range(2):
+            await store.record_call(call(g * 10 + k, f"s{g}-{k}", group=f"g{g}"))
+            await store.set_reward(f"s{g}-{k}", float(k))
+        await store.close_group(f"g{g}")
+
+
+async def test_two_trainers_never_take_the_same_group(pg):
+    gateway = PostgresStore(pg)
+    await gateway.start()
+    await _ready_groups(gateway, 6)
+    trainers = [PostgresStore(pg) for _ in range(2)]
+    taken: dict[int, list[str]] = {}
+    barrier = threading.Barrier(2)
+
+    def claim(i):
+        barrier.wait()
+        taken[i] = [g["id"] for g in trainers[i].claim_groups("agent", f"trainer-{i}", limit=4)]
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not set(taken[0]) & set(taken[1])
+    assert len(taken[0]) + len(taken[1]) == 6
+    # A claim is the holder's until it trains or releases: asking again gives the same groups.
+    assert {g["id"] for g in trainers[0].claim_groups("agent", "trainer-0")} == set(taken[0])
+    trainers[0].release_claims("trainer-0")
+    assert {g["id"] for g in trainers[1].claim_groups("agent", "trainer-1")} == {f"g{g}" for g in range(6)}
+    for t in trainers:
+        t.close_sync()
+    await gateway.close()
+
+
+async def test_two_trainers_racing_to_insert_a_step_for_one_group_one_wins(pg):
+    gateway = PostgresStore(pg)
+    await gateway.start()
+    await _ready_groups(gateway, 1)
+    trainers = [PostgresStore(pg) for _ in range(2)]
+    outcomes = []
+    barrier = threading.Barrier(2)
+
+    def insert(i):
+        barrier.wait()
+        try:
+            trainers[i].insert_step("agent", i + 1, f"/ck/{i}", {}, ["g0"])
+            outcomes.append("ok")
+        except Conflict:
+            outcomes.append("conflict")
+
+    threads = [threading.Thread(target=insert, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["conflict", "ok"]
+    assert len(gateway.steps("agent")) == 1
+    assert gateway.ready_groups("agent") == []
+    for t in trainers:
+        t.close_sync()
+    await gateway.close()
+
+
+async def test_a_failing_write_in_a_batch_fails_alone(store):
+    """Group commit: a write that fails (a split conflict) is rolled back alone; the writes
+    batched with it are committed and acknowledged."""
+    await store.record_call(call(0, "s-train", group="g-mixed"))
+    outcomes = await asyncio.gather(
+        store.record_call(call(1, "s-a", group="g-a")),
+        store.record_call(call(2, "s-train", group="g-mixed", split="val")),  # a train session: refused
+        store.record_call(call(3, "s-b", group="g-b")),
+        return_exceptions=True,
+    )
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], Conflict)
+    assert [c["id"] for c in store.session_calls("s-train")] == ["req0"]
+    assert store.get_session("s-a")["n_calls"] == 1 and store.get_session("s-b")["n_calls"] == 1
+
+
+async def test_ruler_judgements_close_the_group_and_keep_the_independent_reward(store):
+    for k in range(2):
+        await store.record_call(call(k, f"r{k}", group="gr"))
+    await store.set_reward("r0", 0.5)
+    await store.set_ruler_status("gr", "running")
+    assert store.get_group("gr")["ruler_status"] == "running"
+    await store.record_judgement("gr", "judge", [{"trajectory_id": "r0", "score": 0.9, "explanation": "good"},
+                                                 {"trajectory_id": "r1", "score": 0.1}])
+    group = store.get_group("gr")
+    assert group["ruler_status"] == "scored" and group["closed"] and group["ready"]
+    first = store.get_session("r0")
+    assert first["reward"] == 0.9 and first["metrics"] == {"independent_reward": 0.5, "ruler_score": 0.9}
+    assert [(j["session_id"], j["score"], j["explanation"]) for j in group["judgements"]] == \
+        [("r0", 0.9, "good"), ("r1", 0.1, None)]
+    # Judged without closing: an open group stays open.
+    await store.record_call(call(5, "r5", group="gopen"))
+    await store.record_judgement("gopen", "judge", [{"trajectory_id": "r5", "score": 1.0}], close=False)
+    assert not store.get_group("gopen")["closed"]
+
+
+async def test_gpu_lease_is_compare_and_set(store):
+    assert store.gpu_lease("agent")["state"] == "idle"
+    assert store.move_gpu_lease("agent", "requested", expect=("idle",), holder="trainer")
+    assert not store.move_gpu_lease("agent", "requested", expect=("idle",), holder="other")
+    assert not store.move_gpu_lease("agent", "granted", expect=("requested",), expect_holder="other")
+    assert store.move_gpu_lease("agent", "granted", expect=("requested",), expect_holder="trainer", step=3)
+    lease = store.gpu_lease("agent")
+    assert (lease["state"], lease["holder"], lease["step"]) == ("granted", "trainer", 3)
+
+
+async def test_skipped_and_failed_groups_are_never_ready(store):
+    await _ready_groups(store, 3)
+    store.mark_skipped(["g0"], "no spread")
+    store.mark_failed(["g1"], "kept failing")
+    assert [g["id"] for g in store.ready_groups("agent")] == ["g2"]
+    assert store.get_group("g0")["skipped"] == "no spread" and store.get_group("g1")["failed"] == "kept failing"
+    first = await store.request_trigger("agent")
+    second = await store.request_trigger("agent")
+    assert second > first  # trigger ids come from the database, in order

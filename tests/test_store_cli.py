@@ -1,0 +1,64 @@
+"""`--store URL` on serve, train and export: the flag parses (never as `--store-sync`), a
+PostgreSQL URL selects that backend, export reads from it, and a bad URL is a clean error."""
+
+import json
+
+from gateway.cli import build_parser, main, settings_from_args
+from gateway.store import Store
+from gateway.store_open import open_store
+from gateway.store_postgres import PostgresStore
+from tests.test_store import call
+
+
+def test_store_is_its_own_flag_on_every_command():
+    parser = build_parser()
+    for command in ("serve", "train", "export"):
+        args = parser.parse_args([command, "--store", "postgresql://db/x"])
+        assert args.store == "postgresql://db/x"
+        assert not hasattr(args, "store_sync") or command == "export"
+    args = parser.parse_args(["serve", "--store-sync", "full"])
+    assert args.store_sync == "full" and not hasattr(args, "store")
+
+
+def test_store_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLPROXY_STORE", "postgresql://env/db")
+    settings = settings_from_args(build_parser().parse_args(["serve", "--state-dir", str(tmp_path)]))
+    assert settings.store == "postgresql://env/db"
+
+
+def test_default_is_sqlite_under_the_state_dir(tmp_path):
+    settings = settings_from_args(build_parser().parse_args(["serve", "--state-dir", str(tmp_path)]))
+    store = open_store(settings)
+    assert type(store) is Store and store.path == tmp_path / "rlproxy.db"
+    store._conn.close()
+    store._read_conn.close()
+
+
+def test_a_store_url_of_another_kind_is_a_clean_error(tmp_path, capsys):
+    assert main(["export", "--store", "mysql://db/x", "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "postgresql://" in capsys.readouterr().err
+
+
+def test_export_reads_from_postgres(postgres_db, tmp_path):
+    store = PostgresStore(postgres_db)
+    store.record_call_sync(call(1, "s-exported", group="g"))
+    store.close_sync()
+    out = tmp_path / "out.jsonl"
+    assert main(["export", "--store", postgres_db, "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["s-exported"] and rows[0]["calls"][0]["id"] == "req1"
+
+
+def test_an_unreachable_store_is_a_clean_error_without_the_password(tmp_path):
+    import socket
+
+    import pytest
+
+    from gateway.errors import ConfigError
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once closed
+    with pytest.raises(ConfigError) as caught:
+        PostgresStore(f"postgresql://user:hunter2@127.0.0.1:{port}/db?connect_timeout=1", timeout=2)
+    assert "cannot connect" in caught.value.message and "hunter2" not in caught.value.message

@@ -1,0 +1,116 @@
+"""Forward migrations from the first released schema, on both backends: a database made by
+rlproxy's first release (SQLite: commit 73c84b3's schema, kept in tests/golden; PostgreSQL: its
+version 1) opens with today's code, keeps every row, gains the later columns and tables, and
+takes new writes; a database newer than the code is refused."""
+
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from gateway import store_pg_schema, store_schema
+from gateway.errors import ConfigError
+from gateway.store import Store
+from gateway.store_postgres import PostgresStore
+from tests.test_store import call
+
+V1_SQLITE = (Path(__file__).parent / "golden" / "store_schema_v1_sqlite.sql").read_text()
+
+# Rows as the first release wrote them (its columns only).
+_V1_ROWS = [
+    "INSERT INTO calls (id, session_id, group_id, split, model, served, step, engine, stream, status, http_status,"
+    " request, response, latency_ms, created_at) VALUES ('old-1', 'old-s', 'old-g', 'train', 'agent', 'agent@0', 0,"
+    " 'local', 0, 'ok', 200, '{\"messages\": []}', '{\"choices\": []}', 1.5, 100.0)",
+    "INSERT INTO sessions (id, group_id, split, model, n_calls, reward, metrics, created_at, updated_at)"
+    " VALUES ('old-s', 'old-g', 'train', 'agent', 1, 1.0, '{}', 100.0, 100.0)",
+    "INSERT INTO sessions (id, group_id, split, model, n_calls, reward, metrics, created_at, updated_at)"
+    " VALUES ('old-t', 'old-g', 'train', 'agent', 1, 0.0, '{}', 101.0, 101.0)",
+    "INSERT INTO groups (id, model, split, closed, created_at, updated_at)"
+    " VALUES ('old-g', 'agent', 'train', 1, 100.0, 100.0)",
+]
+
+
+async def _check_upgraded(store) -> None:
+    old = store.get_session("old-s")
+    assert old["reward"] == 1.0 and not old["discarded"] and old["calls"][0]["id"] == "old-1"
+    assert old["calls"][0]["sampling"] is None  # a column added later reads as empty
+    assert [g["id"] for g in store.ready_groups("agent")] == ["old-g"]
+    await store.record_call(call(1, "new-s", group="old-g", sampling={"temperature": 0.7}))
+    assert store.get_session("new-s")["calls"][0]["sampling"] == {"temperature": 0.7}
+    await store.discard_session("new-s", "failed rollout")
+    store.mark_failed(["old-g"], "a reason")
+    assert store.ready_groups("agent") == []
+
+
+async def test_sqlite_from_the_first_release(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "rlproxy.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(V1_SQLITE)
+    for sql in _V1_ROWS:
+        conn.execute(sql)
+    conn.commit()
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 0
+    conn.close()
+
+    store = Store(path)
+    await store.start()
+    try:
+        await _check_upgraded(store)
+        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == store_schema.SCHEMA_VERSION
+    finally:
+        await store.close()
+    reopened = Store(path)  # already current: nothing to do, nothing lost
+    assert reopened.get_session("old-s")["calls"][0]["id"] == "old-1"
+    await reopened.close()
+
+
+async def test_sqlite_newer_than_the_code_is_refused(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "rlproxy.db"
+    Store(path)._conn.close()
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {store_schema.SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(ConfigError, match="newer than this rlproxy"):
+        Store(path)
+
+
+def _make_v1_postgres(url: str, record_version: bool) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(store_pg_schema.MIGRATIONS[1])
+        if record_version:
+            conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY,"
+                         " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+            conn.execute("INSERT INTO schema_version (version) VALUES (1)")
+        for sql in _V1_ROWS:
+            conn.execute(sql)
+
+
+@pytest.mark.parametrize("record_version", [True, False], ids=["versioned", "unversioned"])
+async def test_postgres_from_the_first_release(postgres_db, record_version):
+    _make_v1_postgres(postgres_db, record_version)
+    store = PostgresStore(postgres_db)
+    await store.start()
+    try:
+        await _check_upgraded(store)
+        assert store.schema_version() == store_pg_schema.VERSION
+    finally:
+        await store.close()
+    with psycopg.connect(postgres_db) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version FROM schema_version ORDER BY version")]
+        columns = {r[0] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'calls'")}
+    assert versions == list(range(1, store_pg_schema.VERSION + 1))
+    assert {column for table, column, _ in store_schema._ADDED_COLUMNS if table == "calls"} <= columns
+
+
+async def test_postgres_newer_than_the_code_is_refused(postgres_db):
+    store = PostgresStore(postgres_db)
+    await store.close()
+    with psycopg.connect(postgres_db, autocommit=True) as conn:
+        conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (store_pg_schema.VERSION + 1,))
+    with pytest.raises(ConfigError, match="newer than this rlproxy"):
+        PostgresStore(postgres_db)
