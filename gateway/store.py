@@ -74,8 +74,12 @@ class Store:
             await self._queue.put(None)
             await self._writer
             self._writer = None
-        self._conn.close()
-        self._read_conn.close()
+        # Under the locks: a read still running in a worker thread (a poll that outlived the
+        # app) finishes first. sqlite3 closed under a running statement can crash the process.
+        with self._write_lock:
+            self._conn.close()
+        with self._read_lock:
+            self._read_conn.close()
 
     # -------------------------------------------------------------- writer
 
