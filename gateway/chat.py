@@ -247,7 +247,7 @@ class ChatService:
         target = self.registry.resolve(request.model)
         events = self._stream(request, raw, identity, request_id, target, time.perf_counter(), wire)
         first = await events.__anext__()  # raises the engine's error when no chunk came before it
-        return _prepend(first, events), target
+        return prepend_first(first, events), target
 
     async def _stream(
         self,
@@ -312,7 +312,8 @@ class ChatService:
         yield b"[DONE]"
 
 
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def prepend_first(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`first` (already awaited, so errors before it became HTTP errors), then the rest."""
     try:
         yield first
         async for item in rest:

@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 import orjson
 
-from gateway.chat import ChatService, Identity
+from gateway.chat import ChatService, Identity, prepend_first
 from gateway.errors import RLProxyError, UpstreamError
 from gateway.protocols import Wire, completions, messages, responses
 
@@ -75,7 +75,7 @@ class PassThrough:
         target = self.chat.registry.resolve(raw["model"])
         events = self._stream(protocol, raw, chat_body, identity, request_id, target, time.perf_counter())
         first = await events.__anext__()  # the upstream's refusal becomes the HTTP status, not a 200 stream
-        return _prepend(first, events), target
+        return prepend_first(first, events), target
 
     async def _stream(self, protocol, raw, chat_body, identity, request_id, target, started) -> AsyncIterator[bytes]:
         """SSE frames; the last one only after the call row is committed."""
@@ -118,11 +118,3 @@ class PassThrough:
         if held is not None:
             yield held
 
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
