@@ -331,7 +331,8 @@ def main(example: Example, argv: list[str] | None = None) -> list[dict]:
                 with lock:
                     group_records.append({"task": task.id, "group_id": session.group_id, "session_id": session.id,
                                           "reward": result.reward, "metrics": metrics,
-                                          "violations": list(result.violations), "stop": episode.stop})
+                                          "violations": list(result.violations), "stop": episode.stop,
+                                          "messages": episode.messages})
 
             with proxy.group(split=args.split) as group:
                 try:
