@@ -285,7 +285,10 @@ def parse_args(example: Example, argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="agent", help="served name: agent, agent@N, or the base model's id")
     parser.add_argument("--split", choices=["train", "val"], default="train", help="val: scored, never trained on")
     parser.add_argument("--tasks", type=int, default=None,
-                        help="groups to run: the split's tasks in order, round and round (default: each once)")
+                        help="groups to run: the split's tasks (or --task's) in order, round and round "
+                             "(default: each once)")
+    parser.add_argument("--task", action="append", default=None, metavar="ID",
+                        help="run only this task of the split (repeatable)")
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts per task, one group (GRPO compares them)")
     parser.add_argument("--concurrency", type=int, default=None, help="rollouts at a time (default: all of a group)")
     parser.add_argument("--max-turns", type=int, default=30, help="model calls per rollout")
@@ -311,6 +314,11 @@ def main(example: Example, argv: list[str] | None = None) -> list[dict]:
 
     args = parse_args(example, argv)
     tasks = example.tasks[args.split]
+    if args.task:
+        unknown = sorted(set(args.task) - {t.id for t in tasks})
+        if unknown:
+            sys.exit(f"no task {unknown} in the {args.split} split; its tasks: {', '.join(t.id for t in tasks)}")
+        tasks = [t for t in tasks if t.id in args.task]
     chosen = [tasks[i % len(tasks)] for i in range(args.tasks or len(tasks))]
     proxy = RLProxy(base_url=args.base_url, api_key=args.api_key)
     lock = threading.Lock()

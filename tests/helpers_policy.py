@@ -7,6 +7,8 @@ so one group holds, say, a correct rollout and a rule-breaking one. The server f
 place in a conversation from the request alone, as a stateless model would: the step is
 the number of assistant turns so far, the script is named in the first tool call's id
 (`call_<script>_<step>`), so every script must open with a tool call.
+
+`check_trajectory` reads a rollout back from the gateway and checks it against what the agent sent.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import time
 from dataclasses import dataclass
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -106,3 +109,32 @@ class ScriptedPolicy:
     def __exit__(self, *exc: object) -> None:
         assert self._server is not None
         self._server.__exit__(*exc)
+
+
+def check_trajectory(url: str, record: dict, script: list[Step], tool_names: list[str]) -> dict:
+    """The gateway recorded every call of the rollout: each request is the conversation so far, as the
+    client sent it (tool calls, then their results), and the last request plus its answer is the whole."""
+    session = httpx.get(f"{url}/v1/sessions/{record['session_id']}").json()
+    calls = session["calls"]
+    assert [c["status"] for c in calls] == ["ok"] * len(script)
+    messages = record["messages"]
+    for index, recorded in enumerate(calls):
+        sent = recorded["request"]["messages"]
+        assert sent == messages[:len(sent)]  # as the client sent it, in order
+        answer = recorded["response"]["choices"][0]["message"]
+        assert {k: answer.get(k) for k in ("content", "tool_calls")} == \
+            {k: messages[len(sent)].get(k) for k in ("content", "tool_calls")}
+        assert [t["function"]["name"] for t in recorded["request"]["tools"]] == tool_names
+        step = script[index]
+        if step.tool:  # the scripted call, then its result from the example's tools
+            (tool_call,) = answer["tool_calls"]
+            assert (tool_call["function"]["name"], json.loads(tool_call["function"]["arguments"])) == \
+                (step.tool, step.arguments)
+            result = messages[len(sent) + 1]
+            assert result["role"] == "tool" and result["tool_call_id"] == tool_call["id"]
+            if index + 1 < len(calls):  # the next request carries the result
+                assert calls[index + 1]["request"]["messages"][len(sent) + 1] == result
+        else:
+            assert answer["content"] == step.text
+    assert calls[-1]["request"]["messages"] + [messages[-1]] == messages
+    return session

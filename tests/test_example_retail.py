@@ -18,7 +18,7 @@ from examples.retail.env import RetailEnv
 from examples.retail.tasks import TASKS
 from examples.toolagent import SimulatedUser, grade, main
 from tests.helpers_judge import FakeJudge
-from tests.helpers_policy import ScriptedPolicy, call, say
+from tests.helpers_policy import ScriptedPolicy, call, check_trajectory, say
 from tests.helpers_upstream import openai_gateway
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,35 +177,6 @@ def _run(url: str, *extra: str) -> list[dict]:
     return main(RETAIL, ["--base-url", url + "/v1", "--model", "agent", "--tasks", "2", "--rollouts", "2", *extra])
 
 
-def _check_trajectory(url: str, record: dict, script: list) -> dict:
-    """The gateway recorded every call of the rollout: each request is the conversation so far, as the
-    client sent it (tool calls, then their results), and the last request plus its answer is the whole."""
-    session = httpx.get(f"{url}/v1/sessions/{record['session_id']}").json()
-    calls = session["calls"]
-    assert [c["status"] for c in calls] == ["ok"] * len(script)
-    messages = record["messages"]
-    for index, recorded in enumerate(calls):
-        sent = recorded["request"]["messages"]
-        assert sent == messages[:len(sent)]  # as the client sent it, in order
-        answer = recorded["response"]["choices"][0]["message"]
-        assert {k: answer.get(k) for k in ("content", "tool_calls")} == \
-            {k: messages[len(sent)].get(k) for k in ("content", "tool_calls")}
-        assert [t["function"]["name"] for t in recorded["request"]["tools"]] == RetailEnv().tool_names
-        step = script[index]
-        if step.tool:  # the scripted call, then its result from the store's tools
-            (tool_call,) = answer["tool_calls"]
-            assert (tool_call["function"]["name"], json.loads(tool_call["function"]["arguments"])) == \
-                (step.tool, step.arguments)
-            result = messages[len(sent) + 1]
-            assert result["role"] == "tool" and result["tool_call_id"] == tool_call["id"]
-            if index + 1 < len(calls):  # the next request carries the result
-                assert calls[index + 1]["request"]["messages"][len(sent) + 1] == result
-        else:
-            assert answer["content"] == step.text
-    assert calls[-1]["request"]["messages"] + [messages[-1]] == messages
-    return session
-
-
 def test_the_agent_runs_the_tool_loop_and_posts_the_database_reward(served):
     url, policy = served
     records = _run(url)
@@ -215,7 +186,7 @@ def test_the_agent_runs_the_tool_loop_and_posts_the_database_reward(served):
         key, index = policy.script_of(record["messages"])
         seen.add((key, index))
         reward, db_match, violations = EXPECTED[(key, index)]
-        session = _check_trajectory(url, record, SCRIPTS[key][index])
+        session = check_trajectory(url, record, SCRIPTS[key][index], RetailEnv().tool_names)
         assert record["reward"] == session["reward"] == reward
         assert session["metrics"]["db_match"] == db_match and session["metrics"]["violations"] == violations
         assert session["metrics"]["tool_calls"] == sum(1 for step in SCRIPTS[key][index] if step.tool)
