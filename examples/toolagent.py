@@ -216,26 +216,23 @@ class Episode:
     messages: list[dict]  # the conversation as the client sent it, plus the last answer
     model_calls: int = 0
     tool_calls: int = 0
-    stop: str = "user_done"  # user_done | transferred | max_turns | model_error
+    stop: str = "user_done"  # user_done | transferred | max_turns
 
 
 def run_episode(client: Any, model: str, system: str, env: ToolEnv, user: SimulatedUser, *,
                 max_turns: int = 30, temperature: float = 1.0, max_tokens: int = 1024) -> Episode:
-    """The tool loop: the model calls tools until it answers in words, the customer replies, repeat."""
-    import openai  # the client's own errors
+    """The tool loop: the model calls tools until it answers in words, the customer replies, repeat.
 
+    A call the server refuses (a conversation longer than the model's context, say) raises:
+    the rollout failed, and `group.run` leaves it out of the group."""
     episode = Episode([{"role": "system", "content": system}, {"role": "user", "content": user.first()}])
     messages = episode.messages
     while True:
         if episode.model_calls == max_turns:
             episode.stop = "max_turns"
             return episode
-        try:
-            reply = client.chat.completions.create(model=model, messages=messages, tools=env.TOOLS,
-                                                   temperature=temperature, max_tokens=max_tokens)
-        except openai.BadRequestError:  # e.g. the conversation outgrew the context: graded as it stands
-            episode.stop = "model_error"
-            return episode
+        reply = client.chat.completions.create(model=model, messages=messages, tools=env.TOOLS,
+                                               temperature=temperature, max_tokens=max_tokens)
         episode.model_calls += 1
         message = reply.choices[0].message
         if message.tool_calls:
@@ -344,11 +341,13 @@ def main(example: Example, argv: list[str] | None = None) -> list[dict]:
 
             with proxy.group(split=args.split) as group:
                 try:
-                    group.run(rollout, n=args.rollouts, concurrency=args.concurrency or args.rollouts,
-                              max_exceptions=args.rollouts - 1)
+                    result = group.run(rollout, n=args.rollouts, concurrency=args.concurrency or args.rollouts,
+                                       max_exceptions=args.rollouts - 1)
                 except RolloutsFailed as exc:
-                    sys.exit(f"every rollout of task {task.id} failed; the last error: {exc.__cause__!r}")
+                    sys.exit(f"every rollout of task {task.id} failed; the last one with: {exc.__cause__}")
                 line = f"{task.id} ({group.id}): database rewards {[r['reward'] for r in group_records]}"
+                if result.n_failed:  # discarded by group.run: no reward, never trained on
+                    line += f", {result.n_failed} failed ({result.exceptions[-1]})"
                 if args.ruler:
                     try:
                         scores = {s.session_id: s.score for s in group.ruler(

@@ -1,8 +1,8 @@
 """A loopback OpenAI-compatible chat server that plays a scripted policy, for the tool-agent examples.
 
 A script is a list of steps, one per assistant turn: `call(name, **arguments)` answers with
-that tool call, `say(text)` with that message. Scripts are keyed by a piece of the task's
-opening user message; a task may have several, handed out in turn to its new conversations,
+that tool call, `say(text)` with that message, `fail(status, message)` with an error.
+Scripts are keyed by a piece of the task's opening user message; a task may have several, handed out in turn to its new conversations,
 so one group holds, say, a correct rollout and a rule-breaking one. The server finds its
 place in a conversation from the request alone, as a stateless model would: the step is
 the number of assistant turns so far, the script is named in the first tool call's id
@@ -30,7 +30,8 @@ from tests.helpers import ThreadServer
 class Step:
     tool: str | None = None  # a tool call, or
     arguments: dict | None = None
-    text: str | None = None  # a message in words
+    text: str | None = None  # a message in words, or
+    status: int | None = None  # an OpenAI-shaped error with this status (and `text` as its message)
 
 
 def call(name: str, **arguments) -> Step:
@@ -39,6 +40,10 @@ def call(name: str, **arguments) -> Step:
 
 def say(text: str) -> Step:
     return Step(text=text)
+
+
+def fail(status: int, message: str) -> Step:
+    return Step(status=status, text=message)
 
 
 class ScriptedPolicy:
@@ -86,6 +91,10 @@ class ScriptedPolicy:
         else:
             key, index = self.script_of(messages)
         script = self.scripts[key][index]
+        if step < len(script) and script[step].status:
+            return JSONResponse({"error": {"message": script[step].text, "type": "invalid_request_error",
+                                           "param": "messages", "code": "context_length_exceeded"}},
+                                status_code=script[step].status)
         if step >= len(script):
             message, finish = {"role": "assistant", "content": "(the script is over)"}, "stop"
         elif script[step].tool:

@@ -50,13 +50,17 @@ def test_every_task_replays_to_its_goal_and_the_ids_are_unique():
 
 
 def test_a_change_charges_the_fare_difference_and_keeps_unchanged_flights_at_their_price():
-    env = as_user("ava_patel_5566")  # R5NH6C: business, HAT001 05-22 at 580 + HAT003 05-25 at 610
+    # R5NH6C: business, HAT001 05-22 + HAT003 05-25 at 610; say the first was bought on sale at 500 (580 today).
+    db = AirlineEnv().db
+    db["reservations"]["R5NH6C"]["flights"][0]["price"] = 500
+    env = AirlineEnv(db)
+    env.call("get_user_details", {"user_id": "ava_patel_5566"})
     result = json.loads(confirmed(env, "update_reservation_flights", reservation_id="R5NH6C", cabin="business",
                                   flights=[{"flight_number": "HAT001", "date": "2024-05-22"},
                                            {"flight_number": "HAT003", "date": "2024-05-27"}],
                                   payment_method_id="credit_card_6612"))
-    assert [s["price"] for s in result["flights"]] == [580, 600]  # kept at what was paid; the new one at today's
-    assert result["payment_history"][-1] == {"payment_id": "credit_card_6612", "amount": -10.0}  # 1190 -> 1180
+    assert [s["price"] for s in result["flights"]] == [500, 600]  # kept at what was paid; the new one at today's
+    assert result["payment_history"][-1] == {"payment_id": "credit_card_6612", "amount": -10.0}  # 1110 -> 1100
     # A cabin change prices every flight anew: ZFA04Y economy at 200 -> business on the same flight at 600.
     env = as_user("emma_kim_9957")
     result = json.loads(confirmed(env, "update_reservation_flights", reservation_id="ZFA04Y", cabin="business",

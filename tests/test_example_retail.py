@@ -18,7 +18,7 @@ from examples.retail.env import RetailEnv
 from examples.retail.tasks import TASKS
 from examples.toolagent import SimulatedUser, grade, main
 from tests.helpers_judge import FakeJudge
-from tests.helpers_policy import ScriptedPolicy, call, check_trajectory, say
+from tests.helpers_policy import ScriptedPolicy, call, check_trajectory, fail, say
 from tests.helpers_upstream import openai_gateway
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,8 +159,21 @@ def _return(payment_method_id: str) -> list:
     ]
 
 
+NEW_ADDRESS = {"order_id": "#W2002", "address1": "77 Atlantic Ave", "address2": "Apt 4", "city": "Brooklyn",
+               "state": "NY", "country": "USA", "zip": "11201"}
+ADDRESS_OK = [
+    call("find_user_id_by_name_zip", first_name="Omar", last_name="Khan", zip="10001"),
+    call("get_order_details", order_id="#W2002"),
+    say("Order #W2002 is pending; I can ship it to 77 Atlantic Ave, Apt 4, Brooklyn, NY 11201, USA. Confirm?"),
+    call("modify_pending_order_address", **NEW_ADDRESS),
+    say("Done: #W2002 now ships to Brooklyn."),
+]
+CONTEXT_OVERFLOW = [call("find_user_id_by_name_zip", first_name="Omar", last_name="Khan", zip="10001"),
+                    fail(400, "this model's context is 2048 tokens; the messages take 2868")]
+
 SCRIPTS = {"order #W1001": [CANCEL_OK, CANCEL_UNCONFIRMED],
-           "desk lamp": [_return("gift_card_1122"), _return("credit_card_9951")]}  # the card: a wrong state
+           "desk lamp": [_return("gift_card_1122"), _return("credit_card_9951")],  # the card: a wrong state
+           "#W2002 to 77": [ADDRESS_OK, CONTEXT_OVERFLOW]}
 # (database reward, db_match, violations) of each script, by what the grader must find
 EXPECTED = {("order #W1001", 0): (1.0, 1.0, 0.0), ("order #W1001", 1): (0.0, 1.0, 1.0),
             ("desk lamp", 0): (1.0, 1.0, 0.0), ("desk lamp", 1): (0.0, 0.0, 0.0)}
@@ -238,3 +251,18 @@ def test_the_script_runs_as_its_readme_says(served, tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["reward"] for line in lines) == [0.0, 1.0]
     assert "2 rollouts, mean database reward 0.500" in done.stdout
+
+
+def test_a_rollout_the_model_server_refuses_is_left_out_of_its_group(served, capsys):
+    url, policy = served
+    records = main(RETAIL, ["--base-url", url + "/v1", "--task", "new-address", "--rollouts", "2"])
+    (record,) = records  # the other one failed: no reward, no record
+    assert policy.script_of(record["messages"]) == ("#W2002 to 77", 0) and record["reward"] == 1.0
+    assert "1 failed (Error code: 400" in capsys.readouterr().out
+    group = httpx.get(f"{url}/v1/groups/{record['group_id']}").json()
+    assert group["closed"] and group["ready"] and [s["reward"] for s in group["sessions"]] == [1.0]
+    (discarded,) = group["discarded_sessions"]
+    assert "context is 2048 tokens" in discarded["discard_reason"]
+    # Every rollout failing stops the run with the reason.
+    with pytest.raises(SystemExit, match="every rollout of task new-address failed.*context is 2048 tokens"):
+        main(RETAIL, ["--base-url", url + "/v1", "--task", "new-address", "--rollouts", "1", "--tasks", "2"])

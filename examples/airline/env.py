@@ -173,7 +173,8 @@ class AirlineEnv(ToolEnv):
         segments = self._segments(flights, cabin)
         if self._route(segments) != (origin, destination, flight_type):
             raise ToolError(f"the flights do not make a {flight_type} trip from {origin} to {destination}")
-        if not passengers or not all(isinstance(p, dict) for p in passengers) or not 0 <= nonfree_baggages <= total_baggages or insurance not in ("yes", "no"):
+        if (not passengers or not all(isinstance(p, dict) for p in passengers)
+                or not 0 <= nonfree_baggages <= total_baggages or insurance not in ("yes", "no")):
             raise ToolError("name at least one passenger; 0 <= nonfree_baggages <= total_baggages; "
                             "insurance 'yes' or 'no'")
         n = len(passengers)
