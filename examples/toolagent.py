@@ -158,7 +158,7 @@ class Grade:
                 "partial": self.partial}
 
 
-def records(db: dict) -> dict[tuple[str, str], Any]:
+def by_record(db: dict) -> dict[tuple[str, str], Any]:
     """The database as {(table, key): record}; top-level values that are not tables are records of their own."""
     out: dict[tuple[str, str], Any] = {}
     for table, rows in db.items():
@@ -173,7 +173,7 @@ def grade(initial: dict, final: dict, goal: dict, violations: list[str]) -> Grad
     """τ-bench's rule: reward 1 iff `final == goal` and no rule was broken. `partial` is a
     metric only: among the records that the goal or the agent changed, the share that
     ended as the goal has them (1 when neither changed anything)."""
-    before, after, wanted = records(initial), records(final), records(goal)
+    before, after, wanted = by_record(initial), by_record(final), by_record(goal)
     touched = {key for key in before.keys() | after.keys() | wanted.keys()
                if before.get(key) != wanted.get(key) or before.get(key) != after.get(key)}
     right = sum(1 for key in touched if after.get(key) == wanted.get(key))
