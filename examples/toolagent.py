@@ -38,6 +38,29 @@ class PolicyError(ToolError):
     """The call breaks a rule of the policy: the tool refuses it and the rollout is marked as breaking a rule."""
 
 
+_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+
+
+def type_errors(schema: dict, value: Any, path: str) -> list[str]:
+    """Where `value` is not of the JSON Schema types `schema` names (types, items, required
+    properties; not enums or bounds, which the tools judge), so a tool body only ever sees
+    the types its schema promises."""
+    kind = schema.get("type")
+    expected = _JSON_TYPES.get(kind)
+    if expected and (not isinstance(value, expected) or (isinstance(value, bool) and kind != "boolean")):
+        return [f"{path} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}"]
+    errors: list[str] = []
+    if isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            errors += type_errors(schema["items"], item, f"{path}[{index}]")
+    if isinstance(value, dict) and "properties" in schema:
+        errors += [f"{path}.{name} is missing" for name in schema.get("required", []) if name not in value]
+        for name, sub in schema["properties"].items():
+            if name in value:
+                errors += type_errors(sub, value[name], f"{path}.{name}")
+    return errors
+
+
 def write(method: Callable) -> Callable:
     """Marks a tool that changes the database: the policy wants the user's explicit 'yes' before each one."""
     method.writes = True
@@ -96,6 +119,10 @@ class ToolEnv:
             inspect.signature(method).bind(**args)
         except TypeError as exc:
             return f"Error: wrong arguments for {name}: {exc}"
+        schema = next(t["function"]["parameters"] for t in self.TOOLS if t["function"]["name"] == name)
+        errors = type_errors(schema, args, "arguments")
+        if errors:
+            return f"Error: wrong arguments for {name}: {'; '.join(errors)}"
         writes = getattr(method, "writes", False) and not self.replaying
         unconfirmed = writes and not self.confirmed
         try:

@@ -108,6 +108,21 @@ def test_the_fare_rules_are_enforced_and_counted():
     assert "already departed" in confirmed(landed, "cancel_reservation", reservation_id="T3VB8E")
 
 
+def test_arguments_of_the_wrong_type_are_reported_not_raised():
+    env = as_user("liam_chen_7788")
+    env.on_user("yes")
+    answer = env.call("update_reservation_baggages", {"reservation_id": "U9KC2L", "total_baggages": "2",
+                                                      "nonfree_baggages": True, "payment_method_id": "credit_card_3344"})
+    assert answer == ("Error: wrong arguments for update_reservation_baggages: arguments.total_baggages must be "
+                      "an integer; arguments.nonfree_baggages must be an integer")
+    answer = env.call("book_reservation", {**by_id("book-with-insurance").actions[0].arguments,
+                                           "user_id": "liam_chen_7788", "flights": [{"flight_number": "HAT001"}],
+                                           "passengers": "Liam Chen"})
+    assert "arguments.flights[0].date is missing; arguments.passengers must be an array" in answer
+    assert env.violations == [] and env.db == AirlineEnv().db
+    assert env.confirmed  # nothing was attempted: the "yes" still stands
+
+
 @pytest.mark.parametrize("user_id, reservation_id, why", [
     ("noah_garcia_1234", "MX7T3B", "the airline cancelled HAT002 on 05-21"),
     ("ava_patel_5566", "Q8WZ1D", "booked 6 hours ago"),
