@@ -6,7 +6,6 @@ Set RLPROXY_UPDATE_SCREENSHOT=1 to rewrite docs/dashboard.png (the README's pict
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path

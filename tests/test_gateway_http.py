@@ -127,6 +127,24 @@ def test_tools_and_tool_messages_pass_through_and_are_recorded(client, upstream,
     assert recorded["finish_reason"] == "tool_calls"
 
 
+def test_a_client_that_leaves_a_non_stream_call_is_recorded_as_499(base_url, store):
+    """Its answer never reached anyone: recorded as 499, so it is never trained (issue 13)."""
+    import time
+
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/chat/completions", timeout=0.5, headers={"X-Session-Id": "left-waiting"},
+                   json={"model": "fake-model", "messages": [{"role": "user", "content": "slow [[delay=3]]"}]})
+    deadline = time.monotonic() + 30
+    while not store.session_calls("left-waiting") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (call,) = store.session_calls("left-waiting")
+    assert call["status"] == "error" and call["http_status"] == 499 and "disconnected" in call["error"]
+    # and the gateway goes on answering
+    ok = httpx.post(base_url + "/v1/chat/completions", timeout=30, headers={"X-Session-Id": "after"},
+                    json={"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]})
+    assert ok.status_code == 200
+
+
 def test_a_client_that_leaves_mid_stream_is_recorded_as_such(base_url, upstream, store):
     """The gateway notices the disconnect, stops relaying and records what was sent (499)."""
     import time

@@ -8,11 +8,9 @@ back. Errors leave in each protocol's own shape (`error_response`).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import re
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
 import orjson
 from fastapi import APIRouter, Request
@@ -23,7 +21,7 @@ from gateway.chat import Identity, identify
 from gateway.errors import InvalidRequest, NotFound, RLProxyError
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocols import Wire, completions, messages, responses
-from gateway.routes.openai import read_json, validation_message
+from gateway.routes.openai import ClientGone, read_json, unless_client_leaves, validation_message
 
 router = APIRouter()
 
@@ -114,28 +112,6 @@ async def _encode(events: AsyncIterator[bytes], encoder: _Encoder) -> AsyncItera
         await events.aclose()  # records a stream the client left early
 
 
-async def _unless_client_leaves(request: Request, call: Awaitable[Any]) -> Any:
-    """`call`'s result, or None: cancelled when the client disconnects first (the chat service
-    then records the call with status 499, so an answer nobody got is never trained)."""
-    task = asyncio.ensure_future(call)
-
-    async def client_left() -> None:
-        while (await request.receive())["type"] != "http.disconnect":  # the body was read already
-            pass
-
-    watcher = asyncio.ensure_future(client_left())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
-    return task.result()
-
-
 async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wire,
                  to_wire: Callable[[dict], dict], encoder: Callable[[], _Encoder], stream: bool) -> Response:
     services = request.app.state.services
@@ -152,11 +128,12 @@ async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wi
         chat_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
     chat_request = _chat_request(chat_body)
     if not stream:
-        answered = await _unless_client_leaves(
-            request, services.chat.complete(chat_request, chat_body, identity, request_id, wire))
-        if answered is None:
-            return Response(status_code=499)  # nobody reads it
-        response, target = answered
+        try:
+            response, target = await unless_client_leaves(
+                request.receive, services.chat.complete(chat_request, chat_body, identity, request_id, wire))
+        except ClientGone:
+            return Response(status_code=499)  # recorded as 499; nobody reads this
+
         return _json(to_wire(response), headers=_headers(identity.session_id, target.step))
     events, target = await services.chat.open_stream(chat_request, chat_body, identity, request_id, wire)
     return StreamingResponse(_encode(events, encoder()), media_type="text/event-stream",
