@@ -156,3 +156,26 @@ def test_bad_references_say_what_to_pass(trained, tmp_path):
     done = cli("export-model", "agent@1", "--out", str(tmp_path / "full"), "--state-dir", str(trained.state_dir))
     assert done.returncode == 2 and "not empty" in done.stderr
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_a_step_recorded_in_postgres_exports_on_a_machine_without_its_checkpoint(trained, tmp_path, postgres_db):
+    """`--store postgresql://`: the step's files come from the store (checksums verified),
+    not from a state dir this machine never had."""
+    from gateway.store_postgres import PostgresStore
+
+    store = PostgresStore(postgres_db)
+    store.insert_step("agent", 2, str(trained.checkpoints_dir() / "0002"), {}, [])  # uploads the files
+    asyncio.run(store.close())
+    elsewhere = tmp_path / "other-machine"
+    out = tmp_path / "adapter"
+    done = cli("export-model", "agent", "--out", str(out), "--store", postgres_db, "--state-dir", str(elsewhere))
+    assert done.returncode == 0, done.stderr
+    assert "agent@2" in done.stderr
+    saved = load_file(trained.checkpoints_dir() / "0002" / "adapter_model.safetensors")
+    exported = load_file(out / "adapter_model.safetensors")
+    assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
+    assert (elsewhere / "models" / "agent" / "store" / "0002" / "adapter_model.safetensors").is_file()
+    # a step the store does not record is still a clear 404, naming the steps there are
+    done = cli("export-model", "agent@7", "--out", str(tmp_path / "x"), "--store", postgres_db,
+               "--state-dir", str(elsewhere))
+    assert done.returncode == 2 and "step 7" in done.stderr and "2" in done.stderr

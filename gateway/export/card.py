@@ -8,10 +8,12 @@ is there, grouped by the adapter step that answered them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from pathlib import Path
 
+from gateway.errors import NotFound
 from gateway.settings import Settings
 from trainer import checkpoints as ckpts
 
@@ -41,7 +43,10 @@ def store_figures(settings: Settings, name: str, up_to: int, trained_groups: set
         return {}
     store = open_store(target)
     try:
-        trained_sessions = sum(store.get_group(g)["n_sessions"] for g in trained_groups)
+        trained_sessions = 0
+        for group_id in trained_groups:
+            with contextlib.suppress(NotFound):  # a group this store does not hold counts none
+                trained_sessions += store.get_group(group_id)["n_sessions"]
         val: dict[int, list[float]] = defaultdict(list)
         for session in select_sessions(store, SessionFilter(split="val", rewarded=True)):
             if session["model"] != name:

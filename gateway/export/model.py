@@ -73,23 +73,49 @@ def _recorded_steps(settings: Settings, name: str) -> set[int]:
         close_store(store)
 
 
+def _fetched_from_store(settings: Settings, name: str, step: int) -> ckpts.Checkpoint | None:
+    """Step `step` of `name` from a PostgreSQL store (`--store`), for a machine that is not the
+    trainer's: its files into STATE/models/NAME/store/NNNN, checksums verified, as replicas
+    fetch adapters. None when the store keeps no files (SQLite, or a step without them)."""
+    from gateway.export.selection import close_store, open_store
+
+    if not settings.store:
+        return None
+    store = open_store(settings.store)
+    try:
+        restore = getattr(store, "restore_checkpoint", None)
+        dest = settings.models_dir / name / "store" / f"{step:04d}"
+        fetched = restore(name, step, dest) if restore is not None else None
+    finally:
+        close_store(store)
+    return ckpts.Checkpoint(step, fetched) if fetched and ckpts.is_complete(fetched) else None
+
+
 def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Checkpoint:
     """Step `step` of `name`, or its newest. With a store beside the checkpoints, only steps it
     records count: a checkpoint written by a worker killed before recording it may still be
-    discarded when the worker restarts (`trainer.worker`)."""
+    discarded when the worker restarts (`trainer.worker`). A step recorded in a PostgreSQL
+    store but not on this machine is fetched from the store."""
     root = settings.checkpoints_dir(name)
     available = ckpts.list_checkpoints(root)
     recorded = _recorded_steps(settings, name)
     if recorded:
         available = [c for c in available if c.step in recorded]
-    if not available:
-        raise NotFound(f"no checkpoints of model '{name}' in {root}: pass the --state-dir the trainer ran with")
-    if step is None:
+        wanted = max(recorded) if step is None else step
+        if wanted in recorded and all(c.step != wanted for c in available):
+            fetched = _fetched_from_store(settings, name, wanted)
+            if fetched is not None:
+                available = sorted([*available, fetched], key=lambda c: c.step)
+    if step is not None:
+        for checkpoint in available:
+            if checkpoint.step == step:
+                return checkpoint
+    elif available:
         return available[-1]
-    for checkpoint in available:
-        if checkpoint.step == step:
-            return checkpoint
-    steps = ", ".join(str(c.step) for c in available)
+    steps = ", ".join(str(s) for s in sorted({c.step for c in available} | recorded)) or "none"
+    if step is None or not (available or recorded):
+        raise NotFound(f"no checkpoints of model '{name}' in {root}: pass the --state-dir the trainer ran with"
+                       " (or the --store it recorded its steps in)")
     raise NotFound(f"model '{name}' has no checkpoint for step {step} in {root} (steps: {steps})")
 
 
