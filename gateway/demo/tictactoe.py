@@ -34,8 +34,13 @@ NAME = "tictactoe"
 DESCRIPTION = ("play X against a random opponent, one chat completion per move; "
                "reward 1 win, 0.5 draw, 0 loss (an illegal or unparseable move loses)")
 
-OPTIONS = {"rollouts": 8, "max_tokens": 2, "steps": 200, "seconds": 600.0, "eval_groups": 8}
-SETTINGS = {"default_max_tokens": 2, "max_tokens_per_row": 2048}
+# 16 rollouts and a learning rate 3x the built-in model's default: with 8 rollouts at 1e-2 the
+# untrained model (a free square about 1 reply in 100) gave a group with a reward spread
+# about 1 time in 10 and stayed at ~0 legal moves for 40 steps (in process, no gateway);
+# with these, every group has a spread by step 5 and the first moves are legal (measured,
+# README's tictactoe bullet). Higher than 3e-2 was not tried.
+OPTIONS = {"rollouts": 16, "max_tokens": 2, "steps": 200, "seconds": 600.0, "eval_groups": 8}
+SETTINGS = {"default_max_tokens": 2, "max_tokens_per_row": 2048, "learning_rate": 3e-2}
 
 SYSTEM = "You play tic-tac-toe as X. Reply with the number of a free square."
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
