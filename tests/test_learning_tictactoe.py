@@ -47,7 +47,7 @@ ROLLOUTS = tictactoe.OPTIONS["rollouts"]
 MAX_TOKENS = tictactoe.OPTIONS["max_tokens"]
 LEARNING_RATE = tictactoe.SETTINGS.get("learning_rate", TINY_MODEL_SETTINGS["learning_rate"])
 EVAL_GAMES = 64
-MAX_TRIES = 60 * GROUPS_PER_STEP  # groups sampled at most per step (an untrained model needs ~10)
+MAX_TRIES = 60 * GROUPS_PER_STEP  # groups sampled at most per step (the untrained model needs ~15)
 MARGIN = 0.2  # the trained legal-move rate must beat the untrained one's by this much
 
 
