@@ -34,8 +34,14 @@ NAME = "tictactoe"
 DESCRIPTION = ("play X against a random opponent, one chat completion per move; "
                "reward 1 win, 0.5 draw, 0 loss (an illegal or unparseable move loses)")
 
-OPTIONS = {"rollouts": 8, "max_tokens": 2, "steps": 200, "seconds": 600.0, "eval_groups": 8}
-SETTINGS = {"default_max_tokens": 2, "max_tokens_per_row": 2048}
+# 16 rollouts and a learning rate 3x the built-in model's default. Measured in process (no
+# gateway, seed 0): with 8 rollouts at 1e-2 about 1 group in 7 had a reward spread
+# and no legal first moves appeared in 5 steps; 16 at 1e-2, none in 7 steps; 16 at 2e-2,
+# from step 6; 16 at 3e-2, from step 4, after which every group has a spread. What this
+# recipe does not learn: to look at the board. The policy settles on one or two squares
+# ("2", "5") whatever the board, so its second move is usually taken (README).
+OPTIONS = {"rollouts": 16, "max_tokens": 2, "steps": 200, "seconds": 600.0, "eval_groups": 8}
+SETTINGS = {"default_max_tokens": 2, "max_tokens_per_row": 2048, "learning_rate": 3e-2}
 
 SYSTEM = "You play tic-tac-toe as X. Reply with the number of a free square."
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
