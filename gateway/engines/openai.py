@@ -110,19 +110,24 @@ class OpenAIEngine(Engine):
 
     # ---------------------------------------------------------------- chat
 
-    async def complete(self, request: EngineRequest) -> Completion:
+    async def _exchange(self, method: str, url, data: bytes | None) -> tuple[int, bytes]:
+        """One request to the upstream: (status, body) of a 2xx/3xx answer; a timeout, an
+        unreachable upstream or an error status raised as the gateway's own errors."""
         session = await self._client()
         try:
-            async with session.post(self._chat_url, data=orjson.dumps(request.body), headers=self._headers,
-                                    timeout=self._call_timeout) as resp:
-                payload = await resp.read()
-                status = resp.status
+            async with session.request(method, url, data=data, headers=self._headers,
+                                       timeout=self._call_timeout) as resp:
+                payload, status = await resp.read(), resp.status
         except asyncio.TimeoutError:
             raise self._timeout() from None
         except aiohttp.ClientError as exc:
             raise self._unreachable(exc) from None
         if status >= 400:
             raise self._status_error(status, payload)
+        return status, payload
+
+    async def complete(self, request: EngineRequest) -> Completion:
+        status, payload = await self._exchange("POST", self._chat_url, orjson.dumps(request.body))
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -184,18 +189,8 @@ class OpenAIEngine(Engine):
     async def relay(self, path: str, body: dict | None) -> dict:
         """POST `body` (GET when None) to `{upstream}{path}` in a protocol the upstream speaks
         itself (`--upstream-protocol`); its JSON answer, errors mapped as for chat."""
-        session = await self._client()
-        data = None if body is None else orjson.dumps(body)
-        try:
-            async with session.request("GET" if body is None else "POST", URL(self.base_url + path), data=data,
-                                       headers=self._headers, timeout=self._call_timeout) as resp:
-                payload, status = await resp.read(), resp.status
-        except asyncio.TimeoutError:
-            raise self._timeout() from None
-        except aiohttp.ClientError as exc:
-            raise self._unreachable(exc) from None
-        if status >= 400:
-            raise self._status_error(status, payload)
+        status, payload = await self._exchange("GET" if body is None else "POST", URL(self.base_url + path),
+                                               None if body is None else orjson.dumps(body))
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
