@@ -1,6 +1,6 @@
 """The store: one SQLite file (WAL) that is the only channel between gateway and trainer.
 
-Writes from the gateway go through one writer task that batches them into a
+Writes from the gateway go through one writer thread that batches them into a
 single transaction per round (group commit); a caller's `await` returns only
 after its transaction committed, so a response acknowledged to a client is on
 disk. The trainer, in its own process, opens the same file with `Store(path)`
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import sqlite3
 import threading
 import time
@@ -55,8 +56,9 @@ class Store:
         self._read_lock = threading.Lock()
         self._conn.executescript(store_schema.SCHEMA)
         store_schema.add_missing_columns(self._conn)
-        self._queue: asyncio.Queue | None = None
-        self._writer: asyncio.Task | None = None
+        self._queue: queue.SimpleQueue | None = None
+        self._writer: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.commits = 0  # transactions the writer committed (for /metrics and tests)
         # A disk or file failure (full, read-only, locked, gone) until a write commits again.
         self.busy_timeout = busy_timeout
@@ -65,15 +67,21 @@ class Store:
     # -------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Start the writer task (call from the event loop that will write)."""
-        self._queue = asyncio.Queue()
-        self._writer = asyncio.create_task(self._write_loop(), name="rlproxy-store-writer")
+        """Start the writer thread (call from the event loop that will write)."""
+        self._loop = asyncio.get_running_loop()
+        self._queue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="rlproxy-store-writer", daemon=True)
+        self._writer.start()
+
+    async def _stop_writer(self) -> None:
+        if self._writer is not None:
+            self._queue.put(None)  # after every write already queued: each is committed or failed first
+            await asyncio.to_thread(self._writer.join)
+            self._writer = None
+            self._queue = None
 
     async def close(self) -> None:
-        if self._writer is not None:
-            await self._queue.put(None)
-            await self._writer
-            self._writer = None
+        await self._stop_writer()
         # Under the locks: a read still running in a worker thread (a poll that outlived the
         # app) finishes first. sqlite3 closed under a running statement can crash the process.
         with self._write_lock:
@@ -87,8 +95,8 @@ class Store:
         if self._queue is None:
             # No writer running (trainer process, scripts): write synchronously.
             return await asyncio.to_thread(self._run_sync, op)
-        future = asyncio.get_running_loop().create_future()
-        await self._queue.put((op, future))
+        future = self._loop.create_future()
+        self._queue.put((op, future))
         return await future
 
     def _run_sync(self, op: Callable[[sqlite3.Connection], Any]) -> Any:
@@ -111,34 +119,33 @@ class Store:
             self.health.failed(failure)
             raise failure from (None if failure is exc else exc)
 
-    async def _write_loop(self) -> None:
-        assert self._queue is not None
+    def _write_loop(self) -> None:
+        """The writer thread: each round takes every write queued so far (up to 512) and
+        commits them in one transaction, then hands the outcomes to the event loop in one
+        callback. A thread of its own rather than a task handing each round to an executor:
+        with one call at a time, those hand-offs were a good part of what the gateway added."""
+        assert self._queue is not None and self._loop is not None
         stopping = False
         while not stopping:
-            batch = [await self._queue.get()]
-            while not self._queue.empty() and len(batch) < 512:
-                batch.append(self._queue.get_nowait())
+            batch = [self._queue.get()]
+            while len(batch) < 512:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             if None in batch:
                 stopping = True
                 batch = [item for item in batch if item is not None]
             if not batch:
                 continue
             try:
-                outcomes = await asyncio.to_thread(self._apply_batch, [op for op, _ in batch])
-            except BaseException as exc:  # the commit itself failed: nobody is acknowledged
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                continue
-            for (_, future), (ok, value) in zip(batch, outcomes):
-                if future.done():
-                    continue
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
+                outcomes: list[tuple[bool, Any]] | BaseException = self._apply_batch([op for op, _ in batch])
+            except BaseException as exc:  # noqa: BLE001 - the commit itself failed: nobody is acknowledged
+                outcomes = exc
+            try:
+                self._loop.call_soon_threadsafe(_settle, batch, outcomes)
+            except RuntimeError:  # the loop is closed: nobody is left waiting
+                pass
 
     def _apply_batch(self, ops: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]]:
         """Run every op in one transaction; an op that raises is rolled back alone (savepoint)."""
@@ -147,19 +154,28 @@ class Store:
             conn = self._conn
             try:
                 _begin(conn)
-                for op in ops:
-                    conn.execute("SAVEPOINT op")
+                if len(ops) == 1:  # one call at a time: the transaction is the op's savepoint
                     try:
-                        outcomes.append((True, op(conn)))
-                        conn.execute("RELEASE op")
+                        outcomes.append((True, ops[0](conn)))
                     except Exception as exc:  # noqa: BLE001 - handed to the caller
                         if classify(exc) is not None:
-                            # The disk or file failed, not this op: SQLite may have rolled the
-                            # whole transaction back already, so the whole round fails.
                             raise
-                        conn.execute("ROLLBACK TO op")
-                        conn.execute("RELEASE op")
-                        outcomes.append((False, exc))
+                        _rollback(conn)
+                        return [(False, exc)]
+                else:
+                    for op in ops:
+                        conn.execute("SAVEPOINT op")
+                        try:
+                            outcomes.append((True, op(conn)))
+                            conn.execute("RELEASE op")
+                        except Exception as exc:  # noqa: BLE001 - handed to the caller
+                            if classify(exc) is not None:
+                                # The disk or file failed, not this op: SQLite may have rolled the
+                                # whole transaction back already, so the whole round fails.
+                                raise
+                            conn.execute("ROLLBACK TO op")
+                            conn.execute("RELEASE op")
+                            outcomes.append((False, exc))
                 conn.execute("COMMIT")
             except BaseException as exc:
                 _rollback(conn)
@@ -443,6 +459,21 @@ class Store:
         for table in ("calls", "sessions", "groups", "steps", "judgements"):
             out[table] = self._query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
         return out
+
+
+def _settle(batch: list[tuple[Any, asyncio.Future]], outcomes: list[tuple[bool, Any]] | BaseException) -> None:
+    """On the event loop: each waiting caller gets its write's outcome, or the round's failure."""
+    for index, (_, future) in enumerate(batch):
+        if future.done():  # its caller was cancelled meanwhile
+            continue
+        if isinstance(outcomes, BaseException):
+            future.set_exception(outcomes)
+            continue
+        ok, value = outcomes[index]
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
 
 def _begin(conn: sqlite3.Connection) -> None:

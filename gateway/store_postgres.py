@@ -18,6 +18,7 @@ Several gateways and trainers may share one database:
 from __future__ import annotations
 
 import asyncio
+import queue
 import re
 import threading
 import time
@@ -113,18 +114,16 @@ class PostgresStore(Store):
         self._read_lock = threading.Lock()
         with self._pool.connection() as conn:
             store_pg_schema.migrate(conn)
-        self._queue: asyncio.Queue | None = None
-        self._writer: asyncio.Task | None = None
+        self._queue: queue.SimpleQueue | None = None  # the writer thread is `Store`'s
+        self._writer: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.commits = 0
         self.retries = 0  # batches rerun after a deadlock with another replica
         self.busy_timeout = timeout
         self.health = StoreHealth()  # the server unreachable or full, until a write commits again
 
     async def close(self) -> None:
-        if self._writer is not None:
-            await self._queue.put(None)
-            await self._writer
-            self._writer = None
+        await self._stop_writer()
         self._pool.close()
 
     def close_sync(self) -> None:
