@@ -185,7 +185,8 @@ class ChatService:
         return record
 
     async def _commit(self, record: CallRecord) -> None:
-        await self.store.record_call(record)
+        # No call in the engine: nobody to share a group commit with, so commit at once.
+        await self.store.record_call(record, alone=self.gate.in_flight == 0)
         self._remember_split(record)
         for observe in self.observers:
             try:

@@ -117,6 +117,8 @@ class PostgresStore(Store):
         self._queue: queue.SimpleQueue | None = None  # the writer thread is `Store`'s
         self._writer: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight = 0
+        self._writes_on_loop = False  # every write is a round trip to the server: never on the event loop
         self.commits = 0
         self.retries = 0  # batches rerun after a deadlock with another replica
         self.busy_timeout = timeout

@@ -145,6 +145,26 @@ def test_a_client_that_leaves_a_non_stream_call_is_recorded_as_499(base_url, sto
     assert ok.status_code == 200
 
 
+def test_a_client_that_leaves_at_once_is_recorded_as_499_too(base_url, store):
+    """Request sent, socket closed at once, before the upstream answers: cancelled and
+    recorded as 499, not answered (and recorded 200) when the upstream's 3 s are up."""
+    import json
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base_url)
+    body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "slow [[delay=3]]"}]}).encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"X-Session-Id: left-at-once\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    left = time.monotonic()
+    while not store.session_calls("left-at-once") and time.monotonic() < left + 30:
+        time.sleep(0.01)
+    (call,) = store.session_calls("left-at-once")
+    assert call["http_status"] == 499 and "disconnected" in call["error"]  # not a 200 once the 3 s were up
+
+
 def test_a_client_that_leaves_mid_stream_is_recorded_as_such(base_url, upstream, store):
     """The gateway notices the disconnect, stops relaying and records what was sent (499)."""
     import time

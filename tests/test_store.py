@@ -245,3 +245,64 @@ async def test_an_older_database_gets_the_discard_columns(tmp_path):
     assert reopened.get_group("g1")["n_discarded"] == 1
     await reopened.start()
     await reopened.close()
+
+
+async def test_a_call_alone_is_committed_on_the_loop_but_never_waits_there_for_a_lock(tmp_path):
+    """`record_call(alone=True)` commits on the event loop when it can (no hand-off to the
+    writer thread); while another process holds the write lock, the write waits in the
+    writer thread instead, and the loop goes on serving."""
+    import sqlite3
+    import threading
+
+    store = Store(tmp_path / "rlproxy.db", busy_timeout=60.0)
+    await store.start()
+    trainer = sqlite3.connect(tmp_path / "rlproxy.db", isolation_level=None, check_same_thread=False)
+    released = threading.Lock()
+
+    def release() -> None:
+        with released:
+            if trainer.in_transaction:
+                trainer.execute("COMMIT")
+
+    # A safety net, so a loop blocked in the write cannot hang the test: the lock is let go
+    # from another thread after 5 s, and then the write completes before the loop runs again.
+    net = threading.Timer(5.0, release)
+    try:
+        await store.record_call(call(1, "s1"), alone=True)
+        assert store.counts()["calls"] == 1
+        trainer.execute("BEGIN IMMEDIATE")  # the trainer's write transaction holds the lock
+        net.start()
+        writing = asyncio.create_task(store.record_call(call(2, "s2"), alone=True))
+        await asyncio.sleep(0.2)  # the loop runs on: the write waits for the lock elsewhere
+        assert not writing.done(), "the write waited for the lock on the event loop"
+        release()  # from the loop: only possible because the loop is not blocked
+        await writing  # committed once the lock was free, not failed as "locked"
+        assert store.counts()["calls"] == 2
+    finally:
+        net.cancel()
+        release()
+        trainer.close()
+        await store.close()
+
+
+async def test_the_wal_is_checkpointed_when_every_commit_is_made_on_the_loop(tmp_path):
+    """The store's connection never checkpoints in a commit (that would fsync on the event
+    loop); the writer thread does, every CHECKPOINT_EVERY commits, so the WAL stays bounded."""
+    from gateway.store import CHECKPOINT_EVERY
+
+    store = Store(tmp_path / "rlproxy.db")
+    await store.start()
+    wal = tmp_path / "rlproxy.db-wal"
+    try:
+        sizes = []
+        for round_ in range(4):
+            for i in range(CHECKPOINT_EVERY):
+                await store.record_call(call(round_ * CHECKPOINT_EVERY + i, f"s{i % 7}"), alone=True)
+            await store.record_call(call(10_000 + round_, "queued"))  # queued behind the checkpoint
+            sizes.append(wal.stat().st_size)
+        assert store.checkpoints >= 3
+        assert store.counts()["calls"] == 4 * (CHECKPOINT_EVERY + 1)
+        # Checkpointed, the WAL is written from its start again: it stops growing.
+        assert sizes[-1] <= sizes[0] * 1.5, sizes
+    finally:
+        await store.close()
