@@ -142,34 +142,31 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
         ),
     )
     base_model = call.model.split("@", 1)[0]
-    _check_split(conn, call)
-    conn.execute(
+    # The upserts return the rows as stored, so the split checks cost no extra statement; a
+    # conflict raises, and the caller's rollback takes the whole call back out.
+    split, group_id = conn.execute(
         "INSERT INTO sessions (id, group_id, split, model, n_calls, created_at, updated_at) VALUES (?,?,?,?,1,?,?)"
         " ON CONFLICT(id) DO UPDATE SET n_calls = sessions.n_calls + 1, updated_at = excluded.updated_at,"
-        " group_id = COALESCE(sessions.group_id, excluded.group_id)",
+        " group_id = COALESCE(sessions.group_id, excluded.group_id) RETURNING split, group_id",
         (call.session_id, call.group_id, call.split, base_model, now, now),
-    )
-    if call.group_id is not None:
-        conn.execute(
-            "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES (?,?,?,?,?)"
-            " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at",
-            (call.group_id, base_model, call.split, now, now),
-        )
-
-
-def _check_split(conn: sqlite3.Connection, call: CallRecord) -> None:
-    """A session keeps one split, and it is its group's: a val rollout inside a train group
-    would be trained on, a train one inside a val group never would."""
-    row = conn.execute("SELECT split, group_id FROM sessions WHERE id = ?", (call.session_id,)).fetchone()
-    if row is not None and row[0] != call.split:
-        raise Conflict(f"session '{call.session_id}' is a '{row[0]}' session; this call says X-Split '{call.split}'. "
+    ).fetchone()
+    if split != call.split:
+        raise Conflict(f"session '{call.session_id}' is a '{split}' session; this call says X-Split '{call.split}'. "
                        "Keep one split per session.", param="split")
-    group_id = call.group_id or (row[1] if row is not None else None)
-    if group_id is None:
+    if call.group_id is not None:
+        group_id = call.group_id
+        (group_split,) = conn.execute(
+            "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES (?,?,?,?,?)"
+            " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING split",
+            (call.group_id, base_model, call.split, now, now),
+        ).fetchone()
+    elif group_id is not None:  # a call without a group, in a session that has one
+        row = conn.execute("SELECT split FROM groups WHERE id = ?", (group_id,)).fetchone()
+        group_split = row[0] if row is not None else call.split
+    else:
         return
-    group = conn.execute("SELECT split FROM groups WHERE id = ?", (group_id,)).fetchone()
-    if group is not None and group[0] != call.split:
-        raise Conflict(f"group '{group_id}' holds '{group[0]}' sessions; this call says X-Split '{call.split}'. "
+    if group_split != call.split:
+        raise Conflict(f"group '{group_id}' holds '{group_split}' sessions; this call says X-Split '{call.split}'. "
                        "Use one split per group (a separate group id for val rollouts).", param="split")
 
 

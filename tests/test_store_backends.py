@@ -211,3 +211,32 @@ async def test_skipped_and_failed_groups_are_never_ready(store):
     first = await store.request_trigger("agent")
     second = await store.request_trigger("agent")
     assert second > first  # trigger ids come from the database, in order
+
+
+async def test_the_store_refuses_a_call_whose_split_contradicts_its_session_or_group(store):
+    """Checked in the call's own transaction (another replica's calls never went through
+    this process's check), on both backends; a refused call leaves nothing behind."""
+    from gateway.errors import Conflict
+    from gateway.store import CallRecord
+
+    def record(i, session, group, split):
+        return CallRecord(id=f"split-{i}", session_id=session, group_id=group, split=split, model="m",
+                          served=None, step=None, engine="openai", stream=False, status="ok", request={},
+                          response=None, latency_ms=1.0)
+
+    await store.record_call(record(1, "sa", "g-train", "train"))
+    await store.record_call(record(2, "sv", "g-val", "val"))
+    with pytest.raises(Conflict, match="session 'sa' is a 'train' session"):
+        await store.record_call(record(3, "sa", None, "val"))
+    with pytest.raises(Conflict, match="group 'g-train' holds 'train' sessions"):
+        await store.record_call(record(4, "sb", "g-train", "val"))
+    # a call naming no group, in a session whose group is val: the session's split is val, so allowed
+    await store.record_call(record(5, "sv", None, "val"))
+    # a session that has no group yet, a call naming a group of the other split
+    await store.record_call(record(6, "sn", None, "train"))
+    with pytest.raises(Conflict, match="group 'g-val' holds 'val' sessions"):
+        await store.record_call(record(7, "sn", "g-val", "train"))
+    assert store.counts()["calls"] == 4
+    assert [c["id"] for c in store.get_session("sa")["calls"]] == ["split-1"]
+    assert [c["id"] for c in store.get_session("sn")["calls"]] == ["split-6"]
+    assert [s["id"] for s in store.get_group("g-train")["sessions"]] == ["sa"]
