@@ -193,7 +193,7 @@ class Store:
                 pass
 
     def _apply_batch(self, ops: list[Callable[[sqlite3.Connection], Any]]) -> list[tuple[bool, Any]]:
-        """Run every op in one transaction; an op that raises is rolled back alone (savepoint)."""
+        """Run every op in one transaction; an op that raises is rolled back alone."""
         with self._write_lock:
             conn = self._conn
             try:
@@ -218,19 +218,15 @@ class Store:
                     _rollback(conn)
                     return [(False, exc)]
             else:
-                for op in ops:
-                    conn.execute("SAVEPOINT op")
-                    try:
+                try:  # ops rarely fail: first without a savepoint each (two statements an op)
+                    for op in ops:
                         outcomes.append((True, op(conn)))
-                        conn.execute("RELEASE op")
-                    except Exception as exc:  # noqa: BLE001 - handed to the caller
-                        if classify(exc) is not None:
-                            # The disk or file failed, not this op: SQLite may have rolled the
-                            # whole transaction back already, so the whole round fails.
-                            raise
-                        conn.execute("ROLLBACK TO op")
-                        conn.execute("RELEASE op")
-                        outcomes.append((False, exc))
+                except Exception as exc:  # noqa: BLE001 - one op failed: again, each op alone
+                    if classify(exc) is not None:
+                        raise
+                    _rollback(conn)
+                    _begin(conn)
+                    outcomes = self._with_savepoints(conn, ops)
             conn.execute("COMMIT")
         except BaseException as exc:
             _rollback(conn)
@@ -239,6 +235,26 @@ class Store:
         self.commits += 1
         if self.commits % CHECKPOINT_EVERY == 0 and self._queue is not None and self._writes_on_loop:
             self._queue.put(_CHECKPOINT)
+        return outcomes
+
+    @staticmethod
+    def _with_savepoints(conn: sqlite3.Connection, ops: list[Callable[[sqlite3.Connection], Any]]
+                         ) -> list[tuple[bool, Any]]:
+        """Every op in a savepoint of its own, so an op that raises is rolled back alone."""
+        outcomes: list[tuple[bool, Any]] = []
+        for op in ops:
+            conn.execute("SAVEPOINT op")
+            try:
+                outcomes.append((True, op(conn)))
+                conn.execute("RELEASE op")
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                if classify(exc) is not None:
+                    # The disk or file failed, not this op: SQLite may have rolled the
+                    # whole transaction back already, so the whole round fails.
+                    raise
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+                outcomes.append((False, exc))
         return outcomes
 
     def _checkpoint(self) -> None:

@@ -306,3 +306,24 @@ async def test_the_wal_is_checkpointed_when_every_commit_is_made_on_the_loop(tmp
         assert sizes[-1] <= sizes[0] * 1.5, sizes
     finally:
         await store.close()
+
+
+def test_a_round_with_a_failing_op_commits_the_others_in_one_transaction(tmp_path):
+    """Group commit runs a round without savepoints; when an op fails, the round runs again
+    with one savepoint per op, so only that op is rolled back."""
+    from gateway import store_rows
+    from gateway.errors import Conflict
+
+    store = Store(tmp_path / "rlproxy.db")
+    try:
+        ops = [lambda conn: store_rows.insert_call(conn, call(1, "s1")),
+               lambda conn: store_rows.insert_call(conn, call(2, "s1", split="val")),  # a train session
+               lambda conn: store_rows.insert_call(conn, call(3, "s2"))]
+        outcomes = store._apply_batch(ops)
+        assert [ok for ok, _ in outcomes] == [True, False, True]
+        assert isinstance(outcomes[1][1], Conflict)
+        assert store.commits == 1
+        assert [c["id"] for c in store.session_calls("s1")] == ["req1"]
+        assert [c["id"] for c in store.session_calls("s2")] == ["req3"]
+    finally:
+        asyncio.run(store.close())
