@@ -226,7 +226,7 @@ class Store:
                         raise
                     _rollback(conn)
                     _begin(conn)
-                    outcomes = self._with_savepoints(conn, ops)
+                    outcomes = with_savepoints(conn, ops, fails_the_round=lambda exc: classify(exc) is not None)
             conn.execute("COMMIT")
         except BaseException as exc:
             _rollback(conn)
@@ -235,26 +235,6 @@ class Store:
         self.commits += 1
         if self.commits % CHECKPOINT_EVERY == 0 and self._queue is not None and self._writes_on_loop:
             self._queue.put(_CHECKPOINT)
-        return outcomes
-
-    @staticmethod
-    def _with_savepoints(conn: sqlite3.Connection, ops: list[Callable[[sqlite3.Connection], Any]]
-                         ) -> list[tuple[bool, Any]]:
-        """Every op in a savepoint of its own, so an op that raises is rolled back alone."""
-        outcomes: list[tuple[bool, Any]] = []
-        for op in ops:
-            conn.execute("SAVEPOINT op")
-            try:
-                outcomes.append((True, op(conn)))
-                conn.execute("RELEASE op")
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                if classify(exc) is not None:
-                    # The disk or file failed, not this op: SQLite may have rolled the
-                    # whole transaction back already, so the whole round fails.
-                    raise
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
-                outcomes.append((False, exc))
         return outcomes
 
     def _checkpoint(self) -> None:
@@ -561,6 +541,27 @@ class Store:
             out[table] = self._query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
         return out
 
+
+
+def with_savepoints(conn: Any, ops: list[Callable[[Any], Any]], fails_the_round: Callable[[Exception], bool]
+                    ) -> list[tuple[bool, Any]]:
+    """Every op of a round in a savepoint of its own, so an op that raises is rolled back
+    alone and handed to its caller; an exception that `fails_the_round` (the disk or the
+    server failing, not the op) is raised: the transaction may be gone already. The SQL is
+    both SQLite's and PostgreSQL's."""
+    outcomes: list[tuple[bool, Any]] = []
+    for op in ops:
+        conn.execute("SAVEPOINT op")
+        try:
+            outcomes.append((True, op(conn)))
+            conn.execute("RELEASE SAVEPOINT op")
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            if fails_the_round(exc):
+                raise
+            conn.execute("ROLLBACK TO SAVEPOINT op")
+            conn.execute("RELEASE SAVEPOINT op")
+            outcomes.append((False, exc))
+    return outcomes
 
 
 def _begin(conn: sqlite3.Connection) -> None:

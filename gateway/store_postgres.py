@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from gateway import store_files, store_pg_schema
 from gateway.errors import ConfigError
-from gateway.store import Store
+from gateway.store import Store, with_savepoints
 from gateway.store_health import StoreHealth, classify
 
 _RETRYABLE = ("40P01", "40001")  # deadlock detected, serialization failure: rerun the batch
@@ -176,19 +176,8 @@ class PostgresStore(Store):
             return outcomes
 
         def careful(conn: _PgConn) -> list[tuple[bool, Any]]:
-            outcomes: list[tuple[bool, Any]] = []
-            for op in ops:
-                conn.execute("SAVEPOINT op")
-                try:
-                    outcomes.append((True, op(conn)))
-                    conn.execute("RELEASE SAVEPOINT op")
-                except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    if _is_retryable(exc) or classify(exc) is not None:
-                        raise
-                    conn.execute("ROLLBACK TO SAVEPOINT op")
-                    conn.execute("RELEASE SAVEPOINT op")
-                    outcomes.append((False, exc))
-            return outcomes
+            return with_savepoints(conn, ops,
+                                   fails_the_round=lambda exc: _is_retryable(exc) or classify(exc) is not None)
 
         with self._write_lock:
             try:
