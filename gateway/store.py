@@ -542,7 +542,6 @@ class Store:
         return out
 
 
-
 def with_savepoints(conn: Any, ops: list[Callable[[Any], Any]], fails_the_round: Callable[[Exception], bool]
                     ) -> list[tuple[bool, Any]]:
     """Every op of a round in a savepoint of its own, so an op that raises is rolled back
