@@ -142,8 +142,10 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
         ),
     )
     base_model = call.model.split("@", 1)[0]
-    # The upserts return the rows as stored, so the split checks cost no extra statement; a
-    # conflict raises, and the caller's rollback takes the whole call back out.
+    # A session keeps one split, and it is its group's: a val rollout inside a train group
+    # would be trained on, a train one inside a val group never would. The upserts return the
+    # rows as stored, so the checks cost no extra statement; a conflict raises, and the
+    # caller's rollback takes the whole call back out.
     split, group_id = conn.execute(
         "INSERT INTO sessions (id, group_id, split, model, n_calls, created_at, updated_at) VALUES (?,?,?,?,1,?,?)"
         " ON CONFLICT(id) DO UPDATE SET n_calls = sessions.n_calls + 1, updated_at = excluded.updated_at,"
