@@ -15,6 +15,9 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
+TINY_INSTRUCT_MODEL_ID = "rlproxy/tiny-qwen2-instruct"
+BUILT_IN_MODELS = (TINY_MODEL_ID, TINY_INSTRUCT_MODEL_ID)
+"""Built on first use (`gateway.tiny_model`): no model hub needed."""
 KEEP_ALIVE_SECONDS = 75
 """uvicorn's keep-alive, well past the clients' own 5 s (httpx, openai): with equal timeouts
 both ends drop an idle connection at once and a request sent then fails with a ReadError."""
@@ -43,7 +46,8 @@ class Settings(BaseSettings):
 
     # -- engine
     engine: Literal["local", "openai", "vllm"] = Field("local", description="what produces completions")
-    base_model: str = Field(TINY_MODEL_ID, description="Hugging Face id or local path; default: the built-in tiny model")
+    base_model: str = Field(TINY_MODEL_ID, description="Hugging Face id or local path; default: the built-in tiny model "
+                            f"(also built in: {TINY_INSTRUCT_MODEL_ID}, instruction-tuned)")
     model_name: str = Field("agent", description="name the trainable model is served as (NAME, NAME@STEP)")
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
     upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")

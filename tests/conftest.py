@@ -1,8 +1,23 @@
 """Fixtures shared by several test modules."""
 
+import os
+
 import pytest
 
 from tests.fake_upstream import FakeUpstream
+
+
+@pytest.fixture(scope="session", autouse=True)
+def built_in_models_built_once(tmp_path_factory):
+    """One cache of built-in models for the whole run (children inherit it): the instruct
+    model takes a minute or two to build, and no test should pay for it twice."""
+    previous = os.environ.get("RLPROXY_CACHE_DIR")
+    os.environ["RLPROXY_CACHE_DIR"] = str(tmp_path_factory.mktemp("model-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("RLPROXY_CACHE_DIR", None)
+    else:
+        os.environ["RLPROXY_CACHE_DIR"] = previous
 
 
 @pytest.fixture(scope="module")

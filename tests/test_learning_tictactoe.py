@@ -1,12 +1,10 @@
 """A short learning run on the tic-tac-toe task: the real peft backend and GRPO step teach
-the random tiny model to answer a board with a free square's number, and the same run with
-shuffled rewards does not.
+the built-in instruct model to play, and the same run with shuffled rewards does not.
 
-What is measured is the legal-move rate (the fraction of the agent's replies that name a
-free square), not the game score: in this many steps the model learns to answer with a
-digit that is free, which is the first thing the shaped reward pays for, but not yet to play
-well (README, the tictactoe bullet, has the longer runs). The untrained model names a free
-square about once in a hundred replies.
+What is measured is the game score on fresh games (1 win, 0.5 draw, 0 loss; an illegal
+move loses), as the demo reports it. The untrained instruct model names an item of the
+board (a free square's number, or X or O) and so loses nearly every game by a taken
+square; GRPO has to teach it to pick free squares, and good ones.
 
 As in tests/test_learning.py, no gateway: the moves are sampled straight from the backend's
 model, one chat completion per move in one growing conversation (the task's own
@@ -36,24 +34,18 @@ from trainer.backends.peft import PeftBackend
 from trainer.data import trajectory_samples
 from trainer.step import train_step
 
-# The demo's recipe for this task (its OPTIONS and SETTINGS), fewer steps. Groups without
-# a reward spread are skipped and resampled, as the trainer and the demo driver do. Measured
-# here (legal-move rate before -> after): after 8 steps, seed 0 0.06 -> 0.30, seed 1
-# 0.02 -> 0.65, seed 2 0.03 -> 0.00 (its first legal digits came later); after 12 steps,
-# seed 2 0.03 -> 0.62. Shuffled rewards, 8 steps, seeds 0-2: at most 0.02 at the end.
-STEPS = 12
+# The demo's recipe for this task (its OPTIONS and SETTINGS: the instruct model, the built-in
+# models' tuned learning rate), fewer steps. Groups without a reward spread are skipped and
+# resampled, as the trainer and the demo driver do. Measured here (score before -> after,
+# 64 games): MEASURED_PLACEHOLDER
+STEPS = 8
 GROUPS_PER_STEP = TINY_MODEL_SETTINGS["groups_per_step"]
 ROLLOUTS = tictactoe.OPTIONS["rollouts"]
 MAX_TOKENS = tictactoe.OPTIONS["max_tokens"]
 LEARNING_RATE = tictactoe.SETTINGS.get("learning_rate", TINY_MODEL_SETTINGS["learning_rate"])
 EVAL_GAMES = 64
-MAX_TRIES = 60 * GROUPS_PER_STEP  # groups sampled at most per step (the untrained model needs ~15)
-MARGIN = 0.2  # the trained legal-move rate must beat the untrained one's by this much
-
-
-def free_squares(messages: list[dict]) -> set[str]:
-    """The free squares' numbers on the board of the last user turn."""
-    return {cell for cell in messages[-1]["content"].split() if cell.isdigit()}
+MAX_TRIES = 10 * GROUPS_PER_STEP  # groups sampled at most per step
+MARGIN = 0.3  # the trained score must beat the untrained one's by this much
 
 
 class Player:
@@ -86,42 +78,44 @@ class Player:
                 break
         return completion, logprobs
 
-    def game(self, spec: tictactoe.Game) -> tuple[float, list[dict], int, int]:
-        """One game: (training reward, recorded calls, replies, replies naming a free square)."""
-        calls: list[dict] = []
-        legal = 0
+    def chat_for(self, calls: list[dict]):
+        """The task's `chat`: one sampled move per call, recorded into `calls`."""
 
         async def chat(messages: list[dict]) -> str:
-            nonlocal legal
             prompt = self.prompt_ids(messages)
             completion, logprobs = self.complete(prompt)
             calls.append({"status": "ok", "prompt_ids": prompt, "completion_ids": [completion],
                           "behaviour_logprobs": [logprobs], "request": {"temperature": 1.0}})
-            reply = self.tokenizer.decode(completion, skip_special_tokens=True)
-            legal += reply.strip()[:1] in free_squares(messages)
-            return reply
+            return self.tokenizer.decode(completion, skip_special_tokens=True)
 
-        reward, _score = asyncio.run(tictactoe.episode(spec, chat))
-        return reward, calls, len(calls), legal
+        return chat
 
-    def legal_rate(self, n_games: int, rng: random.Random) -> float:
-        replies = legal = 0
+    def game(self, spec: tictactoe.Game) -> tuple[float, list[dict]]:
+        """One game: (shaped training reward, recorded calls)."""
+        calls: list[dict] = []
+        reward, _score = asyncio.run(tictactoe.episode(spec, self.chat_for(calls)))
+        return reward, calls
+
+    def score(self, n_games: int, rng: random.Random) -> float:
+        """Mean game score (not the shaped training reward) over `n_games` fresh games."""
+        total = 0.0
         for _ in range(n_games):
-            _, _, r, l = self.game(tictactoe.sample(rng))
-            replies, legal = replies + r, legal + l
-        return legal / replies
+            chat = self.chat_for(calls=[])
+            total += asyncio.run(tictactoe.play(tictactoe.sample(rng), chat))[0]
+        return total / n_games
 
 
 def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, steps: int = STEPS) -> tuple[float, float]:
-    """Train `steps` steps; returns the legal-move rate (before, after) on fresh games."""
+    """Train `steps` steps; returns the score (before, after) on fresh games."""
     settings = Settings(state_dir=tmp_path, seed=seed, learning_rate=LEARNING_RATE,
+                        base_model=tictactoe.SETTINGS["base_model"],
                         lora_rank=TINY_MODEL_SETTINGS["lora_rank"], lora_alpha=TINY_MODEL_SETTINGS["lora_alpha"],
                         max_tokens_per_row=tictactoe.SETTINGS["max_tokens_per_row"])
     torch.manual_seed(seed)
     backend = PeftBackend(settings)
     player = Player(backend, seed)
     games, shuffler = random.Random(seed), random.Random(seed + 1)
-    before = player.legal_rate(EVAL_GAMES, random.Random(1000 + seed))
+    before = player.score(EVAL_GAMES, random.Random(1000 + seed))
     for step in range(steps):
         groups: list[tuple[str, list[float], list[list[dict]]]] = []
         for tries in range(MAX_TRIES):
@@ -129,9 +123,9 @@ def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, steps: int = STEPS) -
                 break
             spec = tictactoe.sample(games)  # the opponent's dice, shared by the group
             played = [player.game(spec) for _ in range(ROLLOUTS)]
-            rewards = [reward for reward, _, _, _ in played]
+            rewards = [reward for reward, _ in played]
             if max(rewards) - min(rewards) > 1e-6:  # no spread teaches nothing: sample another
-                groups.append((f"s{step}-g{tries}", rewards, [calls for _, calls, _, _ in played]))
+                groups.append((f"s{step}-g{tries}", rewards, [calls for _, calls in played]))
         rewards = [r for _, group_rewards, _ in groups for r in group_rewards]
         if shuffle_rewards:  # the control: same rewards, dealt out at random across the batch
             shuffler.shuffle(rewards)
@@ -144,7 +138,7 @@ def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, steps: int = STEPS) -
                                                     advantage=advantages[gid][i])]
         if samples:
             train_step(backend, samples, settings)
-    return before, player.legal_rate(EVAL_GAMES, random.Random(2000 + seed))
+    return before, player.score(EVAL_GAMES, random.Random(2000 + seed))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -156,12 +150,11 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
-def test_grpo_learns_legal_moves_and_shuffled_rewards_do_not(tmp_path):
+def test_grpo_learns_to_play_and_shuffled_rewards_do_not(tmp_path):
     before, after = run(tmp_path / "learn", shuffle_rewards=False)
     control_before, control_after = run(tmp_path / "control", shuffle_rewards=True)
-    print(f"legal-move rate: learning {before:.3f} -> {after:.3f}; "
-          f"shuffled rewards {control_before:.3f} -> {control_after:.3f}")
-    assert before <= 0.1  # the untrained model rarely names a free square
-    assert after >= before + MARGIN, f"legal-move rate rose only {before:.3f} -> {after:.3f}"
+    print(f"score: learning {before:.3f} -> {after:.3f}; shuffled rewards {control_before:.3f} -> {control_after:.3f}")
+    assert before <= 0.3  # the demo's baseline aim: the untrained model loses nearly every game
+    assert after >= before + MARGIN, f"the score rose only {before:.3f} -> {after:.3f}"
     assert control_after < control_before + MARGIN, (
         f"shuffled rewards reached {control_before:.3f} -> {control_after:.3f}: the margin does not tell learning apart")

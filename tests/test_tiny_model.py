@@ -1,5 +1,6 @@
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -75,7 +76,7 @@ def test_cached_and_atomic(tmp_path, monkeypatch):
     first = ensure_tiny_model(tmp_path)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
 
-    def boom(directory, seed):
+    def boom(directory, seed, instruct=False):
         (directory / "config.json").write_text("{}")  # half a model...
         raise RuntimeError("crash while building")
 
@@ -87,9 +88,12 @@ def test_cached_and_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # ...never left behind
 
 
-def test_resolve_base_model(tmp_path):
+def test_resolve_base_model(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLPROXY_CACHE_DIR", raising=False)
     path = resolve_base_model(TINY_MODEL_ID, tmp_path)
-    assert (tmp_path / "cache") in __import__("pathlib").Path(path).parents
+    assert (tmp_path / "cache") in Path(path).parents
+    monkeypatch.setenv("RLPROXY_CACHE_DIR", str(tmp_path / "shared"))  # one build for every state dir
+    assert Path(resolve_base_model(TINY_MODEL_ID, tmp_path / "other-state")).parent == tmp_path / "shared"
     assert AutoTokenizer.from_pretrained(path).eos_token == "<|im_end|>"
     assert resolve_base_model("Qwen/Qwen2.5-0.5B-Instruct", tmp_path) == "Qwen/Qwen2.5-0.5B-Instruct"
     assert resolve_base_model("/some/local/dir", tmp_path) == "/some/local/dir"
@@ -173,3 +177,25 @@ def test_rendering_is_prefix_stable(tokenizer, reply, tools):
     longer = history + [assistant] + follow_up
     full_ids = encode(tokenizer, render(tokenizer, longer, tools, generation_prompt=True))
     assert full_ids[: len(prompt_ids) + len(completion_ids)] == prompt_ids + completion_ids
+
+
+def test_concurrent_builders_build_once(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    builds = []
+
+    def slow_build(directory, seed, instruct=False):
+        builds.append(seed)
+        time.sleep(0.3)  # long enough for the second builder to arrive while this one builds
+        (directory / "config.json").write_text("{}")
+
+    monkeypatch.setattr(tiny_model, "_build", slow_build)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_tiny_model(tmp_path, seed=3))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert builds == [3]  # the second waited for the first's build instead of repeating it
+    assert results[0] == results[1] and (results[0] / "config.json").is_file()

@@ -11,11 +11,14 @@ a whole game into one sample in which only the move tokens are trained.
 - move: the reply's first non-blank character, a digit 1-9; anything else (no digit, a
   taken square) loses the game at once;
 - score: 1 win, 0.5 draw, 0 loss (what the demo reports, and the `val` reward);
+- the model: the built-in instruct model (`rlproxy/tiny-qwen2-instruct`), which answers
+  with an item of the user's last message: here a square's number, or X or O. The random
+  built-in model never learnt to read the board through LoRA (README), so it cannot play;
 - training reward (shaped): the score, except that a game lost by an illegal move earns
   0.02 per legal move before it and a game lost on the board 0.1. The untrained model
-  almost never answers with a free square's number (about 1 token in 80), so with the
-  bare score nearly every group is all zeros and teaches nothing; the shaped reward keeps
-  the order win > draw > loss > illegal and gives the first legal moves a signal;
+  loses nearly every game (it names X, O or a taken square within a few moves), so with
+  the bare score most groups are all zeros and teach nothing; the shaped reward keeps the
+  order win > draw > loss > illegal and gives longer legal play a signal;
 - the opponent picks uniformly among the free squares, but with dice drawn once per group
   (`sample`): the rollouts of a group face the same luck, so the spread of their rewards
   is the agent's doing (less noise in the group-relative advantage).
@@ -30,18 +33,20 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from gateway.settings import TINY_INSTRUCT_MODEL_ID
+
 NAME = "tictactoe"
 DESCRIPTION = ("play X against a random opponent, one chat completion per move; "
                "reward 1 win, 0.5 draw, 0 loss (an illegal or unparseable move loses)")
 
-# 16 rollouts and a learning rate 3x the built-in model's default. Measured in process (no
-# gateway, seed 0): with 8 rollouts at 1e-2 about 1 group in 7 had a reward spread
-# and no legal first moves appeared in 5 steps; 16 at 1e-2, none in 7 steps; 16 at 2e-2,
-# from step 6; 16 at 3e-2, from step 4, after which every group has a spread. What this
-# recipe does not learn: to look at the board. The policy settles on one or two squares
-# ("2", "5") whatever the board, so its second move is usually taken (README).
-OPTIONS = {"rollouts": 16, "max_tokens": 2, "steps": 200, "seconds": 600.0, "eval_groups": 8}
-SETTINGS = {"default_max_tokens": 2, "max_tokens_per_row": 2048, "learning_rate": 3e-2}
+# 16 rollouts a group, the built-in models' tuned learning rate (1e-2). Measured in process
+# (no gateway, seed 0, val score on 64 games after 20 steps): 1e-2 0.88, 3e-3 0.70 (still
+# rising), 3e-2 (what the random model needed) 0.02: too large for a model that already
+# reads the board, it unlearns that.
+# 480 s of rounds, so that with the final evaluation (128 games) a run ends within 10
+# minutes; seed 1 with 600 s: val 0.92 at step 53 in 612 s.
+OPTIONS = {"rollouts": 16, "max_tokens": 2, "steps": 200, "seconds": 480.0, "eval_groups": 8}
+SETTINGS = {"base_model": TINY_INSTRUCT_MODEL_ID, "default_max_tokens": 2, "max_tokens_per_row": 2048}
 
 SYSTEM = "You play tic-tac-toe as X. Reply with the number of a free square."
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))

@@ -39,6 +39,7 @@ reads its settings; it gets the engine as an argument, so this module never impo
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import random
@@ -179,6 +180,10 @@ class Worker:
         self.torch = torch
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        # transformers renamed `past_key_values` to `cache` (5.2x warns on the old name, 5.40
+        # drops it); the model class's own signature says which this version takes.
+        forward = inspect.signature(type(engine.model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
         self._backend = getattr(engine.tokenizer, "backend_tokenizer", None)
         if getattr(engine.tokenizer, "clean_up_tokenization_spaces", False):
             self._backend = None  # the Python side would change spaces the backend keeps
@@ -412,8 +417,9 @@ class Worker:
         if self.engine._peft:
             kwargs["adapter_names"] = [name or BASE_ADAPTER for name in adapters]
         self.engine.step_batch_sizes.append(ids_BT.shape[0])
+        kwargs[self._cache_kwarg] = cache
         out = self.engine.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_BT,
-                                past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+                                use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
         return out.logits[:, -1, :].to(torch.float32)
 
     # ------------------------------------------------------------ sampling

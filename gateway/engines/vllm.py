@@ -83,7 +83,7 @@ from gateway.engines.vllm_wire import (
     vllm_body,
 )
 from gateway.errors import ConfigError, EngineUnavailable, RLProxyError, UpstreamError, UpstreamTimeout
-from gateway.settings import TINY_MODEL_ID, Settings
+from gateway.settings import BUILT_IN_MODELS, TINY_MODEL_ID, Settings
 
 log = logging.getLogger("rlproxy.engines.vllm")
 
@@ -136,9 +136,9 @@ class VLLMEngine(Engine):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"--vllm-url must start with http:// or https://, got '{settings.vllm_url}'")
             return cls(settings.base_model, url=url, timeout=settings.upstream_timeout)
-        if settings.base_model == TINY_MODEL_ID:
+        if settings.base_model in BUILT_IN_MODELS:
             raise ConfigError(
-                "the vllm engine serves a Hugging Face model, not the built-in tiny one: pass "
+                "the vllm engine serves a Hugging Face model, not a built-in tiny one: pass "
                 "--base-model (e.g. Qwen/Qwen2.5-7B-Instruct), or --vllm-url to attach to a running vLLM"
             )
         gpu = vllm_gpu_for(settings.device, settings.gpu_mode)
