@@ -6,7 +6,8 @@ one module of this package with the same small shape, so a new one is a copy of 
     NAME: str                 the `--task` name
     DESCRIPTION: str          one line, printed at start and kept in summary.json
     OPTIONS: dict             the demo options it needs (`rollouts`, `max_tokens`, `steps`, ...)
-    SETTINGS: dict            settings tuned for it on the built-in model (flags and env win)
+    SETTINGS: dict            settings tuned for it (flags and env win), including which
+                              built-in model it runs on (`base_model`) if not the default
     sample(rng) -> spec       the task of one group: every rollout of the group gets the same
                               spec (a prompt; for a game, the opponent's dice)
     async episode(spec, chat) -> float | (float, float)
