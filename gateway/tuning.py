@@ -36,7 +36,11 @@ def for_model(settings: Settings) -> Settings:
     tuned = {k: v for k, v in tuned_defaults(settings.base_model).items() if k not in settings.model_fields_set}
     if not tuned:
         return settings
-    return settings.model_copy(update=tuned)
+    tuned_settings = settings.model_copy(update=tuned)
+    # model_copy counts the updated fields as given; "given" must stay what the user said,
+    # or `log_settings` never names what tuning chose.
+    object.__setattr__(tuned_settings, "__pydantic_fields_set__", set(settings.model_fields_set))
+    return tuned_settings
 
 
 def log_settings(settings: Settings, logger: logging.Logger, what: str) -> None:

@@ -1,0 +1,25 @@
+"""Tuned defaults per base model: what the user gives wins, and the log says what tuning chose."""
+
+import logging
+
+from gateway.settings import TINY_INSTRUCT_MODEL_ID, Settings
+from gateway.tuning import for_model, log_settings
+
+
+def test_built_in_models_get_their_tuning_and_the_user_still_wins():
+    for base_model in ("rlproxy/tiny-qwen2", TINY_INSTRUCT_MODEL_ID):
+        settings = for_model(Settings(base_model=base_model, learning_rate=3e-4))
+        assert settings.learning_rate == 3e-4  # given
+        assert (settings.lora_rank, settings.lora_alpha, settings.groups_per_step) == (8, 16, 4)  # tuned
+        assert for_model(settings) == settings  # idempotent
+    real = for_model(Settings(base_model="Qwen/Qwen2.5-0.5B-Instruct"))
+    assert real.learning_rate == Settings().learning_rate and real.lora_rank == Settings().lora_rank
+
+
+def test_the_start_log_names_the_settings_tuning_chose(caplog):
+    settings = for_model(Settings(base_model=TINY_INSTRUCT_MODEL_ID, learning_rate=3e-4))
+    with caplog.at_level(logging.INFO, logger="test.tuning"):
+        log_settings(settings, logging.getLogger("test.tuning"), "serve")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"serve settings (tuned for {TINY_INSTRUCT_MODEL_ID}: groups_per_step, lora_alpha, lora_rank):")
+    assert "'learning_rate': 0.0003" in line
