@@ -48,7 +48,8 @@ def lora_targets(model: torch.nn.Module, base_model: str | None = None) -> list[
     sqrt(64) = 8, moves no logit by more than about 1.3, whatever the inner layers do; an
     adapter on the projections alone can never make a token likely, so nothing could be
     seen to learn (`rlproxy demo`). A LoRA on `lm_head` is a separate delta on the output;
-    the tied weights themselves stay untouched."""
+    the tied weights themselves stay untouched. The built-in instruct model does without:
+    initialised with std 0.1 and tuned, its logits already move (tic-tac-toe learns on it)."""
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     found = [m for m in LORA_TARGET_MODULES if m in present]
     if found and base_model == TINY_MODEL_ID and "lm_head" in present:
