@@ -12,8 +12,10 @@ the client's key is not what the upstream saw, so those mean rlproxy's own
 (5xx, refused connection, a body that is not a chat completion) is a 502, and
 no answer within `--upstream-timeout` is a 504.
 
-aiohttp rather than httpx: on the loopback bench its client spends roughly a
-third of httpx's CPU per request, and the gateway's hot path is this call.
+Requests answered in one piece (chat completions, relayed protocols, `/models`) go
+through `gateway.engines.http1`, a lean keep-alive HTTP/1.1 pool: relaying is the
+gateway's hot path, and aiohttp's client machinery cost three times the pool's CPU per
+request (bench/README.md). Event streams go through aiohttp (a third of httpx's CPU).
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from gateway.engines.sse import sse_data
 from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd
+from gateway.engines.http1 import ConnectError, HTTP1Pool
+from gateway.engines.sse import sse_data
 from gateway.errors import ConfigError, RLProxyError, UpstreamError, UpstreamTimeout
 from gateway.settings import Settings
 
 log = logging.getLogger("rlproxy.engines.openai")
 
-# Connections kept to the upstream: above the concurrency a gateway process is run at.
+# Connections kept to the upstream for streams: above the concurrency a gateway process is run at.
 POOL_SIZE = 512
 MODELS_CACHE_SECONDS = 30.0
 
@@ -56,12 +59,12 @@ class OpenAIEngine(Engine):
                  served_base_id: str = "upstream"):
         self.base_url = base_url.rstrip("/")
         self._chat_url = URL(self.base_url + "/chat/completions")
-        self._models_url = URL(self.base_url + "/models")
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        self._pool = HTTP1Pool(self.base_url, self._headers, connect_timeout=min(timeout, 30.0))
+        self._chat_head = self._pool.head("POST", "/chat/completions")
         self.timeout = timeout
-        self._call_timeout = aiohttp.ClientTimeout(total=timeout)
         # A stream's timeout bounds the wait for the first byte and every gap between
         # chunks, not the whole stream: a long answer that keeps coming is not stuck.
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
@@ -98,6 +101,7 @@ class OpenAIEngine(Engine):
                                                   skip_auto_headers=("User-Agent",))
 
     async def close(self) -> None:
+        await self._pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -110,24 +114,21 @@ class OpenAIEngine(Engine):
 
     # ---------------------------------------------------------------- chat
 
-    async def _exchange(self, method: str, url, data: bytes | None) -> tuple[int, bytes]:
-        """One request to the upstream: (status, body) of a 2xx/3xx answer; a timeout, an
+    async def _exchange(self, head: bytes, data: bytes | None, timeout: float | None = None) -> tuple[int, bytes]:
+        """One request through the pool: (status, body) of a 2xx/3xx answer; a timeout, an
         unreachable upstream or an error status raised as the gateway's own errors."""
-        session = await self._client()
         try:
-            async with session.request(method, url, data=data, headers=self._headers,
-                                       timeout=self._call_timeout) as resp:
-                payload, status = await resp.read(), resp.status
-        except asyncio.TimeoutError:
+            answer = await self._pool.exchange(head, data, timeout=timeout or self.timeout)
+        except TimeoutError:
             raise self._timeout() from None
-        except aiohttp.ClientError as exc:
+        except OSError as exc:  # ConnectError, ConnectionDropped, ProtocolError
             raise self._unreachable(exc) from None
-        if status >= 400:
-            raise self._status_error(status, payload)
-        return status, payload
+        if answer.status >= 400:
+            raise self._status_error(answer.status, answer.body)
+        return answer.status, answer.body
 
     async def complete(self, request: EngineRequest) -> Completion:
-        status, payload = await self._exchange("POST", self._chat_url, orjson.dumps(request.body))
+        status, payload = await self._exchange(self._chat_head, orjson.dumps(request.body))
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -189,8 +190,8 @@ class OpenAIEngine(Engine):
     async def relay(self, path: str, body: dict | None) -> dict:
         """POST `body` (GET when None) to `{upstream}{path}` in a protocol the upstream speaks
         itself (`--upstream-protocol`); its JSON answer, errors mapped as for chat."""
-        status, payload = await self._exchange("GET" if body is None else "POST", URL(self.base_url + path),
-                                               None if body is None else orjson.dumps(body))
+        head = self._pool.head("GET" if body is None else "POST", path)
+        status, payload = await self._exchange(head, None if body is None else orjson.dumps(body))
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -231,15 +232,13 @@ class OpenAIEngine(Engine):
             return self._models
         models: list[str] = []
         try:
-            session = await self._client()
-            timeout = aiohttp.ClientTimeout(total=min(self.timeout, 10.0))
-            async with session.get(self._models_url, headers=self._headers, timeout=timeout) as resp:
-                if resp.status == 200:
-                    data = orjson.loads(await resp.read())
-                    models = [str(item["id"]) for item in data.get("data", []) if "id" in item]
-                else:
-                    log.warning("the upstream's /models answered %s", resp.status)
-        except (asyncio.TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, AttributeError, TypeError) as exc:
+            answer = await self._pool.exchange(self._pool.head("GET", "/models"), None, timeout=min(self.timeout, 10.0))
+            if answer.status == 200:
+                data = orjson.loads(answer.body)
+                models = [str(item["id"]) for item in data.get("data", []) if "id" in item]
+            else:
+                log.warning("the upstream's /models answered %s", answer.status)
+        except (TimeoutError, OSError, orjson.JSONDecodeError, AttributeError, TypeError) as exc:
             log.warning("cannot list the upstream's models: %s", type(exc).__name__)
         self._models, self._models_at = models, now
         return models
@@ -252,9 +251,9 @@ class OpenAIEngine(Engine):
             "(raise --upstream-timeout if it is just slow)"
         )
 
-    def _unreachable(self, exc: aiohttp.ClientError) -> UpstreamError:
+    def _unreachable(self, exc: aiohttp.ClientError | OSError) -> UpstreamError:
         reason = str(exc) or type(exc).__name__
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, (aiohttp.ClientConnectorError, ConnectError)):
             return UpstreamError(f"cannot reach the upstream at {self.base_url}: {reason}")
         return UpstreamError(f"the connection to the upstream at {self.base_url} failed: {reason}")
 
