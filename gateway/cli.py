@@ -84,8 +84,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         # Keep-alive well past the clients' own 5 s (httpx, openai): with equal timeouts both
         # ends drop an idle connection at once and a request sent then fails with a ReadError.
+        # No X-Forwarded-* rewriting: nothing reads the client's address, and it is one more
+        # ASGI layer on every call.
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                    access_log=settings.log_level == "debug", timeout_keep_alive=KEEP_ALIVE_SECONDS)
+                    access_log=settings.log_level == "debug", timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                    proxy_headers=False)
     finally:
         _stop_trainer(trainer)
     return 0

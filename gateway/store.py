@@ -50,15 +50,20 @@ class Store:
             uri = f"file:rlproxy-{id(self)}?mode=memory&cache=shared"
             self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
             self._read_conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+            self._loop_conn: sqlite3.Connection | None = None
         else:
             if path is None:
                 raise ValueError("Store needs a path, or memory=True")
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._conn = store_schema.connect(path, synchronous, busy_timeout)
             self._read_conn = store_schema.connect(path, synchronous, busy_timeout)
+            # `_write_now`'s own connection, whose BEGIN never waits for the lock (busy timeout 0):
+            # cheaper than switching the writer connection's timeout off and on for each call.
+            self._loop_conn = store_schema.connect(path, synchronous, 0)
             # Checkpoints run in the writer thread (`_checkpoint`), never in a commit made on
             # the event loop (`_write_now`): a checkpoint fsyncs the database file.
-            self._conn.execute("PRAGMA wal_autocheckpoint=0")
+            for conn in (self._conn, self._loop_conn):
+                conn.execute("PRAGMA wal_autocheckpoint=0")
         self._writes_on_loop = not memory  # see `_write_now`
         self.path = path
         self.db = sqlite_utils.Database(self._conn)
@@ -98,6 +103,8 @@ class Store:
         # app) finishes first. sqlite3 closed under a running statement can crash the process.
         with self._write_lock:
             self._conn.close()
+            if self._loop_conn is not None:
+                self._loop_conn.close()
         with self._read_lock:
             self._read_conn.close()
 
@@ -130,14 +137,11 @@ class Store:
         if not self._write_lock.acquire(blocking=False):
             return None
         try:
-            conn = self._conn
-            conn.execute("PRAGMA busy_timeout=0")
+            conn = self._loop_conn
             try:
                 _begin(conn)
             except sqlite3.Error:
                 return None
-            finally:
-                conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
             return self._commit_round(conn, [op])[0]
         finally:
             self._write_lock.release()

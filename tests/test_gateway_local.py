@@ -46,6 +46,7 @@ def recorded(gateway, session_id: str) -> list[dict]:
     finally:
         store._conn.close()
         store._read_conn.close()
+        store._loop_conn.close()
 
 
 def check_tokens_match(call: dict, texts: list[str], tokenizer) -> None:

@@ -32,6 +32,7 @@ def test_default_is_sqlite_under_the_state_dir(tmp_path):
     assert type(store) is Store and store.path == tmp_path / "rlproxy.db"
     store._conn.close()
     store._read_conn.close()
+    store._loop_conn.close()
 
 
 def test_a_store_url_of_another_kind_is_a_clean_error(tmp_path, capsys):

@@ -27,6 +27,13 @@ from tests.helpers import ThreadServer
 BIG = "x" * 200_000  # a call that needs new pages (and WAL space) to be recorded
 
 
+def _on_write_connections(store, sql: str) -> None:
+    """A per-connection setting (a disk that is full, a file that is read-only) on each
+    connection the store writes with: the writer thread's and the event loop's."""
+    for conn in (store._conn, store._loop_conn):
+        conn.execute(sql)
+
+
 def _chat(url: str, text: str = "hello", *, stream: bool = False, session: str = "s1") -> httpx.Response:
     body = {"model": "fake-model", "stream": stream, "messages": [{"role": "user", "content": text}]}
     return httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=60)
@@ -62,7 +69,7 @@ def test_full_disk_by_page_limit_answers_507_and_recovers_without_restart(upstre
         assert _chat(url).status_code == 200
         acknowledged = {_chat(url).headers["x-request-id"]}
         pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
-        store._conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full now
+        _on_write_connections(store, f"PRAGMA max_page_count = {pages}")  # the disk is full now
 
         refused = _chat(url, BIG)
         assert refused.status_code == 507, refused.text
@@ -84,7 +91,7 @@ def test_full_disk_by_page_limit_answers_507_and_recovers_without_restart(upstre
         assert _metric(url, 'rlproxy_store_errors_total{cause="full"}') >= 3
         assert _metric(url, "rlproxy_store_degraded ") == 1
 
-        store._conn.execute("PRAGMA max_page_count = 1073741823")  # space is back
+        _on_write_connections(store, "PRAGMA max_page_count = 1073741823")  # space is back
         _assert_healthy(url)
         for stream in (False, True):
             reply = _chat(url, BIG, stream=stream)
@@ -98,21 +105,21 @@ def test_stream_whose_record_fails_ends_with_the_error_and_no_done(upstream, tmp
     with gateway(upstream.url, tmp_path) as (url, store):
         assert _chat(url).status_code == 200
         pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
-        store._conn.execute(f"PRAGMA max_page_count = {pages}")
+        _on_write_connections(store, f"PRAGMA max_page_count = {pages}")
         reply = _chat(url, BIG, stream=True)  # not degraded yet: the stream starts, its record fails
         assert reply.status_code == 200
         events = [line.removeprefix("data: ") for line in reply.text.splitlines() if line.startswith("data: ")]
         assert "[DONE]" not in events
         assert '"store_full"' in events[-1]
         assert reply.headers["x-request-id"] not in _recorded(store)
-        store._conn.execute("PRAGMA max_page_count = 1073741823")
+        _on_write_connections(store, "PRAGMA max_page_count = 1073741823")
         _assert_healthy(url)
 
 
 def test_read_only_store_answers_503_and_recovers(upstream, tmp_path):
     with gateway(upstream.url, tmp_path) as (url, store):
         assert _chat(url).status_code == 200
-        store._conn.execute("PRAGMA query_only = ON")  # writes now fail as on a read-only file
+        _on_write_connections(store, "PRAGMA query_only = ON")  # writes now fail as on a read-only file
         reply = _chat(url)
         assert reply.status_code == 503, reply.text
         error = reply.json()["error"]
@@ -121,7 +128,7 @@ def test_read_only_store_answers_503_and_recovers(upstream, tmp_path):
         reward = httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0})
         assert reward.status_code == 503 and reward.json()["error"]["code"] == "store_read_only"
         assert httpx.get(url + "/healthz").json()["store"]["cause"] == "read_only"
-        store._conn.execute("PRAGMA query_only = OFF")
+        _on_write_connections(store, "PRAGMA query_only = OFF")
         _assert_healthy(url)
         assert _chat(url).status_code == 200
         assert httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0}).status_code == 200
