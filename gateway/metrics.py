@@ -25,9 +25,14 @@ class Metrics:
         self.model_step = Gauge("rlproxy_model_step", "step the alias NAME serves (-1: base)", registry=self.registry)
         self.held = Gauge("rlproxy_requests_held", "requests waiting at the gate", registry=self.registry)
         self.in_flight = Gauge("rlproxy_requests_in_flight", "requests inside the engine", registry=self.registry)
+        self._request_counters: dict[tuple[str, bool], Counter] = {}  # `labels()` resolved once per pair
 
     def observe_call(self, status: str, stream: bool, latency_ms: float) -> None:
-        self.requests.labels(status=status, stream=str(stream).lower()).inc()
+        counter = self._request_counters.get((status, stream))
+        if counter is None:
+            counter = self._request_counters[(status, stream)] = self.requests.labels(
+                status=status, stream=str(stream).lower())
+        counter.inc()
         self.latency.observe(latency_ms / 1000.0)
 
     def render(self, services) -> tuple[bytes, str]:

@@ -151,8 +151,11 @@ chat_completions = ChatCompletionsEndpoint()
 
 
 async def _send_json(send: Send, status: int, data: object, headers: list | None = None) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [_JSON, *(headers or [])]})
-    await send({"type": "http.response.body", "body": orjson.dumps(data)})
+    body = orjson.dumps(data)
+    # With its length given, the body goes out as it is rather than chunked.
+    await send({"type": "http.response.start", "status": status,
+                "headers": [_JSON, (b"content-length", b"%d" % len(body)), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
