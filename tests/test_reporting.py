@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import pytest
 
@@ -49,7 +50,7 @@ def offline_wandb(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_wandb_offline_gets_every_step_and_the_settings(offline_wandb):
+def test_wandb_offline_gets_every_step_and_the_settings(offline_wandb, caplog):
     settings = Settings(report_to="wandb", report_project="rlproxy-test", state_dir=offline_wandb / "state",
                         api_key="secret-key-never-sent", learning_rate=0.01)
     reporter = Reporter.create(settings)
@@ -59,9 +60,14 @@ def test_wandb_offline_gets_every_step_and_the_settings(offline_wandb):
     reporter.report_step(2, {"loss": 0.25, "kl": 0.03, "grad_norm": 0.5, "tokens": 120, "seconds": 2.5},
                          CurveStore(), "agent")
     reporter.close()
+    assert not [r.getMessage() for r in caplog.records if "--report-to" in r.getMessage()]  # no step was dropped
 
     [run_file] = list((offline_wandb / "wandb").glob("offline-run-*/run-*.wandb"))
     rows = history(run_file)
+    deadline = time.monotonic() + 30
+    while len(rows) < 2 and time.monotonic() < deadline:  # on a loaded machine wandb's service may still be writing
+        time.sleep(0.2)
+        rows = history(run_file)
     assert [row["_step"] for row in rows] == [1, 2]
     assert rows[0]["train/loss"] == 0.5 and rows[1]["train/loss"] == 0.25
     assert rows[0]["train/kl"] == 0.02 and rows[1]["train/grad_norm"] == 0.5
