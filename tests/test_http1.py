@@ -166,3 +166,21 @@ def test_urls_and_paths_it_cannot_use_are_refused_at_once():
     for path in ("/responses/a b", "/responses/x\r\nX-Evil: 1", "responses"):
         with pytest.raises(ValueError):
             pool.head("GET", path)
+
+
+async def test_close_drops_idle_connections_and_the_pool_still_works_after():
+    slow = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n"
+    async with RawServer([ok(b"1"), ok(b"2"), slow + b"late", ok(b"3")]) as server:
+        pool = HTTP1Pool(server.url, {})
+        assert await _post(pool) == (200, b"1")
+        await pool.close()
+        assert pool._idle == []
+        assert await _post(pool) == (200, b"2")  # a new connection: the engine restarted, say
+        in_use = asyncio.ensure_future(_post(pool))  # on the connection "2" came back on
+        await asyncio.sleep(0)  # the exchange has its connection now
+        await pool.close()
+        assert await in_use == (200, b"late")
+        assert pool._idle == []  # it belonged to the pool before the close: not kept
+        assert await _post(pool) == (200, b"3")
+        await pool.close()
+    assert server.connections == 3  # "1"; "2" and "late"; "3"

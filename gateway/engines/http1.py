@@ -61,6 +61,7 @@ class _Connection(asyncio.Protocol):
         self.reused = False
         self._loop = asyncio.get_running_loop()
         self.finished: asyncio.Future | None = None
+        self.generation = 0
 
     def begin(self) -> asyncio.Future:
         """Get ready for the next response; the future settles when it is complete."""
@@ -154,7 +155,7 @@ class HTTP1Pool:
         # No cap on connections: the gateway's own clients bound its concurrency, and a
         # proxy that queued behind a cap would add latency the client cannot see the cause of.
         self._idle: list[_Connection] = []
-        self._closed = False
+        self._generation = 0  # `close()` starts a new one: a connection from before is not kept
 
     def head(self, method: str, path: str) -> bytes:
         """The request line and headers up to Content-Length, for `exchange`; build once per route."""
@@ -197,6 +198,7 @@ class HTTP1Pool:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl,
                                                        server_hostname=self.host if self.ssl else None)
+                conn.generation = self._generation
         except TimeoutError:
             raise ConnectError(f"no connection to {self.host}:{self.port} within {self.connect_timeout:g} s") from None
         except OSError as exc:
@@ -204,13 +206,15 @@ class HTTP1Pool:
         return conn
 
     def _put_back(self, conn: _Connection) -> None:
-        if conn.closed or self._closed:
+        if conn.closed or conn.generation != self._generation:
             conn.abort()
         else:
             self._idle.append(conn)
 
     async def close(self) -> None:
-        self._closed = True
+        """Close the idle connections; one in use is closed when its exchange ends. The pool
+        stays usable (an engine that restarts opens new connections)."""
+        self._generation += 1
         for conn in self._idle:
             if conn.transport is not None:
                 conn.transport.close()

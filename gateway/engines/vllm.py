@@ -62,6 +62,7 @@ import aiohttp
 import orjson
 
 from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
+from gateway.engines.http1 import HTTP1Pool
 from gateway.engines.vllm_memory import default_memory_share
 from gateway.engines.vllm_server import (
     VLLMProcess,
@@ -116,6 +117,10 @@ class VLLMEngine(Engine):
         self.max_restarts = max_restarts
         self.adapters: dict[str, Path] = {}  # name -> path: what must be loaded (re-loaded after a restart)
         self._session: aiohttp.ClientSession | None = None
+        # Chat completions answered in one piece go through the lean pool (a third of
+        # aiohttp's CPU per request, bench/upstream_client.py); streams and the admin API, aiohttp.
+        self._pool = HTTP1Pool(self.url, {"Content-Type": "application/json", "Accept": "application/json"})
+        self._chat_head = self._pool.head("POST", "/v1/chat/completions")
         self._monitor: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._down_reason = "vLLM is starting"
@@ -203,6 +208,7 @@ class VLLMEngine(Engine):
         self._down_reason = "the gateway is shutting down"
         if self.managed:
             await self.process.stop()
+        await self._pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -363,15 +369,13 @@ class VLLMEngine(Engine):
         body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
         for attempt in (1, 2):
             try:
-                async with self._session.post(self.url + "/v1/chat/completions", data=body,
-                                              headers={"Content-Type": "application/json"},
-                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
-                    status, payload = resp.status, await resp.read()
-            except asyncio.TimeoutError:
+                answer = await self._pool.exchange(self._chat_head, body, timeout=self.timeout)
+            except TimeoutError:
                 raise UpstreamTimeout(f"vLLM did not answer within {self.timeout:g} s "
                                       "(raise --upstream-timeout if it is just slow)") from None
-            except aiohttp.ClientError as exc:
+            except OSError as exc:  # refused, dropped, not HTTP
                 raise self._connection_lost(exc) from None
+            status, payload = answer.status, answer.body
             if status == 404 and attempt == 1 and await self._reload_missing(request.adapter):
                 continue
             break
