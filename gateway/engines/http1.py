@@ -4,8 +4,9 @@ Why not aiohttp for these: relaying a chat completion is the gateway's hot path,
 request aiohttp's client machinery costs ~270 us of CPU on the 2-core bench machine
 against ~90 us for a request written and parsed here (bench/README.md): most of what the
 gateway adds to a call. The openai engine sends every request that is answered in one
-piece (chat completions, other protocols relayed, `/models`) through this pool; event
-streams stay on aiohttp, where per-chunk work dominates anyway.
+piece (chat completions, other protocols relayed, `/models`) through this pool, the vLLM
+engine its non-streamed chat completions; event streams stay on aiohttp, where per-chunk
+work dominates anyway.
 
 Scope, on purpose: http and https; one request per connection at a time; responses
 framed by Content-Length, chunked encoding (httptools decodes it) or the connection
