@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable, Mapping
 
 from gateway.adapters import AdapterRegistry, Target
 from gateway.engines.base import Engine, EngineRequest, StreamEnd, TokenRecord
-from gateway.errors import Conflict, InvalidRequest, RLProxyError, StoreUnavailable
+from gateway.errors import ClientGone, Conflict, InvalidRequest, RLProxyError, StoreUnavailable
 from gateway.gate import RequestGate
 from gateway.limits import Limits, check_chat_limits
 from gateway.protocol import ChatCompletionRequest
@@ -204,8 +204,10 @@ class ChatService:
 
     async def complete(
         self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str,
-        wire: Wire | None = None,
+        wire: Wire | None = None, client_left: Callable[[], bool] | None = None,
     ) -> tuple[dict, Target]:
+        """The engine's answer, recorded. `client_left`, asked once the answer is ready: True
+        records the call as 499 (nobody will read it) and raises `ClientGone`."""
         await self.admit(request)
         started = time.perf_counter()
         target = None
@@ -215,6 +217,8 @@ class ChatService:
                 completion = await self.engine.complete(
                     EngineRequest(body=engine_body(request, raw, target), adapter=target.adapter, request_id=request_id)
                 )
+            if client_left is not None and client_left():
+                raise ClientGone()
         except RLProxyError as exc:
             await self._commit(self._record(request_id=request_id, identity=identity, raw=raw, target=target,
                                             stream=False, started=started, response=None, tokens=None, error=exc,
@@ -222,11 +226,9 @@ class ChatService:
             raise
         except asyncio.CancelledError:
             # The route gave up on the call because its client left: recorded (499), never trained.
-            gone = RLProxyError("the client disconnected before the answer was ready")
-            gone.status_code = 499
             await asyncio.shield(self._commit(self._record(
                 request_id=request_id, identity=identity, raw=raw, target=target, stream=False, started=started,
-                response=None, tokens=None, error=gone, wire=wire)))
+                response=None, tokens=None, error=ClientGone(), wire=wire)))
             raise
         response = completion.response
         response["model"] = request.model  # the client sees the name it asked for
@@ -288,8 +290,7 @@ class ChatService:
         finally:
             if not finished and error is None:
                 # The client went away (or we were cancelled): still record what was sent.
-                error = RLProxyError("stream ended early: the client disconnected")
-                error.status_code = 499
+                error = ClientGone("stream ended early: the client disconnected")
                 record = self._record(request_id=request_id, identity=identity, raw=raw, target=target, stream=True,
                                       started=started, response=accumulator.response(), tokens=tokens, error=error,
                                       wire=wire)

@@ -43,6 +43,17 @@ class Conflict(RLProxyError):
     error_type = "conflict_error"
 
 
+class ClientGone(RLProxyError):
+    """The client disconnected before its answer was ready: recorded as 499 (nginx's "client
+    closed request"), so an answer nobody read is never trained; there is nobody to send it to."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+
+    def __init__(self, message: str = "the client disconnected before the answer was ready", **kwargs):
+        super().__init__(message, **kwargs)
+
+
 class UpstreamError(RLProxyError):
     """The model behind the gateway failed or answered with an error."""
 

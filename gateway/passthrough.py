@@ -19,7 +19,7 @@ from typing import AsyncIterator
 import orjson
 
 from gateway.chat import ChatService, Identity, prepend_first
-from gateway.errors import RLProxyError, UpstreamError
+from gateway.errors import ClientGone, RLProxyError, UpstreamError
 from gateway.protocols import Wire, completions, messages, responses
 
 PATHS = {responses.PROTOCOL: "/responses", messages.PROTOCOL: "/messages", completions.PROTOCOL: "/completions"}
@@ -56,14 +56,23 @@ class PassThrough:
                                  stream=stream, started=started, response=chat_response, tokens=None, error=error,
                                  wire=wire)
 
-    async def complete(self, protocol: str, raw: dict, chat_body: dict, identity: Identity, request_id: str):
+    async def complete(self, protocol: str, raw: dict, chat_body: dict, identity: Identity, request_id: str,
+                       client_left=None):
+        """As `ChatService.complete`: a client that left (`client_left()` once the answer is
+        ready, or the route's cancellation) is recorded as 499."""
         started, target = time.perf_counter(), None
         try:
             async with self.chat.gate.passage(), self.chat.registry.use(raw["model"]) as target:
                 answer = await self.chat.engine.relay(PATHS[protocol], upstream_body(raw, target.model))
+            if client_left is not None and client_left():
+                raise ClientGone()
         except RLProxyError as exc:
             await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, False,
                                                  started, None, exc))
+            raise
+        except asyncio.CancelledError:
+            await asyncio.shield(self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target,
+                                                                False, started, None, ClientGone())))
             raise
         answer["model"] = raw["model"]  # the client sees the name it asked for
         await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, False,
@@ -101,8 +110,7 @@ class PassThrough:
             error = exc
         finally:
             if not finished and error is None:  # the client left: still record what was sent
-                gone = RLProxyError("stream ended early: the client disconnected")
-                gone.status_code = 499
+                gone = ClientGone("stream ended early: the client disconnected")
                 await asyncio.shield(self.chat._commit(self._record(
                     protocol, raw, chat_body, identity, request_id, target, True, started, accumulator.response, gone)))
         await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, True, started,

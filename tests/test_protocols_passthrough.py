@@ -4,7 +4,11 @@ answer for the trainer."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import time
+from urllib.parse import urlsplit
 
 import anthropic
 import openai
@@ -14,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from gateway.routes import client_watch
 from tests.helpers import ThreadServer
 from tests.helpers_upstream import openai_gateway
 
@@ -61,6 +66,10 @@ def native_upstream() -> Starlette:
     async def completions(request: Request):
         body = await request.json()
         seen.append(("completions", body))
+        if str(body.get("prompt", "")).startswith("slow "):  # "slow 0.5 ...": answer after that many seconds,
+            until = time.monotonic() + float(body["prompt"].split()[1])  # unless the gateway leaves first
+            while time.monotonic() < until and not await request.is_disconnected():
+                await asyncio.sleep(0.02)
         return JSONResponse({"id": "cmpl-up", "object": "text_completion", "created": 1, "model": body["model"],
                              "choices": [{"index": 0, "text": " raw continuation", "logprobs": None,
                                           "finish_reason": "length"}],
@@ -122,3 +131,33 @@ def test_completions_relayed(gateway):
         "model": "fake-model", "prompt": "once"})
     [row] = services.store.session_calls("pt-3")
     assert row["response"]["choices"][0]["message"]["content"] == " raw continuation"
+
+
+def _send_completion_and_leave(base_url: str, session: str, prompt: str) -> None:
+    url = urlsplit(base_url)
+    body = json.dumps({"model": "fake-model", "prompt": prompt}).encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     f"X-Session-Id: {session}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+
+
+def _first_call(store, session: str, seconds: float) -> dict | None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not store.session_calls(session):
+        time.sleep(0.02)
+    calls = store.session_calls(session)
+    return calls[0] if calls else None
+
+
+@pytest.mark.parametrize("watch_after, prompt", [(3600.0, "slow 0.5 short"), (0.05, "slow 60 long")],
+                         ids=["checked-when-answered", "cancelled-by-the-watcher"])
+def test_a_relayed_call_whose_client_left_is_recorded_as_499(gateway, monkeypatch, watch_after, prompt):
+    """As for chat: a short call is checked when its answer is ready, a long one is cancelled
+    (the upstream would answer only after 60 s)."""
+    server, services, _ = gateway
+    monkeypatch.setattr(client_watch, "WATCH_AFTER_SECONDS", watch_after)
+    session = f"pt-left-{int(watch_after * 100)}"
+    _send_completion_and_leave(server.url, session, prompt)
+    row = _first_call(services.store, session, 20)
+    assert row is not None and row["http_status"] == 499 and row["protocol"] == "completions"
+    assert row["status"] == "error" and "disconnected" in row["error"]

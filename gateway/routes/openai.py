@@ -8,11 +8,9 @@ middleware stack; the route below is what the route table (405s) sees.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator
 
 import orjson
 from fastapi import APIRouter, Request
@@ -22,10 +20,9 @@ from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.chat import identify
-from gateway.errors import InvalidRequest, RLProxyError
+from gateway.errors import ClientGone, InvalidRequest, RLProxyError
 from gateway.protocol import ChatCompletionRequest
-
-T = TypeVar("T")
+from gateway.routes.client_watch import ClientWatch
 
 log = logging.getLogger("rlproxy.routes")
 router = APIRouter()
@@ -75,47 +72,15 @@ def _response_headers(session_id: str, step: int | None) -> list[tuple[bytes, by
     return headers
 
 
-class ClientGone(Exception):
-    """The client disconnected before its request was read: nobody to answer."""
-
-
 async def _read_body(receive: Receive) -> bytes:
     chunks = []
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ClientGone()
+            raise ClientGone("the client disconnected before its request was read")
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-async def unless_client_leaves(receive: Receive, call: Awaitable[T]) -> T:
-    """`call`, awaited in this task, cancelled if the client disconnects first: the chat
-    service then records the call as 499 (an answer nobody got is never trained), and this
-    raises `ClientGone`. The body must have been read already. One watcher task, no second
-    task for the call: this is the hot path."""
-    me = asyncio.current_task()
-    left = False
-
-    async def watch() -> None:
-        nonlocal left
-        with contextlib.suppress(Exception):
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            me.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await call
-    except asyncio.CancelledError:
-        # ours (the client left) unless someone else cancelled this task too
-        if left and me.uncancel() == 0:
-            raise ClientGone() from None
-        raise
-    finally:
-        watcher.cancel()  # no await since `call` returned: the watcher cannot cancel us after this
 
 
 class ChatCompletionsEndpoint:
@@ -170,8 +135,9 @@ async def _chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
     identity = identify(headers, raw)
     request_id = scope["state"]["request_id"]
     if not chat_request.stream:
-        response, target = await unless_client_leaves(
-            receive, services.chat.complete(chat_request, raw, identity, request_id))
+        watch = ClientWatch(receive)
+        response, target = await watch.run(
+            services.chat.complete(chat_request, raw, identity, request_id, client_left=watch.left))
         await _send_json(send, 200, response, _response_headers(identity.session_id, target.step))
         return
     events, target = await services.chat.open_stream(chat_request, raw, identity, request_id)

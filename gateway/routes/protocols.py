@@ -18,10 +18,11 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from gateway.chat import Identity, identify
-from gateway.errors import InvalidRequest, NotFound, RLProxyError
+from gateway.errors import ClientGone, InvalidRequest, NotFound, RLProxyError
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocols import Wire, completions, messages, responses
-from gateway.routes.openai import ClientGone, read_json, unless_client_leaves, validation_message
+from gateway.routes.client_watch import ClientWatch
+from gateway.routes.openai import read_json, validation_message
 
 router = APIRouter()
 
@@ -119,7 +120,12 @@ async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wi
     relay = services.extras.get("passthrough")
     if relay is not None and relay.serves(wire.protocol):  # --upstream-protocol: the upstream speaks it
         if not stream:
-            answer, target = await relay.complete(wire.protocol, wire.request, chat_body, identity, request_id)
+            watch = ClientWatch(request.receive)
+            try:
+                answer, target = await watch.run(relay.complete(wire.protocol, wire.request, chat_body, identity,
+                                                                request_id, client_left=watch.left))
+            except ClientGone:
+                return Response(status_code=499)  # recorded as 499; nobody reads this
             return _json(answer, headers=_headers(identity.session_id, target.step))
         frames, target = await relay.open_stream(wire.protocol, wire.request, chat_body, identity, request_id)
         return StreamingResponse(frames, media_type="text/event-stream",
@@ -128,9 +134,10 @@ async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wi
         chat_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
     chat_request = _chat_request(chat_body)
     if not stream:
+        watch = ClientWatch(request.receive)
         try:
-            response, target = await unless_client_leaves(
-                request.receive, services.chat.complete(chat_request, chat_body, identity, request_id, wire))
+            response, target = await watch.run(
+                services.chat.complete(chat_request, chat_body, identity, request_id, wire, client_left=watch.left))
         except ClientGone:
             return Response(status_code=499)  # recorded as 499; nobody reads this
 
