@@ -28,7 +28,6 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
 from gateway.engines.base import Engine
 from gateway.errors import Conflict, EngineUnavailable, NotFound
@@ -303,21 +302,44 @@ class AdapterRegistry:
             code="model_not_found",
         )
 
-    @contextlib.asynccontextmanager
-    async def use(self, requested: str) -> AsyncIterator[Target]:
-        """Resolve a name (loading a pinned step on demand) and hold the adapter loaded
-        while the request runs."""
-        await self.ensure(requested)
-        async with self.hold(self.resolve(requested)) as target:
-            yield target
+    def use(self, requested: str) -> "_Held":
+        """`async with registry.use(name) as target:` resolve a name (loading a pinned step on
+        demand) and hold the adapter loaded while the request runs."""
+        return _Held(self, requested=requested)
 
-    @contextlib.asynccontextmanager
-    async def hold(self, target: Target) -> AsyncIterator[Target]:
-        """Keep an already resolved target's adapter loaded while the request runs."""
+    def hold(self, target: Target) -> "_Held":
+        """`async with registry.hold(target):` keep an already resolved target's adapter loaded
+        while the request runs."""
+        return _Held(self, target=target)
+
+    def _take(self, target: Target) -> None:
         if target.step is not None:
             self.in_flight[target.step] = self.in_flight.get(target.step, 0) + 1
-        try:
-            yield target
-        finally:
-            if target.step is not None:
-                self.in_flight[target.step] -= 1
+
+    def _release(self, target: Target) -> None:
+        if target.step is not None:
+            self.in_flight[target.step] -= 1
+
+
+class _Held:
+    """An adapter held for one request (`AdapterRegistry.use` and `hold`). A class rather than an
+    `asynccontextmanager`: every call goes through it, and an async generator costs six times
+    as much to enter and leave."""
+
+    __slots__ = ("_registry", "_requested", "_target")
+
+    def __init__(self, registry: AdapterRegistry, *, requested: str | None = None, target: Target | None = None):
+        self._registry = registry
+        self._requested = requested
+        self._target = target
+
+    async def __aenter__(self) -> Target:
+        registry = self._registry
+        if self._target is None:
+            await registry.ensure(self._requested)
+            self._target = registry.resolve(self._requested)
+        registry._take(self._target)
+        return self._target
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._registry._release(self._target)
