@@ -3,8 +3,8 @@
 Its answer would reach nobody, so the chat service records the call as 499 (`ClientGone`) and
 it is never trained; a long generation is also cancelled rather than run to the end for nobody.
 
-Most calls are answered within milliseconds, and a watcher task for each of them cost about a
-sixth of the gateway's CPU per call (bench/README.md). So a call gets a watcher task only if it
+Most calls are answered within milliseconds, and a watcher task for each of them took ~12% of
+the event loop's GIL time at c=64 in a profile (bench/README.md). So a call gets a watcher task only if it
 is still running after `WATCH_AFTER_SECONDS` (a timer until then); a call that ends sooner is
 checked once, when its answer is ready and before it is recorded, by `left()`, a look at the
 ASGI `receive` that never waits.
@@ -25,6 +25,7 @@ T = TypeVar("T")
 WATCH_AFTER_SECONDS = 0.1
 """How long a call runs before a task watches its client: cancelling a generation this much
 later than the client left costs little, and most calls never need the task."""
+
 
 def disconnected_now(receive: Receive) -> bool:
     """Whether the client has left, asked of `receive` without waiting: its coroutine runs up to
