@@ -37,6 +37,10 @@ class RequestGate:
         """`async with gate.passage():` wait at the gate, then count as in flight until the block ends."""
         return _Passage(self)
 
+    def _enter(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
     def _leave(self) -> None:
         self._in_flight -= 1
         if self._in_flight == 0:
@@ -61,10 +65,8 @@ class _Passage:
         self._gate = gate
 
     async def __aenter__(self) -> None:
-        gate = self._gate
-        await gate.wait()
-        gate._in_flight += 1
-        gate._idle.clear()
+        await self._gate.wait()
+        self._gate._enter()
 
     async def __aexit__(self, *exc_info) -> None:
         self._gate._leave()

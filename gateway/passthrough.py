@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from types import ModuleType
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import orjson
 
@@ -57,7 +57,7 @@ class PassThrough:
                                  wire=wire)
 
     async def complete(self, protocol: str, raw: dict, chat_body: dict, identity: Identity, request_id: str,
-                       client_left=None):
+                       client_left: Callable[[], bool] | None = None):
         """As `ChatService.complete`: a client that left (`client_left()` once the answer is
         ready, or the route's cancellation) is recorded as 499."""
         started, target = time.perf_counter(), None
