@@ -9,17 +9,13 @@ of the way, over a real socket, then the look itself against stand-in `receive`s
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import time
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from gateway.routes import client_watch
 from gateway.routes.client_watch import disconnected_now
-from tests.helpers_upstream import openai_gateway
+from tests.helpers_upstream import first_call, openai_gateway, send_and_leave
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +24,9 @@ def gateway(upstream, tmp_path_factory):
         yield server.url, services.store
 
 
-def _send_and_leave(base_url: str, session: str, text: str, path: str = "/v1/chat/completions") -> None:
-    """A whole request, then the socket closed at once, before any answer."""
-    url = urlsplit(base_url)
-    body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": text}]}).encode()
-    with socket.create_connection((url.hostname, url.port)) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     f"X-Session-Id: {session}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-
-
-def _wait_for_call(store, session: str, seconds: float) -> dict | None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        calls = store.session_calls(session)
-        if calls:
-            return calls[0]
-        time.sleep(0.02)
-    return None
+def _chat_and_leave(base_url: str, session: str, text: str) -> None:
+    send_and_leave(base_url, "/v1/chat/completions", session,
+                   {"model": "fake-model", "messages": [{"role": "user", "content": text}]})
 
 
 def test_a_short_call_whose_client_left_is_recorded_as_499_when_its_answer_is_ready(gateway, monkeypatch):
@@ -52,8 +34,8 @@ def test_a_short_call_whose_client_left_is_recorded_as_499_when_its_answer_is_re
     record can see that the client left during the upstream's 0.5 s."""
     base_url, store = gateway
     monkeypatch.setattr(client_watch, "WATCH_AFTER_SECONDS", 3600.0)
-    _send_and_leave(base_url, "short-left", "answer nobody reads [[delay=0.5]]")
-    call = _wait_for_call(store, "short-left", 30)
+    _chat_and_leave(base_url, "short-left", "answer nobody reads [[delay=0.5]]")
+    call = first_call(store, "short-left", 30)
     assert call is not None
     assert call["status"] == "error" and call["http_status"] == 499
     assert call["error"] == "the client disconnected before the answer was ready"
@@ -65,8 +47,8 @@ def test_a_long_call_whose_client_left_is_cancelled_by_the_watcher(gateway, monk
     the 499 row is there long before that (without it, only at 60 s)."""
     base_url, store = gateway
     monkeypatch.setattr(client_watch, "WATCH_AFTER_SECONDS", 0.05)
-    _send_and_leave(base_url, "long-left", "a long generation [[delay=60]]")
-    call = _wait_for_call(store, "long-left", 20)
+    _chat_and_leave(base_url, "long-left", "a long generation [[delay=60]]")
+    call = first_call(store, "long-left", 20)
     assert call is not None, "the call was not cancelled when its client left"
     assert call["http_status"] == 499 and "disconnected" in call["error"]
 
@@ -86,12 +68,9 @@ def test_a_client_that_stays_gets_its_answer_with_the_watcher_running(gateway, m
 def test_the_responses_api_notices_a_short_call_left_too(gateway, monkeypatch):
     base_url, store = gateway
     monkeypatch.setattr(client_watch, "WATCH_AFTER_SECONDS", 3600.0)
-    url = urlsplit(base_url)
-    body = json.dumps({"model": "fake-model", "input": "[[delay=0.5]] nobody reads this"}).encode()
-    with socket.create_connection((url.hostname, url.port)) as sock:
-        sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     b"X-Session-Id: resp-left\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    call = _wait_for_call(store, "resp-left", 30)
+    send_and_leave(base_url, "/v1/responses", "resp-left",
+                   {"model": "fake-model", "input": "[[delay=0.5]] nobody reads this"})
+    call = first_call(store, "resp-left", 30)
     assert call is not None and call["http_status"] == 499 and call["protocol"] == "responses"
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
-from urllib.parse import urlsplit
 
 import anthropic
 import openai
@@ -20,7 +18,7 @@ from starlette.routing import Route
 
 from gateway.routes import client_watch
 from tests.helpers import ThreadServer
-from tests.helpers_upstream import openai_gateway
+from tests.helpers_upstream import first_call, openai_gateway, send_and_leave
 
 RESPONSE = {"id": "resp_upstream1", "object": "response", "created_at": 1, "status": "completed", "model": "m",
             "output": [{"type": "message", "id": "msg_u", "status": "completed", "role": "assistant",
@@ -133,22 +131,6 @@ def test_completions_relayed(gateway):
     assert row["response"]["choices"][0]["message"]["content"] == " raw continuation"
 
 
-def _send_completion_and_leave(base_url: str, session: str, prompt: str) -> None:
-    url = urlsplit(base_url)
-    body = json.dumps({"model": "fake-model", "prompt": prompt}).encode()
-    with socket.create_connection((url.hostname, url.port)) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     f"X-Session-Id: {session}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-
-
-def _first_call(store, session: str, seconds: float) -> dict | None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not store.session_calls(session):
-        time.sleep(0.02)
-    calls = store.session_calls(session)
-    return calls[0] if calls else None
-
-
 @pytest.mark.parametrize("watch_after, prompt", [(3600.0, "slow 0.5 short"), (0.05, "slow 60 long")],
                          ids=["checked-when-answered", "cancelled-by-the-watcher"])
 def test_a_relayed_call_whose_client_left_is_recorded_as_499(gateway, monkeypatch, watch_after, prompt):
@@ -157,7 +139,7 @@ def test_a_relayed_call_whose_client_left_is_recorded_as_499(gateway, monkeypatc
     server, services, _ = gateway
     monkeypatch.setattr(client_watch, "WATCH_AFTER_SECONDS", watch_after)
     session = f"pt-left-{int(watch_after * 100)}"
-    _send_completion_and_leave(server.url, session, prompt)
-    row = _first_call(services.store, session, 20)
+    send_and_leave(server.url, "/v1/completions", session, {"model": "fake-model", "prompt": prompt})
+    row = first_call(services.store, session, 20)
     assert row is not None and row["http_status"] == 499 and row["protocol"] == "completions"
     assert row["status"] == "error" and "disconnected" in row["error"]
