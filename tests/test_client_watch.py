@@ -58,7 +58,8 @@ def test_a_client_that_stays_gets_its_answer_with_the_watcher_running(gateway, m
     base_url, store = gateway
     monkeypatch.setattr(client_watch, "WATCH_AFTER_SECONDS", 0.0)
     reply = httpx.post(base_url + "/v1/chat/completions", timeout=30, headers={"X-Session-Id": "stayed"},
-                       json={"model": "fake-model", "messages": [{"role": "user", "content": "worth the wait [[delay=0.3]]"}]})
+                       json={"model": "fake-model",
+                             "messages": [{"role": "user", "content": "worth the wait [[delay=0.3]]"}]})
     assert reply.status_code == 200
     assert reply.json()["choices"][0]["message"]["content"] == "worth the wait [[delay=0.3]]"
     (call,) = store.session_calls("stayed")
