@@ -24,7 +24,7 @@ SERVICE = ("host", "port", "state_dir", "store", "store_sync", "api_key", "log_l
            "cors_origin")
 ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
           "upstream_protocol",
-          "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_arg", "max_loras",
+          "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_python", "vllm_arg", "max_loras",
           "gpu_mode", "max_staleness")
 TRAINER = ("trainer", "backend", "load_in_4bit", "groups_per_step", "learning_rate", "loss_type", "epsilon",
            "epsilon_high", "delta", "beta", "tis_cap", "max_tokens_norm",

@@ -221,6 +221,7 @@ class Colocator:
         self.lent = False  # vLLM is asleep for the trainer
         self.log: list[tuple[str, float]] = []  # (what, when): hold, drained, sleep, granted, wake, loaded, release
         self._task: asyncio.Task | None = None
+        self._said_cannot_sleep = False
 
     async def start(self) -> None:
         lease = await self._lease()
@@ -274,10 +275,23 @@ class Colocator:
             log.warning("the trainer holding the GPU is gone (lease '%s'); serving resumes", state)
             await self.take_back(None)
             return "recovered"
+        if not self.engine.can_sleep and state == GRANTED and not holder_alive(lease["holder"]):
+            await self._move(IDLE, (GRANTED,), expect_holder=lease["holder"])  # nothing was paused for it
+            return "dropped"
         return None
 
     async def hand_over(self, *, grant: bool = True) -> None:
         """Hold new requests, drain in-flight ones, put vLLM to sleep, tell the trainer."""
+        if not self.engine.can_sleep:
+            # No GPU to free (a CPU vLLM) or no way to free it: the lease is granted at once and
+            # serving goes on, so the trainer trains instead of waiting for a sleep that never comes.
+            if not self._said_cannot_sleep:
+                log.info("--gpu-mode colocated is ignored: this vLLM cannot sleep (its CPU build, or attached "
+                         "without VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode); the trainer trains beside serving")
+                self._said_cannot_sleep = True
+            if grant:
+                await self._move(GRANTED, (REQUESTED,))
+            return
         self._note("hold")
         log.info("lending the GPU to the trainer: holding new requests, draining %d", self.gate.in_flight)
         await self.gate.close_and_drain()
@@ -299,8 +313,9 @@ class Colocator:
     async def take_back(self, step: int | None) -> None:
         """Wake vLLM, load the new adapter, release the held requests, mark the lease idle."""
         try:
-            await self.engine.wake_up()
-            self._note("wake")
+            if self.engine.can_sleep:
+                await self.engine.wake_up()
+                self._note("wake")
             if step is not None:
                 await self.on_trained(step)
                 self._note("loaded")

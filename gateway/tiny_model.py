@@ -32,8 +32,15 @@ from pathlib import Path
 from gateway.settings import BUILT_IN_MODELS, TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID  # noqa: F401 - re-exported
 
 # Bump when the recipe changes so cached builds of an older recipe are not reused.
-_RECIPE_VERSION = 1
-_INSTRUCT_RECIPE_VERSION = 1
+# 2: two query heads of 32 over one KV head (was four of 16 over two): vLLM's CPU attention
+# refuses head_dim 16 ("Unsupported CPU attention configuration"), and the weight shapes stay
+# the same. The cache names carry the layout too (`_LAYOUT`), so an old build is never served.
+_RECIPE_VERSION = 2
+_INSTRUCT_RECIPE_VERSION = 2
+_HIDDEN_SIZE = 64
+_ATTENTION_HEADS = 2
+_KV_HEADS = 1
+_LAYOUT = f"h{_HIDDEN_SIZE}q{_ATTENTION_HEADS}kv{_KV_HEADS}"
 # The instruct model's tuning. Measured (2 cores): with Qwen2's usual init (std 0.02) the
 # share of probability on the last turn's items stayed at 0.24-0.31 (what knowing the item
 # pool gives) after 600-1,000 steps; at std 0.1 it reached 0.79 in 1,500 single-turn steps,
@@ -224,11 +231,11 @@ def _build(directory: Path, seed: int, instruct: bool = False) -> None:
     pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD_TOKEN, IM_END])
     config = Qwen2Config(
         vocab_size=len(tokenizer),  # exactly the tokenizer: every sampled id decodes
-        hidden_size=64,
+        hidden_size=_HIDDEN_SIZE,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=_ATTENTION_HEADS,  # head_dim 32: the smallest vLLM's CPU attention serves
+        num_key_value_heads=_KV_HEADS,
         max_position_embeddings=2048,
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -267,6 +274,7 @@ def ensure_tiny_model(cache_dir: Path, seed: int = 0, instruct: bool = False) ->
     """
     cache_dir = Path(cache_dir)
     name = (f"tiny-qwen2-instruct-r{_INSTRUCT_RECIPE_VERSION}" if instruct else f"tiny-qwen2-r{_RECIPE_VERSION}")
+    name += f"-{_LAYOUT}"
     target = cache_dir / f"{name}-seed{seed}"
     if (target / "config.json").is_file():
         return target

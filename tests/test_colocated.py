@@ -212,3 +212,26 @@ def test_trainer_waits_for_vllm_health_and_frees_its_cache_before_release(tmp_pa
     with colocate.gpu_for_training(store, "agent"):
         order.append("train")
     assert order == ["train", "free", "release"]
+
+
+def test_a_vllm_that_cannot_sleep_lends_at_once_and_the_trainer_trains(tmp_path):
+    """A CPU vLLM (or one attached without dev mode) has no /sleep: colocated is ignored, the
+    lease is granted without pausing serving, and the step is still loaded when released."""
+    with fake_vllm_thread(dev_mode=False) as (fake_server, fake):
+        settings = vllm_settings(tmp_path, vllm_url=fake_server.url, gpu_mode="colocated")
+        app = create_app(settings, engine=attached_engine(fake_server.url), store=Store(settings.db_path))
+        with ThreadServer(app) as gateway:
+            services, store = app.state.services, Store(settings.db_path)
+            assert services.engine.can_sleep is False
+            with Traffic(gateway.url) as traffic:
+                with gpu_for_training(store, "agent", timeout=30) as lease:
+                    count = len(traffic.answers)
+                    wait_until(lambda: len(traffic.answers) >= count + 4, what="answers while training")
+                    path = make_adapter(services.settings.checkpoints_dir(), "0001")
+                    store.insert_step("agent", 1, str(path), {"loss": 0.1}, [])
+                    lease.step = 1
+                wait_until(lambda: any(step == "1" for _, _, step in traffic.answers), what="an answer from step 1")
+            assert traffic.errors == [] and services.gate.held == 0
+            assert [e["kind"] for e in fake.events if e["kind"] != "chat"] == ["load"]
+            wait_until(lambda: store.gpu_lease("agent")["state"] == IDLE, what="the lease back to idle")
+            asyncio.run(store.close())

@@ -10,6 +10,7 @@ its adapters loaded again.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import sys
@@ -28,6 +29,7 @@ from gateway.engines.vllm_server import max_lora_rank_for, vllm_command, vllm_en
 from gateway.engines.vllm_wire import ClientAsk, StreamSplitter, split_completion, vllm_body
 from gateway.errors import ConfigError, EngineUnavailable, UpstreamError
 from gateway.store import Store
+from gateway.tiny_model import resolve_base_model
 from tests.fake_vllm import EOS_ID, FAKE_LOGITS, WORDS, prompt_ids_for
 from tests.helpers import ThreadServer
 from tests.helpers_vllm import (
@@ -139,8 +141,17 @@ def test_vllm_serve_command_and_environment():
                        extra_args=["--gpu-memory-utilization=0.6", "--max-model-len=8192"])
     assert cmd == ["vllm", "serve", BASE, "--host", "127.0.0.1", "--port", "8011", "--enable-lora",
                    "--max-lora-rank", "32", "--max-loras", "3", "--generation-config", "vllm",
-                   "--logprobs-mode", "processed_logprobs", "--enable-sleep-mode",
-                   "--gpu-memory-utilization=0.6", "--max-model-len=8192"]
+                   "--logprobs-mode", "processed_logprobs", "--enable-auto-tool-choice", "--tool-call-parser",
+                   "hermes", "--enable-sleep-mode", "--gpu-memory-utilization=0.6", "--max-model-len=8192"]
+    # vLLM's own tool parser, unless --vllm-arg names another
+    mistral = vllm_command(BASE, port=1, max_loras=1, lora_rank=8, sleep_mode=False,
+                           extra_args=["--tool-call-parser", "mistral"])
+    assert "hermes" not in mistral and mistral[-2:] == ["--tool-call-parser", "mistral"]
+    # --vllm-python: vLLM's server module in that environment, the same flags after it
+    module = vllm_command("/models/tiny", port=1, max_loras=1, lora_rank=8, sleep_mode=False,
+                          python="/venv/bin/python", served_name="rlproxy/tiny-qwen2")
+    assert module[:8] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny",
+                          "--served-model-name", "rlproxy/tiny-qwen2", "--host"]
     # our share only where the user gave none; 4-bit training: vLLM serves the bnb checkpoint
     shared = vllm_command(BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=True, memory_share=0.713,
                           quantization="bitsandbytes")
@@ -153,6 +164,10 @@ def test_vllm_serve_command_and_environment():
         max_lora_rank_for(600)
     colocated = vllm_environment(sleep_mode=True, base={})
     assert colocated == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
+    # the CPU build: a KV cache of 1 GiB unless the user set one
+    assert vllm_environment(sleep_mode=False, base={}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert vllm_environment(sleep_mode=False, base={"VLLM_CPU_KVCACHE_SPACE": "4"}, cpu=True)[
+        "VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert "VLLM_SERVER_DEV_MODE" not in vllm_environment(sleep_mode=False, base={})
     # the trainer's device decides vLLM's GPU, unless the user already chose one
     assert vllm_gpu_for("cuda:1", "colocated") == "1" and vllm_gpu_for("cuda:1", "dedicated") == "0"
@@ -162,8 +177,11 @@ def test_vllm_serve_command_and_environment():
 
 
 def test_from_settings(tmp_path):
-    with pytest.raises(ConfigError, match="--base-model"):
-        VLLMEngine.from_settings(vllm_settings(tmp_path, base_model="rlproxy/tiny-qwen2"))
+    # a built-in model: vLLM serves its built directory under the built-in name
+    built_in = VLLMEngine.from_settings(vllm_settings(tmp_path, base_model="rlproxy/tiny-qwen2", vllm_port=8124))
+    command = built_in.process.command
+    assert command[command.index("serve") + 1] == resolve_base_model("rlproxy/tiny-qwen2", tmp_path / "state")
+    assert command[command.index("--served-model-name") + 1] == "rlproxy/tiny-qwen2"
     attached = VLLMEngine.from_settings(vllm_settings(tmp_path, vllm_url="http://127.0.0.1:9/v1"))
     assert not attached.managed and attached.url == "http://127.0.0.1:9"
     managed = VLLMEngine.from_settings(vllm_settings(tmp_path, vllm_port=8123, vllm_arg=["--enforce-eager"],
@@ -610,3 +628,29 @@ async def test_adapter_routes_exist_with_the_env_var_alone(tmp_path):
                 await engine.load_adapter("agent@1", make_adapter(tmp_path, "agent@1"))
         finally:
             await engine.close()
+
+
+def test_an_adapter_vllm_cannot_serve_is_refused_with_the_reason(tmp_path):
+    from gateway.engines.vllm import refuse_unservable_targets
+
+    path = make_adapter(tmp_path, "agent@1")
+    config = json.loads((path / "adapter_config.json").read_text())
+    refuse_unservable_targets("agent@1", path)  # no targets named: vLLM's own answer decides
+    (path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "v_proj"]}))
+    refuse_unservable_targets("agent@1", path)
+    (path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
+    with pytest.raises(ConfigError, match="lm_head.*--engine vllm"):
+        refuse_unservable_targets("agent@1", path)
+
+
+def test_the_built_in_model_gets_a_lora_on_its_head_only_for_the_local_engine():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainer.backends.peft import lora_targets
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert lora_targets(model, "rlproxy/tiny-qwen2") == [*projections, "lm_head"]
+    assert lora_targets(model, "rlproxy/tiny-qwen2", engine="vllm") == projections
+    assert lora_targets(model, "Qwen/Qwen2.5-0.5B-Instruct") == projections

