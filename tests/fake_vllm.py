@@ -20,7 +20,8 @@ processed_logprobs` (then penalties, temperature, min_p, top-k, top-p as vLLM's 
 them, over `FAKE_LOGITS`); a choice that stops ends with EOS in `token_ids` and `logprobs` (not
 in the text); `top_logprobs` need not hold the sampled token; `/sleep` and `/wake_up` answer
 JSON, and `/sleep` aborts in-flight streams; loading an adapter while asleep is refused (500);
-a rank above `--max-lora-rank` is a 500; the adapter routes exist with
+a rank above `--max-lora-rank` is a 500, and so is a LoRA on `lm_head` or `embed_tokens`
+(as the real CPU vLLM answered); the adapter routes exist with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING alone (loading then needs `--enable-lora`).
 
 Made for tests: every completion's text names the model that answered (`[agent@1] ...`), so a
@@ -29,6 +30,9 @@ wake_up, chat — and any chat that arrived while asleep), argv and the vLLM env
 `POST /fake/script` sets a per-token delay, a parser that holds text back (chunks with an
 empty delta that carry only token ids), or a crash after N chunks (the process exits, as a
 dying vLLM would; in-thread servers drop the connection instead).
+
+Everything a CPU vLLM can show is tested against the real one (tests/test_vllm_real.py); this
+stand-in stays for what it cannot: sleep mode, GPU memory, scripted crashes at a chosen chunk.
 
 Run as a process with vLLM's CLI shape: `python tests/fake_vllm.py serve MODEL --port P ...`.
 """
@@ -299,7 +303,13 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
             config = Path(path) / "adapter_config.json"
             if not config.exists():
                 return _error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
-            rank = json.loads(config.read_text()).get("r", 8)
+            adapter = json.loads(config.read_text())
+            targets = adapter.get("target_modules") or []
+            if any(t.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens") for t in targets):
+                # What vLLM 0.32 (CPU build) answered to a LoRA on the built-in model's head.
+                return _error(500, "While loading " + path + ", expected target modules in {q_proj, k_proj, v_proj, "
+                              "o_proj, gate_proj, up_proj, down_proj} but received " + str(targets), "InternalServerError")
+            rank = adapter.get("r", 8)
             if rank > state.max_lora_rank:
                 return _error(500, f"LoRA rank {rank} is greater than max_lora_rank {state.max_lora_rank}.",
                               "InternalServerError")

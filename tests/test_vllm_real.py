@@ -1,0 +1,206 @@
+"""rlproxy in front of the real vLLM (its CPU build) serving the built-in model.
+
+One `rlproxy serve --engine vllm --vllm-python ...` for the module, as a user starts it: the
+gateway starts vLLM itself (managed), the trainer trains beside it (on CPU there is no GPU to
+share, so the default `--gpu-mode colocated` is ignored), and every step's adapter is
+hot-swapped into vLLM. A second gateway attaches to that same vLLM (`--vllm-url`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+import psutil
+import pytest
+
+from gateway.store import Store
+from gateway.tiny_model import resolve_base_model
+from tests.helpers import free_port, gateway_process
+from tests.helpers_real_vllm import VLLM_VERSION, processed_logprobs, vllm_python
+from tests.helpers_vllm import wait_until
+
+pytestmark = pytest.mark.timeout(900)
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+class Served:
+    def __init__(self, url: str, state_dir, vllm_port: int, proc):
+        self.url, self.state_dir, self.vllm_url, self.proc = url, state_dir, f"http://127.0.0.1:{vllm_port}", proc
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        self.store = Store(state_dir / "rlproxy.db")
+
+    def chat(self, session: str, group: str | None = None, **kwargs):
+        headers = {"X-Session-Id": session, **({"X-Group-Id": group} if group else {})}
+        args = dict(model="agent", messages=MESSAGES, max_tokens=8, temperature=1.0)
+        return self.client.chat.completions.with_raw_response.create(**{**args, **kwargs}, extra_headers=headers)
+
+    def steps(self) -> list[dict]:
+        return httpx.get(self.url + "/v1/training/steps", timeout=30).json()["data"]
+
+    def train_group(self, group: str, rewards: list[float]) -> None:
+        for i, reward in enumerate(rewards):
+            self.chat(f"{group}-s{i}", group)
+            httpx.post(f"{self.url}/v1/sessions/{group}-s{i}/reward", json={"reward": reward},
+                       timeout=30).raise_for_status()
+        httpx.post(f"{self.url}/v1/groups/{group}/close", json={}, timeout=30).raise_for_status()
+
+    def vllm_pids(self) -> list[int]:
+        return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)
+                if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    python = vllm_python()
+    state = tmp_path_factory.mktemp("real-vllm")
+    port = free_port()
+    args = ["--engine", "vllm", "--vllm-python", python, "--vllm-port", str(port), "--state-dir", str(state),
+            "--model-name", "agent", "--groups-per-step", "1", "--lora-rank", "8", "--learning-rate", "1e-3",
+            "--poll-interval", "0.2"]
+    with gateway_process(args, startup_timeout=600) as (proc, url):
+        yield Served(url, state, port, proc)
+
+
+def test_the_gateway_starts_the_pinned_vllm_on_the_built_in_model(served):
+    assert httpx.get(served.vllm_url + "/version", timeout=10).json()["version"] == VLLM_VERSION
+    command = [line for line in (served.state_dir / "vllm.log").read_text().splitlines()
+               if "rlproxy starts:" in line][0]
+    assert "-m vllm.entrypoints.openai.api_server --model " in command
+    assert "--served-model-name rlproxy/tiny-qwen2" in command
+    assert "--tool-call-parser hermes" in command
+    # On CPU there is no GPU to share: no sleep mode, whatever --gpu-mode says (colocated by default).
+    assert "--enable-sleep-mode" not in command and "--dtype float32" in command
+    models = {m.id for m in served.client.models.list()}
+    assert {"rlproxy/tiny-qwen2", "agent"} <= models
+
+
+def test_chat_records_token_ids_and_the_processed_logprobs(served):
+    from transformers import AutoModelForCausalLM
+
+    result = served.chat("mu", model="rlproxy/tiny-qwen2", temperature=0.5, top_p=0.5,
+                         extra_body={"top_k": 20}, max_tokens=16)
+    completion = result.parse()
+    assert completion.choices[0].logprobs is None  # the client asked for none
+    assert not hasattr(completion.choices[0], "token_ids") or completion.choices[0].token_ids is None
+    (call,) = served.store.session_calls("mu")
+    prompt, (ids,), (mu,) = call["prompt_ids"], call["completion_ids"], call["behaviour_logprobs"]
+    assert prompt and len(ids) == len(mu) > 0
+    model = AutoModelForCausalLM.from_pretrained(resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)).eval()
+    expected = processed_logprobs(model, prompt, ids, temperature=0.5, top_p=0.5, top_k=20)
+    assert max(abs(a - b) for a, b in zip(mu, expected)) < 1e-4, (mu, expected)
+
+
+def test_streamed_chat_records_the_same_as_whole(served):
+    chunks = list(served.client.chat.completions.create(
+        model="agent", messages=MESSAGES, max_tokens=8, stream=True, extra_headers={"X-Session-Id": "stream"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    (call,) = served.store.session_calls("stream")
+    assert call["status"] == "ok" and call["stream"]
+    assert len(call["completion_ids"][0]) == len(call["behaviour_logprobs"][0]) > 0
+    assert call["response"]["choices"][0]["message"]["content"] == text
+
+
+def test_a_trained_step_is_hot_swapped_in_and_served_as_name_at_step(served):
+    served.train_group("g1", [0.0, 0.3, 0.6, 1.0])
+    step = wait_until(lambda: next((s for s in served.steps() if s["step"] == 1), None), timeout=300,
+                      interval=0.5, what="step 1")
+    # The trainer's pi_old (the base model: LoRA's B starts at zero) against vLLM's recorded mu.
+    assert step["metrics"]["mismatch_logprob_abs"] < 1e-3, step["metrics"]
+    wait_until(lambda: served.chat("after-1").headers.get("X-Model-Step") == "1", timeout=120, what="agent -> @1")
+    result = served.chat("pinned", model="agent@1")
+    assert result.headers["X-Model-Step"] == "1" and result.parse().model == "agent@1"
+    (call,) = served.store.session_calls("pinned")
+    assert call["served"] == "agent@1" and call["behaviour_logprobs"]
+
+
+def test_hot_swap_under_concurrent_calls_fails_none(served):
+    stop, outcomes = threading.Event(), []
+
+    def keep_calling(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            try:
+                outcomes.append(served.chat(f"busy-{i}-{n}").headers.get("X-Model-Step"))
+            except Exception as exc:  # noqa: BLE001 - every failure is the test's finding
+                outcomes.append(exc)
+            n += 1
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for i in range(4):
+            pool.submit(keep_calling, i)
+        served.train_group("g2", [1.0, 0.0, 0.5, 0.2])
+        wait_until(lambda: any(s["step"] == 2 for s in served.steps()), timeout=300, interval=0.5, what="step 2")
+        wait_until(lambda: "2" in outcomes[-8:], timeout=120, what="calls answered by step 2")
+        stop.set()
+    failures = [o for o in outcomes if isinstance(o, Exception)]
+    assert not failures, failures[:3]
+    assert {"1", "2"} <= set(outcomes)  # calls were answered on both sides of the swap
+
+
+def test_responses_and_messages_routes_over_vllm(served):
+    response = served.client.responses.create(model="agent", input="Say something.", max_output_tokens=8,
+                                              extra_headers={"X-Session-Id": "responses"})
+    assert response.status in ("completed", "incomplete") and response.output
+    messages = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages.create(
+        model="agent", max_tokens=8, messages=[{"role": "user", "content": "Say something."}],
+        extra_headers={"X-Session-Id": "messages"})
+    assert messages.type == "message" and messages.content
+    for session in ("responses", "messages"):
+        (call,) = served.store.session_calls(session)
+        assert call["status"] == "ok" and call["completion_ids"][0] and call["behaviour_logprobs"][0]
+
+
+def test_attach_to_a_running_vllm(served, tmp_path):
+    args = ["--engine", "vllm", "--vllm-url", served.vllm_url + "/v1", "--state-dir", str(tmp_path),
+            "--model-name", "agent", "--trainer", "off"]
+    with gateway_process(args, startup_timeout=120) as (_, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        completion = client.chat.completions.create(model="rlproxy/tiny-qwen2", messages=MESSAGES, max_tokens=4,
+                                                    extra_headers={"X-Session-Id": "attached"})
+        assert completion.choices[0].message.content is not None
+        (call,) = Store(tmp_path / "rlproxy.db").session_calls("attached")
+        assert call["engine"] == "vllm" and call["completion_ids"][0] and call["behaviour_logprobs"][0]
+
+
+def test_vllm_killed_mid_call_gives_a_clear_error_then_serves_again(served):
+    (pid,) = served.vllm_pids()
+    errors = []
+
+    def kill_soon():
+        time.sleep(0.3)
+        for child in psutil.Process(pid).children(recursive=True):
+            child.kill()
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_soon).start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # calls across the kill: a clear 502/503, never a hang or a 500
+        try:
+            served.chat("killed", max_tokens=64)
+        except openai.APIStatusError as exc:
+            errors.append(exc.status_code)
+            break
+        except openai.APIConnectionError as exc:  # a stream cut mid-answer
+            errors.append(exc)
+            break
+    assert errors and errors[0] in (502, 503), errors
+    health = httpx.get(served.url + "/healthz", timeout=10)
+    assert health.status_code == 503 or health.json().get("status") == "ok"
+    # The managed vLLM is restarted and the newest adapter loaded again, by itself.
+    wait_until(lambda: _answers(served), timeout=600, interval=1.0, what="vLLM back")
+    assert served.vllm_pids() != [pid]
+
+
+def _answers(served) -> bool:
+    try:
+        return served.chat("back").headers.get("X-Model-Step") == "2"
+    except openai.APIError:
+        return False
