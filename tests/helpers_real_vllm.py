@@ -46,3 +46,30 @@ def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], 
         logits_TV = logits_TV.scatter(-1, order_TV, logits_TV.gather(-1, order_TV).masked_fill(drop_TV, float("-inf")))
     logp_TV = torch.log_softmax(logits_TV, -1)
     return logp_TV.gather(-1, torch.tensor(completion_ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def train_adapter_to_write(model_dir: str, prompt_ids: list[int], completion_ids: list[int], out_dir,
+                           steps: int = 300) -> None:
+    """A LoRA on the projections (what vLLM loads) that makes the built-in model write
+    `completion_ids` after `prompt_ids` when decoding greedily: plain cross-entropy on that one
+    sequence until every completion token is the argmax by a wide margin."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.tensor([prompt_ids + completion_ids])
+    labels = ids.clone()
+    labels[0, :len(prompt_ids)] = -100
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.01:
+            break
+    model.save_pretrained(out_dir)

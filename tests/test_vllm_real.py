@@ -9,6 +9,7 @@ hot-swapped into vLLM. A second gateway attaches to that same vLLM (`--vllm-url`
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import threading
@@ -23,7 +24,7 @@ import pytest
 from gateway.store import Store
 from gateway.tiny_model import resolve_base_model
 from tests.helpers import free_port, gateway_process
-from tests.helpers_real_vllm import VLLM_VERSION, processed_logprobs, vllm_python
+from tests.helpers_real_vllm import VLLM_VERSION, processed_logprobs, train_adapter_to_write, vllm_python
 from tests.helpers_vllm import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -204,3 +205,41 @@ def _answers(served) -> bool:
         return served.chat("back").headers.get("X-Model-Step") == "2"
     except openai.APIError:
         return False
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tool_calls_are_parsed_by_vllm_and_recorded(served, tmp_path):
+    """An adapter that writes a <tool_call> (trained here), served by the real vLLM: its hermes
+    parser turns the text into `tool_calls` with tool_choice "auto" (nothing forced)."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    state = tmp_path / "state"
+    adapter = state / "models" / "caller" / "checkpoints" / "0001"  # where the gateway looks for steps
+    train_adapter_to_write(model_dir, encode(prompt), encode(TOOL_CALL + "<|im_end|>"), adapter)
+    store = Store(state / "rlproxy.db")
+    store.insert_step("caller", 1, str(adapter), {}, [])  # as if the trainer had made it
+    args = ["--engine", "vllm", "--vllm-url", served.vllm_url, "--state-dir", str(state),
+            "--model-name", "caller", "--trainer", "off"]
+    with gateway_process(args, startup_timeout=120) as (_, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        completion = client.chat.completions.create(
+            model="caller", messages=messages, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=40,
+            extra_headers={"X-Session-Id": "tools"})
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        (row,) = store.session_calls("tools")
+        assert row["served"] == "caller@1"
+        assert row["response"]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert tokenizer.decode(row["completion_ids"][0]).startswith("<tool_call>")
