@@ -20,10 +20,20 @@ def _pins(path: Path) -> dict[str, str]:
     return {_name(line): line.split("==", 1)[1] for line in lines}
 
 
+def readme_commands() -> list[str]:
+    """The two commands the README starts with: the demo, then the test suite."""
+    block = (ROOT / "README.md").read_text().split("```bash", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
 def readme_test_command() -> str:
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("```bash", 1)[1].split("```", 1)[0]
-    return [line for line in block.splitlines() if "pytest" in line][0].strip()
+    return [line for line in readme_commands() if "pytest" in line][0]
+
+
+def test_both_readme_commands_install_the_locked_set():
+    demo, tests = readme_commands()
+    assert demo.startswith("pip install -c requirements/dev.txt ") and demo.endswith("rlproxy demo")
+    assert tests == readme_test_command()
 
 
 def test_ci_runs_the_readme_test_command_in_a_virtualenv_of_its_own():
