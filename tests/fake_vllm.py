@@ -224,15 +224,22 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
                 state.chats_while_asleep += 1
             return _error(503, "the engine is sleeping", "ServiceUnavailable")
         if model != state.base_model and model not in state.loaded:
-            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            return _error(404, f"The model `{model}` does not exist. Valid aliases: {state.base_model}.",
+                          "NotFoundError", "model")
         if body.get("top_logprobs") and not body.get("logprobs"):
             return _error(400, "when using `top_logprobs`, `logprobs` must be set to true.", "BadRequestError")
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 6)
         prompt_length = len(prompt_ids_for(body.get("messages") or []))
-        if prompt_length + max_tokens > state.max_model_len:  # as vLLM: prompt and completion together
-            return _error(400, f"This model's maximum context length is {state.max_model_len} tokens. However, "
-                               f"you requested {max_tokens} output tokens and your prompt contains {prompt_length} "
-                               "input tokens.", "BadRequestError")
+        if max_tokens > state.max_model_len:  # what vLLM 0.32 (CPU build) answered
+            return _error(400, f"max_tokens={max_tokens} cannot be greater than max_model_len={state.max_model_len}. "
+                               f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+                          "BadRequestError", "max_tokens")
+        if prompt_length >= state.max_model_len:  # what vLLM 0.32 (CPU build) answered
+            return _error(400, f"This model's maximum context length is {state.max_model_len} tokens. However, your "
+                               f"prompt contains at least {prompt_length} input tokens, which exceeds this limit even "
+                               "without any output tokens. Please reduce the length of the input prompt. "
+                               f"(parameter=input_tokens, value={prompt_length})", "BadRequestError")
+        max_tokens = min(max_tokens, state.max_model_len - prompt_length)  # vLLM cuts a completion to what fits
         n = int(body.get("n") or 1)
         want_ids = bool(body.get("return_token_ids"))
         top = int(body.get("top_logprobs") or 0)
@@ -302,7 +309,7 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
                 return _error(500, "cannot load a LoRA adapter while the engine is sleeping", "InternalServerError")
             config = Path(path) / "adapter_config.json"
             if not config.exists():
-                return _error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+                return _error(404, f"Loading lora {name} failed: No adapter found for <path>", "NotFoundError")
             adapter = json.loads(config.read_text())
             targets = adapter.get("target_modules") or []
             if any(t.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens") for t in targets):
@@ -311,8 +318,9 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
                               "o_proj, gate_proj, up_proj, down_proj} but received " + str(targets), "InternalServerError")
             rank = adapter.get("r", 8)
             if rank > state.max_lora_rank:
-                return _error(500, f"LoRA rank {rank} is greater than max_lora_rank {state.max_lora_rank}.",
-                              "InternalServerError")
+                return _error(500, f"Call to add_lora method failed: Worker failed with error 'LoRA rank {rank} is "
+                                   f"greater than max_lora_rank {state.max_lora_rank}.', please check the stack trace "
+                                   "above for the root cause", "InternalServerError")
             state.loaded[name] = path
             state.event("load", name=name, path=path, asleep=state.asleep)
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")

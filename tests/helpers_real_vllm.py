@@ -25,16 +25,30 @@ def vllm_python() -> str:
 
 
 def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, temperature: float,
-                       top_p: float = 1.0, top_k: int = 0):
+                       top_p: float = 1.0, top_k: int = 0, presence_penalty: float = 0.0,
+                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0):
     """Independent of vLLM and of rlproxy: the log-probability of each completion token under the
-    distribution it was sampled from, computed with transformers as vLLM's sampler documents it
-    (logits / T, then top-k, then top-p keeping the smallest head whose mass reaches p, masked
-    to -inf and renormalised)."""
+    distribution it was sampled from, computed with transformers from the published definitions:
+    the repetition penalty of CTRL (Keskar et al. 2019: a positive logit of a token already in
+    the prompt or the output is divided by it, a negative one multiplied), then OpenAI's
+    frequency and presence penalties (minus count x frequency, minus presence once a token was
+    output), then logits / T, top-k, and top-p keeping the smallest head whose mass reaches p,
+    masked to -inf and renormalised."""
     import torch
 
     with torch.no_grad():
         ids = torch.tensor([prompt_ids + completion_ids])
-        logits_TV = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].double() / temperature
+        logits_TV = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].double()
+    T, V = logits_TV.shape
+    output_counts_TV = torch.zeros(T, V, dtype=torch.float64)
+    for t in range(1, T):  # what was output before position t
+        output_counts_TV[t] = output_counts_TV[t - 1]
+        output_counts_TV[t, completion_ids[t - 1]] += 1
+    seen_TV = (output_counts_TV > 0) | torch.zeros(V, dtype=torch.bool).index_fill(0, torch.tensor(prompt_ids), True)
+    penalised_TV = torch.where(logits_TV > 0, logits_TV / repetition_penalty, logits_TV * repetition_penalty)
+    logits_TV = torch.where(seen_TV, penalised_TV, logits_TV)
+    logits_TV = logits_TV - frequency_penalty * output_counts_TV - presence_penalty * (output_counts_TV > 0)
+    logits_TV = logits_TV / temperature
     if top_k > 0:
         kth_T1 = torch.topk(logits_TV, top_k, dim=-1).values[:, -1:]
         logits_TV = logits_TV.masked_fill(logits_TV < kth_T1, float("-inf"))
@@ -49,7 +63,7 @@ def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], 
 
 
 def train_adapter_to_write(model_dir: str, prompt_ids: list[int], completion_ids: list[int], out_dir,
-                           steps: int = 300) -> None:
+                           steps: int = 300, rank: int = 8) -> None:
     """A LoRA on the projections (what vLLM loads) that makes the built-in model write
     `completion_ids` after `prompt_ids` when decoding greedily: plain cross-entropy on that one
     sequence until every completion token is the argmax by a wide margin."""
@@ -59,7 +73,7 @@ def train_adapter_to_write(model_dir: str, prompt_ids: list[int], completion_ids
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=[
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.tensor([prompt_ids + completion_ids])

@@ -8,6 +8,7 @@ hot-swapped into vLLM. A second gateway attaches to that same vLLM (`--vllm-url`
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -21,6 +22,9 @@ import openai
 import psutil
 import pytest
 
+from gateway.engines.base import EngineRequest
+from gateway.engines.vllm import VLLMEngine
+from gateway.errors import UpstreamError
 from gateway.store import Store
 from gateway.tiny_model import resolve_base_model
 from tests.helpers import free_port, gateway_process
@@ -107,6 +111,102 @@ def test_streamed_chat_records_the_same_as_whole(served):
     assert call["status"] == "ok" and call["stream"]
     assert len(call["completion_ids"][0]) == len(call["behaviour_logprobs"][0]) > 0
     assert call["response"]["choices"][0]["message"]["content"] == text
+
+
+def test_penalties_are_in_the_recorded_logprobs(served):
+    from transformers import AutoModelForCausalLM
+
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.3)
+    served.chat("penalised", model="rlproxy/tiny-qwen2", temperature=0.8, max_tokens=24,
+                extra_body={"top_k": 20, "repetition_penalty": 1.2}, **penalties)
+    (call,) = served.store.session_calls("penalised")
+    assert {k: call["sampling"][k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                             "top_k", "temperature")} == {
+        **penalties, "repetition_penalty": 1.2, "top_k": 20, "temperature": 0.8}
+    prompt, (ids,), (mu,) = call["prompt_ids"], call["completion_ids"], call["behaviour_logprobs"]
+    model = AutoModelForCausalLM.from_pretrained(resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)).eval()
+    expected = processed_logprobs(model, prompt, ids, temperature=0.8, top_k=20, repetition_penalty=1.2, **penalties)
+    assert max(abs(a - b) for a, b in zip(mu, expected)) < 1e-4, (mu, expected)
+    unpenalised = processed_logprobs(model, prompt, ids, temperature=0.8, top_k=20)
+    assert max(abs(a - b) for a, b in zip(mu, unpenalised)) > 1e-2  # the penalties did change mu
+
+
+def test_the_client_gets_only_what_it_asked_for(served):
+    result = served.chat("asked", model="rlproxy/tiny-qwen2", max_tokens=3, logprobs=True, top_logprobs=2, n=2)
+    raw = result.http_response.json()
+    assert "prompt_token_ids" not in raw and all("token_ids" not in choice for choice in raw["choices"])
+    completion = result.parse()
+    (call,) = served.store.session_calls("asked")
+    assert len(completion.choices) == len(call["completion_ids"]) == 2
+    for choice, ids, mu in zip(completion.choices, call["completion_ids"], call["behaviour_logprobs"]):
+        entries = choice.logprobs.content
+        assert [len(entry.top_logprobs) for entry in entries] == [2] * len(entries) and len(ids) == len(mu)
+        # what vLLM told the client is what was recorded as mu, token for token
+        assert [entry.logprob for entry in entries] == pytest.approx(mu[:len(entries)], abs=1e-6)
+    # a client that asks for vLLM's token ids gets them, and they are the recorded ones
+    raw = served.chat("ids", model="rlproxy/tiny-qwen2", max_tokens=3,
+                      extra_body={"return_token_ids": True}).http_response.json()
+    (call,) = served.store.session_calls("ids")
+    assert raw["prompt_token_ids"] == call["prompt_ids"] and raw["choices"][0]["token_ids"] == call["completion_ids"][0]
+
+
+def test_streamed_logprobs_and_usage(served):
+    chunks = list(served.client.chat.completions.create(
+        model="rlproxy/tiny-qwen2", messages=MESSAGES, max_tokens=4, stream=True, logprobs=True, top_logprobs=1,
+        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "stream-lp"}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert all(len(entry.top_logprobs) == 1 for entry in entries)
+    assert all("token_ids" not in (choice.model_extra or {}) for c in chunks for choice in c.choices)
+    (call,) = served.store.session_calls("stream-lp")
+    assert chunks[-1].usage.completion_tokens == len(call["completion_ids"][0]) == len(entries)
+    assert [entry.logprob for entry in entries] == pytest.approx(call["behaviour_logprobs"][0], abs=1e-6)
+
+
+def test_greedy_calls_record_no_behaviour_logprobs(served):
+    served.chat("greedy", model="rlproxy/tiny-qwen2", max_tokens=3, temperature=0)
+    (call,) = served.store.session_calls("greedy")
+    assert call["completion_ids"][0] and call["behaviour_logprobs"] in ([None], None)
+
+
+def test_what_vllm_refuses_keeps_its_meaning(served, tmp_path):
+    """vLLM's own refusals as the gateway passes them on: a prompt that overflows the context
+    is the client's 400; an adapter vLLM cannot load says why and what to change; loading a
+    loaded name or unloading an unloaded one is not an error (a re-load racing a restart)."""
+    with pytest.raises(openai.BadRequestError) as refused:  # the gateway's own check, from vLLM's max_model_len
+        served.chat("too-long", model="rlproxy/tiny-qwen2", max_tokens=4095)
+    assert refused.value.code == "context_length_exceeded" and "context is 2048 tokens" in refused.value.message
+    # vLLM's own: a prompt past the context (a completion past it is cut to what fits, no error)
+    with pytest.raises(openai.BadRequestError) as refused:
+        served.chat("overflow", model="rlproxy/tiny-qwen2", max_tokens=4,
+                    messages=[{"role": "user", "content": "tic tac toe " * 1000}])
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
+    assert "maximum context length is 2048 tokens" in refused.value.message
+    model_dir = resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)
+    wide, fitting = tmp_path / "wide", tmp_path / "fitting"  # rank 32 is over the --max-lora-rank 8 of --lora-rank 8
+    train_adapter_to_write(model_dir, [1, 2], [3], wide, steps=0, rank=32)
+    train_adapter_to_write(model_dir, [1, 2], [3], fitting, steps=0, rank=8)
+
+    async def adapters():
+        engine = VLLMEngine("rlproxy/tiny-qwen2", url=served.vllm_url)
+        await engine.start()
+        try:
+            with pytest.raises(UpstreamError, match=r"\(404\).*No adapter found.*PEFT adapter directory"):
+                await engine.load_adapter("agent@90", tmp_path / "nowhere")
+            with pytest.raises(UpstreamError, match=r"\(500\).*LoRA rank 32 .*restart vLLM with a --max-lora-rank"):
+                await engine.load_adapter("agent@91", wide)
+            for _ in range(2):
+                await engine.load_adapter("agent@92", fitting)
+            for _ in range(2):
+                await engine.unload_adapter("agent@92")
+            # an adapter the engine loaded but vLLM lost, and that cannot be loaded again: vLLM's 404
+            engine.adapters["agent@93"] = tmp_path / "nowhere"
+            with pytest.raises(UpstreamError, match="does not serve 'agent@93'.*does not exist"):
+                await engine.complete(EngineRequest(body={"model": "agent", "messages": MESSAGES},
+                                                    adapter="agent@93", request_id="lost"))
+        finally:
+            await engine.close()
+
+    asyncio.run(adapters())
 
 
 def test_a_trained_step_is_hot_swapped_in_and_served_as_name_at_step(served):
@@ -242,4 +342,5 @@ def test_tool_calls_are_parsed_by_vllm_and_recorded(served, tmp_path):
         (row,) = store.session_calls("tools")
         assert row["served"] == "caller@1"
         assert row["response"]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
-        assert tokenizer.decode(row["completion_ids"][0]).startswith("<tool_call>")
+        ids = row["completion_ids"][0]  # the stop token is recorded (the trainer trains it), the client never sees it
+        assert tokenizer.decode(ids).startswith("<tool_call>") and ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")

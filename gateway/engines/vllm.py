@@ -462,11 +462,18 @@ class VLLMEngine(Engine):
         return True
 
     def _status_error(self, status: int, payload: bytes, request: EngineRequest) -> RLProxyError:
-        message = error_message(maybe_json(payload)) or payload[:300].decode(errors="replace")
+        body = maybe_json(payload)
+        message = error_message(body) or payload[:300].decode(errors="replace")
         if status == 404:
             return UpstreamError(f"vLLM does not serve '{self._target(request)}': {message}")
         if status < 500:
-            error = RLProxyError(f"vLLM rejected the request: {message}")
+            detail = body.get("error") if isinstance(body, dict) else None
+            param = detail.get("param") if isinstance(detail, dict) else None
+            if "maximum context length" in message:  # as the local engine says it, and OpenAI
+                param, code = "messages", "context_length_exceeded"
+            else:
+                code = None
+            error = RLProxyError(f"vLLM rejected the request: {message}", param=param, code=code)
             error.status_code, error.error_type = status, "invalid_request_error"
             return error
         return UpstreamError(f"vLLM answered {status}: {message}")
