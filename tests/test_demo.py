@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from gateway.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +58,14 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
     assert summary["task"] == "shout"  # the default task; every task writes the same keys
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step 2" in (out / "trainer.log").read_text()
+    # The held-out set: the same tasks for the baseline and the final score (the first and the
+    # last val group), one per val rollout
+    with sqlite3.connect(out / "state" / "rlproxy.db") as db:
+        groups = sorted(g for (g,) in db.execute("SELECT DISTINCT group_id FROM sessions WHERE group_id LIKE 'demo-val-%'"))
+    store = Store(out / "state" / "rlproxy.db")
+    prompts = [[store.session_calls(f"{group}-r{i}")[0]["request"]["messages"][-1]["content"] for i in range(4)]
+               for group in (groups[0], groups[-1])]
+    assert len(groups) == 2 and prompts[0] == prompts[1]
 
 
 def test_demo_refuses_a_state_dir_with_checkpoints(tmp_path):

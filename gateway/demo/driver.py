@@ -73,7 +73,7 @@ class DemoOptions:
     rollouts: int = 8  # rollouts per group (GRPO compares them)
     seconds: float = 300.0  # budget: no new round starts after this
     max_tokens: int = 6  # reply length: short replies keep a round well under a second
-    eval_groups: int = 4  # groups of `rollouts` for the baseline and final evaluations
+    eval_groups: int = 4  # the held-out set: eval_groups x rollouts tasks, one per val rollout
 
 
 _TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups")
@@ -111,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=None,
                        help=f"tokens per reply (default: the task's, else {defaults.max_tokens})")
     group.add_argument("--eval-groups", type=int, default=None,
-                       help=f"groups in the baseline and final evaluations (default: the task's, else "
+                       help=f"the held-out set, in groups of --rollouts tasks (one task per val rollout), played "
+                            f"for the baseline and the final score (default: the task's, else "
                             f"{defaults.eval_groups})")
 
 
@@ -270,6 +271,11 @@ class Agent:
         self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=2, timeout=120)
         self.http = httpx.AsyncClient(base_url=url, timeout=120)
         self.rng = random.Random(settings.seed)
+        # The held-out set: one task per val rollout (not one per group: a trained policy plays
+        # a group's shared task nearly the same way 16 times, so 8 groups would score ~8 games),
+        # drawn once, so the baseline and the final score are measured on the same tasks.
+        val_rng = random.Random(f"val-{settings.seed}")
+        self.val_specs = [task.sample(val_rng) for _ in range(options.eval_groups * options.rollouts)]
         self.record = Record()
         self.pending: list[str] = []  # train groups closed but not yet trained or skipped
         self._groups = 0
@@ -307,19 +313,21 @@ class Agent:
                               json={"reward": posted, "metrics": {"score": score}})).raise_for_status()
         return score, reward, min(steps, default=None)
 
-    async def group(self, split: str) -> tuple[str, list[tuple[float, float, int | None]]]:
-        """One task, `rollouts` rollouts in parallel, then the group is closed (ready)."""
+    async def group(self, split: str, specs: list | None = None) -> tuple[str, list[tuple[float, float, int | None]]]:
+        """`rollouts` rollouts in parallel, then the group is closed (ready). A train group's
+        rollouts share one task (GRPO compares them); `specs` gives each rollout its own."""
         self._groups += 1
         group_id = f"demo-{split}-{self._groups:05d}"
-        spec = self.task.sample(self.rng)  # the same for every rollout of the group
-        results = await asyncio.gather(*(self.rollout(group_id, i, spec, split)
-                                         for i in range(self.options.rollouts)))
+        specs = specs or [self.task.sample(self.rng)] * self.options.rollouts
+        results = await asyncio.gather(*(self.rollout(group_id, i, spec, split) for i, spec in enumerate(specs)))
         (await self.http.post(f"/v1/groups/{group_id}/close", json={})).raise_for_status()
         return group_id, list(results)
 
     async def evaluate(self) -> tuple[float, int | None]:
-        """Mean reward of `eval_groups` val groups (never trained on), and the step that answered."""
-        groups = await asyncio.gather(*(self.group("val") for _ in range(self.options.eval_groups)))
+        """Mean score over the held-out set (val sessions, never trained on), and the step that answered."""
+        n = self.options.rollouts
+        groups = await asyncio.gather(*(self.group("val", self.val_specs[i:i + n])
+                                        for i in range(0, len(self.val_specs), n)))
         results = [result for _, rollouts in groups for result in rollouts]
         answered_by = [step for _, _, step in results if step is not None]
         return sum(score for score, _, _ in results) / len(results), max(answered_by, default=None)
