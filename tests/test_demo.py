@@ -61,7 +61,8 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
     # The held-out set: the same tasks for the baseline and the final score (the first and the
     # last val group), one per val rollout
     with sqlite3.connect(out / "state" / "rlproxy.db") as db:
-        groups = sorted(g for (g,) in db.execute("SELECT DISTINCT group_id FROM sessions WHERE group_id LIKE 'demo-val-%'"))
+        rows = db.execute("SELECT DISTINCT group_id FROM sessions WHERE group_id LIKE 'demo-val-%'")
+        groups = sorted(group for (group,) in rows)
     store = Store(out / "state" / "rlproxy.db")
     prompts = [[store.session_calls(f"{group}-r{i}")[0]["request"]["messages"][-1]["content"] for i in range(4)]
                for group in (groups[0], groups[-1])]
