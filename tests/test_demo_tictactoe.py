@@ -9,6 +9,7 @@ the code under test.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import random
@@ -17,6 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.demo import load_task, tictactoe
+from gateway.demo.driver import add_arguments, options_from_args
 from gateway.errors import ConfigError
 from gateway.tiny_model import ensure_tiny_model
 from trainer.data import trajectory_samples
@@ -81,6 +83,16 @@ def test_a_group_shares_the_opponents_dice_and_the_scale_needs_real_play():
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(ConfigError, match="choose one of: shout, tictactoe"):
         load_task("../etc/passwd")
+
+
+def test_a_run_stops_as_converged_only_after_the_tasks_streak_of_perfect_groups():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert options_from_args(parser.parse_args(["--task", "tictactoe"])).converge_after == 32
+    assert options_from_args(parser.parse_args([])).converge_after == 8  # SHOUT: the driver's default
+    assert options_from_args(parser.parse_args(["--task", "tictactoe", "--converge-after", "4"])).converge_after == 4
+    with pytest.raises(ConfigError, match="--converge-after must be at least 1"):
+        options_from_args(parser.parse_args(["--converge-after", "0"]))
 
 
 @pytest.fixture(scope="module")

@@ -74,9 +74,10 @@ class DemoOptions:
     seconds: float = 300.0  # budget: no new round starts after this
     max_tokens: int = 6  # reply length: short replies keep a round well under a second
     eval_groups: int = 4  # the held-out set: eval_groups x rollouts tasks, one per val rollout
+    converge_after: int = 8  # train groups in a row where every rollout earns the full reward end the run
 
 
-_TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups")
+_TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups", "converge_after")
 
 
 @dataclass
@@ -114,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"the held-out set, in groups of --rollouts tasks (one task per val rollout), played "
                             f"for the baseline and the final score (default: the task's, else "
                             f"{defaults.eval_groups})")
+    group.add_argument("--converge-after", type=int, default=None,
+                       help=f"stop once this many train groups in a row gave every rollout the full reward: "
+                            f"nothing is left to learn from them (default: the task's, else {defaults.converge_after})")
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:
@@ -122,7 +126,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     chosen = {**{k: v for k, v in task.OPTIONS.items() if k in _TASK_OPTIONS},
               **{k: getattr(args, k) for k in _TASK_OPTIONS if getattr(args, k, None) is not None}}
     options = DemoOptions(task=task.NAME, out=args.out, **chosen)
-    for name in ("steps", "rollouts", "max_tokens", "eval_groups"):
+    for name in ("steps", "rollouts", "max_tokens", "eval_groups", "converge_after"):
         if getattr(options, name) < (2 if name == "rollouts" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {2 if name == 'rollouts' else 1}"
                               + (" (GRPO compares rollouts of one group)" if name == "rollouts" else ""))
@@ -278,6 +282,7 @@ class Agent:
         self.val_specs = [task.sample(val_rng) for _ in range(options.eval_groups * options.rollouts)]
         self.record = Record()
         self.pending: list[str] = []  # train groups closed but not yet trained or skipped
+        self.perfect_in_a_row = 0  # train groups in a row where every rollout got the full reward, across steps
         self._groups = 0
 
     async def close(self) -> None:
@@ -351,7 +356,6 @@ class Agent:
     async def train_round(self, step: int) -> str | None:
         """Sample groups from `step` until the trainer's next step is served. Returns why
         the run should stop instead, or None."""
-        perfect = 0  # groups in a row where every rollout got the full reward
         checked = -math.inf  # a new step just took some pending groups: look at once
         while True:
             served = await self.served_step()
@@ -377,8 +381,8 @@ class Agent:
                     self.pending.append(group_id)
                 else:  # no spread: the trainer skips it (nothing to learn), so another takes its place
                     self.record.groups_skipped += 1
-                perfect = perfect + 1 if min(rewards) >= 1.0 else 0
-            if perfect >= 2 * self.settings.groups_per_step:
+                self.perfect_in_a_row = self.perfect_in_a_row + 1 if min(rewards) >= 1.0 else 0
+            if self.perfect_in_a_row >= self.options.converge_after:
                 return "converged"  # every rollout earns the full reward: no group has anything left to teach
 
 

@@ -45,7 +45,10 @@ DESCRIPTION = ("play X against a random opponent, one chat completion per move; 
 # reads the board, it unlearns that.
 # 480 s of rounds, so that with the final evaluation (128 games) a run ends within 10
 # minutes; seed 1 with 600 s: val 0.92 at step 53 in 612 s.
-OPTIONS = {"rollouts": 16, "max_tokens": 2, "steps": 200, "seconds": 480.0, "eval_groups": 8}
+# A group is perfect when the dice let a near-deterministic policy win all 16 games, which it
+# often does long before it plays every board well: 8 perfect groups in a row stopped seed 0
+# at step 39 with a val score of 0.84; it takes 32 (eight steps' worth) to stop here.
+OPTIONS = {"rollouts": 16, "max_tokens": 2, "steps": 200, "seconds": 480.0, "eval_groups": 8, "converge_after": 32}
 SETTINGS = {"base_model": TINY_INSTRUCT_MODEL_ID, "default_max_tokens": 2, "max_tokens_per_row": 2048}
 
 SYSTEM = "You play tic-tac-toe as X. Reply with the number of a free square."
