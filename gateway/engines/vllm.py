@@ -468,11 +468,9 @@ class VLLMEngine(Engine):
             return UpstreamError(f"vLLM does not serve '{self._target(request)}': {message}")
         if status < 500:
             detail = body.get("error") if isinstance(body, dict) else None
-            param = detail.get("param") if isinstance(detail, dict) else None
+            param, code = (detail.get("param") if isinstance(detail, dict) else None), None
             if "maximum context length" in message:  # as the local engine says it, and OpenAI
                 param, code = "messages", "context_length_exceeded"
-            else:
-                code = None
             error = RLProxyError(f"vLLM rejected the request: {message}", param=param, code=code)
             error.status_code, error.error_type = status, "invalid_request_error"
             return error
