@@ -6,13 +6,16 @@
 - a byte-level BPE tokenizer trained from `_CORPUS` (fixed text: English, digits, JSON,
   chat words), with Qwen2's pre-tokenizer and special tokens and a Qwen2.5-style chat
   template that supports tools;
-- a randomly initialised `Qwen2ForCausalLM` (hidden 64, 2 layers) from a fixed seed.
+- a randomly initialised `Qwen2ForCausalLM` (hidden 64, 2 layers) from a fixed seed, its
+  weights drawn wider than Qwen2's usual std 0.02 (`_INIT_STD`) and its embeddings given a
+  direction per character class (`_add_character_classes`): why, below.
 
 Two built-in models share that recipe:
 
 - `rlproxy/tiny-qwen2` (the default): the weights are random, so the text it writes is
   noise; what matters is that every path (chat template, token ids, logprobs, LoRA
-  training, hot-swap) is the real one. Building takes about a second.
+  training, hot-swap) is the real one, and that a LoRA on its projections alone (what vLLM
+  serves) can learn. Building takes about a second.
 - `rlproxy/tiny-qwen2-instruct`: the same network (initialised wider, std 0.1), then
   instruction-tuned for about a minute (`gateway.tiny_pretrain`) to answer with one of the
   items the user's last message lists: it reads its prompt, as a real instruct model does,
@@ -35,13 +38,33 @@ from gateway.settings import BUILT_IN_MODELS, TINY_INSTRUCT_MODEL_ID, TINY_MODEL
 # 2: two query heads of 32 over one KV head (was four of 16 over two): vLLM's CPU attention
 # refuses head_dim 16 ("Unsupported CPU attention configuration"), and the weight shapes stay
 # the same. The cache names carry the layout too (`_LAYOUT`), so an old build is never served.
+# 3: weights drawn with std 0.3 (was 0.02) and character-class directions, see _INIT_STD.
 # Instruct 3: tuned on one thread (was two), see _BUILD_THREADS.
-_RECIPE_VERSION = 2
+_RECIPE_VERSION = 3
 _INSTRUCT_RECIPE_VERSION = 3
 _HIDDEN_SIZE = 64
 _ATTENTION_HEADS = 2
 _KV_HEADS = 1
 _LAYOUT = f"h{_HIDDEN_SIZE}q{_ATTENTION_HEADS}kv{_KV_HEADS}"
+# The random model's init. The final RMSNorm holds the last hidden state at norm sqrt(64) = 8
+# and the output head is the (tied) embedding matrix, so a token's logit is at most 8 x its
+# embedding's norm, 8 x std x 8, whatever the layers below do. At Qwen2's std 0.02 that is
+# 1.3: a LoRA on the projections can never make a token likely, and such a LoRA is all vLLM
+# serves (no lm_head). Measured on SHOUT (`rlproxy demo`, local engine, LoRA on the
+# projections only, lr 1e-2, seed 0 unless said; final val reward, steps): std 0.02 0.05 ->
+# 0.05 in 60 (flat); 0.1 0.06 -> 0.40 in 60 (lr 3e-2: 0.43): one token can reach only
+# p ~0.4; 0.2 collapsed onto "For" at 0.33 (lr 3e-2, seeds 0-2: 0.93, 0.99, 0.33); 0.5 0.03
+# -> 0.41 in 60 (too peaked to explore); 0.3 learnt in 5 runs of 7 (seeds 0-4: 0.95-1.00 in
+# 30-48 steps) and collapsed in 2 (seed 5 at 0.25; seed 0 through vLLM at 0.50).
+_INIT_STD = 0.3
+# Why it collapsed: random embeddings are nearly orthogonal, so the hidden state can point at
+# one token, never at "the capitals", and the policy locks onto whichever partly capital
+# token ("For", "Hi") got ahead first. A pretrained model's embeddings are not like that:
+# tokens alike lie near each other. `_add_character_classes` gives the random model that
+# much structure: with it (std 0.3 per class direction), seeds 0, 1, 2, 5 reached 1.00,
+# 0.995, 1.00, 1.00 in 10-12 steps (16-18 s) and seeds 0-2 through vLLM 1.00 in 12-15 steps,
+# from baselines of 0.07-0.10: its text is still noise.
+_CLASS_STD = 0.3
 # The instruct model's tuning. Measured (2 cores): with Qwen2's usual init (std 0.02) the
 # share of probability on the last turn's items stayed at 0.24-0.31 (what knowing the item
 # pool gives) after 600-1,000 steps; at std 0.1 it reached 0.79 in 1,500 single-turn steps,
@@ -246,11 +269,13 @@ def _build(directory: Path, seed: int, instruct: bool = False) -> None:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         dtype="float32",
-        **({"initializer_range": _INSTRUCT_INIT_STD} if instruct else {}),
+        initializer_range=_INSTRUCT_INIT_STD if instruct else _INIT_STD,
     )
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        if not instruct:
+            _add_character_classes(model, tokenizer, _CLASS_STD)
         if instruct:
             from gateway.tiny_pretrain import instruction_tune, log_progress
 
@@ -264,6 +289,31 @@ def _build(directory: Path, seed: int, instruct: bool = False) -> None:
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+
+
+_CHARACTER_CLASSES = (str.isupper, str.islower, str.isdigit, str.isspace)  # and one for the rest
+
+
+def _add_character_classes(model, tokenizer, std: float) -> None:
+    """Give each token's (tied) embedding a share of one random direction per character class
+    (capitals, small letters, digits, spaces, the rest), in proportion to the fraction of its
+    characters in that class: "ABC" and "A" lie along the capitals' direction, "For" a third
+    of the way. See `_CLASS_STD` for why."""
+    import torch
+
+    embeddings = model.get_input_embeddings().weight
+    hidden = embeddings.shape[1]
+    directions = torch.randn(len(_CHARACTER_CLASSES) + 1, hidden) * std
+    fractions = torch.zeros(embeddings.shape[0], len(_CHARACTER_CLASSES) + 1)
+    for token_id in range(embeddings.shape[0]):
+        text = tokenizer.decode([token_id])
+        if not text:
+            continue
+        for c, is_in in enumerate(_CHARACTER_CLASSES):
+            fractions[token_id, c] = sum(map(is_in, text)) / len(text)
+        fractions[token_id, -1] = 1 - fractions[token_id, :-1].sum()
+    with torch.no_grad():
+        embeddings += fractions @ directions
 
 
 def ensure_tiny_model(cache_dir: Path, seed: int = 0, instruct: bool = False) -> Path:

@@ -4,7 +4,7 @@ on the random tiny model, and the same run with shuffled rewards does not.
 The rollouts are sampled straight from the backend's model (no gateway: the loop through
 HTTP is what `rlproxy demo` and tests/test_demo.py run), then go through the same code as
 the worker's: `trainer.advantages.compute_advantages` and `trainer.step.train_step` (packing,
-the GRPO loss, AdamW on the LoRA weights, lm_head included for the tiny model).
+the GRPO loss, AdamW on the LoRA weights, on the projections only).
 """
 
 from __future__ import annotations

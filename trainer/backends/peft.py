@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from gateway.errors import ConfigError
-from gateway.settings import TINY_MODEL_ID, Settings
+from gateway.settings import Settings
 from trainer.backends.base import (
     LORA_TARGET_MODULES,
     TrainingBackend,
@@ -39,25 +39,15 @@ def model_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def lora_targets(model: torch.nn.Module, base_model: str | None = None, engine: str = "local") -> list[str] | str:
+def lora_targets(model: torch.nn.Module) -> list[str] | str:
     """`LORA_TARGET_MODULES` the model has; "all-linear" (peft: every linear layer but the
     output head) for architectures that name their projections otherwise.
 
-    The built-in tiny model also gets its output head: its random embeddings (std 0.02,
-    tied to the head) are so small that the final hidden state, RMS-normalised to norm
-    sqrt(64) = 8, moves no logit by more than about 1.3, whatever the inner layers do; an
-    adapter on the projections alone can never make a token likely, so nothing could be
-    seen to learn (`rlproxy demo`). A LoRA on `lm_head` is a separate delta on the output;
-    the tied weights themselves stay untouched. The built-in instruct model does without:
-    initialised with std 0.1 and tuned, its logits already move (tic-tac-toe learns on it).
-
-    Only for the `local` engine: vLLM loads LoRAs on the projections alone and answers a
-    500 to an adapter on `lm_head` ("expected target modules in {q_proj, ...}"), so the
-    adapters a vLLM serves are trained without it."""
+    Never the output head or the embeddings: vLLM loads LoRAs on the projections alone (it
+    answers a 500 to an adapter on `lm_head`), and an adapter must be servable by every
+    engine. The built-in models learn without them (see `gateway.tiny_model._INIT_STD`)."""
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     found = [m for m in LORA_TARGET_MODULES if m in present]
-    if found and base_model == TINY_MODEL_ID and "lm_head" in present and engine == "local":
-        found.append("lm_head")
     return found or "all-linear"
 
 
@@ -90,7 +80,7 @@ class PeftBackend(TrainingBackend):
             r=settings.lora_rank,
             lora_alpha=settings.lora_alpha,
             lora_dropout=settings.lora_dropout,
-            target_modules=lora_targets(base, settings.base_model, settings.engine),
+            target_modules=lora_targets(base),
             task_type="CAUSAL_LM",
         )
         # The fresh adapter (A random, B zero) is drawn from the trainer seed: step 0 is
@@ -98,8 +88,6 @@ class PeftBackend(TrainingBackend):
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             # peft calls transformers' deprecated `is_gradient_checkpointing`: not ours to fix.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            # The tiny model's LoRA on its tied head (see `lora_targets`) is never merged.
-            warnings.filterwarnings("ignore", message=".*tie_word_embeddings", category=UserWarning)
             torch.manual_seed(settings.seed)
             self.model = get_peft_model(base, config)
         self.model.train()
@@ -126,7 +114,7 @@ class PeftBackend(TrainingBackend):
     # -- files
     def save(self, directory: Path) -> None:
         # Only the LoRA weights: the base embeddings are never trained (peft would otherwise copy
-        # the tiny model's tied embedding matrix into every checkpoint, see `lora_targets`).
+        # the tiny model's tied embedding matrix into every checkpoint).
         save_peft_checkpoint(self.model, self.optimizer, directory, safe_serialization=True,
                              save_embedding_layers=False)
 
