@@ -88,6 +88,9 @@ class Record:
     final_reward: float | None = None
     final_step: int | None = None
     rewards_by_step: dict[int, list[float]] = field(default_factory=dict)
+    # mean |log pi_old - log mu| over the tokens step N sampled, as the trainer measured it when it
+    # trained step N + 1 on them: how far the engine's behaviour logprobs are from the trainer's
+    mismatch_by_step: dict[int, float] = field(default_factory=dict)
     groups_skipped: int = 0
     stopped_because: str = ""
 
@@ -143,9 +146,16 @@ def demo_settings(given: dict, out: Path, task: str = DEFAULT_TASK) -> Settings:
     if "state_dir" not in given and "RLPROXY_STATE_DIR" not in os.environ:
         tuned["state_dir"] = out / "state"
     settings = Settings(**{**tuned, **given})
-    if settings.engine != "local":
-        raise ConfigError("the demo runs on the local engine (the trainer's adapters are served in process); "
-                          "drop --engine")
+    if settings.engine == "openai":
+        raise ConfigError("the demo trains the model it serves, and an OpenAI-compatible upstream serves no "
+                          "adapters: use --engine local (the default) or --engine vllm")
+    if settings.engine == "vllm":
+        if settings.vllm_url:
+            raise ConfigError("the demo starts and stops its own vLLM: drop --vllm-url and give --vllm-python "
+                              "(the python of the environment vLLM is installed in), or have `vllm` on PATH")
+        if "vllm_port" not in given and "RLPROXY_VLLM_PORT" not in os.environ:
+            with contextlib.closing(_free_socket()) as sock:  # a port of its own: never another vLLM's 8001
+                settings = Settings(**{**tuned, **given, "vllm_port": sock.getsockname()[1]})
     return settings
 
 
@@ -192,12 +202,13 @@ def _gateway(settings: Settings):
     try:
         while not server.started:
             if not thread.is_alive():
-                raise RLProxyError("the gateway failed to start; see gateway.log")
+                raise RLProxyError("the gateway failed to start; see gateway.log"
+                                   + (" and state/vllm.log" if settings.engine == "vllm" else ""))
             time.sleep(0.05)
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=60)  # its shutdown stops a managed vLLM (SIGTERM, SIGKILL after 30 s)
         sock.close()
 
 
@@ -220,7 +231,7 @@ def _settings_flags(settings: Settings) -> list[str]:
             argv.append(flag if value else "--no-" + flag[2:])
             continue
         for item in value if isinstance(value, list) else [value]:
-            argv += [flag, str(item)]
+            argv.append(f"{flag}={item}")  # one token: a value may itself start with "--" (--vllm-arg)
     return argv
 
 
@@ -293,6 +304,21 @@ class Agent:
         response = await self.http.get("/healthz")
         response.raise_for_status()
         return response.json().get("step")
+
+    async def read_mismatch(self, sampled_by: int | None = None) -> None:
+        """The sampler/trainer mismatch of every step trained so far, from the step rows;
+        waiting a moment for the one measured on what step `sampled_by` sampled (the trainer
+        records a step just after it saves the adapter the gateway may already serve)."""
+        for _ in range(20):
+            response = await self.http.get("/v1/training/steps")
+            response.raise_for_status()
+            for row in response.json()["data"]:
+                mismatch = (row.get("metrics") or {}).get("mismatch_logprob_abs")
+                if row["step"] > 0 and mismatch is not None:
+                    self.record.mismatch_by_step[row["step"] - 1] = float(mismatch)
+            if sampled_by is None or sampled_by in self.record.mismatch_by_step:
+                return
+            await asyncio.sleep(0.1)
 
     async def rollout(self, group_id: str, index: int, spec, split: str) -> tuple[float, float, int | None]:
         """One session: the task's episode, each of its model calls a chat completion in this
@@ -403,8 +429,11 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
             while step < options.steps:
                 stop = await agent.train_round(step)
                 rewards = record.rewards_by_step.get(step, [])
+                await agent.read_mismatch(step if stop is None else None)
                 if rewards and progress:
-                    bar.write(f"step {step:3d}: reward {sum(rewards) / len(rewards):.2f}  ({len(rewards)} rollouts)")
+                    mismatch = record.mismatch_by_step.get(step)
+                    bar.write(f"step {step:3d}: reward {sum(rewards) / len(rewards):.2f}  ({len(rewards)} rollouts"
+                              + ("" if mismatch is None else f", mismatch {mismatch:.1e}") + ")")
                 if stop is not None:
                     record.stopped_because = stop
                     break
@@ -417,6 +446,7 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
         finally:
             bar.close()
         record.final_reward, record.final_step = await agent.evaluate()
+        await agent.read_mismatch()
     finally:
         await agent.close()
     return record
@@ -425,7 +455,8 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
 # ---------------------------------------------------------------------------- outputs
 
 
-def summarize(record: Record, settings: Settings, options: DemoOptions, seconds: float) -> dict:
+def summarize(record: Record, settings: Settings, options: DemoOptions, seconds: float,
+              startup_seconds: float = 0.0) -> dict:
     task = load_task(options.task)
     by_step = {str(step): sum(r) / len(r) for step, r in sorted(record.rewards_by_step.items())}
     reached = (record.baseline_reward is not None and record.final_reward is not None
@@ -438,9 +469,12 @@ def summarize(record: Record, settings: Settings, options: DemoOptions, seconds:
         "final_step": record.final_step,
         "reward_by_step": by_step,
         "rollouts_by_step": {str(step): len(r) for step, r in sorted(record.rewards_by_step.items())},
+        "mismatch_by_step": {str(step): m for step, m in sorted(record.mismatch_by_step.items())},
         "groups_skipped": record.groups_skipped,
         "stopped_because": record.stopped_because,
+        "engine": settings.engine,
         "seconds": round(seconds, 1),
+        "startup_seconds": round(startup_seconds, 1),
         "aim": {"baseline_at_most": AIM_BASELINE_AT_MOST, "final_at_least": AIM_FINAL_AT_LEAST, "reached": reached},
         "demo": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
         "settings": settings.public_dict(),
@@ -492,28 +526,30 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     _prepare_state(settings, out)
     # A built-in model is built on first use (the instruct one takes a minute or two, with
     # progress logged): like a download, that is not the demo's time, nor its budget's.
+    from transformers.utils import logging as hf_logging
+
     from gateway.tiny_model import resolve_base_model
 
+    hf_logging.disable_progress_bar()  # its bars (writing the built model, loading) are not the demo's
     resolve_base_model(settings.base_model, settings.state_dir)
-    started = time.monotonic()
     handler = _configure_logging(settings, out / "gateway.log")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    # Loading the tiny model's adapters (LoRA on its tied output head, see trainer.backends.peft)
-    # makes peft warn about merging, which nothing here does; keep the newcomer's screen clean.
-    warnings.filterwarnings("ignore", message=".*tie_word_embeddings", category=UserWarning)
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
     # Two processes on the same cores: each gets half, or their OpenMP threads fight.
     threads = max(1, (os.cpu_count() or 2) // 2)
     torch.set_num_threads(threads)
     print(f"rlproxy demo --task {options.task}: {load_task(options.task).DESCRIPTION}\n  {options.steps} steps x {settings.groups_per_step} groups x "
           f"{options.rollouts} rollouts; outputs in {out}/", file=sys.stderr)
+    if settings.engine == "vllm":
+        print(f"  starting vLLM on port {settings.vllm_port} (a minute on a CPU; its log: "
+              f"{settings.state_dir / 'vllm.log'})", file=sys.stderr)
+    starting = time.monotonic()
     trainer = None
     try:
         with _gateway(settings) as url:
+            # The engine is up (vLLM started and healthy): from here on is the demo's time and budget.
+            started = time.monotonic()
             trainer = Trainer(settings, out / "trainer.log", threads)
             try:
                 record = asyncio.run(_drive(url, settings, options, trainer, started + options.seconds, progress))
@@ -522,7 +558,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
-    summary = summarize(record, settings, options, time.monotonic() - started)
+    summary = summarize(record, settings, options, time.monotonic() - started, started - starting)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, out / "reward_curve.png")
     return summary
