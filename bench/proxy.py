@@ -292,6 +292,7 @@ class CellResult:
     seconds: float
     latencies_ms: list[float] = field(repr=False, default_factory=list)
     cpu_seconds: float | None = None  # CPU the measured server's process group used during the cell
+    also_cpu_seconds: dict[int, float] = field(default_factory=dict)  # the same for each of `also_pgids`
 
     @property
     def cpu_ms_per_request(self) -> float | None:
@@ -307,9 +308,12 @@ class CellResult:
 
 
 async def run_cell(port: int, path: str, concurrency: int, seconds: float, warmup: float, tag: str,
-                   pgid: int | None = None, body: bytes = BODY) -> CellResult:
+                   pgid: int | None = None, body: bytes = BODY, protocol=_Connection,
+                   also_pgids: tuple[int, ...] = ()) -> CellResult:
+    """`protocol`: a factory of `_Connection`s (a subclass may read the bodies); `also_pgids`: more
+    process groups whose CPU during the measured seconds goes into `also_cpu_seconds`."""
     loop = asyncio.get_running_loop()
-    connections = [(await loop.create_connection(_Connection, "127.0.0.1", port))[1] for _ in range(concurrency)]
+    connections = [(await loop.create_connection(protocol, "127.0.0.1", port))[1] for _ in range(concurrency)]
     latencies: list[float] = []
     counts = {"ok": 0, "errors": 0}
     measuring = False
@@ -331,15 +335,17 @@ async def run_cell(port: int, path: str, concurrency: int, seconds: float, warmu
         await asyncio.gather(*(worker(i, c, warm_until) for i, c in enumerate(connections)))
         measuring = True
         cpu_before = group_cpu_seconds(pgid) if pgid else None
+        also_before = {g: group_cpu_seconds(g) for g in also_pgids}
         began = time.perf_counter()
         await asyncio.gather(*(worker(i, c, began + seconds) for i, c in enumerate(connections)))
         elapsed = time.perf_counter() - began
         cpu = group_cpu_seconds(pgid) - cpu_before if pgid else None
+        also = {g: group_cpu_seconds(g) - before for g, before in also_before.items()}
     finally:
         for conn in connections:
             conn.transport.close()
     return CellResult(requests=counts["ok"], errors=counts["errors"], seconds=elapsed, latencies_ms=latencies,
-                      cpu_seconds=cpu)
+                      cpu_seconds=cpu, also_cpu_seconds=also)
 
 
 # ---------------------------------------------------------------- the bench
