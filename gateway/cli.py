@@ -220,6 +220,12 @@ def cmd_export_model(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo.driver import demo_settings, options_from_args, report, run_demo
 
+    import signal
+
+    def interrupt(signum, frame):  # `kill` as Ctrl-C: unwind, so the trainer and a managed vLLM are stopped
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     options = options_from_args(args)
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     summary = run_demo(demo_settings(given, options.out, options.task), options)

@@ -56,7 +56,8 @@ def test_the_demo_runs_through_vllm_reports_the_mismatch_and_leaves_no_vllm(tmp_
     assert vllm_processes_of(out) == []
 
 
-def test_an_interrupted_demo_leaves_no_vllm(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+def test_an_interrupted_demo_leaves_no_vllm(tmp_path, signum):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "gateway.cli", "demo", "--out", str(out), "--engine", "vllm",
            "--vllm-python", vllm_python(), "--steps", "50", *SMALL]
@@ -69,7 +70,7 @@ def test_an_interrupted_demo_leaves_no_vllm(tmp_path):
             assert time.monotonic() < deadline, "the demo never trained a step"
             time.sleep(0.5)
         assert vllm_processes_of(out), "vLLM should be running while the demo trains"
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.send_signal(signum)
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
