@@ -546,13 +546,18 @@ def main(argv: list[str] | None = None) -> int:
         (OUT / "proxy.json").write_text(json.dumps(result, indent=2))
         finished = True
     finally:
-        for service in reversed(services):
-            service.stop()
-        if finished:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            print(f"logs kept in {workdir}", file=sys.stderr)
+        shut_down(services, workdir, finished)
     return 0
+
+
+def shut_down(services: list[Service], workdir: Path, finished: bool, stop=Service.stop) -> None:
+    """Stop every service, the last started first; keep the logs of a run that did not finish."""
+    for service in reversed(services):
+        stop(service)
+    if finished:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"logs kept in {workdir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import json
 import os
 import re
 import signal
-import shutil
 import sqlite3
 import statistics
 import sys
@@ -61,6 +60,7 @@ from bench.proxy import (  # noqa: E402
     _wait_http,
     free_port,
     run_cell,
+    shut_down,
     summarise,
     warm_up,
 )
@@ -483,12 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for service in reversed(services):
-            stop(service)
-        if finished:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            print(f"logs kept in {workdir}", file=sys.stderr)
+        shut_down(services, workdir, finished, stop=stop)
     return 0
 
 

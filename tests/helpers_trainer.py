@@ -69,3 +69,29 @@ class Recorder:
                       step)
             asyncio.run(self.store.set_reward(session_id, reward))
         asyncio.run(self.store.close_group(group_id))
+
+
+def grpo_samples(groups: list[list[tuple[list[int], list[int], list[float]]]], rewards: list[float], *,
+                 scale_rewards: str, step: int, temperature: float = 1.0) -> list:
+    """The worker's samples for a step of rollouts: `groups[g][i]` is rollout i of group g as
+    (prompt ids, completion ids, behaviour logprobs), `rewards` theirs in the same order. GRPO
+    advantages within each group (`trainer.advantages`); only the completion is trained."""
+    import math
+
+    from trainer.advantages import compute_advantages
+    from trainer.types import Sample
+
+    by_group, start = {}, 0
+    for g, rollouts in enumerate(groups):
+        by_group[f"g{g}"] = rewards[start:start + len(rollouts)]
+        start += len(rollouts)
+    advantages, _ = compute_advantages(by_group, scale_rewards)
+    return [
+        Sample(token_ids=tuple(prompt + completion),
+               loss_mask=(False,) * len(prompt) + (True,) * len(completion),
+               old_logprobs=(math.nan,) * len(prompt) + tuple(logprobs),
+               advantage=advantages[f"g{g}"][i], trajectory_id=f"s{step}-{g}-{i}", group_id=f"g{g}",
+               temperatures=(1.0,) * len(prompt) + (temperature,) * len(completion))
+        for g, rollouts in enumerate(groups) if f"g{g}" in advantages  # a group without spread teaches nothing
+        for i, (prompt, completion, logprobs) in enumerate(rollouts)
+    ]

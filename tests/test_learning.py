@@ -21,10 +21,9 @@ import torch
 from gateway.demo import shout as demo_task
 from gateway.settings import Settings
 from gateway.engines.local_worker import Sampling, processed_logprobs
-from trainer.advantages import compute_advantages
 from trainer.backends.peft import PeftBackend
+from tests.helpers_trainer import grpo_samples
 from trainer.step import train_step
-from trainer.types import Sample
 
 # Few, large steps: with shuffled rewards AdamW still moves the LoRA weights about lr per
 # step, in a random direction, and a long random walk can sharpen the policy onto a token
@@ -106,17 +105,9 @@ def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, temperature: float = 
         rewards = [sampler.reward(c) for _, completions, _ in groups for c in completions]
         if shuffle_rewards:  # the control: same rewards, dealt out at random across the batch
             shuffler.shuffle(rewards)
-        rewards_by_group = {f"g{g}": rewards[g * ROLLOUTS:(g + 1) * ROLLOUTS] for g in range(GROUPS_PER_STEP)}
-        advantages, _ = compute_advantages(rewards_by_group, settings.scale_rewards)
-        samples = [
-            Sample(token_ids=tuple(prompt + completion),
-                   loss_mask=(False,) * len(prompt) + (True,) * len(completion),
-                   old_logprobs=(math.nan,) * len(prompt) + tuple(logprobs),
-                   advantage=advantages[f"g{g}"][i], trajectory_id=f"s{step}-{g}-{i}", group_id=f"g{g}",
-                   temperatures=(1.0,) * len(prompt) + (temperature,) * len(completion))
-            for g, (prompt, completions, logprob_lists) in enumerate(groups) if f"g{g}" in advantages
-            for i, (completion, logprobs) in enumerate(zip(completions, logprob_lists))
-        ]
+        samples = grpo_samples([[(prompt, c, lp) for c, lp in zip(completions, logprob_lists)]
+                                for prompt, completions, logprob_lists in groups],
+                               rewards, scale_rewards=settings.scale_rewards, step=step, temperature=temperature)
         if samples:
             step_metrics = train_step(backend, samples, settings)
             if metrics is not None:

@@ -11,7 +11,6 @@ which samples the next step. The control deals the same rewards out at random.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import random
 
@@ -26,10 +25,9 @@ from gateway.engines.vllm import VLLMEngine
 from gateway.settings import Settings
 from tests.helpers import free_port
 from tests.helpers_real_vllm import vllm_python
-from trainer.advantages import compute_advantages
+from tests.helpers_trainer import grpo_samples
 from trainer.backends.peft import PeftBackend
 from trainer.step import train_step
-from trainer.types import Sample
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -86,17 +84,8 @@ async def learn(state_dir, *, shuffle_rewards: bool, seed: int = 0) -> tuple[flo
             rewards = [r for rollouts in groups for *_, r in rollouts]
             if shuffle_rewards:  # the control: same rewards, dealt out at random across the batch
                 shuffler.shuffle(rewards)
-            by_group = {f"g{g}": rewards[g * ROLLOUTS:(g + 1) * ROLLOUTS] for g in range(GROUPS_PER_STEP)}
-            advantages, _ = compute_advantages(by_group, settings.scale_rewards)
-            samples = [
-                Sample(token_ids=tuple(prompt + completion),
-                       loss_mask=(False,) * len(prompt) + (True,) * len(completion),
-                       old_logprobs=(math.nan,) * len(prompt) + tuple(logprobs),
-                       advantage=advantages[f"g{g}"][i], trajectory_id=f"s{step}-{g}-{i}", group_id=f"g{g}",
-                       temperatures=(1.0,) * (len(prompt) + len(completion)))
-                for g, rollouts in enumerate(groups) if f"g{g}" in advantages
-                for i, (prompt, completion, logprobs, _) in enumerate(rollouts)
-            ]
+            samples = grpo_samples([[rollout[:3] for rollout in rollouts] for rollouts in groups], rewards,
+                                   scale_rewards=settings.scale_rewards, step=step)
             if samples:
                 metrics.append(train_step(backend, samples, settings))
             directory = state_dir / f"agent@{step}"
