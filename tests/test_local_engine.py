@@ -235,7 +235,9 @@ async def test_response_logprobs_and_top_logprobs(engine):
     assert joined == result.response["choices"][0]["message"]["content"]
     for entry in content:
         tops = entry["top_logprobs"]
-        assert len(tops) == 3 and tops[0]["logprob"] >= tops[1]["logprob"] >= tops[2]["logprob"] >= entry["logprob"] - 1e-6
+        assert len(tops) == 3 and tops[0]["logprob"] >= tops[1]["logprob"] >= tops[2]["logprob"]
+        # The sampled token is one of the three most likely, or less likely than the third.
+        assert entry["bytes"] in [t["bytes"] for t in tops] or entry["logprob"] <= tops[2]["logprob"] + 1e-6
         assert all(isinstance(t["token"], str) and isinstance(t["bytes"], list) for t in tops)
 
 
@@ -265,9 +267,11 @@ async def test_eos_stops_and_is_recorded(engine):
 async def test_penalties_change_sampling(engine):
     plain = await engine.complete(request(max_tokens=30, temperature=0))
     penalised = await engine.complete(request(max_tokens=30, temperature=0, frequency_penalty=2.0))
-    ids = penalised.tokens.choices[0].completion_ids
-    assert len(set(ids)) == len(ids)  # every used token is pushed below the unused ones
-    assert ids != plain.tokens.choices[0].completion_ids
+    ids, plain_ids = penalised.tokens.choices[0].completion_ids, plain.tokens.choices[0].completion_ids
+    # Greedy decoding repeats itself; each use of a token lowers its logit by 2, so the penalised
+    # reply uses more distinct tokens.
+    assert len(set(ids)) > len(set(plain_ids))
+    assert ids != plain_ids
 
 
 async def test_greedy_and_tiny_top_p_agree(engine):
