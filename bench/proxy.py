@@ -53,12 +53,26 @@ LITELLM_VENV = OUT / "litellm-venv"
 RLLM_VENV = OUT / "rllm-venv"
 RLLM_PACKAGE = "rllm-model-gateway==0.1.0"
 MODEL = "fake-model"
-BODY = json.dumps({"model": MODEL, "messages": [{"role": "system", "content": "You are a terse assistant."},
-                                                {"role": "user", "content": "Say hello to the benchmark."}],
-                   "max_tokens": 16, "temperature": 0.7}).encode()
-RESPONSES_BODY = json.dumps({"model": MODEL, "instructions": "You are a terse assistant.",
-                             "input": "Say hello to the benchmark.", "max_output_tokens": 16,
-                             "temperature": 0.7}).encode()
+BODY = json.dumps(
+    {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Say hello to the benchmark."},
+        ],
+        "max_tokens": 16,
+        "temperature": 0.7,
+    }
+).encode()
+RESPONSES_BODY = json.dumps(
+    {
+        "model": MODEL,
+        "instructions": "You are a terse assistant.",
+        "input": "Say hello to the benchmark.",
+        "max_output_tokens": 16,
+        "temperature": 0.7,
+    }
+).encode()
 CALLS_PER_SESSION = 8
 # Both proxies authenticate every call with this key (LiteLLM refuses to start without one).
 API_KEY = "sk-bench-" + secrets.token_hex(24)
@@ -99,8 +113,9 @@ def _spawn(cmd: list[str], log: Path, env: dict | None = None, drop_env: tuple[s
     for name in drop_env:
         full_env.pop(name, None)
     with log.open("wb") as handle:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=full_env)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=full_env
+        )
 
 
 def _wait_http(service: Service, path: str, timeout: float = 180.0) -> None:
@@ -109,8 +124,10 @@ def _wait_http(service: Service, path: str, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if service.proc.poll() is not None:
-            raise RuntimeError(f"{service.name} exited ({service.proc.returncode}); see {service.log}:\n"
-                               + service.log.read_text(errors="replace")[-3000:])
+            raise RuntimeError(
+                f"{service.name} exited ({service.proc.returncode}); see {service.log}:\n"
+                + service.log.read_text(errors="replace")[-3000:]
+            )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"http://127.0.0.1:{service.port}{path}", timeout=2).status_code == 200:
                 return
@@ -123,12 +140,17 @@ def warm_up(service: Service, calls: int = 30) -> None:
     imports most of the openai package on its first call: a second of CPU)."""
     import httpx
 
-    with httpx.Client(base_url=f"http://127.0.0.1:{service.port}", timeout=120,
-                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}) as http:
+    with httpx.Client(
+        base_url=f"http://127.0.0.1:{service.port}",
+        timeout=120,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    ) as http:
         for _ in range(calls):
             reply = http.post(service.path.format(session="warm-up"), content=service.body)
             if reply.status_code != 200:
-                raise RuntimeError(f"{service.name} answered {reply.status_code} to the warm-up call: {reply.text[:500]}")
+                raise RuntimeError(
+                    f"{service.name} answered {reply.status_code} to the warm-up call: {reply.text[:500]}"
+                )
 
 
 def start_upstream(workdir: Path) -> Service:
@@ -144,10 +166,30 @@ def start_rlproxy(upstream: Service, workdir: Path) -> tuple[Service, Path]:
     port = free_port()
     state_dir = workdir / "rlproxy-state"
     log = workdir / "rlproxy.log"
-    proc = _spawn([sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--engine", "openai", "--upstream-url", f"http://127.0.0.1:{upstream.port}/v1",
-                   "--state-dir", str(state_dir), "--trainer", "off", "--log-level", "warning"], log,
-                  env={"RLPROXY_API_KEY": API_KEY})  # environment, not argv: keys stay out of `ps`
+    proc = _spawn(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--engine",
+            "openai",
+            "--upstream-url",
+            f"http://127.0.0.1:{upstream.port}/v1",
+            "--state-dir",
+            str(state_dir),
+            "--trainer",
+            "off",
+            "--log-level",
+            "warning",
+        ],
+        log,
+        env={"RLPROXY_API_KEY": API_KEY},
+    )  # environment, not argv: keys stay out of `ps`
     service = Service("rlproxy", proc, port, "/v1/chat/completions", log)
     _wait_http(service, "/healthz")
     return service, state_dir / "rlproxy.db"
@@ -170,9 +212,26 @@ def rllm_python(install: bool) -> Path | None:
 def start_rllm(python: Path, upstream: Service, workdir: Path) -> Service:
     port = free_port()
     log = workdir / "rllm.log"
-    proc = _spawn([str(python), "-m", "rllm_model_gateway", "--host", "127.0.0.1", "--port", str(port),
-                   "--worker", f"http://127.0.0.1:{upstream.port}/v1", "--store", "sqlite",
-                   "--db-path", str(workdir / "rllm.db"), "--log-level", "warning"], log)
+    proc = _spawn(
+        [
+            str(python),
+            "-m",
+            "rllm_model_gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker",
+            f"http://127.0.0.1:{upstream.port}/v1",
+            "--store",
+            "sqlite",
+            "--db-path",
+            str(workdir / "rllm.db"),
+            "--log-level",
+            "warning",
+        ],
+        log,
+    )
     service = Service("rllm", proc, port, "/sessions/{session}/v1/chat/completions", log)
     _wait_http(service, "/health")
     return service
@@ -181,8 +240,13 @@ def start_rllm(python: Path, upstream: Service, workdir: Path) -> Service:
 def litellm_python() -> Path | None:
     """The interpreter that has litellm's proxy extras, or None."""
     for python in (Path(sys.executable), LITELLM_VENV / "bin" / "python"):
-        if python.exists() and subprocess.run([str(python), "-c", "import litellm.proxy.proxy_server"],
-                                              capture_output=True, cwd=tempfile.gettempdir()).returncode == 0:
+        if (
+            python.exists()
+            and subprocess.run(
+                [str(python), "-c", "import litellm.proxy.proxy_server"], capture_output=True, cwd=tempfile.gettempdir()
+            ).returncode
+            == 0
+        ):
             return python
     return None
 
@@ -193,8 +257,9 @@ def install_litellm() -> Path:
     if not (LITELLM_VENV / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(LITELLM_VENV)], check=True)
     print("installing litellm[proxy] into bench/out/litellm-venv ...", file=sys.stderr, flush=True)
-    subprocess.run([str(LITELLM_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", "litellm[proxy]"],
-                   check=True)
+    subprocess.run(
+        [str(LITELLM_VENV / "bin" / "python"), "-m", "pip", "install", "--quiet", "litellm[proxy]"], check=True
+    )
     python = litellm_python()
     if python is None:
         raise RuntimeError("litellm[proxy] installed but `import litellm.proxy.proxy_server` still fails")
@@ -219,10 +284,17 @@ def start_litellm(python: Path, upstream: Service, workdir: Path) -> Service:
     # The litellm CLI script lives next to the interpreter; `-m litellm` has no __main__.
     cli = python.parent / "litellm"
     cmd = [str(cli)] if cli.exists() else [str(python), "-c", "from litellm import run_server; run_server()"]
-    proc = _spawn([*cmd, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
-                  log, env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
-                            "LITELLM_TELEMETRY": "False", "LITELLM_MASTER_KEY": API_KEY},
-                  drop_env=("DATABASE_URL", "STORE_MODEL_IN_DB"))  # no database: LiteLLM's lightest set-up
+    proc = _spawn(
+        [*cmd, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+        log,
+        env={
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_LOG": "ERROR",
+            "LITELLM_TELEMETRY": "False",
+            "LITELLM_MASTER_KEY": API_KEY,
+        },
+        drop_env=("DATABASE_URL", "STORE_MODEL_IN_DB"),
+    )  # no database: LiteLLM's lightest set-up
     service = Service("litellm", proc, port, "/v1/chat/completions", log)
     _wait_http(service, "/health/liveliness")
     return service
@@ -279,9 +351,11 @@ class _Connection(asyncio.Protocol):
 
 
 def _request_bytes(port: int, path: str, session: str, body: bytes = BODY) -> bytes:
-    head = (f"POST {path.format(session=session)} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-            f"Content-Type: application/json\r\nAuthorization: Bearer {API_KEY}\r\nX-Session-Id: {session}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")
+    head = (
+        f"POST {path.format(session=session)} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nAuthorization: Bearer {API_KEY}\r\nX-Session-Id: {session}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -307,9 +381,18 @@ class CellResult:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def run_cell(port: int, path: str, concurrency: int, seconds: float, warmup: float, tag: str,
-                   pgid: int | None = None, body: bytes = BODY, protocol=_Connection,
-                   also_pgids: tuple[int, ...] = ()) -> CellResult:
+async def run_cell(
+    port: int,
+    path: str,
+    concurrency: int,
+    seconds: float,
+    warmup: float,
+    tag: str,
+    pgid: int | None = None,
+    body: bytes = BODY,
+    protocol=_Connection,
+    also_pgids: tuple[int, ...] = (),
+) -> CellResult:
     """`protocol`: a factory of `_Connection`s (a subclass may read the bodies); `also_pgids`: more
     process groups whose CPU during the measured seconds goes into `also_cpu_seconds`."""
     loop = asyncio.get_running_loop()
@@ -344,8 +427,14 @@ async def run_cell(port: int, path: str, concurrency: int, seconds: float, warmu
     finally:
         for conn in connections:
             conn.transport.close()
-    return CellResult(requests=counts["ok"], errors=counts["errors"], seconds=elapsed, latencies_ms=latencies,
-                      cpu_seconds=cpu, also_cpu_seconds=also)
+    return CellResult(
+        requests=counts["ok"],
+        errors=counts["errors"],
+        seconds=elapsed,
+        latencies_ms=latencies,
+        cpu_seconds=cpu,
+        also_cpu_seconds=also,
+    )
 
 
 # ---------------------------------------------------------------- the bench
@@ -365,26 +454,43 @@ class Row:
 
 
 def summarise(target: str, concurrency: int, cells: list[CellResult]) -> Row:
-    return Row(target=target, concurrency=concurrency,
-               rps=statistics.median(c.rps for c in cells),
-               p50_ms=statistics.median(c.percentile(0.50) for c in cells),
-               p99_ms=statistics.median(c.percentile(0.99) for c in cells),
-               errors=sum(c.errors for c in cells),
-               cpu_ms_per_request=(statistics.median(c.cpu_ms_per_request for c in cells)
-                                   if all(c.cpu_ms_per_request is not None for c in cells) else None),
-               runs=[{"rps": round(c.rps, 1), "p50_ms": round(c.percentile(0.5), 3),
-                      "p99_ms": round(c.percentile(0.99), 3), "requests": c.requests, "errors": c.errors}
-                     for c in cells])
+    return Row(
+        target=target,
+        concurrency=concurrency,
+        rps=statistics.median(c.rps for c in cells),
+        p50_ms=statistics.median(c.percentile(0.50) for c in cells),
+        p99_ms=statistics.median(c.percentile(0.99) for c in cells),
+        errors=sum(c.errors for c in cells),
+        cpu_ms_per_request=(
+            statistics.median(c.cpu_ms_per_request for c in cells)
+            if all(c.cpu_ms_per_request is not None for c in cells)
+            else None
+        ),
+        runs=[
+            {
+                "rps": round(c.rps, 1),
+                "p50_ms": round(c.percentile(0.5), 3),
+                "p99_ms": round(c.percentile(0.99), 3),
+                "requests": c.requests,
+                "errors": c.errors,
+            }
+            for c in cells
+        ],
+    )
 
 
 def print_table(rows: list[Row], concurrencies: list[int]) -> None:
-    print(f"\n{'target':<13} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
-          f"{'cpu ms/req':>10} {'errors':>6}")
+    print(
+        f"\n{'target':<13} {'conc':>5} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
+        f"{'cpu ms/req':>10} {'errors':>6}"
+    )
     for row in rows:
         added = "" if row.added_p50_ms is None else f"{row.added_p50_ms:+.3f}"
         cpu = "" if row.cpu_ms_per_request is None else f"{row.cpu_ms_per_request:.3f}"
-        print(f"{row.target:<13} {row.concurrency:>5} {row.rps:>9.0f} {row.p50_ms:>8.3f} {row.p99_ms:>8.3f} "
-              f"{added:>8} {cpu:>10} {row.errors:>6}")
+        print(
+            f"{row.target:<13} {row.concurrency:>5} {row.rps:>9.0f} {row.p50_ms:>8.3f} {row.p99_ms:>8.3f} "
+            f"{added:>8} {cpu:>10} {row.errors:>6}"
+        )
     by = {(r.target, r.concurrency): r for r in rows}
     print()
     for c in concurrencies:
@@ -424,9 +530,25 @@ def profile_gateway(pid: int, port: int, path: str, concurrency: int, seconds: f
         print("py-spy not found: pip install py-spy", file=sys.stderr)
         return None
     out = OUT / "gateway-profile.txt"
-    spy = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds) + 1), "--rate",
-                            "250", "--format", "raw", "--nonblocking", "--output", str(out)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spy = subprocess.Popen(
+        [
+            py_spy,
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(int(seconds) + 1),
+            "--rate",
+            "250",
+            "--format",
+            "raw",
+            "--nonblocking",
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     asyncio.run(run_cell(port, path, concurrency, seconds + 1.5, 0.2, "profile"))
     spy.wait(timeout=60)
     if not out.exists():
@@ -442,8 +564,10 @@ def profile_gateway(pid: int, port: int, path: str, concurrency: int, seconds: f
     # Frames every sample of the event loop shares (runpy, CLI, uvicorn.run) say nothing.
     shared = max(inclusive.values(), default=0)
     ranked = [(frame, n) for frame, n in sorted(inclusive.items(), key=lambda kv: -kv[1]) if n < shared]
-    print(f"\ngateway profile at c={concurrency}: {total} samples, share of samples per function "
-          f"(inclusive; py-spy counts a thread waiting for the GIL as busy in its current frame): {out}")
+    print(
+        f"\ngateway profile at c={concurrency}: {total} samples, share of samples per function "
+        f"(inclusive; py-spy counts a thread waiting for the GIL as busy in its current frame): {out}"
+    )
     for frame, count in ranked[:30]:
         print(f"  {100 * count / total:5.1f}%  {frame[:150]}")
     return out
@@ -481,8 +605,9 @@ def main(argv: list[str] | None = None) -> int:
         services.append(rlproxy)
         targets: dict[str, Service] = {"direct": upstream, "rlproxy": rlproxy}
         if not args.no_responses:
-            targets["rlproxy-resp"] = Service("rlproxy-resp", rlproxy.proc, rlproxy.port, "/v1/responses",
-                                              rlproxy.log, RESPONSES_BODY)
+            targets["rlproxy-resp"] = Service(
+                "rlproxy-resp", rlproxy.proc, rlproxy.port, "/v1/responses", rlproxy.log, RESPONSES_BODY
+            )
         if not args.no_rllm:
             python = rllm_python(install=not args.quick)
             if python is None:
@@ -504,20 +629,36 @@ def main(argv: list[str] | None = None) -> int:
 
         for service in targets.values():
             warm_up(service)
-        print(f"{runs} run(s) x {seconds:g} s per cell (after {warmup:g} s warm-up), concurrency "
-              f"{args.concurrency}; cpus: {os.cpu_count()}", file=sys.stderr)
+        print(
+            f"{runs} run(s) x {seconds:g} s per cell (after {warmup:g} s warm-up), concurrency "
+            f"{args.concurrency}; cpus: {os.cpu_count()}",
+            file=sys.stderr,
+        )
         load_before = os.getloadavg()[0]
         cells: dict[tuple[str, int], list[CellResult]] = {}
         for run in range(runs):  # runs interleave targets, so a noisy neighbour hits all of them alike
             for name, service in targets.items():
                 for concurrency in args.concurrency:
-                    cell = asyncio.run(run_cell(service.port, service.path, concurrency, seconds, warmup,
-                                                f"{name}{run}c{concurrency}", pgid=service.proc.pid,
-                                                body=service.body))
+                    cell = asyncio.run(
+                        run_cell(
+                            service.port,
+                            service.path,
+                            concurrency,
+                            seconds,
+                            warmup,
+                            f"{name}{run}c{concurrency}",
+                            pgid=service.proc.pid,
+                            body=service.body,
+                        )
+                    )
                     cells.setdefault((name, concurrency), []).append(cell)
-                    print(f"  run {run + 1}/{runs} {name:<8} c={concurrency:<3} {cell.rps:8.0f} req/s "
-                          f"p50 {cell.percentile(0.5):7.3f} ms  cpu {cell.cpu_ms_per_request or 0:.3f} ms/req  "
-                          f"errors {cell.errors}", file=sys.stderr, flush=True)
+                    print(
+                        f"  run {run + 1}/{runs} {name:<8} c={concurrency:<3} {cell.rps:8.0f} req/s "
+                        f"p50 {cell.percentile(0.5):7.3f} ms  cpu {cell.cpu_ms_per_request or 0:.3f} ms/req  "
+                        f"errors {cell.errors}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
         load_after = os.getloadavg()[0]
         rows = [summarise(name, c, cells[(name, c)]) for name in targets for c in args.concurrency]
@@ -527,22 +668,29 @@ def main(argv: list[str] | None = None) -> int:
                 row.added_p50_ms = row.p50_ms - direct[row.concurrency].p50_ms
 
         # Recording on means recorded: every answered rlproxy call is a row.
-        answered = sum(c.requests + c.errors for (name, _), runs_ in cells.items() if name == "rlproxy"
-                       for c in runs_)
+        answered = sum(c.requests + c.errors for (name, _), runs_ in cells.items() if name == "rlproxy" for c in runs_)
         with contextlib.closing(sqlite3.connect(db_path)) as db:
             recorded = db.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
         print_table(rows, args.concurrency)
         print(f"rlproxy recorded {recorded} calls (>= the {answered} measured; warm-ups are recorded too)")
-        print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cpus: "
-              "other work on the machine shows in req/s and latency, much less in cpu ms/req")
+        print(
+            f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cpus: "
+            "other work on the machine shows in req/s and latency, much less in cpu ms/req"
+        )
         print_targets(rows)
 
         profile = None
         if args.profile:
             profile = profile_gateway(rlproxy.proc.pid, rlproxy.port, rlproxy.path, max(args.concurrency), seconds)
-        result = {"runs": runs, "seconds": seconds, "cpus": os.cpu_count(), "load_average": [load_before, load_after],
-                  "rows": [asdict(r) for r in rows],
-                  "recorded_calls": recorded, "profile": str(profile) if profile else None}
+        result = {
+            "runs": runs,
+            "seconds": seconds,
+            "cpus": os.cpu_count(),
+            "load_average": [load_before, load_after],
+            "rows": [asdict(r) for r in rows],
+            "recorded_calls": recorded,
+            "profile": str(profile) if profile else None,
+        }
         (OUT / "proxy.json").write_text(json.dumps(result, indent=2))
         finished = True
     finally:

@@ -60,10 +60,15 @@ class Seen:
     ruler: dict | None = None
 
 
-async def stream_call(http: aiohttp.ClientSession, url: str, session_id: str, group_id: str, text: str,
-                      seen: Seen) -> None:
-    body = {"model": "agent", "stream": True, "max_tokens": 16,
-            "messages": [{"role": "system", "content": "You are a soak test."}, {"role": "user", "content": text}]}
+async def stream_call(
+    http: aiohttp.ClientSession, url: str, session_id: str, group_id: str, text: str, seen: Seen
+) -> None:
+    body = {
+        "model": "agent",
+        "stream": True,
+        "max_tokens": 16,
+        "messages": [{"role": "system", "content": "You are a soak test."}, {"role": "user", "content": text}],
+    }
     headers = {"X-Session-Id": session_id, "X-Group-Id": group_id}
     async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as reply:
         if reply.status != 200:
@@ -92,8 +97,9 @@ async def stream_call(http: aiohttp.ClientSession, url: str, session_id: str, gr
         seen.finished += 1
 
 
-async def worker(index: int, http: aiohttp.ClientSession, url: str, args, seen: Seen, stop: asyncio.Event,
-                 finished_groups: list[str]) -> None:
+async def worker(
+    index: int, http: aiohttp.ClientSession, url: str, args, seen: Seen, stop: asyncio.Event, finished_groups: list[str]
+) -> None:
     rng = random.Random(index)
     slot = index // args.group_size
     rollout = 0
@@ -109,8 +115,9 @@ async def worker(index: int, http: aiohttp.ClientSession, url: str, args, seen: 
                     seen.rewards[session_id] = reward
                 else:
                     seen.errors.append(f"reward {reply.status}: {(await reply.text())[:200]}")
-            async with http.post(f"{url}/v1/groups/{group_id}/close",
-                                 json={"expected_sessions": args.group_size}) as reply:
+            async with http.post(
+                f"{url}/v1/groups/{group_id}/close", json={"expected_sessions": args.group_size}
+            ) as reply:
                 if reply.status != 200:
                     seen.errors.append(f"close {reply.status}: {(await reply.text())[:200]}")
                 elif (await reply.json())["ready"]:
@@ -138,14 +145,16 @@ async def hot_swap(db_path: Path, checkpoints: Path, url: str, http: aiohttp.Cli
     raise RuntimeError("the gateway did not hot-swap to step 1 within 60 s")
 
 
-async def judge_once(http: aiohttp.ClientSession, url: str, judge_url: str, finished_groups: list[str],
-                     seen: Seen) -> None:
+async def judge_once(
+    http: aiohttp.ClientSession, url: str, judge_url: str, finished_groups: list[str], seen: Seen
+) -> None:
     while not finished_groups:
         await asyncio.sleep(0.1)
     group_id = finished_groups[0]
     body = {"judge_model": "openai/soak-judge", "judge_api_base": judge_url}
-    async with http.post(f"{url}/v1/groups/{group_id}/ruler", json=body,
-                         timeout=aiohttp.ClientTimeout(total=300)) as reply:
+    async with http.post(
+        f"{url}/v1/groups/{group_id}/ruler", json=body, timeout=aiohttp.ClientTimeout(total=300)
+    ) as reply:
         data = await reply.json()
         if reply.status != 200:
             seen.errors.append(f"ruler {reply.status}: {data}")
@@ -160,8 +169,9 @@ async def drive(url: str, pid: int, db_path: Path, checkpoints: Path, judge_url:
     events: dict = {}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
-        workers = [asyncio.create_task(worker(i, http, url, args, seen, stop, finished_groups))
-                   for i in range(args.sessions)]
+        workers = [
+            asyncio.create_task(worker(i, http, url, args, seen, stop, finished_groups)) for i in range(args.sessions)
+        ]
         started = time.monotonic()
         last_t, last_calls, last_errors = started, 0, 0
         swap_at, judge_at = args.seconds / 2, args.seconds / 3
@@ -174,9 +184,12 @@ async def drive(url: str, pid: int, db_path: Path, checkpoints: Path, judge_url:
                 side_tasks["ruler"] = asyncio.create_task(judge_once(http, url, judge_url, finished_groups, seen))
             if now - started >= swap_at and "swap" not in side_tasks:
                 side_tasks["swap"] = asyncio.create_task(hot_swap(db_path, checkpoints, url, http))
-            row = {"t": round(now - started), "rss_mb": round(process.memory_info().rss / 2**20, 1),
-                   "calls_per_s": round((seen.finished - last_calls) / (now - last_t), 1),
-                   "errors": len(seen.errors) - last_errors}
+            row = {
+                "t": round(now - started),
+                "rss_mb": round(process.memory_info().rss / 2**20, 1),
+                "calls_per_s": round((seen.finished - last_calls) / (now - last_t), 1),
+                "errors": len(seen.errors) - last_errors,
+            }
             rows.append(row)
             print(f"{row['t']:>6} {row['rss_mb']:>9} {row['calls_per_s']:>8} {row['errors']:>7}", flush=True)
             last_t, last_calls, last_errors = now, seen.finished, len(seen.errors)
@@ -216,12 +229,20 @@ def check_store(db_path: Path, seen: Seen) -> dict:
     if seen.ruler:
         # RULER's scores replaced the rewards of the group it judged.
         lost_rewards = [s for s in lost_rewards if s not in seen.ruler["scores"]]
-    wrong_rewards = [s for s, r in seen.rewards.items()
-                     if rewards.get(s) is not None and abs(rewards[s] - r) > 1e-9
-                     and not (seen.ruler and s in seen.ruler["scores"])]
-    return {"calls_acknowledged": len(seen.calls), "calls_recorded": len(rows), "calls_lost": len(lost),
-            "calls_mixed": len(mixed), "rewards_acknowledged": len(seen.rewards),
-            "rewards_lost": len(lost_rewards), "rewards_wrong": len(wrong_rewards)}
+    wrong_rewards = [
+        s
+        for s, r in seen.rewards.items()
+        if rewards.get(s) is not None and abs(rewards[s] - r) > 1e-9 and not (seen.ruler and s in seen.ruler["scores"])
+    ]
+    return {
+        "calls_acknowledged": len(seen.calls),
+        "calls_recorded": len(rows),
+        "calls_lost": len(lost),
+        "calls_mixed": len(mixed),
+        "rewards_acknowledged": len(seen.rewards),
+        "rewards_lost": len(lost_rewards),
+        "rewards_wrong": len(wrong_rewards),
+    }
 
 
 class Gateway:
@@ -233,10 +254,16 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "ab")
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
-    def __enter__(self) -> "Gateway":
+    def __enter__(self) -> Gateway:
         import httpx
 
         deadline = time.monotonic() + 120
@@ -270,23 +297,45 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rlproxy-soak-") as tmp, FakeJudge() as judge:
         state = Path(tmp) / "state"
         with fake_vllm_process(free_port(), sleep_mode=False) as vllm_url:
-            gateway_args = ["--engine", "vllm", "--vllm-url", vllm_url + "/v1", "--base-model", BASE,
-                            "--gpu-mode", "dedicated", "--trainer", "off", "--state-dir", str(state),
-                            "--log-level", "warning", "--poll-interval", "0.5"]
+            gateway_args = [
+                "--engine",
+                "vllm",
+                "--vllm-url",
+                vllm_url + "/v1",
+                "--base-model",
+                BASE,
+                "--gpu-mode",
+                "dedicated",
+                "--trainer",
+                "off",
+                "--state-dir",
+                str(state),
+                "--log-level",
+                "warning",
+                "--poll-interval",
+                "0.5",
+            ]
             with Gateway(gateway_args, Path(tmp) / "gateway.log", {"RLPROXY_JUDGE_API_KEY": JUDGE_KEY}) as gw:
                 checkpoints = state / "models" / "agent" / "checkpoints"
-                rows, seen, events = asyncio.run(drive(gw.url, gw.proc.pid, state / "rlproxy.db", checkpoints,
-                                                       judge.url, args))
+                rows, seen, events = asyncio.run(
+                    drive(gw.url, gw.proc.pid, state / "rlproxy.db", checkpoints, judge.url, args)
+                )
         checks = check_store(state / "rlproxy.db", seen)
-    warm = [r["rss_mb"] for r in rows[len(rows) // 5:]] or [0.0]  # after the first fifth: warmed up
+    warm = [r["rss_mb"] for r in rows[len(rows) // 5 :]] or [0.0]  # after the first fifth: warmed up
     summary = {
-        "sessions": args.sessions, "seconds": events["seconds"],
+        "sessions": args.sessions,
+        "seconds": events["seconds"],
         "calls_per_s": round(len(seen.calls) / max(events["seconds"], 1e-9), 1),
-        "errors": len(seen.errors), "error_examples": seen.errors[:5],
-        "rss_mb_first": rows[0]["rss_mb"] if rows else None, "rss_mb_warm_min": min(warm),
-        "rss_mb_warm_max": max(warm), "rss_mb_last": rows[-1]["rss_mb"] if rows else None,
-        "steps_served": sorted(seen.steps), "hot_swap_seconds": events.get("hot_swap_seconds"),
-        "ruler_scored": len(seen.ruler["scores"]) if seen.ruler else 0, **checks,
+        "errors": len(seen.errors),
+        "error_examples": seen.errors[:5],
+        "rss_mb_first": rows[0]["rss_mb"] if rows else None,
+        "rss_mb_warm_min": min(warm),
+        "rss_mb_warm_max": max(warm),
+        "rss_mb_last": rows[-1]["rss_mb"] if rows else None,
+        "steps_served": sorted(seen.steps),
+        "hot_swap_seconds": events.get("hot_swap_seconds"),
+        "ruler_scored": len(seen.ruler["scores"]) if seen.ruler else 0,
+        **checks,
     }
     print()
     print("| " + " | ".join(summary_keys := [k for k in summary if k != "error_examples"]) + " |")

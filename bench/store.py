@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.proxy import API_KEY, OUT, Service, _spawn, _wait_http, free_port, run_cell, start_upstream, warm_up  # noqa: E402
+from bench.proxy import (  # noqa: E402
+    API_KEY,
+    OUT,
+    Service,
+    _spawn,
+    _wait_http,
+    free_port,
+    run_cell,
+    start_upstream,
+    warm_up,
+)
 
 
 def start_gateway(upstream: Service, workdir: Path, name: str, store: str | None) -> Service:
@@ -36,9 +45,30 @@ def start_gateway(upstream: Service, workdir: Path, name: str, store: str | None
     env = {"RLPROXY_API_KEY": API_KEY}
     if store:
         env["RLPROXY_STORE"] = store  # environment, not argv: a URL may hold a password
-    proc = _spawn([sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--engine", "openai", "--upstream-url", f"http://127.0.0.1:{upstream.port}/v1",
-                   "--state-dir", str(workdir / name), "--trainer", "off", "--log-level", "warning"], log, env=env)
+    proc = _spawn(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--engine",
+            "openai",
+            "--upstream-url",
+            f"http://127.0.0.1:{upstream.port}/v1",
+            "--state-dir",
+            str(workdir / name),
+            "--trainer",
+            "off",
+            "--log-level",
+            "warning",
+        ],
+        log,
+        env=env,
+    )
     service = Service(name, proc, port, "/v1/chat/completions", log)
     _wait_http(service, "/healthz")
     warm_up(service)
@@ -48,8 +78,9 @@ def start_gateway(upstream: Service, workdir: Path, name: str, store: str | None
 async def measure(services: list[Service], concurrency: int, seconds: float, tag: str) -> tuple[float, list[float]]:
     """Calls/s summed over the replicas, and every call's latency."""
     share = max(1, concurrency // len(services))
-    cells = await asyncio.gather(*(run_cell(s.port, s.path, share, seconds, 0.5, f"{tag}-{i}")
-                                   for i, s in enumerate(services)))
+    cells = await asyncio.gather(
+        *(run_cell(s.port, s.path, share, seconds, 0.5, f"{tag}-{i}") for i, s in enumerate(services))
+    )
     latencies = [lat for c in cells for lat in c.latencies_ms]
     errors = sum(c.errors for c in cells)
     if errors:
@@ -89,23 +120,35 @@ def main(argv: list[str] | None = None) -> int:
         with postgres_server(pg_root) as server_url:
             upstream = start_upstream(workdir)
             try:
-                configs = [("sqlite, 1 gateway", [None]), ("postgres, 1 gateway", ["pg"]),
-                           ("postgres, 2 replicas", ["pg", "pg"])]
+                configs = [
+                    ("sqlite, 1 gateway", [None]),
+                    ("postgres, 1 gateway", ["pg"]),
+                    ("postgres, 2 replicas", ["pg", "pg"]),
+                ]
                 for label, stores in configs:
                     url = new_database(server_url) if "pg" in stores else None
-                    services = [start_gateway(upstream, workdir, f"gw{i}-{uuid.uuid4().hex[:6]}", url if s else None)
-                                for i, s in enumerate(stores)]
+                    services = [
+                        start_gateway(upstream, workdir, f"gw{i}-{uuid.uuid4().hex[:6]}", url if s else None)
+                        for i, s in enumerate(stores)
+                    ]
                     try:
                         for concurrency in args.concurrency:
-                            results = [asyncio.run(measure(services, concurrency, seconds, f"{label[:3]}{concurrency}-{r}"))
-                                       for r in range(runs)]
-                            row = {"config": label, "concurrency": concurrency,
-                                   "calls_per_s": statistics.median(r[0] for r in results),
-                                   "p50_ms": statistics.median(_pct(r[1], 0.5) for r in results),
-                                   "p99_ms": statistics.median(_pct(r[1], 0.99) for r in results),
-                                   "runs": [round(r[0], 1) for r in results]}
+                            results = [
+                                asyncio.run(measure(services, concurrency, seconds, f"{label[:3]}{concurrency}-{r}"))
+                                for r in range(runs)
+                            ]
+                            row = {
+                                "config": label,
+                                "concurrency": concurrency,
+                                "calls_per_s": statistics.median(r[0] for r in results),
+                                "p50_ms": statistics.median(_pct(r[1], 0.5) for r in results),
+                                "p99_ms": statistics.median(_pct(r[1], 0.99) for r in results),
+                                "runs": [round(r[0], 1) for r in results],
+                            }
                             rows.append(row)
-                            print(f"{label:<22} conc {concurrency:>3}: {row['calls_per_s']:8.1f} calls/s", file=sys.stderr)
+                            print(
+                                f"{label:<22} conc {concurrency:>3}: {row['calls_per_s']:8.1f} calls/s", file=sys.stderr
+                            )
                     finally:
                         for service in services:
                             service.stop()
@@ -113,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                 upstream.stop()
     print(f"\n{'store':<22} {'conc':>5} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for row in rows:
-        print(f"{row['config']:<22} {row['concurrency']:>5} {row['calls_per_s']:>9.1f} {row['p50_ms']:>8.2f} "
-              f"{row['p99_ms']:>8.2f}")
+        print(
+            f"{row['config']:<22} {row['concurrency']:>5} {row['calls_per_s']:>9.1f} {row['p50_ms']:>8.2f} "
+            f"{row['p99_ms']:>8.2f}"
+        )
     (OUT / "store.json").write_text(json.dumps(rows, indent=2))
     return 0
 

@@ -63,9 +63,16 @@ TORCH_PIN = "torch==2.13.0"
 sys.path.insert(0, str(ROOT))
 
 # A small Qwen2: big enough that matmuls, not Python, dominate; small enough for 2 CPU cores.
-MODEL_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                    tie_word_embeddings=True)
+MODEL_CONFIG = dict(
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 LORA = dict(lora_rank=16, lora_alpha=32)
 GROUP_SIZE = 4
 
@@ -82,12 +89,14 @@ def batch_spec(n_samples: int, seed: int = 0) -> list[dict]:
     for i in range(n_samples):
         prompt_len = rng.randint(32, 160)
         completion_len = max(8, min(700, int(rng.lognormvariate(math.log(120), 0.8))))
-        specs.append({
-            "prompt": [rng.randrange(3, vocab) for _ in range(prompt_len)],
-            "completion": [rng.randrange(3, vocab) for _ in range(completion_len)],
-            "reward": float(rng.random() < 0.5) + rng.random() * 0.1,
-            "noise": [rng.gauss(0.0, 0.05) for _ in range(completion_len)],
-        })
+        specs.append(
+            {
+                "prompt": [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                "completion": [rng.randrange(3, vocab) for _ in range(completion_len)],
+                "reward": float(rng.random() < 0.5) + rng.random() * 0.1,
+                "noise": [rng.gauss(0.0, 0.05) for _ in range(completion_len)],
+            }
+        )
     return specs
 
 
@@ -124,7 +133,9 @@ def build_samples(specs: list[dict], old_logprobs: list[list[float]]):
         p, c = spec["prompt"], spec["completion"]
         adv = advantages.get(f"g{i // GROUP_SIZE}", [0.0] * GROUP_SIZE)[i % GROUP_SIZE]
         old = [math.nan] * len(p) + [lp + n for lp, n in zip(old_logprobs[i], spec["noise"])]
-        samples.append(Sample(tuple(p + c), (False,) * len(p) + (True,) * len(c), tuple(old), adv, f"t{i}", f"g{i // GROUP_SIZE}"))
+        samples.append(
+            Sample(tuple(p + c), (False,) * len(p) + (True,) * len(c), tuple(old), adv, f"t{i}", f"g{i // GROUP_SIZE}")
+        )
     return samples
 
 
@@ -168,8 +179,6 @@ def sample_logprobs(model, specs) -> list[list[float]]:
 
 
 def variant_ours(args, layout: str) -> dict:
-    import torch
-
     from trainer.losses import compute_loss
     from trainer.packing import PaddedBatch, pack, padded_batch, padded_token_logprobs
     from trainer.step import loss_config
@@ -192,18 +201,26 @@ def variant_ours(args, layout: str) -> dict:
             total = 0.0
             for row in rows:
                 logprobs_T = backend.token_logprobs(row)
-                loss, _ = compute_loss(logprobs=logprobs_T, old_logprobs=row.old_logprobs_T,
-                                       advantages=row.advantages_T, loss_mask=row.loss_mask_T,
-                                       segment_ids=row.segment_ids_T, trajectory_tokens=row.trajectory_tokens_T,
-                                       config=config, norm=norm)
+                loss, _ = compute_loss(
+                    logprobs=logprobs_T,
+                    old_logprobs=row.old_logprobs_T,
+                    advantages=row.advantages_T,
+                    loss_mask=row.loss_mask_T,
+                    segment_ids=row.segment_ids_T,
+                    trajectory_tokens=row.trajectory_tokens_T,
+                    config=config,
+                    norm=norm,
+                )
                 loss.backward()
                 total += float(loss)
             return total
     else:
         full = padded_batch(samples, backend.pad_token_id)
         B, T = full.input_ids_BT.shape
-        chunks = [PaddedBatch(*(getattr(full, f)[i:i + args.micro_batch] for f in full.__dataclass_fields__))
-                  for i in range(0, B, args.micro_batch)]
+        chunks = [
+            PaddedBatch(*(getattr(full, f)[i : i + args.micro_batch] for f in full.__dataclass_fields__))
+            for i in range(0, B, args.micro_batch)
+        ]
         compute_tokens = B * T
         forwards = len(chunks)
 
@@ -212,18 +229,32 @@ def variant_ours(args, layout: str) -> dict:
             total = 0.0
             for chunk in chunks:
                 logprobs_BT = padded_token_logprobs(backend.model, chunk)
-                loss, _ = compute_loss(logprobs=logprobs_BT, old_logprobs=chunk.old_logprobs_BT,
-                                       advantages=chunk.advantages_BT, loss_mask=chunk.loss_mask_BT,
-                                       segment_ids=chunk.segment_ids_BT, trajectory_tokens=chunk.trajectory_tokens_BT,
-                                       config=config, norm=norm)
+                loss, _ = compute_loss(
+                    logprobs=logprobs_BT,
+                    old_logprobs=chunk.old_logprobs_BT,
+                    advantages=chunk.advantages_BT,
+                    loss_mask=chunk.loss_mask_BT,
+                    segment_ids=chunk.segment_ids_BT,
+                    trajectory_tokens=chunk.trajectory_tokens_BT,
+                    config=config,
+                    norm=norm,
+                )
                 loss.backward()
                 total += float(loss)
             return total
 
     base_mb = maxrss_mb()
     times, loss = timed_runs(run_once, args.runs)
-    return {"variant": layout, "times": times, "loss": loss, "real_tokens": real_tokens,
-            "compute_tokens": compute_tokens, "forwards": forwards, "base_mb": base_mb, "peak_mb": maxrss_mb()}
+    return {
+        "variant": layout,
+        "times": times,
+        "loss": loss,
+        "real_tokens": real_tokens,
+        "compute_tokens": compute_tokens,
+        "forwards": forwards,
+        "base_mb": base_mb,
+        "peak_mb": maxrss_mb(),
+    }
 
 
 def variant_step(args, epochs: int, dropout: float) -> dict:
@@ -231,8 +262,13 @@ def variant_step(args, epochs: int, dropout: float) -> dict:
     from trainer.step import train_step
 
     specs = batch_spec(args.samples)
-    backend = load_backend(Path(args.model_dir), Path(tempfile.mkdtemp()),
-                           epochs_per_step=epochs, lora_dropout=dropout, max_tokens_per_row=args.row_tokens)
+    backend = load_backend(
+        Path(args.model_dir),
+        Path(tempfile.mkdtemp()),
+        epochs_per_step=epochs,
+        lora_dropout=dropout,
+        max_tokens_per_row=args.row_tokens,
+    )
     samples = build_samples(specs, sample_logprobs(backend.model, specs))
     train_step(backend, samples, backend.settings)  # warm-up
     old, total = [], []
@@ -240,8 +276,14 @@ def variant_step(args, epochs: int, dropout: float) -> dict:
         metrics = train_step(backend, samples, backend.settings)
         old.append(metrics["old_policy_seconds"])
         total.append(metrics["train_seconds"])
-    return {"variant": f"step-e{epochs}-d{dropout}", "epochs": epochs, "dropout": dropout, "old_s": old,
-            "step_s": total, "real_tokens": sum(len(s.token_ids) for s in samples)}
+    return {
+        "variant": f"step-e{epochs}-d{dropout}",
+        "epochs": epochs,
+        "dropout": dropout,
+        "old_s": old,
+        "step_s": total,
+        "real_tokens": sum(len(s.token_ids) for s in samples),
+    }
 
 
 def variant_trl(args) -> dict:
@@ -258,8 +300,13 @@ def variant_trl(args) -> dict:
     model_dir = Path(args.model_dir)
     specs = batch_spec(args.samples)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora = LoraConfig(r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"], lora_dropout=0.0,
-                      target_modules=lora_targets(base), task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=LORA["lora_rank"],
+        lora_alpha=LORA["lora_alpha"],
+        lora_dropout=0.0,
+        target_modules=lora_targets(base),
+        task_type="CAUSAL_LM",
+    )
     with torch.random.fork_rng(devices=[]):  # the same adapter as the peft backend's (seed 0)
         torch.manual_seed(0)
         model = get_peft_model(base, lora)
@@ -268,13 +315,28 @@ def variant_trl(args) -> dict:
     P = max(len(s["prompt"]) for s in specs)
     C = max(len(s["completion"]) for s in specs)
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.micro_batch, num_generations=GROUP_SIZE,
-        max_completion_length=C, report_to="none", use_cpu=True, bf16=False, beta=0.0, loss_type="grpo",
-        epsilon=0.2, scale_rewards="group", logging_steps=1000, save_strategy="no", gradient_checkpointing=False,
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=args.micro_batch,
+        num_generations=GROUP_SIZE,
+        max_completion_length=C,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        beta=0.0,
+        loss_type="grpo",
+        epsilon=0.2,
+        scale_rewards="group",
+        logging_steps=1000,
+        save_strategy="no",
+        gradient_checkpointing=False,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
-                          train_dataset=Dataset.from_list([{"prompt": "unused"}] * GROUP_SIZE),
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": "unused"}] * GROUP_SIZE),
+        processing_class=tokenizer,
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which is not run
 
@@ -294,15 +356,23 @@ def variant_trl(args) -> dict:
         adv = torch.zeros(len(part))
         for b, i in enumerate(part):
             p, c = specs[i]["prompt"], specs[i]["completion"]
-            prompt_ids[b, P - len(p):] = torch.tensor(p)  # TRL left-pads prompts
-            prompt_mask[b, P - len(p):] = 1
-            completion_ids[b, :len(c)] = torch.tensor(c)
-            completion_mask[b, :len(c)] = 1
-            old[b, :len(c)] = torch.tensor([lp + n for lp, n in zip(old_lp[i], specs[i]["noise"])])
+            prompt_ids[b, P - len(p) :] = torch.tensor(p)  # TRL left-pads prompts
+            prompt_mask[b, P - len(p) :] = 1
+            completion_ids[b, : len(c)] = torch.tensor(c)
+            completion_mask[b, : len(c)] = 1
+            old[b, : len(c)] = torch.tensor([lp + n for lp, n in zip(old_lp[i], specs[i]["noise"])])
             adv[b] = advantages.get(f"g{i // GROUP_SIZE}", [0.0] * GROUP_SIZE)[i % GROUP_SIZE]
-        micro.append({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                      "completion_mask": completion_mask, "advantages": adv, "old_per_token_logps": old,
-                      "num_items_in_batch": completion_mask.sum()})
+        micro.append(
+            {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "completion_ids": completion_ids,
+                "completion_mask": completion_mask,
+                "advantages": adv,
+                "old_per_token_logps": old,
+                "num_items_in_batch": completion_mask.sum(),
+            }
+        )
 
     def run_once() -> float:
         trainer.model.zero_grad(set_to_none=True)
@@ -316,9 +386,17 @@ def variant_trl(args) -> dict:
     base_mb = maxrss_mb()
     times, loss = timed_runs(run_once, args.runs)
     real = sum(len(s["prompt"]) + len(s["completion"]) for s in specs)
-    return {"variant": "trl", "times": times, "loss": loss, "real_tokens": real,
-            "compute_tokens": len(specs) * (P + C), "forwards": len(micro), "base_mb": base_mb,
-            "peak_mb": maxrss_mb(), "trl_version": __import__("trl").__version__}
+    return {
+        "variant": "trl",
+        "times": times,
+        "loss": loss,
+        "real_tokens": real,
+        "compute_tokens": len(specs) * (P + C),
+        "forwards": len(micro),
+        "base_mb": base_mb,
+        "peak_mb": maxrss_mb(),
+        "trl_version": __import__("trl").__version__,
+    }
 
 
 # ---------------------------------------------------------------- driver
@@ -339,11 +417,31 @@ def ensure_trl() -> Path | None:
 
 
 def run_child(python: str, variant: str, args, model_dir: Path) -> dict:
-    cmd = [python, __file__, "--child", variant, "--model-dir", str(model_dir), "--samples", str(args.samples),
-           "--runs", str(args.runs), "--row-tokens", str(args.row_tokens), "--micro-batch", str(args.micro_batch),
-           "--threads", str(args.threads)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error",
-           "OMP_NUM_THREADS": str(args.threads)}
+    cmd = [
+        python,
+        __file__,
+        "--child",
+        variant,
+        "--model-dir",
+        str(model_dir),
+        "--samples",
+        str(args.samples),
+        "--runs",
+        str(args.runs),
+        "--row-tokens",
+        str(args.row_tokens),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--threads",
+        str(args.threads),
+    ]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+        "TRANSFORMERS_VERBOSITY": "error",
+        "OMP_NUM_THREADS": str(args.threads),
+    }
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"variant {variant} failed:\n{done.stderr[-4000:]}")
@@ -357,8 +455,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per variant (median reported)")
     parser.add_argument("--row-tokens", type=int, default=1024, help="packing: max tokens per row")
     parser.add_argument("--micro-batch", type=int, default=8, help="padded/TRL: sequences per forward")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: stable figures on a shared machine)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable figures on a shared machine)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -378,17 +475,24 @@ def main() -> int:
 
     OUT.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_model(OUT / "bench-qwen2-small")
-    results = [run_child(sys.executable, "packed", args, model_dir), run_child(sys.executable, "padded", args, model_dir)]
+    results = [
+        run_child(sys.executable, "packed", args, model_dir),
+        run_child(sys.executable, "padded", args, model_dir),
+    ]
     if not args.no_trl:
         python = ensure_trl()
         if python is not None:
             results.append(run_child(str(python), "trl", args, model_dir))
 
-    print(f"\n{args.samples} samples, {results[0]['real_tokens']} tokens; Qwen2 {MODEL_CONFIG['hidden_size']}x"
-          f"{MODEL_CONFIG['num_hidden_layers']} layers, vocab {MODEL_CONFIG['vocab_size']}, LoRA r{LORA['lora_rank']}; "
-          f"{args.threads} thread(s); forward + loss + backward, median of {args.runs}\n")
-    header = f"{'variant':<26}{'forwards':>9}{'computed tok':>14}{'pad x':>7}{'seconds':>9}{'tokens/s':>10}{'vs padded':>11}" \
-             f"{'peak MB':>9}{'+MB':>7}{'loss':>10}"
+    print(
+        f"\n{args.samples} samples, {results[0]['real_tokens']} tokens; Qwen2 {MODEL_CONFIG['hidden_size']}x"
+        f"{MODEL_CONFIG['num_hidden_layers']} layers, vocab {MODEL_CONFIG['vocab_size']}, LoRA r{LORA['lora_rank']}; "
+        f"{args.threads} thread(s); forward + loss + backward, median of {args.runs}\n"
+    )
+    header = (
+        f"{'variant':<26}{'forwards':>9}{'computed tok':>14}{'pad x':>7}{'seconds':>9}{'tokens/s':>10}{'vs padded':>11}"
+        f"{'peak MB':>9}{'+MB':>7}{'loss':>10}"
+    )
     print(header)
     print("-" * len(header))
     padded_tps = None
@@ -397,17 +501,26 @@ def main() -> int:
         r["tokens_per_s"] = r["real_tokens"] / r["median_s"]
         if r["variant"] == "padded":
             padded_tps = r["tokens_per_s"]
-    names = {"packed": f"ours, packed ({args.row_tokens}/row)", "padded": f"ours, padded ({args.micro_batch}/fwd)",
-             "trl": f"TRL {results[-1].get('trl_version', '')} _compute_loss"}
+    names = {
+        "packed": f"ours, packed ({args.row_tokens}/row)",
+        "padded": f"ours, padded ({args.micro_batch}/fwd)",
+        "trl": f"TRL {results[-1].get('trl_version', '')} _compute_loss",
+    }
     for r in results:
-        print(f"{names[r['variant']]:<26}{r['forwards']:>9}{r['compute_tokens']:>14}"
-              f"{r['compute_tokens'] / r['real_tokens']:>7.2f}{r['median_s']:>9.3f}"
-              f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / padded_tps:>10.2f}x{r['peak_mb']:>9.0f}"
-              f"{r['peak_mb'] - r['base_mb']:>7.0f}{r['loss']:>10.5f}")
-    print("\ntokens/s counts real (non-padding) tokens; peak MB = ru_maxrss of the variant's own process, "
-          "+MB = above its size once model and batch were loaded.")
+        print(
+            f"{names[r['variant']]:<26}{r['forwards']:>9}{r['compute_tokens']:>14}"
+            f"{r['compute_tokens'] / r['real_tokens']:>7.2f}{r['median_s']:>9.3f}"
+            f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / padded_tps:>10.2f}x{r['peak_mb']:>9.0f}"
+            f"{r['peak_mb'] - r['base_mb']:>7.0f}{r['loss']:>10.5f}"
+        )
+    print(
+        "\ntokens/s counts real (non-padding) tokens; peak MB = ru_maxrss of the variant's own process, "
+        "+MB = above its size once model and batch were loaded."
+    )
     steps = [run_child(sys.executable, child, args, model_dir) for child in ("step-1-0.05", "step-2-0.0")]
-    print(f"\npi_old pass of a training step (trainer.step.train_step incl. the optimizer step), median of {args.runs}\n")
+    print(
+        f"\npi_old pass of a training step (trainer.step.train_step incl. the optimizer step), median of {args.runs}\n"
+    )
     header = f"{'step':<34}{'pi_old s':>10}{'step s':>9}{'pi_old share':>14}{'target':>9}"
     print(header)
     print("-" * len(header))
@@ -416,8 +529,7 @@ def main() -> int:
         share = r["median_old_s"] / r["median_step_s"]
         r["share"] = share
         what = f"{r['epochs']} pass(es), LoRA dropout {r['dropout']}"
-        print(f"{what:<34}{r['median_old_s']:>10.3f}{r['median_step_s']:>9.3f}{share:>13.1%}"
-              f"{'<= 35%':>9}")
+        print(f"{what:<34}{r['median_old_s']:>10.3f}{r['median_step_s']:>9.3f}{share:>13.1%}{'<= 35%':>9}")
     print("one pass without dropout: pi_old = the pass's own detached logprobs, 0 s (no extra forward)")
     (OUT / "train.json").write_text(json.dumps({"args": vars(args), "results": results, "steps": steps}, indent=2))
     return 0

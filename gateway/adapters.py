@@ -107,8 +107,9 @@ class AdapterRegistry:
         try:
             await self.refresh()
         except Exception:  # a store or engine hiccup at start must not stop the gateway
-            log.exception("loading the trained adapters at start failed; retrying every %.1f s",
-                          self.settings.poll_interval)
+            log.exception(
+                "loading the trained adapters at start failed; retrying every %.1f s", self.settings.poll_interval
+            )
         self._task = asyncio.create_task(self._poll(), name="rlproxy-adapter-poll")
 
     async def close(self) -> None:
@@ -134,7 +135,7 @@ class AdapterRegistry:
         """One look at the store: load new steps, move the alias, unload idle old ones."""
         rows = await asyncio.to_thread(self.store.steps, self.name)
         async with self._lock:
-            newest = sorted(rows, key=lambda row: row["step"])[-self.settings.keep_adapters:]
+            newest = sorted(rows, key=lambda row: row["step"])[-self.settings.keep_adapters :]
             for row in newest:
                 step = row["step"]
                 if step in self.loaded:
@@ -175,8 +176,13 @@ class AdapterRegistry:
         except Exception as exc:  # noqa: BLE001 - any failure: keep serving the previous step
             message = f"{type(exc).__name__}: {getattr(exc, 'message', None) or exc}"
             if self.load_errors.get(step) != message:  # once per distinct failure, not every poll
-                log.warning("loading %s failed (%s); still serving step %s, retrying every %.1f s",
-                            adapter, message, self.current, self.settings.poll_interval)
+                log.warning(
+                    "loading %s failed (%s); still serving step %s, retrying every %.1f s",
+                    adapter,
+                    message,
+                    self.current,
+                    self.settings.poll_interval,
+                )
             self.load_errors[step] = message
             return False
         self.load_errors.pop(step, None)
@@ -235,11 +241,14 @@ class AdapterRegistry:
         if step not in rows:
             raise NotFound(
                 f"model '{requested}' has no checkpoint: model '{self.name}' has steps {_ranges(sorted(rows))}",
-                param="model", code="model_not_found")
+                param="model",
+                code="model_not_found",
+            )
         async with self._lock:
             if step not in self.loaded and not await self._load(step, rows[step]["path"]):
                 raise EngineUnavailable(
-                    f"loading step {step} of '{self.name}' failed ({self.load_errors.get(step)}); try again")
+                    f"loading step {step} of '{self.name}' failed ({self.load_errors.get(step)}); try again"
+                )
             self._last_resolved[step] = time.monotonic()
             await self._unload_idle()
         log.info("loaded %s on demand", requested)
@@ -302,12 +311,12 @@ class AdapterRegistry:
             code="model_not_found",
         )
 
-    def use(self, requested: str) -> "_Held":
+    def use(self, requested: str) -> _Held:
         """`async with registry.use(name) as target:` resolve a name (loading a pinned step on
         demand) and hold the adapter loaded while the request runs."""
         return _Held(self, requested=requested)
 
-    def hold(self, target: Target) -> "_Held":
+    def hold(self, target: Target) -> _Held:
         """`async with registry.hold(target):` keep an already resolved target's adapter loaded
         while the request runs."""
         return _Held(self, target=target)

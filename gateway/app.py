@@ -23,8 +23,8 @@ from gateway.metrics import Metrics
 from gateway.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.settings import Settings
 from gateway.store import Store
-from gateway.ui.auth import DashboardAuthMiddleware
 from gateway.store_open import open_store
+from gateway.ui.auth import DashboardAuthMiddleware
 
 log = logging.getLogger("rlproxy")
 
@@ -78,8 +78,12 @@ class GatewayApp(FastAPI):
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             scope = session_url.rewrite(scope)  # /sessions/{sid}/v1/... -> /v1/... with X-Session-Id
-        if (self.chat_fast_path is not None and scope["type"] == "http" and scope["method"] == "POST"
-                and scope["path"] == "/v1/chat/completions"):
+        if (
+            self.chat_fast_path is not None
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] == "/v1/chat/completions"
+        ):
             scope["app"] = self
             await self.chat_fast_path(scope, receive, send)
             return
@@ -102,8 +106,9 @@ def _validation_text(errors: list) -> str:
     return "; ".join(parts) or "the request body is not valid"
 
 
-def create_app(settings: Settings, *, engine: Engine | None = None, store: Store | None = None,
-               tracer: Any = None) -> FastAPI:
+def create_app(
+    settings: Settings, *, engine: Engine | None = None, store: Store | None = None, tracer: Any = None
+) -> FastAPI:
     engine = engine or build_engine(settings)
     store = store or open_store(settings)
     gate = RequestGate()
@@ -117,9 +122,14 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
     if tracer is not None:
         observers.append(tracer.on_call)
     services = Services(
-        settings=settings, engine=engine, store=store, registry=registry, gate=gate,
+        settings=settings,
+        engine=engine,
+        store=store,
+        registry=registry,
+        gate=gate,
         chat=ChatService(engine, store, registry, gate, observers, limits=Limits.from_settings(settings)),
-        metrics=metrics, tracer=tracer,
+        metrics=metrics,
+        tracer=tracer,
     )
 
     if settings.upstream_protocol:
@@ -141,9 +151,14 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
             # One GPU for vLLM and the trainer: lend it while a step trains (gateway/colocate.py).
             from gateway.colocate import Colocator, activate_step
 
-            colocator = Colocator(engine, gate, store, settings.model_name,
-                                  lambda step: activate_step(registry, settings.model_name, step),
-                                  poll_interval=min(settings.poll_interval, 0.5))
+            colocator = Colocator(
+                engine,
+                gate,
+                store,
+                settings.model_name,
+                lambda step: activate_step(registry, settings.model_name, step),
+                poll_interval=min(settings.poll_interval, 0.5),
+            )
             await colocator.start()
             services.extras["colocator"] = colocator
         if tracer is not None:
@@ -187,8 +202,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None, store: Store
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error_response(RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"),
-                               request.url.path)
+        return _error_response(
+            RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"), request.url.path
+        )
 
     from gateway import ui
     from gateway.routes import lists as list_routes

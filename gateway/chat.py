@@ -11,8 +11,8 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Mapping
 
 from gateway.adapters import AdapterRegistry, Target
 from gateway.engines.base import Engine, EngineRequest, StreamEnd, TokenRecord
@@ -64,8 +64,9 @@ def identify(headers: Mapping[str, str], body: dict) -> Identity:
     client_request_id = headers.get("x-request-id")
     if client_request_id is not None and not _ID_PATTERN.match(client_request_id):
         client_request_id = None  # a tracing aid only: an odd one is dropped, not refused
-    return Identity(session_id=session_id, group_id=group_id, split=split, minted=minted,
-                    client_request_id=client_request_id)
+    return Identity(
+        session_id=session_id, group_id=group_id, split=split, minted=minted, client_request_id=client_request_id
+    )
 
 
 def engine_body(request: ChatCompletionRequest, raw: dict, target: Target) -> dict:
@@ -84,8 +85,17 @@ def engine_body(request: ChatCompletionRequest, raw: dict, target: Target) -> di
     return body
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "max_tokens")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "max_tokens",
+)
 
 
 def requested_sampling(raw: dict) -> dict:
@@ -123,9 +133,12 @@ class ChatService:
             known = self._splits.get(key)
             if known is not None and known != identity.split and (what == "session" or identity.group_id):
                 name = identity.session_id if what == "session" else identity.group_id
-                raise Conflict(f"{what} '{name}' holds '{known}' sessions; this call says X-Split '{identity.split}'. "
-                               f"Use one split per {what}" + (" (a separate group id for val rollouts)."
-                                                             if what == "group" else "."), param="split")
+                raise Conflict(
+                    f"{what} '{name}' holds '{known}' sessions; this call says X-Split '{identity.split}'. "
+                    f"Use one split per {what}"
+                    + (" (a separate group id for val rollouts)." if what == "group" else "."),
+                    param="split",
+                )
 
     def _remember_split(self, record: CallRecord) -> None:
         if len(self._splits) > 200_000:
@@ -203,8 +216,13 @@ class ChatService:
             await self.store.probe()
 
     async def complete(
-        self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str,
-        wire: Wire | None = None, client_left: Callable[[], bool] | None = None,
+        self,
+        request: ChatCompletionRequest,
+        raw: dict,
+        identity: Identity,
+        request_id: str,
+        wire: Wire | None = None,
+        client_left: Callable[[], bool] | None = None,
     ) -> tuple[dict, Target]:
         """The engine's answer, recorded. `client_left`, asked once the answer is ready: True
         records the call as 499 (nobody will read it) and raises `ClientGone`."""
@@ -220,25 +238,63 @@ class ChatService:
             if client_left is not None and client_left():
                 raise ClientGone()
         except RLProxyError as exc:
-            await self._commit(self._record(request_id=request_id, identity=identity, raw=raw, target=target,
-                                            stream=False, started=started, response=None, tokens=None, error=exc,
-                                            wire=wire))
+            await self._commit(
+                self._record(
+                    request_id=request_id,
+                    identity=identity,
+                    raw=raw,
+                    target=target,
+                    stream=False,
+                    started=started,
+                    response=None,
+                    tokens=None,
+                    error=exc,
+                    wire=wire,
+                )
+            )
             raise
         except asyncio.CancelledError:
             # The route gave up on the call because its client left: recorded (499), never trained.
-            await asyncio.shield(self._commit(self._record(
-                request_id=request_id, identity=identity, raw=raw, target=target, stream=False, started=started,
-                response=None, tokens=None, error=ClientGone(), wire=wire)))
+            await asyncio.shield(
+                self._commit(
+                    self._record(
+                        request_id=request_id,
+                        identity=identity,
+                        raw=raw,
+                        target=target,
+                        stream=False,
+                        started=started,
+                        response=None,
+                        tokens=None,
+                        error=ClientGone(),
+                        wire=wire,
+                    )
+                )
+            )
             raise
         response = completion.response
         response["model"] = request.model  # the client sees the name it asked for
-        await self._commit(self._record(request_id=request_id, identity=identity, raw=raw, target=target,
-                                        stream=False, started=started, response=response, tokens=completion.tokens,
-                                        wire=wire))
+        await self._commit(
+            self._record(
+                request_id=request_id,
+                identity=identity,
+                raw=raw,
+                target=target,
+                stream=False,
+                started=started,
+                response=response,
+                tokens=completion.tokens,
+                wire=wire,
+            )
+        )
         return response, target
 
     async def open_stream(
-        self, request: ChatCompletionRequest, raw: dict, identity: Identity, request_id: str,
+        self,
+        request: ChatCompletionRequest,
+        raw: dict,
+        identity: Identity,
+        request_id: str,
         wire: Wire | None = None,
     ) -> tuple[AsyncIterator[bytes], Target]:
         """Resolve the target and wait for the first chunk before the response starts, so a
@@ -291,13 +347,31 @@ class ChatService:
             if not finished and error is None:
                 # The client went away (or we were cancelled): still record what was sent.
                 error = ClientGone("stream ended early: the client disconnected")
-                record = self._record(request_id=request_id, identity=identity, raw=raw, target=target, stream=True,
-                                      started=started, response=accumulator.response(), tokens=tokens, error=error,
-                                      wire=wire)
+                record = self._record(
+                    request_id=request_id,
+                    identity=identity,
+                    raw=raw,
+                    target=target,
+                    stream=True,
+                    started=started,
+                    response=accumulator.response(),
+                    tokens=tokens,
+                    error=error,
+                    wire=wire,
+                )
                 await asyncio.shield(self._commit(record))
-        record = self._record(request_id=request_id, identity=identity, raw=raw, target=target, stream=True,
-                              started=started, response=accumulator.response(), tokens=tokens, error=error,
-                              wire=wire)
+        record = self._record(
+            request_id=request_id,
+            identity=identity,
+            raw=raw,
+            target=target,
+            stream=True,
+            started=started,
+            response=accumulator.response(),
+            tokens=tokens,
+            error=error,
+            wire=wire,
+        )
         try:
             await self._commit(record)
         except StoreUnavailable as store_error:

@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 import typing
-from typing import Callable, Literal
-
+from collections.abc import Callable
+from typing import Literal
 
 from pydantic import ValidationError
 
@@ -20,16 +20,64 @@ from gateway.errors import RLProxyError
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 from gateway.tuning import log_settings
 
-SERVICE = ("host", "port", "state_dir", "store", "store_sync", "api_key", "log_level", "max_body_mb", "max_messages", "max_n",
-           "cors_origin")
-ENGINE = ("engine", "base_model", "model_name", "upstream_url", "upstream_api_key", "upstream_timeout",
-          "upstream_protocol",
-          "max_batch_size", "default_max_tokens", "device", "vllm_url", "vllm_port", "vllm_python", "vllm_arg", "max_loras",
-          "gpu_mode", "max_staleness")
-TRAINER = ("trainer", "backend", "load_in_4bit", "groups_per_step", "learning_rate", "loss_type", "epsilon",
-           "epsilon_high", "delta", "beta", "tis_cap", "max_tokens_norm",
-           "scale_rewards", "lora_rank", "lora_alpha", "lora_dropout", "max_tokens_per_row", "epochs_per_step",
-           "max_grad_norm", "seed", "keep_adapters", "poll_interval", "report_to", "report_project")
+SERVICE = (
+    "host",
+    "port",
+    "state_dir",
+    "store",
+    "store_sync",
+    "api_key",
+    "log_level",
+    "max_body_mb",
+    "max_messages",
+    "max_n",
+    "cors_origin",
+)
+ENGINE = (
+    "engine",
+    "base_model",
+    "model_name",
+    "upstream_url",
+    "upstream_api_key",
+    "upstream_timeout",
+    "upstream_protocol",
+    "max_batch_size",
+    "default_max_tokens",
+    "device",
+    "vllm_url",
+    "vllm_port",
+    "vllm_python",
+    "vllm_arg",
+    "max_loras",
+    "gpu_mode",
+    "max_staleness",
+)
+TRAINER = (
+    "trainer",
+    "backend",
+    "load_in_4bit",
+    "groups_per_step",
+    "learning_rate",
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "beta",
+    "tis_cap",
+    "max_tokens_norm",
+    "scale_rewards",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "max_tokens_per_row",
+    "epochs_per_step",
+    "max_grad_norm",
+    "seed",
+    "keep_adapters",
+    "poll_interval",
+    "report_to",
+    "report_project",
+)
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], title: str) -> None:
@@ -86,9 +134,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # ends drop an idle connection at once and a request sent then fails with a ReadError.
         # No X-Forwarded-* rewriting: nothing reads the client's address, and it is one more
         # ASGI layer on every call.
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                    access_log=settings.log_level == "debug", timeout_keep_alive=KEEP_ALIVE_SECONDS,
-                    proxy_headers=False)
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            access_log=settings.log_level == "debug",
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            proxy_headers=False,
+        )
     finally:
         _stop_trainer(trainer)
     return 0
@@ -136,8 +190,10 @@ def _start_trainer(args: argparse.Namespace, settings: Settings):
     if settings.trainer == "off":
         return None
     if settings.engine == "openai":
-        log.info("trainer not started: the openai engine serves no adapters, so trained steps could not be "
-                 "served (calls are still recorded; train them with `rlproxy train` for another engine)")
+        log.info(
+            "trainer not started: the openai engine serves no adapters, so trained steps could not be "
+            "served (calls are still recorded; train them with `rlproxy train` for another engine)"
+        )
         return None
     cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_argv(args)]
     env = dict(os.environ)
@@ -198,10 +254,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     from gateway.export.selection import SessionFilter
 
     settings = settings_from_args(args)
-    where = SessionFilter(split=args.split, rewarded=args.rewarded, min_reward=args.min_reward,
-                          since_step=args.since_step, groups=tuple(args.group or ()))
-    result = export_trajectories(settings.store or settings.db_path, args.output, fmt=args.format, where=where,
-                                 base_model=settings.base_model, state_dir=settings.state_dir)
+    where = SessionFilter(
+        split=args.split,
+        rewarded=args.rewarded,
+        min_reward=args.min_reward,
+        since_step=args.since_step,
+        groups=tuple(args.group or ()),
+    )
+    result = export_trajectories(
+        settings.store or settings.db_path,
+        args.output,
+        fmt=args.format,
+        where=where,
+        base_model=settings.base_model,
+        state_dir=settings.state_dir,
+    )
     what = "sessions" if args.format == "rlproxy" else "samples"
     print(f"exported {result.rows} {what} ({result.sessions} sessions matched) to {args.output}", file=sys.stderr)
     return 0
@@ -218,9 +285,9 @@ def cmd_export_model(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gateway.demo.driver import demo_settings, options_from_args, report, run_demo
-
     import signal
+
+    from gateway.demo.driver import demo_settings, options_from_args, report, run_demo
 
     def interrupt(signum, frame):  # `kill` as Ctrl-C: unwind, so the trainer and a managed vLLM are stopped
         raise KeyboardInterrupt
@@ -234,23 +301,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[tuple[str, ...], str], ...]]] = {
-    "serve": ("run the gateway (and, with --trainer auto, a trainer worker beside it)", cmd_serve,
-              ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
-    "export": ("write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples", cmd_export,
-               ((("state_dir", "store", "base_model"), "store"),)),
-    "export-model": ("write a trained step as a PEFT adapter or a merged model, with a model card",
-                     cmd_export_model, ((("state_dir", "store"), "store"),)),
-    "demo": ("watch it learn: gateway, trainer and a toy agent on the built-in tiny model (CPU, minutes)",
-             cmd_demo, ((("state_dir", "log_level"), "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
-    "train": ("run a trainer worker alone: train on ready groups, save adapters, record steps", cmd_train,
-              ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer"))),
+    "serve": (
+        "run the gateway (and, with --trainer auto, a trainer worker beside it)",
+        cmd_serve,
+        ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer")),
+    ),
+    "export": (
+        "write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples",
+        cmd_export,
+        ((("state_dir", "store", "base_model"), "store"),),
+    ),
+    "export-model": (
+        "write a trained step as a PEFT adapter or a merged model, with a model card",
+        cmd_export_model,
+        ((("state_dir", "store"), "store"),),
+    ),
+    "demo": (
+        "watch it learn: gateway, trainer and a toy agent on the built-in tiny model (CPU, minutes)",
+        cmd_demo,
+        ((("state_dir", "log_level"), "service"), (ENGINE, "engine"), (TRAINER, "trainer")),
+    ),
+    "train": (
+        "run a trainer worker alone: train on ready groups, save adapters, record steps",
+        cmd_train,
+        ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer")),
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: `--store` must never be read as an abbreviation of `--store-sync`.
-    parser = argparse.ArgumentParser(prog="rlproxy", description=__doc__.splitlines()[0].strip("`: "),
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="rlproxy", description=__doc__.splitlines()[0].strip("`: "), allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, _, groups) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
@@ -260,18 +343,31 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--output", "-o", default="-", help="file to write, or - for stdout")
             command.add_argument("--split", choices=["train", "val"], default=None, help="only this split")
             command.add_argument("--rewarded", action="store_true", help="only sessions with a reward")
-            command.add_argument("--format", choices=["rlproxy", "openai", "parquet"], default="rlproxy",
-                                 help="rlproxy: one session per line; openai: chat fine-tuning JSONL, one trained "
-                                 "sample per line; parquet: one row per trained sample with token ids and masks")
+            command.add_argument(
+                "--format",
+                choices=["rlproxy", "openai", "parquet"],
+                default="rlproxy",
+                help="rlproxy: one session per line; openai: chat fine-tuning JSONL, one trained "
+                "sample per line; parquet: one row per trained sample with token ids and masks",
+            )
             command.add_argument("--min-reward", type=float, default=None, help="only sessions rewarded at least this")
-            command.add_argument("--since-step", type=int, default=None,
-                                 help="only sessions answered entirely by this adapter step or a later one")
+            command.add_argument(
+                "--since-step",
+                type=int,
+                default=None,
+                help="only sessions answered entirely by this adapter step or a later one",
+            )
             command.add_argument("--group", action="append", metavar="GROUP_ID", help="only this group (repeatable)")
         if name == "export-model":
-            command.add_argument("model", metavar="NAME[@STEP]", help="the model and step, as served (newest if no @STEP)")
+            command.add_argument(
+                "model", metavar="NAME[@STEP]", help="the model and step, as served (newest if no @STEP)"
+            )
             command.add_argument("--out", required=True, help="directory to create (must not exist or be empty)")
-            command.add_argument("--merged", action="store_true",
-                                 help="write the base model with the adapter merged in, instead of the adapter")
+            command.add_argument(
+                "--merged",
+                action="store_true",
+                help="write the base model with the adapter merged in, instead of the adapter",
+            )
         if name == "demo":
             from gateway.demo.driver import add_arguments
 

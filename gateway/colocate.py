@@ -44,8 +44,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from gateway.errors import EngineUnavailable
 
@@ -63,7 +64,7 @@ IDLE, REQUESTED, GRANTED, RELEASED = "idle", "requested", "granted", "released"
 # ---------------------------------------------------------------------------- policy
 
 
-def needs_gpu_lease(settings: "Settings") -> bool:
+def needs_gpu_lease(settings: Settings) -> bool:
     """True when the trainer must borrow the GPU from vLLM before each step."""
     return settings.engine == "vllm" and settings.gpu_mode == "colocated"
 
@@ -116,8 +117,9 @@ class TrainingLease:
     step: int | None = None
 
 
-def acquire_gpu_for_training(store: "Store", model: str, timeout: float | None = None,
-                             poll_interval: float = 0.2) -> TrainingLease:
+def acquire_gpu_for_training(
+    store: Store, model: str, timeout: float | None = None, poll_interval: float = 0.2
+) -> TrainingLease:
     """Ask the gateway for the GPU and block until it has drained and put vLLM to sleep.
 
     Raises `EngineUnavailable` after `timeout` seconds (None: wait forever), withdrawing the
@@ -136,8 +138,9 @@ def acquire_gpu_for_training(store: "Store", model: str, timeout: float | None =
             asked = store.move_gpu_lease(model, REQUESTED, expect=(IDLE,), holder=holder) or asked
         elif state in (REQUESTED, GRANTED) and current != holder and not holder_alive(current):
             # A trainer that died with the request open: take its place.
-            asked = store.move_gpu_lease(model, REQUESTED, expect=(state,), expect_holder=current,
-                                         holder=holder) or asked
+            asked = (
+                store.move_gpu_lease(model, REQUESTED, expect=(state,), expect_holder=current, holder=holder) or asked
+            )
         if deadline is not None and time.monotonic() > deadline:
             if asked:
                 store.move_gpu_lease(model, IDLE, expect=(REQUESTED,), expect_holder=holder)
@@ -148,7 +151,7 @@ def acquire_gpu_for_training(store: "Store", model: str, timeout: float | None =
         time.sleep(poll_interval)
 
 
-def release_gpu(store: "Store", model: str, step: int | None = None, holder: str | None = None) -> bool:
+def release_gpu(store: Store, model: str, step: int | None = None, holder: str | None = None) -> bool:
     """Give the GPU back; `step` is the step row just inserted (None: nothing new to load).
     False if this process did not hold the lease (nothing changes then)."""
     moved = store.move_gpu_lease(model, RELEASED, expect=(GRANTED,), expect_holder=holder or holder_id(), step=step)
@@ -158,7 +161,7 @@ def release_gpu(store: "Store", model: str, step: int | None = None, holder: str
 
 
 @contextlib.contextmanager
-def gpu_for_training(store: "Store", model: str, timeout: float | None = None) -> Iterator[TrainingLease]:
+def gpu_for_training(store: Store, model: str, timeout: float | None = None) -> Iterator[TrainingLease]:
     """`with gpu_for_training(store, model) as lease: ...; lease.step = N` — released on exit,
     exceptions included (with whatever `lease.step` is then)."""
     lease = acquire_gpu_for_training(store, model, timeout)
@@ -208,9 +211,17 @@ class Colocator:
     loads the new adapter and points the model's name at it (`activate_step` by default).
     """
 
-    def __init__(self, engine, gate: "RequestGate", store: "Store", model: str,
-                 on_trained: Callable[[int], Awaitable[None]], *, poll_interval: float = 0.5,
-                 sleep_level: int = 1):
+    def __init__(
+        self,
+        engine,
+        gate: RequestGate,
+        store: Store,
+        model: str,
+        on_trained: Callable[[int], Awaitable[None]],
+        *,
+        poll_interval: float = 0.5,
+        sleep_level: int = 1,
+    ):
         self.engine = engine
         self.gate = gate
         self.store = store
@@ -286,8 +297,10 @@ class Colocator:
             # No GPU to free (a CPU vLLM) or no way to free it: the lease is granted at once and
             # serving goes on, so the trainer trains instead of waiting for a sleep that never comes.
             if not self._said_cannot_sleep:
-                log.info("--gpu-mode colocated is ignored: this vLLM cannot sleep (its CPU build, or attached "
-                         "without VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode); the trainer trains beside serving")
+                log.info(
+                    "--gpu-mode colocated is ignored: this vLLM cannot sleep (its CPU build, or attached "
+                    "without VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode); the trainer trains beside serving"
+                )
                 self._said_cannot_sleep = True
             if grant:
                 await self._move(GRANTED, (REQUESTED,))
@@ -329,7 +342,7 @@ class Colocator:
         log.info("serving resumed%s", f" with step {step}" if step is not None else "")
 
 
-async def activate_step(registry: "AdapterRegistry", model: str, step: int) -> None:
+async def activate_step(registry: AdapterRegistry, model: str, step: int) -> None:
     """Load NAME@step and point NAME at it (the newest step wins), through the registry so
     its path check and its unloading of old steps apply."""
     if not await registry.activate(step):

@@ -33,7 +33,7 @@ class RequestGate:
         finally:
             self.held -= 1
 
-    def passage(self) -> "_Passage":
+    def passage(self) -> _Passage:
         """`async with gate.passage():` wait at the gate, then count as in flight until the block ends."""
         return _Passage(self)
 

@@ -12,7 +12,8 @@ import asyncio
 import os
 import re
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from gateway.errors import UpstreamError
 
@@ -62,8 +63,14 @@ def litellm_judge(model: str, api_base: str | None = None, timeout: float = JUDG
 
     async def call(messages: list[dict], response_format: dict) -> str | None:
         litellm = await _litellm()
-        kwargs: dict[str, Any] = {"model": model, "messages": messages, "response_format": response_format,
-                                  "timeout": timeout, "caching": False, "drop_params": True}
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "response_format": response_format,
+            "timeout": timeout,
+            "caching": False,
+            "drop_params": True,
+        }
         if api_base:
             kwargs["api_base"] = api_base
             if model.split("/", 1)[0] not in litellm.provider_list:
@@ -92,8 +99,12 @@ def engine_judge(services: Any, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
         name = services.settings.model_name if engine.supports_adapters else engine.base_model_id
         try:
             async with services.gate.passage(), registry.use(name) as target:
-                body = {"model": target.model, "messages": messages, "response_format": response_format,
-                        "max_tokens": services.settings.default_max_tokens * 4}
+                body = {
+                    "model": target.model,
+                    "messages": messages,
+                    "response_format": response_format,
+                    "max_tokens": services.settings.default_max_tokens * 4,
+                }
                 request = EngineRequest(body=body, adapter=target.adapter, request_id="ruler_" + uuid.uuid4().hex)
                 completion = await asyncio.wait_for(engine.complete(request), timeout)
         except asyncio.TimeoutError:

@@ -30,7 +30,7 @@ class Limits:
         return int(self.max_body_mb * _MB)
 
     @classmethod
-    def from_settings(cls, settings) -> "Limits":
+    def from_settings(cls, settings) -> Limits:
         return cls(max_body_mb=settings.max_body_mb, max_messages=settings.max_messages, max_n=settings.max_n)
 
 
@@ -39,7 +39,8 @@ def body_too_large(limit_mb: float, size: int | None = None) -> RequestTooLarge:
     return RequestTooLarge(
         f"{got}, over the gateway's limit of {limit_mb:g} MB (--max-body-mb): "
         "send less (fewer or shorter messages, smaller images), or raise --max-body-mb",
-        code="request_too_large")
+        code="request_too_large",
+    )
 
 
 class BodyLimitMiddleware:
@@ -100,14 +101,23 @@ def check_chat_limits(request, limits: Limits, context_length: int | None) -> No
     if len(request.messages) > limits.max_messages:
         raise InvalidRequest(
             f"'messages' has {len(request.messages)} messages, over the gateway's limit of {limits.max_messages} "
-            "(--max-messages): shorten the conversation", param="messages", code="too_many_messages")
+            "(--max-messages): shorten the conversation",
+            param="messages",
+            code="too_many_messages",
+        )
     if request.n > limits.max_n:
         raise InvalidRequest(
             f"'n' is {request.n}, over the gateway's limit of {limits.max_n} choices per request (--max-n): "
-            "ask for fewer, or send several requests", param="n", code="n_too_large")
+            "ask for fewer, or send several requests",
+            param="n",
+            code="n_too_large",
+        )
     asked = request.max_completion_tokens or request.max_tokens
     if context_length and asked is not None and asked >= context_length:
         field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         raise InvalidRequest(
             f"'{field}' is {asked}, but the model's context is {context_length} tokens, prompt included: "
-            f"ask for fewer than {context_length} tokens", param=field, code="context_length_exceeded")
+            f"ask for fewer than {context_length} tokens",
+            param=field,
+            code="context_length_exceeded",
+        )

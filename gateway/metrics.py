@@ -12,14 +12,20 @@ class Metrics:
             "rlproxy_chat_requests", "chat completions answered", ["status", "stream"], registry=self.registry
         )
         self.latency = Histogram(
-            "rlproxy_chat_latency_seconds", "chat completion latency", registry=self.registry,
+            "rlproxy_chat_latency_seconds",
+            "chat completion latency",
+            registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
-        self.store_commits = Gauge("rlproxy_store_commits", "transactions committed by the writer",
-                                   registry=self.registry)
-        self.store_errors = Counter("rlproxy_store_errors", "writes and reads the store failed, by cause "
-                                    "(full, read_only, locked, unavailable, damaged)", ["cause"],
-                                    registry=self.registry)
+        self.store_commits = Gauge(
+            "rlproxy_store_commits", "transactions committed by the writer", registry=self.registry
+        )
+        self.store_errors = Counter(
+            "rlproxy_store_errors",
+            "writes and reads the store failed, by cause (full, read_only, locked, unavailable, damaged)",
+            ["cause"],
+            registry=self.registry,
+        )
         self._store_errors_seen: dict[str, int] = {}
         self.store_degraded = Gauge("rlproxy_store_degraded", "1 while the store cannot record", registry=self.registry)
         self.model_step = Gauge("rlproxy_model_step", "step the alias NAME serves (-1: base)", registry=self.registry)
@@ -31,7 +37,8 @@ class Metrics:
         counter = self._request_counters.get((status, stream))
         if counter is None:
             counter = self._request_counters[(status, stream)] = self.requests.labels(
-                status=status, stream=str(stream).lower())
+                status=status, stream=str(stream).lower()
+            )
         counter.inc()
         self.latency.observe(latency_ms / 1000.0)
 

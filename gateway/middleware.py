@@ -94,8 +94,21 @@ class BearerAuthMiddleware:
         if path.endswith("/v1/messages"):  # Anthropic's clients read Anthropic's error shape
             body = orjson.dumps({"type": "error", "error": {"type": "authentication_error", "message": message}})
         else:
-            body = orjson.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
-                                           "code": "invalid_api_key"}})
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+            body = orjson.dumps(
+                {
+                    "error": {
+                        "message": message,
+                        "type": "authentication_error",
+                        "param": None,
+                        "code": "invalid_api_key",
+                    }
+                }
+            )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -45,56 +45,138 @@ def _ref(name: str) -> dict:
 
 # Shapes of what the routes answer: the keys a client can count on (more may come).
 RESPONSE_SCHEMAS: dict[str, dict] = {
-    "Error": _object({"error": _object({"message": _STRING, "type": _STRING},
-                                       {"param": _NULLABLE_STRING, "code": _NULLABLE_STRING})}),
+    "Error": _object(
+        {"error": _object({"message": _STRING, "type": _STRING}, {"param": _NULLABLE_STRING, "code": _NULLABLE_STRING})}
+    ),
     # One event of the Responses, Messages or legacy completions stream: `event` names it (Responses
     # and Messages), `data` is its JSON as the protocol documents it.
-    "ServerSentEvent": {"type": "object", "required": ["data"],
-                        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}},
+    "ServerSentEvent": {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    },
     # /v1/messages answers errors as Anthropic documents them
     "AnthropicError": _object({"type": {"const": "error"}, "error": _object({"type": _STRING, "message": _STRING})}),
-    "ChatCompletion": _object({
-        "id": _STRING, "object": {"const": "chat.completion"}, "created": {"type": "integer"}, "model": _STRING,
-        "choices": {"type": "array", "items": _object({"index": {"type": "integer"}, "message": {"type": "object"}},
-                                                      {"finish_reason": _NULLABLE_STRING})},
-    }, {"usage": {"type": ["object", "null"]}}),
+    "ChatCompletion": _object(
+        {
+            "id": _STRING,
+            "object": {"const": "chat.completion"},
+            "created": {"type": "integer"},
+            "model": _STRING,
+            "choices": {
+                "type": "array",
+                "items": _object(
+                    {"index": {"type": "integer"}, "message": {"type": "object"}}, {"finish_reason": _NULLABLE_STRING}
+                ),
+            },
+        },
+        {"usage": {"type": ["object", "null"]}},
+    ),
     # One server-sent event: `data` is a chat.completion.chunk as JSON, then `[DONE]` once the
     # call is recorded; an error after the first chunk comes as `{"error": {...}}` (and no `[DONE]`).
-    "ChatCompletionStream": {"type": "object", "required": ["data"],
-                             "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-                             "description": "server-sent events: `data: {chat.completion.chunk}` lines, then "
-                                            "`data: [DONE]` once the call is recorded"},
-    "ModelList": _object({"object": {"const": "list"},
-                          "data": {"type": "array", "items": _object({"id": _STRING, "object": {"const": "model"}},
-                                                                     {"created": {"type": "integer"},
-                                                                      "owned_by": _STRING})}}),
-    "Call": _object({"id": _STRING, "session_id": _STRING, "status": _STRING, "http_status": {"type": "integer"},
-                     "request": {"type": "object"}},
-                    {"response": {"type": ["object", "null"]}, "step": _NULLABLE_INT,
-                     "prompt_ids": {"type": ["array", "null"]}, "completion_ids": {"type": ["array", "null"]},
-                     "behaviour_logprobs": {"type": ["array", "null"]}, "sampling": {"type": ["object", "null"]},
-                     "protocol": _STRING}),
-    "Session": _object({"id": _STRING, "split": _STRING, "model": _STRING, "n_calls": {"type": "integer"},
-                        "discarded": {"type": "boolean"}, "metrics": {"type": "object"}},
-                       {"group_id": _NULLABLE_STRING, "reward": {"type": ["number", "null"]},
-                        "calls": {"type": "array", "items": _ref("Call")}}),
-    "Group": _object({"id": _STRING, "model": _STRING, "split": _STRING, "closed": {"type": "boolean"},
-                      "ready": {"type": "boolean"}, "n_sessions": {"type": "integer"},
-                      "n_rewarded": {"type": "integer"}, "sessions": {"type": "array", "items": _ref("Session")},
-                      "judgements": {"type": "array"}},
-                     {"expected_sessions": _NULLABLE_INT, "trained_step": _NULLABLE_INT,
-                      "skipped": _NULLABLE_STRING, "ruler_status": _NULLABLE_STRING}),
+    "ChatCompletionStream": {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+        "description": "server-sent events: `data: {chat.completion.chunk}` lines, then "
+        "`data: [DONE]` once the call is recorded",
+    },
+    "ModelList": _object(
+        {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": _object(
+                    {"id": _STRING, "object": {"const": "model"}}, {"created": {"type": "integer"}, "owned_by": _STRING}
+                ),
+            },
+        }
+    ),
+    "Call": _object(
+        {
+            "id": _STRING,
+            "session_id": _STRING,
+            "status": _STRING,
+            "http_status": {"type": "integer"},
+            "request": {"type": "object"},
+        },
+        {
+            "response": {"type": ["object", "null"]},
+            "step": _NULLABLE_INT,
+            "prompt_ids": {"type": ["array", "null"]},
+            "completion_ids": {"type": ["array", "null"]},
+            "behaviour_logprobs": {"type": ["array", "null"]},
+            "sampling": {"type": ["object", "null"]},
+            "protocol": _STRING,
+        },
+    ),
+    "Session": _object(
+        {
+            "id": _STRING,
+            "split": _STRING,
+            "model": _STRING,
+            "n_calls": {"type": "integer"},
+            "discarded": {"type": "boolean"},
+            "metrics": {"type": "object"},
+        },
+        {
+            "group_id": _NULLABLE_STRING,
+            "reward": {"type": ["number", "null"]},
+            "calls": {"type": "array", "items": _ref("Call")},
+        },
+    ),
+    "Group": _object(
+        {
+            "id": _STRING,
+            "model": _STRING,
+            "split": _STRING,
+            "closed": {"type": "boolean"},
+            "ready": {"type": "boolean"},
+            "n_sessions": {"type": "integer"},
+            "n_rewarded": {"type": "integer"},
+            "sessions": {"type": "array", "items": _ref("Session")},
+            "judgements": {"type": "array"},
+        },
+        {
+            "expected_sessions": _NULLABLE_INT,
+            "trained_step": _NULLABLE_INT,
+            "skipped": _NULLABLE_STRING,
+            "ruler_status": _NULLABLE_STRING,
+        },
+    ),
     "RewardResult": _object({"session_id": _STRING, "reward": _NUMBER, "metrics": {"type": "object"}}),
-    "StepList": _object({"object": {"const": "list"},
-                         "data": {"type": "array", "items": _object({"model": _STRING, "step": {"type": "integer"},
-                                                                     "metrics": {"type": "object"},
-                                                                     "groups": {"type": "array"}})}}),
+    "StepList": _object(
+        {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": _object(
+                    {
+                        "model": _STRING,
+                        "step": {"type": "integer"},
+                        "metrics": {"type": "object"},
+                        "groups": {"type": "array"},
+                    }
+                ),
+            },
+        }
+    ),
     "TriggerResult": _object({"model": _STRING, "trigger_id": {"type": "integer"}, "status": {"const": "requested"}}),
-    "RulerResult": _object({"group_id": _STRING, "judge_model": _STRING, "status": _STRING,
-                            "scores": {"type": "array", "items": _object({"session_id": _STRING, "score": _NUMBER},
-                                                                         {"explanation": _NULLABLE_STRING})}}),
-    "Health": _object({"status": {"enum": ["ok", "degraded"]}, "engine": _STRING, "model": _STRING},
-                      {"step": _NULLABLE_INT, "reason": _STRING, "store": {"type": "object"}}),
+    "RulerResult": _object(
+        {
+            "group_id": _STRING,
+            "judge_model": _STRING,
+            "status": _STRING,
+            "scores": {
+                "type": "array",
+                "items": _object({"session_id": _STRING, "score": _NUMBER}, {"explanation": _NULLABLE_STRING}),
+            },
+        }
+    ),
+    "Health": _object(
+        {"status": {"enum": ["ok", "degraded"]}, "engine": _STRING, "model": _STRING},
+        {"step": _NULLABLE_INT, "reason": _STRING, "store": {"type": "object"}},
+    ),
 }
 
 _ERRORS = {
@@ -112,23 +194,44 @@ _ERRORS = {
 # (method, path) -> (request body model or None, body required, {status: (description, media, schema name)})
 _JSON = "application/json"
 ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, dict[str, tuple[str, str, str]]]] = {
-    ("post", "/v1/chat/completions"): (ChatCompletionRequest, True, {
-        "200": ("the completion (a stream of server-sent events when `stream` is true)", _JSON, "ChatCompletion")}),
+    ("post", "/v1/chat/completions"): (
+        ChatCompletionRequest,
+        True,
+        {"200": ("the completion (a stream of server-sent events when `stream` is true)", _JSON, "ChatCompletion")},
+    ),
     ("get", "/v1/models"): (None, False, {"200": ("the models served", _JSON, "ModelList")}),
-    ("post", "/v1/sessions/{session_id}/reward"): (RewardRequest, True, {
-        "200": ("the session's reward and merged metrics", _JSON, "RewardResult")}),
-    ("post", "/v1/sessions/{session_id}/discard"): (DiscardRequest, False, {
-        "200": ("the session, now discarded", _JSON, "Session")}),
+    ("post", "/v1/sessions/{session_id}/reward"): (
+        RewardRequest,
+        True,
+        {"200": ("the session's reward and merged metrics", _JSON, "RewardResult")},
+    ),
+    ("post", "/v1/sessions/{session_id}/discard"): (
+        DiscardRequest,
+        False,
+        {"200": ("the session, now discarded", _JSON, "Session")},
+    ),
     ("get", "/v1/sessions/{session_id}"): (None, False, {"200": ("the recorded trajectory", _JSON, "Session")}),
     ("post", "/v1/groups/{group_id}/close"): (GroupCloseRequest, False, {"200": ("the group", _JSON, "Group")}),
     ("get", "/v1/groups/{group_id}"): (None, False, {"200": ("the group", _JSON, "Group")}),
-    ("post", "/v1/groups/{group_id}/ruler"): (RulerRequest, True, {
-        "200": ("the judge's scores, now the sessions' rewards", _JSON, "RulerResult")}),
+    ("post", "/v1/groups/{group_id}/ruler"): (
+        RulerRequest,
+        True,
+        {"200": ("the judge's scores, now the sessions' rewards", _JSON, "RulerResult")},
+    ),
     ("get", "/v1/training/steps"): (None, False, {"200": ("the training steps", _JSON, "StepList")}),
-    ("post", "/v1/training/trigger"): (TriggerRequest, False, {"202": ("a step was asked for", _JSON,
-                                                                        "TriggerResult")}),
-    ("get", "/healthz"): (None, False, {"200": ("serving", _JSON, "Health"),
-                                        "503": ("degraded: the store cannot record (see `reason`)", _JSON, "Health")}),
+    ("post", "/v1/training/trigger"): (
+        TriggerRequest,
+        False,
+        {"202": ("a step was asked for", _JSON, "TriggerResult")},
+    ),
+    ("get", "/healthz"): (
+        None,
+        False,
+        {
+            "200": ("serving", _JSON, "Health"),
+            "503": ("degraded: the store cannot record (see `reason`)", _JSON, "Health"),
+        },
+    ),
     ("get", "/metrics"): (None, False, {"200": ("Prometheus metrics", "text/plain", "")}),
 }
 # Statuses each route may answer beyond its own (the request id, auth and body-limit stack
@@ -147,16 +250,29 @@ _PATH_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 # What the models' validators check beyond their fields' types, said in JSON Schema so that
 # generated clients and fuzzers know it too.
 _CONSTRAINTS = {
-    "ChatMessage": {"allOf": [
-        {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
-         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
-        {"if": {"properties": {"role": {"enum": ["system", "developer", "user"]}}, "required": ["role"]},
-         "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}},
-    ]},
-    "ChatCompletionRequest": {"allOf": [
-        {"if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
-         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
-    ]},
+    "ChatMessage": {
+        "allOf": [
+            {
+                "if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+                "then": {
+                    "required": ["tool_call_id"],
+                    "properties": {"tool_call_id": {"type": "string", "minLength": 1}},
+                },
+            },
+            {
+                "if": {"properties": {"role": {"enum": ["system", "developer", "user"]}}, "required": ["role"]},
+                "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+            },
+        ]
+    },
+    "ChatCompletionRequest": {
+        "allOf": [
+            {
+                "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+                "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            },
+        ]
+    },
 }
 
 
@@ -171,25 +287,32 @@ def _model_schema(model: type[BaseModel], components: dict) -> dict:
 
 
 def build_openapi(app: FastAPI) -> dict:
-    spec = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                       description="OpenAI-compatible gateway that records agent traffic and trains the model it "
-                                   "serves. Errors use OpenAI's shape `{\"error\": {message, type, param, code}}`.")
+    spec = get_openapi(
+        title=app.title,
+        version=app.version,
+        routes=app.routes,
+        description="OpenAI-compatible gateway that records agent traffic and trains the model it "
+        'serves. Errors use OpenAI\'s shape `{"error": {message, type, param, code}}`.',
+    )
     components = spec.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     components.update(RESPONSE_SCHEMAS)
     paths = spec.setdefault("paths", {})
     paths.setdefault("/v1/chat/completions", {})["post"] = {
-        "summary": "Chat Completions", "operationId": "chat_completions",
+        "summary": "Chat Completions",
+        "operationId": "chat_completions",
         "description": "OpenAI's chat completions; every call is recorded. Session and group from the "
-                       "`X-Session-Id`, `X-Group-Id`, `X-Split` headers or the body's `metadata`.",
+        "`X-Session-Id`, `X-Group-Id`, `X-Split` headers or the body's `metadata`.",
     }
     for path, operations in paths.items():
         for method, operation in operations.items():
             model, required, answers = ROUTES.get((method, path), (None, False, {}))
             if model is not None:
-                operation["requestBody"] = {"required": required,
-                                            "content": {_JSON: {"schema": _model_schema(model, components)}}}
+                operation["requestBody"] = {
+                    "required": required,
+                    "content": {_JSON: {"schema": _model_schema(model, components)}},
+                }
             for parameter in operation.get("parameters", []):
                 if parameter.get("in") == "path" and parameter["name"].endswith("_id"):
                     parameter["schema"] = dict(_PATH_ID)
@@ -204,12 +327,15 @@ def build_openapi(app: FastAPI) -> dict:
             if method == "post" and path in _STREAMING_PATHS:
                 for status in [s for s in responses if s.startswith("2")]:
                     responses[status].setdefault("content", {})["text/event-stream"] = {
-                        "schema": _ref("ChatCompletionStream") if path == "/v1/chat/completions"
-                        else _ref("ServerSentEvent")}
+                        "schema": _ref("ChatCompletionStream")
+                        if path == "/v1/chat/completions"
+                        else _ref("ServerSentEvent")
+                    }
             error_schema = _ref("AnthropicError") if path == "/v1/messages" else _ref("Error")
             for status in _ROUTE_ERRORS.get((method, path), _DEFAULT_ERRORS):
-                responses.setdefault(status, {"description": _ERRORS[status],
-                                              "content": {_JSON: {"schema": error_schema}}})
+                responses.setdefault(
+                    status, {"description": _ERRORS[status], "content": {_JSON: {"schema": error_schema}}}
+                )
     return spec
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Callable
 from types import ModuleType
-from typing import AsyncIterator, Callable
 
 import orjson
 
@@ -23,8 +23,11 @@ from gateway.errors import ClientGone, RLProxyError, UpstreamError
 from gateway.protocols import Wire, completions, messages, responses
 
 PATHS = {responses.PROTOCOL: "/responses", messages.PROTOCOL: "/messages", completions.PROTOCOL: "/completions"}
-MODULES: dict[str, ModuleType] = {responses.PROTOCOL: responses, messages.PROTOCOL: messages,
-                                  completions.PROTOCOL: completions}
+MODULES: dict[str, ModuleType] = {
+    responses.PROTOCOL: responses,
+    messages.PROTOCOL: messages,
+    completions.PROTOCOL: completions,
+}
 _IDENTITY_KEYS = ("session_id", "group_id", "split")
 
 
@@ -47,17 +50,34 @@ class PassThrough:
     def serves(self, protocol: str) -> bool:
         return protocol in self.protocols
 
-    def _record(self, protocol, raw, chat_body, identity, request_id, target, stream, started, wire_response,
-                error=None):
+    def _record(
+        self, protocol, raw, chat_body, identity, request_id, target, stream, started, wire_response, error=None
+    ):
         module = MODULES[protocol]
         chat_response = module.to_chat_response(wire_response) if wire_response is not None else None
         wire = Wire(protocol, raw, lambda _chat: wire_response)
-        return self.chat._record(request_id=request_id, identity=identity, raw=chat_body, target=target,
-                                 stream=stream, started=started, response=chat_response, tokens=None, error=error,
-                                 wire=wire)
+        return self.chat._record(
+            request_id=request_id,
+            identity=identity,
+            raw=chat_body,
+            target=target,
+            stream=stream,
+            started=started,
+            response=chat_response,
+            tokens=None,
+            error=error,
+            wire=wire,
+        )
 
-    async def complete(self, protocol: str, raw: dict, chat_body: dict, identity: Identity, request_id: str,
-                       client_left: Callable[[], bool] | None = None):
+    async def complete(
+        self,
+        protocol: str,
+        raw: dict,
+        chat_body: dict,
+        identity: Identity,
+        request_id: str,
+        client_left: Callable[[], bool] | None = None,
+    ):
         """As `ChatService.complete`: a client that left (`client_left()` once the answer is
         ready, or the route's cancellation) is recorded as 499."""
         started, target = time.perf_counter(), None
@@ -67,16 +87,23 @@ class PassThrough:
             if client_left is not None and client_left():
                 raise ClientGone()
         except RLProxyError as exc:
-            await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, False,
-                                                 started, None, exc))
+            await self.chat._commit(
+                self._record(protocol, raw, chat_body, identity, request_id, target, False, started, None, exc)
+            )
             raise
         except asyncio.CancelledError:
-            await asyncio.shield(self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target,
-                                                                False, started, None, ClientGone())))
+            await asyncio.shield(
+                self.chat._commit(
+                    self._record(
+                        protocol, raw, chat_body, identity, request_id, target, False, started, None, ClientGone()
+                    )
+                )
+            )
             raise
         answer["model"] = raw["model"]  # the client sees the name it asked for
-        await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, False,
-                                             started, answer))
+        await self.chat._commit(
+            self._record(protocol, raw, chat_body, identity, request_id, target, False, started, answer)
+        )
         return answer, target
 
     async def open_stream(self, protocol: str, raw: dict, chat_body: dict, identity: Identity, request_id: str):
@@ -111,18 +138,46 @@ class PassThrough:
         finally:
             if not finished and error is None:  # the client left: still record what was sent
                 gone = ClientGone("stream ended early: the client disconnected")
-                await asyncio.shield(self.chat._commit(self._record(
-                    protocol, raw, chat_body, identity, request_id, target, True, started, accumulator.response, gone)))
-        await self.chat._commit(self._record(protocol, raw, chat_body, identity, request_id, target, True, started,
-                                             accumulator.response if error is None else None, error))
+                await asyncio.shield(
+                    self.chat._commit(
+                        self._record(
+                            protocol,
+                            raw,
+                            chat_body,
+                            identity,
+                            request_id,
+                            target,
+                            True,
+                            started,
+                            accumulator.response,
+                            gone,
+                        )
+                    )
+                )
+        await self.chat._commit(
+            self._record(
+                protocol,
+                raw,
+                chat_body,
+                identity,
+                request_id,
+                target,
+                True,
+                started,
+                accumulator.response if error is None else None,
+                error,
+            )
+        )
         if error is not None:
             if held is None:
                 raise error
             yield held
-            body = (messages.error_body(error.status_code, error.message) if protocol == messages.PROTOCOL
-                    else error.to_openai())
+            body = (
+                messages.error_body(error.status_code, error.message)
+                if protocol == messages.PROTOCOL
+                else error.to_openai()
+            )
             yield b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
             return
         if held is not None:
             yield held
-

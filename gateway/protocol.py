@@ -38,7 +38,7 @@ class ChatMessage(_Open):
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _check_role_fields(self) -> "ChatMessage":
+    def _check_role_fields(self) -> ChatMessage:
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a message with role 'tool' needs 'tool_call_id' (the id of the tool call it answers)")
         if self.role in ("system", "developer", "user") and self.content is None:
@@ -103,7 +103,7 @@ class ChatCompletionRequest(_Open):
         return stops
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatCompletionRequest":
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("'top_logprobs' needs 'logprobs': true")
         if isinstance(self.tool_choice, str) and self.tool_choice not in ("none", "auto", "required"):

@@ -122,8 +122,10 @@ def normalize_message(message: dict) -> dict:
             {
                 "id": call.get("id"),
                 "type": call.get("type", "function"),
-                "function": {"name": (call.get("function") or {}).get("name"),
-                             "arguments": (call.get("function") or {}).get("arguments")},
+                "function": {
+                    "name": (call.get("function") or {}).get("name"),
+                    "arguments": (call.get("function") or {}).get("arguments"),
+                },
             }
             for call in message["tool_calls"]
         ]
@@ -194,7 +196,7 @@ def _system_prompt(n: int, rubric: str) -> str:
         f"Grading rubric:\n{rubric.strip()}\n\n"
         "Messages are given as JSON, one per line. Answer with a JSON object "
         '{"scores": [{"trajectory_id": "...", "explanation": "...", "score": 0.0}]} holding exactly '
-        "one entry per trajectory: its id as written in its <trajectory id=\"...\"> tag, one or two "
+        'one entry per trajectory: its id as written in its <trajectory id="..."> tag, one or two '
         "sentences on why, and the score."
     )
 
@@ -274,10 +276,13 @@ def retry_messages(prompt: JudgePrompt, bad_answer: str | None, problem: str) ->
     return [
         *prompt.messages,
         {"role": "assistant", "content": bad_answer or ""},
-        {"role": "user", "content": (
-            f"That answer cannot be used: {problem}. Answer again with only the JSON object: one entry for "
-            f"each of the trajectory ids {prompt.ids}, each score a number from 0 to 1."
-        )},
+        {
+            "role": "user",
+            "content": (
+                f"That answer cannot be used: {problem}. Answer again with only the JSON object: one entry for "
+                f"each of the trajectory ids {prompt.ids}, each score a number from 0 to 1."
+            ),
+        },
     ]
 
 
@@ -297,12 +302,13 @@ async def judge(trajectories: list[Trajectory], call: JudgeCall, rubric: str | N
             scores = parse_answer(content, prompt.ids)
         except InvalidJudgeAnswer as second:
             raise JudgeError(f"the judge answered wrongly twice: first {first}; then {second}") from None
-    by_session = {
-        session_id: score for score in scores for session_id in prompt.members[score.trajectory_id]
-    }
+    by_session = {session_id: score for score in scores for session_id in prompt.members[score.trajectory_id]}
     return [
-        {"trajectory_id": t.session_id, "explanation": by_session[t.session_id].explanation,
-         "score": by_session[t.session_id].score}
+        {
+            "trajectory_id": t.session_id,
+            "explanation": by_session[t.session_id].explanation,
+            "score": by_session[t.session_id].score,
+        }
         for t in trajectories
     ]
 
@@ -320,8 +326,9 @@ class RulerService:
                 raise InvalidRequest("judge_api_base cannot be used with judge_model 'self'", param="judge_api_base")
             return engine_judge(self.services)
         if judge_api_base is not None and not judge_api_base.startswith(("http://", "https://")):
-            raise InvalidRequest(f"judge_api_base must start with http:// or https://, got '{judge_api_base}'",
-                                 param="judge_api_base")
+            raise InvalidRequest(
+                f"judge_api_base must start with http:// or https://, got '{judge_api_base}'", param="judge_api_base"
+            )
         return litellm_judge(judge_model, judge_api_base)
 
     def trajectories(self, group_id: str) -> list[Trajectory]:
@@ -331,8 +338,9 @@ class RulerService:
             raise Conflict(f"group '{group_id}' was already trained on (step {group['trained_step']})")
         return [trajectory_from_calls(s["id"], store.session_calls(s["id"])) for s in group["sessions"]]
 
-    async def score_group(self, group_id: str, judge_model: str, rubric: str | None = None,
-                          judge_api_base: str | None = None) -> list[dict]:
+    async def score_group(
+        self, group_id: str, judge_model: str, rubric: str | None = None, judge_api_base: str | None = None
+    ) -> list[dict]:
         """Judge the group, store scores as rewards and close it; on failure mark it failed and raise."""
         call = self._judge_call(judge_model, judge_api_base)
         if group_id in self._running:

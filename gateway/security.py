@@ -22,8 +22,14 @@ _EXPOSED = ["X-Session-Id", "X-Request-Id", "X-Model-Step"]
 def cors_middleware(app: ASGIApp, origins: list[str]) -> ASGIApp:
     """CORS for the given origins only (`--cors-origin`, repeatable; `*` for any). Without
     the flag no CORS header is sent, so browsers keep other sites' pages off the gateway."""
-    return CORSMiddleware(app, allow_origins=list(origins), allow_methods=["GET", "POST", "OPTIONS"],
-                          allow_headers=["*"], expose_headers=_EXPOSED, allow_credentials=False)
+    return CORSMiddleware(
+        app,
+        allow_origins=list(origins),
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["*"],
+        expose_headers=_EXPOSED,
+        allow_credentials=False,
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -42,4 +48,5 @@ def warn_if_exposed(settings) -> None:
         log.warning(
             "listening on %s with no API key: anyone who can reach this port can use the model, post rewards "
             "and read every recorded call. Set --api-key (or RLPROXY_API_KEY), or listen on 127.0.0.1.",
-            settings.host)
+            settings.host,
+        )

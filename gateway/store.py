@@ -22,8 +22,9 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import sqlite_utils
 
@@ -43,8 +44,14 @@ _CHECKPOINT = object()  # queued for the writer thread: run a checkpoint
 class Store:
     """The SQLite store. `Store(path)` for a file, `Store(memory=True)` for tests."""
 
-    def __init__(self, path: Path | str | None = None, *, memory: bool = False, synchronous: str = "normal",
-                 busy_timeout: float = 30.0):
+    def __init__(
+        self,
+        path: Path | str | None = None,
+        *,
+        memory: bool = False,
+        synchronous: str = "normal",
+        busy_timeout: float = 30.0,
+    ):
         if memory:
             # One shared in-memory database, reachable from the writer thread too.
             uri = f"file:rlproxy-{id(self)}?mode=memory&cache=shared"
@@ -208,8 +215,9 @@ class Store:
                 raise
             return self._commit_round(conn, ops)
 
-    def _commit_round(self, conn: sqlite3.Connection, ops: list[Callable[[sqlite3.Connection], Any]]
-                      ) -> list[tuple[bool, Any]]:
+    def _commit_round(
+        self, conn: sqlite3.Connection, ops: list[Callable[[sqlite3.Connection], Any]]
+    ) -> list[tuple[bool, Any]]:
         """`ops` in the transaction just begun on `conn` (write lock held), then COMMIT."""
         outcomes: list[tuple[bool, Any]] = []
         try:
@@ -251,8 +259,9 @@ class Store:
             except sqlite3.Error:  # a failing disk shows in the next write, with its cause
                 pass
 
-    def _settle(self, batch: list[tuple[Any, asyncio.Future]], outcomes: list[tuple[bool, Any]] | BaseException
-                ) -> None:
+    def _settle(
+        self, batch: list[tuple[Any, asyncio.Future]], outcomes: list[tuple[bool, Any]] | BaseException
+    ) -> None:
         """On the event loop: each waiting caller gets its write's outcome, or the round's failure."""
         self._in_flight -= len(batch)
         for index, (_, future) in enumerate(batch):
@@ -372,7 +381,12 @@ class Store:
         return self._run_sync(op)
 
     def insert_step(
-        self, model: str, step: int, path: str, metrics: dict, group_ids: list[str],
+        self,
+        model: str,
+        step: int,
+        path: str,
+        metrics: dict,
+        group_ids: list[str],
         session_ids: list[str] | None = None,
     ) -> None:
         """Insert a step row and mark its groups trained, in one transaction. With
@@ -382,11 +396,13 @@ class Store:
         def op(conn: sqlite3.Connection) -> None:
             if session_ids:
                 marks = ",".join("?" * len(session_ids))
-                gone = conn.execute(f"SELECT id FROM sessions WHERE discarded = 1 AND id IN ({marks})",
-                                    session_ids).fetchall()
+                gone = conn.execute(
+                    f"SELECT id FROM sessions WHERE discarded = 1 AND id IN ({marks})", session_ids
+                ).fetchall()
                 if gone:
-                    raise Conflict(f"session(s) {', '.join(r[0] for r in gone)} were discarded while step {step} "
-                                   "trained on them")
+                    raise Conflict(
+                        f"session(s) {', '.join(r[0] for r in gone)} were discarded while step {step} trained on them"
+                    )
             conn.execute(
                 "INSERT INTO steps (model, step, path, metrics, groups, created_at) VALUES (?, ?, ?, ?, ?, ?)",
                 (model, step, path, json.dumps(metrics), json.dumps(group_ids), time.time()),
@@ -406,8 +422,10 @@ class Store:
 
         def op(conn: sqlite3.Connection) -> None:
             for group_id in group_ids:
-                conn.execute("UPDATE groups SET failed = ?, updated_at = ? WHERE id = ? AND trained_step IS NULL",
-                             (reason, time.time(), group_id))
+                conn.execute(
+                    "UPDATE groups SET failed = ?, updated_at = ? WHERE id = ? AND trained_step IS NULL",
+                    (reason, time.time(), group_id),
+                )
 
         self._run_sync(op)
 
@@ -425,11 +443,18 @@ class Store:
     def gpu_lease(self, model: str) -> dict:
         """The GPU lease of `model`: {"model", "state", "holder", "step", "updated_at"}; state "idle" if none."""
         rows = self._query("SELECT * FROM gpu_leases WHERE model = ?", (model,))
-        return rows[0] if rows else {"model": model, "state": "idle", "holder": None, "step": None,
-                                     "updated_at": None}
+        return rows[0] if rows else {"model": model, "state": "idle", "holder": None, "step": None, "updated_at": None}
 
-    def move_gpu_lease(self, model: str, to_state: str, *, expect: tuple[str, ...], holder: str | None = None,
-                       expect_holder: str | None = None, step: int | None = None) -> bool:
+    def move_gpu_lease(
+        self,
+        model: str,
+        to_state: str,
+        *,
+        expect: tuple[str, ...],
+        holder: str | None = None,
+        expect_holder: str | None = None,
+        step: int | None = None,
+    ) -> bool:
         """Compare-and-set: move the lease to `to_state` if its state is one of `expect` (and its
         holder is `expect_holder`, when given). True if it moved. `holder` None keeps the holder."""
 
@@ -546,8 +571,9 @@ class Store:
         return out
 
 
-def with_savepoints(conn: Any, ops: list[Callable[[Any], Any]], fails_the_round: Callable[[Exception], bool]
-                    ) -> list[tuple[bool, Any]]:
+def with_savepoints(
+    conn: Any, ops: list[Callable[[Any], Any]], fails_the_round: Callable[[Exception], bool]
+) -> list[tuple[bool, Any]]:
     """Every op of a round in a savepoint of its own, so an op that raises is rolled back
     alone and handed to its caller; an exception that `fails_the_round` (the disk or the
     server failing, not the op) is raised: the transaction may be gone already. The SQL is

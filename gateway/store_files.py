@@ -45,10 +45,13 @@ def upload_step_files(conn, model: str, step: int, directory: Path) -> int:
         digest = hashlib.sha256(data).hexdigest()
         present = conn.execute("SELECT 1 FROM blobs WHERE sha256 = ?", (digest,)).fetchone()
         if present is None:
-            conn.execute("INSERT INTO blobs (sha256, size, data) VALUES (?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
-                         (digest, len(data), data))
-        conn.execute("INSERT INTO step_files (model, step, name, sha256) VALUES (?, ?, ?, ?)",
-                      (model, step, path.name, digest))
+            conn.execute(
+                "INSERT INTO blobs (sha256, size, data) VALUES (?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
+                (digest, len(data), data),
+            )
+        conn.execute(
+            "INSERT INTO step_files (model, step, name, sha256) VALUES (?, ?, ?, ?)", (model, step, path.name, digest)
+        )
         count += 1
     return count
 
@@ -61,8 +64,12 @@ def _safe_name(name: str) -> str:
 
 
 def _verified(directory: Path, listing: list[tuple[str, str, int]]) -> bool:
-    return all((directory / name).is_file() and (directory / name).stat().st_size == size
-               and sha256_file(directory / name) == digest for name, digest, size in listing)
+    return all(
+        (directory / name).is_file()
+        and (directory / name).stat().st_size == size
+        and sha256_file(directory / name) == digest
+        for name, digest, size in listing
+    )
 
 
 def materialize(read_blob, listing: list[tuple[str, str, int]], dest: Path) -> Path:

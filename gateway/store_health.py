@@ -22,8 +22,15 @@ _RECOVERS = "the gateway recovers by itself once that is fixed, no restart neede
 # SQLite's primary result codes (the low byte of the extended code).
 _FULL, _READONLY, _BUSY, _LOCKED, _IOERR, _CANTOPEN, _CORRUPT, _PROTOCOL, _NOTADB = 13, 8, 5, 6, 10, 14, 11, 15, 26
 
-_BY_MESSAGE = (("disk is full", _FULL), ("readonly", _READONLY), ("is locked", _BUSY), ("disk I/O", _IOERR),
-               ("unable to open", _CANTOPEN), ("malformed", _CORRUPT), ("not a database", _NOTADB))
+_BY_MESSAGE = (
+    ("disk is full", _FULL),
+    ("readonly", _READONLY),
+    ("is locked", _BUSY),
+    ("disk I/O", _IOERR),
+    ("unable to open", _CANTOPEN),
+    ("malformed", _CORRUPT),
+    ("not a database", _NOTADB),
+)
 
 
 def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable | None:
@@ -41,24 +48,36 @@ def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable
             return None
     primary, name = code & 0xFF, getattr(exc, "sqlite_errorname", f"SQLite error {code}")
     if primary == _FULL:
-        return StoreFull(f"the store cannot record: the disk holding the gateway's state dir is full ({name}). "
-                         f"Free space on that disk (or give the store a page limit it can grow into); {_RECOVERS}.",
-                         cause="full")
+        return StoreFull(
+            f"the store cannot record: the disk holding the gateway's state dir is full ({name}). "
+            f"Free space on that disk (or give the store a page limit it can grow into); {_RECOVERS}.",
+            cause="full",
+        )
     if primary == _READONLY:
-        return StoreUnavailable(f"the store cannot record: its file is read-only ({name}). Make the state dir and "
-                                f"its files writable by the gateway (and the disk mounted read-write); {_RECOVERS}.",
-                                cause="read_only")
+        return StoreUnavailable(
+            f"the store cannot record: its file is read-only ({name}). Make the state dir and "
+            f"its files writable by the gateway (and the disk mounted read-write); {_RECOVERS}.",
+            cause="read_only",
+        )
     if primary in (_BUSY, _LOCKED):
-        return StoreUnavailable(f"the store cannot record: another process has held its write lock for over "
-                                f"{busy_timeout:g} s ({name}). Stop whatever keeps a long write transaction open "
-                                f"on the store (a backup, a sqlite3 shell); {_RECOVERS}.", cause="locked")
+        return StoreUnavailable(
+            f"the store cannot record: another process has held its write lock for over "
+            f"{busy_timeout:g} s ({name}). Stop whatever keeps a long write transaction open "
+            f"on the store (a backup, a sqlite3 shell); {_RECOVERS}.",
+            cause="locked",
+        )
     if primary in (_IOERR, _CANTOPEN, _PROTOCOL):
-        return StoreUnavailable(f"the store is unavailable: the disk or file under the state dir failed ({name}: "
-                                f"{exc}). Check that the disk is mounted, writable and has room; {_RECOVERS}.",
-                                cause="unavailable")
+        return StoreUnavailable(
+            f"the store is unavailable: the disk or file under the state dir failed ({name}: "
+            f"{exc}). Check that the disk is mounted, writable and has room; {_RECOVERS}.",
+            cause="unavailable",
+        )
     if primary in (_CORRUPT, _NOTADB):
-        return StoreUnavailable(f"the store file is damaged ({name}). Restore it from a backup or move it away "
-                                "(the gateway starts a new one).", cause="damaged")
+        return StoreUnavailable(
+            f"the store file is damaged ({name}). Restore it from a backup or move it away "
+            "(the gateway starts a new one).",
+            cause="damaged",
+        )
     return None
 
 
@@ -67,20 +86,29 @@ def _classify_postgres(exc: BaseException) -> StoreUnavailable | None:
     lost connection has none). A constraint, a syntax error, a bug: None, not the store's health."""
     state = getattr(exc, "sqlstate", None) or ""
     if state == "53100":
-        return StoreFull("the store cannot record: PostgreSQL's disk is full (53100 disk_full). Free space on the "
-                         f"database server's disk; {_RECOVERS}.", cause="full")
+        return StoreFull(
+            "the store cannot record: PostgreSQL's disk is full (53100 disk_full). Free space on the "
+            f"database server's disk; {_RECOVERS}.",
+            cause="full",
+        )
     if state == "25006":
-        return StoreUnavailable("the store cannot record: the PostgreSQL server is read-only (25006; a standby, or "
-                                f"default_transaction_read_only). Point --store at the primary; {_RECOVERS}.",
-                                cause="read_only")
+        return StoreUnavailable(
+            "the store cannot record: the PostgreSQL server is read-only (25006; a standby, or "
+            f"default_transaction_read_only). Point --store at the primary; {_RECOVERS}.",
+            cause="read_only",
+        )
     if state.startswith("23") or state.startswith("42") or state.startswith("22"):
         return None  # the statement's fault (constraint, SQL, data), not the server's
     kind = type(exc).__name__
-    if state[:2] in ("08", "53", "57", "58") or (not state and kind in ("OperationalError", "PoolTimeout",
-                                                                         "PoolClosed", "InterfaceError")):
-        return StoreUnavailable(f"the store is unavailable: PostgreSQL cannot be reached or refused the work "
-                                f"({kind}{' ' + state if state else ''}: {str(exc).strip()[:200]}). Check that the "
-                                f"server is running and reachable at --store; {_RECOVERS}.", cause="unavailable")
+    if state[:2] in ("08", "53", "57", "58") or (
+        not state and kind in ("OperationalError", "PoolTimeout", "PoolClosed", "InterfaceError")
+    ):
+        return StoreUnavailable(
+            f"the store is unavailable: PostgreSQL cannot be reached or refused the work "
+            f"({kind}{' ' + state if state else ''}: {str(exc).strip()[:200]}). Check that the "
+            f"server is running and reachable at --store; {_RECOVERS}.",
+            cause="unavailable",
+        )
     return None
 
 
@@ -105,13 +133,13 @@ class StoreHealth:
 
     def recovered(self) -> None:
         if self.failure is not None:
-            log.warning("store recovered after %.1f s (%s)", time.time() - (self.since or time.time()),
-                        self.failure.cause)
+            log.warning(
+                "store recovered after %.1f s (%s)", time.time() - (self.since or time.time()), self.failure.cause
+            )
             self.failure = None
             self.since = None
 
     def report(self) -> dict:
         if self.failure is None:
             return {"status": "ok"}
-        return {"status": "degraded", "cause": self.failure.cause, "reason": self.failure.message,
-                "since": self.since}
+        return {"status": "degraded", "cause": self.failure.cause, "reason": self.failure.message, "since": self.since}

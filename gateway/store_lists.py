@@ -12,8 +12,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gateway.errors import InvalidRequest
 
@@ -45,8 +45,9 @@ def decode_cursor(cursor: str) -> tuple[float, str]:
         created_at, row_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
         return float(created_at), str(row_id)
     except (ValueError, TypeError):
-        raise InvalidRequest("cursor is not one this gateway returned: pass `next_cursor` from the previous page",
-                             param="cursor") from None
+        raise InvalidRequest(
+            "cursor is not one this gateway returned: pass `next_cursor` from the previous page", param="cursor"
+        ) from None
 
 
 def check_filter(f: ListFilter) -> None:

@@ -31,11 +31,12 @@ def open_store(target: Any) -> Store:
         try:
             from gateway.store_postgres import PostgresStore
         except ImportError as exc:  # psycopg missing
-            raise ConfigError("--store postgresql://... needs the PostgreSQL extra: pip install 'rlproxy[postgres]'"
-                             f" ({exc})") from None
+            raise ConfigError(
+                f"--store postgresql://... needs the PostgreSQL extra: pip install 'rlproxy[postgres]' ({exc})"
+            ) from None
         return PostgresStore(text)
     if text.startswith("sqlite:///"):
-        text = text[len("sqlite:///"):]
+        text = text[len("sqlite:///") :]
     elif "://" in text:
         raise ConfigError(f"--store must be a postgresql:// URL or an SQLite file path, not {text!r}")
     return Store(Path(text))

@@ -155,7 +155,7 @@ _LOCK_KEY = 0x726C7078  # "rlpx": one advisory lock for schema changes
 
 
 def _pg_type(definition: str) -> str:
-    return (definition.replace("REAL", "DOUBLE PRECISION").replace("BLOB", "BYTEA"))
+    return definition.replace("REAL", "DOUBLE PRECISION").replace("BLOB", "BYTEA")
 
 
 def migrate(conn) -> int:
@@ -163,15 +163,19 @@ def migrate(conn) -> int:
     Returns the version it started at (0: empty)."""
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY,"
-                     " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY,"
+            " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
         current = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
         if current == 0 and conn.execute("SELECT to_regclass('calls')").fetchone()[0] is not None:
             current = 1  # tables made before versions were recorded: the first release
             conn.execute("INSERT INTO schema_version (version) VALUES (1)")
         if current > VERSION:
-            raise ConfigError(f"the store's schema is version {current}, newer than this rlproxy's "
-                               f"({VERSION}): upgrade rlproxy on this machine")
+            raise ConfigError(
+                f"the store's schema is version {current}, newer than this rlproxy's "
+                f"({VERSION}): upgrade rlproxy on this machine"
+            )
         for version in range(current + 1, VERSION + 1):
             conn.execute(MIGRATIONS[version])
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version,))

@@ -22,8 +22,9 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from gateway import store_files, store_pg_schema
 from gateway.errors import ConfigError
@@ -101,15 +102,24 @@ class PostgresStore(Store):
         self.url = url
         # check: a connection the server dropped (a restart) is replaced before use, so the
         # store recovers by itself once PostgreSQL is back.
-        self._pool = ConnectionPool(url, min_size=min_size, max_size=max_size, open=True, timeout=timeout,
-                                    kwargs={"autocommit": True}, name="rlproxy-store",
-                                    check=ConnectionPool.check_connection)
+        self._pool = ConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            open=True,
+            timeout=timeout,
+            kwargs={"autocommit": True},
+            name="rlproxy-store",
+            check=ConnectionPool.check_connection,
+        )
         try:
             self._pool.wait(timeout=timeout)
         except PoolTimeout:
             self._pool.close()
-            raise ConfigError(f"cannot connect to the store at {redact(url)} within {timeout:.0f} s: check --store "
-                              "(host, port, database, user, password) and that PostgreSQL is running") from None
+            raise ConfigError(
+                f"cannot connect to the store at {redact(url)} within {timeout:.0f} s: check --store "
+                "(host, port, database, user, password) and that PostgreSQL is running"
+            ) from None
         self._write_lock = threading.Lock()  # group commits of this process, one at a time
         self._read_lock = threading.Lock()
         with self._pool.connection() as conn:
@@ -176,8 +186,9 @@ class PostgresStore(Store):
             return outcomes
 
         def careful(conn: _PgConn) -> list[tuple[bool, Any]]:
-            return with_savepoints(conn, ops,
-                                   fails_the_round=lambda exc: _is_retryable(exc) or classify(exc) is not None)
+            return with_savepoints(
+                conn, ops, fails_the_round=lambda exc: _is_retryable(exc) or classify(exc) is not None
+            )
 
         with self._write_lock:
             try:
@@ -230,8 +241,15 @@ class PostgresStore(Store):
             row[key] = int(row[key])
         return row
 
-    def insert_step(self, model: str, step: int, path: str, metrics: dict, group_ids: list[str],
-                    session_ids: list[str] | None = None) -> None:
+    def insert_step(
+        self,
+        model: str,
+        step: int,
+        path: str,
+        metrics: dict,
+        group_ids: list[str],
+        session_ids: list[str] | None = None,
+    ) -> None:
         """As `Store.insert_step`, after the checkpoint's files went into the store (their own
         transaction, committed first): a step row is never visible without its files."""
         directory = Path(path)
@@ -240,8 +258,11 @@ class PostgresStore(Store):
         super().insert_step(model, step, path, metrics, group_ids, session_ids)
 
     def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
-        rows = self._query("SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
-                           " WHERE f.model = ? AND f.step = ? ORDER BY f.name", (model, step))
+        rows = self._query(
+            "SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
+            " WHERE f.model = ? AND f.step = ? ORDER BY f.name",
+            (model, step),
+        )
         return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
 
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
@@ -273,8 +294,9 @@ class PostgresStore(Store):
 
         return store_files.materialize(read_blob, listing, Path(dest))
 
-    def claim_groups(self, model: str, holder: str, split: str = "train", limit: int | None = None,
-                     ttl_s: float = 3600.0) -> list[dict]:
+    def claim_groups(
+        self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0
+    ) -> list[dict]:
         """Ready groups that no other trainer holds, claimed for `holder` (for `ttl_s`): the
         claim row is the lock (an upsert that only takes a free or expired claim), so two
         trainers asking at once get disjoint sets."""

@@ -13,8 +13,9 @@ import json
 import sqlite3
 import time
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import orjson
 
@@ -90,6 +91,7 @@ class CallRecord:
     wire_request: dict | None = None  # the client's body, for protocols other than chat
     wire_response: dict | None = None  # what that client got back
 
+
 # ------------------------------------------------------------------ ops (run on the writer connection)
 
 
@@ -105,9 +107,7 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
     now = call.created_at
     lengths = [len(ids) for ids in call.completion_ids] if call.completion_ids is not None else None
     flat_ids = [t for ids in call.completion_ids for t in ids] if call.completion_ids is not None else None
-    flat_lps = (
-        [lp for lps in call.behaviour_logprobs for lp in lps] if call.behaviour_logprobs is not None else None
-    )
+    flat_lps = [lp for lps in call.behaviour_logprobs for lp in lps] if call.behaviour_logprobs is not None else None
     conn.execute(
         "INSERT INTO calls (id, session_id, group_id, split, model, served, step, engine, stream, status,"
         " http_status, error, request, response, prompt_ids, completion_ids, completion_logprobs,"
@@ -153,8 +153,11 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
         (call.session_id, call.group_id, call.split, base_model, now, now),
     ).fetchone()
     if split != call.split:
-        raise Conflict(f"session '{call.session_id}' is a '{split}' session; this call says X-Split '{call.split}'. "
-                       "Keep one split per session.", param="split")
+        raise Conflict(
+            f"session '{call.session_id}' is a '{split}' session; this call says X-Split '{call.split}'. "
+            "Keep one split per session.",
+            param="split",
+        )
     if call.group_id is not None:
         group_id = call.group_id
         (group_split,) = conn.execute(
@@ -168,8 +171,11 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
     else:
         return
     if group_split != call.split:
-        raise Conflict(f"group '{group_id}' holds '{group_split}' sessions; this call says X-Split '{call.split}'. "
-                       "Use one split per group (a separate group id for val rollouts).", param="split")
+        raise Conflict(
+            f"group '{group_id}' holds '{group_split}' sessions; this call says X-Split '{call.split}'. "
+            "Use one split per group (a separate group id for val rollouts).",
+            param="split",
+        )
 
 
 def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float]) -> dict:
@@ -228,8 +234,7 @@ def discard_session(conn: sqlite3.Connection, session_id: str, reason: str | Non
         )
     # A second discard keeps the first reason unless it gives one.
     conn.execute(
-        "UPDATE sessions SET discarded = 1, discard_reason = COALESCE(?, discard_reason), updated_at = ?"
-        " WHERE id = ?",
+        "UPDATE sessions SET discarded = 1, discard_reason = COALESCE(?, discard_reason), updated_at = ? WHERE id = ?",
         (reason, time.time(), session_id),
     )
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from gateway.errors import ConfigError
 
-
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     id TEXT PRIMARY KEY,
@@ -172,8 +171,10 @@ def add_missing_columns(conn: sqlite3.Connection) -> None:
     try:
         found = conn.execute("PRAGMA user_version").fetchone()[0]
         if found > SCHEMA_VERSION:
-            raise ConfigError(f"the store's schema is version {found}, newer than this rlproxy's "
-                               f"({SCHEMA_VERSION}): upgrade rlproxy on this machine")
+            raise ConfigError(
+                f"the store's schema is version {found}, newer than this rlproxy's "
+                f"({SCHEMA_VERSION}): upgrade rlproxy on this machine"
+            )
         for table, column, definition in _ADDED_COLUMNS:
             present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
             if column not in present:

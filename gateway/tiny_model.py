@@ -88,9 +88,7 @@ TOOL_CALL_END = "</tool_call>"
 
 # Qwen2's pre-tokenizer regex (transformers' Qwen2Tokenizer rebuilds the pipeline with it on
 # load, so the tokenizer must be trained with exactly this one to stay identical).
-_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 _DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -282,8 +280,15 @@ def _build(directory: Path, seed: int, instruct: bool = False) -> None:
             threads = torch.get_num_threads()
             torch.set_num_threads(_BUILD_THREADS)
             try:
-                instruction_tune(model, tokenizer, steps=_INSTRUCT_STEPS, batch_size=_INSTRUCT_BATCH,
-                                 learning_rate=_INSTRUCT_LEARNING_RATE, seed=seed, progress=log_progress())
+                instruction_tune(
+                    model,
+                    tokenizer,
+                    steps=_INSTRUCT_STEPS,
+                    batch_size=_INSTRUCT_BATCH,
+                    learning_rate=_INSTRUCT_LEARNING_RATE,
+                    seed=seed,
+                    progress=log_progress(),
+                )
             finally:
                 torch.set_num_threads(threads)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
@@ -326,7 +331,7 @@ def ensure_tiny_model(cache_dir: Path, seed: int = 0, instruct: bool = False) ->
     build instead of repeating minutes of it.
     """
     cache_dir = Path(cache_dir)
-    name = (f"tiny-qwen2-instruct-r{_INSTRUCT_RECIPE_VERSION}" if instruct else f"tiny-qwen2-r{_RECIPE_VERSION}")
+    name = f"tiny-qwen2-instruct-r{_INSTRUCT_RECIPE_VERSION}" if instruct else f"tiny-qwen2-r{_RECIPE_VERSION}"
     name += f"-{_LAYOUT}"
     target = cache_dir / f"{name}-seed{seed}"
     if (target / "config.json").is_file():

@@ -57,7 +57,7 @@ def _layout(rng: random.Random, items: list[str]) -> str:
         return ", ".join(items)
     if shape < 0.8:  # rows
         width = rng.choice((2, 3, 4))
-        return "\n".join(" ".join(items[i:i + width]) for i in range(0, len(items), width))
+        return "\n".join(" ".join(items[i : i + width]) for i in range(0, len(items), width))
     return "Options: " + " ".join(items)
 
 
@@ -77,8 +77,16 @@ def training_example(tokenizer, messages: list[dict]) -> tuple[list[int], list[i
     return ids, labels
 
 
-def instruction_tune(model, tokenizer, *, steps: int, batch_size: int, learning_rate: float, seed: int,
-                     progress: Callable[[int, int, float], None] | None = None) -> float:
+def instruction_tune(
+    model,
+    tokenizer,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> float:
     """Train `model` in place on `steps` batches of synthetic chats; returns the last loss.
     AdamW, a short warm-up then a linear decay, gradients clipped at 1."""
     import torch
@@ -88,7 +96,8 @@ def instruction_tune(model, tokenizer, *, steps: int, batch_size: int, learning_
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     warmup = max(1, steps // 60)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / steps))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / steps)
+    )
     model.train()
     loss_value = float("nan")
     for step in range(steps):
@@ -98,9 +107,9 @@ def instruction_tune(model, tokenizer, *, steps: int, batch_size: int, learning_
         labels = torch.full((batch_size, width), -100)
         attention = torch.zeros((batch_size, width), dtype=torch.long)
         for row, (ids, row_labels) in enumerate(examples):
-            input_ids[row, :len(ids)] = torch.tensor(ids)
-            labels[row, :len(ids)] = torch.tensor(row_labels)
-            attention[row, :len(ids)] = 1
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(ids)] = torch.tensor(row_labels)
+            attention[row, : len(ids)] = 1
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -123,7 +132,12 @@ def log_progress(every_seconds: float = 10.0) -> Callable[[int, int, float], Non
         now = time.monotonic()
         if now - last >= every_seconds or step == steps:
             last = now
-            log.warning("building the built-in instruct model (once): step %d/%d, loss %.3f, %.0f s",
-                        step, steps, loss, now - started)
+            log.warning(
+                "building the built-in instruct model (once): step %d/%d, loss %.3f, %.0f s",
+                step,
+                steps,
+                loss,
+                now - started,
+            )
 
     return report

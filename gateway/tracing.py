@@ -31,11 +31,20 @@ ENV_VARS = ("LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY", "LANGFUSE_HOST")
 QUEUE_SIZE = 10_000  # events waiting for the tracing thread; beyond this they are dropped
 SHUTDOWN_TIMEOUT = 10.0  # seconds `close` waits for the last batch; a dead Langfuse costs no more
 _STOP = object()
-_MODEL_PARAMETERS = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "n", "seed", "stop",
-                     "frequency_penalty", "presence_penalty")
+_MODEL_PARAMETERS = (
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "seed",
+    "stop",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
-def build_tracer(settings: Settings) -> "LangfuseTracer | None":
+def build_tracer(settings: Settings) -> LangfuseTracer | None:
     """A Langfuse tracer when the three LANGFUSE_* variables are set, else None (no tracing)."""
     values = {name: os.environ.get(name) for name in ENV_VARS}
     if not any(values.values()):
@@ -44,8 +53,9 @@ def build_tracer(settings: Settings) -> "LangfuseTracer | None":
     if missing:
         log.warning("Langfuse tracing is off: %s not set (it needs %s)", ", ".join(missing), ", ".join(ENV_VARS))
         return None
-    return LangfuseTracer(public_key=values["LANGFUSE_PUBLIC_KEY"], secret_key=values["LANGFUSE_SECRET_KEY"],
-                          host=values["LANGFUSE_HOST"])
+    return LangfuseTracer(
+        public_key=values["LANGFUSE_PUBLIC_KEY"], secret_key=values["LANGFUSE_SECRET_KEY"], host=values["LANGFUSE_HOST"]
+    )
 
 
 def _usage(response: dict | None) -> dict[str, int] | None:
@@ -80,7 +90,8 @@ def generation_fields(record: CallRecord) -> dict:
     }
     fields: dict[str, Any] = {
         "name": "chat.completion",
-        "input": {"messages": request.get("messages"), "tools": request["tools"]} if request.get("tools")
+        "input": {"messages": request.get("messages"), "tools": request["tools"]}
+        if request.get("tools")
         else request.get("messages"),
         "output": _output(record.response),
         "model": record.served or record.model,
@@ -97,10 +108,21 @@ def generation_fields(record: CallRecord) -> dict:
 class LangfuseTracer:
     """Sends what the gateway records to Langfuse, off the request path."""
 
-    def __init__(self, *, public_key: str, secret_key: str, host: str, flush_interval: float | None = None,
-                 queue_size: int = QUEUE_SIZE):
-        self._config = {"public_key": public_key, "secret_key": secret_key, "host": host,
-                        "flush_interval": flush_interval}
+    def __init__(
+        self,
+        *,
+        public_key: str,
+        secret_key: str,
+        host: str,
+        flush_interval: float | None = None,
+        queue_size: int = QUEUE_SIZE,
+    ):
+        self._config = {
+            "public_key": public_key,
+            "secret_key": secret_key,
+            "host": host,
+            "flush_interval": flush_interval,
+        }
         self.host = host
         self._events: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
@@ -167,8 +189,13 @@ class LangfuseTracer:
         self._provider = TracerProvider()
         config = self._config
         # flush_interval None: the SDK's default, or LANGFUSE_FLUSH_INTERVAL.
-        return Langfuse(public_key=config["public_key"], secret_key=config["secret_key"], base_url=config["host"],
-                        flush_interval=config["flush_interval"], tracer_provider=self._provider)
+        return Langfuse(
+            public_key=config["public_key"],
+            secret_key=config["secret_key"],
+            base_url=config["host"],
+            flush_interval=config["flush_interval"],
+            tracer_provider=self._provider,
+        )
 
     def _run(self) -> None:
         try:
@@ -212,17 +239,26 @@ class LangfuseTracer:
         started_ns = time.time_ns()
         with propagate_attributes(**attributes):
             generation = self._langfuse.start_observation(
-                trace_context={"trace_id": self._trace_id(record.session_id)}, as_type="generation", **fields)
+                trace_context={"trace_id": self._trace_id(record.session_id)}, as_type="generation", **fields
+            )
         generation.end(end_time=started_ns + int(record.latency_ms * 1e6))
 
     def _send_reward(self, session_id: str, reward: float, metrics: dict[str, float]) -> None:
-        self._langfuse.create_score(name="reward", value=reward, trace_id=self._trace_id(session_id),
-                                    data_type="NUMERIC", metadata=metrics or None)
+        self._langfuse.create_score(
+            name="reward",
+            value=reward,
+            trace_id=self._trace_id(session_id),
+            data_type="NUMERIC",
+            metadata=metrics or None,
+        )
 
     def _send_judgement(self, group_id: str, scores: list[dict], judge_model: str | None) -> None:
         for item in scores:
             self._langfuse.create_score(
-                name="ruler", value=float(item["score"]), trace_id=self._trace_id(item["trajectory_id"]),
-                data_type="NUMERIC", comment=item.get("explanation"),
+                name="ruler",
+                value=float(item["score"]),
+                trace_id=self._trace_id(item["trajectory_id"]),
+                data_type="NUMERIC",
+                comment=item.get("explanation"),
                 metadata={"group_id": group_id, "judge_model": judge_model},
             )

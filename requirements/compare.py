@@ -27,8 +27,9 @@ def differences(lock: str, freeze: str) -> list[str]:
     for name in UNLOCKED:
         newest.pop(name, None)
     changed = sorted(n for n in locked.keys() | newest.keys() if locked.get(n) != newest.get(n))
-    return [f"{name:32} locked {locked.get(name, '(absent)'):16} newest {newest.get(name, '(absent)')}"
-            for name in changed]
+    return [
+        f"{name:32} locked {locked.get(name, '(absent)'):16} newest {newest.get(name, '(absent)')}" for name in changed
+    ]
 
 
 if __name__ == "__main__":

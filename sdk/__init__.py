@@ -1,13 +1,13 @@
 """rlproxy's client for agents: sessions, groups, rewards and RULER over HTTP (needs httpx only).
 
-    from sdk import RLProxy
+from sdk import RLProxy
 
-    proxy = RLProxy("http://localhost:8000/v1")
-    with proxy.group() as group:
-        session = group.session()
-        client = session.openai_client()          # OpenAI client whose calls belong to the session
-        ...                                       # run the agent with `client`
-        session.reward(1.0)
+proxy = RLProxy("http://localhost:8000/v1")
+with proxy.group() as group:
+    session = group.session()
+    client = session.openai_client()          # OpenAI client whose calls belong to the session
+    ...                                       # run the agent with `client`
+    session.reward(1.0)
 """
 
 from sdk.client import AsyncRLProxy, RLProxy, Score
@@ -28,8 +28,23 @@ from sdk.group import AsyncGroup, Group, RunResult
 from sdk.session import AsyncSession, Session
 
 __all__ = [
-    "RLProxy", "AsyncRLProxy", "Session", "AsyncSession", "Group", "AsyncGroup", "RunResult", "Score",
-    "RLProxySDKError", "RLProxyAPIError", "APIConnectionError", "BadRequestError", "AuthenticationError",
-    "PermissionDeniedError", "NotFoundError", "ConflictError", "UnprocessableEntityError", "ServerError",
+    "RLProxy",
+    "AsyncRLProxy",
+    "Session",
+    "AsyncSession",
+    "Group",
+    "AsyncGroup",
+    "RunResult",
+    "Score",
+    "RLProxySDKError",
+    "RLProxyAPIError",
+    "APIConnectionError",
+    "BadRequestError",
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "NotFoundError",
+    "ConflictError",
+    "UnprocessableEntityError",
+    "ServerError",
     "RolloutsFailed",
 ]

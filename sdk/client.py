@@ -66,8 +66,7 @@ def scores_from(body: dict) -> list[Score]:
 class _ClientBase:
     """Where the gateway is and how to authenticate; shared by both clients."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = DEFAULT_TIMEOUT):
         self.api_base = api_base(base_url or os.environ.get("RLPROXY_URL") or DEFAULT_URL)
         self.api_key = api_key if api_key is not None else os.environ.get("RLPROXY_API_KEY")
         self.timeout = timeout
@@ -107,8 +106,14 @@ class RLProxy(_ClientBase):
     `$RLPROXY_API_KEY`. Safe to share between threads (`group.run` does).
     """
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT, http_client: httpx.Client | None = None):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        http_client: httpx.Client | None = None,
+    ):
         super().__init__(base_url, api_key, timeout=timeout)
         self._http = http_client or httpx.Client(timeout=timeout)
         self._owns_http = http_client is None
@@ -124,15 +129,14 @@ class RLProxy(_ClientBase):
 
     # -- sessions and groups
 
-    def session(self, group: "str | Any | None" = None, split: str = "train",
-                session_id: str | None = None) -> "Session":
+    def session(self, group: str | Any | None = None, split: str = "train", session_id: str | None = None) -> Session:
         """A new session (one rollout); `group` is a group id or a `Group`."""
         from sdk.session import Session
 
         group_id = getattr(group, "id", group)
         return Session(self, session_id or new_id("sess"), group_id, split)
 
-    def group(self, id: str | None = None, split: str = "train") -> "Group":
+    def group(self, id: str | None = None, split: str = "train") -> Group:
         """A group of sessions GRPO compares (the rollouts of one task)."""
         from sdk.group import Group
 
@@ -142,8 +146,9 @@ class RLProxy(_ClientBase):
 
     def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
         try:
-            response = self._http.request(method, self.api_base + path, json=json, headers=self._auth_headers(),
-                                          timeout=timeout or self.timeout)
+            response = self._http.request(
+                method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout or self.timeout
+            )
         except httpx.HTTPError as exc:
             raise APIConnectionError(f"could not reach the gateway at {self.api_base}: {exc}") from exc
         raise_for_response(response)
@@ -165,10 +170,18 @@ class RLProxy(_ClientBase):
     def get_group(self, group_id: str) -> dict:
         return self._request("GET", f"/groups/{group_id}")
 
-    def ruler(self, group_id: str, judge_model: str, rubric: str | None = None,
-              judge_api_base: str | None = None, *, timeout: float = RULER_TIMEOUT) -> list[Score]:
-        body = self._request("POST", f"/groups/{group_id}/ruler",
-                             self._ruler_body(judge_model, rubric, judge_api_base), timeout=timeout)
+    def ruler(
+        self,
+        group_id: str,
+        judge_model: str,
+        rubric: str | None = None,
+        judge_api_base: str | None = None,
+        *,
+        timeout: float = RULER_TIMEOUT,
+    ) -> list[Score]:
+        body = self._request(
+            "POST", f"/groups/{group_id}/ruler", self._ruler_body(judge_model, rubric, judge_api_base), timeout=timeout
+        )
         return scores_from(body)
 
     # -- lifecycle
@@ -179,7 +192,7 @@ class RLProxy(_ClientBase):
         if self._owns_http:
             self._http.close()
 
-    def __enter__(self) -> "RLProxy":
+    def __enter__(self) -> RLProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -189,8 +202,14 @@ class RLProxy(_ClientBase):
 class AsyncRLProxy(_ClientBase):
     """asyncio client; same methods as `RLProxy`, awaited. Use with `async with` or `await close()`."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT, http_client: httpx.AsyncClient | None = None):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        http_client: httpx.AsyncClient | None = None,
+    ):
         super().__init__(base_url, api_key, timeout=timeout)
         self._http = http_client or httpx.AsyncClient(timeout=timeout)
         self._owns_http = http_client is None
@@ -202,22 +221,24 @@ class AsyncRLProxy(_ClientBase):
             self._openai = _import_openai().AsyncOpenAI(**self._openai_options())
         return self._openai
 
-    def session(self, group: "str | Any | None" = None, split: str = "train",
-                session_id: str | None = None) -> "AsyncSession":
+    def session(
+        self, group: str | Any | None = None, split: str = "train", session_id: str | None = None
+    ) -> AsyncSession:
         from sdk.session import AsyncSession
 
         group_id = getattr(group, "id", group)
         return AsyncSession(self, session_id or new_id("sess"), group_id, split)
 
-    def group(self, id: str | None = None, split: str = "train") -> "AsyncGroup":
+    def group(self, id: str | None = None, split: str = "train") -> AsyncGroup:
         from sdk.group import AsyncGroup
 
         return AsyncGroup(self, id or new_id("grp"), split)
 
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
         try:
-            response = await self._http.request(method, self.api_base + path, json=json,
-                                                headers=self._auth_headers(), timeout=timeout or self.timeout)
+            response = await self._http.request(
+                method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout or self.timeout
+            )
         except httpx.HTTPError as exc:
             raise APIConnectionError(f"could not reach the gateway at {self.api_base}: {exc}") from exc
         raise_for_response(response)
@@ -238,10 +259,18 @@ class AsyncRLProxy(_ClientBase):
     async def get_group(self, group_id: str) -> dict:
         return await self._request("GET", f"/groups/{group_id}")
 
-    async def ruler(self, group_id: str, judge_model: str, rubric: str | None = None,
-                    judge_api_base: str | None = None, *, timeout: float = RULER_TIMEOUT) -> list[Score]:
-        body = await self._request("POST", f"/groups/{group_id}/ruler",
-                                   self._ruler_body(judge_model, rubric, judge_api_base), timeout=timeout)
+    async def ruler(
+        self,
+        group_id: str,
+        judge_model: str,
+        rubric: str | None = None,
+        judge_api_base: str | None = None,
+        *,
+        timeout: float = RULER_TIMEOUT,
+    ) -> list[Score]:
+        body = await self._request(
+            "POST", f"/groups/{group_id}/ruler", self._ruler_body(judge_model, rubric, judge_api_base), timeout=timeout
+        )
         return scores_from(body)
 
     async def close(self) -> None:
@@ -250,7 +279,7 @@ class AsyncRLProxy(_ClientBase):
         if self._owns_http:
             await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncRLProxy":
+    async def __aenter__(self) -> AsyncRLProxy:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -23,8 +23,16 @@ class APIConnectionError(RLProxySDKError):
 class RLProxyAPIError(RLProxySDKError):
     """The gateway answered with an error status."""
 
-    def __init__(self, message: str, *, status_code: int, type: str | None = None,
-                 param: str | None = None, code: str | None = None, body: Any = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        body: Any = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status_code = status_code

@@ -10,10 +10,11 @@ import asyncio
 import inspect
 import logging
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from sdk.client import Score, new_id
 from sdk.errors import NotFoundError, RolloutsFailed
@@ -66,8 +67,12 @@ def _discard_reason(error: BaseException) -> str:
 
 
 def _log_discard_failure(session: Any, exc: Exception) -> None:
-    log.warning("could not discard session %s of a failed rollout (its group waits for a reward until it "
-                "gets one or is discarded): %s", session.id, exc)
+    log.warning(
+        "could not discard session %s of a failed rollout (its group waits for a reward until it "
+        "gets one or is discarded): %s",
+        session.id,
+        exc,
+    )
 
 
 def _discard_failed(session: Session, error: BaseException) -> None:
@@ -108,7 +113,9 @@ def _too_many(outcomes: dict, max_exceptions: int, last: BaseException) -> Rollo
     result = _collect(outcomes)
     error = RolloutsFailed(
         f"{result.n_failed} rollouts raised, more than max_exceptions={max_exceptions}; last: "
-        f"{type(last).__name__}: {last}", result)
+        f"{type(last).__name__}: {last}",
+        result,
+    )
     error.__cause__ = last
     return error
 
@@ -138,7 +145,7 @@ class _GroupBase:
 class Group(_GroupBase):
     """Blocking group; made by `RLProxy.group()`."""
 
-    proxy: "RLProxy"
+    proxy: RLProxy
 
     def session(self, session_id: str | None = None) -> Session:
         return self._new_session(Session, session_id)
@@ -158,8 +165,9 @@ class Group(_GroupBase):
     def get(self) -> dict:
         return self.proxy.get_group(self.id)
 
-    def run(self, rollout: Callable[[Session], Any], n: int, concurrency: int | None = None,
-            max_exceptions: int = 0) -> RunResult:
+    def run(
+        self, rollout: Callable[[Session], Any], n: int, concurrency: int | None = None, max_exceptions: int = 0
+    ) -> RunResult:
         """Run `rollout(session)` n times in threads, `concurrency` at a time (default: all).
 
         A rollout that returns a number has it posted as its session's reward; one that
@@ -207,7 +215,7 @@ class Group(_GroupBase):
                 raise _too_many(outcomes, max_exceptions, last_error)
         return _collect(outcomes)
 
-    def __enter__(self) -> "Group":
+    def __enter__(self) -> Group:
         return self
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
@@ -221,7 +229,7 @@ class Group(_GroupBase):
 class AsyncGroup(_GroupBase):
     """asyncio group; made by `AsyncRLProxy.group()`."""
 
-    proxy: "AsyncRLProxy"
+    proxy: AsyncRLProxy
 
     def session(self, session_id: str | None = None) -> AsyncSession:
         return self._new_session(AsyncSession, session_id)
@@ -231,8 +239,9 @@ class AsyncGroup(_GroupBase):
         self.closed = True
         return body
 
-    async def ruler(self, judge_model: str, rubric: str | None = None,
-                    judge_api_base: str | None = None) -> list[Score]:
+    async def ruler(
+        self, judge_model: str, rubric: str | None = None, judge_api_base: str | None = None
+    ) -> list[Score]:
         scores = await self.proxy.ruler(self.id, judge_model, rubric, judge_api_base)
         self.closed = True
         return scores
@@ -240,8 +249,13 @@ class AsyncGroup(_GroupBase):
     async def get(self) -> dict:
         return await self.proxy.get_group(self.id)
 
-    async def run(self, rollout: Callable[[AsyncSession], Awaitable[Any]], n: int, concurrency: int | None = None,
-                  max_exceptions: int = 0) -> RunResult:
+    async def run(
+        self,
+        rollout: Callable[[AsyncSession], Awaitable[Any]],
+        n: int,
+        concurrency: int | None = None,
+        max_exceptions: int = 0,
+    ) -> RunResult:
         """`Group.run` for coroutines: n rollouts as tasks, `concurrency` at a time (default: all)."""
         workers = _check_run_args(n, concurrency, max_exceptions)
         outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
@@ -287,7 +301,7 @@ class AsyncGroup(_GroupBase):
             raise _too_many(outcomes, max_exceptions, last_error)
         return _collect(outcomes)
 
-    async def __aenter__(self) -> "AsyncGroup":
+    async def __aenter__(self) -> AsyncGroup:
         return self
 
     async def __aexit__(self, exc_type: type | None, *exc: object) -> None:

@@ -48,7 +48,7 @@ class _SessionBase:
 class Session(_SessionBase):
     """Blocking session; made by `RLProxy.session()` or `Group.session()`."""
 
-    proxy: "RLProxy"
+    proxy: RLProxy
 
     def reward(self, value: float, metrics: dict[str, float] | None = None) -> dict:
         """Post this session's reward (after its first call); `metrics` are kept beside it."""
@@ -66,7 +66,7 @@ class Session(_SessionBase):
         self.discarded = True
         return body
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -76,7 +76,7 @@ class Session(_SessionBase):
 class AsyncSession(_SessionBase):
     """asyncio session; made by `AsyncRLProxy.session()` or `AsyncGroup.session()`."""
 
-    proxy: "AsyncRLProxy"
+    proxy: AsyncRLProxy
 
     async def reward(self, value: float, metrics: dict[str, float] | None = None) -> dict:
         return await self.proxy.reward(self.id, value, metrics)
@@ -89,7 +89,7 @@ class AsyncSession(_SessionBase):
         self.discarded = True
         return body
 
-    async def __aenter__(self) -> "AsyncSession":
+    async def __aenter__(self) -> AsyncSession:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -32,8 +32,10 @@ def find_or_install_chromium() -> tuple[str | None, str]:
     if found:
         return found, ""
     if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return None, ("no Chromium found and cannot install one (needs root and apt-get): "
-                      "`apt-get install chromium`, or set RLPROXY_CHROMIUM to a Chromium binary")
+        return None, (
+            "no Chromium found and cannot install one (needs root and apt-get): "
+            "`apt-get install chromium`, or set RLPROXY_CHROMIUM to a Chromium binary"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     steps = (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"])
     for cmd in steps:

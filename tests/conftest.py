@@ -30,12 +30,12 @@ def upstream():
 @pytest.fixture(scope="session")
 def postgres_url():
     """A running PostgreSQL (see tests/helpers_postgres.py), one per test session."""
-    from tests.helpers_postgres import postgres_server
-
     import shutil
     import tempfile
     import uuid
     from pathlib import Path
+
+    from tests.helpers_postgres import postgres_server
 
     # Not under pytest's basetemp: pytest runs beside this one may prune old basetemps.
     root = Path(tempfile.gettempdir()) / f"rlproxy-pg-{uuid.uuid4().hex[:12]}"

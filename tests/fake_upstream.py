@@ -37,9 +37,17 @@ import httptools
 import orjson
 
 _MAGIC = re.compile(rb"\[\[(status|delay|malformed|stream_error|truncate|hold|tool_call)(?:=([0-9.]+))?\]\]")
-_REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
-            429: b"Too Many Requests", 500: b"Internal Server Error", 502: b"Bad Gateway",
-            503: b"Service Unavailable"}
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    429: b"Too Many Requests",
+    500: b"Internal Server Error",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+}
 MODELS = ("fake-model", "fake-model-large")
 
 
@@ -67,12 +75,20 @@ def _script(text: str) -> dict[str, float | bool]:
 
 def _error_body(status: int) -> bytes:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return orjson.dumps({"error": {"message": f"scripted failure {status} from the fake upstream", "type": kind,
-                                   "param": "messages", "code": f"fake_{status}"}})
+    return orjson.dumps(
+        {
+            "error": {
+                "message": f"scripted failure {status} from the fake upstream",
+                "type": kind,
+                "param": "messages",
+                "code": f"fake_{status}",
+            }
+        }
+    )
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, upstream: "FakeUpstream"):
+    def __init__(self, upstream: FakeUpstream):
         self.upstream = upstream
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -124,20 +140,27 @@ class _Connection(asyncio.Protocol):
         self.upstream.handle(self, method, path, headers, body, keep_alive)
 
     # -- writing
-    def _respond(self, status: int, body: bytes, *, close: bool = False,
-                 content_type: bytes = b"application/json") -> None:
+    def _respond(
+        self, status: int, body: bytes, *, close: bool = False, content_type: bytes = b"application/json"
+    ) -> None:
         if self.transport is None:
             return
         head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n" % (
-            status, _REASONS.get(status, b"Status"), content_type, len(body))
+            status,
+            _REASONS.get(status, b"Status"),
+            content_type,
+            len(body),
+        )
         self.transport.write(head + (b"connection: close\r\n\r\n" if close else b"\r\n") + body)
         if close:
             self.transport.close()
 
     def _start_stream(self) -> None:
         if self.transport is not None:
-            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                 b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
 
     def _event(self, payload: bytes) -> None:
         if self.transport is not None:
@@ -173,11 +196,12 @@ class FakeUpstream:
         """Start listening on the running loop (sets `port` when it was 0)."""
         self._loop = asyncio.get_running_loop()
         self._released = asyncio.Event()
-        self._server = await self._loop.create_server(lambda: _Connection(self), self.host, self.port,
-                                                      backlog=1024, reuse_address=True)
+        self._server = await self._loop.create_server(
+            lambda: _Connection(self), self.host, self.port, backlog=1024, reuse_address=True
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
-    def __enter__(self) -> "FakeUpstream":
+    def __enter__(self) -> FakeUpstream:
         started = threading.Event()
 
         def run() -> None:
@@ -218,12 +242,16 @@ class FakeUpstream:
 
     # ---------------------------------------------------------------- handling
 
-    def handle(self, conn: _Connection, method: str, path: str, headers: dict[str, str], body: dict | None,
-               keep_alive: bool) -> None:
+    def handle(
+        self, conn: _Connection, method: str, path: str, headers: dict[str, str], body: dict | None, keep_alive: bool
+    ) -> None:
         close = not keep_alive
         if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
-            conn._respond(401, orjson.dumps({"error": {"message": "fake upstream: wrong API key",
-                                                       "type": "authentication_error"}}), close=close)
+            conn._respond(
+                401,
+                orjson.dumps({"error": {"message": "fake upstream: wrong API key", "type": "authentication_error"}}),
+                close=close,
+            )
             return
         if path == "/health" and method == "GET":  # as vLLM answers it (rLLM's gateway polls it)
             conn._respond(200, b"", close=close)
@@ -233,12 +261,16 @@ class FakeUpstream:
             conn._respond(200, orjson.dumps({"object": "list", "data": data}), close=close)
             return
         if path != "/v1/chat/completions":
-            conn._respond(404, orjson.dumps({"error": {"message": f"no route {path}", "type": "not_found"}}),
-                          close=close)
+            conn._respond(
+                404, orjson.dumps({"error": {"message": f"no route {path}", "type": "not_found"}}), close=close
+            )
             return
         if method != "POST" or not isinstance(body, dict):
-            conn._respond(400, orjson.dumps({"error": {"message": "POST a JSON object",
-                                                       "type": "invalid_request_error"}}), close=close)
+            conn._respond(
+                400,
+                orjson.dumps({"error": {"message": "POST a JSON object", "type": "invalid_request_error"}}),
+                close=close,
+            )
             return
         text = _last_user_text(body)
         script = _script(text) if "[[" in text else {}
@@ -295,18 +327,31 @@ class FakeUpstream:
             choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": finish})
         prompt_words = sum(len(str(m.get("content") or "").split()) for m in body.get("messages") or [])
         completion_words = len(text.split()) * len(choices)
-        return {"id": f"chatcmpl-fake-{next(self._ids)}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model", MODELS[0]), "choices": choices,
-                "usage": {"prompt_tokens": prompt_words, "completion_tokens": completion_words,
-                          "total_tokens": prompt_words + completion_words}}
+        return {
+            "id": f"chatcmpl-fake-{next(self._ids)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", MODELS[0]),
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_words,
+                "completion_tokens": completion_words,
+                "total_tokens": prompt_words + completion_words,
+            },
+        }
 
     async def _stream(self, conn: _Connection, body: dict, text: str, script: dict, close: bool) -> None:
-        base = {"id": f"chatcmpl-fake-{next(self._ids)}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": body.get("model", MODELS[0])}
+        base = {
+            "id": f"chatcmpl-fake-{next(self._ids)}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": body.get("model", MODELS[0]),
+        }
 
         def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
-            return orjson.dumps({**base, "choices": [{"index": index, "delta": delta, "logprobs": None,
-                                                      "finish_reason": finish}]})
+            return orjson.dumps(
+                {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            )
 
         conn._start_stream()
         texts = self._choice_texts(body, text)
@@ -324,11 +369,24 @@ class FakeUpstream:
             await self._released.wait()
         for i, content in enumerate(texts):
             if "tool_call" in script and (call := self._tool_call(body, i)):
-                conn._event(chunk(i, {"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
-                                                      "function": {"name": call["function"]["name"],
-                                                                   "arguments": ""}}]}))
-                conn._event(chunk(i, {"tool_calls": [{"index": 0, "function": {
-                    "arguments": call["function"]["arguments"]}}]}))
+                conn._event(
+                    chunk(
+                        i,
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": 0,
+                                    "id": call["id"],
+                                    "type": "function",
+                                    "function": {"name": call["function"]["name"], "arguments": ""},
+                                }
+                            ]
+                        },
+                    )
+                )
+                conn._event(
+                    chunk(i, {"tool_calls": [{"index": 0, "function": {"arguments": call["function"]["arguments"]}}]})
+                )
                 conn._event(chunk(i, {}, "tool_calls"))
                 continue
             for piece in re.findall(r"\S+\s*|\s+", content):
@@ -336,9 +394,15 @@ class FakeUpstream:
             conn._event(chunk(i, {}, "stop"))
         if (body.get("stream_options") or {}).get("include_usage"):
             words = len(text.split()) * len(texts)
-            conn._event(orjson.dumps({**base, "choices": [],
-                                      "usage": {"prompt_tokens": 1, "completion_tokens": words,
-                                                "total_tokens": words + 1}}))
+            conn._event(
+                orjson.dumps(
+                    {
+                        **base,
+                        "choices": [],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": words, "total_tokens": words + 1},
+                    }
+                )
+            )
         conn._event(b"[DONE]")
         conn._end_stream(close)
 

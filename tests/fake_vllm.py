@@ -89,29 +89,44 @@ class FakeState:
     def snapshot(self) -> dict:
         with self.lock:
             return {
-                "base_model": self.base_model, "loaded": dict(self.loaded), "asleep": self.asleep,
-                "events": list(self.events), "chats_while_asleep": self.chats_while_asleep,
-                "argv": self.argv, "env": self.env, "sampling": list(self.sampling), "in_flight": self.in_flight, "pid": os.getpid(),
+                "base_model": self.base_model,
+                "loaded": dict(self.loaded),
+                "asleep": self.asleep,
+                "events": list(self.events),
+                "chats_while_asleep": self.chats_while_asleep,
+                "argv": self.argv,
+                "env": self.env,
+                "sampling": list(self.sampling),
+                "in_flight": self.in_flight,
+                "pid": os.getpid(),
             }
 
 
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
     # vLLM's ErrorResponse: {"error": {"message", "type", "param", "code"}}
-    return JSONResponse({"error": {"message": message, "type": err_type, "param": param, "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status_code=status
+    )
 
 
 # The model's generation_config.json (Qwen2.5-Instruct's): applied to fields a request leaves out
 # unless vLLM runs with --generation-config vllm.
 MODEL_GENERATION_CONFIG = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
-VLLM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
-                 "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+VLLM_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 # Logits over 8 candidates at every position; candidate 0 is the token the fake's text shows.
 FAKE_LOGITS = (3.0, 2.6, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0)
 EOS_ID = 151645  # <|im_end|>: in token_ids (and logprobs) when a choice stops, never in the text
 
 
-def effective_sampling(body: dict, state: "FakeState") -> dict:
+def effective_sampling(body: dict, state: FakeState) -> dict:
     """What vLLM samples with: the request's fields, else the model's generation config (unless
     --generation-config vllm), else vLLM's own defaults."""
     out = dict(VLLM_DEFAULTS)
@@ -163,13 +178,16 @@ def candidate_logprobs(params: dict, mode: str) -> list[float]:
 
 def prompt_ids_for(messages: list[dict]) -> list[int]:
     """A stand-in tokenizer: one id per character of a simple chat rendering."""
-    text = "".join(f"<{m.get('role')}>{m.get('content') if isinstance(m.get('content'), str) else ''}"
-                   for m in messages) + "<assistant>"
+    text = (
+        "".join(f"<{m.get('role')}>{m.get('content') if isinstance(m.get('content'), str) else ''}" for m in messages)
+        + "<assistant>"
+    )
     return [ord(ch) % 4096 for ch in text]
 
 
-def completion_tokens(model: str, max_tokens: int, choice: int, lps: list[float] | None = None,
-                      stop: bool = False) -> list[tuple[int, str, float, list[float]]]:
+def completion_tokens(
+    model: str, max_tokens: int, choice: int, lps: list[float] | None = None, stop: bool = False
+) -> list[tuple[int, str, float, list[float]]]:
     """(id, text, logprob, candidates' logprobs) per sampled token; the first names the model.
     Odd positions sample candidate 1 where it survives top-k/top-p (so `top_logprobs` need not
     hold the sampled token); a choice that stops ends with EOS (empty text, its own logprob)."""
@@ -192,8 +210,14 @@ def logprob_entry(text: str, logprob: float, top: int, candidates: list[float] |
     pick = values.index(logprob) if logprob in values else 0  # which candidate was sampled
     names = [f"alt{j}" for j in range(len(values))]
     names[pick] = text or "<|im_end|>"
-    tops = sorted(({"token": names[j], "logprob": v, "bytes": list(names[j].encode())}
-                   for j, v in enumerate(values) if v != float("-inf")), key=lambda e: -e["logprob"])
+    tops = sorted(
+        (
+            {"token": names[j], "logprob": v, "bytes": list(names[j].encode())}
+            for j, v in enumerate(values)
+            if v != float("-inf")
+        ),
+        key=lambda e: -e["logprob"],
+    )
     return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": tops[:top]}
 
 
@@ -207,11 +231,27 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        data = [{"id": state.base_model, "object": "model", "owned_by": "vllm", "root": state.base_model,
-                 "parent": None, "max_model_len": state.max_model_len}]
-        data += [{"id": name, "object": "model", "owned_by": "vllm", "root": path, "parent": state.base_model,
-                  "max_model_len": state.max_model_len}
-                 for name, path in state.loaded.items()]
+        data = [
+            {
+                "id": state.base_model,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": state.base_model,
+                "parent": None,
+                "max_model_len": state.max_model_len,
+            }
+        ]
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": path,
+                "parent": state.base_model,
+                "max_model_len": state.max_model_len,
+            }
+            for name, path in state.loaded.items()
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/chat/completions")
@@ -224,21 +264,30 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
                 state.chats_while_asleep += 1
             return _error(503, "the engine is sleeping", "ServiceUnavailable")
         if model != state.base_model and model not in state.loaded:
-            return _error(404, f"The model `{model}` does not exist. Valid aliases: {state.base_model}.",
-                          "NotFoundError", "model")
+            return _error(
+                404, f"The model `{model}` does not exist. Valid aliases: {state.base_model}.", "NotFoundError", "model"
+            )
         if body.get("top_logprobs") and not body.get("logprobs"):
             return _error(400, "when using `top_logprobs`, `logprobs` must be set to true.", "BadRequestError")
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 6)
         prompt_length = len(prompt_ids_for(body.get("messages") or []))
         if max_tokens > state.max_model_len:  # what vLLM 0.32 (CPU build) answered
-            return _error(400, f"max_tokens={max_tokens} cannot be greater than max_model_len={state.max_model_len}. "
-                               f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
-                          "BadRequestError", "max_tokens")
+            return _error(
+                400,
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={state.max_model_len}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+                "BadRequestError",
+                "max_tokens",
+            )
         if prompt_length >= state.max_model_len:  # what vLLM 0.32 (CPU build) answered
-            return _error(400, f"This model's maximum context length is {state.max_model_len} tokens. However, your "
-                               f"prompt contains at least {prompt_length} input tokens, which exceeds this limit even "
-                               "without any output tokens. Please reduce the length of the input prompt. "
-                               f"(parameter=input_tokens, value={prompt_length})", "BadRequestError")
+            return _error(
+                400,
+                f"This model's maximum context length is {state.max_model_len} tokens. However, your "
+                f"prompt contains at least {prompt_length} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={prompt_length})",
+                "BadRequestError",
+            )
         max_tokens = min(max_tokens, state.max_model_len - prompt_length)  # vLLM cuts a completion to what fits
         n = int(body.get("n") or 1)
         want_ids = bool(body.get("return_token_ids"))
@@ -253,31 +302,66 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
         created, cid = int(time.time()), "chatcmpl-" + uuid.uuid4().hex
         if body.get("stream"):
             return StreamingResponse(
-                _stream(state, cid, created, model, prompt_ids, choices, finish, want_ids, want_lp, top,
-                        bool((body.get("stream_options") or {}).get("include_usage"))),
-                media_type="text/event-stream")
+                _stream(
+                    state,
+                    cid,
+                    created,
+                    model,
+                    prompt_ids,
+                    choices,
+                    finish,
+                    want_ids,
+                    want_lp,
+                    top,
+                    bool((body.get("stream_options") or {}).get("include_usage")),
+                ),
+                media_type="text/event-stream",
+            )
         if state.crash_after_chunks is not None:
             _crash(state)
         out_choices = []
         for i, tokens in enumerate(choices):
-            out_choices.append({
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(t for _, t, _, _ in tokens), "refusal": None,
-                            "annotations": None, "audio": None, "function_call": None, "reasoning": None},
-                "logprobs": {"content": [logprob_entry(t, lp, top, c) for _, t, lp, c in tokens]} if want_lp else None,
-                "finish_reason": finish,
-                "stop_reason": None,
-                "token_ids": [tid for tid, _, _, _ in tokens] if want_ids else None,
-            })
+            out_choices.append(
+                {
+                    "index": i,
+                    "message": {
+                        "role": "assistant",
+                        "content": "".join(t for _, t, _, _ in tokens),
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "reasoning": None,
+                    },
+                    "logprobs": {"content": [logprob_entry(t, lp, top, c) for _, t, lp, c in tokens]}
+                    if want_lp
+                    else None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "token_ids": [tid for tid, _, _, _ in tokens] if want_ids else None,
+                }
+            )
         completion = sum(len(t) for t in choices)
-        return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": model, "choices": out_choices,
-            "service_tier": None, "system_fingerprint": None,
-            "usage": {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + completion,
-                      "completion_tokens": completion, "prompt_tokens_details": None},
-            "prompt_logprobs": None, "prompt_token_ids": prompt_ids if want_ids else None,
-            "kv_transfer_params": None,
-        })
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": out_choices,
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "total_tokens": len(prompt_ids) + completion,
+                    "completion_tokens": completion,
+                    "prompt_tokens_details": None,
+                },
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt_ids if want_ids else None,
+                "kv_transfer_params": None,
+            }
+        )
 
     @app.post("/fake/script")
     async def script(request: Request) -> JSONResponse:
@@ -292,6 +376,7 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
         return JSONResponse(state.snapshot())
 
     if state.lora_updating:
+
         @app.post("/v1/load_lora_adapter")
         async def load(request: Request) -> Response:
             body = await request.json()
@@ -299,8 +384,12 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
             if not name or not path:
                 return _error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
             if name in state.loaded and not body.get("load_inplace"):
-                return _error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                                   "adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
+                return _error(
+                    400,
+                    f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                    "adapter in place, set 'load_inplace' to True.",
+                    "InvalidUserInput",
+                )
             if not state.lora_enabled:
                 return _error(400, "LoRA is not enabled. Start vLLM with --enable-lora.", "BadRequestError")
             if state.asleep:
@@ -314,13 +403,21 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
             targets = adapter.get("target_modules") or []
             if any(t.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens") for t in targets):
                 # What vLLM 0.32 (CPU build) answered to a LoRA on the built-in model's head.
-                return _error(500, "While loading " + path + ", expected target modules in {q_proj, k_proj, v_proj, "
-                              "o_proj, gate_proj, up_proj, down_proj} but received " + str(targets), "InternalServerError")
+                return _error(
+                    500,
+                    "While loading " + path + ", expected target modules in {q_proj, k_proj, v_proj, "
+                    "o_proj, gate_proj, up_proj, down_proj} but received " + str(targets),
+                    "InternalServerError",
+                )
             rank = adapter.get("r", 8)
             if rank > state.max_lora_rank:
-                return _error(500, f"Call to add_lora method failed: Worker failed with error 'LoRA rank {rank} is "
-                                   f"greater than max_lora_rank {state.max_lora_rank}.', please check the stack trace "
-                                   "above for the root cause", "InternalServerError")
+                return _error(
+                    500,
+                    f"Call to add_lora method failed: Worker failed with error 'LoRA rank {rank} is "
+                    f"greater than max_lora_rank {state.max_lora_rank}.', please check the stack trace "
+                    "above for the root cause",
+                    "InternalServerError",
+                )
             state.loaded[name] = path
             state.event("load", name=name, path=path, asleep=state.asleep)
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -336,11 +433,13 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
             return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     if state.dev_mode:
+
         @app.post("/sleep")
         async def sleep(request: Request) -> Response:
             if not state.sleep_mode:
-                return _error(500, "Sleep mode is not enabled. Enable it with --enable-sleep-mode.",
-                              "InternalServerError")
+                return _error(
+                    500, "Sleep mode is not enabled. Enable it with --enable-sleep-mode.", "InternalServerError"
+                )
             level = int(request.query_params.get("level", "1"))
             state.event("sleep", level=level, in_flight=state.in_flight)
             with state.lock:
@@ -369,9 +468,19 @@ def _crash(state: FakeState) -> None:
     raise ConnectionAbortedError("fake vLLM crash")
 
 
-async def _stream(state: FakeState, cid: str, created: int, model: str, prompt_ids: list[int],
-                  choices: list[list[tuple[int, str, float]]], finish: str, want_ids: bool, want_lp: bool,
-                  top: int, include_usage: bool):
+async def _stream(
+    state: FakeState,
+    cid: str,
+    created: int,
+    model: str,
+    prompt_ids: list[int],
+    choices: list[list[tuple[int, str, float]]],
+    finish: str,
+    want_ids: bool,
+    want_lp: bool,
+    top: int,
+    include_usage: bool,
+):
     def sse(data: dict) -> bytes:
         return b"data: " + json.dumps(data).encode() + b"\n\n"
 
@@ -382,8 +491,12 @@ async def _stream(state: FakeState, cid: str, created: int, model: str, prompt_i
         state.in_flight += 1
     try:
         for i in range(len(choices)):
-            first = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
+            first = {
+                **base,
+                "choices": [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+            }
             if want_ids:
                 first["prompt_token_ids"] = prompt_ids
             yield sse(first)
@@ -401,9 +514,12 @@ async def _stream(state: FakeState, cid: str, created: int, model: str, prompt_i
                     delta, held = {}, text  # a tool/reasoning parser held the text back
                 else:
                     delta, held = {"content": held + text}, ""
-                choice = {"index": i, "delta": delta,
-                          "logprobs": {"content": [logprob_entry(text, lp, top, cands)]} if want_lp else None,
-                          "finish_reason": finish if last else None}
+                choice = {
+                    "index": i,
+                    "delta": delta,
+                    "logprobs": {"content": [logprob_entry(text, lp, top, cands)]} if want_lp else None,
+                    "finish_reason": finish if last else None,
+                }
                 if last:
                     choice["stop_reason"] = None
                 if want_ids:
@@ -412,9 +528,17 @@ async def _stream(state: FakeState, cid: str, created: int, model: str, prompt_i
                 sent += 1
         if include_usage:
             completion = sum(len(t) for t in choices)
-            yield sse({**base, "choices": [], "usage": {"prompt_tokens": len(prompt_ids),
-                                                        "completion_tokens": completion,
-                                                        "total_tokens": len(prompt_ids) + completion}})
+            yield sse(
+                {
+                    **base,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": len(prompt_ids),
+                        "completion_tokens": completion,
+                        "total_tokens": len(prompt_ids) + completion,
+                    },
+                }
+            )
         yield b"data: [DONE]\n\n"
     finally:
         with state.lock:
@@ -434,18 +558,26 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-loras", type=int, default=1)
     serve.add_argument("--enable-sleep-mode", action="store_true")
     serve.add_argument("--generation-config", default="auto")
-    serve.add_argument("--logprobs-mode", default="raw_logprobs",
-                       choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"))
+    serve.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"),
+    )
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     serve.add_argument("--quantization", default=None)
     args, _unknown = serve.parse_known_args(argv[1:]) if argv and argv[0] == "serve" else parser.parse_known_args(argv)
     env_names = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES")
     state = FakeState(
-        base_model=args.model, max_lora_rank=args.max_lora_rank, sleep_mode=args.enable_sleep_mode,
+        base_model=args.model,
+        max_lora_rank=args.max_lora_rank,
+        sleep_mode=args.enable_sleep_mode,
         lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1"),
-        lora_enabled=args.enable_lora, logprobs_mode=args.logprobs_mode,
+        lora_enabled=args.enable_lora,
+        logprobs_mode=args.logprobs_mode,
         generation_config=args.generation_config,
-        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1", exit_on_crash=True, argv=argv,
+        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        exit_on_crash=True,
+        argv=argv,
         env={name: os.environ.get(name) for name in env_names},
     )
     import uvicorn

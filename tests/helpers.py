@@ -9,8 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import uvicorn
@@ -39,7 +39,7 @@ class ThreadServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self.thread.start()
         deadline = time.monotonic() + 120
         while not self.server.started:
@@ -56,14 +56,21 @@ class ThreadServer:
 
 
 @contextlib.contextmanager
-def gateway_process(args: list[str], env: dict | None = None, port: int | None = None,
-                    startup_timeout: float = 120.0) -> Iterator[tuple[subprocess.Popen, str]]:
+def gateway_process(
+    args: list[str], env: dict | None = None, port: int | None = None, startup_timeout: float = 120.0
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """`rlproxy serve ARGS --port P` as a child process; yields (process, base_url) once /healthz answers."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, env=full_env, cwd=Path(__file__).resolve().parents[1],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=full_env,
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -37,11 +38,18 @@ def shown_ids(body: dict) -> list[str]:
 
 def good_answer(body: dict) -> str:
     ids = shown_ids(body)
-    return json.dumps({"scores": [
-        {"trajectory_id": i, "explanation": f"trajectory {i} ranked {rank + 1} of {len(ids)}",
-         "score": round(1.0 - rank / max(len(ids), 1), 4)}
-        for rank, i in enumerate(ids)
-    ]})
+    return json.dumps(
+        {
+            "scores": [
+                {
+                    "trajectory_id": i,
+                    "explanation": f"trajectory {i} ranked {rank + 1} of {len(ids)}",
+                    "score": round(1.0 - rank / max(len(ids), 1), 4),
+                }
+                for rank, i in enumerate(ids)
+            ]
+        }
+    )
 
 
 class FakeJudge:
@@ -51,8 +59,12 @@ class FakeJudge:
         # as some providers do, so tests can check the gateway does not pass it on.
         self.status = status
         self.requests: list[dict] = []  # {"path", "headers", "body"}
-        self.app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                                     Route("/chat/completions", self._chat, methods=["POST"])])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/chat/completions", self._chat, methods=["POST"]),
+            ]
+        )
         self._server: ThreadServer | None = None
 
     @property
@@ -69,19 +81,26 @@ class FakeJudge:
         self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
         if self.status != 200:
             key = request.headers.get("authorization", "").removeprefix("Bearer ")
-            return JSONResponse({"error": {"message": f"the fake judge refuses the key {key}",
-                                           "type": "invalid_request_error"}}, status_code=self.status)
+            return JSONResponse(
+                {"error": {"message": f"the fake judge refuses the key {key}", "type": "invalid_request_error"}},
+                status_code=self.status,
+            )
         answer: Any = self.answers.pop(0) if self.answers else good_answer
         content = answer(body) if callable(answer) else answer
-        return JSONResponse({
-            "id": f"judge-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model", "judge"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
-        })
+        return JSONResponse(
+            {
+                "id": f"judge-{len(self.requests)}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model", "judge"),
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+                ],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
+            }
+        )
 
-    def __enter__(self) -> "FakeJudge":
+    def __enter__(self) -> FakeJudge:
         self._server = ThreadServer(self.app).__enter__()
         return self
 

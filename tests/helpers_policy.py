@@ -51,8 +51,9 @@ class ScriptedPolicy:
         for key, options in scripts.items():
             assert all(script and script[0].tool for script in options), f"every script of {key!r} opens with a call"
         self.scripts = scripts
-        self.names = {key: [f"{index}x{n}" for n in range(len(options))] for index, (key, options)
-                      in enumerate(scripts.items())}  # script names in tool call ids
+        self.names = {
+            key: [f"{index}x{n}" for n in range(len(options))] for index, (key, options) in enumerate(scripts.items())
+        }  # script names in tool call ids
         self.handed_out = {key: 0 for key in scripts}
         self.requests: list[dict] = []
         self.app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
@@ -92,26 +93,46 @@ class ScriptedPolicy:
             key, index = self.script_of(messages)
         script = self.scripts[key][index]
         if step < len(script) and script[step].status:
-            return JSONResponse({"error": {"message": script[step].text, "type": "invalid_request_error",
-                                           "param": "messages", "code": "context_length_exceeded"}},
-                                status_code=script[step].status)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": script[step].text,
+                        "type": "invalid_request_error",
+                        "param": "messages",
+                        "code": "context_length_exceeded",
+                    }
+                },
+                status_code=script[step].status,
+            )
         if step >= len(script):
             message, finish = {"role": "assistant", "content": "(the script is over)"}, "stop"
         elif script[step].tool:
-            message = {"role": "assistant", "content": None, "tool_calls": [{
-                "id": f"call_{self.names[key][index]}_{step}", "type": "function",
-                "function": {"name": script[step].tool, "arguments": json.dumps(script[step].arguments)}}]}
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{self.names[key][index]}_{step}",
+                        "type": "function",
+                        "function": {"name": script[step].tool, "arguments": json.dumps(script[step].arguments)},
+                    }
+                ],
+            }
             finish = "tool_calls"
         else:
             message, finish = {"role": "assistant", "content": script[step].text}, "stop"
-        return JSONResponse({
-            "id": f"chatcmpl-policy-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model", "policy"),
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-        })
+        return JSONResponse(
+            {
+                "id": f"chatcmpl-policy-{len(self.requests)}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model", "policy"),
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            }
+        )
 
-    def __enter__(self) -> "ScriptedPolicy":
+    def __enter__(self) -> ScriptedPolicy:
         self._server = ThreadServer(self.app).__enter__()
         return self
 
@@ -129,16 +150,19 @@ def check_trajectory(url: str, record: dict, script: list[Step], tool_names: lis
     messages = record["messages"]
     for index, recorded in enumerate(calls):
         sent = recorded["request"]["messages"]
-        assert sent == messages[:len(sent)]  # as the client sent it, in order
+        assert sent == messages[: len(sent)]  # as the client sent it, in order
         answer = recorded["response"]["choices"][0]["message"]
-        assert {k: answer.get(k) for k in ("content", "tool_calls")} == \
-            {k: messages[len(sent)].get(k) for k in ("content", "tool_calls")}
+        assert {k: answer.get(k) for k in ("content", "tool_calls")} == {
+            k: messages[len(sent)].get(k) for k in ("content", "tool_calls")
+        }
         assert [t["function"]["name"] for t in recorded["request"]["tools"]] == tool_names
         step = script[index]
         if step.tool:  # the scripted call, then its result from the example's tools
             (tool_call,) = answer["tool_calls"]
-            assert (tool_call["function"]["name"], json.loads(tool_call["function"]["arguments"])) == \
-                (step.tool, step.arguments)
+            assert (tool_call["function"]["name"], json.loads(tool_call["function"]["arguments"])) == (
+                step.tool,
+                step.arguments,
+            )
             result = messages[len(sent) + 1]
             assert result["role"] == "tool" and result["tool_call_id"] == tool_call["id"]
             if index + 1 < len(calls):  # the next request carries the result

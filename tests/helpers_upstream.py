@@ -6,9 +6,9 @@ import contextlib
 import json
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
-from typing import Iterator
 
 from gateway.app import create_app
 from gateway.settings import Settings
@@ -18,8 +18,9 @@ from tests.helpers import ThreadServer
 @contextlib.contextmanager
 def openai_gateway(upstream_url: str, state_dir: Path, **settings) -> Iterator[tuple[ThreadServer, object]]:
     """The gateway (openai engine, in a thread) in front of `upstream_url`; yields (server, services)."""
-    app = create_app(Settings(engine="openai", upstream_url=upstream_url, state_dir=state_dir, trainer="off",
-                              **settings))
+    app = create_app(
+        Settings(engine="openai", upstream_url=upstream_url, state_dir=state_dir, trainer="off", **settings)
+    )
     with ThreadServer(app) as server:
         yield server, app.state.services
 
@@ -34,8 +35,11 @@ def send_and_leave(base_url: str, path: str, session: str, body: dict) -> None:
     url = urlsplit(base_url)
     data = json.dumps(body).encode()
     with socket.create_connection((url.hostname, url.port)) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     f"X-Session-Id: {session}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"X-Session-Id: {session}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
 
 
 def first_call(store, session: str, seconds: float) -> dict | None:

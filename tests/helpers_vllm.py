@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 
@@ -37,9 +37,23 @@ def fake_vllm_process(port: int, *, sleep_mode: bool = True, log_path: Path | No
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     if sleep_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    cmd = [*FAKE_LAUNCHER, "serve", BASE, "--host", "127.0.0.1", "--port", str(port), "--enable-lora",
-           "--max-lora-rank", "16", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
-           *(["--enable-sleep-mode"] if sleep_mode else [])]
+    cmd = [
+        *FAKE_LAUNCHER,
+        "serve",
+        BASE,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--generation-config",
+        "vllm",
+        "--logprobs-mode",
+        "processed_logprobs",
+        *(["--enable-sleep-mode"] if sleep_mode else []),
+    ]
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -77,15 +91,23 @@ def make_adapter(root: Path, name: str, rank: int = 16) -> Path:
     """A directory vLLM's loader (here: the fake) accepts as a PEFT adapter."""
     path = root / name.replace("@", "_at_")
     path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                          "base_model_name_or_path": BASE}))
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "base_model_name_or_path": BASE})
+    )
     (path / "adapter_model.safetensors").write_bytes(b"")
     return path
 
 
 def vllm_settings(tmp_path: Path, **overrides) -> Settings:
-    values = dict(engine="vllm", base_model=BASE, state_dir=tmp_path / "state", model_name="agent",
-                  gpu_mode="dedicated", trainer="off", poll_interval=0.1)
+    values = dict(
+        engine="vllm",
+        base_model=BASE,
+        state_dir=tmp_path / "state",
+        model_name="agent",
+        gpu_mode="dedicated",
+        trainer="off",
+        poll_interval=0.1,
+    )
     values.update(overrides)
     return Settings(**values)
 
@@ -108,5 +130,17 @@ def wait_until(predicate, timeout: float = 60.0, interval: float = 0.05, what: s
         time.sleep(interval)
 
 
-__all__ = ["BASE", "FAKE_LAUNCHER", "fake_vllm_thread", "fake_vllm_process", "fake_state", "script_fake",
-           "make_adapter", "vllm_settings", "attached_engine", "wait_until", "wait_healthy", "free_port"]
+__all__ = [
+    "BASE",
+    "FAKE_LAUNCHER",
+    "fake_vllm_thread",
+    "fake_vllm_process",
+    "fake_state",
+    "script_fake",
+    "make_adapter",
+    "vllm_settings",
+    "attached_engine",
+    "wait_until",
+    "wait_healthy",
+    "free_port",
+]

@@ -10,8 +10,9 @@ from gateway.settings import Settings
 
 
 def help_text(command: str) -> str:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", command, "--help"], capture_output=True,
-                          text=True, check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", command, "--help"], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def test_every_setting_is_a_documented_serve_flag():
@@ -50,20 +51,40 @@ def test_export_writes_sessions_as_json_lines(tmp_path):
     from gateway.store import CallRecord, Store
 
     store = Store(tmp_path / "rlproxy.db")
-    store.record_call_sync(CallRecord(id="r1", session_id="s1", group_id="g", split="train", model="agent",
-                                      served=None, step=None, engine="openai", stream=False, status="ok",
-                                      request={"messages": []}, response={"choices": []}, latency_ms=2.0))
+    store.record_call_sync(
+        CallRecord(
+            id="r1",
+            session_id="s1",
+            group_id="g",
+            split="train",
+            model="agent",
+            served=None,
+            step=None,
+            engine="openai",
+            stream=False,
+            status="ok",
+            request={"messages": []},
+            response={"choices": []},
+            latency_ms=2.0,
+        )
+    )
     out = tmp_path / "out.jsonl"
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(tmp_path),
-                           "--output", str(out)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(tmp_path), "--output", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["s1"] and rows[0]["calls"][0]["id"] == "r1"
 
 
 def test_export_without_a_store_says_what_to_pass(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(tmp_path / "none")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2
     assert "--state-dir" in done.stderr
 

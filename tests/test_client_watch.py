@@ -25,8 +25,12 @@ def gateway(upstream, tmp_path_factory):
 
 
 def _chat_and_leave(base_url: str, session: str, text: str) -> None:
-    send_and_leave(base_url, "/v1/chat/completions", session,
-                   {"model": "fake-model", "messages": [{"role": "user", "content": text}]})
+    send_and_leave(
+        base_url,
+        "/v1/chat/completions",
+        session,
+        {"model": "fake-model", "messages": [{"role": "user", "content": text}]},
+    )
 
 
 def test_a_short_call_whose_client_left_is_recorded_as_499_when_its_answer_is_ready(gateway, monkeypatch):
@@ -57,9 +61,12 @@ def test_a_client_that_stays_gets_its_answer_with_the_watcher_running(gateway, m
     """A watcher from the first moment, and a client that waits: answered and recorded as 200."""
     base_url, store = gateway
     monkeypatch.setattr(client_watch, "WATCH_AFTER_SECONDS", 0.0)
-    reply = httpx.post(base_url + "/v1/chat/completions", timeout=30, headers={"X-Session-Id": "stayed"},
-                       json={"model": "fake-model",
-                             "messages": [{"role": "user", "content": "worth the wait [[delay=0.3]]"}]})
+    reply = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=30,
+        headers={"X-Session-Id": "stayed"},
+        json={"model": "fake-model", "messages": [{"role": "user", "content": "worth the wait [[delay=0.3]]"}]},
+    )
     assert reply.status_code == 200
     assert reply.json()["choices"][0]["message"]["content"] == "worth the wait [[delay=0.3]]"
     (call,) = store.session_calls("stayed")
@@ -69,8 +76,9 @@ def test_a_client_that_stays_gets_its_answer_with_the_watcher_running(gateway, m
 def test_the_responses_api_notices_a_short_call_left_too(gateway, monkeypatch):
     base_url, store = gateway
     monkeypatch.setattr(client_watch, "WATCH_AFTER_SECONDS", 3600.0)
-    send_and_leave(base_url, "/v1/responses", "resp-left",
-                   {"model": "fake-model", "input": "[[delay=0.5]] nobody reads this"})
+    send_and_leave(
+        base_url, "/v1/responses", "resp-left", {"model": "fake-model", "input": "[[delay=0.5]] nobody reads this"}
+    )
     call = first_call(store, "resp-left", 30)
     assert call is not None and call["http_status"] == 499 and call["protocol"] == "responses"
 

@@ -56,19 +56,22 @@ class Traffic:
             try:
                 if (worker + turn) % 2:
                     with self.client.chat.completions.with_streaming_response.create(
-                            model="agent", messages=MESSAGES, max_tokens=4, stream=True) as response:
+                        model="agent", messages=MESSAGES, max_tokens=4, stream=True
+                    ) as response:
                         step = response.headers.get("X-Model-Step")
-                        text = "".join(chunk.choices[0].delta.content or ""
-                                       for chunk in response.parse() if chunk.choices)
+                        text = "".join(
+                            chunk.choices[0].delta.content or "" for chunk in response.parse() if chunk.choices
+                        )
                 else:
                     raw = self.client.chat.completions.with_raw_response.create(
-                        model="agent", messages=MESSAGES, max_tokens=4)
+                        model="agent", messages=MESSAGES, max_tokens=4
+                    )
                     step, text = raw.headers.get("X-Model-Step"), raw.parse().choices[0].message.content
                 self.answers.append((time.monotonic(), text, step))
             except BaseException as exc:  # noqa: BLE001 - every failure is a test failure
                 self.errors.append(exc)
 
-    def __enter__(self) -> "Traffic":
+    def __enter__(self) -> Traffic:
         for thread in self.threads:
             thread.start()
         return self
@@ -132,14 +135,19 @@ def test_hold_drain_sleep_train_wake_load_release_with_traffic(colocated):
 def test_a_trainer_that_dies_holding_the_gpu_does_not_stop_serving(colocated):
     gateway, services, fake, store, _ = colocated
     trainer = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time\n"
-         "from gateway.store import Store\n"
-         "from gateway.colocate import acquire_gpu_for_training\n"
-         f"acquire_gpu_for_training(Store({str(store.path)!r}), 'agent', timeout=60)\n"
-         "print('granted', flush=True)\n"
-         "time.sleep(120)\n"],
-        stdout=subprocess.PIPE, start_new_session=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from gateway.store import Store\n"
+            "from gateway.colocate import acquire_gpu_for_training\n"
+            f"acquire_gpu_for_training(Store({str(store.path)!r}), 'agent', timeout=60)\n"
+            "print('granted', flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         assert trainer.stdout.readline().strip() == b"granted"
         assert fake.asleep and not services.gate.is_open
@@ -205,8 +213,9 @@ def test_trainer_waits_for_vllm_health_and_frees_its_cache_before_release(tmp_pa
 
     store = Store(tmp_path / "db.sqlite")
     order: list[str] = []
-    monkeypatch.setattr(colocate, "acquire_gpu_for_training",
-                        lambda *a, **k: colocate.TrainingLease(model="agent", holder="h"))
+    monkeypatch.setattr(
+        colocate, "acquire_gpu_for_training", lambda *a, **k: colocate.TrainingLease(model="agent", holder="h")
+    )
     monkeypatch.setattr(colocate, "free_trainer_cache", lambda: order.append("free"))
     monkeypatch.setattr(colocate, "release_gpu", lambda *a, **k: order.append("release"))
     with colocate.gpu_for_training(store, "agent"):

@@ -25,7 +25,9 @@ async def _one_session(client: openai.AsyncOpenAI, index: int) -> tuple[str, str
     # Distinct words per session so any cross-talk between streams shows up in the text.
     content = " ".join(f"s{index}w{k}" for k in range(8 + index % 5))
     stream = await client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": content}], stream=True,
+        model="fake-model",
+        messages=[{"role": "user", "content": content}],
+        stream=True,
         extra_headers={"X-Session-Id": session_id, "X-Group-Id": f"conc-group-{index % 5}"},
     )
     received = []

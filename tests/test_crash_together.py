@@ -27,8 +27,22 @@ import pytest
 from tests.helpers import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_FLAGS = ["--groups-per-step", "2", "--poll-interval", "0.05", "--lora-rank", "4", "--lora-alpha", "8",
-               "--learning-rate", "0.01", "--max-tokens-per-row", "256", "--default-max-tokens", "6"]
+TRAIN_FLAGS = [
+    "--groups-per-step",
+    "2",
+    "--poll-interval",
+    "0.05",
+    "--lora-rank",
+    "4",
+    "--lora-alpha",
+    "8",
+    "--learning-rate",
+    "0.01",
+    "--max-tokens-per-row",
+    "256",
+    "--default-max-tokens",
+    "6",
+]
 
 
 class Acked:
@@ -53,10 +67,24 @@ class Gateway:
         env.pop("RLPROXY_TEST_PAUSE_AT", None)
         if pause_at:
             env.update(RLPROXY_TEST_PAUSE_AT=pause_at, RLPROXY_TEST_PAUSE_SECONDS="300")
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--state-dir", str(state), "--log-level", "info", *TRAIN_FLAGS]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--state-dir",
+            str(state),
+            "--log-level",
+            "info",
+            *TRAIN_FLAGS,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
+        )
         self.lines: list[str] = []
         self.paused = threading.Event()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -104,8 +132,12 @@ def run_agents(url: str, acked: Acked, stop: threading.Event, workers: int = 3) 
                         session = f"{group}-s{index}"
                         headers = {"X-Session-Id": session, "X-Group-Id": group}
                         for turn in range(2):
-                            body = {"model": "agent", "max_tokens": 6, "stream": turn == 1,
-                                    "messages": [{"role": "user", "content": f"{session} turn {turn}"}]}
+                            body = {
+                                "model": "agent",
+                                "max_tokens": 6,
+                                "stream": turn == 1,
+                                "messages": [{"role": "user", "content": f"{session} turn {turn}"}],
+                            }
                             reply = http.post("/v1/chat/completions", json=body, headers=headers)
                             if reply.status_code != 200 or (turn == 1 and "data: [DONE]" not in reply.text):
                                 return
@@ -191,8 +223,9 @@ def test_gateway_and_trainer_killed_together_lose_nothing_and_train_nothing_twic
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # every closed, rewarded group trained (or skipped)
             with _db(state) as db:
-                left = db.execute("SELECT COUNT(*) FROM groups WHERE closed = 1 AND trained_step IS NULL "
-                                  "AND skipped IS NULL").fetchone()[0]
+                left = db.execute(
+                    "SELECT COUNT(*) FROM groups WHERE closed = 1 AND trained_step IS NULL AND skipped IS NULL"
+                ).fetchone()[0]
             if left == 0:
                 break
             httpx.post(gateway.url + "/v1/training/trigger", json={})
@@ -207,8 +240,9 @@ def test_gateway_and_trainer_killed_together_lose_nothing_and_train_nothing_twic
         rewards = dict(db.execute("SELECT id, reward FROM sessions"))
         steps = db.execute("SELECT step, path, groups FROM steps ORDER BY step").fetchall()
         trained = dict(db.execute("SELECT id, trained_step FROM groups"))
-        left = db.execute("SELECT id FROM groups WHERE closed = 1 AND trained_step IS NULL AND skipped IS NULL"
-                          ).fetchall()
+        left = db.execute(
+            "SELECT id FROM groups WHERE closed = 1 AND trained_step IS NULL AND skipped IS NULL"
+        ).fetchall()
 
     # No acknowledged call or reward lost, across two kills.
     assert len(acked.calls) > 20 and len(acked.rewards) > 10
@@ -219,8 +253,10 @@ def test_gateway_and_trainer_killed_together_lose_nothing_and_train_nothing_twic
     # Steps: 0..N, each once, each with its own complete checkpoint; the partial save ignored.
     numbers = [s[0] for s in steps]
     assert numbers == list(range(len(numbers))) and len(numbers) >= 3
-    assert all(Path(path) == checkpoints / f"{n:04d}" and Path(path, "adapter_model.safetensors").is_file()
-               for n, path, _ in steps)
+    assert all(
+        Path(path) == checkpoints / f"{n:04d}" and Path(path, "adapter_model.safetensors").is_file()
+        for n, path, _ in steps
+    )
     assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == [f"{n:04d}" for n in numbers]
     assert not any(".tmp" in path for _, path, _ in steps)
 

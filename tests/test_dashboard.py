@@ -42,8 +42,23 @@ def recorded(tmp_path_factory) -> dict:
     env_before = {k: os.environ.get(k) for k in ("WANDB_MODE", "WANDB_DIR", "WANDB_SILENT")}
     os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(tmp), WANDB_SILENT="true")
     try:
-        result = run_demo(out, "--steps", str(STEPS), "--rollouts", "4", "--groups-per-step", "2", "--eval-groups",
-                          "1", "--max-tokens", "4", "--seed", "1", "--report-to", "wandb")
+        result = run_demo(
+            out,
+            "--steps",
+            str(STEPS),
+            "--rollouts",
+            "4",
+            "--groups-per-step",
+            "2",
+            "--eval-groups",
+            "1",
+            "--max-tokens",
+            "4",
+            "--seed",
+            "1",
+            "--report-to",
+            "wandb",
+        )
     finally:
         for k, v in env_before.items():
             if v is None:
@@ -54,32 +69,52 @@ def recorded(tmp_path_factory) -> dict:
     state = out / "state"
 
     # The tool-using session: an upstream that answers with a tool call, recorded into the same store.
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     headers = {"X-Session-Id": "tool-session", "X-Group-Id": "tool-group", "X-Split": "train"}
-    with FakeUpstream() as upstream, gateway_process(
-            ["--state-dir", str(state), "--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off"]) as (
-            _, url):
+    with (
+        FakeUpstream() as upstream,
+        gateway_process(
+            ["--state-dir", str(state), "--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off"]
+        ) as (_, url),
+    ):
         with httpx.Client(base_url=url, timeout=30) as http:
-            messages = [{"role": "system", "content": "You answer with the weather."},
-                        {"role": "user", "content": "Weather in Paris? [[tool_call]]"}]
-            first = http.post("/v1/chat/completions", headers=headers,
-                              json={"model": "agent", "messages": messages, "tools": tools})
+            messages = [
+                {"role": "system", "content": "You answer with the weather."},
+                {"role": "user", "content": "Weather in Paris? [[tool_call]]"},
+            ]
+            first = http.post(
+                "/v1/chat/completions", headers=headers, json={"model": "agent", "messages": messages, "tools": tools}
+            )
             first.raise_for_status()
             reply = first.json()["choices"][0]["message"]
             assert reply["tool_calls"], reply
             call_id = reply["tool_calls"][0]["id"]
-            messages += [{"role": "assistant", "content": reply.get("content"), "tool_calls": reply["tool_calls"]},
-                         {"role": "tool", "tool_call_id": call_id, "content": "Sunny, 21 degrees in Paris"}]
-            http.post("/v1/chat/completions", headers=headers,
-                      json={"model": "agent", "messages": messages, "tools": tools}).raise_for_status()
-            http.post("/v1/sessions/tool-session/reward",
-                      json={"reward": 0.75, "metrics": {"tool_calls": 1.0}}).raise_for_status()
+            messages += [
+                {"role": "assistant", "content": reply.get("content"), "tool_calls": reply["tool_calls"]},
+                {"role": "tool", "tool_call_id": call_id, "content": "Sunny, 21 degrees in Paris"},
+            ]
+            http.post(
+                "/v1/chat/completions", headers=headers, json={"model": "agent", "messages": messages, "tools": tools}
+            ).raise_for_status()
+            http.post(
+                "/v1/sessions/tool-session/reward", json={"reward": 0.75, "metrics": {"tool_calls": 1.0}}
+            ).raise_for_status()
             http.post("/v1/groups/tool-group/close", json={}).raise_for_status()
             xss_headers = {"X-Session-Id": "markup-session", "X-Group-Id": "tool-group"}
-            http.post("/v1/chat/completions", headers=xss_headers,
-                      json={"model": "agent", "messages": [{"role": "user", "content": XSS}]}).raise_for_status()
+            http.post(
+                "/v1/chat/completions",
+                headers=xss_headers,
+                json={"model": "agent", "messages": [{"role": "user", "content": XSS}]},
+            ).raise_for_status()
             http.post("/v1/sessions/markup-session/reward", json={"reward": 0.0}).raise_for_status()
     return {"state": state, "tool_call_id": call_id, "wandb_dir": tmp / "wandb"}
 
@@ -144,8 +179,9 @@ def test_without_the_key_the_pages_and_their_json_are_refused(dashboard, browser
         # The cookie never authorizes a write: a posted reward still needs the bearer key.
         token = httpx.post(dashboard + "/ui/login", data={"key": KEY, "next": "/ui"}).cookies.get("rlproxy_ui")
         assert token and KEY not in token
-        response = httpx.post(dashboard + "/v1/sessions/tool-session/reward", json={"reward": 0.0},
-                              cookies={"rlproxy_ui": token})
+        response = httpx.post(
+            dashboard + "/v1/sessions/tool-session/reward", json={"reward": 0.0}, cookies={"rlproxy_ui": token}
+        )
         assert response.status_code == 401
         assert httpx.get(dashboard + "/v1/sessions", cookies={"rlproxy_ui": token}).status_code == 200
     finally:
@@ -301,7 +337,8 @@ def test_lists_page_and_filter(dashboard, browser):
         page.page.wait_for_function(f"document.querySelectorAll('#list tbody tr').length === {len(trained)}")
         assert "state=trained" in page.page.url
         assert sorted(page.page.locator("#list tbody tr td:first-child a").all_inner_texts()) == sorted(
-            g["id"] for g in trained)
+            g["id"] for g in trained
+        )
         assert page.errors == []
     finally:
         page.close()
@@ -312,7 +349,13 @@ def test_the_demo_trainer_reported_every_step_to_wandb(recorded):
     rows = history(run_file)
     assert [r["_step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
-        assert {"train/loss", "train/grad_norm", "train/tokens", "train/seconds", "train/reward_mean",
-                "train/reward_std"} <= set(row)
+        assert {
+            "train/loss",
+            "train/grad_norm",
+            "train/tokens",
+            "train/seconds",
+            "train/reward_mean",
+            "train/reward_std",
+        } <= set(row)
     assert "val/sampled_reward_mean" in rows[0]  # the baseline evaluation, sampled by step 0
     shutil.rmtree(recorded["wandb_dir"], ignore_errors=True)

@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_demo(out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "gateway.cli", "demo", "--out", str(out), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -36,14 +37,37 @@ def run_demo(out: Path, *args: str, timeout: float = 240) -> subprocess.Complete
 
 def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
     out = tmp_path / "demo"
-    result = run_demo(out, "--steps", "2", "--rollouts", "4", "--groups-per-step", "2", "--eval-groups", "1",
-                      "--max-tokens", "4", "--seed", "1")
+    result = run_demo(
+        out,
+        "--steps",
+        "2",
+        "--rollouts",
+        "4",
+        "--groups-per-step",
+        "2",
+        "--eval-groups",
+        "1",
+        "--max-tokens",
+        "4",
+        "--seed",
+        "1",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "baseline reward" in result.stdout
 
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("baseline_reward", "final_reward", "reward_by_step", "seconds", "final_step", "aim", "settings",
-                "demo", "task", "stopped_because"):
+    for key in (
+        "baseline_reward",
+        "final_reward",
+        "reward_by_step",
+        "seconds",
+        "final_step",
+        "aim",
+        "settings",
+        "demo",
+        "task",
+        "stopped_because",
+    ):
         assert key in summary, key
     assert 0.0 <= summary["baseline_reward"] <= 1.0
     assert 0.0 <= summary["final_reward"] <= 1.0
@@ -64,8 +88,10 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
         rows = db.execute("SELECT DISTINCT group_id FROM sessions WHERE group_id LIKE 'demo-val-%'")
         groups = sorted(group for (group,) in rows)
     store = Store(out / "state" / "rlproxy.db")
-    prompts = [[store.session_calls(f"{group}-r{i}")[0]["request"]["messages"][-1]["content"] for i in range(4)]
-               for group in (groups[0], groups[-1])]
+    prompts = [
+        [store.session_calls(f"{group}-r{i}")[0]["request"]["messages"][-1]["content"] for i in range(4)]
+        for group in (groups[0], groups[-1])
+    ]
     assert len(groups) == 2 and prompts[0] == prompts[1]
 
 

@@ -114,18 +114,23 @@ def test_a_whole_game_merges_into_one_sample_that_trains_exactly_the_moves(token
     recorded = []
     for i, (messages, reply) in enumerate(zip(calls, replies)):
         completion = encode(reply + tokenizer.eos_token)
-        recorded.append({"status": "ok", "prompt_ids": prompt_ids(messages), "completion_ids": [completion],
-                         "behaviour_logprobs": [[-0.5 - i] * len(completion)]})
+        recorded.append(
+            {
+                "status": "ok",
+                "prompt_ids": prompt_ids(messages),
+                "completion_ids": [completion],
+                "behaviour_logprobs": [[-0.5 - i] * len(completion)],
+            }
+        )
     samples = trajectory_samples(recorded, trajectory_id="s", group_id="g", advantage=1.5)
     assert len(samples) == 1, "every move's prompt extends the game so far: one sample"
     sample = samples[0]
 
     # By hand: the whole game is the first prompt, then per move [move, <|im_end|>] and the
     # text the template puts between it and the next generation prompt (masked).
-    full = tokenizer.apply_chat_template([*calls[-1], {"role": "assistant", "content": replies[-1]}],
-                                         tokenize=False)
+    full = tokenizer.apply_chat_template([*calls[-1], {"role": "assistant", "content": replies[-1]}], tokenize=False)
     assert full.endswith(tokenizer.eos_token + "\n")
-    assert sample.token_ids == tuple(encode(full[: -1]))  # the last move's <|im_end|> is its last token
+    assert sample.token_ids == tuple(encode(full[:-1]))  # the last move's <|im_end|> is its last token
     expected_mask: list[bool] = []
     expected_old: list[float] = []
     for i, (messages, reply) in enumerate(zip(calls, replies)):
@@ -138,6 +143,7 @@ def test_a_whole_game_merges_into_one_sample_that_trains_exactly_the_moves(token
     trained = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
     assert tokenizer.decode(trained) == "5<|im_end|>9<|im_end|>3<|im_end|>7<|im_end|>"
     assert sum(sample.loss_mask) == 8  # the four moves and their end-of-turn tokens, nothing else
-    assert all(math.isnan(a) == math.isnan(b) and (math.isnan(a) or a == b)
-               for a, b in zip(sample.old_logprobs, expected_old))
+    assert all(
+        math.isnan(a) == math.isnan(b) and (math.isnan(a) or a == b) for a, b in zip(sample.old_logprobs, expected_old)
+    )
     assert sample.advantage == 1.5

@@ -59,10 +59,30 @@ def test_the_demo_runs_through_vllm_reports_the_mismatch_and_leaves_no_vllm(tmp_
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
 def test_an_interrupted_demo_leaves_no_vllm(tmp_path, signum):
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "gateway.cli", "demo", "--out", str(out), "--engine", "vllm",
-           "--vllm-python", vllm_python(), "--steps", "50", *SMALL]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "demo",
+        "--out",
+        str(out),
+        "--engine",
+        "vllm",
+        "--vllm-python",
+        vllm_python(),
+        "--steps",
+        "50",
+        *SMALL,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while not ((out / "state" / "rlproxy.db").exists() and _steps(out) >= 1):  # training, through vLLM

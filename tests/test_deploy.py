@@ -24,22 +24,42 @@ SCRIPTS = ("single-gpu.sh", "gpu-smoke.sh")
 
 # `vllm serve` flags the deploy files pass through --vllm-arg (vLLM's engine arguments, documented
 # under docs.vllm.ai "Engine Arguments"); a typo here would only surface on a GPU.
-VLLM_SERVE_FLAGS = {"--gpu-memory-utilization", "--max-model-len", "--max-num-seqs", "--enforce-eager",
-                    "--enable-prefix-caching", "--dtype", "--quantization", "--tensor-parallel-size"}
+VLLM_SERVE_FLAGS = {
+    "--gpu-memory-utilization",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--enforce-eager",
+    "--enable-prefix-caching",
+    "--dtype",
+    "--quantization",
+    "--tensor-parallel-size",
+}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cli_commands() -> frozenset[str]:
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     block = out.split("positional arguments:")[1].split("options:")[0]
     return frozenset(re.findall(r"^\s{4}(\w[\w-]*)\s", block, re.M))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cli_flags(command: str) -> frozenset[str]:
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", command, "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", command, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     return frozenset(re.findall(r"(--[a-z0-9][a-z0-9-]*)", out))
 
 
@@ -62,7 +82,7 @@ def rlproxy_invocations(tokens: list[str]) -> list[tuple[str, list[str]]]:
         at_command = before is None or before in _COMMAND_PREFIXES or re.match(r"^[A-Z_][A-Z0-9_]*=", before)
         if token == "rlproxy" and at_command and i + 1 < len(tokens):
             args = []
-            for arg in tokens[i + 2:]:
+            for arg in tokens[i + 2 :]:
                 if arg in ("&&", "||", "|", ";", "&") or arg.startswith((">", "2>")):
                     break
                 args.append(arg)

@@ -26,8 +26,11 @@ def _drive(base_url: str, worker: int, completed: list[str], attempted: list[str
                 return
             request_id = f"dur-{worker}-{n}"
             stream = n % 2 == 1
-            body = {"model": "fake-model", "stream": stream,
-                    "messages": [{"role": "user", "content": f"worker {worker} call {n}"}]}
+            body = {
+                "model": "fake-model",
+                "stream": stream,
+                "messages": [{"role": "user", "content": f"worker {worker} call {n}"}],
+            }
             headers = {"X-Request-Id": request_id, "X-Session-Id": f"dur-{worker}"}
             attempted.append(request_id)
             try:
@@ -52,11 +55,22 @@ def test_every_acknowledged_call_survives_sigkill(tmp_path):
     attempted: list[str] = []
     stop = threading.Event()
     with FakeUpstream(record=False) as upstream:
-        args = ["--engine", "openai", "--upstream-url", upstream.url, "--state-dir", str(state_dir),
-                "--trainer", "off", "--log-level", "warning"]
+        args = [
+            "--engine",
+            "openai",
+            "--upstream-url",
+            upstream.url,
+            "--state-dir",
+            str(state_dir),
+            "--trainer",
+            "off",
+            "--log-level",
+            "warning",
+        ]
         with gateway_process(args) as (proc, url):
-            workers = [threading.Thread(target=_drive, args=(url, w, completed, attempted, stop))
-                       for w in range(WORKERS)]
+            workers = [
+                threading.Thread(target=_drive, args=(url, w, completed, attempted, stop)) for w in range(WORKERS)
+            ]
             for thread in workers:
                 thread.start()
             deadline = time.monotonic() + 120

@@ -38,17 +38,20 @@ def row(line: list[int]) -> tuple[int, ...]:
 # ---------------------------------------------------------------- rules, by hand
 
 
-@pytest.mark.parametrize("line, direction, expected, gained", [
-    ([2, 2, 2, 2], "left", [4, 4, 0, 0], 8),
-    ([2, 2, 4, 0], "left", [4, 4, 0, 0], 4),  # the new 4 does not merge again with the 4
-    ([2, 2, 2, 0], "left", [4, 2, 0, 0], 4),  # merging from the side moved towards
-    ([2, 2, 2, 0], "right", [0, 0, 2, 4], 4),
-    ([4, 0, 4, 8], "right", [0, 0, 8, 8], 8),
-    ([4, 0, 4, 8], "left", [8, 8, 0, 0], 8),
-    ([0, 0, 0, 2], "left", [2, 0, 0, 0], 0),
-    ([2, 2, 4, 4], "left", [4, 8, 0, 0], 12),
-    ([8, 4, 2, 2], "right", [0, 8, 4, 4], 4),
-])
+@pytest.mark.parametrize(
+    "line, direction, expected, gained",
+    [
+        ([2, 2, 2, 2], "left", [4, 4, 0, 0], 8),
+        ([2, 2, 4, 0], "left", [4, 4, 0, 0], 4),  # the new 4 does not merge again with the 4
+        ([2, 2, 2, 0], "left", [4, 2, 0, 0], 4),  # merging from the side moved towards
+        ([2, 2, 2, 0], "right", [0, 0, 2, 4], 4),
+        ([4, 0, 4, 8], "right", [0, 0, 8, 8], 8),
+        ([4, 0, 4, 8], "left", [8, 8, 0, 0], 8),
+        ([0, 0, 0, 2], "left", [2, 0, 0, 0], 0),
+        ([2, 2, 4, 4], "left", [4, 8, 0, 0], 12),
+        ([8, 4, 2, 2], "right", [0, 8, 4, 4], 4),
+    ],
+)
 def test_a_row_slides_and_merges_as_in_the_original_game(line, direction, expected, gained):
     moved = game.move(row(line), direction)
     assert moved.board == row(expected)
@@ -56,26 +59,14 @@ def test_a_row_slides_and_merges_as_in_the_original_game(line, direction, expect
 
 
 def test_up_and_down_move_columns():
-    start = board([2, 0, 0, 8],
-                  [2, 4, 0, 0],
-                  [4, 0, 0, 8],
-                  [4, 4, 2, 0])
-    assert game.move(start, "up").board == board([4, 8, 2, 16],
-                                                 [8, 0, 0, 0],
-                                                 [0, 0, 0, 0],
-                                                 [0, 0, 0, 0])
-    assert game.move(start, "down").board == board([0, 0, 0, 0],
-                                                   [0, 0, 0, 0],
-                                                   [4, 0, 0, 0],
-                                                   [8, 8, 2, 16])
+    start = board([2, 0, 0, 8], [2, 4, 0, 0], [4, 0, 0, 8], [4, 4, 2, 0])
+    assert game.move(start, "up").board == board([4, 8, 2, 16], [8, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0])
+    assert game.move(start, "down").board == board([0, 0, 0, 0], [0, 0, 0, 0], [4, 0, 0, 0], [8, 8, 2, 16])
     assert game.move(start, "up").merged == (4, 8, 8, 16)
 
 
 def test_a_move_that_changes_nothing_is_no_move_and_spawns_nothing():
-    start = board([2, 4, 8, 16],
-                  [0, 0, 0, 0],
-                  [0, 0, 0, 0],
-                  [0, 0, 0, 0])
+    start = board([2, 4, 8, 16], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0])
     assert not game.move(start, "left").changed and not game.move(start, "right").changed
     assert not game.move(start, "up").changed
     assert game.move(start, "down").changed
@@ -87,15 +78,11 @@ def test_a_move_that_changes_nothing_is_no_move_and_spawns_nothing():
 
 
 def test_game_over_only_when_no_move_changes_the_board():
-    stuck = board([2, 4, 2, 4],
-                  [4, 2, 4, 2],
-                  [2, 4, 2, 4],
-                  [4, 2, 4, 2])
+    stuck = board([2, 4, 2, 4], [4, 2, 4, 2], [2, 4, 2, 4], [4, 2, 4, 2])
     assert game.game_over(stuck) and game.legal_moves(stuck) == ()
-    pair = board([2, 4, 2, 4],
-                 [4, 2, 4, 2],
-                 [2, 4, 2, 4],
-                 [8, 8, 4, 2])  # full, but the two 8s merge (and nothing merges up or down)
+    pair = board(
+        [2, 4, 2, 4], [4, 2, 4, 2], [2, 4, 2, 4], [8, 8, 4, 2]
+    )  # full, but the two 8s merge (and nothing merges up or down)
     assert not game.game_over(pair) and set(game.legal_moves(pair)) == {"left", "right"}
     hole = stuck[:15] + (0,)
     assert not game.game_over(hole) and set(game.legal_moves(hole)) == {"down", "right"}
@@ -130,18 +117,13 @@ def test_a_seeded_game_replays_identically():
             b = game.step(b, direction, rng).board
             boards.append(b)
         return boards
+
     assert run(4) == run(4) and run(4) != run(5)
 
 
 def test_render_by_hand_and_back():
-    b = board([0, 2, 0, 0],
-              [0, 0, 16, 0],
-              [128, 0, 0, 4],
-              [0, 0, 0, 2])
-    assert game.render(b) == ("  .   2   .   .\n"
-                              "  .   .  16   .\n"
-                              "128   .   .   4\n"
-                              "  .   .   .   2")
+    b = board([0, 2, 0, 0], [0, 0, 16, 0], [128, 0, 0, 4], [0, 0, 0, 2])
+    assert game.render(b) == ("  .   2   .   .\n  .   .  16   .\n128   .   .   4\n  .   .   .   2")
     assert game.parse_board(game.render(b)) == b
     assert game.render(board([2, 0, 0, 0], [0] * 4, [0] * 4, [0] * 4)).splitlines()[0] == "2 . . ."
 
@@ -156,12 +138,27 @@ def test_bad_input_is_refused_with_what_to_fix():
 # ---------------------------------------------------------------- the reply parser
 
 
-@pytest.mark.parametrize("reply, expected", [
-    ("left", "left"), ("LEFT", "left"), ("Up.", "up"), ("  right\n", "right"), ("I move DOWN now", "down"),
-    ("down, down", "down"), ("**Left**", "left"), ("Move: up!", "up"),
-    ("up or left", None), ("not up but left", None), ("", None), (None, None), ("3", None),
-    ("leftward", None), ("upper", None), ("north", None),
-])
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("left", "left"),
+        ("LEFT", "left"),
+        ("Up.", "up"),
+        ("  right\n", "right"),
+        ("I move DOWN now", "down"),
+        ("down, down", "down"),
+        ("**Left**", "left"),
+        ("Move: up!", "up"),
+        ("up or left", None),
+        ("not up but left", None),
+        ("", None),
+        (None, None),
+        ("3", None),
+        ("leftward", None),
+        ("upper", None),
+        ("north", None),
+    ],
+)
 def test_the_parser_finds_one_direction(reply, expected):
     assert agent.parse_move(reply) == expected
 
@@ -169,15 +166,18 @@ def test_the_parser_finds_one_direction(reply, expected):
 # ---------------------------------------------------------------- the reward
 
 
-@pytest.mark.parametrize("moves, largest, max_moves, target, expected", [
-    (0, 0, 40, 64, 0.0),              # first reply invalid: nothing played, nothing built
-    (40, 64, 40, 64, 1.0),            # the whole budget and the target tile
-    (20, 8, 40, 64, 0.25 + 0.5 * 0.4),  # half the budget; 8 is 2 of the 5 doublings from 2 to 64
-    (10, 0, 40, 64, 0.125),           # moves without a merge
-    (40, 128, 40, 64, 1.0),           # past the target is capped
-    (40, 32, 40, 64, 0.5 + 0.5 * 0.8),
-    (75, 16, 150, 256, 0.25 + 0.5 * 3 / 7),
-])
+@pytest.mark.parametrize(
+    "moves, largest, max_moves, target, expected",
+    [
+        (0, 0, 40, 64, 0.0),  # first reply invalid: nothing played, nothing built
+        (40, 64, 40, 64, 1.0),  # the whole budget and the target tile
+        (20, 8, 40, 64, 0.25 + 0.5 * 0.4),  # half the budget; 8 is 2 of the 5 doublings from 2 to 64
+        (10, 0, 40, 64, 0.125),  # moves without a merge
+        (40, 128, 40, 64, 1.0),  # past the target is capped
+        (40, 32, 40, 64, 0.5 + 0.5 * 0.8),
+        (75, 16, 150, 256, 0.25 + 0.5 * 3 / 7),
+    ],
+)
 def test_reward_by_hand(moves, largest, max_moves, target, expected):
     assert agent.reward(moves, largest, max_moves, target) == pytest.approx(expected)
 
@@ -196,6 +196,7 @@ def _scripted(replies_by_turn):
     def ask(messages):
         seen.append([dict(m) for m in messages])
         return replies_by_turn(game.parse_board(messages[-1]["content"]), len(seen) - 1)
+
     return ask, seen
 
 
@@ -219,7 +220,7 @@ def test_a_hand_made_history_that_ends_on_a_no_op_move():
     assert agent.reward(episode.moves, episode.largest_tile) == pytest.approx(0.5 * 2 / 40 + 0.5 * tile)
     # the conversation grows: system, then board/move pairs; the invalid reply is the last call's answer
     assert [m["role"] for m in seen[2]] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert seen[2][:len(seen[1])] == seen[1] and seen[1][:len(seen[0])] == seen[0]
+    assert seen[2][: len(seen[1])] == seen[1] and seen[1][: len(seen[0])] == seen[0]
     assert seen[2][2]["content"] == episode.replies[0] and seen[2][4]["content"] == episode.replies[1]
 
 
@@ -257,20 +258,28 @@ class ScriptedUpstream:
 
     def __init__(self):
         self.requests: list[dict] = []
-        self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                                     Route("/v1/models", self.models, methods=["GET"])])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+            ]
+        )
 
     async def chat(self, request: Request) -> JSONResponse:
         body = await request.json()
         self.requests.append(body)
         script = SCRIPTS[body["model"]]
         text = script[sum(m.get("role") == "assistant" for m in body["messages"]) % len(script)]
-        return JSONResponse({
-            "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": 0,
-            "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        })
+        return JSONResponse(
+            {
+                "id": f"chatcmpl-{len(self.requests)}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
 
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model"} for name in SCRIPTS]})
@@ -292,8 +301,10 @@ def _replay(session: dict, max_moves: int, target: int) -> tuple[int, str, float
         if k:
             previous = calls[k - 1]
             assert messages[:-2] == previous["request"]["messages"]
-            assert messages[-2] == {"role": "assistant",
-                                    "content": previous["response"]["choices"][0]["message"]["content"]}
+            assert messages[-2] == {
+                "role": "assistant",
+                "content": previous["response"]["choices"][0]["message"]["content"],
+            }
         direction = {"left": "left", "Down.": "down", "I move RIGHT": "right", "up": "up"}.get(reply)
         moved = game.move(game.parse_board(messages[-1]["content"]), direction) if direction else None
         if moved is None or not moved.changed:
@@ -342,6 +353,12 @@ def test_the_agent_through_a_gateway_records_one_call_per_move_and_posts_the_gam
 
 
 def test_the_agent_runs_as_a_script():
-    out = subprocess.run([sys.executable, "examples/game2048/agent.py", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "examples/game2048/agent.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0 and "--max-moves" in out.stdout and "--target-tile" in out.stdout

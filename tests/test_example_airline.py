@@ -55,26 +55,49 @@ def test_a_change_charges_the_fare_difference_and_keeps_unchanged_flights_at_the
     db["reservations"]["R5NH6C"]["flights"][0]["price"] = 500
     env = AirlineEnv(db)
     env.call("get_user_details", {"user_id": "ava_patel_5566"})
-    result = json.loads(confirmed(env, "update_reservation_flights", reservation_id="R5NH6C", cabin="business",
-                                  flights=[{"flight_number": "HAT001", "date": "2024-05-22"},
-                                           {"flight_number": "HAT003", "date": "2024-05-27"}],
-                                  payment_method_id="credit_card_6612"))
+    result = json.loads(
+        confirmed(
+            env,
+            "update_reservation_flights",
+            reservation_id="R5NH6C",
+            cabin="business",
+            flights=[
+                {"flight_number": "HAT001", "date": "2024-05-22"},
+                {"flight_number": "HAT003", "date": "2024-05-27"},
+            ],
+            payment_method_id="credit_card_6612",
+        )
+    )
     assert [s["price"] for s in result["flights"]] == [500, 600]  # kept at what was paid; the new one at today's
     assert result["payment_history"][-1] == {"payment_id": "credit_card_6612", "amount": -10.0}  # 1110 -> 1100
     # A cabin change prices every flight anew: ZFA04Y economy at 200 -> business on the same flight at 600.
     env = as_user("emma_kim_9957")
-    result = json.loads(confirmed(env, "update_reservation_flights", reservation_id="ZFA04Y", cabin="business",
-                                  flights=[{"flight_number": "HAT001", "date": "2024-05-20"}],
-                                  payment_method_id="credit_card_7815"))
+    result = json.loads(
+        confirmed(
+            env,
+            "update_reservation_flights",
+            reservation_id="ZFA04Y",
+            cabin="business",
+            flights=[{"flight_number": "HAT001", "date": "2024-05-20"}],
+            payment_method_id="credit_card_7815",
+        )
+    )
     assert result["flights"][0]["price"] == 600 and result["payment_history"][-1]["amount"] == 400.0
     # Two passengers pay the difference twice; a refund to a gift card raises its balance.
     db = AirlineEnv().db
     db["reservations"]["ZFA04Y"]["passengers"].append({"first_name": "Jun", "last_name": "Kim", "dob": "1988-09-30"})
     env = AirlineEnv(db)
     env.call("get_user_details", {"user_id": "emma_kim_9957"})
-    result = json.loads(confirmed(env, "update_reservation_flights", reservation_id="ZFA04Y", cabin="economy",
-                                  flights=[{"flight_number": "HAT001", "date": "2024-05-22"}],
-                                  payment_method_id="gift_card_4421"))
+    result = json.loads(
+        confirmed(
+            env,
+            "update_reservation_flights",
+            reservation_id="ZFA04Y",
+            cabin="economy",
+            flights=[{"flight_number": "HAT001", "date": "2024-05-22"}],
+            payment_method_id="gift_card_4421",
+        )
+    )
     assert result["payment_history"][-1] == {"payment_id": "gift_card_4421", "amount": -20.0}
     assert env.db["users"]["emma_kim_9957"]["payment_methods"]["gift_card_4421"]["balance"] == 320.0
     assert env.violations == []
@@ -82,22 +105,42 @@ def test_a_change_charges_the_fare_difference_and_keeps_unchanged_flights_at_the
 
 def test_the_fare_rules_are_enforced_and_counted():
     env = as_user("emma_kim_9957")
-    assert "basic economy" in confirmed(env, "update_reservation_flights", reservation_id="K2PL9Q",
-                                        cabin="economy", payment_method_id="credit_card_7815",
-                                        flights=[{"flight_number": "HAT004", "date": "2024-05-20"},
-                                                 {"flight_number": "HAT005", "date": "2024-05-23"}])
-    assert "cannot change" in confirmed(env, "update_reservation_flights", reservation_id="ZFA04Y",
-                                        cabin="economy", payment_method_id="credit_card_7815",
-                                        flights=[{"flight_number": "HAT003", "date": "2024-05-25"}])
-    assert "holds 300.00" in confirmed(env, "update_reservation_flights", reservation_id="ZFA04Y",
-                                       cabin="business", payment_method_id="gift_card_4421",
-                                       flights=[{"flight_number": "HAT001", "date": "2024-05-20"}])
+    assert "basic economy" in confirmed(
+        env,
+        "update_reservation_flights",
+        reservation_id="K2PL9Q",
+        cabin="economy",
+        payment_method_id="credit_card_7815",
+        flights=[{"flight_number": "HAT004", "date": "2024-05-20"}, {"flight_number": "HAT005", "date": "2024-05-23"}],
+    )
+    assert "cannot change" in confirmed(
+        env,
+        "update_reservation_flights",
+        reservation_id="ZFA04Y",
+        cabin="economy",
+        payment_method_id="credit_card_7815",
+        flights=[{"flight_number": "HAT003", "date": "2024-05-25"}],
+    )
+    assert "holds 300.00" in confirmed(
+        env,
+        "update_reservation_flights",
+        reservation_id="ZFA04Y",
+        cabin="business",
+        payment_method_id="gift_card_4421",
+        flights=[{"flight_number": "HAT001", "date": "2024-05-20"}],
+    )
     assert "cancelled only within 24 hours" in confirmed(env, "cancel_reservation", reservation_id="ZFA04Y")
     assert "another user" in env.call("get_reservation_details", {"reservation_id": "MX7T3B"})
     assert len(env.violations) == 5 and env.db == AirlineEnv().db
     liam = as_user("liam_chen_7788")
-    confirmed(liam, "update_reservation_baggages", reservation_id="T3VB8E", total_baggages=0, nonfree_baggages=0,
-              payment_method_id="credit_card_3344")
+    confirmed(
+        liam,
+        "update_reservation_baggages",
+        reservation_id="T3VB8E",
+        total_baggages=0,
+        nonfree_baggages=0,
+        payment_method_id="credit_card_3344",
+    )
     assert liam.violations == ["update_reservation_baggages: checked bags can be added, not removed"]
     # The flight of this one has departed (HAT006 on 05-10 landed): no change, no cancellation.
     db = AirlineEnv().db
@@ -111,23 +154,41 @@ def test_the_fare_rules_are_enforced_and_counted():
 def test_arguments_of_the_wrong_type_are_reported_not_raised():
     env = as_user("liam_chen_7788")
     env.on_user("yes")
-    answer = env.call("update_reservation_baggages", {"reservation_id": "U9KC2L", "total_baggages": "2",
-                                                      "nonfree_baggages": True, "payment_method_id": "credit_card_3344"})
-    assert answer == ("Error: wrong arguments for update_reservation_baggages: arguments.total_baggages must be "
-                      "an integer; arguments.nonfree_baggages must be an integer")
-    answer = env.call("book_reservation", {**by_id("book-with-insurance").actions[0].arguments,
-                                           "user_id": "liam_chen_7788", "flights": [{"flight_number": "HAT001"}],
-                                           "passengers": "Liam Chen"})
+    answer = env.call(
+        "update_reservation_baggages",
+        {
+            "reservation_id": "U9KC2L",
+            "total_baggages": "2",
+            "nonfree_baggages": True,
+            "payment_method_id": "credit_card_3344",
+        },
+    )
+    assert answer == (
+        "Error: wrong arguments for update_reservation_baggages: arguments.total_baggages must be "
+        "an integer; arguments.nonfree_baggages must be an integer"
+    )
+    answer = env.call(
+        "book_reservation",
+        {
+            **by_id("book-with-insurance").actions[0].arguments,
+            "user_id": "liam_chen_7788",
+            "flights": [{"flight_number": "HAT001"}],
+            "passengers": "Liam Chen",
+        },
+    )
     assert "arguments.flights[0].date is missing; arguments.passengers must be an array" in answer
     assert env.violations == [] and env.db == AirlineEnv().db
     assert env.confirmed  # nothing was attempted: the "yes" still stands
 
 
-@pytest.mark.parametrize("user_id, reservation_id, why", [
-    ("noah_garcia_1234", "MX7T3B", "the airline cancelled HAT002 on 05-21"),
-    ("ava_patel_5566", "Q8WZ1D", "booked 6 hours ago"),
-    ("ava_patel_5566", "R5NH6C", "travel insurance"),
-])
+@pytest.mark.parametrize(
+    "user_id, reservation_id, why",
+    [
+        ("noah_garcia_1234", "MX7T3B", "the airline cancelled HAT002 on 05-21"),
+        ("ava_patel_5566", "Q8WZ1D", "booked 6 hours ago"),
+        ("ava_patel_5566", "R5NH6C", "travel insurance"),
+    ],
+)
 def test_each_allowed_cancellation_refunds_everything(user_id, reservation_id, why):
     env = as_user(user_id)
     paid = AirlineEnv().db["reservations"][reservation_id]["payment_history"]
@@ -141,18 +202,29 @@ def test_booking_prices_by_hand():
     env = as_user("noah_garcia_1234")  # silver, economy: 2 free bags; HAT001 05-22 economy 190, insurance 30
     result = json.loads(confirmed(env, "book_reservation", **by_id("book-with-insurance").actions[0].arguments))
     assert result["reservation_id"] == "NEW001" and result["payment_history"] == [
-        {"payment_id": "credit_card_2231", "amount": 220.0}]
+        {"payment_id": "credit_card_2231", "amount": 220.0}
+    ]
     assert env.db["users"]["noah_garcia_1234"]["reservations"][-1] == "NEW001"
     # Three bags for a regular member in economy: 1 free, 2 at 50; a 100 gift card cannot pay it.
     liam = as_user("liam_chen_7788")
-    booking = dict(user_id="liam_chen_7788", origin="ORD", destination="BOS", flight_type="one_way",
-                   cabin="economy", flights=[{"flight_number": "HAT007", "date": "2024-05-19"}],
-                   passengers=[{"first_name": "Liam", "last_name": "Chen", "dob": "1995-07-21"}],
-                   total_baggages=3, nonfree_baggages=2, insurance="no")
-    assert "holds 100.00, not the 270.00" in confirmed(liam, "book_reservation", payment_method_id="gift_card_5150",
-                                                       **booking)  # 170 + 2 * 50
+    booking = dict(
+        user_id="liam_chen_7788",
+        origin="ORD",
+        destination="BOS",
+        flight_type="one_way",
+        cabin="economy",
+        flights=[{"flight_number": "HAT007", "date": "2024-05-19"}],
+        passengers=[{"first_name": "Liam", "last_name": "Chen", "dob": "1995-07-21"}],
+        total_baggages=3,
+        nonfree_baggages=2,
+        insurance="no",
+    )
+    assert "holds 100.00, not the 270.00" in confirmed(
+        liam, "book_reservation", payment_method_id="gift_card_5150", **booking
+    )  # 170 + 2 * 50
     assert json.loads(confirmed(liam, "book_reservation", payment_method_id="credit_card_3344", **booking))[
-        "payment_history"] == [{"payment_id": "credit_card_3344", "amount": 270.0}]
+        "payment_history"
+    ] == [{"payment_id": "credit_card_3344", "amount": 270.0}]
     assert liam.violations == ["book_reservation: gift card gift_card_5150 holds 100.00, not the 270.00 to be paid"]
 
 
@@ -163,8 +235,14 @@ def test_grades_correct_extra_write_and_rule_broken():
     assert AIRLINE.grade(task, right).reward == 1.0
     extra = as_user("emma_kim_9957")
     confirmed(extra, "update_reservation_flights", **task.actions[0].arguments)
-    confirmed(extra, "update_reservation_baggages", reservation_id="ZFA04Y", total_baggages=2, nonfree_baggages=0,
-              payment_method_id="credit_card_7815")
+    confirmed(
+        extra,
+        "update_reservation_baggages",
+        reservation_id="ZFA04Y",
+        total_baggages=2,
+        nonfree_baggages=0,
+        payment_method_id="credit_card_7815",
+    )
     graded = AIRLINE.grade(task, extra)
     assert (graded.reward, graded.db_match, graded.violations) == (0.0, False, ())
     unconfirmed = as_user("emma_kim_9957")
@@ -181,8 +259,10 @@ def test_grades_correct_extra_write_and_rule_broken():
 CANCEL_OK = [
     call("get_user_details", user_id="noah_garcia_1234"),
     call("get_reservation_details", reservation_id="MX7T3B"),
-    say("Flight HAT002 on 2024-05-21 was cancelled by the airline, so reservation MX7T3B can be cancelled and "
-        "the 240.00 you paid refunded to credit_card_2231. Do you confirm (yes/no)?"),
+    say(
+        "Flight HAT002 on 2024-05-21 was cancelled by the airline, so reservation MX7T3B can be cancelled and "
+        "the 240.00 you paid refunded to credit_card_2231. Do you confirm (yes/no)?"
+    ),
     call("cancel_reservation", reservation_id="MX7T3B"),
     say("Reservation MX7T3B is cancelled; 240.00 is on its way back to your card."),
 ]
@@ -202,29 +282,58 @@ def _change(flight_number: str, price_note: str) -> list:
         call("get_reservation_details", reservation_id="ZFA04Y"),
         call("search_direct_flight", origin="JFK", destination="LAX", date="2024-05-22"),
         say(f"{flight_number} on 2024-05-22 in economy {price_note}. Do you confirm (yes/no)?"),
-        call("update_reservation_flights", reservation_id="ZFA04Y", cabin="economy",
-             flights=[{"flight_number": flight_number, "date": "2024-05-22"}], payment_method_id="credit_card_7815"),
+        call(
+            "update_reservation_flights",
+            reservation_id="ZFA04Y",
+            cabin="economy",
+            flights=[{"flight_number": flight_number, "date": "2024-05-22"}],
+            payment_method_id="credit_card_7815",
+        ),
         say("Your reservation ZFA04Y now flies on 2024-05-22."),
     ]
 
 
-SCRIPTS = {"MX7T3B": [CANCEL_OK, CANCEL_BEFORE_LOOKUP],
-           "ZFA04Y from the May 20": [_change("HAT001", "costs 190.00, so 10.00 is refunded to your card"),
-                                      _change("HAT002", "costs 230.00, so 30.00 is charged")]}  # not the same flight
-EXPECTED = {("MX7T3B", 0): (1.0, 1.0, 0.0), ("MX7T3B", 1): (0.0, 1.0, 1.0),
-            ("ZFA04Y from the May 20", 0): (1.0, 1.0, 0.0), ("ZFA04Y from the May 20", 1): (0.0, 0.0, 0.0)}
+SCRIPTS = {
+    "MX7T3B": [CANCEL_OK, CANCEL_BEFORE_LOOKUP],
+    "ZFA04Y from the May 20": [
+        _change("HAT001", "costs 190.00, so 10.00 is refunded to your card"),
+        _change("HAT002", "costs 230.00, so 30.00 is charged"),
+    ],
+}  # not the same flight
+EXPECTED = {
+    ("MX7T3B", 0): (1.0, 1.0, 0.0),
+    ("MX7T3B", 1): (0.0, 1.0, 1.0),
+    ("ZFA04Y from the May 20", 0): (1.0, 1.0, 0.0),
+    ("ZFA04Y from the May 20", 1): (0.0, 0.0, 0.0),
+}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with ScriptedPolicy(SCRIPTS) as policy, \
-            openai_gateway(policy.url, tmp_path_factory.mktemp("airline-state")) as (server, _):
+    with (
+        ScriptedPolicy(SCRIPTS) as policy,
+        openai_gateway(policy.url, tmp_path_factory.mktemp("airline-state")) as (server, _),
+    ):
         yield server.url, policy
 
 
 def _run(url: str, *extra: str) -> list[dict]:
-    return main(AIRLINE, ["--base-url", url + "/v1", "--model", "agent", "--rollouts", "2",
-                          "--task", "cancel-airline-cancelled", "--task", "change-date", *extra])
+    return main(
+        AIRLINE,
+        [
+            "--base-url",
+            url + "/v1",
+            "--model",
+            "agent",
+            "--rollouts",
+            "2",
+            "--task",
+            "cancel-airline-cancelled",
+            "--task",
+            "change-date",
+            *extra,
+        ],
+    )
 
 
 def test_the_agent_runs_the_tool_loop_and_posts_the_database_reward(served):
@@ -263,17 +372,36 @@ def test_ruler_scores_each_group_through_the_gateway(served, monkeypatch):
         assert sorted(r["ruler_score"] for r in mine) == [0.5, 1.0]
         for record in mine:
             assert sessions[record["session_id"]]["reward"] == record["ruler_score"]
-            assert sessions[record["session_id"]]["metrics"]["independent_reward"] == record["reward"] == \
-                EXPECTED[policy.script_of(record["messages"])][0]
+            assert (
+                sessions[record["session_id"]]["metrics"]["independent_reward"]
+                == record["reward"]
+                == EXPECTED[policy.script_of(record["messages"])][0]
+            )
 
 
 def test_the_script_runs_as_its_readme_says(served, tmp_path):
     url, _ = served
     out = tmp_path / "rollouts.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, str(ROOT / "examples/airline/agent.py"), "--base-url", url + "/v1",
-                           "--tasks", "1", "--rollouts", "2", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/airline/agent.py"),
+            "--base-url",
+            url + "/v1",
+            "--tasks",
+            "1",
+            "--rollouts",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "cancel-airline-cancelled (grp_" in done.stdout
     assert sorted(json.loads(line)["reward"] for line in out.read_text().splitlines()) == [0.0, 1.0]

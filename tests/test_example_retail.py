@@ -49,8 +49,11 @@ def test_the_right_writes_confirmed_after_authenticating_score_1():
     # What the goal must look like, written out: cancelled, the reason, the card refunded.
     order = env.db["orders"]["#W1001"]
     assert order["cancel_reason"] == "ordered by mistake"
-    assert order["payment_history"][-1] == {"transaction_type": "refund", "amount": 37.0,
-                                            "payment_method_id": "credit_card_9951"}
+    assert order["payment_history"][-1] == {
+        "transaction_type": "refund",
+        "amount": 37.0,
+        "payment_method_id": "credit_card_9951",
+    }
     graded = RETAIL.grade(CANCEL, env)
     assert (graded.reward, graded.db_match, graded.violations, graded.partial) == (1.0, True, (), 1.0)
 
@@ -61,8 +64,10 @@ def test_an_extra_write_scores_0_even_when_confirmed():
     env.on_user("yes")
     env.call("cancel_pending_order", {"order_id": "#W1001", "reason": "ordered by mistake"})
     env.on_user("yes")
-    env.call("return_delivered_order_items", {"order_id": "#W1002", "item_ids": ["4001"],
-                                              "payment_method_id": "credit_card_9951"})
+    env.call(
+        "return_delivered_order_items",
+        {"order_id": "#W1002", "item_ids": ["4001"], "payment_method_id": "credit_card_9951"},
+    )
     graded = RETAIL.grade(CANCEL, env)
     assert graded.reward == 0.0 and not graded.db_match and graded.violations == ()
     assert graded.partial == 0.5  # two orders touched: #W1001 right, #W1002 changed when it should not be
@@ -84,11 +89,14 @@ def test_the_tools_refuse_what_the_policy_forbids_and_count_it():
     assert env.user_id == "mia_li_3668"
     assert "another user" in env.call("get_order_details", {"order_id": "#W2001"})
     env.on_user("yes")
-    assert "only a pending order" in env.call("cancel_pending_order", {"order_id": "#W1003",
-                                                                      "reason": "no longer needed"})
+    assert "only a pending order" in env.call(
+        "cancel_pending_order", {"order_id": "#W1003", "reason": "no longer needed"}
+    )
     env.on_user("yes")
-    assert "same product" in env.call("exchange_delivered_order_items", {
-        "order_id": "#W1002", "item_ids": ["4001"], "new_item_ids": ["3002"], "payment_method_id": "gift_card_1122"})
+    assert "same product" in env.call(
+        "exchange_delivered_order_items",
+        {"order_id": "#W1002", "item_ids": ["4001"], "new_item_ids": ["3002"], "payment_method_id": "gift_card_1122"},
+    )
     assert len(env.violations) == 4 and env.db == RetailEnv().db
     # A refused request leaves the database alone, but the attempt is a rule broken.
     graded = RETAIL.grade(by_id("cancel-shipped-refused"), env)
@@ -102,10 +110,12 @@ def test_mistakes_in_a_call_are_reported_and_keep_the_confirmation():
     assert env.call("no_such_tool", {}).startswith("Error: there is no tool")
     assert "not a JSON object" in env.call("get_order_details", "{order_id: #W2001")
     assert "wrong arguments" in env.call("get_order_details", {"id": "#W2001"})
-    assert "not (each once) in order" in env.call("return_delivered_order_items", {
-        "order_id": "#W2001", "item_ids": ["9999"], "payment_method_id": "paypal_7788"})
-    env.call("return_delivered_order_items", {"order_id": "#W2001", "item_ids": ["1003"],
-                                              "payment_method_id": "paypal_7788"})
+    assert "not (each once) in order" in env.call(
+        "return_delivered_order_items", {"order_id": "#W2001", "item_ids": ["9999"], "payment_method_id": "paypal_7788"}
+    )
+    env.call(
+        "return_delivered_order_items", {"order_id": "#W2001", "item_ids": ["1003"], "payment_method_id": "paypal_7788"}
+    )
     assert env.violations == [] and env.db["orders"]["#W2001"]["status"] == "return requested"
 
 
@@ -134,8 +144,10 @@ def test_the_simulated_customer_confirms_follows_up_and_stops():
 CANCEL_OK = [
     call("find_user_id_by_email", email="mia.li3668@example.com"),
     call("get_order_details", order_id="#W1001"),
-    say("Order #W1001 is pending: a red T-shirt and a white mug, 37.00 paid by credit card. I can cancel it "
-        "with the reason 'ordered by mistake' and refund the card. Do you confirm (yes/no)?"),
+    say(
+        "Order #W1001 is pending: a red T-shirt and a white mug, 37.00 paid by credit card. I can cancel it "
+        "with the reason 'ordered by mistake' and refund the card. Do you confirm (yes/no)?"
+    ),
     call("cancel_pending_order", order_id="#W1001", reason="ordered by mistake"),
     say("Order #W1001 is cancelled and 37.00 is refunded to your credit card."),
 ]
@@ -151,16 +163,24 @@ def _return(payment_method_id: str) -> list:
         call("find_user_id_by_name_zip", first_name="Mia", last_name="Li", zip="94110"),
         call("get_order_details", order_id="#W1002"),
         call("get_user_details", user_id="mia_li_3668"),
-        say(f"I can return the desk lamp (item 4001) of order #W1002 and refund 40.00 to {payment_method_id}. "
-            "Do you confirm (yes/no)?"),
-        call("return_delivered_order_items", order_id="#W1002", item_ids=["4001"],
-             payment_method_id=payment_method_id),
+        say(
+            f"I can return the desk lamp (item 4001) of order #W1002 and refund 40.00 to {payment_method_id}. "
+            "Do you confirm (yes/no)?"
+        ),
+        call("return_delivered_order_items", order_id="#W1002", item_ids=["4001"], payment_method_id=payment_method_id),
         say("The return is requested; the refund follows once the lamp is back."),
     ]
 
 
-NEW_ADDRESS = {"order_id": "#W2002", "address1": "77 Atlantic Ave", "address2": "Apt 4", "city": "Brooklyn",
-               "state": "NY", "country": "USA", "zip": "11201"}
+NEW_ADDRESS = {
+    "order_id": "#W2002",
+    "address1": "77 Atlantic Ave",
+    "address2": "Apt 4",
+    "city": "Brooklyn",
+    "state": "NY",
+    "country": "USA",
+    "zip": "11201",
+}
 ADDRESS_OK = [
     call("find_user_id_by_name_zip", first_name="Omar", last_name="Khan", zip="10001"),
     call("get_order_details", order_id="#W2002"),
@@ -168,21 +188,31 @@ ADDRESS_OK = [
     call("modify_pending_order_address", **NEW_ADDRESS),
     say("Done: #W2002 now ships to Brooklyn."),
 ]
-CONTEXT_OVERFLOW = [call("find_user_id_by_name_zip", first_name="Omar", last_name="Khan", zip="10001"),
-                    fail(400, "this model's context is 2048 tokens; the messages take 2868")]
+CONTEXT_OVERFLOW = [
+    call("find_user_id_by_name_zip", first_name="Omar", last_name="Khan", zip="10001"),
+    fail(400, "this model's context is 2048 tokens; the messages take 2868"),
+]
 
-SCRIPTS = {"order #W1001": [CANCEL_OK, CANCEL_UNCONFIRMED],
-           "desk lamp": [_return("gift_card_1122"), _return("credit_card_9951")],  # the card: a wrong state
-           "#W2002 to 77": [ADDRESS_OK, CONTEXT_OVERFLOW]}
+SCRIPTS = {
+    "order #W1001": [CANCEL_OK, CANCEL_UNCONFIRMED],
+    "desk lamp": [_return("gift_card_1122"), _return("credit_card_9951")],  # the card: a wrong state
+    "#W2002 to 77": [ADDRESS_OK, CONTEXT_OVERFLOW],
+}
 # (database reward, db_match, violations) of each script, by what the grader must find
-EXPECTED = {("order #W1001", 0): (1.0, 1.0, 0.0), ("order #W1001", 1): (0.0, 1.0, 1.0),
-            ("desk lamp", 0): (1.0, 1.0, 0.0), ("desk lamp", 1): (0.0, 0.0, 0.0)}
+EXPECTED = {
+    ("order #W1001", 0): (1.0, 1.0, 0.0),
+    ("order #W1001", 1): (0.0, 1.0, 1.0),
+    ("desk lamp", 0): (1.0, 1.0, 0.0),
+    ("desk lamp", 1): (0.0, 0.0, 0.0),
+}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with ScriptedPolicy(SCRIPTS) as policy, \
-            openai_gateway(policy.url, tmp_path_factory.mktemp("retail-state")) as (server, _):
+    with (
+        ScriptedPolicy(SCRIPTS) as policy,
+        openai_gateway(policy.url, tmp_path_factory.mktemp("retail-state")) as (server, _),
+    ):
         yield server.url, policy
 
 
@@ -204,8 +234,9 @@ def test_the_agent_runs_the_tool_loop_and_posts_the_database_reward(served):
         assert session["metrics"]["db_match"] == db_match and session["metrics"]["violations"] == violations
         assert session["metrics"]["tool_calls"] == sum(1 for step in SCRIPTS[key][index] if step.tool)
         # The results the model read are the store's: after the cancel, the order says cancelled.
-        tool_results = [json.loads(m["content"]) for m in record["messages"]
-                        if m["role"] == "tool" and m["content"].startswith("{")]
+        tool_results = [
+            json.loads(m["content"]) for m in record["messages"] if m["role"] == "tool" and m["content"].startswith("{")
+        ]
         if key == "order #W1001":
             assert tool_results[-1]["status"] == "cancelled"
     assert seen == set(EXPECTED)  # each group held a right and a wrong rollout
@@ -243,9 +274,27 @@ def test_the_script_runs_as_its_readme_says(served, tmp_path):
     url, _ = served
     out = tmp_path / "rollouts.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # it finds `examples` and `sdk` itself
-    done = subprocess.run([sys.executable, str(ROOT / "examples/retail/agent.py"), "--base-url", url + "/v1",
-                           "--model", "agent", "--tasks", "1", "--rollouts", "2", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/retail/agent.py"),
+            "--base-url",
+            url + "/v1",
+            "--model",
+            "agent",
+            "--tasks",
+            "1",
+            "--rollouts",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert f"{CANCEL.id} (grp_" in done.stdout and "database rewards" in done.stdout
     lines = [json.loads(line) for line in out.read_text().splitlines()]

@@ -28,10 +28,23 @@ def trained(tmp_path_factory):
     for gid in ("g1", "g2", "g3", "g4"):
         recorder.group(gid, [1.0, 0.0, 0.5])
     for sid, step, reward in (("val-s0", 1, 0.75), ("val-s1", 1, None), ("val-s2", 2, 0.5)):
-        recorder.store.record_call_sync(CallRecord(  # scored on the val split: shown on the card, never trained
-            id=f"{sid}-call", session_id=sid, group_id="val-g", split="val", model="agent", served=f"agent@{step}",
-            step=step, engine="local", stream=False, status="ok", request={"messages": []},
-            response={"choices": []}, latency_ms=1.0))
+        recorder.store.record_call_sync(
+            CallRecord(  # scored on the val split: shown on the card, never trained
+                id=f"{sid}-call",
+                session_id=sid,
+                group_id="val-g",
+                split="val",
+                model="agent",
+                served=f"agent@{step}",
+                step=step,
+                engine="local",
+                stream=False,
+                status="ok",
+                request={"messages": []},
+                response={"choices": []},
+                latency_ms=1.0,
+            )
+        )
         if reward is not None:
             asyncio.run(recorder.store.set_reward(sid, reward))
     recorder.close()
@@ -44,8 +57,9 @@ def cli(*args):
 
 
 def base_model(settings):
-    return AutoModelForCausalLM.from_pretrained(resolve_base_model(settings.base_model, settings.state_dir),
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_base_model(settings.base_model, settings.state_dir), dtype=torch.float32
+    ).eval()
 
 
 PROMPTS = [[1, 5, 9, 22, 40, 7, 300, 12], [3, 3, 100, 250, 17]]
@@ -70,8 +84,14 @@ def test_adapter_export_loads_with_peft_and_names_its_base(trained, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "agent@2" in done.stderr  # NAME alone: the newest step
     files = {p.name for p in out.iterdir()}
-    assert {"adapter_config.json", "adapter_model.safetensors", "training_settings.json", "trainer_state.json",
-            "README.md", "reward_curve.png"} <= files
+    assert {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "training_settings.json",
+        "trainer_state.json",
+        "README.md",
+        "reward_curve.png",
+    } <= files
     assert "optimizer.pt" not in files
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "rlproxy/tiny-qwen2"
@@ -93,12 +113,16 @@ def test_model_card_holds_the_training_record(trained, merged_dir):
     assert "base_model: rlproxy/tiny-qwen2" in card and "# agent@1" in card
     assert "- groups trained: 2" in card and "- sessions trained: 6" in card
     assert f"- tokens trained: {state['metrics']['tokens']}" in card
-    reward_row = f"| 1 | {state['metrics']['reward_mean']:.4g} | {state['metrics']['reward_std']:.4g} | " \
-                 f"{state['metrics']['loss']:.4g} |"
+    reward_row = (
+        f"| 1 | {state['metrics']['reward_mean']:.4g} | {state['metrics']['reward_std']:.4g} | "
+        f"{state['metrics']['loss']:.4g} |"
+    )
     assert reward_row in card
     assert "| 1 | 0.75 | 1 |" in card  # the val session answered by step 1
     assert "| `lora_rank` | 4 |" in card and "| `loss_type` | grpo |" in card
-    rows = [line for line in card.split("## Reward")[1].split("## Settings")[0].splitlines() if line.startswith("| 2 |")]
+    rows = [
+        line for line in card.split("## Reward")[1].split("## Settings")[0].splitlines() if line.startswith("| 2 |")
+    ]
     assert rows == []  # step 2, and val sessions it answered, are not part of agent@1
 
 
@@ -132,13 +156,15 @@ def test_merged_model_serves_the_same_greedy_completion_as_the_step(trained, mer
         reply = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=16)
         return reply.choices[0].message.content
 
-    with gateway_process(["--state-dir", str(trained.state_dir), "--trainer", "off", "--lora-rank", "4",
-                          "--lora-alpha", "8"]) as (_, url):
+    with gateway_process(
+        ["--state-dir", str(trained.state_dir), "--trainer", "off", "--lora-rank", "4", "--lora-alpha", "8"]
+    ) as (_, url):
         served = [m.id for m in openai.OpenAI(base_url=url + "/v1", api_key="unused").models.list().data]
         assert "agent@1" in served, served
         from_step = greedy(url, "agent@1")
-    with gateway_process(["--state-dir", str(tmp_path / "fresh"), "--trainer", "off",
-                          "--base-model", str(merged_dir)]) as (_, url):
+    with gateway_process(
+        ["--state-dir", str(tmp_path / "fresh"), "--trainer", "off", "--base-model", str(merged_dir)]
+    ) as (_, url):
         from_merged = greedy(url, str(merged_dir))
     assert from_step and from_merged == from_step
 
@@ -175,8 +201,9 @@ def test_a_step_recorded_in_postgres_exports_on_a_machine_without_its_checkpoint
     assert saved.keys() == exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
     assert (elsewhere / "models" / "agent" / "store" / "0002" / "adapter_model.safetensors").is_file()
     # a step the store does not record is still a clear 404, naming the steps there are
-    done = cli("export-model", "agent@7", "--out", str(tmp_path / "x"), "--store", postgres_db,
-               "--state-dir", str(elsewhere))
+    done = cli(
+        "export-model", "agent@7", "--out", str(tmp_path / "x"), "--store", postgres_db, "--state-dir", str(elsewhere)
+    )
     assert done.returncode == 2 and "step 7" in done.stderr and "2" in done.stderr
 
 

@@ -21,9 +21,16 @@ from tests.helpers_trainer import Recorder, trainer_settings
 from trainer.data import build_batch, load_groups
 from trainer.worker import run_worker
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 class ToolRecorder(Recorder):
@@ -32,38 +39,72 @@ class ToolRecorder(Recorder):
 
     def render(self, messages: list[dict], reply: dict | None = None) -> str:
         msgs = [*messages, reply] if reply else messages
-        return self.tokenizer.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=reply is None,
-                                                  tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            msgs, tools=TOOLS, add_generation_prompt=reply is None, tokenize=False
+        )
 
     def turn(self, session_id, group_id, index, messages, reply, split, step):
         prompt_text = self.render(messages)
-        completion_text = self.render(messages, reply)[len(prompt_text):]
-        completion_text = completion_text[: completion_text.rindex(self.tokenizer.eos_token) + len(self.tokenizer.eos_token)]
+        completion_text = self.render(messages, reply)[len(prompt_text) :]
+        completion_text = completion_text[
+            : completion_text.rindex(self.tokenizer.eos_token) + len(self.tokenizer.eos_token)
+        ]
         prompt, completion = self.encode(prompt_text), self.encode(completion_text)
         wire_reply = {**reply}
         if reply.get("tool_calls"):  # on the wire, arguments are a JSON string
-            wire_reply["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-                                        for c in reply["tool_calls"]]
-        self.store.record_call_sync(CallRecord(
-            id=f"{session_id}-{index}", session_id=session_id, group_id=group_id, split=split, model="agent",
-            served=f"agent@{step}", step=step, engine="local", stream=False, status="ok",
-            request={"model": "agent", "messages": messages, "tools": TOOLS},
-            response={"choices": [{"index": 0, "message": wire_reply,
-                                   "finish_reason": "tool_calls" if reply.get("tool_calls") else "stop"}]},
-            latency_ms=1.0, prompt_ids=prompt, completion_ids=[completion],
-            behaviour_logprobs=[self.logprobs(prompt, completion)]))
+            wire_reply["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                for c in reply["tool_calls"]
+            ]
+        self.store.record_call_sync(
+            CallRecord(
+                id=f"{session_id}-{index}",
+                session_id=session_id,
+                group_id=group_id,
+                split=split,
+                model="agent",
+                served=f"agent@{step}",
+                step=step,
+                engine="local",
+                stream=False,
+                status="ok",
+                request={"model": "agent", "messages": messages, "tools": TOOLS},
+                response={
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": wire_reply,
+                            "finish_reason": "tool_calls" if reply.get("tool_calls") else "stop",
+                        }
+                    ]
+                },
+                latency_ms=1.0,
+                prompt_ids=prompt,
+                completion_ids=[completion],
+                behaviour_logprobs=[self.logprobs(prompt, completion)],
+            )
+        )
         return prompt, completion
 
     def tool_session(self, session_id, group_id, city, answer, reward, split="train", step=0):
-        call = {"id": f"call_{session_id}", "type": "function",
-                "function": {"name": "get_weather", "arguments": {"city": city}}}
-        messages = [{"role": "system", "content": "You are a helpful assistant."},
-                    {"role": "user", "content": f"What is the weather in {city}?"}]
-        first = self.turn(session_id, group_id, 0, messages, {"role": "assistant", "content": "", "tool_calls": [call]},
-                          split, step)
+        call = {
+            "id": f"call_{session_id}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": city}},
+        }
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": f"What is the weather in {city}?"},
+        ]
+        first = self.turn(
+            session_id, group_id, 0, messages, {"role": "assistant", "content": "", "tool_calls": [call]}, split, step
+        )
         wire_call = {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
-        messages = [*messages, {"role": "assistant", "content": None, "tool_calls": [wire_call]},
-                    {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 18}'}]
+        messages = [
+            *messages,
+            {"role": "assistant", "content": None, "tool_calls": [wire_call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 18}'},
+        ]
         second = self.turn(session_id, group_id, 1, messages, {"role": "assistant", "content": answer}, split, step)
         asyncio.run(self.store.set_reward(session_id, reward))
         return first, second
@@ -90,8 +131,23 @@ def trained(tmp_path_factory):
 
 def export(settings, tmp_path, fmt, *args):
     out = tmp_path / f"out.{fmt}"
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(settings.state_dir),
-                           "--format", fmt, "-o", str(out), *args], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "export",
+            "--state-dir",
+            str(settings.state_dir),
+            "--format",
+            fmt,
+            "-o",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     return out
 
@@ -111,9 +167,12 @@ def validate_fine_tuning_line(line: dict) -> None:
     assert set(line) <= {"messages", "tools", "parallel_tool_calls", "functions"}, set(line)
     messages = line["messages"]
     assert isinstance(messages, list) and messages
-    allowed = {"system": {"role", "content", "name"}, "user": {"role", "content", "name"},
-               "assistant": {"role", "content", "name", "tool_calls", "weight", "refusal", "function_call"},
-               "tool": {"role", "content", "tool_call_id"}}
+    allowed = {
+        "system": {"role", "content", "name"},
+        "user": {"role", "content", "name"},
+        "assistant": {"role", "content", "name", "tool_calls", "weight", "refusal", "function_call"},
+        "tool": {"role", "content", "tool_call_id"},
+    }
     open_calls: set[str] = set()
     for message in messages:
         role = message.get("role")
@@ -147,10 +206,18 @@ def validate_fine_tuning_line(line: dict) -> None:
 
 
 def test_validator_rejects_what_openai_rejects():
-    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "assistant", "content": "ok"}],
-        "tools": [{"type": "function", "function": {"name": "f"}}]}
+    good = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "1"},
+            {"role": "assistant", "content": "ok"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }
     validate_fine_tuning_line(good)
     bad_arguments = json.loads(json.dumps(good))
     bad_arguments["messages"][1]["tool_calls"][0]["function"]["arguments"] = {}
@@ -206,11 +273,13 @@ def test_parquet_rows_are_the_trainers_samples(trained, tmp_path):
         assert row["token_ids"] == p2 + c2 and p2[: len(p1) + len(c1)] == p1 + c1
         between = len(p2) - len(p1) - len(c1)  # the tool result and the template around it
         assert row["loss_mask"] == [False] * len(p1) + [True] * len(c1) + [False] * between + [True] * len(c2)
-        assert row["prompt_ids"] == p1 and row["completion_ids"] == row["token_ids"][len(p1):]
+        assert row["prompt_ids"] == p1 and row["completion_ids"] == row["token_ids"][len(p1) :]
         logged = [x for x, m in zip(row["old_logprobs"], row["loss_mask"]) if m]
         assert all(x is None for x, m in zip(row["old_logprobs"], row["loss_mask"]) if not m)
         session_calls = store.session_calls(sid)
-        assert logged == pytest.approx(session_calls[0]["behaviour_logprobs"][0] + session_calls[1]["behaviour_logprobs"][0])
+        assert logged == pytest.approx(
+            session_calls[0]["behaviour_logprobs"][0] + session_calls[1]["behaviour_logprobs"][0]
+        )
         # GRPO by hand: a group with one winner among n has advantages (r - mean) / (std + 1e-4),
         # std the population one: sqrt(p (1 - p)) with p = 1/n.
         n = 2 if sid.startswith("tools-a") else 3
@@ -243,11 +312,15 @@ def test_filters(trained, tmp_path):
 
 def test_parquet_needs_a_file_and_unknown_format_is_refused(trained):
     settings, _ = trained
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(settings.state_dir),
-                           "--format", "parquet"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "export", "--state-dir", str(settings.state_dir), "--format", "parquet"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "--output" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "export", "--format", "csv"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "export", "--format", "csv"], capture_output=True, text=True
+    )
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
 
@@ -262,11 +335,31 @@ def test_calls_recorded_without_token_ids_are_rendered_like_the_trainer_does(tmp
     settings = Settings(state_dir=tmp_path)
     store = Store(settings.db_path)
     messages = [{"role": "user", "content": "Hello"}]
-    store.record_call_sync(CallRecord(
-        id="r1", session_id="s1", group_id="g", split="train", model="agent", served=None, step=None,
-        engine="openai", stream=False, status="ok", request={"model": "agent", "messages": messages},
-        response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi! How can I help you?"},
-                               "finish_reason": "stop"}]}, latency_ms=1.0))
+    store.record_call_sync(
+        CallRecord(
+            id="r1",
+            session_id="s1",
+            group_id="g",
+            split="train",
+            model="agent",
+            served=None,
+            step=None,
+            engine="openai",
+            stream=False,
+            status="ok",
+            request={"model": "agent", "messages": messages},
+            response={
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "Hi! How can I help you?"},
+                        "finish_reason": "stop",
+                    }
+                ]
+            },
+            latency_ms=1.0,
+        )
+    )
     asyncio.run(store.close())
     row = pq.read_table(export(settings, tmp_path, "parquet")).to_pylist()[0]
     tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(settings.base_model, tmp_path))

@@ -13,8 +13,16 @@ import pytest
 
 from tests.helpers_upstream import openai_gateway, raw_store_bytes
 
-TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a word up",
-                                           "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "look a word up",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +63,11 @@ def test_sync_client_plain_and_stream(client, store):
     answer = _chat(client, "plain call", extra_headers={"X-Session-Id": "sync-1"})
     assert answer.choices[0].message.content == "plain call"
     assert answer.model == "fake-model"
-    text = "".join(c.choices[0].delta.content or "" for c in
-                   _chat(client, "streamed call", stream=True, extra_headers={"X-Session-Id": "sync-1"}) if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in _chat(client, "streamed call", stream=True, extra_headers={"X-Session-Id": "sync-1"})
+        if c.choices
+    )
     assert text == "streamed call"
     calls = store.session_calls("sync-1")
     assert [c["stream"] for c in calls] == [False, True]
@@ -66,12 +77,17 @@ def test_sync_client_plain_and_stream(client, store):
 async def test_async_client_plain_and_stream(base_url, store):
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
     answer = await client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "async plain"}],
-        extra_headers={"X-Session-Id": "async-1"})
+        model="fake-model",
+        messages=[{"role": "user", "content": "async plain"}],
+        extra_headers={"X-Session-Id": "async-1"},
+    )
     assert answer.choices[0].message.content == "async plain"
     stream = await client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "async streamed"}], stream=True,
-        extra_headers={"X-Session-Id": "async-1"})
+        model="fake-model",
+        messages=[{"role": "user", "content": "async streamed"}],
+        stream=True,
+        extra_headers={"X-Session-Id": "async-1"},
+    )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == "async streamed"
     await client.close()
@@ -95,14 +111,23 @@ def test_tools_and_tool_messages_pass_through_and_are_recorded(client, upstream,
     session = f"tools-{stream}"
     messages = [
         {"role": "user", "content": "what is x?"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "call_a", "content": "x is 1"},
         {"role": "user", "content": "call it again [[tool_call]]"},
     ]
     before = len(upstream.chat_requests())
-    result = client.chat.completions.create(model="fake-model", messages=messages, tools=TOOLS, tool_choice="auto",
-                                            stream=stream, extra_headers={"X-Session-Id": session})
+    result = client.chat.completions.create(
+        model="fake-model",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="auto",
+        stream=stream,
+        extra_headers={"X-Session-Id": session},
+    )
     if stream:
         calls: dict[int, dict] = {}
         for chunk in result:
@@ -115,8 +140,7 @@ def test_tools_and_tool_messages_pass_through_and_are_recorded(client, upstream,
         assert calls == {0: {"id": "call_0", "name": "lookup", "arguments": '{"x": 1}'}}
     else:
         (tool_call,) = result.choices[0].message.tool_calls
-        assert (tool_call.id, tool_call.function.name, tool_call.function.arguments) == ("call_0", "lookup",
-                                                                                          '{"x": 1}')
+        assert (tool_call.id, tool_call.function.name, tool_call.function.arguments) == ("call_0", "lookup", '{"x": 1}')
         assert result.choices[0].finish_reason == "tool_calls"
     (sent,) = upstream.chat_requests()[before:]
     assert sent.body["messages"] == messages and sent.body["tools"] == TOOLS and sent.body["tool_choice"] == "auto"
@@ -132,16 +156,24 @@ def test_a_client_that_leaves_a_non_stream_call_is_recorded_as_499(base_url, sto
     import time
 
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base_url + "/v1/chat/completions", timeout=0.5, headers={"X-Session-Id": "left-waiting"},
-                   json={"model": "fake-model", "messages": [{"role": "user", "content": "slow [[delay=3]]"}]})
+        httpx.post(
+            base_url + "/v1/chat/completions",
+            timeout=0.5,
+            headers={"X-Session-Id": "left-waiting"},
+            json={"model": "fake-model", "messages": [{"role": "user", "content": "slow [[delay=3]]"}]},
+        )
     deadline = time.monotonic() + 30
     while not store.session_calls("left-waiting") and time.monotonic() < deadline:
         time.sleep(0.05)
     (call,) = store.session_calls("left-waiting")
     assert call["status"] == "error" and call["http_status"] == 499 and "disconnected" in call["error"]
     # and the gateway goes on answering
-    ok = httpx.post(base_url + "/v1/chat/completions", timeout=30, headers={"X-Session-Id": "after"},
-                    json={"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]})
+    ok = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=30,
+        headers={"X-Session-Id": "after"},
+        json={"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]},
+    )
     assert ok.status_code == 200
 
 
@@ -156,8 +188,10 @@ def test_a_client_that_leaves_at_once_is_recorded_as_499_too(base_url, store):
     url = urlsplit(base_url)
     body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "slow [[delay=3]]"}]}).encode()
     with socket.create_connection((url.hostname, url.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     b"X-Session-Id: left-at-once\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"X-Session-Id: left-at-once\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
     left = time.monotonic()
     while not store.session_calls("left-at-once") and time.monotonic() < left + 30:
         time.sleep(0.01)
@@ -170,9 +204,16 @@ def test_a_client_that_leaves_mid_stream_is_recorded_as_such(base_url, upstream,
     import time
 
     with httpx.Client(base_url=base_url, timeout=30) as http:
-        with http.stream("POST", "/v1/chat/completions", headers={"X-Session-Id": "left-early"},
-                         json={"model": "fake-model", "stream": True,
-                               "messages": [{"role": "user", "content": "wait for me [[hold]]"}]}) as reply:
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers={"X-Session-Id": "left-early"},
+            json={
+                "model": "fake-model",
+                "stream": True,
+                "messages": [{"role": "user", "content": "wait for me [[hold]]"}],
+            },
+        ) as reply:
             first = next(reply.iter_lines())
             assert first.startswith("data: ") and '"role":"assistant"' in first
         # leaving the block closed the connection while the upstream holds the rest
@@ -191,8 +232,10 @@ def test_a_client_that_leaves_mid_stream_is_recorded_as_such(base_url, upstream,
 
 def test_headers_name_session_group_and_split(client, store):
     raw = client.chat.completions.with_raw_response.create(
-        model="fake-model", messages=[{"role": "user", "content": "hi"}],
-        extra_headers={"X-Session-Id": "hdr-sess", "X-Group-Id": "hdr-group", "X-Split": "val"})
+        model="fake-model",
+        messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"X-Session-Id": "hdr-sess", "X-Group-Id": "hdr-group", "X-Split": "val"},
+    )
     assert raw.headers["x-session-id"] == "hdr-sess"
     (call,) = store.session_calls("hdr-sess")
     assert (call["group_id"], call["split"]) == ("hdr-group", "val")
@@ -203,8 +246,10 @@ def test_headers_name_session_group_and_split(client, store):
 def test_body_metadata_names_session_and_is_removed_before_the_upstream(client, upstream, store):
     before = len(upstream.chat_requests())
     raw = client.chat.completions.with_raw_response.create(
-        model="fake-model", messages=[{"role": "user", "content": "hi"}],
-        metadata={"session_id": "meta-sess", "group_id": "meta-group", "split": "val"})
+        model="fake-model",
+        messages=[{"role": "user", "content": "hi"}],
+        metadata={"session_id": "meta-sess", "group_id": "meta-group", "split": "val"},
+    )
     assert raw.headers["x-session-id"] == "meta-sess"
     (sent,) = upstream.chat_requests()[before:]
     assert "metadata" not in sent.body
@@ -214,21 +259,27 @@ def test_body_metadata_names_session_and_is_removed_before_the_upstream(client, 
 
 
 def test_headers_win_over_metadata(client, store):
-    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
-                                   metadata={"session_id": "loser"}, extra_headers={"X-Session-Id": "winner"})
+    client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "hi"}],
+        metadata={"session_id": "loser"},
+        extra_headers={"X-Session-Id": "winner"},
+    )
     assert len(store.session_calls("winner")) == 1 and store.session_calls("loser") == []
 
 
 def test_missing_session_is_minted_and_returned(client, store):
     raw = client.chat.completions.with_raw_response.create(
-        model="fake-model", messages=[{"role": "user", "content": "who am i"}])
+        model="fake-model", messages=[{"role": "user", "content": "who am i"}]
+    )
     session_id = raw.headers["x-session-id"]
     assert session_id.startswith("sess_")
     assert raw.headers["x-request-id"]
     (call,) = store.session_calls(session_id)
     assert call["id"] == raw.headers["x-request-id"]
     raw = client.chat.completions.with_raw_response.create(
-        model="fake-model", messages=[{"role": "user", "content": "streamed"}], stream=True)
+        model="fake-model", messages=[{"role": "user", "content": "streamed"}], stream=True
+    )
     assert raw.headers["x-session-id"].startswith("sess_") and raw.headers["x-session-id"] != session_id
     assert raw.headers["x-request-id"]
     list(raw.parse())
@@ -237,19 +288,24 @@ def test_missing_session_is_minted_and_returned(client, store):
 def test_client_request_id_is_recorded_and_a_reused_one_loses_no_call(client, store):
     for _ in range(2):  # a retry that sends the same id again
         raw = client.chat.completions.with_raw_response.create(
-            model="fake-model", messages=[{"role": "user", "content": "traced"}],
-            extra_headers={"X-Request-Id": "my-trace-123", "X-Session-Id": "traced"})
+            model="fake-model",
+            messages=[{"role": "user", "content": "traced"}],
+            extra_headers={"X-Request-Id": "my-trace-123", "X-Session-Id": "traced"},
+        )
         assert raw.headers["x-request-id"] != "my-trace-123"  # ours: the call row's key
     calls = store.session_calls("traced")
     assert [c["client_request_id"] for c in calls] == ["my-trace-123", "my-trace-123"]
     assert len({c["id"] for c in calls}) == 2
 
 
-@pytest.mark.parametrize(("headers", "says"), [
-    ({"X-Split": "test"}, "split 'test' is not valid"),
-    ({"X-Session-Id": "has spaces"}, "session_id 'has spaces' is not valid"),
-    ({"X-Group-Id": "x" * 200}, "group_id"),
-])
+@pytest.mark.parametrize(
+    ("headers", "says"),
+    [
+        ({"X-Split": "test"}, "split 'test' is not valid"),
+        ({"X-Session-Id": "has spaces"}, "session_id 'has spaces' is not valid"),
+        ({"X-Group-Id": "x" * 200}, "group_id"),
+    ],
+)
 def test_bad_identity_is_a_400(client, headers, says):
     with pytest.raises(openai.BadRequestError, match=says):
         _chat(client, "hi", extra_headers=headers)
@@ -261,9 +317,13 @@ def test_bad_identity_is_a_400(client, headers, says):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_split_that_contradicts_the_session_or_group_is_a_409(client, store, stream):
     # A val rollout inside a train group would be trained on: refused before it is generated.
-    _chat(client, "train rollout", extra_headers={"X-Session-Id": f"split-a-{stream}", "X-Group-Id": f"split-g-{stream}"})
-    for headers in ({"X-Session-Id": f"split-b-{stream}", "X-Group-Id": f"split-g-{stream}", "X-Split": "val"},
-                    {"X-Session-Id": f"split-a-{stream}", "X-Split": "val"}):
+    _chat(
+        client, "train rollout", extra_headers={"X-Session-Id": f"split-a-{stream}", "X-Group-Id": f"split-g-{stream}"}
+    )
+    for headers in (
+        {"X-Session-Id": f"split-b-{stream}", "X-Group-Id": f"split-g-{stream}", "X-Split": "val"},
+        {"X-Session-Id": f"split-a-{stream}", "X-Split": "val"},
+    ):
         with pytest.raises(openai.ConflictError) as info:
             _chat(client, "val rollout", stream=stream, extra_headers=headers)
         assert "X-Split 'val'" in info.value.message and "one split per" in info.value.message
@@ -273,15 +333,27 @@ def test_a_split_that_contradicts_the_session_or_group_is_a_409(client, store, s
 def test_a_call_from_another_replica_with_a_contradicting_split_is_refused_by_the_store(store):
     # The store checks again in the transaction (another replica's calls never went through
     # this process's check).
-    import asyncio
 
     from gateway.errors import Conflict
     from gateway.store import CallRecord
 
     def record(session, split):
-        return CallRecord(id=f"{session}-{split}", session_id=session, group_id="replica-g", split=split, model="m",
-                          served=None, step=None, engine="openai", stream=False, status="ok", request={},
-                          response=None, latency_ms=1.0)
+        return CallRecord(
+            id=f"{session}-{split}",
+            session_id=session,
+            group_id="replica-g",
+            split=split,
+            model="m",
+            served=None,
+            step=None,
+            engine="openai",
+            stream=False,
+            status="ok",
+            request={},
+            response=None,
+            latency_ms=1.0,
+        )
+
     store.record_call_sync(record("replica-a", "train"))
     with pytest.raises(Conflict, match="one split per group"):
         store.record_call_sync(record("replica-b", "val"))
@@ -307,18 +379,21 @@ def test_reward_and_session_roundtrip(client, http):
     assert [c["response"]["choices"][0]["message"]["content"] for c in session["calls"]] == ["solve it"]
 
 
-@pytest.mark.parametrize(("body", "says"), [
-    (b'{"reward": NaN}', "finite"),
-    (b'{"reward": Infinity}', "finite"),
-    (b'{"reward": -Infinity}', "finite"),
-    (b'{"reward": 1e999}', "finite"),
-    (b'{"reward": "NaN"}', "finite"),
-    (b'{"reward": "inf"}', "finite"),
-    (b'{"reward": "high"}', "valid number"),
-    (b'{"reward": 1, "metrics": {"m": "NaN"}}', "finite"),
-    (b'{"reward": 1, "metrics": {"m": "lots"}}', "valid number"),
-    (b'{}', "reward"),
-])
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b'{"reward": NaN}', "finite"),
+        (b'{"reward": Infinity}', "finite"),
+        (b'{"reward": -Infinity}', "finite"),
+        (b'{"reward": 1e999}', "finite"),
+        (b'{"reward": "NaN"}', "finite"),
+        (b'{"reward": "inf"}', "finite"),
+        (b'{"reward": "high"}', "valid number"),
+        (b'{"reward": 1, "metrics": {"m": "NaN"}}', "finite"),
+        (b'{"reward": 1, "metrics": {"m": "lots"}}', "valid number"),
+        (b"{}", "reward"),
+    ],
+)
 def test_reward_must_be_a_finite_number(client, http, body, says):
     _chat(client, "x", extra_headers={"X-Session-Id": "finite-check"})
     reply = http.post("/v1/sessions/finite-check/reward", content=body, headers={"content-type": "application/json"})
@@ -353,12 +428,15 @@ def test_group_ready_by_expected_sessions(client, http):
     assert bad.status_code == 400 and "expected_sessions" in bad.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(("method", "path", "body"), [
-    ("POST", "/v1/sessions/nobody/reward", {"reward": 1.0}),
-    ("GET", "/v1/sessions/nobody", None),
-    ("POST", "/v1/groups/nogroup/close", None),
-    ("GET", "/v1/groups/nogroup", None),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/sessions/nobody/reward", {"reward": 1.0}),
+        ("GET", "/v1/sessions/nobody", None),
+        ("POST", "/v1/groups/nogroup/close", None),
+        ("GET", "/v1/groups/nogroup", None),
+    ],
+)
 def test_unknown_ids_are_404(http, method, path, body):
     reply = http.request(method, path, json=body)
     assert reply.status_code == 404
@@ -376,8 +454,9 @@ def test_bad_json_is_a_400(http, path):
 def test_invalid_chat_body_is_a_400_naming_the_field(http):
     reply = http.post("/v1/chat/completions", json={"model": "fake-model", "messages": []})
     assert reply.status_code == 400 and "messages" in reply.json()["error"]["message"]
-    reply = http.post("/v1/chat/completions", json={"model": "fake-model",
-                                                    "messages": [{"role": "tool", "content": "x"}]})
+    reply = http.post(
+        "/v1/chat/completions", json={"model": "fake-model", "messages": [{"role": "tool", "content": "x"}]}
+    )
     assert reply.status_code == 400 and "tool_call_id" in reply.json()["error"]["message"]
 
 
@@ -409,10 +488,17 @@ def test_api_key_guards_every_route_but_healthz_and_is_never_stored_or_logged(up
     with openai_gateway(upstream.url, tmp_path, api_key=key, log_level="debug") as (server, services):
         with httpx.Client(base_url=server.url, timeout=30) as http:
             assert http.get("/healthz").status_code == 200
-            for method, path in [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
-                                 ("GET", "/v1/sessions/s"), ("POST", "/v1/sessions/s/reward"),
-                                 ("GET", "/v1/groups/g"), ("POST", "/v1/groups/g/close"),
-                                 ("GET", "/v1/training/steps"), ("GET", "/v1/no-such-route")]:
+            for method, path in [
+                ("POST", "/v1/chat/completions"),
+                ("GET", "/v1/models"),
+                ("GET", "/metrics"),
+                ("GET", "/v1/sessions/s"),
+                ("POST", "/v1/sessions/s/reward"),
+                ("GET", "/v1/groups/g"),
+                ("POST", "/v1/groups/g/close"),
+                ("GET", "/v1/training/steps"),
+                ("GET", "/v1/no-such-route"),
+            ]:
                 missing = http.request(method, path)
                 assert missing.status_code == 401, (method, path)
                 assert missing.json()["error"]["type"] == "authentication_error"
@@ -421,11 +507,24 @@ def test_api_key_guards_every_route_but_healthz_and_is_never_stored_or_logged(up
                 assert wrong.status_code == 401 and "invalid API key" in wrong.json()["error"]["message"]
                 assert key not in missing.text + wrong.text
         good = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
-        assert good.chat.completions.create(
-            model="fake-model", messages=[{"role": "user", "content": "authorised"}],
-            extra_headers={"X-Session-Id": "authed"}).choices[0].message.content == "authorised"
-        list(good.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "again"}],
-                                          stream=True, extra_headers={"X-Session-Id": "authed"}))
+        assert (
+            good.chat.completions.create(
+                model="fake-model",
+                messages=[{"role": "user", "content": "authorised"}],
+                extra_headers={"X-Session-Id": "authed"},
+            )
+            .choices[0]
+            .message.content
+            == "authorised"
+        )
+        list(
+            good.chat.completions.create(
+                model="fake-model",
+                messages=[{"role": "user", "content": "again"}],
+                stream=True,
+                extra_headers={"X-Session-Id": "authed"},
+            )
+        )
         assert good.models.list().data
         bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-not-it", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
@@ -436,4 +535,3 @@ def test_api_key_guards_every_route_but_healthz_and_is_never_stored_or_logged(up
     logged = "\n".join(record.getMessage() + repr(record.args) for record in caplog.records)
     assert caplog.records  # the gateway did log (debug level), and none of it has the key
     assert key not in logged and key not in caplog.text
-

@@ -15,9 +15,16 @@ from gateway.store import Store
 from gateway.tiny_model import TINY_MODEL_ID, resolve_base_model
 from tests.helpers import ThreadServer
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +65,27 @@ def check_tokens_match(call: dict, texts: list[str], tokenizer) -> None:
         assert decoded.strip() == text.strip()
         assert len(logprobs) == len(ids) and all(lp <= 0 for lp in logprobs)
     # the sampling in force, every parameter explicit (no engine default left implicit)
-    assert set(call["sampling"]) == {"temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                     "frequency_penalty", "repetition_penalty", "seed", "max_tokens"}
+    assert set(call["sampling"]) == {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "max_tokens",
+    }
     assert all(call["sampling"][k] is not None for k in call["sampling"] if k != "seed")
 
 
 def test_sync_call_is_recorded_with_tokens_that_decode_to_the_answer(gateway, client, tokenizer):
     raw = client.chat.completions.with_raw_response.create(
-        model="agent", messages=[{"role": "user", "content": "Say hello"}], seed=1,
-        extra_headers={"X-Session-Id": "local-sync", "X-Group-Id": "local-g"})
+        model="agent",
+        messages=[{"role": "user", "content": "Say hello"}],
+        seed=1,
+        extra_headers={"X-Session-Id": "local-sync", "X-Group-Id": "local-g"},
+    )
     answer = raw.parse()
     assert raw.headers["x-session-id"] == "local-sync" and raw.headers["x-request-id"]
     (call,) = recorded(gateway, "local-sync")
@@ -79,8 +98,13 @@ def test_sync_call_is_recorded_with_tokens_that_decode_to_the_answer(gateway, cl
 
 def test_n_choices_are_each_recorded(gateway, client, tokenizer):
     answer = client.chat.completions.create(
-        model="agent", messages=[{"role": "user", "content": "Count"}], n=3, seed=7, temperature=1.0,
-        extra_headers={"X-Session-Id": "local-n"})
+        model="agent",
+        messages=[{"role": "user", "content": "Count"}],
+        n=3,
+        seed=7,
+        temperature=1.0,
+        extra_headers={"X-Session-Id": "local-n"},
+    )
     assert len(answer.choices) == 3
     (call,) = recorded(gateway, "local-n")
     check_tokens_match(call, [c.message.content or "" for c in answer.choices], tokenizer)
@@ -88,8 +112,12 @@ def test_n_choices_are_each_recorded(gateway, client, tokenizer):
 
 def test_stream_is_recorded_like_the_text_the_client_assembled(gateway, client, tokenizer):
     stream = client.chat.completions.create(
-        model="agent", messages=[{"role": "user", "content": "Stream please"}], stream=True, seed=3,
-        extra_headers={"X-Session-Id": "local-stream", "X-Group-Id": "local-g"})
+        model="agent",
+        messages=[{"role": "user", "content": "Stream please"}],
+        stream=True,
+        seed=3,
+        extra_headers={"X-Session-Id": "local-stream", "X-Group-Id": "local-g"},
+    )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     (call,) = recorded(gateway, "local-stream")
     assert call["stream"] is True and call["status"] == "ok"
@@ -100,8 +128,13 @@ def test_stream_is_recorded_like_the_text_the_client_assembled(gateway, client, 
 async def test_async_client_and_logprobs(gateway, tokenizer):
     client = openai.AsyncOpenAI(base_url=gateway[0].url + "/v1", api_key="unused", max_retries=0)
     answer = await client.chat.completions.create(
-        model="agent", messages=[{"role": "user", "content": "async"}], logprobs=True, top_logprobs=2, seed=5,
-        extra_headers={"X-Session-Id": "local-async"})
+        model="agent",
+        messages=[{"role": "user", "content": "async"}],
+        logprobs=True,
+        top_logprobs=2,
+        seed=5,
+        extra_headers={"X-Session-Id": "local-async"},
+    )
     content = answer.choices[0].logprobs.content
     assert all(len(entry.top_logprobs) == 2 for entry in content)
     (call,) = recorded(gateway, "local-async")
@@ -114,13 +147,22 @@ def test_tools_and_tool_messages_render_into_the_recorded_prompt(gateway, client
     messages = [
         {"role": "system", "content": "You are a weather bot."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                              "arguments": json.dumps({"city": "Paris"})}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
     ]
-    answer = client.chat.completions.create(model="agent", messages=messages, tools=TOOLS, seed=2,
-                                            extra_headers={"X-Session-Id": "local-tools"})
+    answer = client.chat.completions.create(
+        model="agent", messages=messages, tools=TOOLS, seed=2, extra_headers={"X-Session-Id": "local-tools"}
+    )
     (call,) = recorded(gateway, "local-tools")
     prompt = tokenizer.decode(call["prompt_ids"])
     assert "get_weather" in prompt and "sunny, 21C" in prompt and "<tool_call>" in prompt

@@ -32,8 +32,10 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 # The adapters here put a LoRA on the tiny model's tied output head, as the trainer does for
 # it; peft warns about merging such adapters, which nothing here does.
-pytestmark = [pytest.mark.filterwarnings("ignore:.*tie_word_embeddings"),
-              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*tie_word_embeddings"),
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing"),
+]
 
 
 # ------------------------------------------------------------------ registry rules (fake engine)
@@ -260,7 +262,8 @@ async def _call(client: openai.AsyncOpenAI, model: str, stream: bool, session: s
     """One chat completion; returns (request id, X-Model-Step, text)."""
     headers = {"X-Session-Id": session, "X-Group-Id": "hotswap"}
     raw = await client.chat.completions.with_raw_response.create(
-        model=model, messages=MESSAGES, max_tokens=8, stream=stream, extra_headers=headers)
+        model=model, messages=MESSAGES, max_tokens=8, stream=stream, extra_headers=headers
+    )
     if stream:
         text = ""
         async for chunk in raw.parse():  # with_raw_response: parse() is not awaited
@@ -285,8 +288,9 @@ def _model_ids(url: str) -> set[str]:
 
 
 async def test_requests_keep_flowing_while_two_steps_land(tmp_path):
-    settings = Settings(engine="local", state_dir=tmp_path, poll_interval=0.1, keep_adapters=3,
-                        default_max_tokens=8, max_batch_size=8)
+    settings = Settings(
+        engine="local", state_dir=tmp_path, poll_interval=0.1, keep_adapters=3, default_max_tokens=8, max_batch_size=8
+    )
     publisher = Publisher(settings)
     publisher.publish(0)  # the trainer saves step 0 (the fresh adapter) when it starts
     seen: list[tuple[str, str | None, str]] = []  # (request id, X-Model-Step, model asked for)

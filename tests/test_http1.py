@@ -20,7 +20,7 @@ class RawServer:
         self.requests: list[bytes] = []
         self.connections = 0
 
-    async def __aenter__(self) -> "RawServer":
+    async def __aenter__(self) -> RawServer:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
         return self
@@ -34,8 +34,14 @@ class RawServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 self.requests.append(head + await reader.readexactly(length))
                 answer = self.answers.pop(0) if self.answers else None
                 if answer is None:
@@ -52,7 +58,10 @@ class RawServer:
 
 def ok(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        len(body), extra, body)
+        len(body),
+        extra,
+        body,
+    )
 
 
 async def _post(pool: HTTP1Pool, body: bytes = b"{}", timeout: float = 5.0) -> tuple[int, bytes]:
@@ -105,8 +114,10 @@ async def test_stale_connection_is_retried_once_when_the_server_never_saw_the_re
 
 
 async def test_chunked_and_close_framed_bodies_read_whole():
-    chunked = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"6\r\n{\"a\": \r\n2\r\n1}\r\n0\r\n\r\n")
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'6\r\n{"a": \r\n2\r\n1}\r\n0\r\n\r\n'
+    )
     close_framed = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\nuntil the end"
     async with RawServer([chunked, close_framed]) as server:
         pool = HTTP1Pool(server.url, {})

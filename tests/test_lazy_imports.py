@@ -17,9 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Whatever of these exists is imported; modules other engineers have not written yet are skipped.
 MODULES = [
-    "gateway", "gateway.app", "gateway.cli", "gateway.chat", "gateway.colocate", "gateway.engines.vllm",
-    "gateway.engines.openai", "trainer", "trainer.worker", "trainer.backends", "trainer.backends.base",
-    "trainer.backends.unsloth", "sdk",
+    "gateway",
+    "gateway.app",
+    "gateway.cli",
+    "gateway.chat",
+    "gateway.colocate",
+    "gateway.engines.vllm",
+    "gateway.engines.openai",
+    "trainer",
+    "trainer.worker",
+    "trainer.backends",
+    "trainer.backends.base",
+    "trainer.backends.unsloth",
+    "sdk",
 ]
 
 PROBE = r"""
@@ -60,8 +70,14 @@ print(json.dumps({"imported": imported, "missing": missing, "attempts": attempts
 
 def test_importing_rlproxy_never_imports_vllm_or_unsloth():
     code = f"MODULES = {MODULES!r}\n" + PROBE
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"gateway.app", "gateway.cli", "gateway.engines.vllm", "trainer.backends.unsloth"} <= set(report["imported"])
@@ -69,9 +85,11 @@ def test_importing_rlproxy_never_imports_vllm_or_unsloth():
 
 
 def test_cli_help_does_not_import_them():
-    code = ("import sys, runpy\nsys.argv = ['rlproxy', 'serve', '--help']\n"
-            "try:\n    runpy.run_module('gateway.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-            "print('HEAVY', [m for m in sys.modules if m.split('.')[0] in ('vllm', 'unsloth')])")
+    code = (
+        "import sys, runpy\nsys.argv = ['rlproxy', 'serve', '--help']\n"
+        "try:\n    runpy.run_module('gateway.cli', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY', [m for m in sys.modules if m.split('.')[0] in ('vllm', 'unsloth')])"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--vllm-url" in result.stdout and "HEAVY []" in result.stdout

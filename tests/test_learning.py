@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from gateway.demo import shout as demo_task
-from gateway.settings import Settings
 from gateway.engines.local_worker import Sampling, processed_logprobs
-from trainer.backends.peft import PeftBackend
+from gateway.settings import Settings
 from tests.helpers_trainer import grpo_samples
+from trainer.backends.peft import PeftBackend
 from trainer.step import train_step
 
 # Few, large steps: with shuffled rewards AdamW still moves the LoRA weights about lr per
@@ -45,16 +45,24 @@ class Sampler:
         self.backend = backend
         # the local engine's sampling: its processed distribution is both what is sampled
         # from and what is recorded as the behaviour logprobs
-        self.sampling = Sampling(max_new_tokens=MAX_TOKENS, temperature=temperature, top_p=top_p,
-                                 presence_penalty=0.0, frequency_penalty=0.0, stops=[], top_logprobs=0)
+        self.sampling = Sampling(
+            max_new_tokens=MAX_TOKENS,
+            temperature=temperature,
+            top_p=top_p,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            stops=[],
+            top_logprobs=0,
+        )
         self.tokenizer = backend.tokenizer
         self.eos_id = self.tokenizer.eos_token_id
         self.generator = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(demo_task.messages_for(prompt), add_generation_prompt=True,
-                                                 tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            demo_task.messages_for(prompt), add_generation_prompt=True, tokenize=True
+        )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     @torch.no_grad()
@@ -89,12 +97,20 @@ class Sampler:
         return sum(rewards) / len(rewards)
 
 
-def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
-        metrics: list[dict] | None = None) -> tuple[float, float]:
+def run(
+    tmp_path,
+    *,
+    shuffle_rewards: bool,
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    metrics: list[dict] | None = None,
+) -> tuple[float, float]:
     """Train STEPS steps sampling at (temperature, top_p); returns (reward before, reward
     after) on fresh rollouts sampled the same way. Each step's metrics go into `metrics`."""
-    settings = Settings(state_dir=tmp_path, seed=seed, learning_rate=1e-2, lora_rank=8, lora_alpha=16,
-                        max_tokens_per_row=1024)
+    settings = Settings(
+        state_dir=tmp_path, seed=seed, learning_rate=1e-2, lora_rank=8, lora_alpha=16, max_tokens_per_row=1024
+    )
     torch.manual_seed(seed)
     backend = PeftBackend(settings)
     sampler = Sampler(backend, seed, temperature, top_p)
@@ -105,9 +121,16 @@ def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, temperature: float = 
         rewards = [sampler.reward(c) for _, completions, _ in groups for c in completions]
         if shuffle_rewards:  # the control: same rewards, dealt out at random across the batch
             shuffler.shuffle(rewards)
-        samples = grpo_samples([[(prompt, c, lp) for c, lp in zip(completions, logprob_lists)]
-                                for prompt, completions, logprob_lists in groups],
-                               rewards, scale_rewards=settings.scale_rewards, step=step, temperature=temperature)
+        samples = grpo_samples(
+            [
+                [(prompt, c, lp) for c, lp in zip(completions, logprob_lists)]
+                for prompt, completions, logprob_lists in groups
+            ],
+            rewards,
+            scale_rewards=settings.scale_rewards,
+            step=step,
+            temperature=temperature,
+        )
         if samples:
             step_metrics = train_step(backend, samples, settings)
             if metrics is not None:
@@ -139,7 +162,8 @@ def test_grpo_learns_shout_and_shuffled_rewards_do_not(tmp_path, learned_at_t1):
     assert before <= 0.3  # the untrained model rarely shouts
     assert after >= before + MARGIN, f"reward rose only {before:.3f} -> {after:.3f}"
     assert control_after < control_before + MARGIN, (
-        f"shuffled rewards reached {control_before:.3f} -> {control_after:.3f}: the margin does not tell learning apart")
+        f"shuffled rewards reached {control_before:.3f} -> {control_after:.3f}: the margin does not tell learning apart"
+    )
 
 
 def test_sampling_at_a_lower_temperature_with_top_p_learns_as_well(tmp_path, learned_at_t1):
@@ -149,8 +173,10 @@ def test_sampling_at_a_lower_temperature_with_top_p_learns_as_well(tmp_path, lea
     metrics_low: list[dict] = []
     before, after = run(tmp_path / "t07", shuffle_rewards=False, temperature=0.7, top_p=0.9, metrics=metrics_low)
     mismatch = [m["mismatch_logprob_abs"] for m in metrics_low]
-    print(f"T=1: {before_t1:.3f} -> {after_t1:.3f}; T=0.7 top_p=0.9: {before:.3f} -> {after:.3f}; "
-          f"mismatch per step {[round(x, 4) for x in mismatch]}")
+    print(
+        f"T=1: {before_t1:.3f} -> {after_t1:.3f}; T=0.7 top_p=0.9: {before:.3f} -> {after:.3f}; "
+        f"mismatch per step {[round(x, 4) for x in mismatch]}"
+    )
     assert after >= before + MARGIN, f"reward rose only {before:.3f} -> {after:.3f}"
     assert after >= after_t1 - 0.1, f"T=0.7/top_p=0.9 ended at {after:.3f}, T=1 at {after_t1:.3f}"
     # At T = 1 without top-p, sampler and trainer agree to float error. With top-p 0.9 the

@@ -56,8 +56,15 @@ class Player:
         self.backend = backend
         self.tokenizer = backend.tokenizer
         self.eos_id = self.tokenizer.eos_token_id
-        self.sampling = Sampling(max_new_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, presence_penalty=0.0,
-                                 frequency_penalty=0.0, stops=[], top_logprobs=0)
+        self.sampling = Sampling(
+            max_new_tokens=MAX_TOKENS,
+            temperature=1.0,
+            top_p=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            stops=[],
+            top_logprobs=0,
+        )
         self.generator = torch.Generator().manual_seed(seed)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -84,8 +91,15 @@ class Player:
         async def chat(messages: list[dict]) -> str:
             prompt = self.prompt_ids(messages)
             completion, logprobs = self.complete(prompt)
-            calls.append({"status": "ok", "prompt_ids": prompt, "completion_ids": [completion],
-                          "behaviour_logprobs": [logprobs], "request": {"temperature": 1.0}})
+            calls.append(
+                {
+                    "status": "ok",
+                    "prompt_ids": prompt,
+                    "completion_ids": [completion],
+                    "behaviour_logprobs": [logprobs],
+                    "request": {"temperature": 1.0},
+                }
+            )
             return self.tokenizer.decode(completion, skip_special_tokens=True)
 
         return chat
@@ -107,10 +121,15 @@ class Player:
 
 def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, steps: int = STEPS) -> tuple[float, float]:
     """Train `steps` steps; returns the score (before, after) on fresh games."""
-    settings = Settings(state_dir=tmp_path, seed=seed, learning_rate=LEARNING_RATE,
-                        base_model=tictactoe.SETTINGS["base_model"],
-                        lora_rank=TINY_MODEL_SETTINGS["lora_rank"], lora_alpha=TINY_MODEL_SETTINGS["lora_alpha"],
-                        max_tokens_per_row=tictactoe.SETTINGS["max_tokens_per_row"])
+    settings = Settings(
+        state_dir=tmp_path,
+        seed=seed,
+        learning_rate=LEARNING_RATE,
+        base_model=tictactoe.SETTINGS["base_model"],
+        lora_rank=TINY_MODEL_SETTINGS["lora_rank"],
+        lora_alpha=TINY_MODEL_SETTINGS["lora_alpha"],
+        max_tokens_per_row=tictactoe.SETTINGS["max_tokens_per_row"],
+    )
     torch.manual_seed(seed)
     backend = PeftBackend(settings)
     player = Player(backend, seed)
@@ -129,13 +148,17 @@ def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, steps: int = STEPS) -
         rewards = [r for _, group_rewards, _ in groups for r in group_rewards]
         if shuffle_rewards:  # the control: same rewards, dealt out at random across the batch
             shuffler.shuffle(rewards)
-        by_group = {gid: rewards[i * ROLLOUTS:(i + 1) * ROLLOUTS] for i, (gid, _, _) in enumerate(groups)}
+        by_group = {gid: rewards[i * ROLLOUTS : (i + 1) * ROLLOUTS] for i, (gid, _, _) in enumerate(groups)}
         advantages, _ = compute_advantages(by_group, settings.scale_rewards)
-        samples = [sample
-                   for gid, _, sessions in groups if gid in advantages
-                   for i, calls in enumerate(sessions)
-                   for sample in trajectory_samples(calls, trajectory_id=f"{gid}-r{i}", group_id=gid,
-                                                    advantage=advantages[gid][i])]
+        samples = [
+            sample
+            for gid, _, sessions in groups
+            if gid in advantages
+            for i, calls in enumerate(sessions)
+            for sample in trajectory_samples(
+                calls, trajectory_id=f"{gid}-r{i}", group_id=gid, advantage=advantages[gid][i]
+            )
+        ]
         if samples:
             train_step(backend, samples, settings)
     return before, player.score(EVAL_GAMES, random.Random(2000 + seed))
@@ -157,4 +180,5 @@ def test_grpo_learns_to_play_and_shuffled_rewards_do_not(tmp_path):
     assert before <= 0.3  # the demo's baseline aim: the untrained model loses nearly every game
     assert after >= before + MARGIN, f"the score rose only {before:.3f} -> {after:.3f}"
     assert control_after < control_before + MARGIN, (
-        f"shuffled rewards reached {control_before:.3f} -> {control_after:.3f}: the margin does not tell learning apart")
+        f"shuffled rewards reached {control_before:.3f} -> {control_after:.3f}: the margin does not tell learning apart"
+    )

@@ -43,9 +43,17 @@ MARGIN = 0.4
 
 async def learn(state_dir, *, shuffle_rewards: bool, seed: int = 0) -> tuple[float, float, list[dict]]:
     """STEPS steps sampled by vLLM; returns (reward before, reward after, step metrics)."""
-    settings = Settings(state_dir=state_dir, seed=seed, engine="vllm", vllm_python=vllm_python(),
-                        vllm_port=free_port(), learning_rate=1e-2, lora_rank=8, lora_alpha=16,
-                        max_tokens_per_row=1024)
+    settings = Settings(
+        state_dir=state_dir,
+        seed=seed,
+        engine="vllm",
+        vllm_python=vllm_python(),
+        vllm_port=free_port(),
+        learning_rate=1e-2,
+        lora_rank=8,
+        lora_alpha=16,
+        max_tokens_per_row=1024,
+    )
     torch.manual_seed(seed)
     backend = PeftBackend(settings)
     engine = VLLMEngine.from_settings(settings, startup_timeout=600)
@@ -57,17 +65,32 @@ async def learn(state_dir, *, shuffle_rewards: bool, seed: int = 0) -> tuple[flo
         nonlocal calls
         messages = demo_task.messages_for(demo_task.sample(rng))
         calls += ROLLOUTS
-        completions = await asyncio.gather(*(engine.complete(EngineRequest(
-            body={"model": "agent", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 1.0,
-                  "seed": seed * 1_000_000 + calls + i},
-            adapter=adapter, request_id=f"r{calls + i}")) for i in range(ROLLOUTS)))
+        completions = await asyncio.gather(
+            *(
+                engine.complete(
+                    EngineRequest(
+                        body={
+                            "model": "agent",
+                            "messages": messages,
+                            "max_tokens": MAX_TOKENS,
+                            "temperature": 1.0,
+                            "seed": seed * 1_000_000 + calls + i,
+                        },
+                        adapter=adapter,
+                        request_id=f"r{calls + i}",
+                    )
+                )
+                for i in range(ROLLOUTS)
+            )
+        )
         rollouts = []
         for completion in completions:
             (choice,) = completion.tokens.choices
             assert choice.logprobs is not None and len(choice.logprobs) == len(choice.completion_ids)
             reply = completion.response["choices"][0]["message"]["content"]
-            rollouts.append((completion.tokens.prompt_ids, choice.completion_ids, choice.logprobs,
-                             demo_task.reward(reply)))
+            rollouts.append(
+                (completion.tokens.prompt_ids, choice.completion_ids, choice.logprobs, demo_task.reward(reply))
+            )
         return rollouts
 
     async def evaluate(adapter: str | None) -> float:
@@ -84,8 +107,12 @@ async def learn(state_dir, *, shuffle_rewards: bool, seed: int = 0) -> tuple[flo
             rewards = [r for rollouts in groups for *_, r in rollouts]
             if shuffle_rewards:  # the control: same rewards, dealt out at random across the batch
                 shuffler.shuffle(rewards)
-            samples = grpo_samples([[rollout[:3] for rollout in rollouts] for rollouts in groups], rewards,
-                                   scale_rewards=settings.scale_rewards, step=step)
+            samples = grpo_samples(
+                [[rollout[:3] for rollout in rollouts] for rollouts in groups],
+                rewards,
+                scale_rewards=settings.scale_rewards,
+                step=step,
+            )
             if samples:
                 metrics.append(train_step(backend, samples, settings))
             directory = state_dir / f"agent@{step}"
@@ -112,12 +139,15 @@ def test_grpo_learns_shout_through_vllm_and_shuffled_rewards_do_not(tmp_path):
     before, after, metrics = asyncio.run(learn(tmp_path / "learn", shuffle_rewards=False))
     control_before, control_after, _ = asyncio.run(learn(tmp_path / "control", shuffle_rewards=True))
     mismatch = [m["mismatch_logprob_abs"] for m in metrics]
-    print(f"through vLLM: {before:.3f} -> {after:.3f}; shuffled rewards: {control_before:.3f} -> "
-          f"{control_after:.3f}; mismatch per step {[f'{x:.1e}' for x in mismatch]}")
+    print(
+        f"through vLLM: {before:.3f} -> {after:.3f}; shuffled rewards: {control_before:.3f} -> "
+        f"{control_after:.3f}; mismatch per step {[f'{x:.1e}' for x in mismatch]}"
+    )
     assert before <= 0.3  # the untrained model rarely shouts
     assert after >= before + MARGIN, f"reward rose only {before:.3f} -> {after:.3f}"
     assert control_after < control_before + MARGIN, (
-        f"shuffled rewards reached {control_before:.3f} -> {control_after:.3f}: the margin does not tell learning apart")
+        f"shuffled rewards reached {control_before:.3f} -> {control_after:.3f}: the margin does not tell learning apart"
+    )
     # vLLM samples in float32 like the trainer: its behaviour logprobs are the trainer's pi_old
     # to float error, at step 0 (no adapter) and after every hot swap (its LoRA kernels).
     assert all(m["behaviour_unknown_fraction"] == 0.0 for m in metrics)

@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from gateway.store import Store
+from tests.helpers import ThreadServer
 from tests.helpers_upstream import openai_gateway
 from tests.helpers_vllm import attached_engine, fake_vllm_thread, vllm_settings
-from tests.helpers import ThreadServer
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -44,15 +44,14 @@ def _raw_request(url: str, head: str, parts) -> tuple[int, bytes]:
     head, _, body = answer.partition(b"\r\n\r\n")
     if b"transfer-encoding: chunked" in head.lower():
         size, _, rest = body.partition(b"\r\n")
-        body = rest[:int(size, 16)]
+        body = rest[: int(size, 16)]
     return int(head.split(b" ", 2)[1]), body
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/sessions/s1/reward"])
 def test_content_length_over_the_limit_is_refused_before_reading(gateway, path):
     size = 60 * 1024 * 1024
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {size}\r\n\r\n")
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
     # Only 1 KB of the announced 60 MB is ever sent: an answer proves nothing waited for the rest.
     status, body = _raw_request(gateway.url, head, [b"{" + b" " * 1023])
     assert status == 413
@@ -62,8 +61,10 @@ def test_content_length_over_the_limit_is_refused_before_reading(gateway, path):
 
 
 def test_chunked_body_is_refused_once_it_passes_the_limit(gateway):
-    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            "Transfer-Encoding: chunked\r\n\r\n")
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    )
     chunk = b" " * (256 * 1024)
     parts = [b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(12)] + [b"0\r\n\r\n"]  # 3 MB
     status, body = _raw_request(gateway.url, head, parts)
@@ -74,8 +75,11 @@ def test_chunked_body_is_refused_once_it_passes_the_limit(gateway):
 
 def test_body_under_the_limit_still_works(gateway):
     text = "x" * (900 * 1024)
-    reply = httpx.post(gateway.url + "/v1/chat/completions", timeout=30,
-                       json={"model": "fake-model", "messages": [{"role": "user", "content": text}]})
+    reply = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "fake-model", "messages": [{"role": "user", "content": text}]},
+    )
     assert reply.status_code == 200, reply.text
 
 
@@ -105,15 +109,20 @@ def test_max_tokens_over_the_engines_context(tmp_path):
         with ThreadServer(app) as server:
             chats_at_start = len([e for e in fake.events if e["kind"] == "chat"])  # the logprobs-mode probe
             for field in ("max_tokens", "max_completion_tokens"):
-                reply = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                                   json={"model": "agent", "messages": [{"role": "user", "content": "hi"}],
-                                         field: 600})
+                reply = httpx.post(
+                    server.url + "/v1/chat/completions",
+                    timeout=30,
+                    json={"model": "agent", "messages": [{"role": "user", "content": "hi"}], field: 600},
+                )
                 assert reply.status_code == 400, reply.text
                 error = reply.json()["error"]
                 assert error["param"] == field and error["code"] == "context_length_exceeded"
                 assert "context is 512 tokens" in error["message"]
-            ok = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                            json={"model": "agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+            ok = httpx.post(
+                server.url + "/v1/chat/completions",
+                timeout=30,
+                json={"model": "agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+            )
             assert ok.status_code == 200, ok.text
             # the refused ones never reached vLLM
             assert len([e for e in fake.events if e["kind"] == "chat"]) == chats_at_start + 1

@@ -16,8 +16,15 @@ from gateway.errors import InvalidRequest, NotFound
 from gateway.tiny_model import ensure_tiny_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +74,11 @@ async def collect(engine, req) -> tuple[list[dict], StreamEnd, list[float]]:
 
 
 def stream_text(chunks, index=0) -> str:
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
-                   if c["choices"] and c["choices"][0]["index"] == index)
+    return "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in chunks
+        if c["choices"] and c["choices"][0]["index"] == index
+    )
 
 
 class Script:
@@ -112,9 +122,11 @@ async def test_completion_shape_and_token_record(engine):
     assert result.tokens.prompt_ids == engine.tokenizer.encode(expected, add_special_tokens=False)
     assert engine.tokenizer.decode(tokens.completion_ids, skip_special_tokens=True) == choice["message"]["content"]
     assert len(tokens.logprobs) == len(tokens.completion_ids) and all(lp <= 0 for lp in tokens.logprobs)
-    assert response["usage"] == {"prompt_tokens": len(result.tokens.prompt_ids),
-                                 "completion_tokens": len(tokens.completion_ids),
-                                 "total_tokens": len(result.tokens.prompt_ids) + len(tokens.completion_ids)}
+    assert response["usage"] == {
+        "prompt_tokens": len(result.tokens.prompt_ids),
+        "completion_tokens": len(tokens.completion_ids),
+        "total_tokens": len(result.tokens.prompt_ids) + len(tokens.completion_ids),
+    }
 
 
 async def test_seed_makes_it_deterministic(engine):
@@ -170,27 +182,39 @@ def processed_reference(model, prompt_ids, completion_ids, sampling: dict) -> li
     return out
 
 
-@pytest.mark.parametrize("sampling", [
-    {},
-    {"temperature": 0.5},
-    {"temperature": 0.7, "top_p": 0.6},
-    {"temperature": 1.3, "presence_penalty": 1.5},
-    {"temperature": 0.8, "frequency_penalty": 1.0, "top_p": 0.9},
-], ids=["T1", "T0.5", "T0.7-top_p", "presence", "frequency-top_p"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},
+        {"temperature": 0.5},
+        {"temperature": 0.7, "top_p": 0.6},
+        {"temperature": 1.3, "presence_penalty": 1.5},
+        {"temperature": 0.8, "frequency_penalty": 1.0, "top_p": 0.9},
+    ],
+    ids=["T1", "T0.5", "T0.7-top_p", "presence", "frequency-top_p"],
+)
 async def test_behaviour_logprobs_are_the_processed_distribution(engine, reference, sampling):
     # Concurrent requests with different prompt lengths and samplings share the batch: left
     # padding, batch merging and other rows' settings must not leak into a row's logprobs.
     # The longest prompt finishes first, so the batch also drops padding columns mid-flight.
     others = [{"temperature": 1.0}, {"temperature": 0.3, "top_p": 0.5}]
-    requests = [request([{"role": "user", "content": "Hi " * k}], max_tokens=limit, seed=k, n=1 + k % 2, **extra)
-                for (k, limit), extra in zip(((1, 20), (7, 12), (30, 5)), [sampling, *others])]
+    requests = [
+        request([{"role": "user", "content": "Hi " * k}], max_tokens=limit, seed=k, n=1 + k % 2, **extra)
+        for (k, limit), extra in zip(((1, 20), (7, 12), (30, 5)), [sampling, *others])
+    ]
     results = await asyncio.gather(*(engine.complete(r) for r in requests))
     result = results[0]
-    assert result.tokens.sampling == {"temperature": sampling.get("temperature", 1.0),
-                                      "top_p": sampling.get("top_p", 1.0), "top_k": -1, "min_p": 0.0,
-                                      "presence_penalty": sampling.get("presence_penalty", 0.0),
-                                      "frequency_penalty": sampling.get("frequency_penalty", 0.0),
-                                      "repetition_penalty": 1.0, "seed": 1, "max_tokens": 20}
+    assert result.tokens.sampling == {
+        "temperature": sampling.get("temperature", 1.0),
+        "top_p": sampling.get("top_p", 1.0),
+        "top_k": -1,
+        "min_p": 0.0,
+        "presence_penalty": sampling.get("presence_penalty", 0.0),
+        "frequency_penalty": sampling.get("frequency_penalty", 0.0),
+        "repetition_penalty": 1.0,
+        "seed": 1,
+        "max_tokens": 20,
+    }
     for tokens in result.tokens.choices:
         expected = processed_reference(reference, result.tokens.prompt_ids, tokens.completion_ids, sampling)
         assert len(tokens.logprobs) == len(tokens.completion_ids)
@@ -202,8 +226,9 @@ async def test_behaviour_logprobs_are_the_processed_distribution(engine, referen
 
 async def test_top_k_and_repetition_penalty_shape_the_recorded_distribution(engine, reference):
     prompt = [{"role": "user", "content": "Say something long."}]
-    result = await engine.complete(request(prompt, max_tokens=16, seed=3, temperature=0.9, top_k=5,
-                                           repetition_penalty=1.3))
+    result = await engine.complete(
+        request(prompt, max_tokens=16, seed=3, temperature=0.9, top_k=5, repetition_penalty=1.3)
+    )
     assert result.tokens.sampling["top_k"] == 5 and result.tokens.sampling["repetition_penalty"] == 1.3
     prompt_ids, ids = result.tokens.prompt_ids, result.tokens.choices[0].completion_ids
     with torch.no_grad():
@@ -259,8 +284,9 @@ async def test_eos_stops_and_is_recorded(engine):
     assert tokens.completion_ids == script  # <|im_end|> is part of the completion: the trainer learns to stop
     # prompt + completion is exactly the prefix of the next turn's rendering
     longer = MESSAGES + [choice["message"], {"role": "user", "content": "Thanks"}]
-    rendered = tok.encode(tok.apply_chat_template(longer, add_generation_prompt=True, tokenize=False),
-                          add_special_tokens=False)
+    rendered = tok.encode(
+        tok.apply_chat_template(longer, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     assert rendered[: len(result.tokens.prompt_ids) + len(script)] == result.tokens.prompt_ids + script
 
 
@@ -287,7 +313,7 @@ async def test_stop_string_cuts_text_and_tokens(engine):
     tok = engine.tokenizer
     full = await engine.complete(request(max_tokens=40, seed=21))
     text, ids = full.response["choices"][0]["message"]["content"], full.tokens.choices[0].completion_ids
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = text.find(stop)
     for stream in (False, True):
         body = dict(max_tokens=40, seed=21, stop=[stop, "never-there"])
@@ -319,7 +345,9 @@ async def test_stream_matches_non_stream(engine):
     for index in range(2):
         assert stream_text(chunks, index) == plain.response["choices"][index]["message"]["content"]
         mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
-        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [plain.response["choices"][index]["finish_reason"]]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [
+            plain.response["choices"][index]["finish_reason"]
+        ]
         streamed_logprobs = [e["logprob"] for c in mine if c["logprobs"] for e in c["logprobs"]["content"]]
         assert streamed_logprobs == plain.tokens.choices[index].logprobs
         assert end.tokens.choices[index].completion_ids == plain.tokens.choices[index].completion_ids
@@ -373,8 +401,10 @@ async def test_tool_calls_parsed(engine):
     assert tok.decode(result.tokens.choices[0].completion_ids, skip_special_tokens=True) == TOOL_TEXT
     # and the tool round trip renders prefix-stably for the trainer's merge
     longer = MESSAGES + [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
-    rendered = tok.encode(tok.apply_chat_template(longer, tools=TOOLS, add_generation_prompt=True, tokenize=False),
-                          add_special_tokens=False)
+    rendered = tok.encode(
+        tok.apply_chat_template(longer, tools=TOOLS, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     sequence = result.tokens.prompt_ids + result.tokens.choices[0].completion_ids
     assert rendered[: len(sequence)] == sequence
     # without tools (or with tool_choice "none") the text is left alone
@@ -401,8 +431,9 @@ async def test_tool_calls_streamed(engine):
 
 
 async def test_concurrent_requests_are_batched(engine):
-    bodies = [dict(messages=[{"role": "user", "content": f"Question number {i}?"}], max_tokens=24, seed=i)
-              for i in range(8)]
+    bodies = [
+        dict(messages=[{"role": "user", "content": f"Question number {i}?"}], max_tokens=24, seed=i) for i in range(8)
+    ]
     alone = [await engine.complete(request(**b)) for b in bodies]
     engine.step_batch_sizes.clear()
     together = await asyncio.gather(*(engine.complete(request(**b)) for b in bodies))
@@ -423,8 +454,9 @@ def lora_dirs(model_dir, tmp_path_factory):
     for seed in (1, 2):
         base = AutoModelForCausalLM.from_pretrained(model_dir)
         torch.manual_seed(seed)
-        config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                            init_lora_weights=False)  # random A and B: a LoRA that changes the model
+        config = LoraConfig(
+            r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
+        )  # random A and B: a LoRA that changes the model
         peft_model = get_peft_model(base, config)
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
@@ -446,12 +478,16 @@ async def test_adapters_load_serve_mix_and_unload(engine, reference, model_dir, 
     await engine.load_adapter("agent@1", lora_dirs[0])
     await engine.load_adapter("agent@2", lora_dirs[1])
     try:
-        refs = {None: reference, "agent@1": adapter_reference(model_dir, lora_dirs[0]),
-                "agent@2": adapter_reference(model_dir, lora_dirs[1])}
+        refs = {
+            None: reference,
+            "agent@1": adapter_reference(model_dir, lora_dirs[0]),
+            "agent@2": adapter_reference(model_dir, lora_dirs[1]),
+        }
         # one mixed batch: base and two adapters side by side
         names = [None, "agent@1", "agent@2", "agent@1"]
-        results = await asyncio.gather(*(engine.complete(request(adapter=name, max_tokens=16, seed=7))
-                                         for name in names))
+        results = await asyncio.gather(
+            *(engine.complete(request(adapter=name, max_tokens=16, seed=7)) for name in names)
+        )
         for name, result in zip(names, results):
             tokens = result.tokens.choices[0]
             expected = teacher_forced(refs[name], result.tokens.prompt_ids, tokens.completion_ids)

@@ -29,7 +29,8 @@ def upstream():
 def gateway(upstream, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("state")
     with openai_gateway(upstream.url, state_dir, upstream_api_key=UPSTREAM_KEY, upstream_timeout=1.0) as (
-        server, services
+        server,
+        services,
     ):
         yield server, services, state_dir
 
@@ -55,7 +56,10 @@ def test_body_passes_through_unchanged_and_the_answer_comes_back(client, upstrea
     response = client.chat.completions.create(
         model="fake-model",
         messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "pass me through"}],
-        temperature=0.3, max_tokens=17, seed=5, stop=["\n\n"],
+        temperature=0.3,
+        max_tokens=17,
+        seed=5,
+        stop=["\n\n"],
         metadata={"session_id": "passthrough-1", "group_id": "g-pass", "trace": "keep-me"},
         extra_body={"top_k": 7, "repetition_penalty": 1.1},
     )
@@ -77,8 +81,11 @@ def test_body_passes_through_unchanged_and_the_answer_comes_back(client, upstrea
 def test_stream_relays_every_chunk_in_order(client, gateway):
     text = "one two three four five six"
     stream = client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": text}], stream=True,
-        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "stream-order"},
+        model="fake-model",
+        messages=[{"role": "user", "content": text}],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Session-Id": "stream-order"},
     )
     pieces, usage = [], None
     for chunk in stream:
@@ -101,7 +108,9 @@ def test_stream_chunks_reach_the_client_before_the_upstream_finishes(client, ups
     def consume() -> None:
         try:
             stream = client.chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "held answer [[hold]]"}], stream=True,
+                model="fake-model",
+                messages=[{"role": "user", "content": "held answer [[hold]]"}],
+                stream=True,
             )
             for chunk in stream:
                 received.put(chunk)
@@ -138,12 +147,15 @@ def test_stream_chunks_reach_the_client_before_the_upstream_finishes(client, ups
         ("[[delay=3]]", 504, "upstream_timeout", "did not answer within 1 s"),
     ],
 )
-def test_upstream_failures_map_to_openai_errors_and_are_recorded(client, gateway, magic, status, error_type, says,
-                                                                 stream):
+def test_upstream_failures_map_to_openai_errors_and_are_recorded(
+    client, gateway, magic, status, error_type, says, stream
+):
     session = f"err-{magic.strip('[]').replace('=', '-')}-{stream}"
     with pytest.raises(openai.APIStatusError) as caught:
         result = client.chat.completions.create(
-            model="fake-model", messages=[{"role": "user", "content": f"fail please {magic}"}], stream=stream,
+            model="fake-model",
+            messages=[{"role": "user", "content": f"fail please {magic}"}],
+            stream=stream,
             extra_headers={"X-Session-Id": session},
         )
         if stream:
@@ -162,7 +174,9 @@ def test_upstream_failures_map_to_openai_errors_and_are_recorded(client, gateway
 
 def test_mid_stream_failure_ends_the_stream_with_an_error_and_is_recorded(client, gateway):
     stream = client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "break [[stream_error]]"}], stream=True,
+        model="fake-model",
+        messages=[{"role": "user", "content": "break [[stream_error]]"}],
+        stream=True,
         extra_headers={"X-Session-Id": "mid-stream"},
     )
     with pytest.raises(openai.APIError, match="failed mid-stream"):
@@ -173,7 +187,9 @@ def test_mid_stream_failure_ends_the_stream_with_an_error_and_is_recorded(client
 
 def test_truncated_stream_is_an_error(client, gateway):
     stream = client.chat.completions.create(
-        model="fake-model", messages=[{"role": "user", "content": "cut [[truncate]]"}], stream=True,
+        model="fake-model",
+        messages=[{"role": "user", "content": "cut [[truncate]]"}],
+        stream=True,
         extra_headers={"X-Session-Id": "truncated"},
     )
     with pytest.raises(openai.APIError):
@@ -189,7 +205,9 @@ def test_refused_connection_is_a_502_and_recorded(tmp_path):
         for stream in (False, True):
             with pytest.raises(openai.APIStatusError) as caught:
                 result = client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": "anyone?"}], stream=stream,
+                    model="m",
+                    messages=[{"role": "user", "content": "anyone?"}],
+                    stream=stream,
                     extra_headers={"X-Session-Id": f"refused-{stream}"},
                 )
                 if stream:
@@ -206,10 +224,17 @@ def test_models_come_from_the_upstream(client):
 
 
 def test_upstream_key_is_sent_and_client_key_is_neither_forwarded_nor_stored(client, upstream, gateway):
-    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "keys"}],
-                                   extra_headers={"X-Session-Id": "keys"})
-    list(client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "keys"}],
-                                        stream=True, extra_headers={"X-Session-Id": "keys"}))
+    client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "keys"}], extra_headers={"X-Session-Id": "keys"}
+    )
+    list(
+        client.chat.completions.create(
+            model="fake-model",
+            messages=[{"role": "user", "content": "keys"}],
+            stream=True,
+            extra_headers={"X-Session-Id": "keys"},
+        )
+    )
     received = upstream.requests
     assert received and all(r.headers.get("authorization") == f"Bearer {UPSTREAM_KEY}" for r in received)
     for request in received:

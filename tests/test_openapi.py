@@ -4,24 +4,31 @@ no server error, and no status, content type or body outside what the document s
 
 from __future__ import annotations
 
-import hypothesis
 import httpx
+import hypothesis
 import pytest
 import schemathesis
 from schemathesis import checks
 
 from tests.helpers_upstream import openai_gateway
 
-CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
-          checks.response_schema_conformance]
+CHECKS = [
+    checks.not_a_server_error,
+    checks.status_code_conformance,
+    checks.content_type_conformance,
+    checks.response_schema_conformance,
+]
 
 
 @pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
     with openai_gateway(upstream.url, tmp_path_factory.mktemp("openapi")) as (server, services):
         # Something to find for the GET routes: a session in a group, with a reward.
-        httpx.post(server.url + "/v1/chat/completions", headers={"X-Session-Id": "s1", "X-Group-Id": "g1"},
-                   json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}).raise_for_status()
+        httpx.post(
+            server.url + "/v1/chat/completions",
+            headers={"X-Session-Id": "s1", "X-Group-Id": "g1"},
+            json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]},
+        ).raise_for_status()
         httpx.post(server.url + "/v1/sessions/s1/reward", json={"reward": 1.0}).raise_for_status()
         yield server
 
@@ -55,7 +62,8 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 @pytest.mark.timeout(600)
 @schema.parametrize()
-@hypothesis.settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.settings(
+    max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=list(hypothesis.HealthCheck)
+)
 def test_api_conforms_to_its_schema(case):
     case.call_and_validate(checks=CHECKS, timeout=60)

@@ -3,8 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from gateway.chat import StreamAccumulator, engine_body, identify
 from gateway.adapters import Target
+from gateway.chat import StreamAccumulator, engine_body, identify
 from gateway.errors import InvalidRequest
 from gateway.protocol import ChatCompletionRequest, RewardRequest
 
@@ -19,15 +19,18 @@ def test_unknown_openai_fields_pass_through():
     assert parsed.model_extra == {"reasoning_effort": "low"}
 
 
-@pytest.mark.parametrize("overrides, says", [
-    ({"messages": []}, "at least 1"),
-    ({"temperature": 3}, "less than or equal to 2"),
-    ({"n": 0}, "greater than or equal to 1"),
-    ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs'"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
-    ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
-])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        ({"messages": []}, "at least 1"),
+        ({"temperature": 3}, "less than or equal to 2"),
+        ({"n": 0}, "greater than or equal to 1"),
+        ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs'"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
+    ],
+)
 def test_invalid_requests_say_what_to_fix(overrides, says):
     with pytest.raises(ValidationError, match=says):
         request(**overrides)
@@ -48,8 +51,7 @@ def test_identity_from_headers_then_metadata_then_minted():
     assert minted.minted and minted.session_id.startswith("sess_") and minted.group_id is None
 
 
-@pytest.mark.parametrize("headers", [{"x-session-id": "../../etc/passwd"}, {"x-group-id": "a b"},
-                                     {"x-split": "test"}])
+@pytest.mark.parametrize("headers", [{"x-session-id": "../../etc/passwd"}, {"x-group-id": "a b"}, {"x-split": "test"}])
 def test_bad_identity_is_a_clear_400(headers):
     with pytest.raises(InvalidRequest):
         identify(headers, {})
@@ -65,15 +67,50 @@ def test_engine_body_drops_rlproxy_metadata_and_sets_target_model():
 
 def test_stream_accumulator_rebuilds_content_and_tool_calls():
     acc = StreamAccumulator()
-    acc.add({"id": "c1", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                                   "content": "He"}}]})
+    acc.add(
+        {
+            "id": "c1",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "He"}}],
+        }
+    )
     acc.add({"id": "c1", "choices": [{"index": 0, "delta": {"content": "llo"}}]})
-    acc.add({"id": "c1", "choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get", "arguments": "{\"a\""}}]}}]})
-    acc.add({"id": "c1", "choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "function": {"arguments": ": 1}"}}]}, "finish_reason": "tool_calls"}]})
+    acc.add(
+        {
+            "id": "c1",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "get", "arguments": '{"a"'},
+                            }
+                        ]
+                    },
+                }
+            ],
+        }
+    )
+    acc.add(
+        {
+            "id": "c1",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+                    "finish_reason": "tool_calls",
+                }
+            ],
+        }
+    )
     message = acc.response()["choices"][0]["message"]
     assert message["content"] == "Hello"
-    assert message["tool_calls"] == [{"id": "call_1", "type": "function",
-                                      "function": {"name": "get", "arguments": "{\"a\": 1}"}}]
+    assert message["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}
+    ]
     assert acc.response()["choices"][0]["finish_reason"] == "tool_calls"

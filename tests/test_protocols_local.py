@@ -43,8 +43,15 @@ def test_each_protocol_records_what_the_client_got(gateway, tokenizer):
     got.append(oai.responses.create(model=TINY_MODEL_ID, input="hello", max_output_tokens=8).output_text)
     events = list(oai.responses.create(model=TINY_MODEL_ID, input="again", stream=True, max_output_tokens=8))
     got.append("".join(e.delta for e in events if e.type == "response.output_text.delta"))
-    got.append("".join(b.text for b in claude.messages.create(
-        model=TINY_MODEL_ID, max_tokens=8, messages=[{"role": "user", "content": "hi"}]).content if b.type == "text"))
+    got.append(
+        "".join(
+            b.text
+            for b in claude.messages.create(
+                model=TINY_MODEL_ID, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+            ).content
+            if b.type == "text"
+        )
+    )
     with claude.messages.stream(model=TINY_MODEL_ID, max_tokens=8, messages=[{"role": "user", "content": "yo"}]) as s:
         got.append(s.get_final_text())
     got.append(oai.completions.create(model=TINY_MODEL_ID, prompt="once upon", max_tokens=8).choices[0].text)
@@ -61,16 +68,33 @@ def test_mixed_protocol_session_trains_with_hand_checked_masks(gateway, tokenize
     store = gateway[1].store
     oai = openai.OpenAI(base_url=f"{url}/sessions/mixed/v1", api_key="x", max_retries=0)
     claude = anthropic.Anthropic(base_url=f"{url}/sessions/mixed", api_key="x", max_retries=0)
-    first = oai.responses.create(model=TINY_MODEL_ID, instructions="be kind", input="tell me", max_output_tokens=6,
-                                 temperature=0)
-    second = claude.messages.create(model=TINY_MODEL_ID, system="be kind", max_tokens=6, extra_body={"temperature": 0}, messages=[
-        {"role": "user", "content": "tell me"}, {"role": "assistant", "content": first.output_text},
-        {"role": "user", "content": "more"}])
-    oai.chat.completions.create(model=TINY_MODEL_ID, max_tokens=6, temperature=0, messages=[
-        {"role": "system", "content": "be kind"}, {"role": "user", "content": "tell me"},
-        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "more"},
-        {"role": "assistant", "content": second.content[0].text if second.content else ""},
-        {"role": "user", "content": "last"}])
+    first = oai.responses.create(
+        model=TINY_MODEL_ID, instructions="be kind", input="tell me", max_output_tokens=6, temperature=0
+    )
+    second = claude.messages.create(
+        model=TINY_MODEL_ID,
+        system="be kind",
+        max_tokens=6,
+        extra_body={"temperature": 0},
+        messages=[
+            {"role": "user", "content": "tell me"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "more"},
+        ],
+    )
+    oai.chat.completions.create(
+        model=TINY_MODEL_ID,
+        max_tokens=6,
+        temperature=0,
+        messages=[
+            {"role": "system", "content": "be kind"},
+            {"role": "user", "content": "tell me"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": second.content[0].text if second.content else ""},
+            {"role": "user", "content": "last"},
+        ],
+    )
     rows = store.session_calls("mixed")
     assert [r["protocol"] for r in rows] == ["responses", "messages", "chat"]
     samples = trajectory_samples(rows, trajectory_id="mixed", group_id="g", advantage=1.0)
@@ -80,7 +104,7 @@ def test_mixed_protocol_session_trains_with_hand_checked_masks(gateway, tokenize
     for row in rows:
         prompt, completion = row["prompt_ids"], row["completion_ids"][0]
         if ids and prompt[: len(ids)] == ids:
-            new = prompt[len(ids):]
+            new = prompt[len(ids) :]
         else:
             if ids:
                 expected.append((ids, mask))
@@ -97,13 +121,29 @@ def test_responses_continued_by_id_and_retrieved(gateway, tokenizer):
     url = gateway[0].url
     store = gateway[1].store
     oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-    tool = {"type": "function", "name": "lookup", "description": "look a word up",
-            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}
-    first = oai.responses.create(model=TINY_MODEL_ID, input="define cat", tools=[tool], max_output_tokens=8,
-                                 extra_headers={"X-Session-Id": "local-chain"})
-    second = oai.responses.create(model=TINY_MODEL_ID, previous_response_id=first.id, max_output_tokens=8, input=[
-        {"type": "function_call", "call_id": "call_9", "name": "lookup", "arguments": '{"word": "cat"}'},
-        {"type": "function_call_output", "call_id": "call_9", "output": "a small feline"}], tools=[tool])
+    tool = {
+        "type": "function",
+        "name": "lookup",
+        "description": "look a word up",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+    }
+    first = oai.responses.create(
+        model=TINY_MODEL_ID,
+        input="define cat",
+        tools=[tool],
+        max_output_tokens=8,
+        extra_headers={"X-Session-Id": "local-chain"},
+    )
+    second = oai.responses.create(
+        model=TINY_MODEL_ID,
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        input=[
+            {"type": "function_call", "call_id": "call_9", "name": "lookup", "arguments": '{"word": "cat"}'},
+            {"type": "function_call_output", "call_id": "call_9", "output": "a small feline"},
+        ],
+        tools=[tool],
+    )
     assert oai.responses.retrieve(second.id).output_text == second.output_text
     rows = store.session_calls("local-chain")  # continued by id: the same session without a header
     assert len(rows) == 2
@@ -115,13 +155,27 @@ def test_responses_continued_by_id_and_retrieved(gateway, tokenizer):
 
 def test_anthropic_tool_result_reaches_the_prompt(gateway, tokenizer):
     claude = anthropic.Anthropic(base_url=f"{gateway[0].url}/sessions/local-tool", api_key="x", max_retries=0)
-    tool = {"name": "lookup", "description": "look a word up",
-            "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}}}
-    reply = claude.messages.create(model=TINY_MODEL_ID, max_tokens=8, tools=[tool], messages=[
-        {"role": "user", "content": "define dog"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "lookup",
-                                           "input": {"word": "dog"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a loyal canine"}]}])
+    tool = {
+        "name": "lookup",
+        "description": "look a word up",
+        "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}},
+    }
+    reply = claude.messages.create(
+        model=TINY_MODEL_ID,
+        max_tokens=8,
+        tools=[tool],
+        messages=[
+            {"role": "user", "content": "define dog"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "dog"}}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a loyal canine"}],
+            },
+        ],
+    )
     [row] = gateway[1].store.session_calls("local-tool")
     prompt = tokenizer.decode(row["prompt_ids"])
     assert "a loyal canine" in prompt and '"word": "dog"' in prompt and "lookup" in prompt
@@ -134,8 +188,12 @@ def test_openai_agents_sdk_on_the_local_engine(gateway, tokenizer):
 
     client = openai.AsyncOpenAI(base_url=f"{gateway[0].url}/sessions/local-agent/v1", api_key="x", max_retries=0)
     agents.set_tracing_disabled(True)
-    agent = agents.Agent(name="a", instructions="answer", model=agents.OpenAIResponsesModel(
-        model=TINY_MODEL_ID, openai_client=client), model_settings=agents.ModelSettings(max_tokens=8))
+    agent = agents.Agent(
+        name="a",
+        instructions="answer",
+        model=agents.OpenAIResponsesModel(model=TINY_MODEL_ID, openai_client=client),
+        model_settings=agents.ModelSettings(max_tokens=8),
+    )
     result = asyncio.run(agents.Runner.run(agent, "hello"))
     [row] = gateway[1].store.session_calls("local-agent")
     assert row["protocol"] == "responses"

@@ -20,26 +20,62 @@ from gateway.routes import client_watch
 from tests.helpers import ThreadServer
 from tests.helpers_upstream import first_call, openai_gateway, send_and_leave
 
-RESPONSE = {"id": "resp_upstream1", "object": "response", "created_at": 1, "status": "completed", "model": "m",
-            "output": [{"type": "message", "id": "msg_u", "status": "completed", "role": "assistant",
-                        "content": [{"type": "output_text", "text": "native hi", "annotations": []}]},
-                       {"type": "function_call", "id": "fc_u", "call_id": "call_u", "name": "f",
-                        "arguments": "{\"a\": 1}", "status": "completed"}],
-            "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}}
+RESPONSE = {
+    "id": "resp_upstream1",
+    "object": "response",
+    "created_at": 1,
+    "status": "completed",
+    "model": "m",
+    "output": [
+        {
+            "type": "message",
+            "id": "msg_u",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "native hi", "annotations": []}],
+        },
+        {
+            "type": "function_call",
+            "id": "fc_u",
+            "call_id": "call_u",
+            "name": "f",
+            "arguments": '{"a": 1}',
+            "status": "completed",
+        },
+    ],
+    "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5},
+}
 MESSAGE_EVENTS = [
-    {"type": "message_start", "message": {"id": "msg_up", "type": "message", "role": "assistant", "model": "m",
-                                          "content": [], "stop_reason": None, "stop_sequence": None,
-                                          "usage": {"input_tokens": 4, "output_tokens": 0}}},
+    {
+        "type": "message_start",
+        "message": {
+            "id": "msg_up",
+            "type": "message",
+            "role": "assistant",
+            "model": "m",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 4, "output_tokens": 0},
+        },
+    },
     {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
     {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "native "}},
     {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "anthropic"}},
     {"type": "content_block_stop", "index": 0},
-    {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "toolu_1", "name": "f",
-                                                                  "input": {}}},
-    {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"b\": "}},
+    {
+        "type": "content_block_start",
+        "index": 1,
+        "content_block": {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}},
+    },
+    {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": '{"b": '}},
     {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "2}"}},
     {"type": "content_block_stop", "index": 1},
-    {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 5}},
+    {
+        "type": "message_delta",
+        "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+        "usage": {"output_tokens": 5},
+    },
     {"type": "message_stop"},
 ]
 
@@ -59,6 +95,7 @@ def native_upstream() -> Starlette:
         async def events():
             for event in MESSAGE_EVENTS:
                 yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def completions(request: Request):
@@ -68,18 +105,28 @@ def native_upstream() -> Starlette:
             until = time.monotonic() + float(body["prompt"].split()[1])  # unless the gateway leaves first
             while time.monotonic() < until and not await request.is_disconnected():
                 await asyncio.sleep(0.02)
-        return JSONResponse({"id": "cmpl-up", "object": "text_completion", "created": 1, "model": body["model"],
-                             "choices": [{"index": 0, "text": " raw continuation", "logprobs": None,
-                                          "finish_reason": "length"}],
-                             "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
+        return JSONResponse(
+            {
+                "id": "cmpl-up",
+                "object": "text_completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [{"index": 0, "text": " raw continuation", "logprobs": None, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+            }
+        )
 
     async def retrieve(request: Request):
         return JSONResponse({**RESPONSE, "id": request.path_params["rid"]})
 
-    app = Starlette(routes=[Route("/v1/responses", responses, methods=["POST"]),
-                            Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
-                            Route("/v1/messages", messages, methods=["POST"]),
-                            Route("/v1/completions", completions, methods=["POST"])])
+    app = Starlette(
+        routes=[
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
     app.state.seen = seen
     return app
 
@@ -87,9 +134,12 @@ def native_upstream() -> Starlette:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     upstream = native_upstream()
-    with ThreadServer(upstream) as up, openai_gateway(
-            up.url + "/v1", tmp_path_factory.mktemp("state"),
-            upstream_protocol=["responses", "messages", "completions"]) as (server, services):
+    with (
+        ThreadServer(upstream) as up,
+        openai_gateway(
+            up.url + "/v1", tmp_path_factory.mktemp("state"), upstream_protocol=["responses", "messages", "completions"]
+        ) as (server, services),
+    ):
         yield server, services, upstream.state.seen
 
 
@@ -105,7 +155,7 @@ def test_responses_relayed_and_recorded_in_chat_form(gateway):
     assert row["request"]["messages"] == [{"role": "user", "content": "hi"}]
     assert client.responses.retrieve("resp_upstream1").output_text == "native hi"  # asked of the upstream
     message = row["response"]["choices"][0]["message"]
-    assert message["content"] == "native hi" and message["tool_calls"][0]["function"]["arguments"] == "{\"a\": 1}"
+    assert message["content"] == "native hi" and message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
 
 
 def test_messages_stream_relayed_and_accumulated(gateway):
@@ -125,14 +175,19 @@ def test_completions_relayed(gateway):
     server, services, seen = gateway
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     out = client.completions.create(model="fake-model", prompt="once", extra_headers={"X-Session-Id": "pt-3"})
-    assert out.choices[0].text == " raw continuation" and seen[-1] == ("completions", {
-        "model": "fake-model", "prompt": "once"})
+    assert out.choices[0].text == " raw continuation" and seen[-1] == (
+        "completions",
+        {"model": "fake-model", "prompt": "once"},
+    )
     [row] = services.store.session_calls("pt-3")
     assert row["response"]["choices"][0]["message"]["content"] == " raw continuation"
 
 
-@pytest.mark.parametrize("watch_after, prompt", [(3600.0, "slow 0.5 short"), (0.05, "slow 60 long")],
-                         ids=["checked-when-answered", "cancelled-by-the-watcher"])
+@pytest.mark.parametrize(
+    "watch_after, prompt",
+    [(3600.0, "slow 0.5 short"), (0.05, "slow 60 long")],
+    ids=["checked-when-answered", "cancelled-by-the-watcher"],
+)
 def test_a_relayed_call_whose_client_left_is_recorded_as_499(gateway, monkeypatch, watch_after, prompt):
     """As for chat: a short call is checked when its answer is ready, a long one is cancelled
     (the upstream would answer only after 60 s)."""

@@ -14,10 +14,13 @@ import pytest
 
 from tests.helpers_upstream import openai_gateway
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "weather for a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-ANTHROPIC_WEATHER = {"name": "get_weather", "description": "weather for a city",
-                     "input_schema": WEATHER["parameters"]}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": "weather for a city", "input_schema": WEATHER["parameters"]}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +46,14 @@ def last_upstream_body(upstream):
 
 
 def test_responses_create_and_retrieve(gateway, oai, upstream):
-    response = oai.responses.create(model="fake-model", input="hello there", instructions="be brief",
-                                    max_output_tokens=20, temperature=0.5,
-                                    extra_headers={"X-Session-Id": "resp-1"})
+    response = oai.responses.create(
+        model="fake-model",
+        input="hello there",
+        instructions="be brief",
+        max_output_tokens=20,
+        temperature=0.5,
+        extra_headers={"X-Session-Id": "resp-1"},
+    )
     assert response.status == "completed"
     assert response.output_text == "hello there"
     assert response.id.startswith("resp_")
@@ -62,14 +70,23 @@ def test_responses_create_and_retrieve(gateway, oai, upstream):
 
 
 def test_responses_function_tool_and_previous_response_id(gateway, oai, upstream):
-    first = oai.responses.create(model="fake-model", input="[[tool_call]] weather in Paris?", tools=[WEATHER],
-                                 instructions="use tools", extra_headers={"X-Session-Id": "resp-tool"})
+    first = oai.responses.create(
+        model="fake-model",
+        input="[[tool_call]] weather in Paris?",
+        tools=[WEATHER],
+        instructions="use tools",
+        extra_headers={"X-Session-Id": "resp-tool"},
+    )
     [call] = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"x": 1}
     assert last_upstream_body(upstream)["tools"][0]["function"]["name"] == "get_weather"
     # No session header: continuing by id stays in the first response's session.
-    second = oai.responses.create(model="fake-model", previous_response_id=first.id, tools=[WEATHER],
-                                  input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    second = oai.responses.create(
+        model="fake-model",
+        previous_response_id=first.id,
+        tools=[WEATHER],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )
     assert second.previous_response_id == first.id
     messages = last_upstream_body(upstream)["messages"]
     # instructions are not carried over from the previous response (OpenAI's documented behaviour)
@@ -81,8 +98,12 @@ def test_responses_function_tool_and_previous_response_id(gateway, oai, upstream
 
 
 def test_responses_stream_event_sequence(gateway, oai):
-    with oai.responses.stream(model="fake-model", input="[[tool_call]] go", tools=[WEATHER],
-                              extra_headers={"X-Session-Id": "resp-stream-tool"}) as stream:
+    with oai.responses.stream(
+        model="fake-model",
+        input="[[tool_call]] go",
+        tools=[WEATHER],
+        extra_headers={"X-Session-Id": "resp-stream-tool"},
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert kinds[:2] == ["response.created", "response.in_progress"]
@@ -90,14 +111,25 @@ def test_responses_stream_event_sequence(gateway, oai):
     assert kinds.index("response.function_call_arguments.done") < kinds.index("response.output_item.done")
     assert kinds[-1] == "response.completed"
     assert final.output[0].type == "function_call" and final.output[0].arguments == '{"x": 1}'
-    events = list(oai.responses.create(model="fake-model", input="one two three", stream=True,
-                                       extra_headers={"X-Session-Id": "resp-stream"}))
+    events = list(
+        oai.responses.create(
+            model="fake-model", input="one two three", stream=True, extra_headers={"X-Session-Id": "resp-stream"}
+        )
+    )
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "one two three"
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     [row] = calls(gateway, "resp-stream")
     assert row["stream"] and row["wire_response"]["output"][0]["content"][0]["text"] == "one two three"
@@ -122,8 +154,9 @@ def test_responses_errors_are_openai_shaped(gateway, oai):
 
 
 def test_completions_create(gateway, oai, upstream):
-    out = oai.completions.create(model="fake-model", prompt="say this", max_tokens=5,
-                                 extra_headers={"X-Session-Id": "cmpl-1"})
+    out = oai.completions.create(
+        model="fake-model", prompt="say this", max_tokens=5, extra_headers={"X-Session-Id": "cmpl-1"}
+    )
     assert out.object == "text_completion" and out.choices[0].text == "say this"
     assert last_upstream_body(upstream)["messages"] == [{"role": "user", "content": "say this"}]
     assert last_upstream_body(upstream)["max_tokens"] == 5
@@ -141,20 +174,30 @@ def test_completions_create(gateway, oai, upstream):
 
 
 def test_anthropic_messages_tool_round_trip(gateway, upstream):
-    client = anthropic.Anthropic(base_url=gateway[0].url, api_key="sk-gw", max_retries=0,
-                                 default_headers={"X-Session-Id": "anth-1"})
-    first = client.messages.create(model="fake-model", max_tokens=50, system="you help",
-                                   tools=[ANTHROPIC_WEATHER], messages=[{"role": "user", "content": "[[tool_call]] Paris"}])
+    client = anthropic.Anthropic(
+        base_url=gateway[0].url, api_key="sk-gw", max_retries=0, default_headers={"X-Session-Id": "anth-1"}
+    )
+    first = client.messages.create(
+        model="fake-model",
+        max_tokens=50,
+        system="you help",
+        tools=[ANTHROPIC_WEATHER],
+        messages=[{"role": "user", "content": "[[tool_call]] Paris"}],
+    )
     assert first.stop_reason == "tool_use"
     [use] = [b for b in first.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.input == {"x": 1}
     sent = last_upstream_body(upstream)
     assert sent["messages"][0] == {"role": "system", "content": "you help"}
     assert sent["tools"][0]["function"]["parameters"] == ANTHROPIC_WEATHER["input_schema"]
-    history = [{"role": "user", "content": "[[tool_call]] Paris"}, {"role": "assistant", "content": first.content},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
-    with client.messages.stream(model="fake-model", max_tokens=50, tools=[ANTHROPIC_WEATHER],
-                                messages=history) as stream:
+    history = [
+        {"role": "user", "content": "[[tool_call]] Paris"},
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+    ]
+    with client.messages.stream(
+        model="fake-model", max_tokens=50, tools=[ANTHROPIC_WEATHER], messages=history
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     sent = last_upstream_body(upstream)["messages"]
@@ -169,8 +212,12 @@ def test_anthropic_messages_tool_round_trip(gateway, upstream):
 
 def test_anthropic_stream_tool_input_json_delta(gateway):
     client = anthropic.Anthropic(base_url=gateway[0].url, api_key="sk-gw", max_retries=0)
-    with client.messages.stream(model="fake-model", max_tokens=50, tools=[ANTHROPIC_WEATHER],
-                                messages=[{"role": "user", "content": "[[tool_call]] go"}]) as stream:
+    with client.messages.stream(
+        model="fake-model",
+        max_tokens=50,
+        tools=[ANTHROPIC_WEATHER],
+        messages=[{"role": "user", "content": "[[tool_call]] go"}],
+    ) as stream:
         events = list(stream)
         final = stream.get_final_message()
     deltas = [e for e in events if e.type == "content_block_delta"]
@@ -187,7 +234,10 @@ def test_anthropic_errors_and_x_api_key(gateway):
     good = anthropic.Anthropic(base_url=gateway[0].url, api_key="sk-gw", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as info:
         good.messages.create(model="fake-model", max_tokens=0, messages=[{"role": "user", "content": "x"}])
-    assert info.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in info.value.body["error"]["message"]
+    assert (
+        info.value.body["error"]["type"] == "invalid_request_error"
+        and "max_tokens" in info.value.body["error"]["message"]
+    )
     # x-api-key works on OpenAI routes too; a wrong one there gets OpenAI's shape
     r = httpx.get(gateway[0].url + "/v1/models", headers={"x-api-key": "sk-gw"})
     assert r.status_code == 200
@@ -211,15 +261,21 @@ def test_sessions_in_base_url(gateway):
     # headers win over the URL
     oai.completions.create(model="fake-model", prompt="p", extra_headers={"X-Session-Id": "s-header"})
     assert len(calls(gateway, "s-header")) == 1 and len(calls(gateway, "s-url")) == 3
-    r = httpx.post(f"{url}/sessions/bad%20id/v1/chat/completions", headers={"Authorization": "Bearer sk-gw"},
-                   json={"model": "fake-model", "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        f"{url}/sessions/bad%20id/v1/chat/completions",
+        headers={"Authorization": "Bearer sk-gw"},
+        json={"model": "fake-model", "messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 400 and "session_id" in r.json()["error"]["message"]
 
 
 def test_openapi_lists_new_routes_with_schemas(gateway):
     spec = httpx.get(gateway[0].url + "/openapi.json", headers={"Authorization": "Bearer sk-gw"}).json()
-    for path, schema in (("/v1/responses", "ResponsesRequest"), ("/v1/messages", "MessagesRequest"),
-                         ("/v1/completions", "CompletionRequest")):
+    for path, schema in (
+        ("/v1/responses", "ResponsesRequest"),
+        ("/v1/messages", "MessagesRequest"),
+        ("/v1/completions", "CompletionRequest"),
+    ):
         ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.endswith(schema) and schema in spec["components"]["schemas"]
     assert "get" in spec["paths"]["/v1/responses/{response_id}"]
@@ -240,9 +296,12 @@ def test_openai_agents_sdk_default_responses_model(gateway, upstream):
         return "sunny"
 
     agents.set_tracing_disabled(True)
-    agent = agents.Agent(name="weather", instructions="use the tool",
-                         model=agents.OpenAIResponsesModel(model="fake-model", openai_client=client),
-                         tools=[get_weather])
+    agent = agents.Agent(
+        name="weather",
+        instructions="use the tool",
+        model=agents.OpenAIResponsesModel(model="fake-model", openai_client=client),
+        tools=[get_weather],
+    )
     result = asyncio.run(agents.Runner.run(agent, "[[tool_call]] weather?"))
     assert result.final_output == "[[tool_call]] weather?"
     rows = calls(gateway, "agent-sdk")
@@ -269,10 +328,13 @@ def test_mid_stream_failures_in_each_protocols_shape(gateway, oai):
     assert "mid-stream" in events[-2].message and events[-1].response.status == "failed"
     claude = anthropic.Anthropic(base_url=gateway[0].url, api_key="sk-gw", max_retries=0)
     with pytest.raises(anthropic.APIStatusError) as info:
-        with claude.messages.stream(model="fake-model", max_tokens=5,
-                                    messages=[{"role": "user", "content": "[[stream_error]] a"}]) as stream:
+        with claude.messages.stream(
+            model="fake-model", max_tokens=5, messages=[{"role": "user", "content": "[[stream_error]] a"}]
+        ) as stream:
             list(stream)
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "api_error"
     with pytest.raises(anthropic.RateLimitError) as info:  # an upstream 429 keeps its status, in Anthropic's shape
-        claude.messages.create(model="fake-model", max_tokens=5, messages=[{"role": "user", "content": "[[status=429]]"}])
+        claude.messages.create(
+            model="fake-model", max_tokens=5, messages=[{"role": "user", "content": "[[status=429]]"}]
+        )
     assert info.value.body["error"]["type"] == "rate_limit_error"

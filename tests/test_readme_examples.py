@@ -58,10 +58,14 @@ def served(tmp_path_factory):
     """`rlproxy serve` with a fake upstream and a loopback judge; yields (gateway URL, judge)."""
     state_dir = tmp_path_factory.mktemp("readme-state")
     with FakeUpstream() as upstream, FakeJudge() as judge:
-        env = {"OPENAI_BASE_URL": judge.url, "OPENAI_API_KEY": "sk-readme-test-judge-key",
-               "LANGFUSE_PUBLIC_KEY": "", "LANGFUSE_SECRET_KEY": "", "LANGFUSE_HOST": ""}
-        args = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off",
-                "--state-dir", str(state_dir)]
+        env = {
+            "OPENAI_BASE_URL": judge.url,
+            "OPENAI_API_KEY": "sk-readme-test-judge-key",
+            "LANGFUSE_PUBLIC_KEY": "",
+            "LANGFUSE_SECRET_KEY": "",
+            "LANGFUSE_HOST": "",
+        }
+        args = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(state_dir)]
         with gateway_process(args, env=env) as (_, url):
             yield url, judge
 
@@ -70,11 +74,16 @@ def _run(code: str, url: str, tmp_path: Path) -> str:
     script = tmp_path / "example.py"
     script.write_text(code)
     # PYTHONPATH: the checkout's packages, even where an editable install predates one of them.
-    env = {**os.environ, "RLPROXY_URL": url + "/v1", "OPENAI_API_KEY": "sk-readme-test-key",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "RLPROXY_URL": url + "/v1",
+        "OPENAI_API_KEY": "sk-readme-test-key",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("OPENAI_BASE_URL", None)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"example failed:\n{code}\n--- stderr ---\n{done.stderr[-3000:]}"
     return done.stdout
 

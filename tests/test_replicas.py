@@ -22,14 +22,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gateway_args(url: str, state_dir: Path) -> list[str]:
-    return ["--engine", "local", "--store", url, "--state-dir", str(state_dir), "--trainer", "off",
-            "--poll-interval", "0.2", "--log-level", "warning"]
+    return [
+        "--engine",
+        "local",
+        "--store",
+        url,
+        "--state-dir",
+        str(state_dir),
+        "--trainer",
+        "off",
+        "--poll-interval",
+        "0.2",
+        "--log-level",
+        "warning",
+    ]
 
 
 def _chat(http: httpx.Client, base: str, session: str, group: str, text: str, request_id: str) -> dict:
-    reply = http.post(base + "/v1/chat/completions",
-                      json={"model": "agent", "max_tokens": 4, "messages": [{"role": "user", "content": text}]},
-                      headers={"X-Session-Id": session, "X-Group-Id": group, "X-Request-Id": request_id})
+    reply = http.post(
+        base + "/v1/chat/completions",
+        json={"model": "agent", "max_tokens": 4, "messages": [{"role": "user", "content": text}]},
+        headers={"X-Session-Id": session, "X-Group-Id": group, "X-Request-Id": request_id},
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -45,10 +59,15 @@ def _drive(base: str, worker: int, completed: list[str], stop: threading.Event) 
                 return
             request_id = f"load-{worker}-{n}"
             try:
-                reply = http.post(base + "/v1/chat/completions",
-                                  json={"model": "agent", "max_tokens": 2,
-                                        "messages": [{"role": "user", "content": f"{worker} {n}"}]},
-                                  headers={"X-Session-Id": f"load-{worker}", "X-Request-Id": request_id})
+                reply = http.post(
+                    base + "/v1/chat/completions",
+                    json={
+                        "model": "agent",
+                        "max_tokens": 2,
+                        "messages": [{"role": "user", "content": f"{worker} {n}"}],
+                    },
+                    headers={"X-Session-Id": f"load-{worker}", "X-Request-Id": request_id},
+                )
             except httpx.HTTPError:
                 return  # the replica is gone
             if reply.status_code == 200:
@@ -58,8 +77,11 @@ def _drive(base: str, worker: int, completed: list[str], stop: threading.Event) 
 @pytest.mark.timeout(900)
 def test_two_replicas_and_a_trainer_share_one_postgres(tmp_path, postgres_db):
     url = postgres_db
-    with gateway_process(_gateway_args(url, tmp_path / "a")) as (proc_a, a), \
-            gateway_process(_gateway_args(url, tmp_path / "b")) as (proc_b, b), httpx.Client(timeout=120) as http:
+    with (
+        gateway_process(_gateway_args(url, tmp_path / "a")) as (proc_a, a),
+        gateway_process(_gateway_args(url, tmp_path / "b")) as (proc_b, b),
+        httpx.Client(timeout=120) as http,
+    ):
         # Sessions whose calls alternate between the replicas form single trajectories.
         for k, reward in enumerate((1.0, 0.0)):
             session = f"s{k}"
@@ -69,18 +91,37 @@ def test_two_replicas_and_a_trainer_share_one_postgres(tmp_path, postgres_db):
         for base in (a, b):
             for k in range(2):
                 body = http.get(base + f"/v1/sessions/s{k}").json()
-                assert [c["request"]["messages"][0]["content"] for c in body["calls"]] == \
-                    [f"session {k} turn {n}" for n in range(4)]
+                assert [c["request"]["messages"][0]["content"] for c in body["calls"]] == [
+                    f"session {k} turn {n}" for n in range(4)
+                ]
         assert http.post(a + "/v1/groups/g1/close", json={}).status_code == 200
         group = http.get(b + "/v1/groups/g1").json()
         assert group["ready"] and group["n_sessions"] == 2
 
         # A trainer on its own state dir trains one step; it reaches both replicas through the store.
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "train", "--store", url, "--state-dir", str(tmp_path / "t"),
-             "--groups-per-step", "1", "--max-steps", "1", "--log-level", "warning"],
-            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "train",
+                "--store",
+                url,
+                "--state-dir",
+                str(tmp_path / "t"),
+                "--groups-per-step",
+                "1",
+                "--max-steps",
+                "1",
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             output, _ = trainer.communicate(timeout=600)
         finally:
@@ -104,9 +145,27 @@ def test_two_replicas_and_a_trainer_share_one_postgres(tmp_path, postgres_db):
             assert http.post((a, b)[k] + f"/v1/sessions/m{k}/reward", json={"reward": reward}).status_code == 200
         assert http.post(b + "/v1/groups/g3/close", json={}).status_code == 200
         moved = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "train", "--store", url, "--state-dir", str(tmp_path / "t2"),
-             "--groups-per-step", "1", "--max-steps", "1", "--log-level", "info"],
-            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "train",
+                "--store",
+                url,
+                "--state-dir",
+                str(tmp_path / "t2"),
+                "--groups-per-step",
+                "1",
+                "--max-steps",
+                "1",
+                "--log-level",
+                "info",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            capture_output=True,
+            timeout=600,
+        )
         log = moved.stdout.decode(errors="replace") + moved.stderr.decode(errors="replace")
         assert moved.returncode == 0, log[-3000:]
         assert "checkpoint fetched from the store" in log
@@ -134,4 +193,4 @@ def test_two_replicas_and_a_trainer_share_one_postgres(tmp_path, postgres_db):
         missing = [rid for rid in acknowledged if rid not in stored]
         assert not missing, f"{len(missing)} acknowledged calls lost, e.g. {missing[:5]}"
         # The other replica still serves, and sees what the dead one recorded.
-        assert http.get(b + f"/v1/sessions/load-0").json()["n_calls"] >= 1
+        assert http.get(b + "/v1/sessions/load-0").json()["n_calls"] >= 1

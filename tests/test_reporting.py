@@ -28,16 +28,35 @@ class CurveStore:
 
 
 def test_step_metrics_by_hand():
-    metrics = {"loss": 0.5, "kl": None, "clip_fraction": 0.125, "grad_norm": float("nan"), "tokens": 300,
-               "mismatch_logprob_abs": 0.01, "reward_mean": 0.3, "done": True}
+    metrics = {
+        "loss": 0.5,
+        "kl": None,
+        "clip_fraction": 0.125,
+        "grad_norm": float("nan"),
+        "tokens": 300,
+        "mismatch_logprob_abs": 0.01,
+        "reward_mean": 0.3,
+        "done": True,
+    }
     out = step_metrics(1, metrics, CURVE)
     # Step 1's update started from the policy of step 0: its sampled rollouts are step 0's.
-    assert out == {"train/loss": 0.5, "train/clip_fraction": 0.125, "train/tokens": 300.0,
-                   "train/mismatch_logprob_abs": 0.01, "train/reward_mean": 0.3,
-                   "train/sampled_reward_mean": 0.25, "train/sampled_reward_std": 0.1,
-                   "train/sampled_reward_min": 0.0, "train/sampled_reward_max": 0.5, "train/sampled_rollouts": 8.0,
-                   "val/sampled_reward_mean": 0.2, "val/sampled_reward_std": 0.05, "val/sampled_reward_min": 0.1,
-                   "val/sampled_reward_max": 0.3, "val/sampled_rollouts": 4.0}
+    assert out == {
+        "train/loss": 0.5,
+        "train/clip_fraction": 0.125,
+        "train/tokens": 300.0,
+        "train/mismatch_logprob_abs": 0.01,
+        "train/reward_mean": 0.3,
+        "train/sampled_reward_mean": 0.25,
+        "train/sampled_reward_std": 0.1,
+        "train/sampled_reward_min": 0.0,
+        "train/sampled_reward_max": 0.5,
+        "train/sampled_rollouts": 8.0,
+        "val/sampled_reward_mean": 0.2,
+        "val/sampled_reward_std": 0.05,
+        "val/sampled_reward_min": 0.1,
+        "val/sampled_reward_max": 0.3,
+        "val/sampled_rollouts": 4.0,
+    }
 
 
 @pytest.fixture
@@ -51,14 +70,21 @@ def offline_wandb(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_gets_every_step_and_the_settings(offline_wandb, caplog):
-    settings = Settings(report_to="wandb", report_project="rlproxy-test", state_dir=offline_wandb / "state",
-                        api_key="secret-key-never-sent", learning_rate=0.01)
+    settings = Settings(
+        report_to="wandb",
+        report_project="rlproxy-test",
+        state_dir=offline_wandb / "state",
+        api_key="secret-key-never-sent",
+        learning_rate=0.01,
+    )
     reporter = Reporter.create(settings)
     assert reporter.tracker is not None
-    reporter.report_step(1, {"loss": 0.5, "kl": 0.02, "grad_norm": 1.5, "tokens": 100, "seconds": 2.0},
-                         CurveStore(), "agent")
-    reporter.report_step(2, {"loss": 0.25, "kl": 0.03, "grad_norm": 0.5, "tokens": 120, "seconds": 2.5},
-                         CurveStore(), "agent")
+    reporter.report_step(
+        1, {"loss": 0.5, "kl": 0.02, "grad_norm": 1.5, "tokens": 100, "seconds": 2.0}, CurveStore(), "agent"
+    )
+    reporter.report_step(
+        2, {"loss": 0.25, "kl": 0.03, "grad_norm": 0.5, "tokens": 120, "seconds": 2.5}, CurveStore(), "agent"
+    )
     reporter.close()
     assert not [r.getMessage() for r in caplog.records if "--report-to" in r.getMessage()]  # no step was dropped
 

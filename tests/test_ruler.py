@@ -36,9 +36,16 @@ GOLDEN = Path(__file__).parent / "golden" / "ruler_prompt.txt"
 JUDGE_KEY = "sk-judge-" + "41c2e9b0-never-store-me"  # RLPROXY_JUDGE_API_KEY: for judges at a judge_api_base
 PROVIDER_KEY = "sk-provider-" + "9a7d03c1-stays-home"  # OPENAI_API_KEY: must never go to a judge_api_base
 SYSTEM = "You are a careful calculator agent. Use the tool when it helps."
-TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",
-                                            "parameters": {"type": "object",
-                                                           "properties": {"expression": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "evaluate arithmetic",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
 
 
 # ---------------------------------------------------------------- pure parts
@@ -48,15 +55,23 @@ def _call(messages, reply, status="ok", tools=None):
     request = {"model": "m", "messages": messages}
     if tools:
         request["tools"] = tools
-    return {"status": status, "request": request,
-            "response": {"choices": [{"message": reply}]} if status == "ok" else None}
+    return {
+        "status": status,
+        "request": request,
+        "response": {"choices": [{"message": reply}]} if status == "ok" else None,
+    }
 
 
 def test_calls_merge_into_one_trajectory_and_failed_calls_are_left_out():
     system, user = {"role": "system", "content": SYSTEM}, {"role": "user", "content": "2+2?"}
-    call_reply = {"role": "assistant", "content": None, "refusal": None,
-                  "tool_calls": [{"id": "c1", "type": "function",
-                                  "function": {"name": "calculator", "arguments": '{"expression": "2+2"}'}}]}
+    call_reply = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+2"}'}}
+        ],
+    }
     echoed = {"role": "assistant", "content": "", "tool_calls": call_reply["tool_calls"]}  # the client's echo
     tool = {"role": "tool", "tool_call_id": "c1", "content": "4"}
     calls = [
@@ -86,14 +101,40 @@ def test_common_prefix_leaves_every_trajectory_its_last_message():
 def _trajectories() -> list[Trajectory]:
     system = {"role": "system", "content": SYSTEM}
     user = {"role": "user", "content": "What is 17 * 23?"}
-    call = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
-        "name": "calculator", "arguments": '{"expression": "17 * 23"}'}}]}
+    call = {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression": "17 * 23"}'},
+            }
+        ],
+    }
     return [
-        Trajectory("s-tool", [system, user, call, {"role": "tool", "tool_call_id": "c1", "content": "391"},
-                              {"role": "assistant", "content": "17 * 23 = 391"}], TOOLS),
+        Trajectory(
+            "s-tool",
+            [
+                system,
+                user,
+                call,
+                {"role": "tool", "tool_call_id": "c1", "content": "391"},
+                {"role": "assistant", "content": "17 * 23 = 391"},
+            ],
+            TOOLS,
+        ),
         Trajectory("s-guess", [system, user, {"role": "assistant", "content": "About 400."}], TOOLS),
-        Trajectory("s-tool-again", [system, user, call, {"role": "tool", "tool_call_id": "c1", "content": "391"},
-                                    {"role": "assistant", "content": "17 * 23 = 391"}], TOOLS),
+        Trajectory(
+            "s-tool-again",
+            [
+                system,
+                user,
+                call,
+                {"role": "tool", "tool_call_id": "c1", "content": "391"},
+                {"role": "assistant", "content": "17 * 23 = 391"},
+            ],
+            TOOLS,
+        ),
     ]
 
 
@@ -130,17 +171,29 @@ def test_custom_rubric_replaces_the_default():
     assert "Shorter answers win." in system and DEFAULT_RUBRIC not in system
 
 
-@pytest.mark.parametrize("answer, problem", [
-    ("", "empty"),
-    ("the first one is better", "not valid JSON"),
-    ('{"scores": [{"trajectory_id": "1", "explanation": "ok", "score": 0.5}]}', "expected one score for each"),
-    ('{"scores": [{"trajectory_id": "1", "explanation": "", "score": 1}, '
-     '{"trajectory_id": "3", "explanation": "", "score": 0}]}', "ids ['1', '3']"),
-    ('{"scores": [{"trajectory_id": "1", "explanation": "", "score": 1.5}, '
-     '{"trajectory_id": "2", "explanation": "", "score": 0}]}', "less than or equal to 1"),
-    ('{"scores": [{"trajectory_id": "1", "explanation": "", "score": 1}, '
-     '{"trajectory_id": "1", "explanation": "", "score": 0}]}', "expected one score for each"),
-])
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        ("", "empty"),
+        ("the first one is better", "not valid JSON"),
+        ('{"scores": [{"trajectory_id": "1", "explanation": "ok", "score": 0.5}]}', "expected one score for each"),
+        (
+            '{"scores": [{"trajectory_id": "1", "explanation": "", "score": 1}, '
+            '{"trajectory_id": "3", "explanation": "", "score": 0}]}',
+            "ids ['1', '3']",
+        ),
+        (
+            '{"scores": [{"trajectory_id": "1", "explanation": "", "score": 1.5}, '
+            '{"trajectory_id": "2", "explanation": "", "score": 0}]}',
+            "less than or equal to 1",
+        ),
+        (
+            '{"scores": [{"trajectory_id": "1", "explanation": "", "score": 1}, '
+            '{"trajectory_id": "1", "explanation": "", "score": 0}]}',
+            "expected one score for each",
+        ),
+    ],
+)
 def test_bad_answers_are_rejected_with_the_reason(answer, problem):
     with pytest.raises(InvalidJudgeAnswer) as info:
         parse_answer(answer, ["1", "2"])
@@ -148,8 +201,10 @@ def test_bad_answers_are_rejected_with_the_reason(answer, problem):
 
 
 def test_a_fenced_answer_in_any_order_is_accepted():
-    answer = ('```json\n{"scores": [{"trajectory_id": "2", "explanation": "b", "score": 0.1}, '
-              '{"trajectory_id": "1", "explanation": "a", "score": 0.9}]}\n```')
+    answer = (
+        '```json\n{"scores": [{"trajectory_id": "2", "explanation": "b", "score": 0.1}, '
+        '{"trajectory_id": "1", "explanation": "a", "score": 0.9}]}\n```'
+    )
     assert [s.score for s in parse_answer(answer, ["1", "2"])] == [0.9, 0.1]
 
 
@@ -177,8 +232,9 @@ def _run_group(server, group_id: str, attempts: list[str]) -> list[str]:
         session_id = f"{group_id}-s{index}"
         headers = {"X-Session-Id": session_id, "X-Group-Id": group_id}
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 17 * 23?"}]
-        first = client.chat.completions.create(model="fake-model", messages=messages, tools=TOOLS,
-                                               extra_headers=headers)
+        first = client.chat.completions.create(
+            model="fake-model", messages=messages, tools=TOOLS, extra_headers=headers
+        )
         messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": attempt}]
         client.chat.completions.create(model="fake-model", messages=messages, tools=TOOLS, extra_headers=headers)
         session_ids.append(session_id)
@@ -244,8 +300,16 @@ def test_a_custom_rubric_reaches_the_judge(gateway, judge_env):
     server, _, _ = gateway
     _run_group(server, "g-rubric", ["Answer 391", "Answer 390"])
     with FakeJudge() as judge:
-        assert _ruler(server, "g-rubric", judge_model="openai/j", judge_api_base=judge.url,
-                      rubric="Only the exact product counts.").status_code == 200
+        assert (
+            _ruler(
+                server,
+                "g-rubric",
+                judge_model="openai/j",
+                judge_api_base=judge.url,
+                rubric="Only the exact product counts.",
+            ).status_code
+            == 200
+        )
     system = judge.bodies[0]["messages"][0]["content"]
     assert "Only the exact product counts." in system and DEFAULT_RUBRIC not in system
 
@@ -266,10 +330,22 @@ def test_a_malformed_answer_is_retried_once_with_the_reason(gateway, judge_env):
 def test_two_bad_answers_fail_the_judgement_and_leave_the_group_unscored(gateway, judge_env):
     server, _, _ = gateway
     sessions = _run_group(server, "g-fail", ["Answer 391", "Answer 12"])
-    wrong_ids = json.dumps({"scores": [{"trajectory_id": "a", "explanation": "", "score": 1},
-                                       {"trajectory_id": "b", "explanation": "", "score": 0}]})
-    out_of_range = json.dumps({"scores": [{"trajectory_id": "1", "explanation": "", "score": 7},
-                                          {"trajectory_id": "2", "explanation": "", "score": 0}]})
+    wrong_ids = json.dumps(
+        {
+            "scores": [
+                {"trajectory_id": "a", "explanation": "", "score": 1},
+                {"trajectory_id": "b", "explanation": "", "score": 0},
+            ]
+        }
+    )
+    out_of_range = json.dumps(
+        {
+            "scores": [
+                {"trajectory_id": "1", "explanation": "", "score": 7},
+                {"trajectory_id": "2", "explanation": "", "score": 0},
+            ]
+        }
+    )
     with FakeJudge(answers=[wrong_ids, out_of_range]) as judge:
         response = _ruler(server, "g-fail", judge_model="openai/j", judge_api_base=judge.url)
     assert len(judge.requests) == 2  # exactly one retry
@@ -310,8 +386,11 @@ def test_a_group_is_judged_once_at_a_time_and_shows_running(gateway, judge_env):
 
     with FakeJudge(answers=[slow_answer]) as judge:
         first: dict = {}
-        worker = threading.Thread(target=lambda: first.setdefault(
-            "response", _ruler(server, "g-busy", judge_model="openai/j", judge_api_base=judge.url)))
+        worker = threading.Thread(
+            target=lambda: first.setdefault(
+                "response", _ruler(server, "g-busy", judge_model="openai/j", judge_api_base=judge.url)
+            )
+        )
         worker.start()
         try:
             assert asked.wait(60)
@@ -352,10 +431,18 @@ class _ScriptedEngine(Engine):
         self.bodies.append(request.body)
         is_judge = request.body.get("response_format") == RESPONSE_FORMAT
         content = good_answer(request.body) if is_judge else f"attempt {len(self.bodies)}"
-        return Completion(response={"id": "x", "object": "chat.completion", "created": int(time.time()),
-                                    "model": request.body["model"],
-                                    "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                                 "finish_reason": "stop"}]}, tokens=None)
+        return Completion(
+            response={
+                "id": "x",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": request.body["model"],
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+                ],
+            },
+            tokens=None,
+        )
 
     async def stream(self, request: EngineRequest):
         yield StreamEnd(tokens=None)
@@ -367,8 +454,11 @@ def test_self_judges_with_the_served_model_and_is_not_recorded(tmp_path):
     with ThreadServer(app) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         for i in range(2):
-            client.chat.completions.create(model="scripted-base", messages=[{"role": "user", "content": "go"}],
-                                           extra_headers={"X-Session-Id": f"self-{i}", "X-Group-Id": "g-self"})
+            client.chat.completions.create(
+                model="scripted-base",
+                messages=[{"role": "user", "content": "go"}],
+                extra_headers={"X-Session-Id": f"self-{i}", "X-Group-Id": "g-self"},
+            )
         calls_before = app.state.services.store.counts()["calls"]
         response = _ruler(server, "g-self", judge_model="self")
         assert response.status_code == 200, response.text

@@ -57,8 +57,10 @@ def _ask(session, text: str) -> str:
 
 
 def test_importing_the_sdk_loads_nothing_heavy():
-    code = ("import sys, sdk; heavy = ('torch', 'fastapi', 'transformers', 'gateway', 'pydantic_settings', "
-            "'openai', 'litellm', 'starlette'); print([m for m in heavy if m in sys.modules])")
+    code = (
+        "import sys, sdk; heavy = ('torch', 'fastapi', 'transformers', 'gateway', 'pydantic_settings', "
+        "'openai', 'litellm', 'starlette'); print([m for m in heavy if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -178,8 +180,11 @@ def test_sessions_and_headers_for_any_client(proxy, gateway):
     server, services = gateway
     session = proxy.session(group="g-headers", split="val")
     assert session.headers() == {"X-Session-Id": session.id, "X-Group-Id": "g-headers", "X-Split": "val"}
-    response = httpx.post(server.url + "/v1/chat/completions", headers=session.headers(),
-                          json={"model": "fake-model", "messages": [{"role": "user", "content": "raw"}]})
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers=session.headers(),
+        json={"model": "fake-model", "messages": [{"role": "user", "content": "raw"}]},
+    )
     assert response.status_code == 200 and response.headers["X-Session-Id"] == session.id
     assert session.reward(0.5, metrics={"turns": 1})["metrics"] == {"turns": 1}
     recorded = session.get()
@@ -267,8 +272,12 @@ async def test_async_group_run_then_ruler(gateway):
     async def rollout(session):
         client = session.openai_client(max_retries=0)
         reply = await client.chat.completions.create(
-            model="fake-model", messages=[{"role": "user", "content": "same task"},
-                                          {"role": "user", "content": f"attempt {session.index % 2}"}])
+            model="fake-model",
+            messages=[
+                {"role": "user", "content": "same task"},
+                {"role": "user", "content": f"attempt {session.index % 2}"},
+            ],
+        )
         assert reply.choices[0].message.content.startswith("attempt")
         return None  # RULER scores it
 
@@ -289,12 +298,14 @@ async def test_async_group_run_then_ruler(gateway):
 async def test_async_failures_and_typed_errors(gateway):
     server, _ = gateway
     async with AsyncRLProxy(server.url + "/v1/") as client:
+
         async def rollout(session):
             if session.index == 0:
                 raise RuntimeError("flaky tool")
             async with session:
                 reply = await session.openai_client(max_retries=0).chat.completions.create(
-                    model="fake-model", messages=[{"role": "user", "content": "ok"}])
+                    model="fake-model", messages=[{"role": "user", "content": "ok"}]
+                )
             return 1.0 if reply.choices[0].message.content == "ok" else 0.0
 
         async with client.group() as group:
@@ -305,7 +316,8 @@ async def test_async_failures_and_typed_errors(gateway):
 
         async def fails_after_a_call(session):
             await session.openai_client(max_retries=0).chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": f"try {session.index}"}])
+                model="fake-model", messages=[{"role": "user", "content": f"try {session.index}"}]
+            )
             if session.index == 1:
                 raise RuntimeError("parser broke")
             return float(session.index)
@@ -329,7 +341,19 @@ async def test_async_failures_and_typed_errors(gateway):
 
 
 def test_public_api_is_exported():
-    for name in ("RLProxy", "AsyncRLProxy", "Session", "AsyncSession", "Group", "AsyncGroup", "RunResult",
-                 "RLProxyAPIError", "NotFoundError", "BadRequestError", "AuthenticationError", "ServerError"):
+    for name in (
+        "RLProxy",
+        "AsyncRLProxy",
+        "Session",
+        "AsyncSession",
+        "Group",
+        "AsyncGroup",
+        "RunResult",
+        "RLProxyAPIError",
+        "NotFoundError",
+        "BadRequestError",
+        "AuthenticationError",
+        "ServerError",
+    ):
         assert hasattr(sdk, name), name
     assert json.dumps(sdk.__all__)

@@ -47,14 +47,17 @@ def test_bearer_key_is_compared_in_constant_time(upstream, tmp_path, monkeypatch
 def test_no_key_in_store_logs_exports_or_error_messages(upstream, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     state = tmp_path / "state"
-    with openai_gateway(upstream.url, state, api_key=KEY, upstream_api_key="sk-upstream-" + "1d2e3f-secret",
-                        log_level="debug") as (server, services):
+    with openai_gateway(
+        upstream.url, state, api_key=KEY, upstream_api_key="sk-upstream-" + "1d2e3f-secret", log_level="debug"
+    ) as (server, services):
         good = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "sec-1", "X-Group-Id": "sec-g"}
         assert httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=good).status_code == 200
         assert httpx.post(server.url + "/v1/sessions/sec-1/reward", json={"reward": 1}, headers=good).status_code == 200
         answers = [
             httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {WRONG}"}),
-            httpx.post(server.url + "/v1/chat/completions", json={"model": "fake-model", "messages": "x"}, headers=good),
+            httpx.post(
+                server.url + "/v1/chat/completions", json={"model": "fake-model", "messages": "x"}, headers=good
+            ),
             httpx.get(server.url + "/v1/sessions/nope", headers=good),
             httpx.get(server.url + "/metrics", headers=good),
             httpx.get(server.url + "/healthz"),
@@ -76,15 +79,19 @@ def test_no_key_in_store_logs_exports_or_error_messages(upstream, tmp_path, capl
             assert secret not in text, f"a key is in the {where}"
 
 
-@pytest.mark.parametrize("name", ["../../etc/passwd", "agent@../../../tmp/x", "agent@1/../../x", "/etc/passwd",
-                                  "agent@0001", "agent@-1"])
+@pytest.mark.parametrize(
+    "name", ["../../etc/passwd", "agent@../../../tmp/x", "agent@1/../../x", "/etc/passwd", "agent@0001", "agent@-1"]
+)
 def test_model_names_from_requests_never_become_paths(tmp_path, name):
     with fake_vllm_thread() as (fake_server, fake):
         settings = vllm_settings(tmp_path, vllm_url=fake_server.url + "/v1")
         app = create_app(settings, engine=attached_engine(fake_server.url), store=Store(settings.db_path))
         with ThreadServer(app) as server:
-            reply = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                               json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
+            reply = httpx.post(
+                server.url + "/v1/chat/completions",
+                timeout=30,
+                json={"model": name, "messages": [{"role": "user", "content": "hi"}]},
+            )
             assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
             # nothing loaded, nothing asked (the one chat at start-up is the engine's logprobs-mode probe, on the base)
             assert not [e for e in fake.events if e["kind"] == "load"]
@@ -109,8 +116,15 @@ def test_listening_beyond_loopback_without_a_key_is_warned_about(caplog):
 
     caplog.set_level(logging.WARNING, logger="rlproxy")
     warnings = []
-    for host, key in (("0.0.0.0", None), ("::", None), ("10.1.2.3", None), ("0.0.0.0", KEY),
-                      ("127.0.0.1", None), ("localhost", None), ("::1", None)):
+    for host, key in (
+        ("0.0.0.0", None),
+        ("::", None),
+        ("10.1.2.3", None),
+        ("0.0.0.0", KEY),
+        ("127.0.0.1", None),
+        ("localhost", None),
+        ("::1", None),
+    ):
         caplog.clear()
         create_app(Settings(engine="openai", host=host, api_key=key), engine=Engine(), store=Store(memory=True))
         warnings.append(any("no API key" in r.getMessage() and "--api-key" in r.getMessage() for r in caplog.records))
@@ -118,26 +132,35 @@ def test_listening_beyond_loopback_without_a_key_is_warned_about(caplog):
 
 
 def test_cors_is_off_unless_asked_for(upstream, tmp_path):
-    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "content-type,authorization"}
+    preflight = {
+        "Origin": "http://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization",
+    }
     with openai_gateway(upstream.url, tmp_path / "off") as (server, _):
         answer = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
         assert "access-control-allow-origin" not in answer.headers
         answer = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={"Origin": "http://app.example"})
         assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
-    with openai_gateway(upstream.url, tmp_path / "on", api_key=KEY,
-                        cors_origin=["http://app.example", "http://other.example"]) as (server, _):
+    with openai_gateway(
+        upstream.url, tmp_path / "on", api_key=KEY, cors_origin=["http://app.example", "http://other.example"]
+    ) as (server, _):
         for path in ("/v1/chat/completions", "/v1/sessions/s/reward"):
             answer = httpx.options(server.url + path, headers=preflight)
             assert answer.status_code == 200  # a preflight carries no key, and needs none
             assert answer.headers["access-control-allow-origin"] == "http://app.example"
-        answer = httpx.post(server.url + "/v1/chat/completions", json=CHAT,
-                            headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"})
+        answer = httpx.post(
+            server.url + "/v1/chat/completions",
+            json=CHAT,
+            headers={"Origin": "http://app.example", "Authorization": f"Bearer {KEY}"},
+        )
         assert answer.status_code == 200
         assert answer.headers["access-control-allow-origin"] == "http://app.example"
         assert "x-session-id" in answer.headers["access-control-expose-headers"].lower()
-        denied = httpx.options(server.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+        denied = httpx.options(
+            server.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"}
+        )
         assert denied.headers.get("access-control-allow-origin") != "http://evil.example"
         assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 401  # still needs the key
 
@@ -152,8 +175,10 @@ def test_no_key_in_traces(monkeypatch, upstream, tmp_path):
             assert services.tracer is not None
             good = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "trace-sec"}
             assert httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=good).status_code == 200
-            assert httpx.post(server.url + "/v1/sessions/trace-sec/reward", json={"reward": 0.5},
-                              headers=good).status_code == 200
+            assert (
+                httpx.post(server.url + "/v1/sessions/trace-sec/reward", json={"reward": 0.5}, headers=good).status_code
+                == 200
+            )
             received.wait_for(lambda: received.generations("trace-sec") and received.scores)
     sent = repr(received.spans) + repr(received.scores) + repr(received.paths)
     assert "trace-sec" in sent and KEY not in sent

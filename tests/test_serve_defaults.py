@@ -15,8 +15,8 @@ import time
 import uuid
 
 import httpx
-import pytest
 import openai
+import pytest
 
 from tests.helpers import gateway_process
 
@@ -37,15 +37,20 @@ def reward(text: str | None) -> float:
     return sum(ch in "aeiou" for ch in text) / len(text) if text else 0.0
 
 
-def play_group(client: openai.OpenAI, http: httpx.Client, split: str, prompt: str,
-               model: str = "agent") -> tuple[str, list[float]]:
+def play_group(
+    client: openai.OpenAI, http: httpx.Client, split: str, prompt: str, model: str = "agent"
+) -> tuple[str, list[float]]:
     group = f"{split}-{uuid.uuid4().hex[:8]}"
     rewards = []
     for i in range(ROLLOUTS):
         session = f"{group}-{i}"
         reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=6, temperature=1.0,
-            extra_headers={"X-Session-Id": session, "X-Group-Id": group, "X-Split": split})
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=6,
+            temperature=1.0,
+            extra_headers={"X-Session-Id": session, "X-Group-Id": group, "X-Split": split},
+        )
         rewards.append(reward(reply.choices[0].message.content))
         http.post(f"/v1/sessions/{session}/reward", json={"reward": rewards[-1]}).raise_for_status()
     http.post(f"/v1/groups/{group}/close", json={}).raise_for_status()
@@ -64,8 +69,9 @@ def served_step(http: httpx.Client) -> int | None:
 @pytest.mark.timeout(600)
 def test_serve_defaults_learn_a_new_task_and_every_step_stays_servable(tmp_path):
     state = tmp_path / "state"
-    with gateway_process(["--state-dir", str(state), "--poll-interval", "0.2", "--log-level", "info"],
-                         env={"RLPROXY_TORCH_THREADS": "1"}) as (proc, url):
+    with gateway_process(
+        ["--state-dir", str(state), "--poll-interval", "0.2", "--log-level", "info"], env={"RLPROXY_TORCH_THREADS": "1"}
+    ) as (proc, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
         http = httpx.Client(base_url=url, timeout=60)
         deadline = time.monotonic() + 600
@@ -97,7 +103,8 @@ def test_serve_defaults_learn_a_new_task_and_every_step_stays_servable(tmp_path)
         final = evaluate(client, http, "agent")
         # Ten and more steps on, the untrained step still answers (loaded on demand).
         step0 = client.chat.completions.with_raw_response.create(
-            model="agent@0", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            model="agent@0", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
         assert step0.headers["x-model-step"] == "0"
         http.close()
         client.close()

@@ -17,10 +17,25 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(300)
 def test_short_soak_loses_and_mixes_nothing(tmp_path):
     out = tmp_path / "soak.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--seconds", "8", "--sessions", "16",
-                           "--interval", "2", "--json", str(out)],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=280)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "soak.py"),
+            "--seconds",
+            "8",
+            "--sessions",
+            "16",
+            "--interval",
+            "2",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["errors"] == 0, summary["error_examples"]

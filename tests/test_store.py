@@ -11,9 +11,21 @@ from trainer.data import build_batch, load_groups
 
 def call(i: int, session: str, group: str | None = "g1", **extra) -> CallRecord:
     fields = dict(
-        id=f"req{i}", session_id=session, group_id=group, split="train", model="agent", served="agent@0", step=0,
-        engine="local", stream=False, status="ok", request={"messages": [{"role": "user", "content": str(i)}]},
-        response={"choices": []}, latency_ms=1.0, prompt_ids=[1, 2, 3], completion_ids=[[4, 5], [6]],
+        id=f"req{i}",
+        session_id=session,
+        group_id=group,
+        split="train",
+        model="agent",
+        served="agent@0",
+        step=0,
+        engine="local",
+        stream=False,
+        status="ok",
+        request={"messages": [{"role": "user", "content": str(i)}]},
+        response={"choices": []},
+        latency_ms=1.0,
+        prompt_ids=[1, 2, 3],
+        completion_ids=[[4, 5], [6]],
         behaviour_logprobs=[[-0.5, -0.25], [-1.0]],
     )
     fields.update(extra)
@@ -88,8 +100,9 @@ async def test_reward_and_close_on_unknown_ids_are_not_found(store):
     with pytest.raises(NotFound, match="group 'nope' not found"):
         await store.close_group("nope")
     # A failing op in a batch does not take its neighbours down with it.
-    results = await asyncio.gather(store.set_reward("nope", 1.0), store.record_call(call(9, "ok")),
-                                   return_exceptions=True)
+    results = await asyncio.gather(
+        store.set_reward("nope", 1.0), store.record_call(call(9, "ok")), return_exceptions=True
+    )
     assert isinstance(results[0], NotFound) and results[1] is None
     assert store.get_session("ok")["n_calls"] == 1
 
@@ -316,9 +329,11 @@ def test_a_round_with_a_failing_op_commits_the_others_in_one_transaction(tmp_pat
 
     store = Store(tmp_path / "rlproxy.db")
     try:
-        ops = [lambda conn: store_rows.insert_call(conn, call(1, "s1")),
-               lambda conn: store_rows.insert_call(conn, call(2, "s1", split="val")),  # a train session
-               lambda conn: store_rows.insert_call(conn, call(3, "s2"))]
+        ops = [
+            lambda conn: store_rows.insert_call(conn, call(1, "s1")),
+            lambda conn: store_rows.insert_call(conn, call(2, "s1", split="val")),  # a train session
+            lambda conn: store_rows.insert_call(conn, call(3, "s2")),
+        ]
         outcomes = store._apply_batch(ops)
         assert [ok for ok, _ in outcomes] == [True, False, True]
         assert isinstance(outcomes[1][1], Conflict)

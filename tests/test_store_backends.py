@@ -178,14 +178,19 @@ async def test_ruler_judgements_close_the_group_and_keep_the_independent_reward(
     await store.set_reward("r0", 0.5)
     await store.set_ruler_status("gr", "running")
     assert store.get_group("gr")["ruler_status"] == "running"
-    await store.record_judgement("gr", "judge", [{"trajectory_id": "r0", "score": 0.9, "explanation": "good"},
-                                                 {"trajectory_id": "r1", "score": 0.1}])
+    await store.record_judgement(
+        "gr",
+        "judge",
+        [{"trajectory_id": "r0", "score": 0.9, "explanation": "good"}, {"trajectory_id": "r1", "score": 0.1}],
+    )
     group = store.get_group("gr")
     assert group["ruler_status"] == "scored" and group["closed"] and group["ready"]
     first = store.get_session("r0")
     assert first["reward"] == 0.9 and first["metrics"] == {"independent_reward": 0.5, "ruler_score": 0.9}
-    assert [(j["session_id"], j["score"], j["explanation"]) for j in group["judgements"]] == \
-        [("r0", 0.9, "good"), ("r1", 0.1, None)]
+    assert [(j["session_id"], j["score"], j["explanation"]) for j in group["judgements"]] == [
+        ("r0", 0.9, "good"),
+        ("r1", 0.1, None),
+    ]
     # Judged without closing: an open group stays open.
     await store.record_call(call(5, "r5", group="gopen"))
     await store.record_judgement("gopen", "judge", [{"trajectory_id": "r5", "score": 1.0}], close=False)
@@ -220,9 +225,21 @@ async def test_the_store_refuses_a_call_whose_split_contradicts_its_session_or_g
     from gateway.store import CallRecord
 
     def record(i, session, group, split):
-        return CallRecord(id=f"split-{i}", session_id=session, group_id=group, split=split, model="m",
-                          served=None, step=None, engine="openai", stream=False, status="ok", request={},
-                          response=None, latency_ms=1.0)
+        return CallRecord(
+            id=f"split-{i}",
+            session_id=session,
+            group_id=group,
+            split=split,
+            model="m",
+            served=None,
+            step=None,
+            engine="openai",
+            stream=False,
+            status="ok",
+            request={},
+            response=None,
+            latency_ms=1.0,
+        )
 
     await store.record_call(record(1, "sa", "g-train", "train"))
     await store.record_call(record(2, "sv", "g-val", "val"))

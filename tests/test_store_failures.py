@@ -147,8 +147,9 @@ db.execute("ROLLBACK")
 def test_store_locked_by_another_process_answers_503_and_recovers(upstream, tmp_path):
     with gateway(upstream.url, tmp_path, busy_timeout=0.3) as (url, store):
         assert _chat(url).status_code == 200
-        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(store.path)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_LOCK, str(store.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
             assert holder.stdout.readline().strip() == "locked"
             reply = _chat(url)
@@ -187,8 +188,9 @@ def test_classify_names_each_cause():
 def small_tmpfs(size_mb: int):
     """A tmpfs of `size_mb` MB (needs root and the right to mount; skips otherwise)."""
     mount_point = Path(tempfile.mkdtemp(prefix="rlproxy-tmpfs-"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mount_point)],
-                          capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mount_point)], capture_output=True
+    )
     if done.returncode != 0:
         mount_point.rmdir()
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); the page-limit test covers it")
@@ -299,9 +301,9 @@ def test_postgres_gone_read_only_answers_503_and_recovers_by_itself(upstream, tm
     """The database fails over to a read-only server (and drops every connection): calls get
     503 store_read_only, /healthz says degraded; once it takes writes again the gateway
     recovers without a restart, on fresh connections."""
-    import psycopg
-
     import re
+
+    import psycopg
 
     from gateway.store_postgres import PostgresStore
 
@@ -312,8 +314,10 @@ def test_postgres_gone_read_only_answers_503_and_recovers_by_itself(upstream, tm
             conn.execute(sql)
 
     def drop_connections() -> None:
-        admin(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
-              " AND pid <> pg_backend_pid()")
+        admin(
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+            " AND pid <> pg_backend_pid()"
+        )
 
     settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
     store = PostgresStore(postgres_db)

@@ -25,7 +25,9 @@ def test_a_step_travels_through_the_store(postgres_db, tmp_path):
     local = replica.fetch_step_files("agent", 1, str(ckpt), models)
     assert local == str((models / "agent" / "store" / "0001").resolve())
     for name in ("adapter_config.json", "adapter_model.safetensors", "trainer_state.json"):
-        assert (ckpt / name).read_bytes() == (tmp_path / "replica" / "models" / "agent" / "store" / "0001" / name).read_bytes()
+        assert (ckpt / name).read_bytes() == (
+            tmp_path / "replica" / "models" / "agent" / "store" / "0001" / name
+        ).read_bytes()
     # Content-addressed: a second step with the same config stores that file once.
     ckpt2 = _checkpoint(tmp_path / "trainer" / "models" / "agent" / "checkpoints" / "0002", b"\x01other" * 1000, step=2)
     trainer.insert_step("agent", 2, str(ckpt2), {}, [])

@@ -14,9 +14,22 @@ from gateway.store_lists import ListFilter
 
 
 def call(session, group, split, step, t, i=0):
-    return CallRecord(id=f"{session}-{i}", session_id=session, group_id=group, split=split, model="agent",
-                      served=None, step=step, engine="local", stream=False, status="ok",
-                      request={"messages": []}, response=None, latency_ms=1.0, created_at=t)
+    return CallRecord(
+        id=f"{session}-{i}",
+        session_id=session,
+        group_id=group,
+        split=split,
+        model="agent",
+        served=None,
+        step=step,
+        engine="local",
+        stream=False,
+        status="ok",
+        request={"messages": []},
+        response=None,
+        latency_ms=1.0,
+        created_at=t,
+    )
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -36,7 +49,9 @@ def store(request):
             for s in range(4):
                 sid = f"g{g}-s{s}"
                 store_rows.insert_call(conn, call(sid, f"g{g}", split, step, 1000.0 + g))
-                store_rows.insert_call(conn, call(sid, f"g{g}", split, step + 1, 1000.5 + g, 1))  # later call, later step
+                store_rows.insert_call(
+                    conn, call(sid, f"g{g}", split, step + 1, 1000.5 + g, 1)
+                )  # later call, later step
                 rewards[sid] = 0.25 * s + 0.1 * g
                 store_rows.set_reward(conn, sid, rewards[sid], {})
 
@@ -68,7 +83,9 @@ def test_filters(store):
     assert {s["group_id"] for s in timed} == {"g1"}
     assert store.list_sessions(ListFilter(limit=50, group_id="g2"))["data"][0]["step"] == 1  # first call's step
     groups = store.list_groups(ListFilter(limit=50, min_reward=0.5))["data"]
-    means = {g: statistics.mean(r for k, r in store.rewards.items() if k.startswith(g + "-")) for g in ("g0", "g1", "g2")}
+    means = {
+        g: statistics.mean(r for k, r in store.rewards.items() if k.startswith(g + "-")) for g in ("g0", "g1", "g2")
+    }
     assert sorted(g["id"] for g in groups) == sorted(g for g, m in means.items() if m >= 0.5)
     for g in groups:
         assert g["reward_mean"] == pytest.approx(means[g["id"]]) and g["n_sessions"] == 4
@@ -95,9 +112,17 @@ def test_bad_input_says_what_to_fix(store):
 
 def test_calls_per_minute_counts_each_minute():
     store = Store(memory=True)
-    store._run_sync(lambda conn: [store_rows.insert_call(conn, call(f"s{i}", None, "train", 0, t, i))
-                                  for i, t in enumerate((600.0, 610.0, 659.0, 660.0, 780.0))])
+    store._run_sync(
+        lambda conn: [
+            store_rows.insert_call(conn, call(f"s{i}", None, "train", 0, t, i))
+            for i, t in enumerate((600.0, 610.0, 659.0, 660.0, 780.0))
+        ]
+    )
     minutes = store.calls_per_minute(now=800.0, minutes=4)
-    assert minutes == [{"minute": 600, "calls": 3}, {"minute": 660, "calls": 1}, {"minute": 720, "calls": 0},
-                       {"minute": 780, "calls": 1}]
+    assert minutes == [
+        {"minute": 600, "calls": 3},
+        {"minute": 660, "calls": 1},
+        {"minute": 720, "calls": 0},
+        {"minute": 780, "calls": 1},
+    ]
     asyncio.run(store.close())

@@ -82,8 +82,10 @@ def _make_v1_postgres(url: str, record_version: bool) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(store_pg_schema.MIGRATIONS[1])
         if record_version:
-            conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY,"
-                         " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+            conn.execute(
+                "CREATE TABLE schema_version (version INTEGER PRIMARY KEY,"
+                " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+            )
             conn.execute("INSERT INTO schema_version (version) VALUES (1)")
         for sql in _V1_ROWS:
             conn.execute(sql)
@@ -101,8 +103,9 @@ async def test_postgres_from_the_first_release(postgres_db, record_version):
         await store.close()
     with psycopg.connect(postgres_db) as conn:
         versions = [r[0] for r in conn.execute("SELECT version FROM schema_version ORDER BY version")]
-        columns = {r[0] for r in conn.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = 'calls'")}
+        columns = {
+            r[0] for r in conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'calls'")
+        }
     assert versions == list(range(1, store_pg_schema.VERSION + 1))
     assert {column for table, column, _ in store_schema._ADDED_COLUMNS if table == "calls"} <= columns
 

@@ -27,9 +27,13 @@ def items_of(text: str) -> set[str]:
 
 
 def test_training_example_labels_exactly_the_replies_and_their_end(tokenizer):
-    messages = [{"role": "system", "content": "Pick one."},
-                {"role": "user", "content": "3 A 7"}, {"role": "assistant", "content": "A"},
-                {"role": "user", "content": "B\nC"}, {"role": "assistant", "content": "C"}]
+    messages = [
+        {"role": "system", "content": "Pick one."},
+        {"role": "user", "content": "3 A 7"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "B\nC"},
+        {"role": "assistant", "content": "C"},
+    ]
     ids, labels = training_example(tokenizer, messages)
 
     # By hand, from separately encoded pieces of the rendered chat: each prompt (up to and
@@ -43,8 +47,7 @@ def test_training_example_labels_exactly_the_replies_and_their_end(tokenizer):
     expected_ids = encode(first_prompt) + encode("A<|im_end|>") + encode(between) + encode("C<|im_end|>") + encode("\n")
     assert ids == expected_ids
     reply_a, reply_c = encode("A<|im_end|>"), encode("C<|im_end|>")
-    expected_labels = ([-100] * len(encode(first_prompt)) + reply_a + [-100] * len(encode(between)) + reply_c
-                       + [-100])
+    expected_labels = [-100] * len(encode(first_prompt)) + reply_a + [-100] * len(encode(between)) + reply_c + [-100]
     assert labels == expected_labels
     assert tokenizer.decode([t for t in labels if t != -100]) == "A<|im_end|>C<|im_end|>"
 
@@ -65,9 +68,16 @@ def test_synthetic_chats_answer_with_an_item_of_the_last_user_turn():
 
 
 def test_instruction_tuning_is_deterministic(tokenizer):
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
     def tuned(seed: int) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)

@@ -106,8 +106,13 @@ def test_chat_template_renders_qwen_style(tokenizer):
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{"id": "call_1", "type": "function",
-                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
         {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
@@ -115,25 +120,33 @@ def test_chat_template_renders_qwen_style(tokenizer):
     text = render(tokenizer, messages, TOOLS, generation_prompt=True)
     assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
     assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in text
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            "</tool_call><|im_end|>\n") in text
-    assert ("<|im_start|>user\n<tool_response>\n{\"temp\": 21}\n</tool_response>\n<tool_response>\nsunny\n"
-            "</tool_response><|im_end|>\n") in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>\n"
+    ) in text
+    assert (
+        '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response>\n<tool_response>\nsunny\n'
+        "</tool_response><|im_end|>\n"
+    ) in text
     assert text.endswith("<|im_start|>assistant\n")
     # arguments given as an object render the same as the JSON string
     messages[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
     assert render(tokenizer, messages, TOOLS, generation_prompt=True) == text
     plain = render(tokenizer, [{"role": "user", "content": "Hi"}], generation_prompt=True)
-    assert plain == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+    assert (
+        plain
+        == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert list(ids) == encode(tokenizer, plain)
 
 
 @pytest.mark.parametrize(
     "text",
     [
-        "Hello, world! 1234 {\"a\": [1, 2.5, null]}\n\n  indented\ttab",
+        'Hello, world! 1234 {"a": [1, 2.5, null]}\n\n  indented\ttab',
         "Ünïcödé — 日本語 🙂 and <tool_call> tags </tool_call> inside",
         "<|im_start|>user\nWhat's 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n",
     ],
@@ -151,7 +164,7 @@ def test_rendered_conversations_round_trip(tokenizer):
 REPLIES = [
     "Sure! The answer is 42.",
     " leading space, trailing dot.",
-    "Line one.\nLine two: {\"k\": [1, 2]}",
+    'Line one.\nLine two: {"k": [1, 2]}',
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
 ]
@@ -171,7 +184,8 @@ def test_rendering_is_prefix_stable(tokenizer, reply, tools):
     if calls:
         assistant["tool_calls"] = calls
     follow_up = (
-        [{"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"}] if calls
+        [{"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"}]
+        if calls
         else [{"role": "user", "content": "And tomorrow?"}]
     )
     longer = history + [assistant] + follow_up

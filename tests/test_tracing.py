@@ -67,10 +67,16 @@ class _Receiver:
             export = ExportTraceServiceRequest()
             export.ParseFromString(body)
             spans = [
-                {"name": span.name, "trace_id": span.trace_id.hex(), "start": span.start_time_unix_nano,
-                 "end": span.end_time_unix_nano,
-                 "attributes": {a.key: _any_value(a.value) for a in span.attributes}}
-                for resource in export.resource_spans for scope in resource.scope_spans for span in scope.spans
+                {
+                    "name": span.name,
+                    "trace_id": span.trace_id.hex(),
+                    "start": span.start_time_unix_nano,
+                    "end": span.end_time_unix_nano,
+                    "attributes": {a.key: _any_value(a.value) for a in span.attributes},
+                }
+                for resource in export.resource_spans
+                for scope in resource.scope_spans
+                for span in scope.spans
             ]
             with self.changed:
                 self.spans.extend(spans)
@@ -126,11 +132,22 @@ def test_no_tracer_without_the_three_variables(monkeypatch, caplog):
 
 def test_a_call_becomes_a_generation_with_model_step_usage_and_latency():
     record = CallRecord(
-        id="req_1", session_id="s1", group_id="g1", split="train", model="agent", served="agent@3", step=3,
-        engine="local", stream=False, status="ok", latency_ms=12.5,
+        id="req_1",
+        session_id="s1",
+        group_id="g1",
+        split="train",
+        model="agent",
+        served="agent@3",
+        step=3,
+        engine="local",
+        stream=False,
+        status="ok",
+        latency_ms=12.5,
         request={"model": "agent", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7},
-        response={"choices": [{"message": {"role": "assistant", "content": "hello"}}],
-                  "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}},
+        response={
+            "choices": [{"message": {"role": "assistant", "content": "hello"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        },
     )
     fields = generation_fields(record)
     assert fields["input"] == [{"role": "user", "content": "hi"}]
@@ -154,11 +171,17 @@ def test_sessions_calls_rewards_and_judgements_reach_langfuse(monkeypatch, recei
         for session_id in sessions:
             for turn in range(2):
                 client.chat.completions.create(
-                    model="fake-model", messages=[{"role": "user", "content": f"{session_id} turn {turn}"}],
-                    temperature=0.5, extra_headers={"X-Session-Id": session_id, "X-Group-Id": "g-trace"})
+                    model="fake-model",
+                    messages=[{"role": "user", "content": f"{session_id} turn {turn}"}],
+                    temperature=0.5,
+                    extra_headers={"X-Session-Id": session_id, "X-Group-Id": "g-trace"},
+                )
         httpx.post(f"{server.url}/v1/sessions/trace-a/reward", json={"reward": 0.25, "metrics": {"steps": 2}})
-        ruler = httpx.post(f"{server.url}/v1/groups/g-trace/ruler",
-                           json={"judge_model": "openai/judge", "judge_api_base": judge.url}, timeout=120)
+        ruler = httpx.post(
+            f"{server.url}/v1/groups/g-trace/ruler",
+            json={"judge_model": "openai/judge", "judge_api_base": judge.url},
+            timeout=120,
+        )
         assert ruler.status_code == 200, ruler.text
 
         receiver.wait_for(lambda: all(len(receiver.generations(s)) == 2 for s in sessions))
@@ -203,8 +226,11 @@ def _latencies(server_url: str, n: int, session_id: str) -> list[float]:
     latencies = []
     for i in range(n):
         started = time.perf_counter()
-        client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": f"ping {i}"}],
-                                       extra_headers={"X-Session-Id": session_id})
+        client.chat.completions.create(
+            model="fake-model",
+            messages=[{"role": "user", "content": f"ping {i}"}],
+            extra_headers={"X-Session-Id": session_id},
+        )
         latencies.append(time.perf_counter() - started)
     client.close()
     return latencies

@@ -26,20 +26,32 @@ from trainer.data import (
     turn_terminator,
 )
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 ARGS = '{"city": "Paris"}'
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}
-MESSAGES_1 = [{"role": "system", "content": "You are a helpful assistant."},
-              {"role": "user", "content": "What is the weather in Paris today?"}]
+MESSAGES_1 = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris today?"},
+]
 REPLY_1 = {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}
-MESSAGES_2 = [*MESSAGES_1, REPLY_1,
-              {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "condition": "cloudy"}'},
-              {"role": "user", "content": "Thanks! Is that cold?"}]
+MESSAGES_2 = [
+    *MESSAGES_1,
+    REPLY_1,
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "condition": "cloudy"}'},
+    {"role": "user", "content": "Thanks! Is that cold?"},
+]
 REPLY_2 = {"role": "assistant", "content": "No, 18 degrees is fine."}
 # What the model sampled, as the template writes it after the generation prompt.
-COMPLETION_1 = '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGS + '}\n</tool_call><|im_end|>'
+COMPLETION_1 = '<tool_call>\n{"name": "get_weather", "arguments": ' + ARGS + "}\n</tool_call><|im_end|>"
 COMPLETION_2 = "No, 18 degrees is fine.<|im_end|>"
 
 
@@ -67,8 +79,14 @@ def session(tokenizer):
     lp2 = [-0.01 * (i + 1) for i in range(len(c2))]
     calls = [
         local_call("c1", MESSAGES_1, REPLY_1, p1, c1, lp1, "tool_calls"),
-        {"id": "c-err", "status": "error", "prompt_ids": None, "completion_ids": None, "response": None,
-         "request": {"messages": MESSAGES_1}},
+        {
+            "id": "c-err",
+            "status": "error",
+            "prompt_ids": None,
+            "completion_ids": None,
+            "response": None,
+            "request": {"messages": MESSAGES_1},
+        },
         local_call("c2", MESSAGES_2, REPLY_2, p2, c2, lp2, "stop"),
     ]
     return {"p1": p1, "c1": c1, "p2": p2, "c2": c2, "lp1": lp1, "lp2": lp2, "calls": calls}
@@ -79,16 +97,28 @@ def response(reply, finish_reason):
 
 
 def local_call(call_id, messages, reply, p, c, lp, finish_reason):
-    return {"id": call_id, "status": "ok", "request": {"messages": messages, "tools": TOOLS},
-            "response": response(reply, finish_reason),
-            "prompt_ids": p, "completion_ids": [c, [7, 7]], "behaviour_logprobs": [lp, [-1.0, -1.0]]}
+    return {
+        "id": call_id,
+        "status": "ok",
+        "request": {"messages": messages, "tools": TOOLS},
+        "response": response(reply, finish_reason),
+        "prompt_ids": p,
+        "completion_ids": [c, [7, 7]],
+        "behaviour_logprobs": [lp, [-1.0, -1.0]],
+    }
 
 
 def openai_call(call_id, messages, reply, finish_reason):
     """The `openai` engine records no token ids."""
-    return {"id": call_id, "status": "ok", "request": {"messages": messages, "tools": TOOLS},
-            "response": response(reply, finish_reason),
-            "prompt_ids": None, "completion_ids": None, "behaviour_logprobs": None}
+    return {
+        "id": call_id,
+        "status": "ok",
+        "request": {"messages": messages, "tools": TOOLS},
+        "response": response(reply, finish_reason),
+        "prompt_ids": None,
+        "completion_ids": None,
+        "behaviour_logprobs": None,
+    }
 
 
 def test_multi_turn_session_with_tools_merges_into_one_sample(session):
@@ -103,7 +133,7 @@ def test_multi_turn_session_with_tools_merges_into_one_sample(session):
     second = set(range(len(p2), len(p2) + len(c2)))
     assert {i for i, m in enumerate(s.loss_mask) if m} == first | second
     # The tool result, the user turn and the template tokens between are prompt.
-    assert not any(s.loss_mask[len(p1) + len(c1): len(p2)]) and len(p2) > len(p1) + len(c1)
+    assert not any(s.loss_mask[len(p1) + len(c1) : len(p2)]) and len(p2) > len(p1) + len(c1)
     assert [s.old_logprobs[i] for i in sorted(first)] == pytest.approx(session["lp1"])
     assert [s.old_logprobs[i] for i in sorted(second)] == pytest.approx(session["lp2"])
     assert all(math.isnan(s.old_logprobs[i]) for i in range(len(s.token_ids)) if not s.loss_mask[i])
@@ -113,8 +143,10 @@ def test_multi_turn_session_with_tools_merges_into_one_sample(session):
 def test_a_prompt_that_does_not_extend_starts_a_new_sample(tokenizer, session):
     fresh = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hello"}]
     p3, c3 = prompt_ids(tokenizer, fresh), encode(tokenizer, "Hi<|im_end|>")
-    calls = [*session["calls"],
-             local_call("c3", fresh, {"role": "assistant", "content": "Hi"}, p3, c3, [-0.5] * len(c3), "stop")]
+    calls = [
+        *session["calls"],
+        local_call("c3", fresh, {"role": "assistant", "content": "Hi"}, p3, c3, [-0.5] * len(c3), "stop"),
+    ]
     samples = trajectory_samples(calls, trajectory_id="s1", group_id="g1", advantage=-1.0)
 
     assert len(samples) == 2
@@ -126,12 +158,22 @@ def test_a_prompt_that_does_not_extend_starts_a_new_sample(tokenizer, session):
 
 
 def test_calls_without_token_ids_are_re_rendered_without_logprobs(tokenizer, session):
-    calls = [openai_call("o1", MESSAGES_1, REPLY_1, "tool_calls"),
-             {"id": "o-err", "status": "error", "request": {"messages": MESSAGES_1}, "response": None,
-              "prompt_ids": None, "completion_ids": None, "behaviour_logprobs": None},
-             openai_call("o2", MESSAGES_2, REPLY_2, "stop")]
-    samples = trajectory_samples(calls, trajectory_id="s2", group_id="g1", advantage=1.0,
-                                 render=ChatTemplateRenderer(tokenizer))
+    calls = [
+        openai_call("o1", MESSAGES_1, REPLY_1, "tool_calls"),
+        {
+            "id": "o-err",
+            "status": "error",
+            "request": {"messages": MESSAGES_1},
+            "response": None,
+            "prompt_ids": None,
+            "completion_ids": None,
+            "behaviour_logprobs": None,
+        },
+        openai_call("o2", MESSAGES_2, REPLY_2, "stop"),
+    ]
+    samples = trajectory_samples(
+        calls, trajectory_id="s2", group_id="g1", advantage=1.0, render=ChatTemplateRenderer(tokenizer)
+    )
 
     # The template's rendering of the replies is what the model would have sampled.
     local = trajectory_samples(session["calls"], trajectory_id="s1", group_id="g1", advantage=1.0)[0]
@@ -162,8 +204,14 @@ def test_build_batch_advantages_and_skipped_groups(session):
         return {"id": gid, "sessions": [{"id": f"{gid}-s{i}", "reward": r} for i, r in enumerate(rewards)]}
 
     groups = [group("g1", [1.0, 0.0]), group("flat", [0.5, 0.5]), group("broken", [1.0, 0.0])]
-    calls = {"g1-s0": session["calls"], "g1-s1": session["calls"], "flat-s0": session["calls"],
-             "flat-s1": session["calls"], "broken-s0": session["calls"][1:2], "broken-s1": []}
+    calls = {
+        "g1-s0": session["calls"],
+        "g1-s1": session["calls"],
+        "flat-s0": session["calls"],
+        "flat-s1": session["calls"],
+        "broken-s0": session["calls"][1:2],
+        "broken-s1": [],
+    }
     batch = build_batch(groups, calls, scale_rewards="group")
 
     assert batch.group_ids == ["g1"]
@@ -179,11 +227,26 @@ def test_store_rows_round_trip(session):
     store = Store(memory=True)
     c = session["calls"][0]
     for sid in ("a", "b"):
-        store.record_call_sync(CallRecord(
-            id=f"{sid}-1", session_id=sid, group_id="g", split="train", model="agent", served="agent@0", step=0,
-            engine="local", stream=False, status="ok", request=c["request"], response=c["response"],
-            latency_ms=1.0, prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"],
-            behaviour_logprobs=c["behaviour_logprobs"]))
+        store.record_call_sync(
+            CallRecord(
+                id=f"{sid}-1",
+                session_id=sid,
+                group_id="g",
+                split="train",
+                model="agent",
+                served="agent@0",
+                step=0,
+                engine="local",
+                stream=False,
+                status="ok",
+                request=c["request"],
+                response=c["response"],
+                latency_ms=1.0,
+                prompt_ids=c["prompt_ids"],
+                completion_ids=c["completion_ids"],
+                behaviour_logprobs=c["behaviour_logprobs"],
+            )
+        )
     asyncio.run(store.set_reward("a", 1.0))
     asyncio.run(store.set_reward("b", 0.0))
     asyncio.run(store.close_group("g"))
@@ -206,11 +269,16 @@ def test_each_token_keeps_its_calls_sampling_temperature(session):
     (sample,) = trajectory_samples([c1, c2], trajectory_id="s1", group_id="g1", advantage=0.5)
     p1, n1, p2 = len(session["p1"]), len(session["c1"]), len(session["p2"])
     expected = [1.0] * len(sample.token_ids)
-    expected[p1:p1 + n1] = [0.7] * n1
+    expected[p1 : p1 + n1] = [0.7] * n1
     assert list(sample.temperatures) == expected  # the second call was greedy: scored at 1
     # an upstream's call: the request's temperature
-    o1 = {**session["calls"][0], "prompt_ids": None, "completion_ids": None, "behaviour_logprobs": None,
-          "request": {**session["calls"][0]["request"], "temperature": 0.4}}
+    o1 = {
+        **session["calls"][0],
+        "prompt_ids": None,
+        "completion_ids": None,
+        "behaviour_logprobs": None,
+        "request": {**session["calls"][0]["request"], "temperature": 0.4},
+    }
     assert sampling_temperature(o1) == 0.4
     assert sampling_temperature({"request": {}}) == 1.0
 
@@ -237,7 +305,9 @@ def test_re_rendering_ends_a_turn_with_the_templates_terminator_not_the_eos_toke
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model(tmp_path_factory.mktemp("tiny-eos")))
     tok.eos_token = "<|endoftext|>"
     assert turn_terminator(tok) == "<|im_end|>"
-    done = ChatTemplateRenderer(tok)({"messages": MESSAGES_1}, response({"role": "assistant", "content": "It is"}, "stop"))
+    done = ChatTemplateRenderer(tok)(
+        {"messages": MESSAGES_1}, response({"role": "assistant", "content": "It is"}, "stop")
+    )
     assert done.completion_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.convert_tokens_to_ids("<|endoftext|>") not in done.completion_ids
 
@@ -245,9 +315,14 @@ def test_re_rendering_ends_a_turn_with_the_templates_terminator_not_the_eos_toke
 def test_a_val_session_is_never_trained_even_inside_a_train_group(session):
     # A store from before the split check could hold one: it is left out of the batch and its
     # reward out of the advantages.
-    group = {"id": "g", "sessions": [{"id": "t0", "reward": 1.0, "split": "train"},
-                                     {"id": "t1", "reward": 0.0, "split": "train"},
-                                     {"id": "v0", "reward": 5.0, "split": "val"}]}
+    group = {
+        "id": "g",
+        "sessions": [
+            {"id": "t0", "reward": 1.0, "split": "train"},
+            {"id": "t1", "reward": 0.0, "split": "train"},
+            {"id": "v0", "reward": 5.0, "split": "val"},
+        ],
+    }
     calls = {sid: session["calls"] for sid in ("t0", "t1", "v0")}
     batch = build_batch([group], calls)
     assert [s.trajectory_id for s in batch.samples] == ["t0", "t1"]

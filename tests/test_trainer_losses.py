@@ -75,8 +75,7 @@ def test_grpo_hand_example():
     # d/dlogp = -A r * 1/(3 tokens * 2 trajectories) where unclipped, 0 where clipped.
     w = 1 / 6
     assert grad == pytest.approx(
-        {"a": -1.19 * w, "b": 0.0, "f": -0.5 * w,
-         "c": 0.5 * 0.81 * w, "d": 0.0, "e": 0.5 * 1.5 * w},
+        {"a": -1.19 * w, "b": 0.0, "f": -0.5 * w, "c": 0.5 * 0.81 * w, "d": 0.0, "e": 0.5 * 1.5 * w},
         abs=1e-6,
     )
     assert full_grad[0] == 0.0 and full_grad[4] == 0.0  # prompt tokens
@@ -185,9 +184,7 @@ def test_cispo_detached_clipped_weight():
 
 def test_k3_kl_value_and_beta():
     # k3 = exp(ref - logp) - (ref - logp) - 1. logp -1.0, ref -1.5: exp(-0.5) + 0.5 - 1.
-    assert k3_kl(torch.tensor(-1.0), torch.tensor(-1.5)).item() == pytest.approx(
-        math.exp(-0.5) - 0.5, abs=1e-7
-    )
+    assert k3_kl(torch.tensor(-1.0), torch.tensor(-1.5)).item() == pytest.approx(math.exp(-0.5) - 0.5, abs=1e-7)
     assert math.exp(-0.5) - 0.5 == pytest.approx(0.1065306597, abs=1e-9)
     ref = {"a": -1.5, "b": -0.5, "f": -1.0, "c": -0.3, "d": -1.0, "e": -0.9}
     kl = {k: math.exp(ref[k] - LOGP[k]) - (ref[k] - LOGP[k]) - 1 for k in ref}
@@ -292,8 +289,14 @@ def tis_batch(behaviour):
 def test_truncated_importance_sampling_hand_example():
     # pi_old/mu per token: a e^0.5 = 1.6487; b e^1.0 = 2.718 -> capped at 2; f e^-0.5 = 0.6065;
     # c unknown mu -> 1; d e^0 = 1; e e^0.2 = 1.2214.
-    behaviour = {"a": LOGP["a"] - 0.5, "b": LOGP["b"] - 1.0, "f": LOGP["f"] + 0.5,
-                 "c": NAN, "d": LOGP["d"], "e": LOGP["e"] - 0.2}
+    behaviour = {
+        "a": LOGP["a"] - 0.5,
+        "b": LOGP["b"] - 1.0,
+        "f": LOGP["f"] + 0.5,
+        "c": NAN,
+        "d": LOGP["d"],
+        "e": LOGP["e"] - 0.2,
+    }
     w = {"a": math.exp(0.5), "b": 2.0, "f": math.exp(-0.5), "c": 1.0, "d": 1.0, "e": math.exp(0.2)}
     t = tis_batch(behaviour)
     loss, m = compute_loss(config=LossConfig("grpo", epsilon=0.2, tis_cap=2.0), **t)
@@ -317,10 +320,17 @@ def test_truncated_importance_sampling_hand_example():
 def test_gspo_takes_a_sequence_level_importance_weight():
     # Sample 0: log(pi_old/mu) = 0.3, 0.6, -0.3 -> mean 0.2, weight e^0.2 for all three tokens;
     # sample 1: 1.0, 1.5, 2.0 -> mean 1.5, e^1.5 = 4.48 capped at 2.
-    behaviour = {"a": LOGP["a"] - 0.3, "b": LOGP["b"] - 0.6, "f": LOGP["f"] + 0.3,
-                 "c": LOGP["c"] - 1.0, "d": LOGP["d"] - 1.5, "e": LOGP["e"] - 2.0}
-    loss, m = compute_loss(config=LossConfig("gspo", epsilon=3e-4, epsilon_high=4e-4, tis_cap=2.0),
-                           **tis_batch(behaviour))
+    behaviour = {
+        "a": LOGP["a"] - 0.3,
+        "b": LOGP["b"] - 0.6,
+        "f": LOGP["f"] + 0.3,
+        "c": LOGP["c"] - 1.0,
+        "d": LOGP["d"] - 1.5,
+        "e": LOGP["e"] - 2.0,
+    }
+    loss, m = compute_loss(
+        config=LossConfig("gspo", epsilon=3e-4, epsilon_high=4e-4, tis_cap=2.0), **tis_batch(behaviour)
+    )
     expected = (-1.0 * math.exp(0.2) + 0.5 * 2.0) / 2
     assert loss.item() == pytest.approx(expected, abs=1e-5)
     assert m["tis_capped_fraction"] == pytest.approx(3 / 6)

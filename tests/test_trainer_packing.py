@@ -26,16 +26,30 @@ from trainer.types import LOSS_TYPES, LossConfig, LossNorm, Sample
 NAN = float("nan")
 MAX_TOKENS_PER_ROW = 24
 # (length, prompt length, trajectory): t0 and t3 have two samples each, of unequal lengths.
-SHAPES = [(9, 3, "t0"), (5, 2, "t0"), (14, 4, "t1"), (7, 3, "t2"), (3, 1, "t3"),
-          (11, 5, "t3"), (6, 2, "t4"), (20, 6, "t5"), (4, 2, "t6")]
+SHAPES = [
+    (9, 3, "t0"),
+    (5, 2, "t0"),
+    (14, 4, "t1"),
+    (7, 3, "t2"),
+    (3, 1, "t3"),
+    (11, 5, "t3"),
+    (6, 2, "t4"),
+    (20, 6, "t5"),
+    (4, 2, "t6"),
+]
 ADVANTAGE = {"t0": 1.2, "t1": -0.7, "t2": 0.4, "t3": -1.1, "t4": 0.9, "t5": -0.3, "t6": 0.0}
 
 
 def tiny_qwen2(impl: str, seed: int = 0) -> transformers.Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = transformers.Qwen2Config(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
     )
     config._attn_implementation = impl
     model = transformers.Qwen2ForCausalLM(config).float()
@@ -61,10 +75,16 @@ def make_samples(model) -> list[Sample]:
         # Old logprobs drift from the current ones (some past the clip range); t2 was
         # recorded without logprobs.
         old = [NAN if t < prompt or traj == "t2" else lp[t] + rng.gauss(0.0, 0.3) for t in range(n)]
-        samples.append(Sample(
-            token_ids=tuple(ids), loss_mask=tuple(t >= prompt for t in range(n)),
-            old_logprobs=tuple(old), advantage=ADVANTAGE[traj], trajectory_id=traj, group_id="g",
-        ))
+        samples.append(
+            Sample(
+                token_ids=tuple(ids),
+                loss_mask=tuple(t >= prompt for t in range(n)),
+                old_logprobs=tuple(old),
+                advantage=ADVANTAGE[traj],
+                trajectory_id=traj,
+                group_id="g",
+            )
+        )
     return samples
 
 
@@ -153,24 +173,32 @@ def test_logprobs_at_each_calls_temperature_equal_a_direct_computation(setup):
         n = len(s.token_ids)
         # two "calls" per sample: the first half of the completion at one temperature, the rest at another
         temps = tuple(1.0 if t == 0 else (0.5 + 0.1 * k if t < n // 2 else 1.3) for t in range(n))
-        tempered.append(Sample(s.token_ids, s.loss_mask, s.old_logprobs, s.advantage, s.trajectory_id, s.group_id,
-                               temperatures=temps))
+        tempered.append(
+            Sample(
+                s.token_ids, s.loss_mask, s.old_logprobs, s.advantage, s.trajectory_id, s.group_id, temperatures=temps
+            )
+        )
     with torch.no_grad():
         for row in pack(tempered, MAX_TOKENS_PER_ROW):
             lp_T = token_logprobs(model, row)
             for i in row.sample_indices:
                 ids = torch.tensor(tempered[i].token_ids)
                 logits_TV = model(input_ids=ids[None]).logits[0].double()
-                want = [0.0] + [float(torch.log_softmax(logits_TV[t - 1] / tempered[i].temperatures[t], dim=-1)[ids[t]])
-                                for t in range(1, len(ids))]
-                torch.testing.assert_close(lp_T[row.segment_ids_T == i].double(), torch.tensor(want, dtype=torch.float64),
-                                           atol=1e-5, rtol=0)
+                want = [0.0] + [
+                    float(torch.log_softmax(logits_TV[t - 1] / tempered[i].temperatures[t], dim=-1)[ids[t]])
+                    for t in range(1, len(ids))
+                ]
+                torch.testing.assert_close(
+                    lp_T[row.segment_ids_T == i].double(), torch.tensor(want, dtype=torch.float64), atol=1e-5, rtol=0
+                )
         padded = padded_batch(tempered)
         lp_BT = padded_token_logprobs(model, padded)
         row = pack(tempered, MAX_TOKENS_PER_ROW)[0]
         for i in row.sample_indices:
             n = len(tempered[i].token_ids)
-            torch.testing.assert_close(lp_BT[i, :n], token_logprobs(model, row)[row.segment_ids_T == i], atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                lp_BT[i, :n], token_logprobs(model, row)[row.segment_ids_T == i], atol=1e-5, rtol=0
+            )
 
 
 def test_packed_logprobs_equal_each_sample_alone(setup):
@@ -196,8 +224,18 @@ def _unpacked(model, ref_model, samples):
     traj_tokens = Counter()
     for s in samples:
         traj_tokens[s.trajectory_id] += s.num_loss_tokens
-    cols = {k: [] for k in ("logprobs", "ref_logprobs", "old_logprobs", "advantages",
-                            "loss_mask", "segment_ids", "trajectory_tokens")}
+    cols = {
+        k: []
+        for k in (
+            "logprobs",
+            "ref_logprobs",
+            "old_logprobs",
+            "advantages",
+            "loss_mask",
+            "segment_ids",
+            "trajectory_tokens",
+        )
+    }
     for i, s in enumerate(samples):
         n = len(s.token_ids)
         cols["logprobs"].append(alone_logprobs(model, s.token_ids))
@@ -219,12 +257,18 @@ def _packed(model, ref_model, samples):
     for row in pack(samples, MAX_TOKENS_PER_ROW):
         with torch.no_grad():
             ref_T = token_logprobs(ref_model, row)
-        chunks.append(dict(
-            logprobs=token_logprobs(model, row), ref_logprobs=ref_T,
-            old_logprobs=row.old_logprobs_T, advantages=row.advantages_T,
-            loss_mask=row.loss_mask_T, segment_ids=row.segment_ids_T,
-            trajectory_tokens=row.trajectory_tokens_T, norm=norm,
-        ))
+        chunks.append(
+            dict(
+                logprobs=token_logprobs(model, row),
+                ref_logprobs=ref_T,
+                old_logprobs=row.old_logprobs_T,
+                advantages=row.advantages_T,
+                loss_mask=row.loss_mask_T,
+                segment_ids=row.segment_ids_T,
+                trajectory_tokens=row.trajectory_tokens_T,
+                norm=norm,
+            )
+        )
     return chunks
 
 
@@ -232,12 +276,18 @@ def _padded(model, ref_model, samples):
     batch = padded_batch(samples)
     with torch.no_grad():
         ref_BT = padded_token_logprobs(ref_model, batch)
-    return [dict(
-        logprobs=padded_token_logprobs(model, batch), ref_logprobs=ref_BT,
-        old_logprobs=batch.old_logprobs_BT, advantages=batch.advantages_BT,
-        loss_mask=batch.loss_mask_BT, segment_ids=batch.segment_ids_BT,
-        trajectory_tokens=batch.trajectory_tokens_BT, norm=None,
-    )]
+    return [
+        dict(
+            logprobs=padded_token_logprobs(model, batch),
+            ref_logprobs=ref_BT,
+            old_logprobs=batch.old_logprobs_BT,
+            advantages=batch.advantages_BT,
+            loss_mask=batch.loss_mask_BT,
+            segment_ids=batch.segment_ids_BT,
+            trajectory_tokens=batch.trajectory_tokens_BT,
+            norm=None,
+        )
+    ]
 
 
 @pytest.fixture(scope="module")

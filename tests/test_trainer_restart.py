@@ -24,16 +24,46 @@ GROUPS = [f"g{i}" for i in range(6)]
 
 def train_cmd(state_dir: Path) -> list[str]:
     """`rlproxy train` with the settings of `trainer_settings`."""
-    return [sys.executable, "-m", "gateway.cli", "train", "--state-dir", str(state_dir), "--groups-per-step", "2",
-            "--poll-interval", "0.05", "--lora-rank", "4", "--lora-alpha", "8", "--learning-rate", "0.01",
-            "--max-tokens-per-row", "256"]
+    return [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "train",
+        "--state-dir",
+        str(state_dir),
+        "--groups-per-step",
+        "2",
+        "--poll-interval",
+        "0.05",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--learning-rate",
+        "0.01",
+        "--max-tokens-per-row",
+        "256",
+    ]
 
 
 def kill_at(state_dir: Path, phase: str) -> str:
     """Run the worker until it pauses at `phase` of a step, SIGKILL it; return its log."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RLPROXY_TORCH_THREADS": "1", "RLPROXY_TEST_PAUSE_AT": phase, "RLPROXY_TEST_PAUSE_SECONDS": "120"}
-    proc = subprocess.Popen(train_cmd(state_dir), cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "RLPROXY_TORCH_THREADS": "1",
+        "RLPROXY_TEST_PAUSE_AT": phase,
+        "RLPROXY_TEST_PAUSE_SECONDS": "120",
+    }
+    proc = subprocess.Popen(
+        train_cmd(state_dir),
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     try:
         for line in proc.stderr:

@@ -7,18 +7,29 @@ Q1 = [{"role": "user", "content": "what is 2+2?"}]
 
 
 def call(call_id, messages, answer, prompt, completion, status="ok", http_status=200):
-    return {"id": call_id, "status": status, "http_status": http_status,
-            "request": {"model": "m", "messages": messages},
-            "response": {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]},
-            "prompt_ids": prompt, "completion_ids": [completion], "behaviour_logprobs": [[-0.5] * len(completion)]}
+    return {
+        "id": call_id,
+        "status": status,
+        "http_status": http_status,
+        "request": {"model": "m", "messages": messages},
+        "response": {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]},
+        "prompt_ids": prompt,
+        "completion_ids": [completion],
+        "behaviour_logprobs": [[-0.5] * len(completion)],
+    }
 
 
 def test_retry_whose_first_answer_was_dropped():
     # The client timed out on `a` and retried (`b`, same request); it went on from b's answer.
     a = call("a", Q1, "five", [1, 2], [50])
     b = call("b", Q1, "four", [1, 2], [40])
-    c = call("c", [*Q1, {"role": "assistant", "content": "four"}, {"role": "user", "content": "sure?"}],
-             "yes", [1, 2, 40, 3], [60])
+    c = call(
+        "c",
+        [*Q1, {"role": "assistant", "content": "four"}, {"role": "user", "content": "sure?"}],
+        "yes",
+        [1, 2, 40, 3],
+        [60],
+    )
     assert retry_orphans([a, b, c]) == {"a"}
     samples = trajectory_samples([a, b, c], trajectory_id="s", group_id="g", advantage=1.0)
     # By hand: b then c merge into one sequence; a's token 50 appears nowhere.
@@ -29,8 +40,13 @@ def test_conversation_continued_from_the_first_answer():
     # The retry's answer arrived but the client had already gone on with the first one.
     a = call("a", Q1, "four", [1, 2], [40])
     b = call("b", Q1, "five", [1, 2], [50])
-    c = call("c", [*Q1, {"role": "assistant", "content": "four"}, {"role": "user", "content": "ok"}], "x",
-             [1, 2, 40, 3], [60])
+    c = call(
+        "c",
+        [*Q1, {"role": "assistant", "content": "four"}, {"role": "user", "content": "ok"}],
+        "x",
+        [1, 2, 40, 3],
+        [60],
+    )
     assert retry_orphans([a, b, c]) == {"b"}
     assert [x["id"] for x in trainable_calls([a, b, c])] == ["a", "c"]
 

@@ -15,8 +15,11 @@ from trainer.worker import MAX_ATTEMPTS, TrainerWorker
 
 
 def files_digest(root) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.startswith(".")
+    }
 
 
 @pytest.fixture
@@ -125,6 +128,7 @@ def test_a_discard_that_races_the_step_takes_it_back(worker, monkeypatch, phase)
     def discard_now(at: str, step: int) -> None:
         if at == phase:  # after training (train) or after the checkpoint was written (record)
             import asyncio
+
             asyncio.run(worker.store.discard_session(victim, "the rollout crashed"))
 
     monkeypatch.setattr(worker_module, "_test_pause", discard_now)
@@ -149,6 +153,7 @@ def test_a_group_with_an_over_long_sample_is_never_trained_in_part(tmp_path):
     recorder.call("long-s0", "long", "What is " + "very " * 80 + "long?", "No.")
     recorder.call("long-s1", "long", "What is 1?", "It is 42.")
     import asyncio
+
     asyncio.run(recorder.store.set_reward("long-s0", 1.0))
     asyncio.run(recorder.store.set_reward("long-s1", 0.0))
     asyncio.run(recorder.store.close_group("long"))

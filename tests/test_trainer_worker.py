@@ -34,8 +34,13 @@ def test_checkpoint_is_a_peft_adapter_that_loads(trained):
     root = settings.checkpoints_dir()
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["0000", "0001"]
     step1 = root / "0001"
-    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "settings.json",
-                 "trainer_state.json"):
+    for name in (
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.pt",
+        "settings.json",
+        "trainer_state.json",
+    ):
         assert (step1 / name).is_file(), name
     assert json.loads((step1 / "settings.json").read_text())["lora_rank"] == 4
 
@@ -44,8 +49,8 @@ def test_checkpoint_is_a_peft_adapter_that_loads(trained):
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # trained: B left zero
     fresh = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(resolve_base_model(settings.base_model, settings.state_dir)),
-        root / "0000")
+        AutoModelForCausalLM.from_pretrained(resolve_base_model(settings.base_model, settings.state_dir)), root / "0000"
+    )
     assert all(p.abs().sum() == 0 for n, p in fresh.named_parameters() if "lora_B" in n)
 
 
@@ -57,8 +62,17 @@ def test_step_row_with_metrics_and_groups_marked(trained):
     assert step1["path"] == str((settings.checkpoints_dir() / "0001").resolve())
     assert sorted(step1["groups"]) == ["g1", "g2"]
     metrics = step1["metrics"]
-    for key in ("loss", "reward_mean", "reward_std", "kl", "tokens", "seconds", "groups", "skipped_groups",
-                "clip_fraction"):
+    for key in (
+        "loss",
+        "reward_mean",
+        "reward_std",
+        "kl",
+        "tokens",
+        "seconds",
+        "groups",
+        "skipped_groups",
+        "clip_fraction",
+    ):
         assert key in metrics, key
     assert metrics["groups"] == 2 and metrics["skipped_groups"] == 1
     assert metrics["reward_mean"] == pytest.approx(2.5 / 5)
@@ -104,8 +118,22 @@ def test_dedicated_gpu_mode_skips_groups_sampled_too_long_ago(tmp_path):
 def test_serve_hands_its_settings_to_the_trainer_and_starts_none_where_pointless(caplog):
     from gateway.cli import _settings_argv, _start_trainer, build_parser, settings_from_args
 
-    serve = build_parser().parse_args(["serve", "--port", "9", "--model-name", "m", "--beta", "0.05",
-                                       "--vllm-arg=--enforce-eager", "--api-key", "sk-secret", "--loss-type", "dapo"])
+    serve = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9",
+            "--model-name",
+            "m",
+            "--beta",
+            "0.05",
+            "--vllm-arg=--enforce-eager",
+            "--api-key",
+            "sk-secret",
+            "--loss-type",
+            "dapo",
+        ]
+    )
     argv = _settings_argv(serve)
     assert "sk-secret" not in argv and "--api-key" not in argv
     train = build_parser().parse_args(["train", *argv])

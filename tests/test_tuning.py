@@ -21,5 +21,7 @@ def test_the_start_log_names_the_settings_tuning_chose(caplog):
     with caplog.at_level(logging.INFO, logger="test.tuning"):
         log_settings(settings, logging.getLogger("test.tuning"), "serve")
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line.startswith(f"serve settings (tuned for {TINY_INSTRUCT_MODEL_ID}: groups_per_step, lora_alpha, lora_rank):")
+    assert line.startswith(
+        f"serve settings (tuned for {TINY_INSTRUCT_MODEL_ID}: groups_per_step, lora_alpha, lora_rank):"
+    )
     assert "'learning_rate': 0.0003" in line

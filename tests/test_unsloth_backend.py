@@ -62,8 +62,15 @@ class TinyUnslothLM(torch.nn.Module):
 
     def forward(self, input_ids=None, position_ids=None, packed_seq_lengths=None, use_cache=None, **kwargs):
         returns_hidden = os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES") == "1"
-        self.forwards.append({"position_ids": position_ids, "packed_seq_lengths": packed_seq_lengths,
-                              "use_cache": use_cache, "returns_hidden": returns_hidden, "extra": sorted(kwargs)})
+        self.forwards.append(
+            {
+                "position_ids": position_ids,
+                "packed_seq_lengths": packed_seq_lengths,
+                "use_cache": use_cache,
+                "returns_hidden": returns_hidden,
+                "extra": sorted(kwargs),
+            }
+        )
         hidden = self.hidden(input_ids)
         return SimpleNamespace(logits=hidden if returns_hidden else self.lm_head(hidden))
 
@@ -83,8 +90,13 @@ def recording_unsloth(calls: list):
         def get_peft_model(model, **kwargs):
             calls.append(("get_peft_model", kwargs))
             present = [m for m in kwargs["target_modules"] if hasattr(model, m)]
-            config = LoraConfig(r=kwargs["r"], lora_alpha=kwargs["lora_alpha"], lora_dropout=kwargs["lora_dropout"],
-                                target_modules=present, init_lora_weights=False)
+            config = LoraConfig(
+                r=kwargs["r"],
+                lora_alpha=kwargs["lora_alpha"],
+                lora_dropout=kwargs["lora_dropout"],
+                target_modules=present,
+                init_lora_weights=False,
+            )
             torch.manual_seed(kwargs["random_state"])
             return get_peft_model(model, config)
 
@@ -111,17 +123,32 @@ def unsloth_standin(monkeypatch):
 
 
 def settings(tmp_path, **overrides) -> Settings:
-    values = dict(backend="unsloth", device="cuda:1", base_model="Qwen/Qwen2.5-7B-Instruct", lora_rank=8,
-                  lora_alpha=16, lora_dropout=0.05, seed=7, max_tokens_per_row=1024, learning_rate=1e-3,
-                  state_dir=tmp_path)
+    values = dict(
+        backend="unsloth",
+        device="cuda:1",
+        base_model="Qwen/Qwen2.5-7B-Instruct",
+        lora_rank=8,
+        lora_alpha=16,
+        lora_dropout=0.05,
+        seed=7,
+        max_tokens_per_row=1024,
+        learning_rate=1e-3,
+        state_dir=tmp_path,
+    )
     values.update(overrides)
     return Settings(**values)
 
 
 def sample(ids, n_prompt, advantage=1.0, trajectory="t0"):
     mask = tuple([False] * n_prompt + [True] * (len(ids) - n_prompt))
-    return Sample(token_ids=tuple(ids), loss_mask=mask, old_logprobs=tuple([float("nan")] * len(ids)),
-                  advantage=advantage, trajectory_id=trajectory, group_id="g")
+    return Sample(
+        token_ids=tuple(ids),
+        loss_mask=mask,
+        old_logprobs=tuple([float("nan")] * len(ids)),
+        advantage=advantage,
+        trajectory_id=trajectory,
+        group_id="g",
+    )
 
 
 def test_calls_unsloth_as_documented_in_order(tmp_path, unsloth_standin):
@@ -129,11 +156,24 @@ def test_calls_unsloth_as_documented_in_order(tmp_path, unsloth_standin):
     assert [name for name, _ in unsloth_standin] == ["from_pretrained", "get_peft_model", "for_training"]
     _, loaded = unsloth_standin[0]
     # 16-bit LoRA on the exact id vLLM serves (issue 8): no swap to a bnb-4bit copy
-    assert loaded == {"model_name": "Qwen/Qwen2.5-7B-Instruct", "max_seq_length": 1024, "load_in_4bit": False,
-                      "load_in_16bit": True, "dtype": torch.bfloat16, "use_exact_model_name": True, "device_map": {"": 1}}
+    assert loaded == {
+        "model_name": "Qwen/Qwen2.5-7B-Instruct",
+        "max_seq_length": 1024,
+        "load_in_4bit": False,
+        "load_in_16bit": True,
+        "dtype": torch.bfloat16,
+        "use_exact_model_name": True,
+        "device_map": {"": 1},
+    }
     _, peft = unsloth_standin[1]
-    assert peft == {"r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": list(LORA_TARGET_MODULES),
-                    "use_gradient_checkpointing": "unsloth", "random_state": 7}
+    assert peft == {
+        "r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.05,
+        "target_modules": list(LORA_TARGET_MODULES),
+        "use_gradient_checkpointing": "unsloth",
+        "random_state": 7,
+    }
     assert backend.trainable_parameters() > 0 and backend.pad_token_id == 0
 
 
@@ -165,9 +205,15 @@ def test_logprobs_are_scored_at_the_temperature_each_token_was_sampled_at(tmp_pa
     backend = get_backend("unsloth")(settings(tmp_path, lora_dropout=0.0))
     ids = [3, 4, 5, 6, 7]
     temps = (1.0, 1.0, 0.5, 0.7, 1.3)
-    hot = Sample(token_ids=tuple(ids), loss_mask=(False, False, True, True, True),
-                 old_logprobs=tuple([float("nan")] * 5), advantage=1.0, trajectory_id="t0", group_id="g",
-                 temperatures=temps)
+    hot = Sample(
+        token_ids=tuple(ids),
+        loss_mask=(False, False, True, True, True),
+        old_logprobs=tuple([float("nan")] * 5),
+        advantage=1.0,
+        trajectory_id="t0",
+        group_id="g",
+        temperatures=temps,
+    )
     (row,) = pack([hot], max_tokens_per_row=64)
     got = backend.token_logprobs(row).detach()
     with torch.no_grad():

@@ -58,7 +58,7 @@ class AppLoop:
             self.loop = asyncio.get_running_loop()
             return {}
 
-    def attach(self, url: str) -> "AppLoop":
+    def attach(self, url: str) -> AppLoop:
         httpx.get(url + "/_test/loop").raise_for_status()
         return self
 
@@ -74,7 +74,7 @@ class Gateway:
         self.loop = AppLoop(self.app)
         self.server = ThreadServer(self.app)
 
-    def __enter__(self) -> "Gateway":
+    def __enter__(self) -> Gateway:
         self.server.__enter__()
         self.loop.attach(self.server.url)
         self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -135,27 +135,71 @@ def reference_mu(n: int, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty
 
 
 def test_vllm_serve_command_and_environment():
-    cmd = vllm_command(BASE, port=8011, max_loras=3, lora_rank=20, sleep_mode=True,
-                       extra_args=["--gpu-memory-utilization=0.6", "--max-model-len=8192"])
-    assert cmd == ["vllm", "serve", BASE, "--host", "127.0.0.1", "--port", "8011", "--enable-lora",
-                   "--max-lora-rank", "32", "--max-loras", "3", "--generation-config", "vllm",
-                   "--logprobs-mode", "processed_logprobs", "--enable-auto-tool-choice", "--tool-call-parser",
-                   "hermes", "--enable-sleep-mode", "--gpu-memory-utilization=0.6", "--max-model-len=8192"]
+    cmd = vllm_command(
+        BASE,
+        port=8011,
+        max_loras=3,
+        lora_rank=20,
+        sleep_mode=True,
+        extra_args=["--gpu-memory-utilization=0.6", "--max-model-len=8192"],
+    )
+    assert cmd == [
+        "vllm",
+        "serve",
+        BASE,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8011",
+        "--enable-lora",
+        "--max-lora-rank",
+        "32",
+        "--max-loras",
+        "3",
+        "--generation-config",
+        "vllm",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-sleep-mode",
+        "--gpu-memory-utilization=0.6",
+        "--max-model-len=8192",
+    ]
     # vLLM's own tool parser, unless --vllm-arg names another
-    mistral = vllm_command(BASE, port=1, max_loras=1, lora_rank=8, sleep_mode=False,
-                           extra_args=["--tool-call-parser", "mistral"])
+    mistral = vllm_command(
+        BASE, port=1, max_loras=1, lora_rank=8, sleep_mode=False, extra_args=["--tool-call-parser", "mistral"]
+    )
     assert "hermes" not in mistral and mistral[-2:] == ["--tool-call-parser", "mistral"]
     # --vllm-python: vLLM's server module in that environment, the same flags after it
-    module = vllm_command("/models/tiny", port=1, max_loras=1, lora_rank=8, sleep_mode=False,
-                          python="/venv/bin/python", served_name="rlproxy/tiny-qwen2")
-    assert module[:8] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/tiny",
-                          "--served-model-name", "rlproxy/tiny-qwen2", "--host"]
+    module = vllm_command(
+        "/models/tiny",
+        port=1,
+        max_loras=1,
+        lora_rank=8,
+        sleep_mode=False,
+        python="/venv/bin/python",
+        served_name="rlproxy/tiny-qwen2",
+    )
+    assert module[:8] == [
+        "/venv/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/tiny",
+        "--served-model-name",
+        "rlproxy/tiny-qwen2",
+        "--host",
+    ]
     # our share only where the user gave none; 4-bit training: vLLM serves the bnb checkpoint
-    shared = vllm_command(BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=True, memory_share=0.713,
-                          quantization="bitsandbytes")
+    shared = vllm_command(
+        BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=True, memory_share=0.713, quantization="bitsandbytes"
+    )
     assert shared[-4:] == ["--gpu-memory-utilization", "0.71", "--quantization", "bitsandbytes"]
-    assert "--gpu-memory-utilization" not in vllm_command(BASE, port=1, max_loras=1, lora_rank=16,
-                                                          sleep_mode=False, memory_share=0.7)
+    assert "--gpu-memory-utilization" not in vllm_command(
+        BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=False, memory_share=0.7
+    )
     assert "--enable-sleep-mode" not in vllm_command(BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=False)
     assert [max_lora_rank_for(r) for r in (1, 2, 8, 16, 17, 64, 300)] == [1, 8, 8, 16, 32, 64, 320]
     with pytest.raises(ConfigError, match="512"):
@@ -164,14 +208,20 @@ def test_vllm_serve_command_and_environment():
     assert colocated == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
     # the CPU build: a KV cache of 1 GiB unless the user set one
     assert vllm_environment(sleep_mode=False, base={}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert vllm_environment(sleep_mode=False, base={"VLLM_CPU_KVCACHE_SPACE": "4"}, cpu=True)[
-        "VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert (
+        vllm_environment(sleep_mode=False, base={"VLLM_CPU_KVCACHE_SPACE": "4"}, cpu=True)["VLLM_CPU_KVCACHE_SPACE"]
+        == "4"
+    )
     assert "VLLM_SERVER_DEV_MODE" not in vllm_environment(sleep_mode=False, base={})
     # the trainer's device decides vLLM's GPU, unless the user already chose one
     assert vllm_gpu_for("cuda:1", "colocated") == "1" and vllm_gpu_for("cuda:1", "dedicated") == "0"
     assert vllm_gpu_for("cuda", "dedicated") == "1" and vllm_gpu_for("cpu", "dedicated") is None
-    assert vllm_environment(sleep_mode=False, cuda_visible_devices="1",
-                            base={"CUDA_VISIBLE_DEVICES": "3"})["CUDA_VISIBLE_DEVICES"] == "3"
+    assert (
+        vllm_environment(sleep_mode=False, cuda_visible_devices="1", base={"CUDA_VISIBLE_DEVICES": "3"})[
+            "CUDA_VISIBLE_DEVICES"
+        ]
+        == "3"
+    )
 
 
 def test_from_settings(tmp_path):
@@ -182,11 +232,16 @@ def test_from_settings(tmp_path):
     assert command[command.index("--served-model-name") + 1] == "rlproxy/tiny-qwen2"
     attached = VLLMEngine.from_settings(vllm_settings(tmp_path, vllm_url="http://127.0.0.1:9/v1"))
     assert not attached.managed and attached.url == "http://127.0.0.1:9"
-    managed = VLLMEngine.from_settings(vllm_settings(tmp_path, vllm_port=8123, vllm_arg=["--enforce-eager"],
-                                                     gpu_mode="colocated", device="cuda:0"))
+    managed = VLLMEngine.from_settings(
+        vllm_settings(tmp_path, vllm_port=8123, vllm_arg=["--enforce-eager"], gpu_mode="colocated", device="cuda:0")
+    )
     assert managed.managed and managed.url == "http://127.0.0.1:8123"
-    assert managed.process.command[-4:] == ["--enable-sleep-mode", "--gpu-memory-utilization", "0.50",
-                                            "--enforce-eager"]  # no nvidia-smi here: the fallback share
+    assert managed.process.command[-4:] == [
+        "--enable-sleep-mode",
+        "--gpu-memory-utilization",
+        "0.50",
+        "--enforce-eager",
+    ]  # no nvidia-smi here: the fallback share
     assert managed.process.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert managed.process.log_path == tmp_path / "state" / "vllm.log"
     assert managed.kind == "vllm" and managed.supports_adapters and managed.base_model_id == BASE
@@ -195,17 +250,35 @@ def test_from_settings(tmp_path):
 def test_request_body_asks_for_token_ids_and_logprobs():
     body = {"model": "agent", "messages": MESSAGES, "temperature": 0.7}
     sent = vllm_body(body, "agent@3", ClientAsk.of(body))
-    assert sent == {**body, "model": "agent@3", "return_token_ids": True, "logprobs": True, "top_logprobs": 0,
-                    "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "repetition_penalty": 1.0}  # every field explicit: no generation-config default applies
+    assert sent == {
+        **body,
+        "model": "agent@3",
+        "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+    }  # every field explicit: no generation-config default applies
     asked = {**body, "logprobs": True, "top_logprobs": 3}
     assert vllm_body(asked, BASE, ClientAsk.of(asked))["top_logprobs"] == 3
 
 
 def test_misaligned_logprobs_are_dropped_not_recorded():
-    data = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "token_ids": [1, 2],
-                         "logprobs": {"content": [{"token": "hi", "logprob": -0.5, "top_logprobs": []}]}}],
-            "prompt_token_ids": [7]}
+    data = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "token_ids": [1, 2],
+                "logprobs": {"content": [{"token": "hi", "logprob": -0.5, "top_logprobs": []}]},
+            }
+        ],
+        "prompt_token_ids": [7],
+    }
     response, tokens = split_completion(data, ClientAsk(False, 0, False))
     assert tokens.choices[0].completion_ids == [1, 2] and tokens.choices[0].logprobs is None
     assert response["choices"][0]["logprobs"] is None and "prompt_token_ids" not in response
@@ -219,8 +292,11 @@ def test_misaligned_logprobs_are_dropped_not_recorded():
 
 def test_stream_records_tokens_from_chunks(gateway):
     gateway.fake.parser_holds = True  # the first token's chunk carries ids only
-    chunks = list(gateway.client.chat.completions.create(
-        model=BASE, messages=MESSAGES, max_tokens=5, stream=True, extra_headers={"X-Session-Id": "s-stream"}))
+    chunks = list(
+        gateway.client.chat.completions.create(
+            model=BASE, messages=MESSAGES, max_tokens=5, stream=True, extra_headers={"X-Session-Id": "s-stream"}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == f"[{BASE}] hello from the fake"
     for chunk in chunks:
@@ -245,9 +321,13 @@ async def test_a_misconfigured_vllm_is_caught(caplog):
         try:
             assert "returns raw logprobs" in caplog.text
             assert await engine._check_logprobs_mode() is False
-            done = await engine.complete(EngineRequest(body={"model": BASE, "messages": MESSAGES, "max_tokens": 4,
-                                                             "temperature": 0.5},
-                                                       adapter=None, request_id="r"))
+            done = await engine.complete(
+                EngineRequest(
+                    body={"model": BASE, "messages": MESSAGES, "max_tokens": 4, "temperature": 0.5},
+                    adapter=None,
+                    request_id="r",
+                )
+            )
             assert fake.sampling[-1]["top_p"] == 1.0 and fake.sampling[-1]["top_k"] == -1  # not 0.8 / 20
             assert done.tokens.choices[0].logprobs != pytest.approx(reference_mu(4, temperature=0.5))  # raw
         finally:
@@ -282,14 +362,19 @@ async def test_sleep_wake_and_is_sleeping(tmp_path):
             assert "agent@2" not in fake.loaded
             # the stand-in refuses it as vLLM must (LoRA slots unmapped at level 1)
             async with httpx.AsyncClient() as client:
-                refused = await client.post(server.url + "/v1/load_lora_adapter",
-                                            json={"lora_name": "x", "lora_path": str(path)})
+                refused = await client.post(
+                    server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(path)}
+                )
             assert refused.status_code == 500 and "sleeping" in refused.text
             await engine.wake_up()
             assert await engine.is_sleeping() is False
             assert "agent@2" in fake.loaded
-            assert [e["kind"] for e in fake.events if e["kind"] != "chat"] == ["sleep", "load_refused_asleep",
-                                                                               "wake_up", "load"]
+            assert [e["kind"] for e in fake.events if e["kind"] != "chat"] == [
+                "sleep",
+                "load_refused_asleep",
+                "wake_up",
+                "load",
+            ]
             assert [e for e in fake.events if e["kind"] == "sleep"][0]["level"] == 1
         finally:
             await engine.close()
@@ -347,8 +432,15 @@ def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
         # vLLM dies after two chunks of a stream: the client gets a clear error in the stream
         script_fake(engine.url, crash_after_chunks=2)
         with pytest.raises(openai.APIError) as info:
-            list(gw.client.chat.completions.create(model="agent", messages=MESSAGES, stream=True, max_tokens=5,
-                                                   extra_headers={"X-Session-Id": "s-crash"}))
+            list(
+                gw.client.chat.completions.create(
+                    model="agent",
+                    messages=MESSAGES,
+                    stream=True,
+                    max_tokens=5,
+                    extra_headers={"X-Session-Id": "s-crash"},
+                )
+            )
         assert "went away" in str(info.value)
         (call,) = gw.calls("s-crash")
         assert call["status"] == "error" and call["http_status"] == 503 and "restarting" in call["error"]
@@ -365,8 +457,7 @@ def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
 
         # a crash before any byte of a non-stream answer: 503 too, and back again
         script_fake(engine.url, crash_after_chunks=0)
-        assert "went away" in _expect_503(lambda: gw.client.chat.completions.create(model="agent",
-                                                                                    messages=MESSAGES))
+        assert "went away" in _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
         wait_until(lambda: _answers(gw.client, "agent"), what="vLLM restarted again")
     assert not engine.process.running  # the gateway stopped vLLM on the way out
     assert "rlproxy starts: " in (tmp_path / "state" / "vllm.log").read_text()
@@ -383,8 +474,11 @@ def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
             script_fake(url, crash_after_chunks=0)
             message = _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
             assert "went away" in message
-            wait_until(lambda: _expect_503(lambda: gw.client.chat.completions.create(
-                model="agent", messages=MESSAGES)) is not None, what="503 while vLLM is gone")
+            wait_until(
+                lambda: _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
+                is not None,
+                what="503 while vLLM is gone",
+            )
             health = httpx.get(str(gw.client.base_url).removesuffix("/v1/") + "/healthz")
             assert health.status_code == 503 and health.json()["status"] == "degraded"
             assert health.json()["reason"].startswith("the vllm engine cannot serve")
@@ -422,16 +516,23 @@ def _stand_ins(bin_dir: Path) -> None:
         (bin_dir / name).chmod(0o755)
 
 
-@pytest.mark.parametrize("mode, vllm_arg", [("colocated", []), ("dedicated", []),
-                                            ("colocated", ["--gpu-memory-utilization=0.55"])])
+@pytest.mark.parametrize(
+    "mode, vllm_arg", [("colocated", []), ("dedicated", []), ("colocated", ["--gpu-memory-utilization=0.55"])]
+)
 async def test_managed_vllm_command_line_and_environment_through_path(tmp_path, monkeypatch, mode, vllm_arg):
     """Acceptance (issue 9): the managed vLLM as started through a stand-in `vllm` on PATH."""
     _stand_ins(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    settings = vllm_settings(tmp_path, gpu_mode=mode, device="cuda:0", vllm_port=free_port(), vllm_arg=vllm_arg,
-                             base_model="Qwen/Qwen2.5-7B-Instruct")
+    settings = vllm_settings(
+        tmp_path,
+        gpu_mode=mode,
+        device="cuda:0",
+        vllm_port=free_port(),
+        vllm_arg=vllm_arg,
+        base_model="Qwen/Qwen2.5-7B-Instruct",
+    )
     engine = VLLMEngine.from_settings(settings, startup_timeout=60)
     await engine.start()
     try:
@@ -515,7 +616,15 @@ def test_adapters_target_the_projections_only_so_vllm_serves_them():
 
     from trainer.backends.peft import lora_targets
 
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert lora_targets(model) == projections  # never lm_head: what vLLM serves, whatever the engine

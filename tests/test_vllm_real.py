@@ -53,13 +53,17 @@ class Served:
     def train_group(self, group: str, rewards: list[float]) -> None:
         for i, reward in enumerate(rewards):
             self.chat(f"{group}-s{i}", group)
-            httpx.post(f"{self.url}/v1/sessions/{group}-s{i}/reward", json={"reward": reward},
-                       timeout=30).raise_for_status()
+            httpx.post(
+                f"{self.url}/v1/sessions/{group}-s{i}/reward", json={"reward": reward}, timeout=30
+            ).raise_for_status()
         httpx.post(f"{self.url}/v1/groups/{group}/close", json={}, timeout=30).raise_for_status()
 
     def vllm_pids(self) -> list[int]:
-        return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)
-                if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
+        return [
+            p.pid
+            for p in psutil.Process(self.proc.pid).children(recursive=True)
+            if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +71,35 @@ def served(tmp_path_factory):
     python = vllm_python()
     state = tmp_path_factory.mktemp("real-vllm")
     port = free_port()
-    args = ["--engine", "vllm", "--vllm-python", python, "--vllm-port", str(port), "--state-dir", str(state),
-            "--model-name", "agent", "--groups-per-step", "1", "--lora-rank", "8", "--learning-rate", "1e-3",
-            "--poll-interval", "0.2"]
+    args = [
+        "--engine",
+        "vllm",
+        "--vllm-python",
+        python,
+        "--vllm-port",
+        str(port),
+        "--state-dir",
+        str(state),
+        "--model-name",
+        "agent",
+        "--groups-per-step",
+        "1",
+        "--lora-rank",
+        "8",
+        "--learning-rate",
+        "1e-3",
+        "--poll-interval",
+        "0.2",
+    ]
     with gateway_process(args, startup_timeout=600) as (proc, url):
         yield Served(url, state, port, proc)
 
 
 def test_the_gateway_starts_the_pinned_vllm_on_the_built_in_model(served):
     assert httpx.get(served.vllm_url + "/version", timeout=10).json()["version"] == VLLM_VERSION
-    command = [line for line in (served.state_dir / "vllm.log").read_text().splitlines()
-               if "rlproxy starts:" in line][0]
+    command = [line for line in (served.state_dir / "vllm.log").read_text().splitlines() if "rlproxy starts:" in line][
+        0
+    ]
     assert "-m vllm.entrypoints.openai.api_server --model " in command
     assert "--served-model-name rlproxy/tiny-qwen2" in command
     assert "--tool-call-parser hermes" in command
@@ -90,8 +112,9 @@ def test_the_gateway_starts_the_pinned_vllm_on_the_built_in_model(served):
 def test_chat_records_token_ids_and_the_processed_logprobs(served):
     from transformers import AutoModelForCausalLM
 
-    result = served.chat("mu", model="rlproxy/tiny-qwen2", temperature=0.5, top_p=0.5,
-                         extra_body={"top_k": 20}, max_tokens=16)
+    result = served.chat(
+        "mu", model="rlproxy/tiny-qwen2", temperature=0.5, top_p=0.5, extra_body={"top_k": 20}, max_tokens=16
+    )
     completion = result.parse()
     assert completion.choices[0].logprobs is None  # the client asked for none
     assert not hasattr(completion.choices[0], "token_ids") or completion.choices[0].token_ids is None
@@ -104,8 +127,11 @@ def test_chat_records_token_ids_and_the_processed_logprobs(served):
 
 
 def test_streamed_chat_records_the_same_as_whole(served):
-    chunks = list(served.client.chat.completions.create(
-        model="agent", messages=MESSAGES, max_tokens=8, stream=True, extra_headers={"X-Session-Id": "stream"}))
+    chunks = list(
+        served.client.chat.completions.create(
+            model="agent", messages=MESSAGES, max_tokens=8, stream=True, extra_headers={"X-Session-Id": "stream"}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     (call,) = served.store.session_calls("stream")
     assert call["status"] == "ok" and call["stream"]
@@ -117,12 +143,19 @@ def test_penalties_are_in_the_recorded_logprobs(served):
     from transformers import AutoModelForCausalLM
 
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.3)
-    served.chat("penalised", model="rlproxy/tiny-qwen2", temperature=0.8, max_tokens=24,
-                extra_body={"top_k": 20, "repetition_penalty": 1.2}, **penalties)
+    served.chat(
+        "penalised",
+        model="rlproxy/tiny-qwen2",
+        temperature=0.8,
+        max_tokens=24,
+        extra_body={"top_k": 20, "repetition_penalty": 1.2},
+        **penalties,
+    )
     (call,) = served.store.session_calls("penalised")
-    assert {k: call["sampling"][k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                                             "top_k", "temperature")} == {
-        **penalties, "repetition_penalty": 1.2, "top_k": 20, "temperature": 0.8}
+    assert {
+        k: call["sampling"][k]
+        for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "temperature")
+    } == {**penalties, "repetition_penalty": 1.2, "top_k": 20, "temperature": 0.8}
     prompt, (ids,), (mu,) = call["prompt_ids"], call["completion_ids"], call["behaviour_logprobs"]
     model = AutoModelForCausalLM.from_pretrained(resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)).eval()
     expected = processed_logprobs(model, prompt, ids, temperature=0.8, top_k=20, repetition_penalty=1.2, **penalties)
@@ -142,18 +175,28 @@ def test_the_client_gets_only_what_it_asked_for(served):
         entries = choice.logprobs.content
         assert [len(entry.top_logprobs) for entry in entries] == [2] * len(entries) and len(ids) == len(mu)
         # what vLLM told the client is what was recorded as mu, token for token
-        assert [entry.logprob for entry in entries] == pytest.approx(mu[:len(entries)], abs=1e-6)
+        assert [entry.logprob for entry in entries] == pytest.approx(mu[: len(entries)], abs=1e-6)
     # a client that asks for vLLM's token ids gets them, and they are the recorded ones
-    raw = served.chat("ids", model="rlproxy/tiny-qwen2", max_tokens=3,
-                      extra_body={"return_token_ids": True}).http_response.json()
+    raw = served.chat(
+        "ids", model="rlproxy/tiny-qwen2", max_tokens=3, extra_body={"return_token_ids": True}
+    ).http_response.json()
     (call,) = served.store.session_calls("ids")
     assert raw["prompt_token_ids"] == call["prompt_ids"] and raw["choices"][0]["token_ids"] == call["completion_ids"][0]
 
 
 def test_streamed_logprobs_and_usage(served):
-    chunks = list(served.client.chat.completions.create(
-        model="rlproxy/tiny-qwen2", messages=MESSAGES, max_tokens=4, stream=True, logprobs=True, top_logprobs=1,
-        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": "stream-lp"}))
+    chunks = list(
+        served.client.chat.completions.create(
+            model="rlproxy/tiny-qwen2",
+            messages=MESSAGES,
+            max_tokens=4,
+            stream=True,
+            logprobs=True,
+            top_logprobs=1,
+            stream_options={"include_usage": True},
+            extra_headers={"X-Session-Id": "stream-lp"},
+        )
+    )
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert all(len(entry.top_logprobs) == 1 for entry in entries)
     assert all("token_ids" not in (choice.model_extra or {}) for c in chunks for choice in c.choices)
@@ -177,8 +220,12 @@ def test_what_vllm_refuses_keeps_its_meaning(served, tmp_path):
     assert refused.value.code == "context_length_exceeded" and "context is 2048 tokens" in refused.value.message
     # vLLM's own: a prompt past the context (a completion past it is cut to what fits, no error)
     with pytest.raises(openai.BadRequestError) as refused:
-        served.chat("overflow", model="rlproxy/tiny-qwen2", max_tokens=4,
-                    messages=[{"role": "user", "content": "tic tac toe " * 1000}])
+        served.chat(
+            "overflow",
+            model="rlproxy/tiny-qwen2",
+            max_tokens=4,
+            messages=[{"role": "user", "content": "tic tac toe " * 1000}],
+        )
     assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
     assert "maximum context length is 2048 tokens" in refused.value.message
     model_dir = resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)
@@ -201,8 +248,9 @@ def test_what_vllm_refuses_keeps_its_meaning(served, tmp_path):
             # an adapter the engine loaded but vLLM lost, and that cannot be loaded again: vLLM's 404
             engine.adapters["agent@93"] = tmp_path / "nowhere"
             with pytest.raises(UpstreamError, match="does not serve 'agent@93'.*does not exist"):
-                await engine.complete(EngineRequest(body={"model": "agent", "messages": MESSAGES},
-                                                    adapter="agent@93", request_id="lost"))
+                await engine.complete(
+                    EngineRequest(body={"model": "agent", "messages": MESSAGES}, adapter="agent@93", request_id="lost")
+                )
         finally:
             await engine.close()
 
@@ -211,8 +259,9 @@ def test_what_vllm_refuses_keeps_its_meaning(served, tmp_path):
 
 def test_a_trained_step_is_hot_swapped_in_and_served_as_name_at_step(served):
     served.train_group("g1", [0.0, 0.3, 0.6, 1.0])
-    step = wait_until(lambda: next((s for s in served.steps() if s["step"] == 1), None), timeout=300,
-                      interval=0.5, what="step 1")
+    step = wait_until(
+        lambda: next((s for s in served.steps() if s["step"] == 1), None), timeout=300, interval=0.5, what="step 1"
+    )
     # The trainer's pi_old (the base model: LoRA's B starts at zero) against vLLM's recorded mu.
     assert step["metrics"]["mismatch_logprob_abs"] < 1e-3, step["metrics"]
     wait_until(lambda: served.chat("after-1").headers.get("X-Model-Step") == "1", timeout=120, what="agent -> @1")
@@ -247,12 +296,16 @@ def test_hot_swap_under_concurrent_calls_fails_none(served):
 
 
 def test_responses_and_messages_routes_over_vllm(served):
-    response = served.client.responses.create(model="agent", input="Say something.", max_output_tokens=8,
-                                              extra_headers={"X-Session-Id": "responses"})
+    response = served.client.responses.create(
+        model="agent", input="Say something.", max_output_tokens=8, extra_headers={"X-Session-Id": "responses"}
+    )
     assert response.status in ("completed", "incomplete") and response.output
     messages = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages.create(
-        model="agent", max_tokens=8, messages=[{"role": "user", "content": "Say something."}],
-        extra_headers={"X-Session-Id": "messages"})
+        model="agent",
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Say something."}],
+        extra_headers={"X-Session-Id": "messages"},
+    )
     assert messages.type == "message" and messages.content
     for session in ("responses", "messages"):
         (call,) = served.store.session_calls(session)
@@ -260,12 +313,23 @@ def test_responses_and_messages_routes_over_vllm(served):
 
 
 def test_attach_to_a_running_vllm(served, tmp_path):
-    args = ["--engine", "vllm", "--vllm-url", served.vllm_url + "/v1", "--state-dir", str(tmp_path),
-            "--model-name", "agent", "--trainer", "off"]
+    args = [
+        "--engine",
+        "vllm",
+        "--vllm-url",
+        served.vllm_url + "/v1",
+        "--state-dir",
+        str(tmp_path),
+        "--model-name",
+        "agent",
+        "--trainer",
+        "off",
+    ]
     with gateway_process(args, startup_timeout=120) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-        completion = client.chat.completions.create(model="rlproxy/tiny-qwen2", messages=MESSAGES, max_tokens=4,
-                                                    extra_headers={"X-Session-Id": "attached"})
+        completion = client.chat.completions.create(
+            model="rlproxy/tiny-qwen2", messages=MESSAGES, max_tokens=4, extra_headers={"X-Session-Id": "attached"}
+        )
         assert completion.choices[0].message.content is not None
         (call,) = Store(tmp_path / "rlproxy.db").session_calls("attached")
         assert call["engine"] == "vllm" and call["completion_ids"][0] and call["behaviour_logprobs"][0]
@@ -307,9 +371,16 @@ def _answers(served) -> bool:
         return False
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -328,13 +399,29 @@ def test_tool_calls_are_parsed_by_vllm_and_recorded(served, tmp_path):
     train_adapter_to_write(model_dir, encode(prompt), encode(TOOL_CALL + "<|im_end|>"), adapter)
     store = Store(state / "rlproxy.db")
     store.insert_step("caller", 1, str(adapter), {}, [])  # as if the trainer had made it
-    args = ["--engine", "vllm", "--vllm-url", served.vllm_url, "--state-dir", str(state),
-            "--model-name", "caller", "--trainer", "off"]
+    args = [
+        "--engine",
+        "vllm",
+        "--vllm-url",
+        served.vllm_url,
+        "--state-dir",
+        str(state),
+        "--model-name",
+        "caller",
+        "--trainer",
+        "off",
+    ]
     with gateway_process(args, startup_timeout=120) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
         completion = client.chat.completions.create(
-            model="caller", messages=messages, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=40,
-            extra_headers={"X-Session-Id": "tools"})
+            model="caller",
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="auto",
+            temperature=0,
+            max_tokens=40,
+            extra_headers={"X-Session-Id": "tools"},
+        )
         choice = completion.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         (call,) = choice.message.tool_calls
@@ -343,4 +430,6 @@ def test_tool_calls_are_parsed_by_vllm_and_recorded(served, tmp_path):
         assert row["served"] == "caller@1"
         assert row["response"]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
         ids = row["completion_ids"][0]  # the stop token is recorded (the trainer trains it), the client never sees it
-        assert tokenizer.decode(ids).startswith("<tool_call>") and ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert tokenizer.decode(ids).startswith("<tool_call>") and ids[-1] == tokenizer.convert_tokens_to_ids(
+            "<|im_end|>"
+        )

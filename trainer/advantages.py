@@ -42,9 +42,7 @@ def _check_rewards(rewards_G: Sequence[float], what: str) -> None:
 
 def _check_scale(scale_rewards: str) -> None:
     if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(
-            f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale_rewards!r}"
-        )
+        raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale_rewards!r}")
 
 
 def has_reward_spread(rewards_G: Sequence[float], tol: float = 1e-6) -> bool:

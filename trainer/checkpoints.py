@@ -16,9 +16,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from trainer.backends.base import ADAPTER_FILES
 

@@ -105,8 +105,11 @@ def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, adv
     def flush() -> None:
         # A sample needs a trained token, and a first token that is context (no logprob).
         if ids and any(mask) and not mask[0]:
-            samples.append(Sample(tuple(ids), tuple(mask), tuple(old), advantage, trajectory_id, group_id,
-                                  temperatures=tuple(temps)))
+            samples.append(
+                Sample(
+                    tuple(ids), tuple(mask), tuple(old), advantage, trajectory_id, group_id, temperatures=tuple(temps)
+                )
+            )
         ids.clear(), mask.clear(), old.clear(), temps.clear()
 
     for turn in turns:
@@ -318,10 +321,11 @@ def turn_terminator(tokenizer: Any) -> str | None:
     reading the special token right after it; the eos token where the template shows none."""
     try:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARK}], tokenize=False)
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARK}], tokenize=False
+        )
     except Exception:  # no chat template, or one that refuses this conversation
         return tokenizer.eos_token
-    after = text[text.rfind(_MARK) + len(_MARK):] if _MARK in text else ""
+    after = text[text.rfind(_MARK) + len(_MARK) :] if _MARK in text else ""
     ids = list(tokenizer(after, add_special_tokens=False)["input_ids"]) if after else []
     special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     if ids and ids[0] in special:

@@ -122,8 +122,10 @@ def sum_over_constant(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossN
     penalty) and short right ones. The budget must not depend on the batch (the longest
     trajectory would make the step size depend on one outlier)."""
     if cfg.max_tokens_norm is None:
-        raise ValueError("dr_grpo needs max_tokens_norm, a fixed token budget (--max-tokens-norm, "
-                         "default: the largest max_tokens the calls asked for)")
+        raise ValueError(
+            "dr_grpo needs max_tokens_norm, a fixed token budget (--max-tokens-norm, "
+            "default: the largest max_tokens the calls asked for)"
+        )
     return v_N.sum() / (cfg.max_tokens_norm * norm.num_trajectories)
 
 
@@ -251,8 +253,13 @@ def compute_loss(
 
     tis = None
     if behaviour_logprobs is not None:
-        tis = truncated_importance_weights(x.old_logprobs_N, behaviour_logprobs[mask].float(), x.segment_ids_N,
-                                           config.tis_cap, sequence_level=config.loss_type == "gspo")
+        tis = truncated_importance_weights(
+            x.old_logprobs_N,
+            behaviour_logprobs[mask].float(),
+            x.segment_ids_N,
+            config.tis_cap,
+            sequence_level=config.loss_type == "gspo",
+        )
     policy_N, ratio_N, clipped_N = spec.surrogate(x, config)
     if tis is not None:
         policy_N = policy_N * tis[0]

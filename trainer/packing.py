@@ -76,9 +76,7 @@ def _trajectory_tokens(samples: Sequence[Sample]) -> dict[str, int]:
     return counts
 
 
-def _row(
-    samples: Sequence[Sample], indices: Sequence[int], traj_tokens: dict[str, int]
-) -> PackedRow:
+def _row(samples: Sequence[Sample], indices: Sequence[int], traj_tokens: dict[str, int]) -> PackedRow:
     ids, pos, seg, mask, old, adv, ttok, temp = [], [], [], [], [], [], [], []
     for i in indices:
         s = samples[i]
@@ -169,9 +167,7 @@ def padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatc
     return PaddedBatch(input_ids, attention, position, segment, loss_mask, old, adv, ttok, temp)
 
 
-def attention_mask_4d(
-    segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def attention_mask_4d(segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Causal, block-diagonal mask [1, 1, T, T] for one packed row, in the additive form
     (0 = attend, dtype's min = blocked).
 
@@ -193,7 +189,9 @@ def attention_mask_4d(
 
 
 def selective_log_softmax(
-    logits_NV: torch.Tensor, targets_N: torch.Tensor, temperatures_N: torch.Tensor | None = None,
+    logits_NV: torch.Tensor,
+    targets_N: torch.Tensor,
+    temperatures_N: torch.Tensor | None = None,
     chunk: int = 1024,
 ) -> torch.Tensor:
     """log_softmax(logits / temperature)[target] per row, as `logit[target] -
@@ -252,7 +250,8 @@ def padded_token_logprobs(model: torch.nn.Module, batch: PaddedBatch) -> torch.T
     ).logits
     B, T, V = logits_BTV.shape
     next_BT = selective_log_softmax(
-        logits_BTV[:, :-1].reshape(-1, V), ids_BT[:, 1:].reshape(-1),
+        logits_BTV[:, :-1].reshape(-1, V),
+        ids_BT[:, 1:].reshape(-1),
         batch.temperatures_BT[:, 1:].reshape(-1).to(p.device),
     ).view(B, T - 1)
     logprobs_BT = torch.cat([next_BT.new_zeros(B, 1), next_BT], dim=1)

@@ -86,7 +86,7 @@ class Reporter:
         self.name = name
 
     @classmethod
-    def create(cls, settings: Any) -> "Reporter":
+    def create(cls, settings: Any) -> Reporter:
         choice = getattr(settings, "report_to", "none") or "none"
         if choice == "none":
             return cls(None)
@@ -99,12 +99,17 @@ class Reporter:
         try:
             tracker = factory(project, settings.model_name, config)
         except ImportError:
-            log.warning("--report-to %s: the %s package is not installed (pip install %s); training goes on "
-                        "without it", choice, choice, choice)
+            log.warning(
+                "--report-to %s: the %s package is not installed (pip install %s); training goes on without it",
+                choice,
+                choice,
+                choice,
+            )
             return cls(None)
         except Exception as exc:  # noqa: BLE001 - a tracker never stops training
-            log.warning("--report-to %s: could not start (%s: %s); training goes on without it",
-                        choice, type(exc).__name__, exc)
+            log.warning(
+                "--report-to %s: could not start (%s: %s); training goes on without it", choice, type(exc).__name__, exc
+            )
             return cls(None)
         log.info("reporting steps to %s (project %s)", choice, project)
         return cls(tracker, choice)
@@ -116,8 +121,13 @@ class Reporter:
             curve = store.reward_curve(model) if store is not None and model is not None else []
             self.tracker.log(step_metrics(step, metrics, curve), step)
         except Exception as exc:  # noqa: BLE001 - a tracker never stops training
-            log.warning("--report-to %s failed at step %d (%s: %s); no more reports this run",
-                        self.name, step, type(exc).__name__, exc)
+            log.warning(
+                "--report-to %s failed at step %d (%s: %s); no more reports this run",
+                self.name,
+                step,
+                type(exc).__name__,
+                exc,
+            )
             self._drop()
 
     def close(self) -> None:

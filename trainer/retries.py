@@ -24,14 +24,17 @@ def _key(call: dict) -> bytes | None:
     request = call.get("request") or {}
     if not request.get("messages"):
         return None
-    return orjson.dumps([request.get("model"), request.get("messages"), request.get("tools")],
-                        option=orjson.OPT_SORT_KEYS)
+    return orjson.dumps(
+        [request.get("model"), request.get("messages"), request.get("tools")], option=orjson.OPT_SORT_KEYS
+    )
 
 
 def _answer(call: dict) -> tuple:
     message = ((call.get("response") or {}).get("choices") or [{}])[0].get("message") or {}
-    calls = tuple(((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
-                  for c in message.get("tool_calls") or [])
+    calls = tuple(
+        ((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+        for c in message.get("tool_calls") or []
+    )
     return (message.get("content") or "", calls)
 
 
@@ -44,8 +47,10 @@ def _continues(later: dict, earlier: dict) -> bool:
     next_message = after[len(before)]
     if next_message.get("role") != "assistant":
         return False
-    calls = tuple(((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
-                  for c in next_message.get("tool_calls") or [])
+    calls = tuple(
+        ((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+        for c in next_message.get("tool_calls") or []
+    )
     return (next_message.get("content") or "", calls) == _answer(earlier)
 
 
@@ -60,7 +65,7 @@ def _orphan_positions(calls: Sequence[dict]) -> set[int]:
     for positions in by_request.values():
         if len(positions) < 2:
             continue
-        continued = [i for i in positions if any(_continues(later, ok[i][1]) for _, later in ok[i + 1:])]
+        continued = [i for i in positions if any(_continues(later, ok[i][1]) for _, later in ok[i + 1 :])]
         keep = continued[-1] if continued else positions[-1]
         orphans.update(ok[i][0] for i in positions if i != keep)
     return orphans

@@ -50,8 +50,10 @@ class Sample:
             raise ValueError(f"sample of trajectory {self.trajectory_id!r} has no tokens")
         if self.temperatures is not None:
             if len(self.temperatures) != n:
-                raise ValueError(f"sample of trajectory {self.trajectory_id!r}: temperatures "
-                                 f"({len(self.temperatures)}) must have one entry per token ({n})")
+                raise ValueError(
+                    f"sample of trajectory {self.trajectory_id!r}: temperatures "
+                    f"({len(self.temperatures)}) must have one entry per token ({n})"
+                )
             if not all(t > 0 and math.isfinite(t) for t in self.temperatures):
                 raise ValueError(f"sample of trajectory {self.trajectory_id!r}: temperatures must be > 0")
         if len(self.loss_mask) != n or len(self.old_logprobs) != n:
@@ -67,9 +69,7 @@ class Sample:
                 "a sample must start with at least one prompt token"
             )
         if not math.isfinite(self.advantage):
-            raise ValueError(
-                f"sample of trajectory {self.trajectory_id!r} has advantage {self.advantage}"
-            )
+            raise ValueError(f"sample of trajectory {self.trajectory_id!r} has advantage {self.advantage}")
 
     @property
     def num_loss_tokens(self) -> int:
@@ -129,9 +129,7 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
-            raise ValueError(
-                f"unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}"
-            )
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
         if not self.epsilon >= 0:
             raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
         if self.epsilon_high is not None and not self.epsilon_high >= 0:
@@ -175,13 +173,11 @@ class LossNorm:
     """Trained tokens whose behaviour logprob is known (the mismatch metric's denominator)."""
 
     @classmethod
-    def from_samples(cls, samples: "tuple[Sample, ...] | list[Sample]") -> "LossNorm":
+    def from_samples(cls, samples: tuple[Sample, ...] | list[Sample]) -> LossNorm:
         tokens_by_trajectory: dict[str, int] = {}
         known = 0
         for s in samples:
-            tokens_by_trajectory[s.trajectory_id] = (
-                tokens_by_trajectory.get(s.trajectory_id, 0) + s.num_loss_tokens
-            )
+            tokens_by_trajectory[s.trajectory_id] = tokens_by_trajectory.get(s.trajectory_id, 0) + s.num_loss_tokens
             known += sum(1 for m, lp in zip(s.loss_mask, s.old_logprobs) if m and not math.isnan(lp))
         counts = [n for n in tokens_by_trajectory.values() if n > 0]
         return cls(

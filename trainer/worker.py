@@ -51,8 +51,15 @@ from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store_open import open_store
 from trainer import checkpoints as ckpts
-from trainer.data import (NO_SPREAD, ChatTemplateRenderer, build_batch, fit_to_rows, sampling_step, spread_groups,
-                          token_budget)
+from trainer.data import (
+    NO_SPREAD,
+    ChatTemplateRenderer,
+    build_batch,
+    fit_to_rows,
+    sampling_step,
+    spread_groups,
+    token_budget,
+)
 from trainer.reporting import Reporter
 
 log = logging.getLogger("rlproxy.trainer")
@@ -121,7 +128,9 @@ class TrainerWorker:
         self.render = ChatTemplateRenderer(self.backend.tokenizer)
         log.info(
             "trainer: %s on %s, %d LoRA parameters, loaded in %.1f s",
-            self.settings.base_model, self.backend.device, self.backend.trainable_parameters(),
+            self.settings.base_model,
+            self.backend.device,
+            self.backend.trainable_parameters(),
             time.perf_counter() - started,
         )
         self._resume()
@@ -278,9 +287,14 @@ class TrainerWorker:
         batch = build_batch(groups, calls, scale_rewards=self.settings.scale_rewards, render=self.render)
         samples, skipped_long, cut = fit_to_rows(batch.samples, self.settings.max_tokens_per_row)
         if cut:
-            log.warning("step %d: %d sample(s) longer than --max-tokens-per-row %d: trained on their first %d "
-                        "tokens; raise it to train them whole", step, cut, self.settings.max_tokens_per_row,
-                        self.settings.max_tokens_per_row)
+            log.warning(
+                "step %d: %d sample(s) longer than --max-tokens-per-row %d: trained on their first %d "
+                "tokens; raise it to train them whole",
+                step,
+                cut,
+                self.settings.max_tokens_per_row,
+                self.settings.max_tokens_per_row,
+            )
         skipped = {**batch.skipped, **skipped_long}
         trained_groups = [gid for gid in batch.group_ids if gid not in skipped]
         for reason in set(skipped.values()):
@@ -288,8 +302,9 @@ class TrainerWorker:
         self.skipped_since_step += len(skipped)
         if not samples:
             return None
-        budget = token_budget([c for g in groups if g["id"] in trained_groups for s in g["sessions"]
-                               for c in calls.get(s["id"], [])])
+        budget = token_budget(
+            [c for g in groups if g["id"] in trained_groups for s in g["sessions"] for c in calls.get(s["id"], [])]
+        )
         if budget is not None:
             self.max_tokens_seen = max(budget, self.max_tokens_seen or 0)
         sessions = {g["id"]: [s["id"] for s in g["sessions"]] for g in groups if g["id"] in trained_groups}
@@ -316,9 +331,18 @@ class TrainerWorker:
         log.info(
             "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, mismatch %.4f, %d tokens in %.1f s "
             "(%.0f tok/s), %d group(s), %d skipped",
-            step, metrics["loss"], metrics["reward_mean"], metrics["reward_std"], kl, metrics["clip_fraction"],
-            metrics.get("mismatch_logprob_abs", 0.0), metrics["tokens"], metrics["seconds"],
-            metrics["tokens"] / max(metrics["train_seconds"], 1e-9), metrics["groups"], metrics["skipped_groups"],
+            step,
+            metrics["loss"],
+            metrics["reward_mean"],
+            metrics["reward_std"],
+            kl,
+            metrics["clip_fraction"],
+            metrics.get("mismatch_logprob_abs", 0.0),
+            metrics["tokens"],
+            metrics["seconds"],
+            metrics["tokens"] / max(metrics["train_seconds"], 1e-9),
+            metrics["groups"],
+            metrics["skipped_groups"],
         )
         return metrics
 
@@ -329,11 +353,20 @@ class TrainerWorker:
         self.failed_steps += 1
         reason = f"{type(exc).__name__}: {exc}"
         if attempts < MAX_ATTEMPTS:
-            log.warning("step %d failed (attempt %d of %d; nothing was saved): %s",
-                        self.next_step, attempts, MAX_ATTEMPTS, reason)
+            log.warning(
+                "step %d failed (attempt %d of %d; nothing was saved): %s",
+                self.next_step,
+                attempts,
+                MAX_ATTEMPTS,
+                reason,
+            )
             return
-        log.error("step %d failed %d times on the same groups; setting them aside as failed: %s",
-                  self.next_step, attempts, reason)
+        log.error(
+            "step %d failed %d times on the same groups; setting them aside as failed: %s",
+            self.next_step,
+            attempts,
+            reason,
+        )
         self.store.mark_failed(list(key), f"training failed {attempts} times: {reason}"[:2000])
         self.failures.pop(key, None)
 
@@ -379,8 +412,14 @@ class TrainerWorker:
         checkpoint = self._save(step, metrics=metrics, groups=trained_groups)
         _test_pause("record", step)
         try:
-            self.store.insert_step(self.model, step, str(checkpoint.path), metrics, trained_groups,
-                                   session_ids=[sid for ids in sessions.values() for sid in ids])
+            self.store.insert_step(
+                self.model,
+                step,
+                str(checkpoint.path),
+                metrics,
+                trained_groups,
+                session_ids=[sid for ids in sessions.values() for sid in ids],
+            )
         except Conflict as exc:  # a discard landed between the check and the record
             log.warning("step %d taken back: %s", step, exc.message)
             ckpts.discard(checkpoint)
@@ -394,8 +433,12 @@ class TrainerWorker:
             now = {s["id"] for s in self.store.get_group(group_id)["sessions"]}
             gone = [sid for sid in session_ids if sid not in now]
             if gone:
-                log.warning("session(s) %s of group %s were discarded during step %d; training it again without them",
-                            ", ".join(gone), group_id, self.next_step)
+                log.warning(
+                    "session(s) %s of group %s were discarded during step %d; training it again without them",
+                    ", ".join(gone),
+                    group_id,
+                    self.next_step,
+                )
                 return True
         return False
 
@@ -404,8 +447,9 @@ class TrainerWorker:
         done; return the number of steps trained."""
         stop_event = stop_event or threading.Event()
         done = 0
-        log.info("trainer waiting for %d ready group(s) of model '%s' per step",
-                 self.settings.groups_per_step, self.model)
+        log.info(
+            "trainer waiting for %d ready group(s) of model '%s' per step", self.settings.groups_per_step, self.model
+        )
         store_failed = False
         while not stop_event.is_set() and (max_steps is None or done < max_steps):
             try:
@@ -433,9 +477,7 @@ class TrainerWorker:
         return done
 
 
-def run_worker(
-    settings: Settings, stop_event: threading.Event | None = None, max_steps: int | None = None
-) -> int:
+def run_worker(settings: Settings, stop_event: threading.Event | None = None, max_steps: int | None = None) -> int:
     """Start a worker (resuming from the newest checkpoint) and train until stopped or
     `max_steps` steps are done. Returns the number of steps trained."""
     worker = TrainerWorker(settings)

@@ -17,8 +17,8 @@ import argparse
 import math
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from sdk import RLProxy
 
@@ -27,9 +27,11 @@ if __package__:  # imported: examples.game2048.agent
 else:  # run as a script: python examples/game2048/agent.py
     from game import Board, game_over, new_game, render, step
 
-SYSTEM = ("You play 2048 on a 4x4 board ('.' is an empty cell). A move slides every tile to one side; "
-          "two equal tiles that meet merge into their sum. Build the largest tile you can. "
-          "Reply with one word: up, down, left or right.")
+SYSTEM = (
+    "You play 2048 on a 4x4 board ('.' is an empty cell). A move slides every tile to one side; "
+    "two equal tiles that meet merge into their sum. Build the largest tile you can. "
+    "Reply with one word: up, down, left or right."
+)
 MAX_MOVES = 40
 TARGET_TILE = 64  # about the largest tile 40 moves can build (the board then holds ~90 in all)
 
@@ -97,15 +99,20 @@ def play(ask: Callable[[list[dict]], str], seed: int, max_moves: int = MAX_MOVES
         if game_over(board):
             ended = "game_over"
             break
-    return Episode(moves=moves, largest_tile=largest, score=score, board=board, ended=ended,
-                   replies=tuple(replies))
+    return Episode(moves=moves, largest_tile=largest, score=score, board=board, ended=ended, replies=tuple(replies))
 
 
 def openai_ask(client, model: str, max_tokens: int) -> Callable[[list[dict]], str]:
     """`ask` over an OpenAI client: one chat completion, the reply's text."""
+
     def ask(messages: list[dict]) -> str:
-        return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                              temperature=1.0).choices[0].message.content or ""
+        return (
+            client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=1.0)
+            .choices[0]
+            .message.content
+            or ""
+        )
+
     return ask
 
 
@@ -136,12 +143,17 @@ def main(argv: list[str] | None = None) -> list[list[float]]:
             rewards: list[float] = []
 
             def rollout(session) -> None:
-                episode = play(openai_ask(session.openai_client(), args.model, args.max_tokens), dice,
-                               args.max_moves)
+                episode = play(openai_ask(session.openai_client(), args.model, args.max_tokens), dice, args.max_moves)
                 value = reward(episode.moves, episode.largest_tile, args.max_moves, args.target_tile)
-                session.reward(value, metrics={"moves": float(episode.moves), "score": float(episode.score),
-                                               "largest_tile": float(episode.largest_tile),
-                                               "invalid": float(episode.ended == "invalid")})
+                session.reward(
+                    value,
+                    metrics={
+                        "moves": float(episode.moves),
+                        "score": float(episode.score),
+                        "largest_tile": float(episode.largest_tile),
+                        "invalid": float(episode.ended == "invalid"),
+                    },
+                )
                 rewards.append(value)
 
             with proxy.group(split=args.split) as group:

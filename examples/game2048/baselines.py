@@ -32,9 +32,11 @@ def random_legal(board, rng: random.Random) -> str:
 
 def greedy(board, rng: random.Random) -> str:
     """One move of look-ahead: the largest merge, then the most empty cells, then left/down."""
+
     def value(direction: str) -> tuple:
         moved = move(board, direction)
         return moved.gained, moved.board.count(0), direction in ("left", "down")
+
     return max(legal_moves(board), key=value)
 
 

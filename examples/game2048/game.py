@@ -92,7 +92,7 @@ def spawn(board: Board, rng: random.Random) -> Board:
         return board
     value = 2 if rng.random() < 0.9 else 4
     cell = empty[rng.randrange(len(empty))]
-    return board[:cell] + (value,) + board[cell + 1:]
+    return board[:cell] + (value,) + board[cell + 1 :]
 
 
 def new_game(rng: random.Random) -> Board:
@@ -122,7 +122,7 @@ def render(board: Board) -> str:
     _check(board)
     width = max(len(str(v)) for v in board)
     return "\n".join(
-        " ".join((str(v) if v else ".").rjust(width) for v in board[r * SIZE:(r + 1) * SIZE]) for r in range(SIZE)
+        " ".join((str(v) if v else ".").rjust(width) for v in board[r * SIZE : (r + 1) * SIZE]) for r in range(SIZE)
     )
 
 

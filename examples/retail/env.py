@@ -20,42 +20,82 @@ CANCEL_REASONS = ("no longer needed", "ordered by mistake")
 
 
 def _fn(name: str, description: str, properties: dict, required: list[str] | None = None) -> dict:
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties,
-                       "required": list(properties) if required is None else required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": list(properties) if required is None else required,
+            },
+        },
+    }
 
 
 _STR = {"type": "string"}
 _IDS = {"type": "array", "items": {"type": "string"}}
 
 TOOLS = [
-    _fn("find_user_id_by_email", "Find a customer's user id by email (authenticates them).",
-        {"email": _STR}),
-    _fn("find_user_id_by_name_zip", "Find a customer's user id by first name, last name and zip code "
-        "(authenticates them).", {"first_name": _STR, "last_name": _STR, "zip": _STR}),
-    _fn("get_user_details", "The customer's profile: name, address, payment methods, order ids.",
-        {"user_id": _STR}),
-    _fn("get_order_details", "An order: status, items (item id, product id, options, price), payments.",
-        {"order_id": {"type": "string", "description": "such as '#W1001'"}}),
-    _fn("get_product_details", "A product and all its variants (item ids, options, price, availability).",
-        {"product_id": _STR}),
-    _fn("cancel_pending_order", "Cancel a pending order; the payment is refunded to where it came from.",
-        {"order_id": _STR, "reason": {"type": "string", "enum": list(CANCEL_REASONS)}}),
-    _fn("modify_pending_order_address", "Change the shipping address of a pending order.",
-        {"order_id": _STR, "address1": _STR, "address2": _STR, "city": _STR, "state": _STR, "country": _STR,
-         "zip": _STR}),
-    _fn("modify_pending_order_payment", "Pay a pending order with another of the customer's payment methods; "
-        "the old one is refunded.", {"order_id": _STR, "payment_method_id": _STR}),
-    _fn("return_delivered_order_items", "Return items of a delivered order; the refund goes to the payment "
+    _fn("find_user_id_by_email", "Find a customer's user id by email (authenticates them).", {"email": _STR}),
+    _fn(
+        "find_user_id_by_name_zip",
+        "Find a customer's user id by first name, last name and zip code (authenticates them).",
+        {"first_name": _STR, "last_name": _STR, "zip": _STR},
+    ),
+    _fn("get_user_details", "The customer's profile: name, address, payment methods, order ids.", {"user_id": _STR}),
+    _fn(
+        "get_order_details",
+        "An order: status, items (item id, product id, options, price), payments.",
+        {"order_id": {"type": "string", "description": "such as '#W1001'"}},
+    ),
+    _fn(
+        "get_product_details",
+        "A product and all its variants (item ids, options, price, availability).",
+        {"product_id": _STR},
+    ),
+    _fn(
+        "cancel_pending_order",
+        "Cancel a pending order; the payment is refunded to where it came from.",
+        {"order_id": _STR, "reason": {"type": "string", "enum": list(CANCEL_REASONS)}},
+    ),
+    _fn(
+        "modify_pending_order_address",
+        "Change the shipping address of a pending order.",
+        {
+            "order_id": _STR,
+            "address1": _STR,
+            "address2": _STR,
+            "city": _STR,
+            "state": _STR,
+            "country": _STR,
+            "zip": _STR,
+        },
+    ),
+    _fn(
+        "modify_pending_order_payment",
+        "Pay a pending order with another of the customer's payment methods; the old one is refunded.",
+        {"order_id": _STR, "payment_method_id": _STR},
+    ),
+    _fn(
+        "return_delivered_order_items",
+        "Return items of a delivered order; the refund goes to the payment "
         "method given (the original one or a gift card).",
-        {"order_id": _STR, "item_ids": _IDS, "payment_method_id": _STR}),
-    _fn("exchange_delivered_order_items", "Exchange items of a delivered order for other variants of the same "
+        {"order_id": _STR, "item_ids": _IDS, "payment_method_id": _STR},
+    ),
+    _fn(
+        "exchange_delivered_order_items",
+        "Exchange items of a delivered order for other variants of the same "
         "products (new_item_ids in the order of item_ids); the price difference is paid or refunded with the "
         "payment method given.",
-        {"order_id": _STR, "item_ids": _IDS, "new_item_ids": _IDS, "payment_method_id": _STR}),
-    _fn("transfer_to_human_agents", "Hand the customer over to a human agent, with a summary of their request.",
-        {"summary": _STR}),
+        {"order_id": _STR, "item_ids": _IDS, "new_item_ids": _IDS, "payment_method_id": _STR},
+    ),
+    _fn(
+        "transfer_to_human_agents",
+        "Hand the customer over to a human agent, with a summary of their request.",
+        {"summary": _STR},
+    ),
 ]
 
 
@@ -91,8 +131,9 @@ class RetailEnv(ToolEnv):
         method = self._payment(user_id, payment_method_id)
         if method["source"] == "gift_card":
             if amount > method["balance"] + 1e-9:
-                raise PolicyError(f"gift card {payment_method_id} holds {method['balance']:.2f}, "
-                                  f"not the {amount:.2f} needed")
+                raise PolicyError(
+                    f"gift card {payment_method_id} holds {method['balance']:.2f}, not the {amount:.2f} needed"
+                )
             method["balance"] = round(method["balance"] - amount, 2)
 
     # -- reading
@@ -108,7 +149,10 @@ class RetailEnv(ToolEnv):
         for user_id, user in self.db["users"].items():
             name = user["name"]
             if (name["first_name"].lower(), name["last_name"].lower(), user["address"]["zip"]) == (
-                    first_name.strip().lower(), last_name.strip().lower(), zip.strip()):
+                first_name.strip().lower(),
+                last_name.strip().lower(),
+                zip.strip(),
+            ):
                 self.user_id = user_id
                 return user_id
         raise ToolError("no user with that name and zip code")
@@ -143,11 +187,18 @@ class RetailEnv(ToolEnv):
         return order
 
     @write
-    def modify_pending_order_address(self, order_id: str, address1: str, address2: str, city: str, state: str,
-                                     country: str, zip: str) -> dict:
+    def modify_pending_order_address(
+        self, order_id: str, address1: str, address2: str, city: str, state: str, country: str, zip: str
+    ) -> dict:
         order = self._order_in(order_id, "pending", "modified")
-        order["address"] = {"address1": address1, "address2": address2, "city": city, "state": state,
-                            "country": country, "zip": zip}
+        order["address"] = {
+            "address1": address1,
+            "address2": address2,
+            "city": city,
+            "state": state,
+            "country": country,
+            "zip": zip,
+        }
         return order
 
     @write
@@ -162,7 +213,8 @@ class RetailEnv(ToolEnv):
         self._move_money(order["user_id"], paid["payment_method_id"], -total)
         order["payment_history"] += [
             {"transaction_type": "payment", "amount": total, "payment_method_id": payment_method_id},
-            {"transaction_type": "refund", "amount": total, "payment_method_id": paid["payment_method_id"]}]
+            {"transaction_type": "refund", "amount": total, "payment_method_id": paid["payment_method_id"]},
+        ]
         return order
 
     def _items(self, order: dict, item_ids: list[str]) -> list[dict]:
@@ -188,8 +240,9 @@ class RetailEnv(ToolEnv):
         return order
 
     @write
-    def exchange_delivered_order_items(self, order_id: str, item_ids: list[str], new_item_ids: list[str],
-                                       payment_method_id: str) -> dict:
+    def exchange_delivered_order_items(
+        self, order_id: str, item_ids: list[str], new_item_ids: list[str], payment_method_id: str
+    ) -> dict:
         order = self._order_in(order_id, "delivered", "exchanged")
         old = self._items(order, item_ids)
         if len(new_item_ids) != len(item_ids):
@@ -198,8 +251,10 @@ class RetailEnv(ToolEnv):
         for item, new_id in zip(old, new_item_ids):
             variants = self.db["products"][item["product_id"]]["variants"]
             if new_id not in variants or new_id == item["item_id"]:
-                raise PolicyError(f"item {item['item_id']} can only be exchanged for another variant of the same "
-                                  f"product ({item['name']}), not for '{new_id}'")
+                raise PolicyError(
+                    f"item {item['item_id']} can only be exchanged for another variant of the same "
+                    f"product ({item['name']}), not for '{new_id}'"
+                )
             if not variants[new_id]["available"]:
                 raise PolicyError(f"item {new_id} is not available")
             difference += variants[new_id]["price"] - item["price"]
@@ -207,8 +262,9 @@ class RetailEnv(ToolEnv):
         method = self._payment(order["user_id"], payment_method_id)
         # Money moves when the new items ship; a gift card must hold a difference to be paid now.
         if method["source"] == "gift_card" and difference > method["balance"] + 1e-9:
-            raise PolicyError(f"gift card {payment_method_id} holds {method['balance']:.2f}, "
-                              f"not the {difference:.2f} to be paid")
+            raise PolicyError(
+                f"gift card {payment_method_id} holds {method['balance']:.2f}, not the {difference:.2f} to be paid"
+            )
         pairs = sorted(zip(item_ids, new_item_ids))
         order["status"] = "exchange requested"
         order["exchange_items"] = [old_id for old_id, _ in pairs]

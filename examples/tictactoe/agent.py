@@ -22,7 +22,7 @@ LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4
 
 def render(board: list[str]) -> str:
     cells = [c if c != " " else str(i + 1) for i, c in enumerate(board)]
-    return "\n".join(" ".join(cells[r * 3:r * 3 + 3]) for r in range(3))
+    return "\n".join(" ".join(cells[r * 3 : r * 3 + 3]) for r in range(3))
 
 
 def winner(board: list[str]) -> str | None:
@@ -38,8 +38,12 @@ def play(client, model: str, opponent: random.Random, max_tokens: int) -> float:
     messages = [{"role": "system", "content": SYSTEM}]
     while True:
         messages.append({"role": "user", "content": render(board)})
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                               temperature=1.0).choices[0].message.content or ""
+        reply = (
+            client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=1.0)
+            .choices[0]
+            .message.content
+            or ""
+        )
         text = reply.strip()
         if not text or text[0] not in "123456789" or board[int(text[0]) - 1] != " ":
             return 0.0  # unparseable or illegal: a loss

@@ -41,7 +41,6 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
 from types import ModuleType
 
 from gateway.demo import DEFAULT_TASK, TASKS, load_task
@@ -102,37 +101,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's own flags (the settings flags are added by the CLI)."""
     defaults = DemoOptions()
     group = parser.add_argument_group("demo")
-    group.add_argument("--task", choices=TASKS, default=DEFAULT_TASK,
-                       help=f"what the agent learns (default: {DEFAULT_TASK}); each is a module of gateway.demo")
-    group.add_argument("--out", type=Path, default=defaults.out,
-                       help=f"where summary.json, reward_curve.png and the logs go (default: {defaults.out})")
-    group.add_argument("--steps", type=int, default=None,
-                       help=f"training steps to run (default: the task's, else {defaults.steps})")
-    group.add_argument("--rollouts", type=int, default=None,
-                       help=f"rollouts per group, sampled in parallel (default: the task's, else {defaults.rollouts})")
-    group.add_argument("--seconds", type=float, default=None,
-                       help=f"time budget: no new round starts after it (default: the task's, else {defaults.seconds:g})")
-    group.add_argument("--max-tokens", type=int, default=None,
-                       help=f"tokens per reply (default: the task's, else {defaults.max_tokens})")
-    group.add_argument("--eval-groups", type=int, default=None,
-                       help=f"the held-out set, in groups of --rollouts tasks (one task per val rollout), played "
-                            f"for the baseline and the final score (default: the task's, else "
-                            f"{defaults.eval_groups})")
-    group.add_argument("--converge-after", type=int, default=None,
-                       help=f"stop once this many train groups in a row gave every rollout the full reward: "
-                            f"nothing is left to learn from them (default: the task's, else {defaults.converge_after})")
+    group.add_argument(
+        "--task",
+        choices=TASKS,
+        default=DEFAULT_TASK,
+        help=f"what the agent learns (default: {DEFAULT_TASK}); each is a module of gateway.demo",
+    )
+    group.add_argument(
+        "--out",
+        type=Path,
+        default=defaults.out,
+        help=f"where summary.json, reward_curve.png and the logs go (default: {defaults.out})",
+    )
+    group.add_argument(
+        "--steps", type=int, default=None, help=f"training steps to run (default: the task's, else {defaults.steps})"
+    )
+    group.add_argument(
+        "--rollouts",
+        type=int,
+        default=None,
+        help=f"rollouts per group, sampled in parallel (default: the task's, else {defaults.rollouts})",
+    )
+    group.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help=f"time budget: no new round starts after it (default: the task's, else {defaults.seconds:g})",
+    )
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per reply (default: the task's, else {defaults.max_tokens})",
+    )
+    group.add_argument(
+        "--eval-groups",
+        type=int,
+        default=None,
+        help=f"the held-out set, in groups of --rollouts tasks (one task per val rollout), played "
+        f"for the baseline and the final score (default: the task's, else "
+        f"{defaults.eval_groups})",
+    )
+    group.add_argument(
+        "--converge-after",
+        type=int,
+        default=None,
+        help=f"stop once this many train groups in a row gave every rollout the full reward: "
+        f"nothing is left to learn from them (default: the task's, else {defaults.converge_after})",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> DemoOptions:
     """Flags > the task's OPTIONS > DemoOptions' defaults."""
     task = load_task(getattr(args, "task", DEFAULT_TASK))
-    chosen = {**{k: v for k, v in task.OPTIONS.items() if k in _TASK_OPTIONS},
-              **{k: getattr(args, k) for k in _TASK_OPTIONS if getattr(args, k, None) is not None}}
+    chosen = {
+        **{k: v for k, v in task.OPTIONS.items() if k in _TASK_OPTIONS},
+        **{k: getattr(args, k) for k in _TASK_OPTIONS if getattr(args, k, None) is not None},
+    }
     options = DemoOptions(task=task.NAME, out=args.out, **chosen)
     for name in ("steps", "rollouts", "max_tokens", "eval_groups", "converge_after"):
         if getattr(options, name) < (2 if name == "rollouts" else 1):
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least {2 if name == 'rollouts' else 1}"
-                              + (" (GRPO compares rollouts of one group)" if name == "rollouts" else ""))
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be at least {2 if name == 'rollouts' else 1}"
+                + (" (GRPO compares rollouts of one group)" if name == "rollouts" else "")
+            )
     if options.seconds <= 0:
         raise ConfigError("--seconds must be positive")
     return options
@@ -141,18 +173,25 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
 def demo_settings(given: dict, out: Path, task: str = DEFAULT_TASK) -> Settings:
     """Flags > RLPROXY_* environment > the task's tuning > the demo's > Settings' defaults.
     The state dir defaults to OUT/state, so a demo never trains on top of another store."""
-    tuned = {k: v for k, v in {**DEMO_SETTINGS, **load_task(task).SETTINGS}.items()
-             if f"RLPROXY_{k.upper()}" not in os.environ}
+    tuned = {
+        k: v
+        for k, v in {**DEMO_SETTINGS, **load_task(task).SETTINGS}.items()
+        if f"RLPROXY_{k.upper()}" not in os.environ
+    }
     if "state_dir" not in given and "RLPROXY_STATE_DIR" not in os.environ:
         tuned["state_dir"] = out / "state"
     settings = Settings(**{**tuned, **given})
     if settings.engine == "openai":
-        raise ConfigError("the demo trains the model it serves, and an OpenAI-compatible upstream serves no "
-                          "adapters: use --engine local (the default) or --engine vllm")
+        raise ConfigError(
+            "the demo trains the model it serves, and an OpenAI-compatible upstream serves no "
+            "adapters: use --engine local (the default) or --engine vllm"
+        )
     if settings.engine == "vllm":
         if settings.vllm_url:
-            raise ConfigError("the demo starts and stops its own vLLM: drop --vllm-url and give --vllm-python "
-                              "(the python of the environment vLLM is installed in), or have `vllm` on PATH")
+            raise ConfigError(
+                "the demo starts and stops its own vLLM: drop --vllm-url and give --vllm-python "
+                "(the python of the environment vLLM is installed in), or have `vllm` on PATH"
+            )
         if "vllm_port" not in given and "RLPROXY_VLLM_PORT" not in os.environ:
             with contextlib.closing(_free_socket()) as sock:  # a port of its own: never another vLLM's 8001
                 settings = Settings(**{**tuned, **given, "vllm_port": sock.getsockname()[1]})
@@ -169,8 +208,10 @@ def _prepare_state(settings: Settings, out: Path) -> None:
         shutil.rmtree(settings.models_dir, ignore_errors=True)
         return
     if settings.checkpoints_dir().is_dir() and any(settings.checkpoints_dir().iterdir()):
-        raise ConfigError(f"{settings.checkpoints_dir()} already holds checkpoints: the demo trains from scratch; "
-                          "give an empty --state-dir or another --model-name")
+        raise ConfigError(
+            f"{settings.checkpoints_dir()} already holds checkpoints: the demo trains from scratch; "
+            "give an empty --state-dir or another --model-name"
+        )
 
 
 # ---------------------------------------------------------------------------- processes
@@ -194,16 +235,25 @@ def _gateway(settings: Settings):
     # Keep-alive longer than the clients' (httpx, and so openai: 5 s): with uvicorn's default of
     # 5 s both ends drop an idle connection at the same moment, and a round starting just then
     # reuses a connection the server is closing (ReadError).
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level=settings.log_level, log_config=None,
-                                           access_log=False, lifespan="on", timeout_keep_alive=KEEP_ALIVE_SECONDS))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rlproxy-demo-gateway",
-                              daemon=True)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings),
+            log_level=settings.log_level,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        )
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rlproxy-demo-gateway", daemon=True)
     thread.start()
     try:
         while not server.started:
             if not thread.is_alive():
-                raise RLProxyError("the gateway failed to start; see gateway.log"
-                                   + (" and state/vllm.log" if settings.engine == "vllm" else ""))
+                raise RLProxyError(
+                    "the gateway failed to start; see gateway.log"
+                    + (" and state/vllm.log" if settings.engine == "vllm" else "")
+                )
             time.sleep(0.05)
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
@@ -244,9 +294,15 @@ class Trainer:
         # Its log is a file the user reads afterwards: one line per step is worth having.
         cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_flags(settings), "--log-level", "info"]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -272,8 +328,9 @@ class Trainer:
 class Agent:
     """Plays the task's episodes against the gateway over its real HTTP API."""
 
-    def __init__(self, url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float,
-                 task: ModuleType):
+    def __init__(
+        self, url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float, task: ModuleType
+    ):
         import httpx
         import openai
 
@@ -329,9 +386,13 @@ class Agent:
 
         async def chat(messages: list[dict]) -> str | None:
             raw = await self.client.chat.completions.with_raw_response.create(
-                model=self.model, messages=messages, max_tokens=self.options.max_tokens,
-                temperature=1.0, seed=self.rng.getrandbits(31),
-                extra_headers={"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split})
+                model=self.model,
+                messages=messages,
+                max_tokens=self.options.max_tokens,
+                temperature=1.0,
+                seed=self.rng.getrandbits(31),
+                extra_headers={"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split},
+            )
             step = raw.headers.get("x-model-step")
             if step is not None:
                 steps.append(int(step))
@@ -340,8 +401,11 @@ class Agent:
         result = await self.task.episode(spec, chat)
         reward, score = (float(result), float(result)) if isinstance(result, (int, float)) else map(float, result)
         posted = reward if split == "train" else score  # val is never trained: it gets the score itself
-        (await self.http.post(f"/v1/sessions/{session_id}/reward",
-                              json={"reward": posted, "metrics": {"score": score}})).raise_for_status()
+        (
+            await self.http.post(
+                f"/v1/sessions/{session_id}/reward", json={"reward": posted, "metrics": {"score": score}}
+            )
+        ).raise_for_status()
         return score, reward, min(steps, default=None)
 
     async def group(self, split: str, specs: list | None = None) -> tuple[str, list[tuple[float, float, int | None]]]:
@@ -357,8 +421,9 @@ class Agent:
     async def evaluate(self) -> tuple[float, int | None]:
         """Mean score over the held-out set (val sessions, never trained on), and the step that answered."""
         n = self.options.rollouts
-        groups = await asyncio.gather(*(self.group("val", self.val_specs[i:i + n])
-                                        for i in range(0, len(self.val_specs), n)))
+        groups = await asyncio.gather(
+            *(self.group("val", self.val_specs[i : i + n]) for i in range(0, len(self.val_specs), n))
+        )
         results = [result for _, rollouts in groups for result in rollouts]
         answered_by = [step for _, _, step in results if step is not None]
         return sum(score for score, _, _ in results) / len(results), max(answered_by, default=None)
@@ -412,8 +477,9 @@ class Agent:
                 return "converged"  # every rollout earns the full reward: no group has anything left to teach
 
 
-async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float,
-                 progress: bool) -> Record:
+async def _drive(
+    url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float, progress: bool
+) -> Record:
     from tqdm import tqdm
 
     agent = Agent(url, settings, options, trainer, deadline, load_task(options.task))
@@ -421,8 +487,14 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
     try:
         await agent.wait_for_step(0, "the untrained adapter (step 0)")
         record.baseline_reward, _ = await agent.evaluate()
-        bar = tqdm(total=options.steps, desc="training", unit="step", disable=not progress, leave=True,
-                   bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed}{postfix}")
+        bar = tqdm(
+            total=options.steps,
+            desc="training",
+            unit="step",
+            disable=not progress,
+            leave=True,
+            bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed}{postfix}",
+        )
         bar.set_postfix_str(f"baseline reward {record.baseline_reward:.2f}")
         try:
             step = 0
@@ -432,8 +504,11 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
                 await agent.read_mismatch(step if stop is None else None)
                 if rewards and progress:
                     mismatch = record.mismatch_by_step.get(step)
-                    bar.write(f"step {step:3d}: reward {sum(rewards) / len(rewards):.2f}  ({len(rewards)} rollouts"
-                              + ("" if mismatch is None else f", mismatch {mismatch:.1e}") + ")")
+                    bar.write(
+                        f"step {step:3d}: reward {sum(rewards) / len(rewards):.2f}  ({len(rewards)} rollouts"
+                        + ("" if mismatch is None else f", mismatch {mismatch:.1e}")
+                        + ")"
+                    )
                 if stop is not None:
                     record.stopped_because = stop
                     break
@@ -455,12 +530,17 @@ async def _drive(url: str, settings: Settings, options: DemoOptions, trainer: Tr
 # ---------------------------------------------------------------------------- outputs
 
 
-def summarize(record: Record, settings: Settings, options: DemoOptions, seconds: float,
-              startup_seconds: float = 0.0) -> dict:
+def summarize(
+    record: Record, settings: Settings, options: DemoOptions, seconds: float, startup_seconds: float = 0.0
+) -> dict:
     task = load_task(options.task)
     by_step = {str(step): sum(r) / len(r) for step, r in sorted(record.rewards_by_step.items())}
-    reached = (record.baseline_reward is not None and record.final_reward is not None
-               and record.baseline_reward <= AIM_BASELINE_AT_MOST and record.final_reward >= AIM_FINAL_AT_LEAST)
+    reached = (
+        record.baseline_reward is not None
+        and record.final_reward is not None
+        and record.baseline_reward <= AIM_BASELINE_AT_MOST
+        and record.final_reward >= AIM_FINAL_AT_LEAST
+    )
     return {
         "task": task.NAME,
         "task_description": task.DESCRIPTION,
@@ -494,11 +574,20 @@ def plot(summary: dict, path: Path) -> None:
     if summary["baseline_reward"] is not None:
         ax.scatter([0], [summary["baseline_reward"]], color="tab:red", zorder=3, label="baseline (val, step 0)")
     if summary["final_reward"] is not None:
-        ax.scatter([summary["final_step"] or 0], [summary["final_reward"]], color="tab:green", zorder=3,
-                   label=f"final (val, step {summary['final_step']})")
+        ax.scatter(
+            [summary["final_step"] or 0],
+            [summary["final_reward"]],
+            color="tab:green",
+            zorder=3,
+            label=f"final (val, step {summary['final_step']})",
+        )
     ax.axhline(AIM_FINAL_AT_LEAST, color="grey", linestyle="--", linewidth=1, label=f"aim {AIM_FINAL_AT_LEAST}")
-    ax.set(xlabel="training step (adapter that sampled)", ylabel="reward", ylim=(-0.02, 1.02),
-           title=f"rlproxy demo: {summary['task']} ({summary['seconds']:.0f} s)")
+    ax.set(
+        xlabel="training step (adapter that sampled)",
+        ylabel="reward",
+        ylim=(-0.02, 1.02),
+        title=f"rlproxy demo: {summary['task']} ({summary['seconds']:.0f} s)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -535,15 +624,22 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     handler = _configure_logging(settings, out / "gateway.log")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
     # Two processes on the same cores: each gets half, or their OpenMP threads fight.
     threads = max(1, (os.cpu_count() or 2) // 2)
     torch.set_num_threads(threads)
-    print(f"rlproxy demo --task {options.task}: {load_task(options.task).DESCRIPTION}\n  {options.steps} steps x {settings.groups_per_step} groups x "
-          f"{options.rollouts} rollouts; outputs in {out}/", file=sys.stderr)
+    print(
+        f"rlproxy demo --task {options.task}: {load_task(options.task).DESCRIPTION}\n  {options.steps} steps x {settings.groups_per_step} groups x "
+        f"{options.rollouts} rollouts; outputs in {out}/",
+        file=sys.stderr,
+    )
     if settings.engine == "vllm":
-        print(f"  starting vLLM on port {settings.vllm_port} (a minute on a CPU; its log: "
-              f"{settings.state_dir / 'vllm.log'})", file=sys.stderr)
+        print(
+            f"  starting vLLM on port {settings.vllm_port} (a minute on a CPU; its log: "
+            f"{settings.state_dir / 'vllm.log'})",
+            file=sys.stderr,
+        )
     starting = time.monotonic()
     trainer = None
     try:
@@ -567,9 +663,14 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
 def report(summary: dict) -> str:
     """The closing lines a newcomer reads."""
     aim = summary["aim"]
-    verdict = "aim reached" if aim["reached"] else (
-        f"aim not reached (baseline <= {aim['baseline_at_most']}, final >= {aim['final_at_least']})")
+    verdict = (
+        "aim reached"
+        if aim["reached"]
+        else (f"aim not reached (baseline <= {aim['baseline_at_most']}, final >= {aim['final_at_least']})")
+    )
     final = summary["final_reward"]
-    return (f"baseline reward {summary['baseline_reward']:.2f} -> final reward "
-            f"{final if final is None else f'{final:.2f}'} at step {summary['final_step']} "
-            f"in {summary['seconds']:.0f} s ({summary['stopped_because']}): {verdict}")
+    return (
+        f"baseline reward {summary['baseline_reward']:.2f} -> final reward "
+        f"{final if final is None else f'{final:.2f}'} at step {summary['final_step']} "
+        f"in {summary['seconds']:.0f} s ({summary['stopped_because']}): {verdict}"
+    )

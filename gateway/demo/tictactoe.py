@@ -36,8 +36,10 @@ from dataclasses import dataclass
 from gateway.settings import TINY_INSTRUCT_MODEL_ID
 
 NAME = "tictactoe"
-DESCRIPTION = ("play X against a random opponent, one chat completion per move; "
-               "reward 1 win, 0.5 draw, 0 loss (an illegal or unparseable move loses)")
+DESCRIPTION = (
+    "play X against a random opponent, one chat completion per move; "
+    "reward 1 win, 0.5 draw, 0 loss (an illegal or unparseable move loses)"
+)
 
 # 16 rollouts a group, the built-in models' tuned learning rate (1e-2). Measured in process
 # (no gateway, seed 0, val score on 64 games after 20 steps): 1e-2 0.88, 3e-3 0.70 (still
@@ -71,7 +73,7 @@ def sample(rng: random.Random) -> Game:
 
 def render(board: list[str]) -> str:
     cells = [c if c != " " else str(i + 1) for i, c in enumerate(board)]
-    return "\n".join(" ".join(cells[r * 3:r * 3 + 3]) for r in range(3))
+    return "\n".join(" ".join(cells[r * 3 : r * 3 + 3]) for r in range(3))
 
 
 def parse_move(reply: str | None, board: list[str]) -> int | None:

@@ -9,9 +9,9 @@ cannot see tokens (`openai`) return `tokens=None`; the trainer re-renders those.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
 
 
 @dataclass

@@ -28,7 +28,6 @@ from urllib.parse import urlsplit
 
 import httptools
 
-
 # What a request path may hold (RFC 3986's path and query characters): never a space or a
 # line break, which would let a name from a request write its own request line or headers.
 _PATH = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@/%?-]*$")
@@ -149,9 +148,10 @@ class HTTP1Pool:
         host_header = host if default_port else f"{host}:{self.port}"
         self.base_path = parts.path.rstrip("/")
         # Built once: each request adds only its request line, Content-Length and body.
-        self._headers = "".join(f"{name}: {value}\r\n" for name, value in
-                                {"Host": host_header, "Accept-Encoding": "identity", **headers}.items()
-                                ).encode("latin-1")
+        self._headers = "".join(
+            f"{name}: {value}\r\n"
+            for name, value in {"Host": host_header, "Accept-Encoding": "identity", **headers}.items()
+        ).encode("latin-1")
         self.connect_timeout = connect_timeout
         # No cap on connections: the gateway's own clients bound its concurrency, and a
         # proxy that queued behind a cap would add latency the client cannot see the cause of.
@@ -197,8 +197,9 @@ class HTTP1Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.ssl,
-                                                       server_hostname=self.host if self.ssl else None)
+                _, conn = await loop.create_connection(
+                    _Connection, self.host, self.port, ssl=self.ssl, server_hostname=self.host if self.ssl else None
+                )
                 conn.generation = self._generation
         except TimeoutError:
             raise ConnectError(f"no connection to {self.host}:{self.port} within {self.connect_timeout:g} s") from None

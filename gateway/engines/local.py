@@ -26,8 +26,9 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -47,8 +48,17 @@ class LocalEngine(Engine):
     kind = "local"
     supports_adapters = True
 
-    def __init__(self, model_path: str, served_base_id: str, *, device: str = "cpu", max_batch_size: int = 16,
-                 default_max_tokens: int = 256, dtype: str | None = None, threads: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        served_base_id: str,
+        *,
+        device: str = "cpu",
+        max_batch_size: int = 16,
+        default_max_tokens: int = 256,
+        dtype: str | None = None,
+        threads: int | None = None,
+    ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.model_path = str(model_path)
@@ -172,13 +182,16 @@ class LocalEngine(Engine):
         choices = []
         for result in results:
             message, has_calls = self._message(result.text, parse_tools)
-            choices.append({
-                "index": result.index,
-                "message": message,
-                "logprobs": {"content": self._logprob_entries(result.completion_ids, result.logprobs, result.top)}
-                if req.logprobs else None,
-                "finish_reason": "tool_calls" if has_calls else result.finish_reason,
-            })
+            choices.append(
+                {
+                    "index": result.index,
+                    "message": message,
+                    "logprobs": {"content": self._logprob_entries(result.completion_ids, result.logprobs, result.top)}
+                    if req.logprobs
+                    else None,
+                    "finish_reason": "tool_calls" if has_calls else result.finish_reason,
+                }
+            )
         response = {
             "id": _completion_id(request.request_id),
             "object": "chat.completion",
@@ -192,13 +205,25 @@ class LocalEngine(Engine):
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         req, job, parse_tools = self._submit(request, stream=True)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        head = {"id": _completion_id(request.request_id), "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": req.model}
+        head = {
+            "id": _completion_id(request.request_id),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": req.model,
+        }
 
         def chunk(index: int, delta: dict, logprobs: list | None = None, finish_reason: str | None = None):
-            data = {**head, "choices": [{"index": index, "delta": delta,
-                                         "logprobs": {"content": logprobs} if logprobs is not None else None,
-                                         "finish_reason": finish_reason}]}
+            data = {
+                **head,
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": {"content": logprobs} if logprobs is not None else None,
+                        "finish_reason": finish_reason,
+                    }
+                ],
+            }
             if include_usage:
                 data["usage"] = None
             return StreamChunk(data)
@@ -235,15 +260,19 @@ class LocalEngine(Engine):
                 else:
                     if not result.text.startswith(streamed[index]):
                         log.warning("stream of %s diverged from its final text", request.request_id)
-                    content = result.text[len(streamed[index]):]
+                    content = result.text[len(streamed[index]) :]
                 entries, pending_logprobs[index] = pending_logprobs[index], []
                 if content:
                     yield chunk(index, {"content": content}, entries if req.logprobs else None)
                     entries = []
                 for position, call in enumerate(calls):
                     yield chunk(index, {"tool_calls": [{"index": position, **call}]})
-                yield chunk(index, {}, entries if (req.logprobs and entries) else None,
-                            "tool_calls" if calls else result.finish_reason)
+                yield chunk(
+                    index,
+                    {},
+                    entries if (req.logprobs and entries) else None,
+                    "tool_calls" if calls else result.finish_reason,
+                )
         except BaseException:
             job.cancelled.set()
             raise
@@ -269,7 +298,9 @@ class LocalEngine(Engine):
             raise InvalidRequest(
                 f"this model's context is {self._context} tokens; the messages take {len(prompt_ids)} tokens{asked}. "
                 "Shorten the messages or lower max_completion_tokens / max_tokens.",
-                param="messages", code="context_length_exceeded")
+                param="messages",
+                code="context_length_exceeded",
+            )
         extra = _extra_sampling(req.model_extra or {})
         sampling = Sampling(
             max_new_tokens=limit if limit is not None else min(self.default_max_tokens, room),
@@ -294,8 +325,9 @@ class LocalEngine(Engine):
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as error:  # jinja raises its own types, templates raise exceptions by design
-            raise InvalidRequest(f"the model's chat template rejected these messages: {error}",
-                                 param="messages") from None
+            raise InvalidRequest(
+                f"the model's chat template rejected these messages: {error}", param="messages"
+            ) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def health(self) -> str | None:
@@ -325,7 +357,7 @@ class LocalEngine(Engine):
         for position, (token_id, logprob) in enumerate(zip(ids, logprobs)):
             token, token_bytes = self._token_text(token_id)
             alternatives = []
-            for alt_id, alt_logprob in (top[position] if position < len(top) else []):
+            for alt_id, alt_logprob in top[position] if position < len(top) else []:
                 alt_token, alt_bytes = self._token_text(alt_id)
                 alternatives.append({"token": alt_token, "logprob": alt_logprob, "bytes": alt_bytes})
             entries.append({"token": token, "logprob": logprob, "bytes": token_bytes, "top_logprobs": alternatives})
@@ -369,8 +401,9 @@ def _template_message(message) -> dict:
                     arguments = parsed  # templates write `arguments | tojson`, as vLLM passes them
             except ValueError:
                 pass
-            calls.append({"id": call.id, "type": "function",
-                          "function": {"name": call.function.name, "arguments": arguments}})
+            calls.append(
+                {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+            )
         out["tool_calls"] = calls
     return out
 
@@ -389,14 +422,19 @@ def _completion_id(request_id: str) -> str:
 
 def _usage(prompt_ids: list[int], results: list[ChoiceResult]) -> dict:
     completion = sum(len(r.completion_ids) for r in results)
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-            "total_tokens": len(prompt_ids) + completion}
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": completion,
+        "total_tokens": len(prompt_ids) + completion,
+    }
 
 
 def _token_record(job: Job, results: list[ChoiceResult]) -> TokenRecord:
-    return TokenRecord(prompt_ids=list(job.prompt_ids),
-                       choices=[ChoiceTokens(list(r.completion_ids), list(r.logprobs)) for r in results],
-                       sampling=job.sampling.in_force())
+    return TokenRecord(
+        prompt_ids=list(job.prompt_ids),
+        choices=[ChoiceTokens(list(r.completion_ids), list(r.logprobs)) for r in results],
+        sampling=job.sampling.in_force(),
+    )
 
 
 # vLLM's sampling fields beyond OpenAI's, accepted as extra body fields: (name, type, check, hint)
@@ -425,8 +463,9 @@ def _extra_sampling(extra: dict) -> dict:
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: printable character → byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     codes = printable[:]
     extra = 0
     for byte in range(256):

@@ -81,10 +81,17 @@ class Sampling:
 
     def in_force(self) -> dict:
         """The parameters that shaped the distribution, all explicit (TokenRecord.sampling)."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k if self.top_k > 0 else -1,
-                "min_p": self.min_p, "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-                "seed": self.seed, "max_tokens": self.max_new_tokens}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else -1,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "max_tokens": self.max_new_tokens,
+        }
 
 
 @dataclass
@@ -102,8 +109,16 @@ class ChoiceResult:
 class Job:
     """One request on the worker: `n` rows, a generator, a queue of events back to its coroutine."""
 
-    def __init__(self, prompt_ids: list[int], n: int, adapter: str | None, sampling: Sampling,
-                 seed: int | None, stream: bool, device: Any):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        adapter: str | None,
+        sampling: Sampling,
+        seed: int | None,
+        stream: bool,
+        device: Any,
+    ):
         import torch
 
         self.prompt_ids = prompt_ids
@@ -280,12 +295,14 @@ class Worker:
             raise Conflict(f"adapter '{control.name}' is already loaded")
         device = str(self.device)
         if not engine._peft:
-            engine.model = PeftModel.from_pretrained(engine.model, str(control.path), adapter_name=control.name,
-                                                     is_trainable=False, torch_device=device)
+            engine.model = PeftModel.from_pretrained(
+                engine.model, str(control.path), adapter_name=control.name, is_trainable=False, torch_device=device
+            )
             engine._peft = True
         else:
-            engine.model.load_adapter(str(control.path), adapter_name=control.name, is_trainable=False,
-                                      torch_device=device)
+            engine.model.load_adapter(
+                str(control.path), adapter_name=control.name, is_trainable=False, torch_device=device
+            )
         engine.model.eval()
         engine._adapters.add(control.name)
 
@@ -328,8 +345,8 @@ class Worker:
         ids_JT = torch.full((len(new), width), self.engine.pad_id, dtype=torch.long)
         mask_JT = torch.zeros((len(new), width), dtype=torch.long)
         for j, job in enumerate(new):
-            ids_JT[j, width - len(job.prompt_ids):] = torch.tensor(job.prompt_ids)
-            mask_JT[j, width - len(job.prompt_ids):] = 1
+            ids_JT[j, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids)
+            mask_JT[j, width - len(job.prompt_ids) :] = 1
         ids_JT, mask_JT = ids_JT.to(self.device), mask_JT.to(self.device)
         cache = self._new_cache()
         logits_JV = self._forward(ids_JT, mask_JT, cache, [job.adapter for job in new], logits_to_keep=1)
@@ -363,8 +380,9 @@ class Worker:
 
         layers = []
         for old, new in zip(self.cache.layers, cache.layers):
-            layers.append((torch.cat([pad(old.keys, 2), pad(new.keys, 2)]),
-                           torch.cat([pad(old.values, 2), pad(new.values, 2)])))
+            layers.append(
+                (torch.cat([pad(old.keys, 2), pad(new.keys, 2)]), torch.cat([pad(old.values, 2), pad(new.values, 2)]))
+            )
         self.cache = self._new_cache(layers)
         self.mask_BT = torch.cat([pad(self.mask_BT, 1), pad(mask_RT, 1)])
         self.next_B = torch.cat([self.next_B, next_R])
@@ -378,8 +396,9 @@ class Worker:
             if not self.rows:
                 return
         self.mask_BT = torch.cat([self.mask_BT, torch.ones_like(self.mask_BT[:, :1])], dim=1)
-        logits_BV = self._forward(self.next_B[:, None], self.mask_BT, self.cache,
-                                  [row.job.adapter for row in self.rows])
+        logits_BV = self._forward(
+            self.next_B[:, None], self.mask_BT, self.cache, [row.job.adapter for row in self.rows]
+        )
         tokens_B, chosen_B, top = self._sample(logits_BV, self.rows)
         keep = self._record(self.rows, tokens_B, chosen_B, top)
         self.next_B = tokens_B
@@ -398,8 +417,9 @@ class Worker:
         first = int(self.mask_BT.any(dim=0).nonzero()[0])
         if first > 0:
             self.mask_BT = self.mask_BT[:, first:]
-            self.cache = self._new_cache([(layer.keys[:, :, first:], layer.values[:, :, first:])
-                                          for layer in self.cache.layers])
+            self.cache = self._new_cache(
+                [(layer.keys[:, :, first:], layer.values[:, :, first:]) for layer in self.cache.layers]
+            )
 
     def _clear_batch(self) -> None:
         self.rows, self.cache, self.mask_BT, self.next_B = [], None, None, None
@@ -412,14 +432,20 @@ class Worker:
     def _forward(self, ids_BT, mask_BT, cache, adapters: list[str | None], logits_to_keep: int = 1):
         """Logits of the last position of every row, float32: [B, V]."""
         torch = self.torch
-        position_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, -ids_BT.shape[1]:]
+        position_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)[:, -ids_BT.shape[1] :]
         kwargs = {}
         if self.engine._peft:
             kwargs["adapter_names"] = [name or BASE_ADAPTER for name in adapters]
         self.engine.step_batch_sizes.append(ids_BT.shape[0])
         kwargs[self._cache_kwarg] = cache
-        out = self.engine.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=position_BT,
-                                use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+        out = self.engine.model(
+            input_ids=ids_BT,
+            attention_mask=mask_BT,
+            position_ids=position_BT,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
         return out.logits[:, -1, :].to(torch.float32)
 
     # ------------------------------------------------------------ sampling
@@ -428,8 +454,12 @@ class Worker:
         """Sample one token per row. Returns tokens [B], their behaviour logprobs [B] and, if
         any row asked for them, the top (id, logprob) pairs of every row (same distribution)."""
         torch = self.torch
-        logprobs_BV = processed_logprobs(logits_BV, [row.job.sampling for row in rows],
-                                         [row.job.prompt_ids for row in rows], [row.ids for row in rows])
+        logprobs_BV = processed_logprobs(
+            logits_BV,
+            [row.job.sampling for row in rows],
+            [row.job.prompt_ids for row in rows],
+            [row.ids for row in rows],
+        )
         probs_BV = logprobs_BV.exp()
         # inverse-CDF sampling, vectorised; each job draws its uniforms from its own generator,
         # so what a seed samples does not depend on the rest of the batch
@@ -481,13 +511,18 @@ class Worker:
                 if job.stream and row.sent_tokens < len(row.ids):  # logprobs not streamed yet
                     deltas.setdefault(id(job), (job, []))[1].append(self._delta(row, "", len(row.ids)))
                 self._flush(deltas.pop(id(job), None))  # keep this job's events in order
-                self._post(job, "finish", ChoiceResult(row.index, row.text, row.ids, row.logprobs,
-                                                 row.top or [[] for _ in row.ids], row.finish_reason))
+                self._post(
+                    job,
+                    "finish",
+                    ChoiceResult(
+                        row.index, row.text, row.ids, row.logprobs, row.top or [[] for _ in row.ids], row.finish_reason
+                    ),
+                )
                 continue
             keep.append(i)
             if job.stream:
                 chars, count = self._streamable(row)
-                text = row.text[row.sent:chars] if chars > row.sent else ""
+                text = row.text[row.sent : chars] if chars > row.sent else ""
                 row.sent = max(row.sent, chars)
                 if text or count > row.sent_tokens:
                     deltas.setdefault(id(job), (job, []))[1].append(self._delta(row, text, count))
@@ -507,10 +542,10 @@ class Worker:
 
     def _advance_text(self, row: _Row) -> None:
         """Extend `row.text` by the newest token, holding back an incomplete UTF-8 character."""
-        before = self._decode(row.ids[row.prefix:row.read])
-        after = self._decode(row.ids[row.prefix:])
+        before = self._decode(row.ids[row.prefix : row.read])
+        after = self._decode(row.ids[row.prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            row.text += after[len(before):]
+            row.text += after[len(before) :]
             row.prefix, row.read = row.read, len(row.ids)
         row.offsets.append(len(row.text))
 
@@ -586,8 +621,11 @@ def processed_logprobs(logits_BV, samplings: list[Sampling], prompts: list[list[
 
     B, V = logits_BV.shape
     scores_BV = logits_BV.float()
-    penalised = [i for i, s in enumerate(samplings)
-                 if s.repetition_penalty != 1.0 or (outputs[i] and (s.presence_penalty or s.frequency_penalty))]
+    penalised = [
+        i
+        for i, s in enumerate(samplings)
+        if s.repetition_penalty != 1.0 or (outputs[i] and (s.presence_penalty or s.frequency_penalty))
+    ]
     if penalised:
         scores_BV = scores_BV.clone()
         for i in penalised:
@@ -604,8 +642,9 @@ def processed_logprobs(logits_BV, samplings: list[Sampling], prompts: list[list[
                 counts_V = torch.bincount(torch.tensor(outputs[i], device=scores_BV.device), minlength=V)[:V]
                 counts_V = counts_V.to(scores_BV.dtype)
                 scores_BV[i] -= s.frequency_penalty * counts_V + s.presence_penalty * (counts_V > 0)
-    temperature_B = torch.tensor([s.temperature if s.temperature > 0 else 1.0 for s in samplings],
-                                 device=scores_BV.device)
+    temperature_B = torch.tensor(
+        [s.temperature if s.temperature > 0 else 1.0 for s in samplings], device=scores_BV.device
+    )
     logprobs_BV = torch.log_softmax(scores_BV / temperature_B[:, None], dim=-1)
     keep_BV = None
     for i, s in enumerate(samplings):
@@ -645,4 +684,3 @@ def _deliver(items: list) -> None:
     """On a request's event loop: put the worker's events in their jobs' queues."""
     for job, event in items:
         job.events.put_nowait(event)
-

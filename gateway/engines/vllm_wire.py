@@ -36,16 +36,24 @@ class ClientAsk:
     token_ids: bool  # the client sent vLLM's own `return_token_ids`
 
     @classmethod
-    def of(cls, body: dict) -> "ClientAsk":
-        return cls(logprobs=bool(body.get("logprobs")), top_logprobs=int(body.get("top_logprobs") or 0),
-                   token_ids=bool(body.get("return_token_ids")))
+    def of(cls, body: dict) -> ClientAsk:
+        return cls(
+            logprobs=bool(body.get("logprobs")),
+            top_logprobs=int(body.get("top_logprobs") or 0),
+            token_ids=bool(body.get("return_token_ids")),
+        )
 
 
 # OpenAI's defaults for what a client leaves out; vLLM's own spelling where it has extras.
 # top_k -1 = off (vLLM >= 0.8 also reads 0 as off; -1 is accepted by every version we support).
 OPENAI_SAMPLING_DEFAULTS = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
 }
 SAMPLING_KEYS = (*OPENAI_SAMPLING_DEFAULTS, "seed", "max_tokens")
 
@@ -70,8 +78,7 @@ def vllm_body(body: dict, model: str, ask: ClientAsk) -> dict:
     """The body sent to vLLM: the client's, with the served model, token ids and logprobs
     switched on and every sampling field explicit."""
     out = dict(body)
-    out.update({key: value for key, value in sampling_in_force(body).items()
-                if key in OPENAI_SAMPLING_DEFAULTS})
+    out.update({key: value for key, value in sampling_in_force(body).items() if key in OPENAI_SAMPLING_DEFAULTS})
     out["model"] = model
     out["return_token_ids"] = True
     out["logprobs"] = True
@@ -103,8 +110,9 @@ def _client_logprobs(logprobs: dict | None, ask: ClientAsk) -> dict | None:
         return None
     out = dict(logprobs)
     if out.get("content") is not None:
-        out["content"] = [{**entry, "top_logprobs": (entry.get("top_logprobs") or [])[: ask.top_logprobs]}
-                          for entry in out["content"]]
+        out["content"] = [
+            {**entry, "top_logprobs": (entry.get("top_logprobs") or [])[: ask.top_logprobs]} for entry in out["content"]
+        ]
     return out
 
 
@@ -200,7 +208,6 @@ class StreamSplitter:
             aligned = values if values is not None and len(values) == len(ids) else None
             choices.append(ChoiceTokens(completion_ids=ids, logprobs=behaviour_logprobs(aligned, self.sampling)))
         return TokenRecord(prompt_ids=self.prompt_ids, choices=choices, sampling=self.sampling)
-
 
 
 # ---------------------------------------------------------------------------- helpers

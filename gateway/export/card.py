@@ -18,9 +18,23 @@ from gateway.settings import Settings
 from trainer import checkpoints as ckpts
 
 CURVE_FILE = "reward_curve.png"
-_SETTINGS_SHOWN = ("loss_type", "learning_rate", "groups_per_step", "epsilon", "epsilon_high", "beta",
-                   "scale_rewards", "lora_rank", "lora_alpha", "lora_dropout", "max_tokens_per_row",
-                   "epochs_per_step", "max_grad_norm", "seed", "backend")
+_SETTINGS_SHOWN = (
+    "loss_type",
+    "learning_rate",
+    "groups_per_step",
+    "epsilon",
+    "epsilon_high",
+    "beta",
+    "scale_rewards",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "max_tokens_per_row",
+    "epochs_per_step",
+    "max_grad_norm",
+    "seed",
+    "backend",
+)
 
 
 def train_history(settings: Settings, name: str, up_to: int) -> list[dict]:
@@ -94,8 +108,9 @@ def plot_curve(history: list[dict], val: dict[int, list[float]], path: Path, tit
     plt.close(fig)
 
 
-def write_card(out: Path, settings: Settings, *, name: str, step: int, base_model: str, trained_with: dict,
-               merged: bool) -> None:
+def write_card(
+    out: Path, settings: Settings, *, name: str, step: int, base_model: str, trained_with: dict, merged: bool
+) -> None:
     history = train_history(settings, name, step)
     groups = {g for h in history for g in h["group_ids"]}
     figures = store_figures(settings, name, step, groups)
@@ -120,8 +135,9 @@ def write_card(out: Path, settings: Settings, *, name: str, step: int, base_mode
         "",
         f"- steps: {len(history)} (1 to {step})" if history else "- steps: none (the untrained step 0 adapter)",
         f"- groups trained: {len(groups)}",
-        f"- sessions trained: {figures['trained_sessions']}" if "trained_sessions" in figures else
-        "- sessions trained: (no store found beside the checkpoints)",
+        f"- sessions trained: {figures['trained_sessions']}"
+        if "trained_sessions" in figures
+        else "- sessions trained: (no store found beside the checkpoints)",
         f"- tokens trained: {tokens}",
         f"- val sessions scored: {sum(len(v) for v in val.values())}",
         "",
@@ -133,22 +149,49 @@ def write_card(out: Path, settings: Settings, *, name: str, step: int, base_mode
         "|---|---|---|---|---|---|---|---|",
     ]
     for h in history:
-        lines.append("| " + " | ".join(_fmt(h.get(k)) for k in (
-            "step", "reward_mean", "reward_std", "loss", "kl", "clip_fraction", "groups", "tokens")) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                _fmt(h.get(k))
+                for k in ("step", "reward_mean", "reward_std", "loss", "kl", "clip_fraction", "groups", "tokens")
+            )
+            + " |"
+        )
     if val:
-        lines += ["", "Val (sessions sent with `X-Split: val`, never trained on), by the step that answered them:",
-                  "", "| step | val reward mean | sessions |", "|---|---|---|"]
+        lines += [
+            "",
+            "Val (sessions sent with `X-Split: val`, never trained on), by the step that answered them:",
+            "",
+            "| step | val reward mean | sessions |",
+            "|---|---|---|",
+        ]
         lines += [f"| {s} | {_fmt(sum(v) / len(v))} | {len(v)} |" for s, v in val.items()]
     lines += ["", "## Settings", "", "| setting | value |", "|---|---|"]
     lines += [f"| `{k}` | {_fmt(trained_with.get(k))} |" for k in _SETTINGS_SHOWN if k in trained_with]
-    lines += ["", "All settings: `training_settings.json`; the step's own metrics: `trainer_state.json`.", "",
-              "## Use", ""]
+    lines += [
+        "",
+        "All settings: `training_settings.json`; the step's own metrics: `trainer_state.json`.",
+        "",
+        "## Use",
+        "",
+    ]
     if merged:
-        lines += ["```bash", "vllm serve ./THIS_DIR            # or any OpenAI-compatible server",
-                  "rlproxy serve --base-model ./THIS_DIR", "```"]
+        lines += [
+            "```bash",
+            "vllm serve ./THIS_DIR            # or any OpenAI-compatible server",
+            "rlproxy serve --base-model ./THIS_DIR",
+            "```",
+        ]
     else:
-        lines += ["```bash", f"vllm serve {base_model} --enable-lora --lora-modules {name}=./THIS_DIR", "```", "",
-                  "```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
-                  f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('{base_model}'), "
-                  "'./THIS_DIR')", "```"]
+        lines += [
+            "```bash",
+            f"vllm serve {base_model} --enable-lora --lora-modules {name}=./THIS_DIR",
+            "```",
+            "",
+            "```python",
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM",
+            f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('{base_model}'), './THIS_DIR')",
+            "```",
+        ]
     (out / "README.md").write_text("\n".join(lines) + "\n")

@@ -114,8 +114,10 @@ def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Ch
         return available[-1]
     steps = ", ".join(str(s) for s in sorted({c.step for c in available} | recorded)) or "none"
     if step is None or not (available or recorded):
-        raise NotFound(f"no checkpoints of model '{name}' in {root}: pass the --state-dir the trainer ran with"
-                       " (or the --store it recorded its steps in)")
+        raise NotFound(
+            f"no checkpoints of model '{name}' in {root}: pass the --state-dir the trainer ran with"
+            " (or the --store it recorded its steps in)"
+        )
     raise NotFound(f"model '{name}' has no checkpoint for step {step} in {root} (steps: {steps})")
 
 
@@ -141,8 +143,9 @@ def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = Fals
 
     from gateway.export.card import write_card
 
-    write_card(out, settings, name=name, step=checkpoint.step, base_model=base_model, trained_with=trained_with,
-               merged=merged)
+    write_card(
+        out, settings, name=name, step=checkpoint.step, base_model=base_model, trained_with=trained_with, merged=merged
+    )
     return ModelExport(name, checkpoint.step, out, merged, checkpoint.path)
 
 
@@ -197,8 +200,10 @@ def write_merged(checkpoint: Path, base_model: str, state_dir: Path, out: Path) 
         tokenizer = AutoTokenizer.from_pretrained(source)
         base = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
     except OSError as exc:
-        raise ConfigError(f"cannot load the base model '{base_model}' to merge into: {exc}. It must be "
-                          "available here (a local path, or a Hugging Face id in the cache)") from exc
+        raise ConfigError(
+            f"cannot load the base model '{base_model}' to merge into: {exc}. It must be "
+            "available here (a local path, or a Hugging Face id in the cache)"
+        ) from exc
     adapter_config = json.loads((checkpoint / ADAPTER_FILES[0]).read_text())
     if untie_if_adapted(base, adapter_config):
         log.info("the adapter changes a tied output head: the merged model gets its own head")

@@ -38,8 +38,11 @@ def _tool_call(call: dict) -> dict:
     arguments = function.get("arguments")
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments if arguments is not None else {})
-    return {"id": call.get("id") or "", "type": "function",
-            "function": {"name": function.get("name") or "", "arguments": arguments}}
+    return {
+        "id": call.get("id") or "",
+        "type": "function",
+        "function": {"name": function.get("name") or "", "arguments": arguments},
+    }
 
 
 def fine_tune_message(message: dict) -> dict:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 import orjson
 
@@ -101,25 +102,27 @@ def _write_openai(samples: Iterator[ExportedSample], output: str) -> int:
 def parquet_schema():
     import pyarrow as pa
 
-    return pa.schema([
-        ("session_id", pa.string()),
-        ("group_id", pa.string()),
-        ("split", pa.string()),
-        ("model", pa.string()),
-        ("sample_index", pa.int32()),        # position among the session's samples
-        ("step", pa.int32()),                # the step that trained it; null if never trained
-        ("sampled_by_step", pa.int32()),     # the adapter step that answered the sample's last call
-        ("reward", pa.float64()),
-        ("advantage", pa.float64()),         # as trained; null if never trained
-        ("token_ids", pa.list_(pa.int32())),  # prompt + completion, what the trainer's row holds
-        ("loss_mask", pa.list_(pa.bool_())),  # True on the sampled tokens the loss covers
-        ("old_logprobs", pa.list_(pa.float64())),  # behaviour logprobs; null where unknown (prompt tokens)
-        ("temperatures", pa.list_(pa.float64())),  # the temperature each token was sampled (and is scored) at
-        ("prompt_ids", pa.list_(pa.int32())),      # token_ids before the first trained token
-        ("completion_ids", pa.list_(pa.int32())),  # token_ids from the first trained token on
-        ("messages", pa.string()),           # JSON: the conversation (request messages + reply)
-        ("tools", pa.string()),              # JSON: the request's tools, or null
-    ])
+    return pa.schema(
+        [
+            ("session_id", pa.string()),
+            ("group_id", pa.string()),
+            ("split", pa.string()),
+            ("model", pa.string()),
+            ("sample_index", pa.int32()),  # position among the session's samples
+            ("step", pa.int32()),  # the step that trained it; null if never trained
+            ("sampled_by_step", pa.int32()),  # the adapter step that answered the sample's last call
+            ("reward", pa.float64()),
+            ("advantage", pa.float64()),  # as trained; null if never trained
+            ("token_ids", pa.list_(pa.int32())),  # prompt + completion, what the trainer's row holds
+            ("loss_mask", pa.list_(pa.bool_())),  # True on the sampled tokens the loss covers
+            ("old_logprobs", pa.list_(pa.float64())),  # behaviour logprobs; null where unknown (prompt tokens)
+            ("temperatures", pa.list_(pa.float64())),  # the temperature each token was sampled (and is scored) at
+            ("prompt_ids", pa.list_(pa.int32())),  # token_ids before the first trained token
+            ("completion_ids", pa.list_(pa.int32())),  # token_ids from the first trained token on
+            ("messages", pa.string()),  # JSON: the conversation (request messages + reply)
+            ("tools", pa.string()),  # JSON: the request's tools, or null
+        ]
+    )
 
 
 def _row(item: ExportedSample) -> dict:

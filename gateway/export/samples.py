@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from gateway.store import Store
 from trainer.data import build_batch, trained_sessions, trajectory_samples
@@ -103,8 +104,12 @@ class StepBatches:
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
-            log.warning("step %s@%s: no readable %s; rebuilding its batch with default settings",
-                        row["model"], row["step"], path)
+            log.warning(
+                "step %s@%s: no readable %s; rebuilding its batch with default settings",
+                row["model"],
+                row["step"],
+                path,
+            )
             return {}
 
     def samples(self, model: str, step: int) -> dict[str, list[Sample]]:
@@ -117,7 +122,9 @@ class StepBatches:
                 saved = self._settings(row)
                 groups = [self.store.get_group(gid) for gid in row["groups"]]
                 calls = {s["id"]: self.store.session_calls(s["id"]) for g in groups for s in trained_sessions(g)}
-                batch = build_batch(groups, calls, scale_rewards=saved.get("scale_rewards", "group"), render=self.render)
+                batch = build_batch(
+                    groups, calls, scale_rewards=saved.get("scale_rewards", "group"), render=self.render
+                )
                 limit = saved.get("max_tokens_per_row")
                 for sample in batch.samples:
                     if limit is None or len(sample.token_ids) <= limit:
@@ -141,12 +148,14 @@ def exported_samples(store: Store, sessions: Iterable[dict], render: Any, models
             samples = batches.samples(session["model"], trained_step).get(session["id"], [])
             step, trained = trained_step, True
         else:
-            samples = trajectory_samples(calls, trajectory_id=session["id"], group_id=gid or "", advantage=0.0,
-                                         render=render)
+            samples = trajectory_samples(
+                calls, trajectory_id=session["id"], group_id=gid or "", advantage=0.0, render=render
+            )
             step, trained = None, False
         for index, (sample, call) in enumerate(zip(samples, last_calls(calls, samples, render))):
             if call is None:  # cannot happen with the trainer's merge rule; never guess a conversation
                 log.warning("session %s: sample %d matches no call; left out", session["id"], index)
                 continue
-            yield ExportedSample(sample, session, call, index, step if trained else None,
-                                 sample.advantage if trained else None)
+            yield ExportedSample(
+                sample, session, call, index, step if trained else None, sample.advantage if trained else None
+            )

@@ -9,9 +9,9 @@ step `since_step` or later (the base model counts as step 0), the way one takes 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from gateway.errors import InvalidRequest, NotFound
 from gateway.store import Store
@@ -75,8 +75,9 @@ def select_sessions(store: Store, where: SessionFilter) -> Iterator[dict]:
     if not where.include_discarded:
         clauses.append("discarded = 0")
     # Portable SQL (the PostgreSQL store runs it too): ids break ties between equal times.
-    sql = "SELECT id FROM sessions" + (" WHERE " + " AND ".join(clauses) if clauses else "") + \
-        " ORDER BY created_at, id"
+    sql = (
+        "SELECT id FROM sessions" + (" WHERE " + " AND ".join(clauses) if clauses else "") + " ORDER BY created_at, id"
+    )
     ids = [row["id"] for row in store._query(sql, tuple(params))]
     for session_id in ids:
         session = store.get_session(session_id)

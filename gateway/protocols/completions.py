@@ -44,10 +44,12 @@ class CompletionRequest(BaseModel):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _refuse_unsupported(self) -> "CompletionRequest":
+    def _refuse_unsupported(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("'echo' is not supported: rlproxy answers completions through the chat form, which "
-                             "does not return the prompt; drop 'echo' and prepend the prompt yourself")
+            raise ValueError(
+                "'echo' is not supported: rlproxy answers completions through the chat form, which "
+                "does not return the prompt; drop 'echo' and prepend the prompt yourself"
+            )
         if self.suffix:
             raise ValueError("'suffix' (insertion) is not supported: rlproxy's models only continue a prompt")
         if self.best_of not in (None, self.n):
@@ -67,10 +69,17 @@ def completion_id(request_id: str) -> str:
 
 
 def to_chat(request: CompletionRequest, prompt: str) -> dict:
-    body: dict[str, Any] = {"model": request.model, "messages": [{"role": "user", "content": prompt}],
-                            "n": request.n}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-                 "metadata"):
+    body: dict[str, Any] = {"model": request.model, "messages": [{"role": "user", "content": prompt}], "n": request.n}
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "metadata",
+    ):
         if (value := getattr(request, name)) is not None:
             body[name] = value
     if request.logprobs is not None:
@@ -94,12 +103,23 @@ def _logprobs(chat_logprobs: dict | None) -> dict | None:
 
 
 def from_chat(chat_response: dict, request: dict, cmpl_id: str, first_index: int = 0) -> dict:
-    choices = [{"text": text_of((choice.get("message") or {}).get("content")),
-                "index": first_index + choice.get("index", 0), "logprobs": _logprobs(choice.get("logprobs")),
-                "finish_reason": choice.get("finish_reason")}
-               for choice in chat_response.get("choices") or []]
-    return {"id": cmpl_id, "object": "text_completion", "created": chat_response.get("created") or int(time.time()),
-            "model": request.get("model"), "choices": choices, "usage": chat_response.get("usage")}
+    choices = [
+        {
+            "text": text_of((choice.get("message") or {}).get("content")),
+            "index": first_index + choice.get("index", 0),
+            "logprobs": _logprobs(choice.get("logprobs")),
+            "finish_reason": choice.get("finish_reason"),
+        }
+        for choice in chat_response.get("choices") or []
+    ]
+    return {
+        "id": cmpl_id,
+        "object": "text_completion",
+        "created": chat_response.get("created") or int(time.time()),
+        "model": request.get("model"),
+        "choices": choices,
+        "usage": chat_response.get("usage"),
+    }
 
 
 def merge(responses: list[dict]) -> dict:
@@ -107,8 +127,10 @@ def merge(responses: list[dict]) -> dict:
     merged = dict(responses[0])
     merged["choices"] = [choice for response in responses for choice in response["choices"]]
     if all(r.get("usage") for r in responses):
-        merged["usage"] = {k: sum(r["usage"].get(k, 0) for r in responses)
-                           for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        merged["usage"] = {
+            k: sum(r["usage"].get(k, 0) for r in responses)
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        }
     return merged
 
 
@@ -129,12 +151,23 @@ class CompletionsStream:
             delta = choice.get("delta") or {}
             if delta.get("content") is None and not choice.get("finish_reason") and not choice.get("logprobs"):
                 continue
-            choices.append({"text": delta.get("content") or "", "index": choice.get("index", 0),
-                            "logprobs": _logprobs(choice.get("logprobs")), "finish_reason": choice.get("finish_reason")})
+            choices.append(
+                {
+                    "text": delta.get("content") or "",
+                    "index": choice.get("index", 0),
+                    "logprobs": _logprobs(choice.get("logprobs")),
+                    "finish_reason": choice.get("finish_reason"),
+                }
+            )
         if not choices and not chunk.get("usage"):
             return []
-        out = {"id": self.cmpl_id, "object": "text_completion", "created": self.created,
-               "model": self.request.get("model"), "choices": choices}
+        out = {
+            "id": self.cmpl_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.request.get("model"),
+            "choices": choices,
+        }
         if chunk.get("usage"):
             out["usage"] = chunk["usage"]
         return [(None, orjson.dumps(out))]
@@ -152,10 +185,21 @@ class CompletionsStream:
 def to_chat_response(completion: dict) -> dict:
     """The chat.completion a text completion amounts to, for the record of a call an upstream
     answered in this protocol itself (`--upstream-protocol completions`)."""
-    return {"id": completion.get("id"), "object": "chat.completion", "created": completion.get("created"),
-            "model": completion.get("model"), "usage": completion.get("usage"),
-            "choices": [{"index": c.get("index", 0), "message": {"role": "assistant", "content": c.get("text", "")},
-                         "finish_reason": c.get("finish_reason")} for c in completion.get("choices") or []]}
+    return {
+        "id": completion.get("id"),
+        "object": "chat.completion",
+        "created": completion.get("created"),
+        "model": completion.get("model"),
+        "usage": completion.get("usage"),
+        "choices": [
+            {
+                "index": c.get("index", 0),
+                "message": {"role": "assistant", "content": c.get("text", "")},
+                "finish_reason": c.get("finish_reason"),
+            }
+            for c in completion.get("choices") or []
+        ],
+    }
 
 
 class Accumulator:
@@ -172,8 +216,9 @@ class Accumulator:
         for piece in chunk.get("choices") or []:
             index = piece.get("index", 0)
             while len(self.response["choices"]) <= index:
-                self.response["choices"].append({"index": len(self.response["choices"]), "text": "",
-                                                 "finish_reason": None})
+                self.response["choices"].append(
+                    {"index": len(self.response["choices"]), "text": "", "finish_reason": None}
+                )
             choice = self.response["choices"][index]
             choice["text"] += piece.get("text") or ""
             if piece.get("finish_reason"):

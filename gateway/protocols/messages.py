@@ -58,8 +58,15 @@ class MessagesRequest(_Open):
 
 
 # Anthropic's error types by HTTP status (its reference's table).
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 
 
 def error_body(status: int, message: str) -> dict:
@@ -87,8 +94,10 @@ def _user_messages(blocks: list[dict], where: str) -> list[dict]:
                 content = f"Error: {content}"
             tool_messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
         else:
-            raise InvalidRequest(f"{where}.content[{j}]: block type '{kind}' is not supported in a user message: "
-                                 "use text or tool_result (rlproxy's models read text only)")
+            raise InvalidRequest(
+                f"{where}.content[{j}]: block type '{kind}' is not supported in a user message: "
+                "use text or tool_result (rlproxy's models read text only)"
+            )
     out = tool_messages
     if texts or not tool_messages:
         out.append({"role": "user", "content": "".join(texts)})
@@ -102,13 +111,20 @@ def _assistant_message(blocks: list[dict], where: str) -> dict:
         if kind == "text":
             texts.append(block.get("text", ""))
         elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name", ""), "arguments": json.dumps(block.get("input") or {})}})
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name", ""), "arguments": json.dumps(block.get("input") or {})},
+                }
+            )
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
-            raise InvalidRequest(f"{where}.content[{j}]: block type '{kind}' is not supported in an assistant "
-                                 "message: use text or tool_use")
+            raise InvalidRequest(
+                f"{where}.content[{j}]: block type '{kind}' is not supported in an assistant "
+                "message: use text or tool_use"
+            )
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
@@ -148,9 +164,17 @@ def to_chat(request: MessagesRequest) -> dict:
     if request.stop_sequences:
         body["stop"] = request.stop_sequences
     if request.tools:
-        body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                           **({"description": t.description} if t.description else {})}}
-                         for t in request.tools]
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "parameters": t.input_schema,
+                    **({"description": t.description} if t.description else {}),
+                },
+            }
+            for t in request.tools
+        ]
     choice, parallel = _tool_choice(request.tool_choice)
     if choice is not None:
         body["tool_choice"] = choice
@@ -162,8 +186,13 @@ def to_chat(request: MessagesRequest) -> dict:
 # ------------------------------------------------------------------ chat -> message
 
 
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
-                 "content_filter": "refusal"}
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "content_filter": "refusal",
+}
 
 
 def _arguments(text: str) -> dict:
@@ -187,11 +216,24 @@ def from_chat(chat_response: dict, request: dict, msg_id: str) -> dict:
         content.append({"type": "text", "text": text})
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name", ""),
-                        "input": _arguments(function.get("arguments", ""))})
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": request.get("model"), "content": content,
-            "stop_reason": _STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
-            "stop_sequence": None, "usage": _usage(chat_response.get("usage"))}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id"),
+                "name": function.get("name", ""),
+                "input": _arguments(function.get("arguments", "")),
+            }
+        )
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": request.get("model"),
+        "content": content,
+        "stop_reason": _STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
+        "stop_sequence": None,
+        "usage": _usage(chat_response.get("usage")),
+    }
 
 
 # ------------------------------------------------------------------ stream
@@ -213,9 +255,16 @@ class MessagesStream:
         return kind, orjson.dumps({"type": kind, **fields})
 
     def start(self) -> list[tuple[str, bytes]]:
-        message = {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.request.get("model"),
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+        message = {
+            "id": self.msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.request.get("model"),
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
         return [self._event("message_start", message=message)]
 
     def _open(self, kind: str, block: dict) -> list[tuple[str, bytes]]:
@@ -241,17 +290,27 @@ class MessagesStream:
             if delta.get("content"):
                 if self.open_kind != "text":
                     events += self._open("text", {"type": "text", "text": ""})
-                events.append(self._event("content_block_delta", index=self.block,
-                                          delta={"type": "text_delta", "text": delta["content"]}))
+                events.append(
+                    self._event(
+                        "content_block_delta", index=self.block, delta={"type": "text_delta", "text": delta["content"]}
+                    )
+                )
             for call in delta.get("tool_calls") or []:
                 kind = f"tool:{call.get('index', 0)}"
                 function = call.get("function") or {}
                 if self.open_kind != kind:
-                    events += self._open(kind, {"type": "tool_use", "id": call.get("id"),
-                                                "name": function.get("name") or "", "input": {}})
+                    events += self._open(
+                        kind,
+                        {"type": "tool_use", "id": call.get("id"), "name": function.get("name") or "", "input": {}},
+                    )
                 if function.get("arguments"):
-                    events.append(self._event("content_block_delta", index=self.block,
-                                              delta={"type": "input_json_delta", "partial_json": function["arguments"]}))
+                    events.append(
+                        self._event(
+                            "content_block_delta",
+                            index=self.block,
+                            delta={"type": "input_json_delta", "partial_json": function["arguments"]},
+                        )
+                    )
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return events
@@ -259,8 +318,11 @@ class MessagesStream:
     def finish(self) -> list[tuple[str, bytes]]:
         events = self._close()
         stop_reason = _STOP_REASONS.get(self.finish_reason or "stop", "end_turn")
-        events.append(self._event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": None},
-                                  usage=_usage(self.usage)))
+        events.append(
+            self._event(
+                "message_delta", delta={"stop_reason": stop_reason, "stop_sequence": None}, usage=_usage(self.usage)
+            )
+        )
         events.append(self._event("message_stop"))
         return events
 
@@ -272,8 +334,13 @@ class MessagesStream:
 # ------------------------------------------------------------------ message -> chat (pass-through)
 
 
-_FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
-                   "refusal": "content_filter"}
+_FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
 
 
 def to_chat_response(message: dict) -> dict:
@@ -284,17 +351,31 @@ def to_chat_response(message: dict) -> dict:
         if block.get("type") == "text":
             texts.append(block.get("text", ""))
         elif block.get("type") == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name", ""), "arguments": json.dumps(block.get("input") or {})}})
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name", ""), "arguments": json.dumps(block.get("input") or {})},
+                }
+            )
     reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         reply["tool_calls"] = calls
     usage = message.get("usage") or {}
     prompt, completion = usage.get("input_tokens", 0), usage.get("output_tokens", 0)
-    return {"id": message.get("id"), "object": "chat.completion", "model": message.get("model"),
-            "choices": [{"index": 0, "message": reply,
-                         "finish_reason": _FINISH_REASONS.get(message.get("stop_reason") or "end_turn", "stop")}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+    return {
+        "id": message.get("id"),
+        "object": "chat.completion",
+        "model": message.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": reply,
+                "finish_reason": _FINISH_REASONS.get(message.get("stop_reason") or "end_turn", "stop"),
+            }
+        ],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    }
 
 
 class Accumulator:
@@ -319,7 +400,8 @@ class Accumulator:
                 block["text"] = block.get("text", "") + delta.get("text", "")
             elif delta.get("type") == "input_json_delta":
                 self._json[event.get("index", -1)] = self._json.get(event.get("index", -1), "") + delta.get(
-                    "partial_json", "")
+                    "partial_json", ""
+                )
         elif kind == "content_block_stop" and event.get("index") in self._json:
             self.response["content"][event["index"]]["input"] = _arguments(self._json.pop(event["index"]))
         elif kind == "message_delta":

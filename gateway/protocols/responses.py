@@ -83,7 +83,8 @@ def _tools(tools: list[FunctionTool] | None) -> list[dict] | None:
             raise InvalidRequest(
                 f"tools[{i}]: tool type '{tool.type}' is not supported by rlproxy: only 'function' tools "
                 "(run built-in tools such as web search in the agent and pass them as functions)",
-                param=f"tools[{i}].type")
+                param=f"tools[{i}].type",
+            )
         if not tool.name:
             raise InvalidRequest(f"tools[{i}]: a function tool needs 'name'", param=f"tools[{i}].name")
         function = {"name": tool.name, "parameters": tool.parameters or {"type": "object", "properties": {}}}
@@ -100,8 +101,9 @@ def _tool_choice(choice: str | dict | None) -> str | dict | None:
         return choice
     if choice.get("type") == "function" and choice.get("name"):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
-                         param="tool_choice")
+    raise InvalidRequest(
+        "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", param="tool_choice"
+    )
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
@@ -119,17 +121,24 @@ def input_messages(items: str | list[dict]) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise InvalidRequest(f"input[{i}]: role '{role}' is not one of user, assistant, system, developer",
-                                     param=f"input[{i}].role")
+                raise InvalidRequest(
+                    f"input[{i}]: role '{role}' is not one of user, assistant, system, developer",
+                    param=f"input[{i}].role",
+                )
             for part in item.get("content") if isinstance(item.get("content"), list) else []:
-                if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text", "text",
-                                                                       "refusal"):
-                    raise InvalidRequest(f"input[{i}]: content part '{part.get('type')}' is not supported: "
-                                         "rlproxy's models read text only", param=f"input[{i}].content")
+                if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text", "text", "refusal"):
+                    raise InvalidRequest(
+                        f"input[{i}]: content part '{part.get('type')}' is not supported: "
+                        "rlproxy's models read text only",
+                        param=f"input[{i}].content",
+                    )
             messages.append({"role": role, "content": text_of(item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name", ""), "arguments": item.get("arguments") or "{}"}}
+            call = {
+                "id": item.get("call_id") or item.get("id"),
+                "type": "function",
+                "function": {"name": item.get("name", ""), "arguments": item.get("arguments") or "{}"},
+            }
             if not call["id"]:
                 raise InvalidRequest(f"input[{i}]: a function_call item needs 'call_id'", param=f"input[{i}].call_id")
             last = messages[-1] if messages else None
@@ -141,15 +150,17 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             if not item.get("call_id"):
-                raise InvalidRequest(f"input[{i}]: a function_call_output item needs 'call_id'",
-                                     param=f"input[{i}].call_id")
+                raise InvalidRequest(
+                    f"input[{i}]: a function_call_output item needs 'call_id'", param=f"input[{i}].call_id"
+                )
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text_of(item.get("output"))})
         elif kind == "reasoning":
             continue
         else:
             raise InvalidRequest(
                 f"input[{i}]: item type '{kind}' is not supported: use message, function_call or function_call_output",
-                param=f"input[{i}].type")
+                param=f"input[{i}].type",
+            )
     return messages
 
 
@@ -177,8 +188,10 @@ def to_chat(request: ResponsesRequest, history: list[dict] | None = None) -> dic
         body["tool_choice"] = choice
     text_format = (request.text or {}).get("format") or {}
     if text_format.get("type") == "json_schema":
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            k: text_format[k] for k in ("name", "schema", "strict", "description") if k in text_format}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {k: text_format[k] for k in ("name", "schema", "strict", "description") if k in text_format},
+        }
     elif text_format.get("type") == "json_object":
         body["response_format"] = {"type": "json_object"}
     return body
@@ -204,35 +217,64 @@ def _usage(usage: dict | None) -> dict | None:
     if not usage:
         return None
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
 
 
 def _envelope(request: dict, resp_id: str, created: float, status: str) -> dict:
     """Everything of a response object but its output and usage."""
     return {
-        "id": resp_id, "object": "response", "created_at": int(created), "status": status, "error": None,
-        "incomplete_details": None, "instructions": request.get("instructions"),
-        "max_output_tokens": request.get("max_output_tokens"), "model": request.get("model"), "output": [],
+        "id": resp_id,
+        "object": "response",
+        "created_at": int(created),
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "model": request.get("model"),
+        "output": [],
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
-        "previous_response_id": request.get("previous_response_id"), "reasoning": None,
-        "store": request.get("store", True), "temperature": request.get("temperature"),
-        "text": request.get("text") or {"format": {"type": "text"}}, "tool_choice": request.get("tool_choice") or "auto",
-        "tools": request.get("tools") or [], "top_p": request.get("top_p"), "truncation": "disabled",
-        "usage": None, "user": request.get("user"), "metadata": request.get("metadata") or {},
+        "previous_response_id": request.get("previous_response_id"),
+        "reasoning": None,
+        "store": request.get("store", True),
+        "temperature": request.get("temperature"),
+        "text": request.get("text") or {"format": {"type": "text"}},
+        "tool_choice": request.get("tool_choice") or "auto",
+        "tools": request.get("tools") or [],
+        "top_p": request.get("top_p"),
+        "truncation": "disabled",
+        "usage": None,
+        "user": request.get("user"),
+        "metadata": request.get("metadata") or {},
     }
 
 
 def message_item(resp_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": "msg_" + resp_id.removeprefix("resp_"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+    return {
+        "type": "message",
+        "id": "msg_" + resp_id.removeprefix("resp_"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else [],
+    }
 
 
 def function_call_item(resp_id: str, index: int, call: dict, status: str = "completed") -> dict:
     function = call.get("function") or {}
-    return {"type": "function_call", "id": f"fc_{resp_id.removeprefix('resp_')}_{index}", "call_id": call.get("id"),
-            "name": function.get("name", ""), "arguments": function.get("arguments", "") if status == "completed" else "",
-            "status": status}
+    return {
+        "type": "function_call",
+        "id": f"fc_{resp_id.removeprefix('resp_')}_{index}",
+        "call_id": call.get("id"),
+        "name": function.get("name", ""),
+        "arguments": function.get("arguments", "") if status == "completed" else "",
+        "status": status,
+    }
 
 
 def from_chat(chat_response: dict, request: dict, resp_id: str) -> dict:
@@ -281,7 +323,10 @@ class ResponsesStream:
 
     def start(self) -> list[tuple[str, bytes]]:
         snapshot = _envelope(self.request, self.resp_id, self.created, "in_progress")
-        return [self._event("response.created", response=snapshot), self._event("response.in_progress", response=snapshot)]
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
 
     def _close_open(self) -> list[tuple[str, bytes]]:
         events = []
@@ -292,14 +337,29 @@ class ResponsesStream:
         if kind == "message":
             item = message_item(self.resp_id, self.text or "")
             part = item["content"][0]
-            events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=part["text"], logprobs=[]),
-                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=part)]
+            events += [
+                self._event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                ),
+                self._event(
+                    "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                ),
+            ]
         else:
             item = function_call_item(self.resp_id, key, self.calls[key])
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=index, arguments=item["arguments"]))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                )
+            )
         events.append(self._event("response.output_item.done", output_index=index, item=item))
         self.output.append(item)
         self.open_item = None
@@ -319,21 +379,36 @@ class ResponsesStream:
                     self.text = ""
                     self.open_item = ("message", len(self.output))
                     item = message_item(self.resp_id, "", status="in_progress")
-                    events += [self._event("response.output_item.added", output_index=len(self.output), item=item),
-                               self._event("response.content_part.added", item_id=item["id"],
-                                           output_index=len(self.output), content_index=0,
-                                           part={"type": "output_text", "text": "", "annotations": []})]
+                    events += [
+                        self._event("response.output_item.added", output_index=len(self.output), item=item),
+                        self._event(
+                            "response.content_part.added",
+                            item_id=item["id"],
+                            output_index=len(self.output),
+                            content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []},
+                        ),
+                    ]
                 self.text += delta["content"]
-                events.append(self._event("response.output_text.delta", item_id="msg_" + self.resp_id[5:],
-                                          output_index=len(self.output), content_index=0, delta=delta["content"],
-                                          logprobs=[]))
+                events.append(
+                    self._event(
+                        "response.output_text.delta",
+                        item_id="msg_" + self.resp_id[5:],
+                        output_index=len(self.output),
+                        content_index=0,
+                        delta=delta["content"],
+                        logprobs=[],
+                    )
+                )
             for call_delta in delta.get("tool_calls") or []:
                 key = call_delta.get("index", len(self.calls))
                 function = call_delta.get("function") or {}
                 if key not in self.calls:
                     events += self._close_open()
-                    self.calls[key] = {"id": call_delta.get("id"),
-                                       "function": {"name": function.get("name") or "", "arguments": ""}}
+                    self.calls[key] = {
+                        "id": call_delta.get("id"),
+                        "function": {"name": function.get("name") or "", "arguments": ""},
+                    }
                     self.open_item = ("call", key)
                     item = function_call_item(self.resp_id, key, self.calls[key], status="in_progress")
                     events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
@@ -341,9 +416,14 @@ class ResponsesStream:
                     self.calls[key]["function"]["name"] += function["name"]
                 if function.get("arguments"):
                     self.calls[key]["function"]["arguments"] += function["arguments"]
-                    events.append(self._event("response.function_call_arguments.delta",
-                                              item_id=f"fc_{self.resp_id[5:]}_{key}", output_index=len(self.output),
-                                              delta=function["arguments"]))
+                    events.append(
+                        self._event(
+                            "response.function_call_arguments.delta",
+                            item_id=f"fc_{self.resp_id[5:]}_{key}",
+                            output_index=len(self.output),
+                            delta=function["arguments"],
+                        )
+                    )
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return events
@@ -367,8 +447,10 @@ class ResponsesStream:
         code, message = body.get("code") or body.get("type") or "server_error", body.get("message", "")
         response = _envelope(self.request, self.resp_id, self.created, "failed")
         response["output"], response["error"] = self.output, {"code": code, "message": message}
-        return [self._event("error", code=code, message=message, param=body.get("param")),
-                self._event("response.failed", response=response)]
+        return [
+            self._event("error", code=code, message=message, param=body.get("param")),
+            self._event("response.failed", response=response),
+        ]
 
 
 # ------------------------------------------------------------------ response -> chat (pass-through)
@@ -382,17 +464,32 @@ def to_chat_response(response: dict) -> dict:
         if item.get("type") == "message":
             texts.append(text_of(item.get("content")))
         elif item.get("type") == "function_call":
-            calls.append({"id": item.get("call_id"), "type": "function",
-                          "function": {"name": item.get("name", ""), "arguments": item.get("arguments") or ""}})
+            calls.append(
+                {
+                    "id": item.get("call_id"),
+                    "type": "function",
+                    "function": {"name": item.get("name", ""), "arguments": item.get("arguments") or ""},
+                }
+            )
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
     finish = "tool_calls" if calls else ("length" if response.get("status") == "incomplete" else "stop")
     usage = response.get("usage") or {}
-    return {"id": response.get("id"), "object": "chat.completion", "created": response.get("created_at"),
-            "model": response.get("model"), "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0),
-                      "total_tokens": usage.get("total_tokens", 0)} if usage else None}
+    return {
+        "id": response.get("id"),
+        "object": "chat.completion",
+        "created": response.get("created_at"),
+        "model": response.get("model"),
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": {
+            "prompt_tokens": usage.get("input_tokens", 0),
+            "completion_tokens": usage.get("output_tokens", 0),
+            "total_tokens": usage.get("total_tokens", 0),
+        }
+        if usage
+        else None,
+    }
 
 
 class Accumulator:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from starlette.types import Receive
 
@@ -57,7 +58,8 @@ class ClientWatch:
         self._cancelled_call = False
         self._watcher: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            WATCH_AFTER_SECONDS if after is None else after, self._start_watching)
+            WATCH_AFTER_SECONDS if after is None else after, self._start_watching
+        )
 
     def _start_watching(self) -> None:
         self._timer = None

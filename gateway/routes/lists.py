@@ -26,10 +26,15 @@ Until = Query(None, description="created before this time (unix seconds)")
 
 @router.get("/v1/sessions", summary="List sessions, newest first, paged and filtered")
 async def list_sessions(
-    request: Request, limit: int = Limit, cursor: str | None = Cursor,
-    split: Literal["train", "val"] | None = Split, group_id: str | None = Query(None, description="only this group"),
-    min_reward: float | None = MinReward, max_reward: float | None = MaxReward,
-    since: float | None = Since, until: float | None = Until,
+    request: Request,
+    limit: int = Limit,
+    cursor: str | None = Cursor,
+    split: Literal["train", "val"] | None = Split,
+    group_id: str | None = Query(None, description="only this group"),
+    min_reward: float | None = MinReward,
+    max_reward: float | None = MaxReward,
+    since: float | None = Since,
+    until: float | None = Until,
 ) -> Response:
     """`{"object": "list", "data": [session...], "has_more", "next_cursor"}`; each session
     without its calls (`GET /v1/sessions/{id}` has them) but with `step`, the adapter step
@@ -37,24 +42,44 @@ async def list_sessions(
     store = request.app.state.services.store
     if group_id is not None:
         _check_id(group_id, "group_id")
-    f = ListFilter(limit=limit, cursor=cursor, split=split, group_id=group_id, min_reward=min_reward,
-                   max_reward=max_reward, since=since, until=until)
+    f = ListFilter(
+        limit=limit,
+        cursor=cursor,
+        split=split,
+        group_id=group_id,
+        min_reward=min_reward,
+        max_reward=max_reward,
+        since=since,
+        until=until,
+    )
     return json_response(store.list_sessions(f))
 
 
 @router.get("/v1/groups", summary="List groups, newest first, paged and filtered")
 async def list_groups(
-    request: Request, limit: int = Limit, cursor: str | None = Cursor,
+    request: Request,
+    limit: int = Limit,
+    cursor: str | None = Cursor,
     split: Literal["train", "val"] | None = Split,
     state: Literal["trained", "skipped", "pending"] | None = Query(None, description="trained, skipped or neither"),
-    min_reward: float | None = MinReward, max_reward: float | None = MaxReward,
-    since: float | None = Since, until: float | None = Until,
+    min_reward: float | None = MinReward,
+    max_reward: float | None = MaxReward,
+    since: float | None = Since,
+    until: float | None = Until,
 ) -> Response:
     """`{"object": "list", "data": [group...], "has_more", "next_cursor"}`; each group with
     `n_sessions`, `n_rewarded` and its sessions' `reward_mean`, `reward_min`, `reward_max`."""
     store = request.app.state.services.store
-    f = ListFilter(limit=limit, cursor=cursor, split=split, state=state, min_reward=min_reward,
-                   max_reward=max_reward, since=since, until=until)
+    f = ListFilter(
+        limit=limit,
+        cursor=cursor,
+        split=split,
+        state=state,
+        min_reward=min_reward,
+        max_reward=max_reward,
+        since=since,
+        until=until,
+    )
     return json_response(store.list_groups(f))
 
 
@@ -67,17 +92,21 @@ async def dashboard(request: Request) -> Response:
     services = request.app.state.services
     model = services.settings.model_name
     steps = services.store.steps(model)
-    return json_response({
-        "model": model,
-        "base_model": services.settings.base_model,
-        "engine": services.engine.kind,
-        "step": services.registry.current,
-        "counts": services.store.counts(),
-        "calls_per_minute": services.store.calls_per_minute(time.time()),
-        "reward_curve": services.store.reward_curve(model),
-        "steps": [{"step": s["step"], "created_at": s["created_at"], "metrics": s["metrics"],
-                   "groups": s["groups"]} for s in steps],
-    })
+    return json_response(
+        {
+            "model": model,
+            "base_model": services.settings.base_model,
+            "engine": services.engine.kind,
+            "step": services.registry.current,
+            "counts": services.store.counts(),
+            "calls_per_minute": services.store.calls_per_minute(time.time()),
+            "reward_curve": services.store.reward_curve(model),
+            "steps": [
+                {"step": s["step"], "created_at": s["created_at"], "metrics": s["metrics"], "groups": s["groups"]}
+                for s in steps
+            ],
+        }
+    )
 
 
 @router.get("/v1/sessions/{session_id}/tokens", summary="The session's completion tokens: text, logprob, trained")
@@ -97,15 +126,27 @@ async def session_tokens(session_id: str, request: Request) -> Response:
         logprobs = (call.get("behaviour_logprobs") or [None])[0] or [None] * len(ids)
         texts = _token_texts(tokenizer, ids)
         behaviour = _first_choice(call.get("behaviour_logprobs"), len(ids))
-        calls.append({
-            "call_id": call["id"], "step": call.get("step"), "status": call["status"],
-            "prompt_tokens": len(call.get("prompt_ids") or []),
-            "trained": bool(trained_step is not None and not session["discarded"] and call["status"] == "ok" and ids),
-            "sampling": call.get("sampling"),
-            "tokens": [{"id": t, "text": texts[i] if texts else None,
+        calls.append(
+            {
+                "call_id": call["id"],
+                "step": call.get("step"),
+                "status": call["status"],
+                "prompt_tokens": len(call.get("prompt_ids") or []),
+                "trained": bool(
+                    trained_step is not None and not session["discarded"] and call["status"] == "ok" and ids
+                ),
+                "sampling": call.get("sampling"),
+                "tokens": [
+                    {
+                        "id": t,
+                        "text": texts[i] if texts else None,
                         "logprob": logprobs[i] if i < len(logprobs) else None,
-                        "behaviour_logprob": behaviour[i] if behaviour else None} for i, t in enumerate(ids)],
-        })
+                        "behaviour_logprob": behaviour[i] if behaviour else None,
+                    }
+                    for i, t in enumerate(ids)
+                ],
+            }
+        )
     return json_response({"session_id": session_id, "trained_step": trained_step, "calls": calls})
 
 

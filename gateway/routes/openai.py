@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import orjson
 from fastapi import APIRouter, Request
@@ -118,8 +118,13 @@ chat_completions = ChatCompletionsEndpoint()
 async def _send_json(send: Send, status: int, data: object, headers: list | None = None) -> None:
     body = orjson.dumps(data)
     # With its length given, the body goes out as it is rather than chunked.
-    await send({"type": "http.response.start", "status": status,
-                "headers": [_JSON, (b"content-length", b"%d" % len(body)), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [_JSON, (b"content-length", b"%d" % len(body)), *(headers or [])],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -130,19 +135,25 @@ async def _chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
         chat_request = ChatCompletionRequest.model_validate(raw)
     except ValidationError as exc:
         raise InvalidRequest(validation_message(exc)) from None
-    headers = {name.decode("latin-1"): value.decode("latin-1")
-               for name, value in scope["headers"] if name in _IDENTITY_HEADERS}
+    headers = {
+        name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"] if name in _IDENTITY_HEADERS
+    }
     identity = identify(headers, raw)
     request_id = scope["state"]["request_id"]
     if not chat_request.stream:
         watch = ClientWatch(receive)
         response, target = await watch.run(
-            services.chat.complete(chat_request, raw, identity, request_id, client_left=watch.left))
+            services.chat.complete(chat_request, raw, identity, request_id, client_left=watch.left)
+        )
         await _send_json(send, 200, response, _response_headers(identity.session_id, target.step))
         return
     events, target = await services.chat.open_stream(chat_request, raw, identity, request_id)
-    response = EventSourceResponse(_sse_frames(events), headers=_response_headers_dict(identity.session_id, target.step),
-                                   ping=SSE_PING_SECONDS, sep="\n")
+    response = EventSourceResponse(
+        _sse_frames(events),
+        headers=_response_headers_dict(identity.session_id, target.step),
+        ping=SSE_PING_SECONDS,
+        sep="\n",
+    )
     try:
         await response(scope, receive, send)
     finally:

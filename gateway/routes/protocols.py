@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
@@ -113,8 +114,15 @@ async def _encode(events: AsyncIterator[bytes], encoder: _Encoder) -> AsyncItera
         await events.aclose()  # records a stream the client left early
 
 
-async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wire,
-                 to_wire: Callable[[dict], dict], encoder: Callable[[], _Encoder], stream: bool) -> Response:
+async def _serve(
+    request: Request,
+    chat_body: dict,
+    identity: Identity,
+    wire: Wire,
+    to_wire: Callable[[dict], dict],
+    encoder: Callable[[], _Encoder],
+    stream: bool,
+) -> Response:
     services = request.app.state.services
     request_id = request.scope["state"]["request_id"]
     relay = services.extras.get("passthrough")
@@ -122,14 +130,18 @@ async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wi
         if not stream:
             watch = ClientWatch(request.receive)
             try:
-                answer, target = await watch.run(relay.complete(wire.protocol, wire.request, chat_body, identity,
-                                                                request_id, client_left=watch.left))
+                answer, target = await watch.run(
+                    relay.complete(wire.protocol, wire.request, chat_body, identity, request_id, client_left=watch.left)
+                )
             except ClientGone:
                 return Response(status_code=499)  # recorded as 499; nobody reads this
             return _json(answer, headers=_headers(identity.session_id, target.step))
         frames, target = await relay.open_stream(wire.protocol, wire.request, chat_body, identity, request_id)
-        return StreamingResponse(frames, media_type="text/event-stream",
-                                 headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"})
+        return StreamingResponse(
+            frames,
+            media_type="text/event-stream",
+            headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"},
+        )
     if stream:
         chat_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
     chat_request = _chat_request(chat_body)
@@ -137,14 +149,18 @@ async def _serve(request: Request, chat_body: dict, identity: Identity, wire: Wi
         watch = ClientWatch(request.receive)
         try:
             response, target = await watch.run(
-                services.chat.complete(chat_request, chat_body, identity, request_id, wire, client_left=watch.left))
+                services.chat.complete(chat_request, chat_body, identity, request_id, wire, client_left=watch.left)
+            )
         except ClientGone:
             return Response(status_code=499)  # recorded as 499; nobody reads this
 
         return _json(to_wire(response), headers=_headers(identity.session_id, target.step))
     events, target = await services.chat.open_stream(chat_request, chat_body, identity, request_id, wire)
-    return StreamingResponse(_encode(events, encoder()), media_type="text/event-stream",
-                             headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"})
+    return StreamingResponse(
+        _encode(events, encoder()),
+        media_type="text/event-stream",
+        headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"},
+    )
 
 
 # ------------------------------------------------------------------ OpenAI Responses
@@ -154,8 +170,10 @@ def _stored_response(store: Any, resp_id: str) -> dict:
     call_id = responses.call_id_of(resp_id)
     row = store.get_call(call_id) if call_id else None
     if row is None or row.get("protocol") != responses.PROTOCOL or row.get("status") != "ok":
-        raise NotFound(f"response '{resp_id[:80]}' not found: use the id of a completed response from this gateway",
-                       param="response_id")
+        raise NotFound(
+            f"response '{resp_id[:80]}' not found: use the id of a completed response from this gateway",
+            param="response_id",
+        )
     return row
 
 
@@ -169,16 +187,27 @@ async def create_response(body: responses.ResponsesRequest, request: Request) ->
         previous = _stored_response(request.app.state.services.store, body.previous_response_id)
         history = responses.history_of(previous["request"], previous["wire_request"], previous["response"])
         if identity.minted:  # a conversation continued by id stays in its session
-            identity = dataclasses.replace(identity, session_id=previous["session_id"],
-                                           group_id=identity.group_id or previous["group_id"], minted=False)
+            identity = dataclasses.replace(
+                identity,
+                session_id=previous["session_id"],
+                group_id=identity.group_id or previous["group_id"],
+                minted=False,
+            )
     resp_id = responses.response_id(request.scope["state"]["request_id"])
 
     def to_wire(chat_response: dict) -> dict:
         return responses.from_chat(chat_response, raw, resp_id)
 
     wire = Wire(responses.PROTOCOL, raw, to_wire)
-    return await _serve(request, responses.to_chat(body, history), identity, wire, to_wire,
-                        lambda: responses.ResponsesStream(raw, resp_id), body.stream)
+    return await _serve(
+        request,
+        responses.to_chat(body, history),
+        identity,
+        wire,
+        to_wire,
+        lambda: responses.ResponsesStream(raw, resp_id),
+        body.stream,
+    )
 
 
 @router.get("/v1/responses/{response_id}", summary="Retrieve a stored response")
@@ -209,8 +238,15 @@ async def create_message(body: messages.MessagesRequest, request: Request) -> Re
         return messages.from_chat(chat_response, raw, msg_id)
 
     wire = Wire(messages.PROTOCOL, raw, to_wire)
-    return await _serve(request, messages.to_chat(body), identity, wire, to_wire,
-                        lambda: messages.MessagesStream(raw, msg_id), body.stream)
+    return await _serve(
+        request,
+        messages.to_chat(body),
+        identity,
+        wire,
+        to_wire,
+        lambda: messages.MessagesStream(raw, msg_id),
+        body.stream,
+    )
 
 
 # ------------------------------------------------------------------ legacy completions
@@ -225,12 +261,20 @@ async def create_completion(body: completions.CompletionRequest, request: Reques
     cmpl_id = completions.completion_id(request_id)
     prompts = body.prompts()
     if len(prompts) == 1:
+
         def to_wire(chat_response: dict) -> dict:
             return completions.from_chat(chat_response, raw, cmpl_id)
 
         wire = Wire(completions.PROTOCOL, raw, to_wire)
-        return await _serve(request, completions.to_chat(body, prompts[0]), identity, wire, to_wire,
-                            lambda: completions.CompletionsStream(raw, cmpl_id), body.stream)
+        return await _serve(
+            request,
+            completions.to_chat(body, prompts[0]),
+            identity,
+            wire,
+            to_wire,
+            lambda: completions.CompletionsStream(raw, cmpl_id),
+            body.stream,
+        )
     # Several prompts: one call row each (the first under the request's id), choices numbered across them.
     services = request.app.state.services
     answers, step = [], None
@@ -242,8 +286,9 @@ async def create_completion(body: completions.CompletionRequest, request: Reques
 
         chat_body = completions.to_chat(body, prompt)
         call_id = request_id if i == 0 else f"{request_id}.{i}"
-        response, target = await services.chat.complete(_chat_request(chat_body), chat_body, identity, call_id,
-                                                        Wire(completions.PROTOCOL, raw, to_wire))
+        response, target = await services.chat.complete(
+            _chat_request(chat_body), chat_body, identity, call_id, Wire(completions.PROTOCOL, raw, to_wire)
+        )
         answers.append(to_wire(response))
         step = target.step
     return _json(completions.merge(answers), headers=_headers(identity.session_id, step))

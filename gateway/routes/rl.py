@@ -97,8 +97,12 @@ async def healthz(request: Request) -> Response:
             await store.probe()
         except StoreUnavailable:
             pass
-    body = {"status": "ok", "engine": services.engine.kind, "model": services.settings.model_name,
-            "step": services.registry.current}
+    body = {
+        "status": "ok",
+        "engine": services.engine.kind,
+        "model": services.settings.model_name,
+        "step": services.registry.current,
+    }
     engine_down = services.engine.health()
     if not store.health.degraded and engine_down is None:
         return json_response(body)

@@ -36,10 +36,13 @@ async def ruler(group_id: str, request: Request) -> Response:
     )
     task.add_done_callback(_retrieve)
     scores = await asyncio.shield(task)
-    return json_response({
-        "group_id": group_id,
-        "judge_model": body.judge_model,
-        "status": "scored",
-        "scores": [{"session_id": s["trajectory_id"], "score": s["score"], "explanation": s["explanation"]}
-                   for s in scores],
-    })
+    return json_response(
+        {
+            "group_id": group_id,
+            "judge_model": body.judge_model,
+            "status": "scored",
+            "scores": [
+                {"session_id": s["trajectory_id"], "score": s["score"], "explanation": s["explanation"]} for s in scores
+            ],
+        }
+    )

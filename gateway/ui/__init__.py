@@ -20,8 +20,10 @@ from gateway.chat import _check_id
 STATIC = Path(__file__).parent / "static"
 # Scripts only from this gateway (a stored string can never run as a script, even if a bug
 # let one into the page); styles inline too, which uPlot's legend uses.
-_CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
-        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'")
+_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+)
 _NAV = (("/ui", "Overview"), ("/ui/steps", "Steps"), ("/ui/groups", "Groups"), ("/ui/sessions", "Sessions"))
 
 router = APIRouter(include_in_schema=False)
@@ -39,8 +41,15 @@ def shell(page: str, title: str, **data: str) -> HTMLResponse:
 <main id="main"><h1 id="title">{escape(title)}</h1><div id="content" aria-live="polite"></div></main>
 <script src="/ui/static/uPlot.iife.min.js"></script><script src="/ui/static/dashboard.js"></script>
 </body></html>"""
-    return HTMLResponse(body, headers={"content-security-policy": _CSP, "cache-control": "no-store",
-                                       "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"})
+    return HTMLResponse(
+        body,
+        headers={
+            "content-security-policy": _CSP,
+            "cache-control": "no-store",
+            "x-content-type-options": "nosniff",
+            "referrer-policy": "no-referrer",
+        },
+    )
 
 
 @router.get("/ui")

@@ -125,14 +125,30 @@ class DashboardAuthMiddleware(BearerAuthMiddleware):
     async def _signed_in(self, scope: Scope, send: Send, target: str) -> None:
         secure = "; Secure" if scope.get("scheme") == "https" else ""
         cookie = f"{COOKIE}={self._token.decode()}; Path=/; HttpOnly; SameSite=Strict{secure}"
-        await send({"type": "http.response.start", "status": 303,
-                    # Re-encoded: a decoded path may hold CR/LF, which must never reach a header.
-                    "headers": [(b"location", quote(_safe_next(target), safe="/?&=%-._~:@+").encode()), (b"set-cookie", cookie.encode()),
-                                (b"cache-control", b"no-store")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 303,
+                # Re-encoded: a decoded path may hold CR/LF, which must never reach a header.
+                "headers": [
+                    (b"location", quote(_safe_next(target), safe="/?&=%-._~:@+").encode()),
+                    (b"set-cookie", cookie.encode()),
+                    (b"cache-control", b"no-store"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": b""})
 
     async def _refuse(self, send: Send, next_path: str, message: str | None, status: int = 401) -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-store"),
-                                (b"www-authenticate", b"Bearer")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"text/html; charset=utf-8"),
+                    (b"cache-control", b"no-store"),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": login_page(next_path, message)})

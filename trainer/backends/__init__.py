@@ -21,7 +21,7 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def get_backend(name: str) -> "type[TrainingBackend]":
+def get_backend(name: str) -> type[TrainingBackend]:
     """The backend class registered as `name`."""
     try:
         target = BACKENDS[name]

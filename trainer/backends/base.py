@@ -58,7 +58,7 @@ def save_peft_checkpoint(model: Any, optimizer: Any, directory: Path, **save_opt
     torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
 
 
-def load_peft_checkpoint(model: Any, optimizer: Any, directory: Path, device: "torch.device") -> None:
+def load_peft_checkpoint(model: Any, optimizer: Any, directory: Path, device: torch.device) -> None:
     """Adapter weights (and the optimizer state when saved) from a `save_peft_checkpoint` dir."""
     import logging
 
@@ -81,7 +81,8 @@ def load_peft_checkpoint(model: Any, optimizer: Any, directory: Path, device: "t
         optimizer.load_state_dict(torch.load(optimizer_file, map_location=device, weights_only=True))
     else:
         logging.getLogger("rlproxy.trainer").warning(
-            "checkpoint %s has no %s: the optimizer restarts from zero", directory, OPTIMIZER_FILE)
+            "checkpoint %s has no %s: the optimizer restarts from zero", directory, OPTIMIZER_FILE
+        )
 
 
 class TrainingBackend(ABC):
@@ -97,7 +98,7 @@ class TrainingBackend(ABC):
 
     name: str = "base"
 
-    def __init__(self, settings: "Settings"):
+    def __init__(self, settings: Settings):
         self.settings = settings
 
     # -- what the model is
@@ -109,7 +110,7 @@ class TrainingBackend(ABC):
 
     @property
     @abstractmethod
-    def device(self) -> "torch.device":
+    def device(self) -> torch.device:
         """Where the model's parameters live; rows are moved there."""
 
     @property
@@ -123,14 +124,14 @@ class TrainingBackend(ABC):
 
     # -- forward passes
     @abstractmethod
-    def token_logprobs(self, row: "PackedRow") -> "torch.Tensor":
+    def token_logprobs(self, row: PackedRow) -> torch.Tensor:
         """logprobs_T (float32, on `device`) of one packed row under the policy (adapter
         on), with gradients: entry t is log p(token t | earlier tokens of its own sample),
         0 at each sample's first token. `trainer.packing.token_logprobs` does exactly
         this for any causal LM that takes a 4D attention mask."""
 
     @abstractmethod
-    def reference_logprobs(self, row: "PackedRow") -> "torch.Tensor":
+    def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
         """Like `token_logprobs`, under the base model (adapter disabled) and without
         gradients: the reference of the KL penalty (only asked for when beta > 0)."""
 

@@ -115,8 +115,9 @@ class PeftBackend(TrainingBackend):
     def save(self, directory: Path) -> None:
         # Only the LoRA weights: the base embeddings are never trained (peft would otherwise copy
         # the tiny model's tied embedding matrix into every checkpoint).
-        save_peft_checkpoint(self.model, self.optimizer, directory, safe_serialization=True,
-                             save_embedding_layers=False)
+        save_peft_checkpoint(
+            self.model, self.optimizer, directory, safe_serialization=True, save_embedding_layers=False
+        )
 
     def load(self, directory: Path) -> None:
         load_peft_checkpoint(self.model, self.optimizer, directory, self._device)

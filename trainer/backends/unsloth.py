@@ -97,9 +97,14 @@ def head_transform(config) -> tuple[float, float | None]:
     return scale, first(_SOFTCAP_FIELDS)
 
 
-def _chunk_logprobs(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, targets_C: torch.Tensor,
-                    scale: float = 1.0, softcap: float | None = None,
-                    temperatures_C: torch.Tensor | None = None) -> torch.Tensor:
+def _chunk_logprobs(
+    hidden_CH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_C: torch.Tensor,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    temperatures_C: torch.Tensor | None = None,
+) -> torch.Tensor:
     logits_CV = (hidden_CH @ weight_VH.T).float()  # matmul in the model's dtype, softmax in float32
     if scale != 1.0:
         logits_CV = logits_CV * scale
@@ -110,10 +115,15 @@ def _chunk_logprobs(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, targets_C:
     return logits_CV.gather(-1, targets_C[:, None]).squeeze(-1) - torch.logsumexp(logits_CV, dim=-1)
 
 
-def chunked_token_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, targets_T: torch.Tensor,
-                           chunk: int | None = None, scale: float = 1.0,
-                           softcap: float | None = None,
-                           temperatures_T: torch.Tensor | None = None) -> torch.Tensor:
+def chunked_token_logprobs(
+    hidden_TH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_T: torch.Tensor,
+    chunk: int | None = None,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    temperatures_T: torch.Tensor | None = None,
+) -> torch.Tensor:
     """log softmax(hidden @ weight.T / T_t)[t, targets[t]] for every t, `chunk` positions at a time.
 
     `temperatures_T` is the temperature each target was sampled at (None: 1), so the trainer
@@ -129,8 +139,11 @@ def chunked_token_logprobs(hidden_TH: torch.Tensor, weight_VH: torch.Tensor, tar
         h_CH, t_C = hidden_TH[start : start + chunk], targets_T[start : start + chunk]
         temp_C = temperatures_T[start : start + chunk] if temperatures_T is not None else None
         if grad:
-            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, h_CH, weight_VH, t_C, scale, softcap,
-                                                         temp_C, use_reentrant=False))
+            out.append(
+                torch.utils.checkpoint.checkpoint(
+                    _chunk_logprobs, h_CH, weight_VH, t_C, scale, softcap, temp_C, use_reentrant=False
+                )
+            )
         else:
             out.append(_chunk_logprobs(h_CH, weight_VH, t_C, scale, softcap, temp_C))
     return torch.cat(out) if out else hidden_TH.new_zeros(0, dtype=torch.float32)
@@ -154,7 +167,8 @@ class UnslothBackend(TrainingBackend):
             raise ConfigError(
                 f"--load-in-4bit trains on a bnb-4bit checkpoint, and vLLM must serve that same checkpoint: pass "
                 f"one as --base-model (e.g. unsloth/...-bnb-4bit), not '{settings.base_model}', or drop "
-                "--load-in-4bit to train 16-bit LoRA on the model vLLM serves")
+                "--load-in-4bit to train 16-bit LoRA on the model vLLM serves"
+            )
         try:
             model, self._tokenizer = FastLanguageModel.from_pretrained(
                 model_name=settings.base_model,
@@ -207,8 +221,14 @@ class UnslothBackend(TrainingBackend):
             head_VH = self.model.get_output_embeddings().weight
             if out_TH.shape[-1] == head_VH.shape[1]:
                 # hidden states at t-1 predict token t; the head's scale / softcap applied here
-                next_T = chunked_token_logprobs(out_TH[:-1], head_VH, ids_T[1:], scale=self._scale,
-                                                softcap=self._softcap, temperatures_T=next_temps_T)
+                next_T = chunked_token_logprobs(
+                    out_TH[:-1],
+                    head_VH,
+                    ids_T[1:],
+                    scale=self._scale,
+                    softcap=self._softcap,
+                    temperatures_T=next_temps_T,
+                )
             else:  # an Unsloth that ignored UNSLOTH_RETURN_HIDDEN_STATES: its logits are final
                 logits_TV = out_TH[:-1].float() / next_temps_T[:, None]
                 next_T = torch.log_softmax(logits_TV, dim=-1).gather(-1, ids_T[1:, None]).squeeze(-1)
