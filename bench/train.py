@@ -86,7 +86,7 @@ def batch_spec(n_samples: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     vocab = MODEL_CONFIG["vocab_size"]
     specs = []
-    for i in range(n_samples):
+    for _ in range(n_samples):
         prompt_len = rng.randint(32, 160)
         completion_len = max(8, min(700, int(rng.lognormvariate(math.log(120), 0.8))))
         specs.append(
@@ -132,7 +132,7 @@ def build_samples(specs: list[dict], old_logprobs: list[list[float]]):
     for i, spec in enumerate(specs):
         p, c = spec["prompt"], spec["completion"]
         adv = advantages.get(f"g{i // GROUP_SIZE}", [0.0] * GROUP_SIZE)[i % GROUP_SIZE]
-        old = [math.nan] * len(p) + [lp + n for lp, n in zip(old_logprobs[i], spec["noise"])]
+        old = [math.nan] * len(p) + [lp + n for lp, n in zip(old_logprobs[i], spec["noise"], strict=False)]
         samples.append(
             Sample(tuple(p + c), (False,) * len(p) + (True,) * len(c), tuple(old), adv, f"t{i}", f"g{i // GROUP_SIZE}")
         )
@@ -360,7 +360,7 @@ def variant_trl(args) -> dict:
             prompt_mask[b, P - len(p) :] = 1
             completion_ids[b, : len(c)] = torch.tensor(c)
             completion_mask[b, : len(c)] = 1
-            old[b, : len(c)] = torch.tensor([lp + n for lp, n in zip(old_lp[i], specs[i]["noise"])])
+            old[b, : len(c)] = torch.tensor([lp + n for lp, n in zip(old_lp[i], specs[i]["noise"], strict=False)])
             adv[b] = advantages.get(f"g{i // GROUP_SIZE}", [0.0] * GROUP_SIZE)[i % GROUP_SIZE]
         micro.append(
             {

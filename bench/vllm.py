@@ -302,7 +302,7 @@ async def paired(direct: Service, through: Service, seconds: float, warmup: floa
     finally:
         for conn in conns.values():
             conn.transport.close()
-    differences = [b - a for a, b in zip(latencies["direct"], latencies["rlproxy"])]
+    differences = [b - a for a, b in zip(latencies["direct"], latencies["rlproxy"], strict=False)]
     return {
         "pairs": len(differences),
         "errors": errors,

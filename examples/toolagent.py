@@ -394,7 +394,7 @@ def main(example: Example, argv: list[str] | None = None) -> list[dict]:
         for task in chosen:
             group_records: list[dict] = []
 
-            def rollout(session, task: Task = task) -> None:
+            def rollout(session, task: Task = task, group_records: list[dict] = group_records) -> None:
                 env = example.new_env()
                 episode = run_episode(
                     session.openai_client(),

@@ -56,7 +56,7 @@ def _ranges(steps: list[int]) -> str:
     if not steps:
         return "none (nothing trained yet)"
     parts, start = [], steps[0]
-    for prev, cur in zip(steps, [*steps[1:], None]):
+    for prev, cur in zip(steps, [*steps[1:], None], strict=False):
         if cur is None or cur != prev + 1:  # a run ends at prev
             parts.append(str(start) if start == prev else f"{start}-{prev}")
             start = cur

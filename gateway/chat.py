@@ -43,7 +43,8 @@ class Identity:
 def _check_id(value: str, what: str) -> str:
     if not _ID_PATTERN.match(value):
         raise InvalidRequest(
-            f"{what} '{value[:64]}' is not valid: use 1-128 letters, digits or . _ : @ -, starting with a letter or digit",
+            f"{what} '{value[:64]}' is not valid: "
+            "use 1-128 letters, digits or . _ : @ -, starting with a letter or digit",
             param=what,
         )
     return value

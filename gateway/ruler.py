@@ -223,7 +223,7 @@ def build_prompt(trajectories: list[Trajectory], rubric: str | None = None) -> J
         blocks.append(f"<tools>\n{_json_lines(unique[0].tools)}\n</tools>")
     if prefix:
         blocks.append(f"<context>\n{_json_lines(unique[0].messages[:prefix])}\n</context>")
-    for trajectory_id, trajectory in zip(members, unique):
+    for trajectory_id, trajectory in zip(members, unique, strict=False):
         body = _json_lines(trajectory.messages[prefix:])
         if trajectory.tools and not shared_tools:
             body = f"<tools>\n{_json_lines(trajectory.tools)}\n</tools>\n{body}"

@@ -96,7 +96,10 @@ class Settings(BaseSettings):
     backend: Literal["peft", "unsloth"] = Field("peft", description="training backend")
     load_in_4bit: bool = Field(
         False,
-        description="unsloth backend: QLoRA on a bnb-4bit checkpoint given as --base-model (vLLM then serves that same checkpoint); default 16-bit LoRA",
+        description=(
+            "unsloth backend: QLoRA on a bnb-4bit checkpoint given as --base-model "
+            "(vLLM then serves that same checkpoint); default 16-bit LoRA"
+        ),
     )
     groups_per_step: int = Field(4, ge=1, description="ready train groups per training step")
     learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")

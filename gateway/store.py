@@ -4,8 +4,9 @@ Writes from the gateway go through one writer thread that batches them into a
 single transaction per round (group commit); a caller's `await` returns only
 after its transaction committed, so a response acknowledged to a client is on
 disk. A call recorded while no other is in flight is committed on the event loop
-at once instead (`_write_now`), unless that would mean waiting for the lock. The trainer, in its own process, opens the same file with `Store(path)`
-and uses the synchronous methods.
+at once instead (`_write_now`), unless that would mean waiting for the lock. The
+trainer, in its own process, opens the same file with `Store(path)` and uses the
+synchronous methods.
 
 This module is the `Store` class: its lifecycle, the group-commit writer, the
 write and read methods. The schema and connection setup live in
@@ -480,7 +481,7 @@ class Store:
             try:
                 cursor = self._read_conn.execute(sql, params)
                 names = [d[0] for d in cursor.description]
-                return [dict(zip(names, row)) for row in cursor.fetchall()]
+                return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
             except sqlite3.Error as exc:
                 self._raise_failure(exc)
                 raise

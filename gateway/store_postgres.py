@@ -12,7 +12,8 @@ Several gateways and trainers may share one database:
   database hands out, and a client sends call n+1 only after call n was acknowledged (committed);
 - a group is marked trained in the transaction that inserts its step (`Store.insert_step`: its
   `UPDATE ... WHERE trained_step IS NULL` waits on a racing trainer's row lock and then sees the
-  group trained, so the second step is refused with Conflict); `claim_groups` lets a trainer take ready groups through a claim row, so two trainers never take the same group.
+  group trained, so the second step is refused with Conflict); `claim_groups` lets a trainer
+  take ready groups through a claim row, so two trainers never take the same group.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class PostgresStore(Store):
             with self._pool.connection() as raw:
                 cursor = _PgConn(raw).execute(sql, params)
                 names = [d[0] for d in cursor.description]
-                return [dict(zip(names, row)) for row in cursor.fetchall()]
+                return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
         except Exception as exc:
             self._raise_failure(exc)
             raise

@@ -88,7 +88,7 @@ TOOL_CALL_END = "</tool_call>"
 
 # Qwen2's pre-tokenizer regex (transformers' Qwen2Tokenizer rebuilds the pipeline with it on
 # load, so the tokenizer must be trained with exactly this one to stay identical).
-_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 (Qwen2's pattern, verbatim)
 
 _DEFAULT_SYSTEM = "You are a helpful assistant."
 
@@ -198,7 +198,7 @@ is are was were be been have has had do does did will would can could should may
 the a an and or but if then else when while for with without from into onto over under about
 what who which where why how this that these those there here all some any many much more most
 user assistant system tool function name arguments content role message messages tools call
-"""
+"""  # noqa: E501 (tool-call JSON lines as a template writes them)
 
 
 def _build_tokenizer():

@@ -69,7 +69,7 @@ def training_example(tokenizer, messages: list[dict]) -> tuple[list[int], list[i
     spans = [match.span(1) for match in _REPLY.finditer(text)]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, labels, span = encoded["input_ids"], [], 0
-    for token, (start, end) in zip(ids, encoded["offset_mapping"]):
+    for token, (start, end) in zip(ids, encoded["offset_mapping"], strict=False):
         while span < len(spans) and start >= spans[span][1]:
             span += 1
         inside = span < len(spans) and spans[span][0] <= start and end <= spans[span][1]

@@ -160,7 +160,7 @@ def candidate_logprobs(params: dict, mode: str) -> list[float]:
     probs = [math.exp(lp) for lp in log_softmax(logits)]
     if params["min_p"] > 0:
         cut = params["min_p"] * max(probs)
-        logits = [x if p >= cut else -math.inf for x, p in zip(logits, probs)]
+        logits = [x if p >= cut else -math.inf for x, p in zip(logits, probs, strict=False)]
     order = sorted(range(len(logits)), key=lambda i: -logits[i])
     k = params["top_k"]
     if k and k > 0:

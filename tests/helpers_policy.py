@@ -2,10 +2,11 @@
 
 A script is a list of steps, one per assistant turn: `call(name, **arguments)` answers with
 that tool call, `say(text)` with that message, `fail(status, message)` with an error.
-Scripts are keyed by a piece of the task's opening user message; a task may have several, handed out in turn to its new conversations,
-so one group holds, say, a correct rollout and a rule-breaking one. The server finds its
-place in a conversation from the request alone, as a stateless model would: the step is
-the number of assistant turns so far, the script is named in the first tool call's id
+Scripts are keyed by a piece of the task's opening user message; a task may have several,
+handed out in turn to its new conversations, so one group holds, say, a correct rollout and
+a rule-breaking one. The server finds its place in a conversation from the request alone,
+as a stateless model would: the step is the number of assistant turns so far, the script is
+named in the first tool call's id
 (`call_<script>_<step>`), so every script must open with a tool call.
 
 `check_trajectory` reads a rollout back from the gateway and checks it against what the agent sent.

@@ -215,7 +215,7 @@ def test_overview_curve_has_one_point_per_step(dashboard, browser):
         for split, series in (("train", train), ("val", val)):
             expected = {r["step"]: r["mean"] for r in curve if r["split"] == split}
             assert expected, split
-            assert {s: v for s, v in zip(xs, series) if v is not None} == pytest.approx(expected)
+            assert {s: v for s, v in zip(xs, series, strict=False) if v is not None} == pytest.approx(expected)
         assert 0 in {r["step"] for r in curve if r["split"] == "val"}  # the demo's baseline evaluation
         assert page.page.locator("#curve-data tbody tr").count() == len(steps)
         text = page.page.inner_text("#cards")

@@ -112,7 +112,7 @@ def test_a_whole_game_merges_into_one_sample_that_trains_exactly_the_moves(token
     assert score == 1.0 and len(calls) == 4
     # As the local engine records them: the rendered prompt, the move and <|im_end|> sampled.
     recorded = []
-    for i, (messages, reply) in enumerate(zip(calls, replies)):
+    for i, (messages, reply) in enumerate(zip(calls, replies, strict=False)):
         completion = encode(reply + tokenizer.eos_token)
         recorded.append(
             {
@@ -133,17 +133,18 @@ def test_a_whole_game_merges_into_one_sample_that_trains_exactly_the_moves(token
     assert sample.token_ids == tuple(encode(full[:-1]))  # the last move's <|im_end|> is its last token
     expected_mask: list[bool] = []
     expected_old: list[float] = []
-    for i, (messages, reply) in enumerate(zip(calls, replies)):
+    for i, (messages, reply) in enumerate(zip(calls, replies, strict=False)):
         new_prompt = len(prompt_ids(messages)) - len(expected_mask)
         move = encode(reply + tokenizer.eos_token)
         assert move == [tokenizer.convert_tokens_to_ids(reply), tokenizer.eos_token_id]  # one digit, one end
         expected_mask += [False] * new_prompt + [True] * len(move)
         expected_old += [math.nan] * new_prompt + [-0.5 - i] * len(move)
     assert list(sample.loss_mask) == expected_mask
-    trained = [t for t, m in zip(sample.token_ids, sample.loss_mask) if m]
+    trained = [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=False) if m]
     assert tokenizer.decode(trained) == "5<|im_end|>9<|im_end|>3<|im_end|>7<|im_end|>"
     assert sum(sample.loss_mask) == 8  # the four moves and their end-of-turn tokens, nothing else
     assert all(
-        math.isnan(a) == math.isnan(b) and (math.isnan(a) or a == b) for a, b in zip(sample.old_logprobs, expected_old)
+        math.isnan(a) == math.isnan(b) and (math.isnan(a) or a == b)
+        for a, b in zip(sample.old_logprobs, expected_old, strict=True)
     )
     assert sample.advantage == 1.5

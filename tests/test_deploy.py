@@ -157,7 +157,7 @@ def test_every_deploy_file_serves_vllm_colocated_with_unsloth():
         if source == "README.md" or not serves:
             continue
         for args in serves:
-            given = dict(zip(args, args[1:]))
+            given = dict(zip(args, args[1:], strict=False))
             assert given.get("--engine") == "vllm" and given.get("--backend") == "unsloth", source
             assert given.get("--gpu-mode") == "colocated" and given.get("--trainer") == "auto", source
             assert given.get("--device") == "cuda", source

@@ -274,8 +274,8 @@ def test_parquet_rows_are_the_trainers_samples(trained, tmp_path):
         between = len(p2) - len(p1) - len(c1)  # the tool result and the template around it
         assert row["loss_mask"] == [False] * len(p1) + [True] * len(c1) + [False] * between + [True] * len(c2)
         assert row["prompt_ids"] == p1 and row["completion_ids"] == row["token_ids"][len(p1) :]
-        logged = [x for x, m in zip(row["old_logprobs"], row["loss_mask"]) if m]
-        assert all(x is None for x, m in zip(row["old_logprobs"], row["loss_mask"]) if not m)
+        logged = [x for x, m in zip(row["old_logprobs"], row["loss_mask"], strict=False) if m]
+        assert all(x is None for x, m in zip(row["old_logprobs"], row["loss_mask"], strict=False) if not m)
         session_calls = store.session_calls(sid)
         assert logged == pytest.approx(
             session_calls[0]["behaviour_logprobs"][0] + session_calls[1]["behaviour_logprobs"][0]

@@ -60,7 +60,7 @@ def check_tokens_match(call: dict, texts: list[str], tokenizer) -> None:
     """Recorded completion ids decode to what the client got; one logprob per token."""
     assert call["prompt_ids"], "prompt token ids recorded"
     assert len(call["completion_ids"]) == len(texts)
-    for ids, logprobs, text in zip(call["completion_ids"], call["behaviour_logprobs"], texts):
+    for ids, logprobs, text in zip(call["completion_ids"], call["behaviour_logprobs"], texts, strict=False):
         decoded = tokenizer.decode(ids, skip_special_tokens=True)
         assert decoded.strip() == text.strip()
         assert len(logprobs) == len(ids) and all(lp <= 0 for lp in logprobs)

@@ -314,7 +314,7 @@ async def test_requests_keep_flowing_while_two_steps_land(tmp_path):
                 await _until(lambda: "0" in steps_seen(), "requests served by step 0")
                 for step in (1, 2):
                     await asyncio.to_thread(publisher.publish, step)
-                    await _until(lambda: str(step) in steps_seen(), f"requests served by step {step}")
+                    await _until(lambda step=step: str(step) in steps_seen(), f"requests served by step {step}")
                 count = len(seen)
                 await _until(lambda: len(seen) >= count + 8, "more requests after the second swap")
             except BaseException:

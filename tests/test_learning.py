@@ -123,7 +123,7 @@ def run(
             shuffler.shuffle(rewards)
         samples = grpo_samples(
             [
-                [(prompt, c, lp) for c, lp in zip(completions, logprob_lists)]
+                [(prompt, c, lp) for c, lp in zip(completions, logprob_lists, strict=False)]
                 for prompt, completions, logprob_lists in groups
             ],
             rewards,

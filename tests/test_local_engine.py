@@ -144,7 +144,7 @@ async def test_n_choices_are_distinct_and_each_decodes(engine):
     assert [c["index"] for c in choices] == [0, 1, 2]
     ids = [c.completion_ids for c in result.tokens.choices]
     assert len({tuple(i) for i in ids}) == 3
-    for choice, tokens in zip(choices, result.tokens.choices):
+    for choice, tokens in zip(choices, result.tokens.choices, strict=False):
         assert engine.tokenizer.decode(tokens.completion_ids, skip_special_tokens=True) == choice["message"]["content"]
     assert result.response["usage"]["completion_tokens"] == sum(len(i) for i in ids)
 
@@ -200,7 +200,7 @@ async def test_behaviour_logprobs_are_the_processed_distribution(engine, referen
     others = [{"temperature": 1.0}, {"temperature": 0.3, "top_p": 0.5}]
     requests = [
         request([{"role": "user", "content": "Hi " * k}], max_tokens=limit, seed=k, n=1 + k % 2, **extra)
-        for (k, limit), extra in zip(((1, 20), (7, 12), (30, 5)), [sampling, *others])
+        for (k, limit), extra in zip(((1, 20), (7, 12), (30, 5)), [sampling, *others], strict=False)
     ]
     results = await asyncio.gather(*(engine.complete(r) for r in requests))
     result = results[0]
@@ -218,10 +218,10 @@ async def test_behaviour_logprobs_are_the_processed_distribution(engine, referen
     for tokens in result.tokens.choices:
         expected = processed_reference(reference, result.tokens.prompt_ids, tokens.completion_ids, sampling)
         assert len(tokens.logprobs) == len(tokens.completion_ids)
-        assert max(abs(a - b) for a, b in zip(tokens.logprobs, expected)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(tokens.logprobs, expected, strict=False)) < 1e-4
         if sampling.get("temperature", 1.0) != 1.0 or sampling.get("top_p", 1.0) < 1.0:
             raw = teacher_forced(reference, result.tokens.prompt_ids, tokens.completion_ids)
-            assert max(abs(a - b) for a, b in zip(tokens.logprobs, raw)) > 0.05  # not the raw model's
+            assert max(abs(a - b) for a, b in zip(tokens.logprobs, raw, strict=False)) > 0.05  # not the raw model's
 
 
 async def test_top_k_and_repetition_penalty_shape_the_recorded_distribution(engine, reference):
@@ -233,7 +233,7 @@ async def test_top_k_and_repetition_penalty_shape_the_recorded_distribution(engi
     prompt_ids, ids = result.tokens.prompt_ids, result.tokens.choices[0].completion_ids
     with torch.no_grad():
         logits_TV = reference(torch.tensor([prompt_ids + ids])).logits[0].double()
-    for i, (token, recorded) in enumerate(zip(ids, result.tokens.choices[0].logprobs)):
+    for i, (token, recorded) in enumerate(zip(ids, result.tokens.choices[0].logprobs, strict=False)):
         scores = logits_TV[len(prompt_ids) - 1 + i].clone()
         for seen in set(prompt_ids + ids[:i]):  # vLLM's rule: divide positive logits, multiply negative ones
             scores[seen] = scores[seen] / 1.3 if scores[seen] > 0 else scores[seen] * 1.3
@@ -363,7 +363,9 @@ async def test_stream_really_streams(engine):
     start = time.monotonic()
     with Script(engine, script, delay=0.03):
         chunks, end, arrivals = await collect(engine, request(stream=True, max_tokens=40))
-    content_times = [t for c, t in zip(chunks, arrivals) if c["choices"] and c["choices"][0]["delta"].get("content")]
+    content_times = [
+        t for c, t in zip(chunks, arrivals, strict=True) if c["choices"] and c["choices"][0]["delta"].get("content")
+    ]
     assert stream_text(chunks) == "one two three four five six seven eight nine ten"
     assert len(content_times) >= 5
     # the first words arrive while the model is still writing the rest
@@ -439,7 +441,7 @@ async def test_concurrent_requests_are_batched(engine):
     together = await asyncio.gather(*(engine.complete(request(**b)) for b in bodies))
     seen = list(engine.step_batch_sizes)
     assert max(seen) >= 4, seen  # they shared forward passes
-    for a, b in zip(alone, together):  # and batching does not change what a seed samples
+    for a, b in zip(alone, together, strict=False):  # and batching does not change what a seed samples
         assert a.tokens.choices[0].completion_ids == b.tokens.choices[0].completion_ids
 
 
@@ -488,19 +490,19 @@ async def test_adapters_load_serve_mix_and_unload(engine, reference, model_dir, 
         results = await asyncio.gather(
             *(engine.complete(request(adapter=name, max_tokens=16, seed=7)) for name in names)
         )
-        for name, result in zip(names, results):
+        for name, result in zip(names, results, strict=False):
             tokens = result.tokens.choices[0]
             expected = teacher_forced(refs[name], result.tokens.prompt_ids, tokens.completion_ids)
-            assert max(abs(a - b) for a, b in zip(tokens.logprobs, expected)) < 1e-4, name
+            assert max(abs(a - b) for a, b in zip(tokens.logprobs, expected, strict=False)) < 1e-4, name
             if name is not None:  # the adapter really changes the distribution
                 base = teacher_forced(reference, result.tokens.prompt_ids, tokens.completion_ids)
-                assert max(abs(a - b) for a, b in zip(tokens.logprobs, base)) > 1e-2
+                assert max(abs(a - b) for a, b in zip(tokens.logprobs, base, strict=False)) > 1e-2
         await engine.unload_adapter("agent@1")
         with pytest.raises(NotFound):
             await engine.complete(request(adapter="agent@1", max_tokens=4))
         still = await engine.complete(request(adapter="agent@2", max_tokens=8, seed=1))
         expected = teacher_forced(refs["agent@2"], still.tokens.prompt_ids, still.tokens.choices[0].completion_ids)
-        assert max(abs(a - b) for a, b in zip(still.tokens.choices[0].logprobs, expected)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(still.tokens.choices[0].logprobs, expected, strict=False)) < 1e-4
     finally:
         for name in ("agent@1", "agent@2"):
             if name in engine._adapters:
@@ -509,7 +511,7 @@ async def test_adapters_load_serve_mix_and_unload(engine, reference, model_dir, 
     assert not engine._peft
     base = await engine.complete(request(max_tokens=8, seed=1))
     expected = teacher_forced(reference, base.tokens.prompt_ids, base.tokens.choices[0].completion_ids)
-    assert max(abs(a - b) for a, b in zip(base.tokens.choices[0].logprobs, expected)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(base.tokens.choices[0].logprobs, expected, strict=False)) < 1e-4
 
 
 async def test_unload_waits_for_running_requests(engine, lora_dirs):

@@ -57,7 +57,7 @@ def test_each_protocol_records_what_the_client_got(gateway, tokenizer):
     got.append(oai.completions.create(model=TINY_MODEL_ID, prompt="once upon", max_tokens=8).choices[0].text)
     rows = store.session_calls("local-each")
     assert [r["protocol"] for r in rows] == ["responses", "responses", "messages", "messages", "completions"]
-    for row, text in zip(rows, got):
+    for row, text in zip(rows, got, strict=False):
         assert row["status"] == "ok" and row["prompt_ids"]
         assert decoded(tokenizer, row) == text.strip()
         assert len(row["behaviour_logprobs"][0]) == len(row["completion_ids"][0])
@@ -113,7 +113,7 @@ def test_mixed_protocol_session_trains_with_hand_checked_masks(gateway, tokenize
         mask = mask + [False] * len(new) + [True] * len(completion)
     expected.append((ids, mask))
     assert [(list(s.token_ids), list(s.loss_mask)) for s in samples] == expected
-    trained = [t for s in samples for t, m in zip(s.token_ids, s.loss_mask) if m]
+    trained = [t for s in samples for t, m in zip(s.token_ids, s.loss_mask, strict=False) if m]
     assert trained == [t for r in rows for t in r["completion_ids"][0]]  # every sampled token, nothing else
 
 

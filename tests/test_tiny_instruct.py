@@ -58,7 +58,7 @@ def test_synthetic_chats_answer_with_an_item_of_the_last_user_turn():
     for _ in range(300):
         messages = synthetic_chat(rng)
         assert messages[0]["role"] == "system"
-        for user, assistant in zip(messages[1::2], messages[2::2]):
+        for user, assistant in zip(messages[1::2], messages[2::2], strict=False):
             assert (user["role"], assistant["role"]) == ("user", "assistant")
             assert assistant["content"] in items_of(user["content"])
             answers.append(assistant["content"])

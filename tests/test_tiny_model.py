@@ -134,8 +134,8 @@ def test_chat_template_renders_qwen_style(tokenizer):
     assert render(tokenizer, messages, TOOLS, generation_prompt=True) == text
     plain = render(tokenizer, [{"role": "user", "content": "Hi"}], generation_prompt=True)
     assert (
-        plain
-        == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        plain == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=False

@@ -257,7 +257,8 @@ def test_store_rows_round_trip(session):
     assert batch.group_ids == ["g"]
     s = batch.samples[0]
     assert list(s.token_ids) == session["p1"] + session["c1"]
-    assert [x for x, m in zip(s.old_logprobs, s.loss_mask) if m] == pytest.approx(session["lp1"], abs=1e-6)
+    trained = [x for x, m in zip(s.old_logprobs, s.loss_mask, strict=True) if m]
+    assert trained == pytest.approx(session["lp1"], abs=1e-6)
     json.dumps([list(x.token_ids) for x in batch.samples])  # plain ints
 
 
@@ -267,7 +268,7 @@ def test_each_token_keeps_its_calls_sampling_temperature(session):
     c1["sampling"] = {"temperature": 0.7, "top_p": 0.9}
     c2["sampling"] = {"temperature": 0.0}
     (sample,) = trajectory_samples([c1, c2], trajectory_id="s1", group_id="g1", advantage=0.5)
-    p1, n1, p2 = len(session["p1"]), len(session["c1"]), len(session["p2"])
+    p1, n1 = len(session["p1"]), len(session["c1"])
     expected = [1.0] * len(sample.token_ids)
     expected[p1 : p1 + n1] = [0.7] * n1
     assert list(sample.temperatures) == expected  # the second call was greedy: scored at 1

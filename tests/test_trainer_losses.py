@@ -227,9 +227,14 @@ def test_padded_layout_and_chunks_give_the_same_loss(loss_type):
     ref = {k: v - 0.1 for k, v in LOGP.items()}
     flat = batch(ref=ref)
     whole, _ = compute_loss(config=cfg, **flat)
+
     # Padded [2, 5]: each sample in its own row, one pad at the end.
-    pad = lambda v, fill: torch.stack([torch.cat([v[:4], fill]), torch.cat([v[4:], fill])])
-    one = lambda x: torch.tensor([x])
+    def pad(v, fill):
+        return torch.stack([torch.cat([v[:4], fill]), torch.cat([v[4:], fill])])
+
+    def one(x):
+        return torch.tensor([x])
+
     padded = dict(
         logprobs=pad(flat["logprobs"].detach(), one(0.0)),
         old_logprobs=pad(flat["old_logprobs"], one(NAN)),

@@ -309,7 +309,7 @@ def loss_and_grads(model, chunks, cfg):
     params = [p for p in model.parameters()]
     grads = torch.autograd.grad(total, params, retain_graph=True)
     names = [n for n, _ in model.named_parameters()]
-    return total.item(), dict(metrics), dict(zip(names, grads))
+    return total.item(), dict(metrics), dict(zip(names, grads, strict=False))
 
 
 CONFIGS = [LossConfig(t, epsilon=0.2, max_tokens_norm=16 if t == "dr_grpo" else None) for t in LOSS_TYPES] + [

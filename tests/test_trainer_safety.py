@@ -67,7 +67,7 @@ def test_a_nan_step_changes_nothing_and_the_next_good_batch_trains(worker):
     # adapter files, step rows and weights as they were; the groups stay ready, untrained
     assert files_digest(root) == before_files
     assert worker.store.steps("agent") == before_steps
-    assert all((a == b).all() for a, b in zip(before_weights, lora_weights(worker)))
+    assert all((a == b).all() for a, b in zip(before_weights, lora_weights(worker), strict=False))
     assert all(worker.store.get_group(g["id"])["trained_step"] is None for g in groups)
     assert worker.next_step == 1
     # the next attempt is a good batch: it trains, and the step says an attempt failed before it
@@ -94,7 +94,7 @@ def test_a_nan_in_a_later_pass_restores_the_earlier_passes_update(worker):
     worker.backend.token_logprobs = second_pass_nan
     assert worker.train_once(worker.groups_to_train()) is None
     assert calls["n"] >= 2
-    assert all((a == b).all() for a, b in zip(before, lora_weights(worker)))
+    assert all((a == b).all() for a, b in zip(before, lora_weights(worker), strict=False))
 
 
 def test_a_batch_that_keeps_failing_is_set_aside_and_the_worker_goes_on(worker):
@@ -106,7 +106,7 @@ def test_a_batch_that_keeps_failing_is_set_aside_and_the_worker_goes_on(worker):
 
     real = worker_module.TrainerWorker._train_and_record
     worker._train_and_record = out_of_memory
-    for attempt in range(MAX_ATTEMPTS):
+    for _ in range(MAX_ATTEMPTS):
         assert worker.train_once(worker.groups_to_train()) is None
     for gid in ids:
         group = worker.store.get_group(gid)
@@ -134,7 +134,7 @@ def test_a_discard_that_races_the_step_takes_it_back(worker, monkeypatch, phase)
     monkeypatch.setattr(worker_module, "_test_pause", discard_now)
     assert worker.train_once(groups) is None
     assert files_digest(worker.root) == before_files  # a written checkpoint was removed again
-    assert all((a == b).all() for a, b in zip(before_weights, lora_weights(worker)))
+    assert all((a == b).all() for a, b in zip(before_weights, lora_weights(worker), strict=False))
     assert [s["step"] for s in worker.store.steps("agent")] == [0]
     monkeypatch.setattr(worker_module, "_test_pause", lambda at, step: None)
     metrics = worker.train_once(worker.groups_to_train())
@@ -195,5 +195,5 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_weights_as_they_were(wor
 
     worker._save = disk_full
     assert worker.train_once(worker.groups_to_train()) is None
-    assert all((a == b).all() for a, b in zip(before, lora_weights(worker)))
+    assert all((a == b).all() for a, b in zip(before, lora_weights(worker), strict=False))
     assert worker.failed_steps == 1 and [s["step"] for s in worker.store.steps("agent")] == [0]

@@ -123,7 +123,7 @@ def test_chat_records_token_ids_and_the_processed_logprobs(served):
     assert prompt and len(ids) == len(mu) > 0
     model = AutoModelForCausalLM.from_pretrained(resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)).eval()
     expected = processed_logprobs(model, prompt, ids, temperature=0.5, top_p=0.5, top_k=20)
-    assert max(abs(a - b) for a, b in zip(mu, expected)) < 1e-4, (mu, expected)
+    assert max(abs(a - b) for a, b in zip(mu, expected, strict=False)) < 1e-4, (mu, expected)
 
 
 def test_streamed_chat_records_the_same_as_whole(served):
@@ -159,9 +159,9 @@ def test_penalties_are_in_the_recorded_logprobs(served):
     prompt, (ids,), (mu,) = call["prompt_ids"], call["completion_ids"], call["behaviour_logprobs"]
     model = AutoModelForCausalLM.from_pretrained(resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)).eval()
     expected = processed_logprobs(model, prompt, ids, temperature=0.8, top_k=20, repetition_penalty=1.2, **penalties)
-    assert max(abs(a - b) for a, b in zip(mu, expected)) < 1e-4, (mu, expected)
+    assert max(abs(a - b) for a, b in zip(mu, expected, strict=False)) < 1e-4, (mu, expected)
     unpenalised = processed_logprobs(model, prompt, ids, temperature=0.8, top_k=20)
-    assert max(abs(a - b) for a, b in zip(mu, unpenalised)) > 1e-2  # the penalties did change mu
+    assert max(abs(a - b) for a, b in zip(mu, unpenalised, strict=False)) > 1e-2  # the penalties did change mu
 
 
 def test_the_client_gets_only_what_it_asked_for(served):
@@ -171,7 +171,7 @@ def test_the_client_gets_only_what_it_asked_for(served):
     completion = result.parse()
     (call,) = served.store.session_calls("asked")
     assert len(completion.choices) == len(call["completion_ids"]) == 2
-    for choice, ids, mu in zip(completion.choices, call["completion_ids"], call["behaviour_logprobs"]):
+    for choice, ids, mu in zip(completion.choices, call["completion_ids"], call["behaviour_logprobs"], strict=False):
         entries = choice.logprobs.content
         assert [len(entry.top_logprobs) for entry in entries] == [2] * len(entries) and len(ids) == len(mu)
         # what vLLM told the client is what was recorded as mu, token for token

@@ -204,7 +204,7 @@ def build_batch(
     for gid, advantages_G in advantages.items():
         group = by_id[gid]
         group_samples = []
-        for session, advantage in zip(trained_sessions(group), advantages_G):
+        for session, advantage in zip(trained_sessions(group), advantages_G, strict=False):
             group_samples += trajectory_samples(
                 calls_by_session.get(session["id"], []),
                 trajectory_id=session["id"],

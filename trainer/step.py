@@ -86,7 +86,7 @@ def train_step(
     try:
         for _ in range(settings.epochs_per_step):
             backend.zero_grad()
-            for index, (row, ref_T) in enumerate(zip(rows, refs)):
+            for index, (row, ref_T) in enumerate(zip(rows, refs, strict=False)):
                 logprobs_T = backend.token_logprobs(row)
                 if olds[index] is None:
                     olds[index] = logprobs_T.detach()

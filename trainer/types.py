@@ -178,7 +178,7 @@ class LossNorm:
         known = 0
         for s in samples:
             tokens_by_trajectory[s.trajectory_id] = tokens_by_trajectory.get(s.trajectory_id, 0) + s.num_loss_tokens
-            known += sum(1 for m, lp in zip(s.loss_mask, s.old_logprobs) if m and not math.isnan(lp))
+            known += sum(1 for m, lp in zip(s.loss_mask, s.old_logprobs, strict=False) if m and not math.isnan(lp))
         counts = [n for n in tokens_by_trajectory.values() if n > 0]
         return cls(
             num_trajectories=len(counts),

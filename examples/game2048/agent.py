@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[list[float]]:
             dice = rng.getrandbits(32)  # one game per group: its rollouts start from the same board and dice
             rewards: list[float] = []
 
-            def rollout(session) -> None:
+            def rollout(session, dice: int = dice, rewards: list[float] = rewards) -> None:
                 episode = play(openai_ask(session.openai_client(), args.model, args.max_tokens), dice, args.max_moves)
                 value = reward(episode.moves, episode.largest_tile, args.max_moves, args.target_tile)
                 session.reward(

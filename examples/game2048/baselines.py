@@ -45,7 +45,7 @@ def mean_reward(player, games: int, max_moves: int, target_tile: int) -> tuple[f
     rewards, moves = [], []
     for seed in range(games):
         rng = random.Random(10_000 + seed)
-        episode = play(lambda messages: player(parse_board(messages[-1]["content"]), rng), seed, max_moves)
+        episode = play(lambda messages, rng=rng: player(parse_board(messages[-1]["content"]), rng), seed, max_moves)
         rewards.append(reward(episode.moves, episode.largest_tile, max_moves, target_tile))
         moves.append(episode.moves)
     return statistics.mean(rewards), statistics.mean(moves)

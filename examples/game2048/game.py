@@ -75,7 +75,7 @@ def move(board: Board, direction: str) -> Moved:
     for indices in _LINES[direction]:
         line, made = slide_line(tuple(board[i] for i in indices))
         merged.extend(made)
-        for i, value in zip(indices, line):
+        for i, value in zip(indices, line, strict=False):
             cells[i] = value
     new = tuple(cells)
     return Moved(board=new, gained=sum(merged), merged=tuple(merged), changed=new != board)

@@ -248,7 +248,7 @@ class RetailEnv(ToolEnv):
         if len(new_item_ids) != len(item_ids):
             raise ToolError("give one new item id for each item id")
         difference = 0.0
-        for item, new_id in zip(old, new_item_ids):
+        for item, new_id in zip(old, new_item_ids, strict=False):
             variants = self.db["products"][item["product_id"]]["variants"]
             if new_id not in variants or new_id == item["item_id"]:
                 raise PolicyError(
@@ -265,7 +265,7 @@ class RetailEnv(ToolEnv):
             raise PolicyError(
                 f"gift card {payment_method_id} holds {method['balance']:.2f}, not the {difference:.2f} to be paid"
             )
-        pairs = sorted(zip(item_ids, new_item_ids))
+        pairs = sorted(zip(item_ids, new_item_ids, strict=False))
         order["status"] = "exchange requested"
         order["exchange_items"] = [old_id for old_id, _ in pairs]
         order["exchange_new_items"] = [new_id for _, new_id in pairs]

@@ -76,7 +76,7 @@ def main() -> None:
         for g in range(args.groups):
             dice = rng.getrandbits(32)  # one opponent per group: its rollouts face the same luck
 
-            def rollout(session) -> float:
+            def rollout(session, dice: int = dice) -> float:
                 return play(session.openai_client(), args.model, random.Random(dice), args.max_tokens)
 
             with proxy.group(split=args.split) as group:

@@ -630,7 +630,8 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     threads = max(1, (os.cpu_count() or 2) // 2)
     torch.set_num_threads(threads)
     print(
-        f"rlproxy demo --task {options.task}: {load_task(options.task).DESCRIPTION}\n  {options.steps} steps x {settings.groups_per_step} groups x "
+        f"rlproxy demo --task {options.task}: {load_task(options.task).DESCRIPTION}\n"
+        f"  {options.steps} steps x {settings.groups_per_step} groups x "
         f"{options.rollouts} rollouts; outputs in {out}/",
         file=sys.stderr,
     )

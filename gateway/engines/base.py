@@ -86,10 +86,10 @@ class Engine(ABC):
     def base_model_id(self) -> str:
         """The id under which the base model (no adapter) is served."""
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 (an optional hook: most engines have nothing to start)
         """Acquire resources (load weights, open pools, start a server)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (an optional hook, like start)
         """Release everything `start` acquired."""
 
     @abstractmethod

@@ -354,7 +354,7 @@ class LocalEngine(Engine):
 
     def _logprob_entries(self, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> list[dict]:
         entries = []
-        for position, (token_id, logprob) in enumerate(zip(ids, logprobs)):
+        for position, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=False)):
             token, token_bytes = self._token_text(token_id)
             alternatives = []
             for alt_id, alt_logprob in top[position] if position < len(top) else []:
@@ -473,4 +473,4 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(byte)
             codes.append(256 + extra)
             extra += 1
-    return {chr(code): byte for byte, code in zip(printable, codes)}
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=False)}

@@ -379,7 +379,7 @@ class Worker:
             return torch.nn.functional.pad(t, spec)
 
         layers = []
-        for old, new in zip(self.cache.layers, cache.layers):
+        for old, new in zip(self.cache.layers, cache.layers, strict=False):
             layers.append(
                 (torch.cat([pad(old.keys, 2), pad(new.keys, 2)]), torch.cat([pad(old.values, 2), pad(new.values, 2)]))
             )
@@ -483,7 +483,10 @@ class Worker:
         if want_top:
             values_BK, indices_BK = logprobs_BV.topk(want_top, dim=-1)
             values_BK = values_BK.clamp(min=MASKED_LOGPROB)  # JSON has no -inf; vLLM sends -9999.0
-            top = [list(zip(ids, values)) for ids, values in zip(indices_BK.tolist(), values_BK.tolist())]
+            top = [
+                list(zip(ids, values, strict=True))
+                for ids, values in zip(indices_BK.tolist(), values_BK.tolist(), strict=True)
+            ]
         return tokens_B, chosen_B, top
 
     def _record(self, rows: list[_Row], tokens_B, chosen_B, top) -> list[int]:

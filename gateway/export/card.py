@@ -92,7 +92,9 @@ def plot_curve(history: list[dict], val: dict[int, list[float]], path: Path, tit
     means = [h.get("reward_mean", float("nan")) for h in history]
     stds = [h.get("reward_std", 0.0) or 0.0 for h in history]
     ax.plot(steps, means, marker="o", label="train reward (mean of the step's groups)")
-    ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2)
+    lows = [m - s for m, s in zip(means, stds, strict=True)]
+    highs = [m + s for m, s in zip(means, stds, strict=True)]
+    ax.fill_between(steps, lows, highs, alpha=0.2)
     if val:
         ax.plot(list(val), [sum(v) / len(v) for v in val.values()], marker="s", label="val reward (by answering step)")
     from matplotlib.ticker import MaxNLocator

@@ -152,7 +152,7 @@ def exported_samples(store: Store, sessions: Iterable[dict], render: Any, models
                 calls, trajectory_id=session["id"], group_id=gid or "", advantage=0.0, render=render
             )
             step, trained = None, False
-        for index, (sample, call) in enumerate(zip(samples, last_calls(calls, samples, render))):
+        for index, (sample, call) in enumerate(zip(samples, last_calls(calls, samples, render), strict=False)):
             if call is None:  # cannot happen with the trainer's merge rule; never guess a conversation
                 log.warning("session %s: sample %d matches no call; left out", session["id"], index)
                 continue

@@ -35,7 +35,8 @@ def shell(page: str, title: str, **data: str) -> HTMLResponse:
     body = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{escape(title)} · rlproxy</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="icon" href="/ui/static/favicon.svg" type="image/svg+xml"><link rel="stylesheet" href="/ui/static/uPlot.min.css"><link rel="stylesheet" href="/ui/static/dashboard.css">
+<link rel="icon" href="/ui/static/favicon.svg" type="image/svg+xml">
+<link rel="stylesheet" href="/ui/static/uPlot.min.css"><link rel="stylesheet" href="/ui/static/dashboard.css">
 </head><body data-page="{escape(page)}"{attrs}>
 <header><span class="brand">rlproxy</span><nav>{nav}</nav><span id="status" class="status"></span></header>
 <main id="main"><h1 id="title">{escape(title)}</h1><div id="content" aria-live="polite"></div></main>

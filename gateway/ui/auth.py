@@ -50,7 +50,8 @@ def login_page(next_path: str, message: str | None = None) -> bytes:
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>rlproxy: sign in</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="icon" href="/ui/static/favicon.svg" type="image/svg+xml"><link rel="stylesheet" href="/ui/static/dashboard.css"></head>
+<link rel="icon" href="/ui/static/favicon.svg" type="image/svg+xml">
+<link rel="stylesheet" href="/ui/static/dashboard.css"></head>
 <body class="login"><main><h1>rlproxy dashboard</h1>
 <p>This gateway needs its API key (the one <code>rlproxy serve --api-key</code> was started with).</p>
 {note}

@@ -184,7 +184,7 @@ class TrainingBackend(ABC):
         import torch
 
         with torch.no_grad():
-            for param, saved in zip(self._params, snapshot["params"]):
+            for param, saved in zip(self._params, snapshot["params"], strict=False):
                 param.copy_(saved)
         self.optimizer.load_state_dict(snapshot["optimizer"])
 
