@@ -40,7 +40,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gateway.store import Store  # noqa: E402
+from gateway.store.sqlite import SQLiteStore  # noqa: E402
 from tests.helpers import free_port, stop_process  # noqa: E402
 from tests.helpers_judge import FakeJudge  # noqa: E402
 from tests.helpers_vllm import BASE, fake_vllm_process, make_adapter  # noqa: E402
@@ -132,7 +132,7 @@ async def hot_swap(db_path: Path, checkpoints: Path, url: str, http: aiohttp.Cli
     until the gateway serves it; return the seconds that took."""
     started = time.monotonic()
     path = make_adapter(checkpoints, "0001")
-    store = Store(db_path)
+    store = SQLiteStore(db_path)
     try:
         store.insert_step("agent", 1, str(path), {"soak": 1.0}, [])
     finally:

@@ -104,7 +104,7 @@ def ensure_model(directory: Path) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from gateway.tiny_model import ensure_tiny_model
+    from gateway.models.tiny import ensure_tiny_model
 
     if (directory / "config.json").is_file():
         return directory

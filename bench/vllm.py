@@ -7,7 +7,7 @@ line and environment rlproxy itself would use (`gateway.engines.vllm_server.vllm
 bearer key on). Both targets hit that same vLLM, interleaved per run:
 
 - **direct**: POST /v1/chat/completions to vLLM with the body rlproxy sends it, built by
-  the gateway's own functions (`gateway.chat.engine_body`, then `gateway.engines.vllm_wire.
+  the gateway's own functions (`gateway.chat.service.engine_body`, then `gateway.engines.vllm_wire.
   vllm_body`): every sampling field explicit, `return_token_ids`, `logprobs`, `top_logprobs: 0`;
 - **rlproxy**: the plain client body to the gateway, with an `X-Session-Id`.
 
@@ -94,9 +94,9 @@ def upstream_body(client: dict) -> dict:
     """The body rlproxy sends vLLM for `client`, built by the gateway's own code path
     (`ChatService.complete` -> `engine_body` -> `VLLMEngine.complete` -> `vllm_body`)."""
     from gateway.adapters import Target
-    from gateway.chat import engine_body
+    from gateway.chat.service import engine_body
     from gateway.engines.vllm_wire import ClientAsk, vllm_body
-    from gateway.protocol import ChatCompletionRequest
+    from gateway.protocols.chat import ChatCompletionRequest
 
     request = ChatCompletionRequest.model_validate(client)
     # The base model: no adapter; attached to a vLLM that serves it under the same name.
@@ -160,7 +160,7 @@ def stop(service: Service) -> None:
 
 def start_vllm(python: str, layout: Layout, workdir: Path, services: list[Service]) -> tuple[Service, str]:
     from gateway.engines.vllm_server import is_cpu_build, vllm_command, vllm_environment
-    from gateway.tiny_model import resolve_base_model
+    from gateway.models.tiny import resolve_base_model
 
     model_dir = resolve_base_model(MODEL, STATE)  # RLPROXY_CACHE_DIR, when set, wins
     cpu = is_cpu_build(python)

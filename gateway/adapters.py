@@ -163,9 +163,9 @@ class AdapterRegistry:
     async def _load(self, step: int, raw_path: str) -> bool:
         adapter = f"{self.name}@{step}"
         try:
-            fetch = getattr(self.store, "fetch_step_files", None)  # PostgreSQL: files travel in the store
-            if fetch is not None:
-                raw_path = await asyncio.to_thread(fetch, self.name, step, raw_path, self.settings.models_dir)
+            # Where the files travel in the store (PostgreSQL), fetched here first; else the path as recorded.
+            fetch = self.store.fetch_step_files
+            raw_path = await asyncio.to_thread(fetch, self.name, step, raw_path, self.settings.models_dir)
             path = checked_adapter_path(raw_path, self.settings.models_dir)
             started = time.perf_counter()
             try:

@@ -7,23 +7,20 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
-from gateway import session_url
 from gateway.adapters import AdapterRegistry
-from gateway.chat import ChatService
+from gateway.chat.gate import RequestGate
+from gateway.chat.service import ChatService
 from gateway.engines.base import Engine
-from gateway.errors import RLProxyError
-from gateway.gate import RequestGate
-from gateway.limits import BodyLimitMiddleware, Limits
+from gateway.http import session_url
+from gateway.http.errors import install_error_handlers
+from gateway.http.limits import BodyLimitMiddleware, Limits
+from gateway.http.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.metrics import Metrics
-from gateway.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.settings import Settings
 from gateway.store import Store
-from gateway.store_open import open_store
+from gateway.store.open import open_store
 from gateway.ui.auth import DashboardAuthMiddleware
 
 log = logging.getLogger("rlproxy")
@@ -55,7 +52,7 @@ def build_engine(settings: Settings) -> Engine:
 
         return VLLMEngine.from_settings(settings)
     from gateway.engines.local import LocalEngine
-    from gateway.tiny_model import resolve_base_model
+    from gateway.models.tiny import resolve_base_model
 
     return LocalEngine(
         resolve_base_model(settings.base_model, settings.state_dir),
@@ -90,22 +87,6 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _error_response(exc: RLProxyError, path: str = "") -> Response:
-    from gateway.routes.protocols import error_response
-
-    return error_response(path, exc)  # in the shape of the route's protocol
-
-
-def _validation_text(errors: list) -> str:
-    """FastAPI's validation errors as one sentence: where, and what is wrong."""
-    parts = []
-    for err in errors[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts) or "the request body is not valid"
-
-
 def create_app(
     settings: Settings, *, engine: Engine | None = None, store: Store | None = None, tracer: Any = None
 ) -> FastAPI:
@@ -137,7 +118,7 @@ def create_app(
             from gateway.errors import ConfigError
 
             raise ConfigError("--upstream-protocol needs --engine openai: only an upstream can speak a protocol itself")
-        from gateway.passthrough import PassThrough
+        from gateway.chat.passthrough import PassThrough
 
         services.extras["passthrough"] = PassThrough(services.chat, settings.upstream_protocol)
 
@@ -178,33 +159,7 @@ def create_app(
     app = GatewayApp(title="rlproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.services = services
 
-    @app.exception_handler(RLProxyError)
-    async def _rlproxy_error(request: Request, exc: RLProxyError) -> Response:
-        return _error_response(exc, request.url.path)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        from gateway.errors import InvalidRequest
-
-        return _error_response(InvalidRequest(_validation_text(exc.errors())), request.url.path)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        error = RLProxyError(str(exc.detail))
-        error.status_code = exc.status_code
-        error.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        if exc.status_code == 404:
-            error.message = f"no route {request.method} {request.url.path}"
-        elif exc.status_code == 405:
-            error.message = f"method {request.method} is not allowed on {request.url.path}"
-        return _error_response(error, request.url.path)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error_response(
-            RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log"), request.url.path
-        )
+    install_error_handlers(app)
 
     from gateway import ui
     from gateway.routes import lists as list_routes
@@ -220,8 +175,8 @@ def create_app(
     app.include_router(list_routes.router)
     ui.install(app)  # the dashboard's pages; its cookie login is DashboardAuthMiddleware's
 
+    from gateway.http.security import cors_middleware, warn_if_exposed
     from gateway.openapi import install_openapi
-    from gateway.security import cors_middleware, warn_if_exposed
 
     install_openapi(app)
     warn_if_exposed(settings)

@@ -17,8 +17,8 @@ from typing import Literal
 from pydantic import ValidationError
 
 from gateway.errors import RLProxyError
+from gateway.models.tuning import log_settings
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
-from gateway.tuning import log_settings
 
 SERVICE = (
     "host",
@@ -104,8 +104,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...],
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Flags given on the command line override the environment and the defaults, which
-    are tuned per model (`gateway.tuning`: the built-in model has its own)."""
-    from gateway.tuning import for_model
+    are tuned per model (`gateway.models.tuning`: the built-in model has its own)."""
+    from gateway.models.tuning import for_model
 
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     return for_model(Settings(**given))
@@ -251,7 +251,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from gateway.export.records import export_trajectories
-    from gateway.export.selection import SessionFilter
+    from gateway.store import SessionFilter
 
     settings = settings_from_args(args)
     where = SessionFilter(

@@ -52,7 +52,7 @@ from gateway.errors import EngineUnavailable
 
 if TYPE_CHECKING:
     from gateway.adapters import AdapterRegistry
-    from gateway.gate import RequestGate
+    from gateway.chat.gate import RequestGate
     from gateway.settings import Settings
     from gateway.store import Store
 

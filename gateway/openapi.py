@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from gateway.protocol import (
+from gateway.protocols.chat import (
     ChatCompletionRequest,
     DiscardRequest,
     GroupCloseRequest,

@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
 TINY_INSTRUCT_MODEL_ID = "rlproxy/tiny-qwen2-instruct"
 BUILT_IN_MODELS = (TINY_MODEL_ID, TINY_INSTRUCT_MODEL_ID)
-"""Built on first use (`gateway.tiny_model`): no model hub needed."""
+"""Built on first use (`gateway.models.tiny`): no model hub needed."""
 KEEP_ALIVE_SECONDS = 75
 """uvicorn's keep-alive, well past the clients' own 5 s (httpx, openai): with equal timeouts
 both ends drop an idle connection at once and a request sent then fails with a ReadError."""

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.models.tiny import resolve_base_model
 from gateway.settings import Settings
-from gateway.store import CallRecord, Store
-from gateway.tiny_model import resolve_base_model
+from gateway.store import CallRecord
+from gateway.store.sqlite import SQLiteStore
 
 ANSWERS = ["The answer is 7.", "It is 42.", "No.", "Yes, well done!", "Let me think step by step.", "I don't know."]
 
@@ -39,7 +40,7 @@ class Recorder:
         path = resolve_base_model(settings.base_model, settings.state_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.store = Store(settings.db_path)
+        self.store = SQLiteStore(settings.db_path)
 
     def close(self) -> None:
         asyncio.run(self.store.close())

@@ -48,9 +48,10 @@ def test_secrets_are_masked_in_public_settings():
 def test_export_writes_sessions_as_json_lines(tmp_path):
     import json
 
-    from gateway.store import CallRecord, Store
+    from gateway.store import CallRecord
+    from gateway.store.sqlite import SQLiteStore
 
-    store = Store(tmp_path / "rlproxy.db")
+    store = SQLiteStore(tmp_path / "rlproxy.db")
     store.record_call_sync(
         CallRecord(
             id="r1",

@@ -32,7 +32,7 @@ from gateway.colocate import (
     sampled_step,
 )
 from gateway.errors import EngineUnavailable
-from gateway.store import Store
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer, stop_process
 from tests.helpers_vllm import attached_engine, fake_vllm_thread, make_adapter, vllm_settings, wait_until
 
@@ -86,9 +86,9 @@ class Traffic:
 def colocated(tmp_path):
     with fake_vllm_thread(token_delay=0.01) as (fake_server, fake):
         settings = vllm_settings(tmp_path, vllm_url=fake_server.url, gpu_mode="colocated")
-        app = create_app(settings, engine=attached_engine(fake_server.url), store=Store(settings.db_path))
+        app = create_app(settings, engine=attached_engine(fake_server.url), store=SQLiteStore(settings.db_path))
         with ThreadServer(app) as gateway:
-            trainer_store = Store(settings.db_path)  # the trainer's own connection, as in its own process
+            trainer_store = SQLiteStore(settings.db_path)  # the trainer's own connection, as in its own process
             yield gateway, app.state.services, fake, trainer_store, tmp_path
             asyncio.run(trainer_store.close())
 
@@ -139,9 +139,9 @@ def test_a_trainer_that_dies_holding_the_gpu_does_not_stop_serving(colocated):
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from gateway.store import Store\n"
+            "from gateway.store.sqlite import SQLiteStore\n"
             "from gateway.colocate import acquire_gpu_for_training\n"
-            f"acquire_gpu_for_training(Store({str(store.path)!r}), 'agent', timeout=60)\n"
+            f"acquire_gpu_for_training(SQLiteStore({str(store.path)!r}), 'agent', timeout=60)\n"
             "print('granted', flush=True)\n"
             "time.sleep(120)\n",
         ],
@@ -162,7 +162,7 @@ def test_a_trainer_that_dies_holding_the_gpu_does_not_stop_serving(colocated):
 
 
 def test_without_a_gateway_the_request_is_withdrawn(tmp_path):
-    store = Store(tmp_path / "db.sqlite")
+    store = SQLiteStore(tmp_path / "db.sqlite")
     with pytest.raises(EngineUnavailable, match="did not lend the GPU"):
         acquire_gpu_for_training(store, "agent", timeout=0.3, poll_interval=0.05)
     assert store.gpu_lease("agent")["state"] == IDLE
@@ -180,10 +180,10 @@ def test_dedicated_mode_never_pauses_and_skips_stale_groups(tmp_path):
     with fake_vllm_thread() as (fake_server, fake):
         settings = vllm_settings(tmp_path, vllm_url=fake_server.url, gpu_mode="dedicated")
         assert not needs_gpu_lease(settings) and needs_gpu_lease(settings.model_copy(update={"gpu_mode": "colocated"}))
-        app = create_app(settings, engine=attached_engine(fake_server.url), store=Store(settings.db_path))
+        app = create_app(settings, engine=attached_engine(fake_server.url), store=SQLiteStore(settings.db_path))
         with ThreadServer(app) as gateway:
             assert "colocator" not in app.state.services.extras
-            store = Store(settings.db_path)
+            store = SQLiteStore(settings.db_path)
             with pytest.raises(EngineUnavailable):  # nobody lends the GPU: it is not shared
                 acquire_gpu_for_training(store, "agent", timeout=0.3, poll_interval=0.05)
             client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
@@ -211,7 +211,7 @@ def test_trainer_waits_for_vllm_health_and_frees_its_cache_before_release(tmp_pa
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     assert not colocate.wait_for_vllm(closed, timeout=0.3, interval=0.05)
 
-    store = Store(tmp_path / "db.sqlite")
+    store = SQLiteStore(tmp_path / "db.sqlite")
     order: list[str] = []
     monkeypatch.setattr(
         colocate, "acquire_gpu_for_training", lambda *a, **k: colocate.TrainingLease(model="agent", holder="h")
@@ -228,9 +228,9 @@ def test_a_vllm_that_cannot_sleep_lends_at_once_and_the_trainer_trains(tmp_path)
     lease is granted without pausing serving, and the step is still loaded when released."""
     with fake_vllm_thread(dev_mode=False) as (fake_server, fake):
         settings = vllm_settings(tmp_path, vllm_url=fake_server.url, gpu_mode="colocated")
-        app = create_app(settings, engine=attached_engine(fake_server.url), store=Store(settings.db_path))
+        app = create_app(settings, engine=attached_engine(fake_server.url), store=SQLiteStore(settings.db_path))
         with ThreadServer(app) as gateway:
-            services, store = app.state.services, Store(settings.db_path)
+            services, store = app.state.services, SQLiteStore(settings.db_path)
             assert services.engine.can_sleep is False
             with Traffic(gateway.url) as traffic:
                 with gpu_for_training(store, "agent", timeout=30) as lease:

@@ -1,6 +1,6 @@
 """`rlproxy demo` end to end, on a small budget: gateway, `rlproxy train` child, the SHOUT
 agent over HTTP, summary.json and the reward curve. Whether it learns is
-tests/test_learning.py's job (and the README run's); here, that the whole loop runs and
+tests/test_learning.py's job (and docs/demo.md's runs'); here, that the whole loop runs and
 reports what it promises."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.store import Store
+from gateway.store.sqlite import SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
     with sqlite3.connect(out / "state" / "rlproxy.db") as db:
         rows = db.execute("SELECT DISTINCT group_id FROM sessions WHERE group_id LIKE 'demo-val-%'")
         groups = sorted(group for (group,) in rows)
-    store = Store(out / "state" / "rlproxy.db")
+    store = SQLiteStore(out / "state" / "rlproxy.db")
     prompts = [
         [store.session_calls(f"{group}-r{i}")[0]["request"]["messages"][-1]["content"] for i in range(4)]
         for group in (groups[0], groups[-1])

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from gateway.demo import load_task, tictactoe
 from gateway.demo.driver import add_arguments, options_from_args
 from gateway.errors import ConfigError
-from gateway.tiny_model import ensure_tiny_model
+from gateway.models.tiny import ensure_tiny_model
 from trainer.data import trajectory_samples
 
 

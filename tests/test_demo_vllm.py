@@ -1,6 +1,6 @@
 """`rlproxy demo --engine vllm`: the demo's loop through a real vLLM (its CPU build) that the
 gateway starts and stops. Whether it learns through vLLM is tests/test_learning_vllm.py's job
-(and the README's table's); here, that it runs, reports the sampler/trainer mismatch per
+(and docs/demo.md's table's); here, that it runs, reports the sampler/trainer mismatch per
 step, and leaves no vLLM behind, ended or interrupted."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.models.tiny import resolve_base_model
 from gateway.store import CallRecord
-from gateway.tiny_model import resolve_base_model
 from tests.helpers import gateway_process
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer.worker import run_worker
@@ -186,7 +186,7 @@ def test_bad_references_say_what_to_pass(trained, tmp_path):
 def test_a_step_recorded_in_postgres_exports_on_a_machine_without_its_checkpoint(trained, tmp_path, postgres_db):
     """`--store postgresql://`: the step's files come from the store (checksums verified),
     not from a state dir this machine never had."""
-    from gateway.store_postgres import PostgresStore
+    from gateway.store.postgres import PostgresStore
 
     store = PostgresStore(postgres_db)
     store.insert_step("agent", 2, str(trained.checkpoints_dir() / "0002"), {}, [])  # uploads the files

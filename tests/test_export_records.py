@@ -16,7 +16,8 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from gateway.store import CallRecord, Store
+from gateway.store import CallRecord
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer.data import build_batch, load_groups
 from trainer.worker import run_worker
@@ -255,7 +256,7 @@ def test_parquet_rows_are_the_trainers_samples(trained, tmp_path):
     # single-call sessions of the group trained by no step yet.
     assert table.num_rows == 7 and len(rows) == 7
 
-    store = Store(settings.db_path)
+    store = SQLiteStore(settings.db_path)
     groups, calls = load_groups(store, ["tools-a", "tools-b"])
     batch = build_batch(groups, calls, scale_rewards="group")
     assert len(batch.samples) == 5
@@ -329,11 +330,11 @@ def test_calls_recorded_without_token_ids_are_rendered_like_the_trainer_does(tmp
     (`ChatTemplateRenderer`, what the trainer trains on) with no behaviour logprobs."""
     from transformers import AutoTokenizer
 
+    from gateway.models.tiny import resolve_base_model
     from gateway.settings import Settings
-    from gateway.tiny_model import resolve_base_model
 
     settings = Settings(state_dir=tmp_path)
-    store = Store(settings.db_path)
+    store = SQLiteStore(settings.db_path)
     messages = [{"role": "user", "content": "Hello"}]
     store.record_call_sync(
         CallRecord(

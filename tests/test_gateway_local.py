@@ -10,9 +10,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.app import create_app
+from gateway.models.tiny import TINY_MODEL_ID, resolve_base_model
 from gateway.settings import Settings
-from gateway.store import Store
-from gateway.tiny_model import TINY_MODEL_ID, resolve_base_model
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
 
 TOOLS = [
@@ -47,7 +47,7 @@ def client(gateway):
 
 
 def recorded(gateway, session_id: str) -> list[dict]:
-    store = Store(gateway[1].db_path)
+    store = SQLiteStore(gateway[1].db_path)
     try:
         return store.session_calls(session_id)
     finally:

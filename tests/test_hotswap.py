@@ -26,6 +26,7 @@ from gateway.engines.base import Engine
 from gateway.errors import EngineUnavailable, NotFound
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -82,7 +83,7 @@ def fake_checkpoint(settings: Settings, step: int) -> str:
 def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(adapters_module, "_UNLOAD_GRACE_SECONDS", 0.0)
     settings = Settings(state_dir=tmp_path, keep_adapters=2, poll_interval=30)  # refresh() by hand
-    store = Store(settings.db_path)
+    store = SQLiteStore(settings.db_path)
     engine = FakeEngine()
     yield settings, store, engine, AdapterRegistry(engine, store, settings)
     asyncio.run(store.close())
@@ -201,7 +202,7 @@ async def test_engines_without_adapters_pass_names_through(tmp_path):
         supports_adapters = False
 
     settings = Settings(state_dir=tmp_path, poll_interval=0.01)
-    store = Store(settings.db_path)
+    store = SQLiteStore(settings.db_path)
     publish_fake(settings, store, 0)
     registry = AdapterRegistry(Upstream(), store, settings)
     await registry.start()
@@ -242,11 +243,11 @@ class Publisher:
     """Plays the trainer: checkpoint files, then the step row, through its own connection."""
 
     def __init__(self, settings: Settings):
-        from gateway.tiny_model import resolve_base_model
+        from gateway.models.tiny import resolve_base_model
 
         self.settings = settings
         self.base_dir = Path(resolve_base_model(settings.base_model, settings.state_dir))
-        self.store = Store(settings.db_path)
+        self.store = SQLiteStore(settings.db_path)
 
     def publish(self, step: int) -> None:
         path = self.settings.checkpoints_dir() / f"{step:04d}"

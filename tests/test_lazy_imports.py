@@ -20,7 +20,7 @@ MODULES = [
     "gateway",
     "gateway.app",
     "gateway.cli",
-    "gateway.chat",
+    "gateway.chat.service",
     "gateway.colocate",
     "gateway.engines.vllm",
     "gateway.engines.openai",

@@ -27,8 +27,8 @@ import torch
 
 from gateway.demo import tictactoe
 from gateway.engines.local_worker import Sampling, processed_logprobs
+from gateway.models.tuning import TINY_MODEL_SETTINGS
 from gateway.settings import Settings
-from gateway.tuning import TINY_MODEL_SETTINGS
 from trainer.advantages import compute_advantages
 from trainer.backends.peft import PeftBackend
 from trainer.data import trajectory_samples

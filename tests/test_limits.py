@@ -9,7 +9,7 @@ import socket
 import httpx
 import pytest
 
-from gateway.store import Store
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
 from tests.helpers_upstream import openai_gateway
 from tests.helpers_vllm import attached_engine, fake_vllm_thread, vllm_settings
@@ -105,7 +105,7 @@ def test_max_tokens_over_the_engines_context(tmp_path):
         settings = vllm_settings(tmp_path, vllm_url=fake_server.url + "/v1")
         from gateway.app import create_app
 
-        app = create_app(settings, engine=attached_engine(fake_server.url), store=Store(settings.db_path))
+        app = create_app(settings, engine=attached_engine(fake_server.url), store=SQLiteStore(settings.db_path))
         with ThreadServer(app) as server:
             chats_at_start = len([e for e in fake.events if e["kind"] == "chat"])  # the logprobs-mode probe
             for field in ("max_tokens", "max_completion_tokens"):

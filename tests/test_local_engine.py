@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from gateway.engines.base import EngineRequest, StreamChunk, StreamEnd
 from gateway.engines.local import LocalEngine
 from gateway.errors import InvalidRequest, NotFound
-from gateway.tiny_model import ensure_tiny_model
+from gateway.models.tiny import ensure_tiny_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [

@@ -4,9 +4,9 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.adapters import Target
-from gateway.chat import StreamAccumulator, engine_body, identify
+from gateway.chat.service import StreamAccumulator, engine_body, identify
 from gateway.errors import InvalidRequest
-from gateway.protocol import ChatCompletionRequest, RewardRequest
+from gateway.protocols.chat import ChatCompletionRequest, RewardRequest
 
 
 def request(**overrides):

@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.app import create_app
+from gateway.models.tiny import TINY_MODEL_ID, resolve_base_model
 from gateway.settings import Settings
-from gateway.tiny_model import TINY_MODEL_ID, resolve_base_model
 from tests.helpers import ThreadServer
 from trainer.data import trajectory_samples
 

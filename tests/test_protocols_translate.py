@@ -2,8 +2,8 @@
 
 import pytest
 
-from gateway import session_url
 from gateway.errors import InvalidRequest
+from gateway.http import session_url
 from gateway.protocols import completions, messages, responses
 
 

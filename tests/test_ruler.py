@@ -15,7 +15,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.engines.base import Completion, Engine, EngineRequest, StreamEnd
-from gateway.ruler import (
+from gateway.ruler.scoring import (
     DEFAULT_RUBRIC,
     RESPONSE_FORMAT,
     InvalidJudgeAnswer,

@@ -11,11 +11,11 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from gateway import middleware
 from gateway.app import create_app
 from gateway.export.records import export_trajectories
+from gateway.http import middleware
 from gateway.settings import Settings
-from gateway.store import Store
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
 from tests.helpers_upstream import openai_gateway, raw_store_bytes
 from tests.helpers_vllm import attached_engine, fake_vllm_thread, vllm_settings
@@ -85,7 +85,7 @@ def test_no_key_in_store_logs_exports_or_error_messages(upstream, tmp_path, capl
 def test_model_names_from_requests_never_become_paths(tmp_path, name):
     with fake_vllm_thread() as (fake_server, fake):
         settings = vllm_settings(tmp_path, vllm_url=fake_server.url + "/v1")
-        app = create_app(settings, engine=attached_engine(fake_server.url), store=Store(settings.db_path))
+        app = create_app(settings, engine=attached_engine(fake_server.url), store=SQLiteStore(settings.db_path))
         with ThreadServer(app) as server:
             reply = httpx.post(
                 server.url + "/v1/chat/completions",
@@ -126,7 +126,7 @@ def test_listening_beyond_loopback_without_a_key_is_warned_about(caplog):
         ("::1", None),
     ):
         caplog.clear()
-        create_app(Settings(engine="openai", host=host, api_key=key), engine=Engine(), store=Store(memory=True))
+        create_app(Settings(engine="openai", host=host, api_key=key), engine=Engine(), store=SQLiteStore(memory=True))
         warnings.append(any("no API key" in r.getMessage() and "--api-key" in r.getMessage() for r in caplog.records))
     assert warnings == [True, True, True, False, False, False, False]
 

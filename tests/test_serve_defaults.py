@@ -4,7 +4,7 @@ suite uses, and serves every step it trained.
 The task (VOWELS: reward = the fraction of the reply's characters that are a, e, i, o or u) is
 played through the real gateway with the official `openai` client, rewards and group
 closes over HTTP, and the trainer that `--trainer auto` starts beside the gateway. No
-training flag is given: the settings tuned for the built-in model (`gateway.tuning`) must
+training flag is given: the settings tuned for the built-in model (`gateway.models.tuning`) must
 be in force, logged at start and saved next to every checkpoint.
 """
 

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from gateway.errors import Conflict, NotFound
-from gateway.store import CallRecord, Store, pack_floats, pack_ids, unpack_floats, unpack_ids
+from gateway.store import CallRecord, pack_floats, pack_ids, unpack_floats, unpack_ids
+from gateway.store.sqlite import SQLiteStore
 from trainer.data import build_batch, load_groups
 
 
@@ -34,7 +35,7 @@ def call(i: int, session: str, group: str | None = "g1", **extra) -> CallRecord:
 
 @pytest.fixture
 async def store(tmp_path):
-    s = Store(tmp_path / "rlproxy.db")
+    s = SQLiteStore(tmp_path / "rlproxy.db")
     await s.start()
     yield s
     await s.close()
@@ -123,11 +124,11 @@ async def test_step_row_and_trained_mark_are_one_transaction(store):
 
 
 async def test_committed_rows_survive_reopening(tmp_path):
-    first = Store(tmp_path / "db.sqlite")
+    first = SQLiteStore(tmp_path / "db.sqlite")
     await first.start()
     await first.record_call(call(1, "a"))
     await first.close()
-    second = Store(tmp_path / "db.sqlite")
+    second = SQLiteStore(tmp_path / "db.sqlite")
     assert second.get_session("a")["calls"][0]["id"] == "req1"
     await second.start()
     await second.close()
@@ -140,7 +141,7 @@ async def test_triggers_are_consumed_once(store):
 
 
 def test_in_memory_store_for_tests():
-    memory = Store(memory=True)
+    memory = SQLiteStore(memory=True)
     memory.record_call_sync(call(1, "a"))
     assert memory.get_session("a")["n_calls"] == 1
 
@@ -247,13 +248,13 @@ async def test_an_older_database_gets_the_discard_columns(tmp_path):
         "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES ('g1', 'agent', 'train', 0, 0);"
     )
     old.close()
-    upgraded = Store(path)
+    upgraded = SQLiteStore(path)
     assert upgraded.get_session("old")["discarded"] is False
     assert upgraded.get_group("g1")["n_sessions"] == 1
     await upgraded.start()
     await upgraded.discard_session("old", "from before the upgrade")
     await upgraded.close()
-    reopened = Store(path)  # the columns are there now: nothing to add, nothing lost
+    reopened = SQLiteStore(path)  # the columns are there now: nothing to add, nothing lost
     assert reopened.get_session("old")["discard_reason"] == "from before the upgrade"
     assert reopened.get_group("g1")["n_discarded"] == 1
     await reopened.start()
@@ -267,7 +268,7 @@ async def test_a_call_alone_is_committed_on_the_loop_but_never_waits_there_for_a
     import sqlite3
     import threading
 
-    store = Store(tmp_path / "rlproxy.db", busy_timeout=60.0)
+    store = SQLiteStore(tmp_path / "rlproxy.db", busy_timeout=60.0)
     await store.start()
     trainer = sqlite3.connect(tmp_path / "rlproxy.db", isolation_level=None, check_same_thread=False)
     released = threading.Lock()
@@ -301,9 +302,9 @@ async def test_a_call_alone_is_committed_on_the_loop_but_never_waits_there_for_a
 async def test_the_wal_is_checkpointed_when_every_commit_is_made_on_the_loop(tmp_path):
     """The store's connection never checkpoints in a commit (that would fsync on the event
     loop); the writer thread does, every CHECKPOINT_EVERY commits, so the WAL stays bounded."""
-    from gateway.store import CHECKPOINT_EVERY
+    from gateway.store.sqlite import CHECKPOINT_EVERY
 
-    store = Store(tmp_path / "rlproxy.db")
+    store = SQLiteStore(tmp_path / "rlproxy.db")
     await store.start()
     wal = tmp_path / "rlproxy.db-wal"
     try:
@@ -324,10 +325,10 @@ async def test_the_wal_is_checkpointed_when_every_commit_is_made_on_the_loop(tmp
 def test_a_round_with_a_failing_op_commits_the_others_in_one_transaction(tmp_path):
     """Group commit runs a round without savepoints; when an op fails, the round runs again
     with one savepoint per op, so only that op is rolled back."""
-    from gateway import store_rows
     from gateway.errors import Conflict
+    from gateway.store import rows as store_rows
 
-    store = Store(tmp_path / "rlproxy.db")
+    store = SQLiteStore(tmp_path / "rlproxy.db")
     try:
         ops = [
             lambda conn: store_rows.insert_call(conn, call(1, "s1")),

@@ -10,8 +10,9 @@ import pytest
 import tests.test_store as suite
 from gateway.errors import Conflict
 from gateway.store import Store
-from gateway.store_open import open_store
-from gateway.store_postgres import PostgresStore
+from gateway.store.open import open_store
+from gateway.store.postgres import PostgresStore
+from gateway.store.sqlite import SQLiteStore
 from tests.test_store import call
 
 # Re-run the store suite's tests with the parametrised fixture below.
@@ -27,7 +28,7 @@ for _name in dir(suite):
 @pytest.fixture(params=["sqlite", "postgres"])
 async def store(request, tmp_path):
     if request.param == "sqlite":
-        s = Store(tmp_path / "rlproxy.db")
+        s = SQLiteStore(tmp_path / "rlproxy.db")
     else:
         s = PostgresStore(request.getfixturevalue("postgres_db"))
     await s.start()
@@ -42,11 +43,18 @@ def pg(postgres_db):
 
 async def test_open_store_picks_the_backend_from_the_url(tmp_path, pg):
     sqlite = open_store(tmp_path / "x.db")
-    assert type(sqlite) is Store
+    assert type(sqlite) is SQLiteStore
     await sqlite.close()
     postgres = open_store(pg)
     assert isinstance(postgres, PostgresStore)
     await postgres.close()
+
+
+def test_both_backends_implement_one_interface_and_neither_extends_the_other():
+    assert issubclass(SQLiteStore, Store) and issubclass(PostgresStore, Store)
+    assert not issubclass(PostgresStore, SQLiteStore)
+    with pytest.raises(TypeError, match="abstract"):
+        Store(busy_timeout=1.0)  # the interface alone stores nothing
 
 
 async def test_calls_of_one_session_on_two_replicas_form_one_ordered_trajectory(pg):

@@ -1,12 +1,13 @@
 """`--store URL` on serve, train and export: the flag parses (never as `--store-sync`), a
 PostgreSQL URL selects that backend, export reads from it, and a bad URL is a clean error."""
 
+import asyncio
 import json
 
 from gateway.cli import build_parser, main, settings_from_args
-from gateway.store import Store
-from gateway.store_open import open_store
-from gateway.store_postgres import PostgresStore
+from gateway.store.open import open_store
+from gateway.store.postgres import PostgresStore
+from gateway.store.sqlite import SQLiteStore
 from tests.test_store import call
 
 
@@ -29,10 +30,8 @@ def test_store_from_the_environment(monkeypatch, tmp_path):
 def test_default_is_sqlite_under_the_state_dir(tmp_path):
     settings = settings_from_args(build_parser().parse_args(["serve", "--state-dir", str(tmp_path)]))
     store = open_store(settings)
-    assert type(store) is Store and store.path == tmp_path / "rlproxy.db"
-    store._conn.close()
-    store._read_conn.close()
-    store._loop_conn.close()
+    assert type(store) is SQLiteStore and store.path == tmp_path / "rlproxy.db"
+    asyncio.run(store.close())
 
 
 def test_a_store_url_of_another_kind_is_a_clean_error(tmp_path, capsys):

@@ -21,7 +21,8 @@ from gateway.app import create_app
 from gateway.errors import StoreFull, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
-from gateway.store_health import classify
+from gateway.store.health import classify
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
 
 BIG = "x" * 200_000  # a call that needs new pages (and WAL space) to be recorded
@@ -42,7 +43,7 @@ def _chat(url: str, text: str = "hello", *, stream: bool = False, session: str =
 @contextlib.contextmanager
 def gateway(upstream_url: str, state_dir: Path, **store_kwargs):
     settings = Settings(engine="openai", upstream_url=upstream_url, state_dir=state_dir, trainer="off")
-    store = Store(settings.db_path, **store_kwargs)
+    store = SQLiteStore(settings.db_path, **store_kwargs)
     app = create_app(settings, store=store)
     with ThreadServer(app) as server:
         yield server.url, store
@@ -286,7 +287,7 @@ def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(
         stop.set()
         thread.join(timeout=120)
         worker.close()
-    store = Store(settings.db_path)
+    store = SQLiteStore(settings.db_path)
     assert failures == {"ready_groups": 0, "insert_step": 0}
     steps = store.steps("agent")
     assert [s["step"] for s in steps] == [0, 1] and sorted(steps[1]["groups"]) == ["g1", "g2"]
@@ -305,7 +306,7 @@ def test_postgres_gone_read_only_answers_503_and_recovers_by_itself(upstream, tm
 
     import psycopg
 
-    from gateway.store_postgres import PostgresStore
+    from gateway.store.postgres import PostgresStore
 
     name = re.match(r"postgres(?:ql)?://[^/]*/([^?]*)", postgres_db).group(1)
 

@@ -5,8 +5,8 @@ import hashlib
 
 import pytest
 
-from gateway.store_files import StepFilesError, materialize
-from gateway.store_postgres import PostgresStore
+from gateway.store.files import StepFilesError, materialize
+from gateway.store.postgres import PostgresStore
 
 
 def _checkpoint(directory, weights: bytes, step: int = 1):

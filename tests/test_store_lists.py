@@ -7,10 +7,11 @@ import statistics
 
 import pytest
 
-from gateway import store_rows
 from gateway.errors import InvalidRequest
-from gateway.store import CallRecord, Store
-from gateway.store_lists import ListFilter
+from gateway.store import CallRecord
+from gateway.store import rows as store_rows
+from gateway.store.lists import ListFilter
+from gateway.store.sqlite import SQLiteStore
 
 
 def call(session, group, split, step, t, i=0):
@@ -36,9 +37,9 @@ def call(session, group, split, step, t, i=0):
 def store(request):
     """The same rows in either backend: the dashboard's SQL must run on both."""
     if request.param == "sqlite":
-        store = Store(memory=True)
+        store = SQLiteStore(memory=True)
     else:
-        from gateway.store_postgres import PostgresStore
+        from gateway.store.postgres import PostgresStore
 
         store = PostgresStore(request.getfixturevalue("postgres_db"))
     # 3 groups x 4 sessions; every session created at the same second within a group (ties on created_at).
@@ -111,7 +112,7 @@ def test_bad_input_says_what_to_fix(store):
 
 
 def test_calls_per_minute_counts_each_minute():
-    store = Store(memory=True)
+    store = SQLiteStore(memory=True)
     store._run_sync(
         lambda conn: [
             store_rows.insert_call(conn, call(f"s{i}", None, "train", 0, t, i))

@@ -8,10 +8,11 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from gateway import store_pg_schema, store_schema
 from gateway.errors import ConfigError
-from gateway.store import Store
-from gateway.store_postgres import PostgresStore
+from gateway.store import postgres_schema as store_pg_schema
+from gateway.store import sqlite_schema as store_schema
+from gateway.store.postgres import PostgresStore
+from gateway.store.sqlite import SQLiteStore
 from tests.test_store import call
 
 V1_SQLITE = (Path(__file__).parent / "golden" / "store_schema_v1_sqlite.sql").read_text()
@@ -54,14 +55,14 @@ async def test_sqlite_from_the_first_release(tmp_path):
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 0
     conn.close()
 
-    store = Store(path)
+    store = SQLiteStore(path)
     await store.start()
     try:
         await _check_upgraded(store)
         assert store._conn.execute("PRAGMA user_version").fetchone()[0] == store_schema.SCHEMA_VERSION
     finally:
         await store.close()
-    reopened = Store(path)  # already current: nothing to do, nothing lost
+    reopened = SQLiteStore(path)  # already current: nothing to do, nothing lost
     assert reopened.get_session("old-s")["calls"][0]["id"] == "old-1"
     await reopened.close()
 
@@ -70,12 +71,12 @@ async def test_sqlite_newer_than_the_code_is_refused(tmp_path):
     import sqlite3
 
     path = tmp_path / "rlproxy.db"
-    Store(path)._conn.close()
+    SQLiteStore(path)._conn.close()
     conn = sqlite3.connect(path)
     conn.execute(f"PRAGMA user_version = {store_schema.SCHEMA_VERSION + 1}")
     conn.close()
     with pytest.raises(ConfigError, match="newer than this rlproxy"):
-        Store(path)
+        SQLiteStore(path)
 
 
 def _make_v1_postgres(url: str, record_version: bool) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from gateway.tiny_model import TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID, _build_tokenizer, resolve_base_model
-from gateway.tiny_pretrain import DIGITS, LETTERS, instruction_tune, synthetic_chat, training_example
+from gateway.models.instruct import DIGITS, LETTERS, instruction_tune, synthetic_chat, training_example
+from gateway.models.tiny import TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID, _build_tokenizer, resolve_base_model
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway import tiny_model
-from gateway.tiny_model import TINY_MODEL_ID, ensure_tiny_model, resolve_base_model
+from gateway.models import tiny as tiny_model
+from gateway.models.tiny import TINY_MODEL_ID, ensure_tiny_model, resolve_base_model
 
 TOOLS = [
     {
@@ -174,7 +174,7 @@ REPLIES = [
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_rendering_is_prefix_stable(tokenizer, reply, tools):
     """prompt(messages[:k]) + reply + <|im_end|> is a token prefix of the longer conversation."""
-    from gateway.toolcalls import parse_tool_calls
+    from gateway.chat.toolcalls import parse_tool_calls
 
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
     prompt_ids = encode(tokenizer, render(tokenizer, history, tools, generation_prompt=True))

@@ -11,8 +11,9 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.store import CallRecord, Store
-from gateway.tiny_model import ensure_tiny_model
+from gateway.models.tiny import ensure_tiny_model
+from gateway.store import CallRecord
+from gateway.store.sqlite import SQLiteStore
 from trainer.data import (
     NO_SPREAD,
     NO_TOKENS,
@@ -224,7 +225,7 @@ def test_build_batch_advantages_and_skipped_groups(session):
 
 def test_store_rows_round_trip(session):
     """The store's decoded rows are what the data functions read."""
-    store = Store(memory=True)
+    store = SQLiteStore(memory=True)
     c = session["calls"][0]
     for sid in ("a", "b"):
         store.record_call_sync(

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from gateway.store import Store
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import stop_process
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer.worker import run_worker
@@ -88,7 +89,7 @@ def test_killed_worker_loses_no_group_and_numbers_steps_after_the_last_checkpoin
     for i, gid in enumerate(GROUPS):
         recorder.group(gid, [1.0, 0.0] if i % 2 else [0.0, 0.5, 1.0])
     recorder.close()
-    store = Store(settings.db_path)
+    store = SQLiteStore(settings.db_path)
     root = settings.checkpoints_dir()
 
     # 1. Killed while training step 1: step 0 is there, nothing of step 1 is.

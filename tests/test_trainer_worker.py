@@ -8,8 +8,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from gateway.errors import ConfigError
-from gateway.store import Store
-from gateway.tiny_model import resolve_base_model
+from gateway.models.tiny import resolve_base_model
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer.data import NO_SPREAD
 from trainer.worker import TrainerWorker, run_worker
@@ -25,7 +25,7 @@ def trained(tmp_path_factory):
     recorder.group("g2", [0.0, 1.0])
     recorder.close()
     assert run_worker(settings, max_steps=1) == 1
-    store = Store(settings.db_path)
+    store = SQLiteStore(settings.db_path)
     yield settings, store
 
 

@@ -2,8 +2,8 @@
 
 import logging
 
+from gateway.models.tuning import for_model, log_settings
 from gateway.settings import TINY_INSTRUCT_MODEL_ID, Settings
-from gateway.tuning import for_model, log_settings
 
 
 def test_built_in_models_get_their_tuning_and_the_user_still_wins():

@@ -26,8 +26,9 @@ from gateway.engines.vllm import VLLMEngine
 from gateway.engines.vllm_server import max_lora_rank_for, vllm_command, vllm_environment, vllm_gpu_for
 from gateway.engines.vllm_wire import ClientAsk, StreamSplitter, split_completion, vllm_body
 from gateway.errors import ConfigError, EngineUnavailable, UpstreamError
+from gateway.models.tiny import resolve_base_model
 from gateway.store import Store
-from gateway.tiny_model import resolve_base_model
+from gateway.store.sqlite import SQLiteStore
 from tests.fake_vllm import FAKE_LOGITS, prompt_ids_for
 from tests.helpers import ThreadServer
 from tests.helpers_vllm import (
@@ -100,7 +101,7 @@ def gateway(tmp_path_factory):
     # set up as rlproxy starts vLLM: processed logprobs, no generation-config defaults
     with fake_vllm_thread(logprobs_mode="processed_logprobs", generation_config="vllm") as (fake_server, fake):
         settings = vllm_settings(tmp, vllm_url=fake_server.url + "/v1")
-        with Gateway(attached_engine(fake_server.url), settings, Store(settings.db_path)) as gw:
+        with Gateway(attached_engine(fake_server.url), settings, SQLiteStore(settings.db_path)) as gw:
             gw.fake, gw.fake_url, gw.tmp = fake, fake_server.url, tmp
             yield gw
 
@@ -422,7 +423,7 @@ def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
     settings = vllm_settings(tmp_path, vllm_port=free_port(), vllm_arg=["--gpu-memory-utilization=0.5"])
     engine = VLLMEngine.from_settings(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
     engine.health_interval = 0.1
-    with Gateway(engine, settings, Store(settings.db_path)) as gw:
+    with Gateway(engine, settings, SQLiteStore(settings.db_path)) as gw:
         first = fake_state(engine.url)
         assert first["argv"][:2] == ["serve", BASE]
         assert "--enable-lora" in first["argv"] and "--gpu-memory-utilization=0.5" in first["argv"]
@@ -468,7 +469,7 @@ def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
     settings = vllm_settings(tmp_path, vllm_url=f"http://127.0.0.1:{port}")
     with fake_vllm_process(port) as url:
         engine = attached_engine(url)
-        with Gateway(engine, settings, Store(settings.db_path)) as gw:
+        with Gateway(engine, settings, SQLiteStore(settings.db_path)) as gw:
             gw.train_step(1)
             assert _answers(gw.client, "agent").startswith("[agent@1]")
             script_fake(url, crash_after_chunks=0)

@@ -25,8 +25,8 @@ import pytest
 from gateway.engines.base import EngineRequest
 from gateway.engines.vllm import VLLMEngine
 from gateway.errors import UpstreamError
-from gateway.store import Store
-from gateway.tiny_model import resolve_base_model
+from gateway.models.tiny import resolve_base_model
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import free_port, gateway_process
 from tests.helpers_real_vllm import VLLM_VERSION, processed_logprobs, train_adapter_to_write, vllm_python
 from tests.helpers_vllm import wait_until
@@ -40,7 +40,7 @@ class Served:
     def __init__(self, url: str, state_dir, vllm_port: int, proc):
         self.url, self.state_dir, self.vllm_url, self.proc = url, state_dir, f"http://127.0.0.1:{vllm_port}", proc
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-        self.store = Store(state_dir / "rlproxy.db")
+        self.store = SQLiteStore(state_dir / "rlproxy.db")
 
     def chat(self, session: str, group: str | None = None, **kwargs):
         headers = {"X-Session-Id": session, **({"X-Group-Id": group} if group else {})}
@@ -331,7 +331,7 @@ def test_attach_to_a_running_vllm(served, tmp_path):
             model="rlproxy/tiny-qwen2", messages=MESSAGES, max_tokens=4, extra_headers={"X-Session-Id": "attached"}
         )
         assert completion.choices[0].message.content is not None
-        (call,) = Store(tmp_path / "rlproxy.db").session_calls("attached")
+        (call,) = SQLiteStore(tmp_path / "rlproxy.db").session_calls("attached")
         assert call["engine"] == "vllm" and call["completion_ids"][0] and call["behaviour_logprobs"][0]
 
 
@@ -397,7 +397,7 @@ def test_tool_calls_are_parsed_by_vllm_and_recorded(served, tmp_path):
     state = tmp_path / "state"
     adapter = state / "models" / "caller" / "checkpoints" / "0001"  # where the gateway looks for steps
     train_adapter_to_write(model_dir, encode(prompt), encode(TOOL_CALL + "<|im_end|>"), adapter)
-    store = Store(state / "rlproxy.db")
+    store = SQLiteStore(state / "rlproxy.db")
     store.insert_step("caller", 1, str(adapter), {}, [])  # as if the trainer had made it
     args = [
         "--engine",

@@ -31,11 +31,14 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.advantages import compute_advantages, has_reward_spread
 from trainer.retries import trainable_calls
 from trainer.types import Sample
+
+if TYPE_CHECKING:
+    from gateway.store import Store
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -65,7 +68,7 @@ Render = Callable[[dict, dict], "Turn | None"]
 def sampling_temperature(call: dict) -> float:
     """The temperature a call's completion was sampled at: the engine's record of the
     sampling in force, else what the request asked for; greedy (0) and unknown count as 1."""
-    temperature = (call.get("sampling") or {}).get("temperature")
+    temperature: Any = (call.get("sampling") or {}).get("temperature")  # JSON: a number, or anything
     if temperature is None:
         temperature = (call.get("request") or {}).get("temperature")
     try:
@@ -110,7 +113,10 @@ def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, adv
                     tuple(ids), tuple(mask), tuple(old), advantage, trajectory_id, group_id, temperatures=tuple(temps)
                 )
             )
-        ids.clear(), mask.clear(), old.clear(), temps.clear()
+        ids.clear()
+        mask.clear()
+        old.clear()
+        temps.clear()
 
     for turn in turns:
         if not turn.prompt_ids:
@@ -178,7 +184,8 @@ def group_rewards(group: dict) -> list[float]:
 
 def spread_groups(groups: Sequence[dict]) -> tuple[list[dict], list[dict]]:
     """(groups with a reward spread, groups without): the latter have nothing to teach."""
-    keep, drop = [], []
+    keep: list[dict] = []
+    drop: list[dict] = []
     for group in groups:
         (keep if has_reward_spread(group_rewards(group)) else drop).append(group)
     return keep, drop
@@ -271,7 +278,7 @@ def sampling_step(calls: Sequence[dict]) -> int:
     return min((c.get("step") or 0 for c in calls), default=0)
 
 
-def load_groups(store: Any, group_ids: Sequence[str]) -> tuple[list[dict], dict[str, list[dict]]]:
+def load_groups(store: Store, group_ids: Sequence[str]) -> tuple[list[dict], dict[str, list[dict]]]:
     """Read groups and their sessions' calls from the store (the one I/O function here)."""
     groups = [store.get_group(gid) for gid in group_ids]
     calls = {s["id"]: store.session_calls(s["id"]) for g in groups for s in trained_sessions(g)}
@@ -290,7 +297,8 @@ def _plain_message(message: dict) -> dict:
     mapped to the ones templates know, tool-call arguments given as an object (templates
     write `arguments | tojson`; a JSON string would be encoded twice)."""
     out = dict(message)
-    out["role"] = _TEMPLATE_ROLES.get(out.get("role"), out.get("role"))
+    role = out.get("role")
+    out["role"] = _TEMPLATE_ROLES.get(role, role) if isinstance(role, str) else role
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = "".join(
@@ -314,7 +322,7 @@ def _plain_message(message: dict) -> dict:
 _MARK = "\u2063rlproxy-end-of-reply\u2063"
 
 
-def turn_terminator(tokenizer: Any) -> str | None:
+def turn_terminator(tokenizer: Any) -> str | None:  # a tokenizer or processor: duck-typed, as HF's are
     """The token the chat template closes an assistant turn with (`<|im_end|>` for Qwen,
     `<|eot_id|>` for Llama 3), which is what the model samples to stop, and not always
     `tokenizer.eos_token` (a base Qwen's is `<|endoftext|>`). Found by rendering a reply and
@@ -340,7 +348,7 @@ class ChatTemplateRenderer:
     and including the end-of-turn token the model would have sampled (the template's
     text after it, such as a newline, belongs to the next prompt). No logprobs."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.end_of_turn = turn_terminator(tokenizer)
 

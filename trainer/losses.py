@@ -62,7 +62,9 @@ Aggregate = Callable[[torch.Tensor, Tokens, LossConfig, LossNorm], torch.Tensor]
 # --- per-token surrogates -------------------------------------------------------------
 
 
-def _clip_min(ratio_N: torch.Tensor, adv_N: torch.Tensor, cfg: LossConfig):
+def _clip_min(
+    ratio_N: torch.Tensor, adv_N: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's pessimistic bound -min(r A, clip(r, 1-eps, 1+eps_high) A). The clipped term
     wins (and the gradient is 0) only when it is lower: A > 0 with r > 1+eps_high, or
     A < 0 with r < 1-eps."""
@@ -73,12 +75,12 @@ def _clip_min(ratio_N: torch.Tensor, adv_N: torch.Tensor, cfg: LossConfig):
     return -torch.minimum(unclipped_N, clipped_N), ratio_N.detach(), removed_N
 
 
-def token_clipped_surrogate(x: Tokens, cfg: LossConfig):
+def token_clipped_surrogate(x: Tokens, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GRPO/PPO: one ratio per token."""
     return _clip_min(torch.exp(x.logprobs_N - x.old_logprobs_N), x.advantages_N, cfg)
 
 
-def sequence_clipped_surrogate(x: Tokens, cfg: LossConfig):
+def sequence_clipped_surrogate(x: Tokens, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025): one ratio per sample, s = exp(mean_t(logp - old_logp)),
     clipped per sequence. Written per token as s_t = sg(s) * exp(logp_t - sg(logp_t)):
     its value is s, and averaged over the sample its gradient is s * mean_t grad(logp_t)
@@ -93,7 +95,7 @@ def sequence_clipped_surrogate(x: Tokens, cfg: LossConfig):
     return _clip_min(ratio_N, x.advantages_N, cfg)
 
 
-def cispo_surrogate(x: Tokens, cfg: LossConfig):
+def cispo_surrogate(x: Tokens, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1, 2025): -sg(min(r, 1+eps_high)) * A * logp_t. The clipped
     importance weight is detached, so every token keeps a REINFORCE gradient (none is
     dropped, unlike PPO clipping). No lower clip, as in MiniMax-M1 (which sets eps_low so
@@ -106,7 +108,7 @@ def cispo_surrogate(x: Tokens, cfg: LossConfig):
 # --- aggregations ---------------------------------------------------------------------
 
 
-def mean_per_trajectory(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossNorm):
+def mean_per_trajectory(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossNorm) -> torch.Tensor:
     """Mean over each trajectory's trained tokens, then mean over trajectories: each
     trajectory weighs 1/num_trajectories whatever its length (a long rollout does not
     outvote a short one). Done token-wise as sum(v_t / len(traj(t))) / num_trajectories,
@@ -114,7 +116,7 @@ def mean_per_trajectory(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: Los
     return (v_N / x.trajectory_tokens_N).sum() / norm.num_trajectories
 
 
-def sum_over_constant(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossNorm):
+def sum_over_constant(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossNorm) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025): each trajectory's token-loss *sum* divided by one fixed
     token budget (`max_tokens_norm`; TRL: max_completion_length), then mean over
     trajectories. Every token weighs the same, so a trajectory weighs in proportion to its
@@ -129,7 +131,7 @@ def sum_over_constant(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossN
     return v_N.sum() / (cfg.max_tokens_norm * norm.num_trajectories)
 
 
-def mean_over_tokens(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossNorm):
+def mean_over_tokens(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossNorm) -> torch.Tensor:
     """DAPO (Yu et al. 2025): token-level mean over every trained token of the batch;
     a trajectory weighs in proportion to its length."""
     return v_N.sum() / norm.num_loss_tokens
@@ -267,7 +269,7 @@ def compute_loss(
     kl_N = None
     if ref_logprobs is not None:
         kl_N = k3_kl(logprobs_N, ref_logprobs[mask].float())
-    if config.beta > 0:
+    if config.beta > 0 and kl_N is not None:  # beta > 0 without ref_logprobs raised above
         loss_N = policy_N + config.beta * kl_N
     loss = spec.aggregate(loss_N, x, config, norm)
 
@@ -280,7 +282,7 @@ def compute_loss(
             "clip_fraction": float(clipped_N.float().sum() / per_token),
             "ratio_mean": float(ratio_N.sum() / per_token),
         }
-        if tis is not None:
+        if tis is not None and behaviour_logprobs is not None:  # tis is None without them
             weights_N, capped_N, known_N = tis
             gap_N = (x.old_logprobs_N - behaviour_logprobs[mask].float()).abs()
             metrics.update(

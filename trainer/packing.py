@@ -77,7 +77,14 @@ def _trajectory_tokens(samples: Sequence[Sample]) -> dict[str, int]:
 
 
 def _row(samples: Sequence[Sample], indices: Sequence[int], traj_tokens: dict[str, int]) -> PackedRow:
-    ids, pos, seg, mask, old, adv, ttok, temp = [], [], [], [], [], [], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    seg: list[int] = []
+    mask: list[bool] = []
+    old: list[float] = []
+    adv: list[float] = []
+    ttok: list[int] = []
+    temp: list[float] = []
     for i in indices:
         s = samples[i]
         n = len(s.token_ids)

@@ -5,7 +5,7 @@ A tracker is a guest: one that is not installed, cannot start, or fails while lo
 logged as a warning and switched off, and training goes on. Each step logs the trainer's
 own metrics (loss, KL, clip share, grad norm, mismatch, tokens, time, reward of the
 trained groups) plus the reward mean and spread of the rollouts that step sampled, for
-train and val, read from the store (`gateway.store_lists.reward_curve`, the dashboard's
+train and val, read from the store (`gateway.store.lists.reward_curve`, the dashboard's
 curve), under `train/...` and `val/...`.
 """
 
@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+    from gateway.store import Store
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -26,7 +31,7 @@ class Tracker(Protocol):
 
 
 class _WandbTracker:
-    def __init__(self, project: str, name: str | None, config: dict):
+    def __init__(self, project: str, name: str | None, config: dict) -> None:
         import wandb  # imported here: an optional dependency
 
         self._wandb = wandb
@@ -40,7 +45,7 @@ class _WandbTracker:
 
 
 class _TrackioTracker:
-    def __init__(self, project: str, name: str | None, config: dict):
+    def __init__(self, project: str, name: str | None, config: dict) -> None:
         import trackio  # imported here: an optional dependency
 
         self._trackio = trackio
@@ -53,7 +58,7 @@ class _TrackioTracker:
         self._trackio.finish()
 
 
-_TRACKERS = {"wandb": _WandbTracker, "trackio": _TrackioTracker}
+_TRACKERS: dict[str, Callable[[str, str | None, dict], Tracker]] = {"wandb": _WandbTracker, "trackio": _TrackioTracker}
 
 
 def step_metrics(step: int, metrics: dict, curve: list[dict]) -> dict[str, float]:
@@ -81,12 +86,12 @@ def step_metrics(step: int, metrics: dict, curve: list[dict]) -> dict[str, float
 class Reporter:
     """Forwards steps to a tracker; never raises. `Reporter.create(settings)` is the hook."""
 
-    def __init__(self, tracker: Tracker | None, name: str = "none"):
+    def __init__(self, tracker: Tracker | None, name: str = "none") -> None:
         self.tracker = tracker
         self.name = name
 
     @classmethod
-    def create(cls, settings: Any) -> Reporter:
+    def create(cls, settings: Settings) -> Reporter:
         choice = getattr(settings, "report_to", "none") or "none"
         if choice == "none":
             return cls(None)
@@ -114,7 +119,7 @@ class Reporter:
         log.info("reporting steps to %s (project %s)", choice, project)
         return cls(tracker, choice)
 
-    def report_step(self, step: int, metrics: dict, store: Any = None, model: str | None = None) -> None:
+    def report_step(self, step: int, metrics: dict, store: Store | None = None, model: str | None = None) -> None:
         if self.tracker is None:
             return
         try:
@@ -141,6 +146,8 @@ class Reporter:
 
     def _drop(self) -> None:
         tracker, self.tracker = self.tracker, None
+        if tracker is None:
+            return
         try:
             tracker.finish()
         except Exception:  # noqa: BLE001

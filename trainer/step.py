@@ -50,7 +50,7 @@ def loss_config(settings: Settings, token_budget: int | None = None) -> LossConf
 
 def train_step(
     backend: TrainingBackend, samples: Sequence[Sample], settings: Settings, *, token_budget: int | None = None
-) -> dict:
+) -> dict[str, float | None]:
     """Train on `samples` for `settings.epochs_per_step` passes, one optimizer step per
     pass. `token_budget` is dr_grpo's fixed divisor when `--max-tokens-norm` is unset.
 
@@ -70,10 +70,12 @@ def train_step(
     import torch
 
     # The reference model does not change during the step: one forward per row.
-    refs = [backend.reference_logprobs(row) for row in rows] if config.beta > 0 else [None] * len(rows)
+    refs: list[torch.Tensor | None] = (
+        [backend.reference_logprobs(row) for row in rows] if config.beta > 0 else [None] * len(rows)
+    )
     reuse_first_pass = settings.epochs_per_step == 1 and settings.lora_dropout == 0
     old_started = time.perf_counter()
-    olds = [None] * len(rows)
+    olds: list[torch.Tensor | None] = [None] * len(rows)
     if not reuse_first_pass:
         with torch.no_grad():
             olds = [backend.token_logprobs(row).detach() for row in rows]
@@ -88,11 +90,12 @@ def train_step(
             backend.zero_grad()
             for index, (row, ref_T) in enumerate(zip(rows, refs, strict=False)):
                 logprobs_T = backend.token_logprobs(row)
-                if olds[index] is None:
-                    olds[index] = logprobs_T.detach()
+                old_T = olds[index]
+                if old_T is None:
+                    old_T = olds[index] = logprobs_T.detach()
                 loss, metrics = compute_loss(
                     logprobs=logprobs_T,
-                    old_logprobs=olds[index],
+                    old_logprobs=old_T,
                     behaviour_logprobs=row.old_logprobs_T.to(device),
                     advantages=row.advantages_T.to(device),
                     loss_mask=row.loss_mask_T.to(device),
@@ -117,7 +120,7 @@ def train_step(
         raise
 
     passes = settings.epochs_per_step
-    out = {key: value / passes for key, value in totals.items()}
+    out: dict[str, float | None] = {key: value / passes for key, value in totals.items()}
     if config.beta == 0:
         out["kl"] = None
     out.update(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
@@ -173,7 +174,7 @@ class LossNorm:
     """Trained tokens whose behaviour logprob is known (the mismatch metric's denominator)."""
 
     @classmethod
-    def from_samples(cls, samples: tuple[Sample, ...] | list[Sample]) -> LossNorm:
+    def from_samples(cls, samples: Sequence[Sample]) -> LossNorm:
         tokens_by_trajectory: dict[str, int] = {}
         known = 0
         for s in samples:

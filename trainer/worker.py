@@ -45,11 +45,12 @@ import sqlite3
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, TextIO
 
 from gateway.errors import ConfigError, Conflict, EngineUnavailable, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
-from gateway.store_open import open_store
+from gateway.store.open import open_store
 from trainer import checkpoints as ckpts
 from trainer.data import (
     NO_SPREAD,
@@ -61,6 +62,11 @@ from trainer.data import (
     token_budget,
 )
 from trainer.reporting import Reporter
+
+if TYPE_CHECKING:  # the backend (torch) and the GPU lease are imported when needed
+    from gateway.colocate import TrainingLease
+    from trainer.backends.base import TrainingBackend
+    from trainer.types import Sample
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -92,19 +98,19 @@ _HOLDER = f"{socket.gethostname()}:{os.getpid()}"  # this trainer, in claims on 
 
 
 class TrainerWorker:
-    def __init__(self, settings: Settings, store: Store | None = None):
+    def __init__(self, settings: Settings, store: Store | None = None) -> None:
         self.settings = settings
         self.model = settings.model_name
         self._own_store = store is None
         self.store = store or open_store(settings)  # no writer task: sync writes (SQLite: WAL)
         self.root = settings.checkpoints_dir().resolve()
-        self.backend = None
+        self.backend: TrainingBackend | None = None  # loaded by start()
         self.next_step = 0
         self.skipped_since_step = 0
         self.failures: dict[tuple[str, ...], int] = {}  # batch (its group ids) -> failed attempts
         self.failed_steps = 0  # attempts that failed (non-finite or an error), for the log and the step metrics
         self.max_tokens_seen: int | None = None  # dr_grpo's budget when --max-tokens-norm is unset
-        self._lock_file = None
+        self._lock_file: TextIO | None = None
         self.reporter = Reporter.create(settings)  # --report-to: never stops training
 
     # ------------------------------------------------------------------ start
@@ -124,16 +130,23 @@ class TrainerWorker:
             # OpenMP thread per core make both many times slower: `serve` gives each half.
             torch.set_num_threads(int(threads))
         started = time.perf_counter()
-        self.backend = get_backend(self.settings.backend)(self.settings)
-        self.render = ChatTemplateRenderer(self.backend.tokenizer)
+        backend = self.backend = get_backend(self.settings.backend)(self.settings)
+        self.render = ChatTemplateRenderer(backend.tokenizer)
         log.info(
             "trainer: %s on %s, %d LoRA parameters, loaded in %.1f s",
             self.settings.base_model,
-            self.backend.device,
-            self.backend.trainable_parameters(),
+            backend.device,
+            backend.trainable_parameters(),
             time.perf_counter() - started,
         )
         self._resume()
+
+    @property
+    def _loaded_backend(self) -> TrainingBackend:
+        """The backend `start` loaded (a worker that was not started has none)."""
+        if self.backend is None:
+            raise RuntimeError("the trainer worker has no backend: call start() first")
+        return self.backend
 
     def _take_lock(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -173,9 +186,9 @@ class TrainerWorker:
         recorded = {row["step"] for row in self.store.steps(self.model)}
         last_recorded = max(recorded, default=-1)
 
-        restore = getattr(self.store, "restore_checkpoint", None)  # PostgreSQL: a trainer on a new machine
-        if restore and last_recorded >= 0 and ckpts.latest_checkpoint(self.root) is None:
-            if restore(self.model, last_recorded, ckpts.checkpoint_dir(self.root, last_recorded)):
+        # A trainer on a new machine: the checkpoint from the store, where it keeps one (PostgreSQL).
+        if last_recorded >= 0 and ckpts.latest_checkpoint(self.root) is None:
+            if self.store.restore_checkpoint(self.model, last_recorded, ckpts.checkpoint_dir(self.root, last_recorded)):
                 log.info("step %d: checkpoint fetched from the store", last_recorded)
         latest = ckpts.latest_checkpoint(self.root)
         if latest is None:
@@ -192,7 +205,7 @@ class TrainerWorker:
             self.next_step = 1
             return
         self._check_compatible(latest)
-        self.backend.load(latest.path)
+        self._loaded_backend.load(latest.path)
         if last_recorded > latest.step:
             log.warning("steps after %d are recorded but their checkpoints are gone", latest.step)
         self.next_step = max(latest.step, last_recorded) + 1
@@ -223,7 +236,12 @@ class TrainerWorker:
 
     def _save(self, step: int, *, metrics: dict, groups: list[str]) -> ckpts.Checkpoint:
         return ckpts.write_checkpoint(
-            self.root, step, self.backend.save, settings=self.settings.public_dict(), metrics=metrics, groups=groups
+            self.root,
+            step,
+            self._loaded_backend.save,
+            settings=self.settings.public_dict(),
+            metrics=metrics,
+            groups=groups,
         )
 
     # ------------------------------------------------------------------ loop
@@ -232,8 +250,7 @@ class TrainerWorker:
         """The groups of the next step, or None while there are too few. Ready groups
         without a reward spread are marked skipped at once: they never teach anything,
         so they do not count towards `groups_per_step`."""
-        claim = getattr(self.store, "claim_groups", None)  # PostgreSQL: several trainers, disjoint groups
-        ready = claim(self.model, _HOLDER) if claim else self.store.ready_groups(self.model)
+        ready = self.store.claim_groups(self.model, _HOLDER)  # several trainers take disjoint groups
         if not ready:
             return None
         keep, drop = spread_groups([self.store.get_group(g["id"]) for g in ready])
@@ -370,7 +387,7 @@ class TrainerWorker:
         self.store.mark_failed(list(key), f"training failed {attempts} times: {reason}"[:2000])
         self.failures.pop(key, None)
 
-    def _gpu(self):
+    def _gpu(self) -> contextlib.AbstractContextManager[TrainingLease | None]:
         """`--engine vllm --gpu-mode colocated`: borrow the GPU from vLLM for the step
         (`gateway.colocate`); otherwise nothing to do."""
         from gateway.colocate import gpu_for_training, needs_gpu_lease
@@ -379,23 +396,42 @@ class TrainerWorker:
             return gpu_for_training(self.store, self.model, timeout=GPU_LEASE_TIMEOUT)
         return contextlib.nullcontext()
 
-    def _train_and_record(self, step, samples, groups, trained_groups, sessions, started, cut) -> dict | None:
+    def _train_and_record(
+        self,
+        step: int,
+        samples: list[Sample],
+        groups: list[dict],
+        trained_groups: list[str],
+        sessions: dict[str, list[str]],
+        started: float,
+        cut: int,
+    ) -> dict | None:
         """Train, checkpoint, record. Whatever stops it half-way (an error, a discard) puts
         the weights back as they were, so the next attempt starts from the same adapter."""
-        snapshot = self.backend.snapshot()
+        backend = self._loaded_backend
+        snapshot = backend.snapshot()
         try:
             metrics = self._train_checkpoint_record(step, samples, groups, trained_groups, sessions, started, cut)
         except Exception:
-            self.backend.restore(snapshot)
+            backend.restore(snapshot)
             raise
         if metrics is None:  # taken back: nothing was published
-            self.backend.restore(snapshot)
+            backend.restore(snapshot)
         return metrics
 
-    def _train_checkpoint_record(self, step, samples, groups, trained_groups, sessions, started, cut) -> dict | None:
+    def _train_checkpoint_record(
+        self,
+        step: int,
+        samples: list[Sample],
+        groups: list[dict],
+        trained_groups: list[str],
+        sessions: dict[str, list[str]],
+        started: float,
+        cut: int,
+    ) -> dict | None:
         from trainer.step import train_step
 
-        metrics = train_step(self.backend, samples, self.settings, token_budget=self.max_tokens_seen)
+        metrics = train_step(self._loaded_backend, samples, self.settings, token_budget=self.max_tokens_seen)
         rewards = [float(s["reward"]) for g in groups if g["id"] in trained_groups for s in g["sessions"]]
         metrics.update(
             reward_mean=sum(rewards) / len(rewards),

@@ -29,7 +29,7 @@ from types import ModuleType
 TASKS = ("shout", "tictactoe")
 DEFAULT_TASK = "shout"
 """What `rlproxy demo` runs without `--task`: the most convincing task that finishes within
-about 5 minutes on 2 CPU cores (README, "What the demo shows")."""
+about 5 minutes on 2 CPU cores (docs/demo.md, "What the demo shows")."""
 
 
 def load_task(name: str) -> ModuleType:

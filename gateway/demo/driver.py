@@ -45,8 +45,8 @@ from types import ModuleType
 
 from gateway.demo import DEFAULT_TASK, TASKS, load_task
 from gateway.errors import ConfigError, RLProxyError
+from gateway.models.tuning import TINY_MODEL_SETTINGS
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
-from gateway.tuning import TINY_MODEL_SETTINGS
 
 log = logging.getLogger("rlproxy.demo")
 
@@ -617,7 +617,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     # progress logged): like a download, that is not the demo's time, nor its budget's.
     from transformers.utils import logging as hf_logging
 
-    from gateway.tiny_model import resolve_base_model
+    from gateway.models.tiny import resolve_base_model
 
     hf_logging.disable_progress_bar()  # its bars (writing the built model, loading) are not the demo's
     resolve_base_model(settings.base_model, settings.state_dir)

@@ -13,7 +13,7 @@ a whole game into one sample in which only the move tokens are trained.
 - score: 1 win, 0.5 draw, 0 loss (what the demo reports, and the `val` reward);
 - the model: the built-in instruct model (`rlproxy/tiny-qwen2-instruct`), which answers
   with an item of the user's last message: here a square's number, or X or O. The random
-  built-in model never learnt to read the board through LoRA (README), so it cannot play;
+  built-in model never learnt to read the board through LoRA (docs/demo.md), so it cannot play;
 - training reward (shaped): the score, except that a game lost by an illegal move earns
   0.02 per legal move before it and a game lost on the board 0.1. The untrained model
   loses nearly every game (it names X, O or a taken square within a few moves), so with
@@ -46,7 +46,7 @@ DESCRIPTION = (
 # rising), 3e-2 (what the random model needed) 0.02: too large for a model that already
 # reads the board, it unlearns that.
 # 480 s of rounds, so that with the final evaluation (128 games) a run ends within 10
-# minutes (README: 0.83-0.93 in 9 runs of seeds 0-2, 62-86 steps, 486-489 s).
+# minutes (docs/demo.md: 0.83-0.93 in 9 runs of seeds 0-2, 62-86 steps, 486-489 s).
 # A group is perfect when the dice let a near-deterministic policy win all 16 games, which it
 # often does long before it plays every board well: 8 perfect groups in a row stopped seed 0
 # at step 39 with a val score of 0.84; it takes 32 (eight steps' worth) to stop here.

@@ -32,11 +32,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from gateway.chat.toolcalls import ToolCallStream, parse_tool_calls
 from gateway.engines.base import ChoiceTokens, Completion, Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
 from gateway.engines.local_worker import BASE_ADAPTER, ChoiceResult, Control, Job, Sampling, Worker
 from gateway.errors import ConfigError, Conflict, EngineUnavailable, InvalidRequest, NotFound, RLProxyError
-from gateway.protocol import ChatCompletionRequest
-from gateway.toolcalls import ToolCallStream, parse_tool_calls
+from gateway.protocols.chat import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 

@@ -102,7 +102,7 @@ def default_memory_share(base_model: str, gpu_index: str | None, four_bit: bool 
     if card is None or params is None:
         log.warning(
             "cannot size vLLM's memory share (%s unknown); using %.2f of the GPU. Set it with "
-            "--vllm-arg=--gpu-memory-utilization=S (the README's GPU section has a table)",
+            "--vllm-arg=--gpu-memory-utilization=S (docs/gpu.md has a table)",
             "the GPU's memory" if card is None else "the model's size",
             FALLBACK_SHARE,
         )
@@ -118,7 +118,7 @@ def default_memory_share(base_model: str, gpu_index: str | None, four_bit: bool 
 
 
 def memory_table(cards_gib=(24, 40, 48, 80, 141), params_b=(0.5, 1.5, 3, 7, 14)) -> str:
-    """The README's table: default share per card and model size (`python -m gateway.engines.vllm_memory`)."""
+    """docs/gpu.md's table: default share per card and model size (`python -m gateway.engines.vllm_memory`)."""
     rows = ["| model | " + " | ".join(f"{c} GiB" for c in cards_gib) + " |", "|---|" + "---|" * len(cards_gib)]
     for b in params_b:
         cells = []

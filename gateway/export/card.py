@@ -49,7 +49,8 @@ def train_history(settings: Settings, name: str, up_to: int) -> list[dict]:
 
 def store_figures(settings: Settings, name: str, up_to: int, trained_groups: set[str]) -> dict:
     """Sessions trained on and val rewards by the step that answered them (empty without a store)."""
-    from gateway.export.selection import SessionFilter, close_store, open_store, select_sessions, store_exists
+    from gateway.export.selection import close_store, open_store, select_sessions, store_exists
+    from gateway.store import SessionFilter
     from trainer.data import sampling_step
 
     target = settings.store or settings.db_path

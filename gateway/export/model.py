@@ -83,9 +83,7 @@ def _fetched_from_store(settings: Settings, name: str, step: int) -> ckpts.Check
         return None
     store = open_store(settings.store)
     try:
-        restore = getattr(store, "restore_checkpoint", None)
-        dest = settings.models_dir / name / "store" / f"{step:04d}"
-        fetched = restore(name, step, dest) if restore is not None else None
+        fetched = store.restore_checkpoint(name, step, settings.models_dir / name / "store" / f"{step:04d}")
     finally:
         close_store(store)
     return ckpts.Checkpoint(step, fetched) if fetched and ckpts.is_complete(fetched) else None
@@ -193,7 +191,7 @@ def write_merged(checkpoint: Path, base_model: str, state_dir: Path, out: Path) 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gateway.tiny_model import resolve_base_model
+    from gateway.models.tiny import resolve_base_model
 
     source = resolve_base_model(base_model, state_dir)
     try:

@@ -22,8 +22,9 @@ import orjson
 from gateway.errors import ConfigError, InvalidRequest
 from gateway.export.openai_format import conversation
 from gateway.export.samples import ExportedSample, LazyRenderer, exported_samples
-from gateway.export.selection import SessionFilter, close_store, open_store, select_sessions
-from gateway.store_open import is_postgres_url
+from gateway.export.selection import close_store, open_store, select_sessions
+from gateway.store import SessionFilter
+from gateway.store.open import is_postgres_url
 
 FORMATS = ("rlproxy", "openai", "parquet")
 

@@ -60,7 +60,7 @@ class LazyRenderer:
         if self._render is None:
             from transformers import AutoTokenizer
 
-            from gateway.tiny_model import resolve_base_model
+            from gateway.models.tiny import resolve_base_model
             from trainer.data import ChatTemplateRenderer
 
             path = resolve_base_model(self.base_model, self.state_dir)

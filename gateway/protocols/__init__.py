@@ -1,7 +1,7 @@
 """The protocols an agent may speak, each translated to and from the internal chat form.
 
-One module per protocol: `chat` (the internal form itself, re-exported from
-`gateway.protocol`), `responses` (OpenAI Responses), `messages` (Anthropic Messages),
+One module per protocol: `chat` (the internal form itself: OpenAI Chat Completions' wire
+models, which the hot path parses every request with), `responses` (OpenAI Responses), `messages` (Anthropic Messages),
 `completions` (legacy completions). Each holds its pydantic wire models, a pair of pure
 functions (`to_chat`: wire request -> chat request body; `from_chat`: chat response ->
 wire response) and a stream encoder (chat chunks -> the protocol's SSE events). Engines

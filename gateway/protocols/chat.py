@@ -1,4 +1,163 @@
-"""The internal form: OpenAI Chat Completions. Its wire models live in `gateway.protocol`
-(the hot path imports them from there); this module names them for the package."""
+"""The internal chat form: OpenAI Chat Completions' wire models, in the order of OpenAI's
+API reference. Every other protocol translates to and from it.
 
-from gateway.protocol import ChatCompletionRequest, ChatMessage, ToolCall, ToolDefinition  # noqa: F401
+Free of torch and engine imports. Unknown OpenAI fields pass through
+(`extra="allow"`) so a newer client never gets a 400 for a field we do not know.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------- chat requests
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Open):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs 'tool_call_id' (the id of the tool call it answers)")
+        if self.role in ("system", "developer", "user") and self.content is None:
+            raise ValueError(f"a message with role '{self.role}' needs 'content'")
+        return self
+
+    def text(self) -> str:
+        """Content as plain text (text parts joined), for templates and judges."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content if part.get("type", "text") == "text")
+
+
+class FunctionDefinition(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Open):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logprobs: bool = False
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    metadata: dict[str, Any] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    parallel_tool_calls: bool | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    response_format: dict[str, Any] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > 4:
+            raise ValueError("'stop' takes at most 4 sequences")
+        return stops
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        if isinstance(self.tool_choice, str) and self.tool_choice not in ("none", "auto", "required"):
+            raise ValueError("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', ...}")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("'tool_choice' needs 'tools'")
+        return self
+
+    def token_limit(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+# ---------------------------------------------------------------- rlproxy's own
+
+
+class RewardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: float
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("'reward' must be a finite number (not NaN or infinity)")
+        return value
+
+    @field_validator("metrics")
+    @classmethod
+    def _finite_metrics(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, metric in value.items():
+            if not math.isfinite(metric):
+                raise ValueError(f"metric '{name}' must be a finite number")
+        return value
+
+
+class GroupCloseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    expected_sessions: int | None = Field(default=None, ge=1)
+
+
+class DiscardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str | None = Field(default=None, max_length=2000)
+
+
+class RulerRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    judge_model: str = Field(min_length=1)
+    rubric: str | None = None
+    judge_api_base: str | None = None
+
+
+class TriggerRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None

@@ -9,9 +9,9 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from gateway.chat import _check_id
+from gateway.chat.service import _check_id
 from gateway.routes.rl import json_response
-from gateway.store_lists import MAX_LIMIT, ListFilter
+from gateway.store.lists import MAX_LIMIT, ListFilter
 
 router = APIRouter()
 

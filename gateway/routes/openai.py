@@ -19,9 +19,9 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.chat import identify
+from gateway.chat.service import identify
 from gateway.errors import ClientGone, InvalidRequest, RLProxyError
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocols.chat import ChatCompletionRequest
 from gateway.routes.client_watch import ClientWatch
 
 log = logging.getLogger("rlproxy.routes")

@@ -3,7 +3,7 @@
 Thin: parse the body (its model is the route's request schema in /openapi.json), translate
 to the chat form (`gateway.protocols.*`), hand it to the chat service with a `Wire` so the
 call row keeps what the client sent and got, and translate the answer (or the stream)
-back. Errors leave in each protocol's own shape (`error_response`).
+back. Errors leave in each protocol's own shape (`gateway.http.errors.error_response`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway.chat import Identity, identify
-from gateway.errors import ClientGone, InvalidRequest, NotFound, RLProxyError
-from gateway.protocol import ChatCompletionRequest
+from gateway.chat.service import Identity, identify
+from gateway.errors import ClientGone, InvalidRequest, NotFound
 from gateway.protocols import Wire, completions, messages, responses
+from gateway.protocols.chat import ChatCompletionRequest
 from gateway.routes.client_watch import ClientWatch
 from gateway.routes.openai import read_json, validation_message
 
@@ -34,20 +34,6 @@ _UPSTREAM_ID = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
 def _json(data: Any, status_code: int = 200, headers: dict | None = None) -> Response:
     """JSON by orjson (a tenth of the stdlib's cost, as on the chat route)."""
     return Response(orjson.dumps(data), status_code=status_code, headers=headers, media_type="application/json")
-
-
-def is_anthropic_path(path: str) -> bool:
-    return path.endswith("/v1/messages") or path.startswith("/v1/messages/")
-
-
-def error_response(path: str, exc: RLProxyError) -> Response:
-    """`exc` in the shape the route's protocol documents: Anthropic's for /v1/messages,
-    OpenAI's everywhere else."""
-    # 413: the rest of the body is still coming; close rather than read it all.
-    headers = {"Connection": "close"} if exc.status_code == 413 else None
-    if is_anthropic_path(path):
-        return _json(messages.error_body(exc.status_code, exc.message), exc.status_code, headers)
-    return _json(exc.to_openai(), exc.status_code, headers)
 
 
 def _headers(session_id: str, step: int | None) -> dict[str, str]:

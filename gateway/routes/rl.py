@@ -9,9 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from gateway.chat import _check_id
+from gateway.chat.service import _check_id
 from gateway.errors import InvalidRequest, StoreUnavailable
-from gateway.protocol import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
+from gateway.protocols.chat import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
 from gateway.routes.openai import read_json, validation_message
 
 router = APIRouter()

@@ -13,10 +13,10 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.chat import _check_id
-from gateway.protocol import RulerRequest
+from gateway.chat.service import _check_id
+from gateway.protocols.chat import RulerRequest
 from gateway.routes.rl import json_response, parse
-from gateway.ruler import RulerService
+from gateway.ruler.scoring import RulerService
 
 router = APIRouter()
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from gateway.chat import _check_id
+from gateway.chat.service import _check_id
 
 STATIC = Path(__file__).parent / "static"
 # Scripts only from this gateway (a stored string can never run as a script, even if a bug

@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, quote, urlencode
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.middleware import BearerAuthMiddleware
+from gateway.http.middleware import BearerAuthMiddleware
 
 COOKIE = "rlproxy_ui"
 LOGIN_PATH = "/ui/login"

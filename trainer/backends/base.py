@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch stays out of import time for code that only needs the interface
     import torch
+    from peft import PeftModel
 
     from gateway.settings import Settings
     from trainer.packing import PackedRow
@@ -45,7 +46,9 @@ OPTIMIZER_FILE = "optimizer.pt"
 with the same AdamW moments instead of restarting them at zero."""
 
 
-def save_peft_checkpoint(model: Any, optimizer: Any, directory: Path, **save_options: Any) -> None:
+def save_peft_checkpoint(
+    model: PeftModel, optimizer: torch.optim.Optimizer, directory: Path, **save_options: Any
+) -> None:
     """The adapter in PEFT format plus the optimizer state, checked: a library version
     that names its files otherwise must not pass silently."""
     import torch
@@ -58,7 +61,9 @@ def save_peft_checkpoint(model: Any, optimizer: Any, directory: Path, **save_opt
     torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
 
 
-def load_peft_checkpoint(model: Any, optimizer: Any, directory: Path, device: torch.device) -> None:
+def load_peft_checkpoint(
+    model: PeftModel, optimizer: torch.optim.Optimizer, directory: Path, device: torch.device
+) -> None:
     """Adapter weights (and the optimizer state when saved) from a `save_peft_checkpoint` dir."""
     import logging
 
@@ -98,7 +103,12 @@ class TrainingBackend(ABC):
 
     name: str = "base"
 
-    def __init__(self, settings: Settings):
+    model: torch.nn.Module
+    """The base model with the adapter attached (set by the subclass before `init_optimizer`)."""
+    optimizer: torch.optim.Optimizer
+    _params: list[torch.nn.Parameter]
+
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
     # -- what the model is
@@ -168,7 +178,7 @@ class TrainingBackend(ABC):
         memory: on a GPU shared with a sleeping vLLM every megabyte of device memory counts."""
         import torch
 
-        def to_host(value):
+        def to_host(value: object) -> object:
             if isinstance(value, torch.Tensor):
                 return value.detach().to("cpu", copy=True)
             if isinstance(value, dict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,10 @@ from trainer.backends.base import (
     save_peft_checkpoint,
 )
 from trainer.packing import PackedRow, token_logprobs
+
+if TYPE_CHECKING:  # peft and transformers are imported when the backend is built
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -45,7 +50,7 @@ def lora_targets(model: torch.nn.Module) -> list[str] | str:
 
     Never the output head or the embeddings: vLLM loads LoRAs on the projections alone (it
     answers a 500 to an adapter on `lm_head`), and an adapter must be servable by every
-    engine. The built-in models learn without them (see `gateway.tiny_model._INIT_STD`)."""
+    engine. The built-in models learn without them (see `gateway.models.tiny._INIT_STD`)."""
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     found = [m for m in LORA_TARGET_MODULES if m in present]
     return found or "all-linear"
@@ -54,7 +59,7 @@ def lora_targets(model: torch.nn.Module) -> list[str] | str:
 class PeftBackend(TrainingBackend):
     name = "peft"
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,7 +67,7 @@ class PeftBackend(TrainingBackend):
 
         hf_logging.disable_progress_bar()  # per-load bars would drown the step log
 
-        from gateway.tiny_model import resolve_base_model
+        from gateway.models.tiny import resolve_base_model
 
         self._device = resolve_device(settings.device)
         source = resolve_base_model(settings.base_model, settings.state_dir)
@@ -74,7 +79,7 @@ class PeftBackend(TrainingBackend):
                 f"cannot load base model '{settings.base_model}': {exc}. Give a local path or a "
                 "Hugging Face id available offline (--base-model)"
             ) from exc
-        base.to(self._device)
+        base.to(self._device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         base.config.use_cache = False
         config = LoraConfig(
             r=settings.lora_rank,
@@ -89,13 +94,13 @@ class PeftBackend(TrainingBackend):
             # peft calls transformers' deprecated `is_gradient_checkpointing`: not ours to fix.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             torch.manual_seed(settings.seed)
-            self.model = get_peft_model(base, config)
+            self.model: PeftModel = get_peft_model(base, config)
         self.model.train()
         self.init_optimizer()
 
     # -- what the model is
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
     @property

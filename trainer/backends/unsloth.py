@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +43,9 @@ from trainer.backends.base import (
     save_peft_checkpoint,
 )
 from trainer.packing import PackedRow
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -81,10 +86,12 @@ _DIVIDE_FIELDS = ("logits_scaling",)
 _DIVIDE_OVERRIDES = {"hyperclovax": "multiply", "minicpm3": None}
 
 
-def head_transform(config) -> tuple[float, float | None]:
+def head_transform(config: PretrainedConfig | dict[str, Any]) -> tuple[float, float | None]:
     """(multiplier, softcap) the architecture applies to its logits after the output head:
     logits * multiplier, then cap * tanh(logits / cap) (Gemma 2's final-logit softcapping)."""
-    get = (lambda name: getattr(config, name, None)) if not isinstance(config, dict) else config.get
+    get: Callable[[str], Any] = (
+        (lambda name: getattr(config, name, None)) if not isinstance(config, dict) else config.get
+    )
     first = lambda names: next((float(get(n)) for n in names if get(n)), None)  # noqa: E731
     scale = first(_MULTIPLY_FIELDS) or 1.0
     divide = first(_DIVIDE_FIELDS)
@@ -152,7 +159,7 @@ def chunked_token_logprobs(
 class UnslothBackend(TrainingBackend):
     name = "unsloth"
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         index = require_gpu(settings.device)
         # Unsloth reads this at every forward: return hidden states, we apply the head in chunks.
@@ -182,7 +189,7 @@ class UnslothBackend(TrainingBackend):
         except OSError as exc:
             raise ConfigError(f"cannot load base model '{settings.base_model}' with Unsloth: {exc}") from exc
         # Same seed, same fresh adapter on every machine (A random, B zero).
-        self.model = FastLanguageModel.get_peft_model(
+        self.model: Any = FastLanguageModel.get_peft_model(  # Unsloth's patched PeftModel (untyped)
             model,
             r=settings.lora_rank,
             lora_alpha=settings.lora_alpha,
@@ -197,7 +204,7 @@ class UnslothBackend(TrainingBackend):
 
     # -- what the model is
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self._tokenizer
 
     @property

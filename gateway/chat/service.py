@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.adapters import AdapterRegistry, Target
+from gateway.chat.gate import RequestGate
 from gateway.engines.base import Engine, EngineRequest, StreamEnd, TokenRecord
 from gateway.errors import ClientGone, Conflict, InvalidRequest, RLProxyError, StoreUnavailable
-from gateway.gate import RequestGate
-from gateway.limits import Limits, check_chat_limits
-from gateway.protocol import ChatCompletionRequest
+from gateway.http.limits import Limits, check_chat_limits
 from gateway.protocols import Wire
+from gateway.protocols.chat import ChatCompletionRequest
 from gateway.store import CallRecord, Store
 
 log = logging.getLogger("rlproxy.chat")

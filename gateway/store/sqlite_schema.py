@@ -53,7 +53,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     updated_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sessions_group ON sessions (group_id);
--- Newest-first keyset pages of the dashboard and GET /v1/sessions, /v1/groups (gateway/store_lists.py).
+-- Newest-first keyset pages of the dashboard and GET /v1/sessions, /v1/groups (gateway/store/lists.py).
 CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at, id);
 CREATE TABLE IF NOT EXISTS groups (
     id TEXT PRIMARY KEY,
@@ -99,7 +99,7 @@ CREATE TABLE IF NOT EXISTS triggers (
 -- One GPU shared by vLLM and the trainer (--gpu-mode colocated); see gateway/colocate.py.
 -- state: idle -> requested (trainer) -> granted (gateway: drained, vLLM asleep)
 --        -> released (trainer: step saved) -> idle (gateway: vLLM awake, adapter loaded).
--- Written and emptied by the store's probe while it is degraded (gateway/store_health.py).
+-- Written and emptied by the store's probe while it is degraded (gateway/store/health.py).
 CREATE TABLE IF NOT EXISTS store_probe (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     payload BLOB,

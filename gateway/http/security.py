@@ -1,8 +1,8 @@
 """Security defaults that are not a middleware of their own: CORS only when asked for, and a
 warning when the gateway listens beyond loopback with no key.
 
-(The bearer-key check, constant time, is `gateway.middleware.BearerAuthMiddleware`; ids and
-names from requests are checked by `gateway.chat._check_id` before they reach the store.)
+(The bearer-key check, constant time, is `gateway.http.middleware.BearerAuthMiddleware`; ids and
+names from requests are checked by `gateway.chat.service._check_id` before they reach the store.)
 """
 
 from __future__ import annotations

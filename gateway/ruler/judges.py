@@ -1,6 +1,6 @@
 """How the gateway reaches a judge: litellm (any provider id, or any OpenAI-compatible URL)
 or its own engine (`self`). A judge is a function from (messages, response_format) to
-the answer's text; RULER (`gateway.ruler`) builds the messages and checks the answer.
+the answer's text; RULER (`gateway.ruler.scoring`) builds the messages and checks the answer.
 
 Judge keys come from the environment (litellm reads OPENAI_API_KEY, ANTHROPIC_API_KEY,
 ...) and are never stored, logged or echoed: error messages are scrubbed of them.

@@ -1,9 +1,9 @@
 """The store on PostgreSQL: the same `Store` interface and guarantees, shared by many machines.
 
 `PostgresStore` is a `Store` whose connections come from a psycopg 3 pool. Every write op of
-`Store` (and of `gateway/store_rows.py`) runs unchanged: `_PgConn` gives them the sqlite3-shaped
+`Store` (and of `gateway/store/rows.py`) runs unchanged: `_PgConn` gives them the sqlite3-shaped
 `execute(sql, params)` they call, rewriting `?` placeholders to psycopg's `%s`. What the two
-dialects disagree on is overridden here: the schema (`store_pg_schema.py`), the ready-groups
+dialects disagree on is overridden here: the schema (`postgres_schema.py`), the ready-groups
 query, the order of a session's calls (a database sequence, never a replica's clock), and the
 transaction handling (group commit with retry on deadlock, acknowledgement after COMMIT).
 
@@ -18,8 +18,6 @@ Several gateways and trainers may share one database:
 
 from __future__ import annotations
 
-import asyncio
-import queue
 import re
 import threading
 import time
@@ -27,10 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gateway import store_files, store_pg_schema
 from gateway.errors import ConfigError
-from gateway.store import Store, with_savepoints
-from gateway.store_health import StoreHealth, classify
+from gateway.store import files as store_files
+from gateway.store import postgres_schema
+from gateway.store.base import Store
+from gateway.store.health import classify
+from gateway.store.rows import decode_call
+from gateway.store.writer import Op, Outcome, with_savepoints
 
 _RETRYABLE = ("40P01", "40001")  # deadlock detected, serialization failure: rerun the batch
 
@@ -99,6 +100,7 @@ class PostgresStore(Store):
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout: float = 30.0, **_ignored: Any):
         from psycopg_pool import ConnectionPool, PoolTimeout
 
+        super().__init__(timeout)
         self.path = url
         self.url = url
         # check: a connection the server dropped (a restart) is replaced before use, so the
@@ -124,19 +126,12 @@ class PostgresStore(Store):
         self._write_lock = threading.Lock()  # group commits of this process, one at a time
         self._read_lock = threading.Lock()
         with self._pool.connection() as conn:
-            store_pg_schema.migrate(conn)
-        self._queue: queue.SimpleQueue | None = None  # the writer thread is `Store`'s
-        self._writer: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._in_flight = 0
-        self._writes_on_loop = False  # every write is a round trip to the server: never on the event loop
-        self.commits = 0
+            postgres_schema.migrate(conn)
+        # Every write is a round trip to the server: none is made on the event loop (the base
+        # class's `_write_now` queues them all for the writer thread).
         self.retries = 0  # batches rerun after a deadlock with another replica
-        self.busy_timeout = timeout
-        self.health = StoreHealth()  # the server unreachable or full, until a write commits again
 
-    async def close(self) -> None:
-        await self._stop_writer()
+    def _close_connections(self) -> None:
         self._pool.close()
 
     def close_sync(self) -> None:
@@ -163,10 +158,10 @@ class PostgresStore(Store):
             self._raise_failure(exc)  # the server's failure, said as the store's (503/507)
             raise
 
-    def _run_sync(self, op: Callable[[Any], Any]) -> Any:
+    def _run_sync(self, op: Op) -> Any:
         return self._transaction(op)
 
-    def _apply_batch(self, ops: list[Callable[[Any], Any]]) -> list[tuple[bool, Any]]:
+    def _apply_batch(self, ops: list[Op]) -> list[Outcome]:
         """Every op in one transaction (group commit). Ops rarely fail, so the batch first runs
         without savepoints (each is a round trip to the server); if an op raises, that attempt
         is rolled back and the batch runs again with a savepoint per op, so the failing op is
@@ -175,8 +170,8 @@ class PostgresStore(Store):
         class _OpFailed(Exception):
             pass
 
-        def fast(conn: _PgConn) -> list[tuple[bool, Any]]:
-            outcomes: list[tuple[bool, Any]] = []
+        def fast(conn: _PgConn) -> list[Outcome]:
+            outcomes: list[Outcome] = []
             for op in ops:
                 try:
                     outcomes.append((True, op(conn)))
@@ -186,7 +181,7 @@ class PostgresStore(Store):
                     raise _OpFailed from exc
             return outcomes
 
-        def careful(conn: _PgConn) -> list[tuple[bool, Any]]:
+        def careful(conn: _PgConn) -> list[Outcome]:
             return with_savepoints(
                 conn, ops, fails_the_round=lambda exc: _is_retryable(exc) or classify(exc) is not None
             )
@@ -212,7 +207,7 @@ class PostgresStore(Store):
             raise
 
     async def probe(self) -> None:
-        """`Store.probe` on PostgreSQL: a call-sized write, committed and removed."""
+        """A call-sized write, committed and removed (`Store.probe`)."""
 
         def op(conn: _PgConn) -> None:
             conn.execute("INSERT INTO store_probe (payload, created_at) VALUES (?, ?)", (bytes(16384), time.time()))
@@ -222,18 +217,16 @@ class PostgresStore(Store):
         self.health.recovered()
 
     def session_calls(self, session_id: str) -> list[dict]:
-        from gateway import store_rows
-
         rows = self._query("SELECT * FROM calls WHERE session_id = ? ORDER BY seq", (session_id,))
         for row in rows:
             row.pop("seq", None)
             for key in ("prompt_ids", "completion_ids", "completion_logprobs"):
                 if isinstance(row.get(key), memoryview):
                     row[key] = bytes(row[key])
-        return [store_rows.decode_call(row) for row in rows]
+        return [decode_call(row) for row in rows]
 
     def ready_groups(self, model: str, split: str = "train", limit: int | None = None) -> list[dict]:
-        sql = store_pg_schema.READY_GROUPS + (f" LIMIT {int(limit)}" if limit else "")
+        sql = postgres_schema.READY_GROUPS + (f" LIMIT {int(limit)}" if limit else "")
         return [self._ready_row(row) for row in self._query(sql, {"model": model, "split": split})]
 
     @staticmethod

@@ -32,7 +32,7 @@ def rewrite(scope: Scope) -> Scope:
         rest = "/v1" + rest
     headers = list(scope["headers"])
     present = {name for name, _ in headers}
-    # The ids are checked where every session id is (gateway.chat.identify): a bad one is a 400.
+    # The ids are checked where every session id is (gateway.chat.service.identify): a bad one is a 400.
     if b"x-session-id" not in present:
         headers.append((b"x-session-id", unquote(match["session"]).encode()))
     if match["group"] is not None and b"x-group-id" not in present:

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import orjson
 
-from gateway.chat import ChatService, Identity, prepend_first
+from gateway.chat.service import ChatService, Identity, prepend_first
 from gateway.errors import ClientGone, RLProxyError, UpstreamError
 from gateway.protocols import Wire, completions, messages, responses
 

@@ -11,8 +11,8 @@ A database newer than this code is refused: running old code on it could lose co
 
 from __future__ import annotations
 
-from gateway import store_schema
 from gateway.errors import ConfigError
+from gateway.store import sqlite_schema as store_schema
 
 _V1 = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -125,7 +125,7 @@ CREATE TABLE IF NOT EXISTS step_files (
 );
 """
 
-# Written and emptied by the store's probe while it is degraded (gateway/store_health.py).
+# Written and emptied by the store's probe while it is degraded (gateway/store/health.py).
 _V3 = """
 CREATE TABLE IF NOT EXISTS store_probe (
     id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import ConfigError
-from gateway.store import Store
+from gateway.store.base import Store
+from gateway.store.sqlite import SQLiteStore
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
@@ -24,12 +25,12 @@ def open_store(target: Any) -> Store:
     if hasattr(target, "state_dir"):
         url = getattr(target, "store", None)
         if not url:
-            return Store(target.db_path, synchronous=target.store_sync)
+            return SQLiteStore(target.db_path, synchronous=target.store_sync)
         target = url
     text = str(target)
     if is_postgres_url(text):
         try:
-            from gateway.store_postgres import PostgresStore
+            from gateway.store.postgres import PostgresStore
         except ImportError as exc:  # psycopg missing
             raise ConfigError(
                 f"--store postgresql://... needs the PostgreSQL extra: pip install 'rlproxy[postgres]' ({exc})"
@@ -39,4 +40,4 @@ def open_store(target: Any) -> Store:
         text = text[len("sqlite:///") :]
     elif "://" in text:
         raise ConfigError(f"--store must be a postgresql:// URL or an SQLite file path, not {text!r}")
-    return Store(Path(text))
+    return SQLiteStore(Path(text))

@@ -9,7 +9,7 @@ answer (bad JSON, wrong ids or count, a score outside [0, 1]) gets one retry wit
 the reason, then the judgement fails with that reason.
 
 Pure: turning recorded calls into trajectories, the prompt, validating the answer.
-I/O: the judge call (`gateway.judges`) and `RulerService`, which reads the group
+I/O: the judge call (`gateway.ruler.judges`) and `RulerService`, which reads the group
 and stores the result.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import Conflict, InvalidRequest
-from gateway.judges import SELF_JUDGE, JudgeCall, JudgeError, engine_judge, litellm_judge, redact
+from gateway.ruler.judges import SELF_JUDGE, JudgeCall, JudgeError, engine_judge, litellm_judge, redact
 
 log = logging.getLogger("rlproxy.ruler")
 

@@ -17,7 +17,7 @@ Two built-in models share that recipe:
   training, hot-swap) is the real one, and that a LoRA on its projections alone (what vLLM
   serves) can learn. Building takes about a second.
 - `rlproxy/tiny-qwen2-instruct`: the same network (initialised wider, std 0.1), then
-  instruction-tuned for about a minute (`gateway.tiny_pretrain`) to answer with one of the
+  instruction-tuned for about a minute (`gateway.models.instruct`) to answer with one of the
   items the user's last message lists: it reads its prompt, as a real instruct model does,
   which multi-turn tasks such as the tic-tac-toe demo need before RL can teach anything.
 
@@ -275,7 +275,7 @@ def _build(directory: Path, seed: int, instruct: bool = False) -> None:
         if not instruct:
             _add_character_classes(model, tokenizer, _CLASS_STD)
         if instruct:
-            from gateway.tiny_pretrain import instruction_tune, log_progress
+            from gateway.models.instruct import instruction_tune, log_progress
 
             threads = torch.get_num_threads()
             torch.set_num_threads(_BUILD_THREADS)

@@ -5,7 +5,7 @@ message lists.
 Why this skill and nothing more: it is what a real instruct model brings to an agent task
 and a randomly initialised network lacks, reading its prompt. A random model trained by RL
 through LoRA did not learn to name a free square of a tic-tac-toe board in 150 steps
-(README); after this tuning the same network names an item of the last user turn with
+(docs/demo.md); after this tuning the same network names an item of the last user turn with
 ~0.85 of its probability, and RL has only to learn *which* item to pick. The chats know
 nothing of any demo task: items are single digits and capital letters (each one token of
 the built-in tokenizer), laid out in rows, lists or an "Options:" line, and the answer is

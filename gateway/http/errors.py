@@ -1,0 +1,72 @@
+"""Errors at the edge: every exception a route lets out becomes one response, in the shape of
+the route's protocol (OpenAI's error JSON, Anthropic's on /v1/messages), with the status its
+class names. Code inside raises `RLProxyError` subclasses and never builds an error response."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from gateway.errors import InvalidRequest, RLProxyError
+from gateway.protocols import messages
+
+log = logging.getLogger("rlproxy")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.endswith("/v1/messages") or path.startswith("/v1/messages/")
+
+
+def error_response(path: str, exc: RLProxyError) -> Response:
+    """`exc` in the shape the route's protocol documents: Anthropic's for /v1/messages,
+    OpenAI's everywhere else."""
+    # 413: the rest of the body is still coming; close rather than read it all.
+    headers = {"Connection": "close"} if exc.status_code == 413 else None
+    if is_anthropic_path(path):
+        body = messages.error_body(exc.status_code, exc.message)
+    else:
+        body = exc.to_openai()
+    return Response(orjson.dumps(body), status_code=exc.status_code, headers=headers, media_type="application/json")
+
+
+def _validation_text(errors: list) -> str:
+    """FastAPI's validation errors as one sentence: where, and what is wrong."""
+    parts = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts) or "the request body is not valid"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RLProxyError)
+    async def _rlproxy_error(request: Request, exc: RLProxyError) -> Response:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(request.url.path, InvalidRequest(_validation_text(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        error = RLProxyError(str(exc.detail))
+        error.status_code = exc.status_code
+        error.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code == 404:
+            error.message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            error.message = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(request.url.path, error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(
+            request.url.path, RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log")
+        )

@@ -1,0 +1,263 @@
+"""The store's interface: what the gateway, the trainer and export use, whichever the backend.
+
+The store is the only channel between gateway and trainer. A write's `await` returns only
+after its transaction committed, so a response acknowledged to a client is on disk (or in
+the database). Async writes are the gateway's, batched by one writer thread per process
+(group commit, `gateway.store.writer`); the trainer, in its own process, uses the
+synchronous methods. Reads are synchronous.
+
+A backend implements the four primitives below (a transaction now, a batch of writes in one
+transaction, a read, a probe) and its lifecycle; every method of the interface is written
+once, here, in portable SQL over those primitives (the ops live in `rows`, `training`,
+`reads` and `lists`). `sqlite.SQLiteStore` is the embedded default, `postgres.PostgresStore`
+the shared one; `open_store` picks one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from gateway.store import lists, reads, rows, training
+from gateway.store.health import StoreHealth, classify
+from gateway.store.reads import SessionFilter
+from gateway.store.rows import CallRecord
+from gateway.store.writer import GroupCommitWriter, Op, Outcome
+
+
+class Store(ABC):
+    backend: str
+    """"sqlite" or "postgres"."""
+    path: Any
+    """The SQLite file, or the PostgreSQL URL (with its password: never log it; see `redact`)."""
+
+    def __init__(self, busy_timeout: float) -> None:
+        self.busy_timeout = busy_timeout
+        self.health = StoreHealth()  # a disk or server failure, until a write commits again
+        self.commits = 0  # transactions committed by the writer (for /metrics and tests)
+        self._writer: GroupCommitWriter | None = None
+
+    # ------------------------------------------------------------ what a backend implements
+
+    @abstractmethod
+    def _run_sync(self, op: Op) -> Any:
+        """`op(conn)` in one write transaction, committed before this returns (this thread)."""
+
+    @abstractmethod
+    def _apply_batch(self, ops: list[Op]) -> list[Outcome]:
+        """Every op in one transaction, an op that raises rolled back alone (the writer's round)."""
+
+    @abstractmethod
+    def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
+        """A read: rows as dicts. `?` placeholders (and `:name` with a dict), in either backend."""
+
+    @abstractmethod
+    async def probe(self) -> None:
+        """A write as large as a typical call, committed and removed in the same transaction:
+        succeeds only when calls can be recorded again, raises the store's failure otherwise.
+        Used while the store is degraded (`/healthz`, and before each call), so the gateway
+        notices by itself that the cause went away; only a probe ends the degraded state (a
+        small write, a reward, may fit where a call does not)."""
+
+    @abstractmethod
+    def _close_connections(self) -> None:
+        """Release the backend's connections (the writer has stopped)."""
+
+    def _write_now(self, op: Op) -> Outcome | None:
+        """`op` committed at once on the event loop, or None to queue it for the writer."""
+        return None
+
+    def _checkpoint(self) -> None:
+        """Housekeeping the writer thread runs when asked (SQLite: the WAL checkpoint).
+        None by default: PostgreSQL checkpoints by itself."""
+        return None
+
+    # ------------------------------------------------------------ lifecycle and the writer
+
+    async def start(self) -> None:
+        """Start the writer thread (call from the event loop that will write)."""
+        self._writer = GroupCommitWriter(self._apply_batch, self._checkpoint)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await self._writer.stop()
+            self._writer = None
+        self._close_connections()
+
+    async def _submit(self, op: Op, *, at_once: bool = False) -> Any:
+        writer = self._writer
+        if writer is None:  # no writer running (trainer process, scripts): write in a thread
+            return await asyncio.to_thread(self._run_sync, op)
+        if at_once and writer.in_flight == 0:
+            outcome = self._write_now(op)
+            if outcome is not None:
+                ok, value = outcome
+                if ok:
+                    return value
+                raise value
+        return await writer.submit(op)
+
+    def _raise_failure(self, exc: BaseException) -> None:
+        """Raise `exc` as the store failure it is (noting it in `health`); return if it is none."""
+        failure = classify(exc, self.busy_timeout)
+        if failure is not None:
+            self.health.failed(failure)
+            raise failure from (None if failure is exc else exc)
+
+    # ------------------------------------------------------------ the gateway's writes
+
+    async def record_call(self, call: CallRecord, *, alone: bool = False) -> None:
+        """Committed before this returns. `alone`: no other call is in flight, so nothing is
+        gained by waiting to share a commit (`_write_now`)."""
+        await self._submit(lambda conn: rows.insert_call(conn, call), at_once=alone)
+
+    def record_call_sync(self, call: CallRecord) -> None:
+        self._run_sync(lambda conn: rows.insert_call(conn, call))
+
+    async def set_reward(self, session_id: str, reward: float, metrics: dict[str, float] | None = None) -> dict:
+        return await self._submit(lambda conn: rows.set_reward(conn, session_id, reward, metrics or {}))
+
+    async def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
+        return await self._submit(lambda conn: rows.close_group(conn, group_id, expected_sessions))
+
+    async def discard_session(self, session_id: str, reason: str | None = None) -> dict:
+        """Leave a session (a failed rollout) out of its group: it needs no reward and is
+        never trained; its calls stay recorded. Discarding twice is harmless."""
+        await self._submit(lambda conn: rows.discard_session(conn, session_id, reason))
+        return self.get_session(session_id)
+
+    async def set_ruler_status(self, group_id: str, status: str, error: str | None = None) -> None:
+        await self._submit(lambda conn: training.set_ruler_status(conn, group_id, status, error))
+
+    async def record_judgement(
+        self, group_id: str, judge_model: str, scores: list[dict], *, close: bool = True
+    ) -> None:
+        """Store a RULER judgement: scores become rewards (an earlier reward is kept as
+        `independent_reward`), explanations go to `judgements`, and the group closes."""
+        await self._submit(lambda conn: training.record_judgement(conn, group_id, judge_model, scores, close))
+
+    async def request_trigger(self, model: str) -> int:
+        """Ask the trainer for a step now, with whatever ready groups there are."""
+        return await self._submit(lambda conn: training.request_trigger(conn, model))
+
+    # ------------------------------------------------------------ the trainer's writes
+
+    def consume_triggers(self, model: str) -> bool:
+        """True if a step was asked for since the last call (and mark those asks done)."""
+        return self._run_sync(lambda conn: training.consume_triggers(conn, model))
+
+    def insert_step(
+        self,
+        model: str,
+        step: int,
+        path: str,
+        metrics: dict,
+        group_ids: list[str],
+        session_ids: list[str] | None = None,
+    ) -> None:
+        """Insert a step row and mark its groups trained, in one transaction. With
+        `session_ids` (the sessions the step trained on), a Conflict if any of them was
+        discarded meanwhile: the step must then be taken back."""
+        self._run_sync(lambda conn: training.insert_step(conn, model, step, path, metrics, group_ids, session_ids))
+
+    def mark_failed(self, group_ids: Iterable[str], reason: str) -> None:
+        """Set groups aside: training them kept failing (the reason says how). Never retried."""
+        self._run_sync(lambda conn: training.mark_failed(conn, group_ids, reason))
+
+    def mark_skipped(self, group_ids: Iterable[str], reason: str) -> None:
+        self._run_sync(lambda conn: training.mark_skipped(conn, group_ids, reason))
+
+    def claim_groups(
+        self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0
+    ) -> list[dict]:
+        """Ready groups for the trainer `holder`, none of which another trainer holds. One
+        trainer per store needs no claim (SQLite's case): the ready groups."""
+        return self.ready_groups(model, split, limit)
+
+    def release_claims(self, holder: str) -> None:
+        """Give back what `holder` claimed (nothing to do without claims)."""
+        return None
+
+    def gpu_lease(self, model: str) -> dict:
+        """The GPU lease of `model`: {"model", "state", "holder", "step", "updated_at"}; state "idle" if none."""
+        return reads.gpu_lease(self._query, model)
+
+    def move_gpu_lease(
+        self,
+        model: str,
+        to_state: str,
+        *,
+        expect: tuple[str, ...],
+        holder: str | None = None,
+        expect_holder: str | None = None,
+        step: int | None = None,
+    ) -> bool:
+        """Compare-and-set: move the lease to `to_state` if its state is one of `expect` (and its
+        holder is `expect_holder`, when given). True if it moved. `holder` None keeps the holder."""
+        return self._run_sync(
+            lambda conn: training.move_gpu_lease(conn, model, to_state, expect, holder, expect_holder, step)
+        )
+
+    # ------------------------------------------------------------ checkpoints kept in the store
+
+    def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
+        """A local directory holding step `step`'s adapter. A backend that keeps checkpoint
+        files in the database fetches them under `models_dir`; otherwise the trainer's path."""
+        return raw_path
+
+    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
+        """The step's checkpoint files, from the store into `dest`; None where the store keeps none."""
+        return None
+
+    # ------------------------------------------------------------ reads
+
+    def get_session(self, session_id: str) -> dict:
+        session = reads.session_row(self._query, session_id)
+        session["calls"] = self.session_calls(session_id)
+        return session
+
+    def session_calls(self, session_id: str) -> list[dict]:
+        found = self._query("SELECT * FROM calls WHERE session_id = ? ORDER BY created_at, rowid", (session_id,))
+        return [rows.decode_call(row) for row in found]
+
+    def get_call(self, call_id: str) -> dict | None:
+        found = self._query("SELECT * FROM calls WHERE id = ?", (call_id,))
+        return rows.decode_call(found[0]) if found else None
+
+    def get_group(self, group_id: str) -> dict:
+        return reads.group(self._query, group_id)
+
+    @abstractmethod
+    def ready_groups(self, model: str, split: str = "train", limit: int | None = None) -> list[dict]:
+        """Groups the trainer may take: closed (or full), every session rewarded, not trained,
+        failed nor skipped, oldest first (the dialects differ: each backend's schema has it)."""
+
+    def select_session_ids(self, where: SessionFilter) -> list[str]:
+        """Ids of the sessions that pass `where` (all its filters but `since_step`), oldest first."""
+        return reads.session_ids(self._query, where)
+
+    def steps(self, model: str | None = None) -> list[dict]:
+        return reads.steps(self._query, model)
+
+    def latest_step(self, model: str) -> int | None:
+        found = self._query("SELECT MAX(step) AS step FROM steps WHERE model = ?", (model,))
+        return found[0]["step"] if found else None
+
+    # Paged lists and the reward curve (the dashboard, GET /v1/sessions and /v1/groups).
+    def list_sessions(self, f: lists.ListFilter) -> dict:
+        return lists.list_sessions(self._query, f)
+
+    def list_groups(self, f: lists.ListFilter) -> dict:
+        return lists.list_groups(self._query, f)
+
+    def reward_curve(self, model: str) -> list[dict]:
+        return lists.reward_curve(self._query, model)
+
+    def calls_per_minute(self, now: float, minutes: int = 60) -> list[dict]:
+        return lists.calls_per_minute(self._query, now, minutes)
+
+    def counts(self) -> dict[str, int]:
+        return reads.counts(self._query)

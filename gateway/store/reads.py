@@ -1,0 +1,125 @@
+"""The store's reads that take more than one query: a group with its sessions and its
+judgements, a session with its calls, the steps of a model, the sessions an export or a
+distillation selects. Each function takes `query(sql, params) -> list[dict]` (the backend's
+read connection), as `gateway.store.lists` does, so both backends share the SQL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.errors import InvalidRequest, NotFound
+from gateway.store.rows import decode_session
+
+Query = Callable[..., list[dict]]
+
+
+@dataclass(frozen=True)
+class SessionFilter:
+    """Which recorded sessions to take (export, the model card): the filters are ANDed."""
+
+    split: str | None = None
+    """"train" or "val"; None: both."""
+    rewarded: bool = False
+    """Only sessions with a reward."""
+    min_reward: float | None = None
+    """Only sessions whose reward is at least this (implies `rewarded`)."""
+    since_step: int | None = None
+    """Only sessions every call of which was answered by this adapter step or a later one
+    (applied by the caller, on the calls: `gateway.export.selection`)."""
+    groups: tuple[str, ...] = ()
+    """Only sessions of these groups; empty: any group."""
+    include_discarded: bool = False
+    """Discarded sessions (failed rollouts) are left out unless asked for."""
+
+    def __post_init__(self) -> None:
+        if self.split not in (None, "train", "val"):
+            raise InvalidRequest(f"split must be train or val, not {self.split!r}")
+        if self.since_step is not None and self.since_step < 0:
+            raise InvalidRequest(f"--since-step must be 0 or more, not {self.since_step}")
+
+
+def session_ids(query: Query, where: SessionFilter) -> list[str]:
+    """Ids of the sessions that pass `where` (all but `since_step`), oldest first."""
+    clauses: list[str] = []
+    params: list = []
+    if where.split:
+        clauses.append("split = ?")
+        params.append(where.split)
+    if where.rewarded or where.min_reward is not None:
+        clauses.append("reward IS NOT NULL")
+    if where.min_reward is not None:
+        clauses.append("reward >= ?")
+        params.append(float(where.min_reward))
+    if where.groups:
+        clauses.append(f"group_id IN ({', '.join('?' for _ in where.groups)})")
+        params += list(where.groups)
+    if not where.include_discarded:
+        clauses.append("discarded = 0")
+    # Portable SQL (both backends run it): ids break ties between equal times.
+    where_sql = " WHERE " + " AND ".join(clauses) if clauses else ""
+    sql = f"SELECT id FROM sessions{where_sql} ORDER BY created_at, id"
+    return [row["id"] for row in query(sql, tuple(params))]
+
+
+def session_row(query: Query, session_id: str) -> dict:
+    rows = query("SELECT * FROM sessions WHERE id = ?", (session_id,))
+    if not rows:
+        raise NotFound(f"session '{session_id}' not found", param="session_id")
+    return decode_session(rows[0])
+
+
+def group(query: Query, group_id: str) -> dict:
+    rows = query("SELECT * FROM groups WHERE id = ?", (group_id,))
+    if not rows:
+        raise NotFound(f"group '{group_id}' not found", param="group_id")
+    found = rows[0]
+    every = [
+        decode_session(row)
+        for row in query("SELECT * FROM sessions WHERE group_id = ? ORDER BY created_at", (group_id,))
+    ]
+    # `sessions` are the ones the group is judged and trained on; discarded ones
+    # (failed rollouts) are listed apart, as in the schema's READY_GROUPS.
+    sessions = [s for s in every if not s["discarded"]]
+    discarded = [s for s in every if s["discarded"]]
+    found["closed"] = bool(found["closed"])
+    found["sessions"] = sessions
+    found["discarded_sessions"] = discarded
+    found["n_sessions"] = len(sessions)
+    found["n_rewarded"] = sum(1 for s in sessions if s["reward"] is not None)
+    found["n_discarded"] = len(discarded)
+    expected = found["expected_sessions"]
+    found["ready"] = bool(
+        sessions
+        and found["n_rewarded"] == len(sessions)
+        and (found["closed"] or (expected is not None and len(every) >= expected))
+    )
+    found["judgements"] = query(
+        "SELECT session_id, judge_model, score, explanation, created_at FROM judgements WHERE group_id = ? ORDER BY id",
+        (group_id,),
+    )
+    return found
+
+
+def steps(query: Query, model: str | None) -> list[dict]:
+    if model is None:
+        rows = query("SELECT * FROM steps ORDER BY model, step")
+    else:
+        rows = query("SELECT * FROM steps WHERE model = ? ORDER BY step", (model,))
+    for row in rows:
+        row["metrics"] = json.loads(row["metrics"] or "{}")
+        row["groups"] = json.loads(row["groups"] or "[]")
+    return rows
+
+
+def gpu_lease(query: Query, model: str) -> dict:
+    rows = query("SELECT * FROM gpu_leases WHERE model = ?", (model,))
+    return rows[0] if rows else {"model": model, "state": "idle", "holder": None, "step": None, "updated_at": None}
+
+
+def counts(query: Query) -> dict[str, int]:
+    return {
+        table: query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
+        for table in ("calls", "sessions", "groups", "steps", "judgements")
+    }

@@ -1,0 +1,210 @@
+"""The store in one SQLite file (WAL): the embedded default, for one machine.
+
+Writes from the gateway go through the writer thread (group commit, `gateway.store.writer`);
+a call recorded while no other is in flight is committed on the event loop at once instead
+(`_write_now`), unless that would mean waiting for the lock. The trainer, in its own
+process, opens the same file with `SQLiteStore(path)` and uses the synchronous methods. The
+schema and connection setup are `gateway.store.sqlite_schema`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from gateway.store import sqlite_schema
+from gateway.store.base import Store
+from gateway.store.health import classify
+from gateway.store.writer import Op, Outcome, with_savepoints
+
+CHECKPOINT_EVERY = 256
+"""Commits between two WAL checkpoints (SQLite's own default is about every 1,000 pages)."""
+
+
+class SQLiteStore(Store):
+    """`SQLiteStore(path)` for a file, `SQLiteStore(memory=True)` for tests."""
+
+    backend = "sqlite"
+
+    def __init__(
+        self,
+        path: Path | str | None = None,
+        *,
+        memory: bool = False,
+        synchronous: str = "normal",
+        busy_timeout: float = 30.0,
+    ):
+        super().__init__(busy_timeout)
+        if memory:
+            # One shared in-memory database, reachable from the writer thread too.
+            uri = f"file:rlproxy-{id(self)}?mode=memory&cache=shared"
+            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+            self._read_conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+            self._loop_conn: sqlite3.Connection | None = None
+        else:
+            if path is None:
+                raise ValueError("Store needs a path, or memory=True")
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite_schema.connect(path, synchronous, busy_timeout)
+            self._read_conn = sqlite_schema.connect(path, synchronous, busy_timeout)
+            # `_write_now`'s own connection, whose BEGIN never waits for the lock (busy timeout 0):
+            # cheaper than switching the writer connection's timeout off and on for each call.
+            self._loop_conn = sqlite_schema.connect(path, synchronous, 0)
+            # Checkpoints run in the writer thread (`_checkpoint`), never in a commit made on
+            # the event loop (`_write_now`): a checkpoint fsyncs the database file.
+            for conn in (self._conn, self._loop_conn):
+                conn.execute("PRAGMA wal_autocheckpoint=0")
+        self._writes_on_loop = not memory  # see `_write_now`
+        self.path = path
+        self.db = sqlite_utils.Database(self._conn)
+        self._write_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._conn.executescript(sqlite_schema.SCHEMA)
+        sqlite_schema.add_missing_columns(self._conn)
+        self.checkpoints = 0  # WAL checkpoints the writer thread ran
+
+    def _close_connections(self) -> None:
+        # Under the locks: a read still running in a worker thread (a poll that outlived the
+        # app) finishes first. sqlite3 closed under a running statement can crash the process.
+        with self._write_lock:
+            self._conn.close()
+            if self._loop_conn is not None:
+                self._loop_conn.close()
+        with self._read_lock:
+            self._read_conn.close()
+
+    def _write_now(self, op: Op) -> Outcome | None:
+        """`op` committed at once on the event loop: for a call recorded while no other is in
+        flight and nothing is queued for the writer thread. With one call at a time, the
+        hand-off to the thread and back was ~0.1 ms of what the gateway adds to a call
+        (bench/README.md); concurrent calls still go through the thread, many to a commit.
+        Never waits: None, and the caller queues the write, when the write lock is taken in
+        this process (the writer thread) or in another (the trainer): the writer thread does
+        the waiting, and says what a failing store failed with."""
+        if not self._writes_on_loop or not self._write_lock.acquire(blocking=False):
+            return None
+        try:
+            conn = self._loop_conn
+            try:
+                _begin(conn)
+            except sqlite3.Error:
+                return None
+            return self._commit_round(conn, [op])[0]
+        finally:
+            self._write_lock.release()
+
+    def _run_sync(self, op: Op) -> Any:
+        with self._write_lock:
+            conn = self._conn
+            try:
+                _begin(conn)
+                result = op(conn)
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                _rollback(conn)
+                self._raise_failure(exc)
+                raise
+            return result
+
+    def _apply_batch(self, ops: list[Op]) -> list[Outcome]:
+        """Run every op in one transaction; an op that raises is rolled back alone."""
+        with self._write_lock:
+            conn = self._conn
+            try:
+                _begin(conn)
+            except BaseException as exc:
+                _rollback(conn)
+                self._raise_failure(exc)
+                raise
+            return self._commit_round(conn, ops)
+
+    def _commit_round(self, conn: sqlite3.Connection, ops: list[Op]) -> list[Outcome]:
+        """`ops` in the transaction just begun on `conn` (write lock held), then COMMIT."""
+        outcomes: list[Outcome] = []
+        try:
+            if len(ops) == 1:  # one call at a time: the transaction is the op's savepoint
+                try:
+                    outcomes.append((True, ops[0](conn)))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    if classify(exc) is not None:
+                        raise
+                    _rollback(conn)
+                    return [(False, exc)]
+            else:
+                try:  # ops rarely fail: first without a savepoint each (two statements an op)
+                    for op in ops:
+                        outcomes.append((True, op(conn)))
+                except Exception as exc:  # noqa: BLE001 - one op failed: again, each op alone
+                    if classify(exc) is not None:
+                        raise
+                    _rollback(conn)
+                    _begin(conn)
+                    outcomes = with_savepoints(conn, ops, fails_the_round=lambda exc: classify(exc) is not None)
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            _rollback(conn)
+            self._raise_failure(exc)
+            raise
+        self.commits += 1
+        if self.commits % CHECKPOINT_EVERY == 0 and self._writer is not None and self._writes_on_loop:
+            self._writer.request_checkpoint()
+        return outcomes
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL back into the database file (PASSIVE: readers are never waited for),
+        in the writer thread: the store's connection checkpoints only here."""
+        with self._write_lock:
+            try:
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                self.checkpoints += 1
+            except sqlite3.Error:  # a failing disk shows in the next write, with its cause
+                pass
+
+    async def probe(self) -> None:
+        """A write as large as a typical call, committed (and removed in the same
+        transaction): succeeds only when calls can be recorded again. Raises the store's
+        failure otherwise. Used while the store is degraded (by `/healthz` and before each
+        call), so the gateway notices by itself that the cause went away. Only a probe ends
+        the degraded state: a small write (a reward) may fit where a call does not."""
+
+        def op(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT INTO store_probe (payload, created_at) VALUES (zeroblob(16384), ?)", (time.time(),))
+            conn.execute("DELETE FROM store_probe")
+
+        await self._submit(op)
+        self.health.recovered()
+
+    def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
+        with self._read_lock:
+            try:
+                cursor = self._read_conn.execute(sql, params)
+                names = [d[0] for d in cursor.description]
+                return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
+            except sqlite3.Error as exc:
+                self._raise_failure(exc)
+                raise
+
+    def ready_groups(self, model: str, split: str = "train", limit: int | None = None) -> list[dict]:
+        sql = sqlite_schema.READY_GROUPS + (f" LIMIT {int(limit)}" if limit else "")
+        return self._query(sql, {"model": model, "split": split})
+
+
+def _begin(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        _rollback(conn)  # an earlier round's COMMIT or ROLLBACK failed half-way and left it open
+    conn.execute("BEGIN IMMEDIATE")
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back whatever is open; a failing ROLLBACK (the disk that failed the COMMIT) must
+    not hide the first error nor leave the next round inside this transaction."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass

@@ -1,0 +1,117 @@
+"""Group commit: one writer thread per process commits every write queued so far in one
+transaction, and each caller's `await` returns only once its write committed (or failed).
+
+Backend-neutral: the backend hands in `apply_batch` (run these ops in one transaction, an op
+that raises rolled back alone) and, for SQLite, `checkpoint` (copy the WAL back, in this
+thread). A thread of its own rather than a task handing each round to an executor: with one
+call at a time, those hand-offs were a good part of what the gateway added to a call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+Op = Callable[[Any], Any]
+"""A write: called with the backend's connection inside an open transaction."""
+Outcome = tuple[bool, Any]
+"""(True, the op's result) or (False, the exception it raised)."""
+
+MAX_ROUND = 512
+"""Writes committed in one transaction at most."""
+
+_CHECKPOINT = object()  # queued for the writer thread: run a checkpoint
+
+
+class GroupCommitWriter:
+    def __init__(
+        self,
+        apply_batch: Callable[[list[Op]], list[Outcome]],
+        checkpoint: Callable[[], None] | None = None,
+    ) -> None:
+        self._apply_batch = apply_batch
+        self._checkpoint = checkpoint
+        self._loop = asyncio.get_running_loop()  # where waiting callers are woken
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.in_flight = 0  # writes handed to the thread and not yet settled
+        self._thread = threading.Thread(target=self._write_loop, name="rlproxy-store-writer", daemon=True)
+        self._thread.start()
+
+    async def submit(self, op: Op) -> Any:
+        future = self._loop.create_future()
+        self.in_flight += 1
+        self._queue.put((op, future))
+        return await future
+
+    def request_checkpoint(self) -> None:
+        self._queue.put(_CHECKPOINT)
+
+    async def stop(self) -> None:
+        """After every write already queued: each is committed or failed first."""
+        self._queue.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    def _write_loop(self) -> None:
+        """Each round takes every write queued so far (up to `MAX_ROUND`), commits them in one
+        transaction, then hands the outcomes to the event loop in one callback."""
+        stopping = False
+        while not stopping:
+            batch = [self._queue.get()]
+            while len(batch) < MAX_ROUND:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if None in batch:
+                stopping = True
+            if _CHECKPOINT in batch and self._checkpoint is not None:
+                self._checkpoint()
+            batch = [item for item in batch if item is not None and item is not _CHECKPOINT]
+            if not batch:
+                continue
+            try:
+                outcomes: list[Outcome] | BaseException = self._apply_batch([op for op, _ in batch])
+            except BaseException as exc:  # noqa: BLE001 - the commit itself failed: nobody is acknowledged
+                outcomes = exc
+            try:
+                self._loop.call_soon_threadsafe(self._settle, batch, outcomes)
+            except RuntimeError:  # the loop is closed: nobody is left waiting
+                pass
+
+    def _settle(self, batch: list[tuple[Op, asyncio.Future]], outcomes: list[Outcome] | BaseException) -> None:
+        """On the event loop: each waiting caller gets its write's outcome, or the round's failure."""
+        self.in_flight -= len(batch)
+        for index, (_, future) in enumerate(batch):
+            if future.done():  # its caller was cancelled meanwhile
+                continue
+            if isinstance(outcomes, BaseException):
+                future.set_exception(outcomes)
+                continue
+            ok, value = outcomes[index]
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+
+def with_savepoints(conn: Any, ops: list[Op], fails_the_round: Callable[[Exception], bool]) -> list[Outcome]:
+    """Every op of a round in a savepoint of its own, so an op that raises is rolled back
+    alone and handed to its caller; an exception that `fails_the_round` (the disk or the
+    server failing, not the op) is raised: the transaction may be gone already. The SQL is
+    both SQLite's and PostgreSQL's."""
+    outcomes: list[Outcome] = []
+    for op in ops:
+        conn.execute("SAVEPOINT op")
+        try:
+            outcomes.append((True, op(conn)))
+            conn.execute("RELEASE SAVEPOINT op")
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            if fails_the_round(exc):
+                raise
+            conn.execute("ROLLBACK TO SAVEPOINT op")
+            conn.execute("RELEASE SAVEPOINT op")
+            outcomes.append((False, exc))
+    return outcomes
