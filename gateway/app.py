@@ -48,10 +48,10 @@ def build_engine(settings: Settings) -> Engine:
 
         return OpenAIEngine.from_settings(settings)
     if settings.engine == "vllm":
-        from gateway.engines.vllm import VLLMEngine
+        from gateway.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine.from_settings(settings)
-    from gateway.engines.local import LocalEngine
+    from gateway.engines.local.engine import LocalEngine
     from gateway.models.tiny import resolve_base_model
 
     return LocalEngine(

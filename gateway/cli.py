@@ -287,7 +287,8 @@ def cmd_export_model(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import signal
 
-    from gateway.demo.driver import demo_settings, options_from_args, report, run_demo
+    from gateway.demo.driver import report, run_demo
+    from gateway.demo.options import demo_settings, options_from_args
 
     def interrupt(signum, frame):  # `kill` as Ctrl-C: unwind, so the trainer and a managed vLLM are stopped
         raise KeyboardInterrupt
@@ -369,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                 help="write the base model with the adapter merged in, instead of the adapter",
             )
         if name == "demo":
-            from gateway.demo.driver import add_arguments
+            from gateway.demo.options import add_arguments
 
             add_arguments(command)
         if name == "train":

@@ -10,7 +10,7 @@ with proxy.group() as group:
     session.reward(1.0)
 """
 
-from sdk.client import AsyncRLProxy, RLProxy, Score
+from sdk.client import AsyncRLProxy, RLProxy
 from sdk.errors import (
     APIConnectionError,
     AuthenticationError,
@@ -26,6 +26,7 @@ from sdk.errors import (
 )
 from sdk.group import AsyncGroup, Group, RunResult
 from sdk.session import AsyncSession, Session
+from sdk.types import Score
 
 __all__ = [
     "RLProxy",

@@ -1,24 +1,23 @@
 """The clients: `RLProxy` (blocking) and `AsyncRLProxy` (asyncio), thin over the gateway's HTTP API.
 
 Each rlproxy route is one method here; sessions and groups (`sdk.session`,
-`sdk.group`) are small objects that remember their ids and call back into these.
+`sdk.group`) are small objects that remember their ids and call back into these. The clients
+make them, so this module imports `sdk.session` and `sdk.group` and never the other way round
+(they name the clients in annotations only); what all three share is in `sdk.types`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from sdk.errors import APIConnectionError, RLProxySDKError, raise_for_response
-
-if TYPE_CHECKING:  # the session and group modules import this one
-    from sdk.group import AsyncGroup, Group
-    from sdk.session import AsyncSession, Session
+from sdk.group import AsyncGroup, Group
+from sdk.session import AsyncSession, Session
+from sdk.types import Score, new_id
 
 DEFAULT_URL = "http://localhost:8000/v1"
 DEFAULT_TIMEOUT = 60.0
@@ -32,20 +31,6 @@ def api_base(url: str) -> str:
     if root.endswith("/v1"):
         root = root[: -len("/v1")]
     return root + "/v1"
-
-
-def new_id(prefix: str) -> str:
-    """A fresh id the gateway accepts (letters, digits, `_`)."""
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True)
-class Score:
-    """One session's RULER judgement."""
-
-    session_id: str
-    score: float  # in [0, 1]; it is now the session's reward
-    explanation: str | None
 
 
 def _import_openai() -> Any:
@@ -131,15 +116,11 @@ class RLProxy(_ClientBase):
 
     def session(self, group: str | Any | None = None, split: str = "train", session_id: str | None = None) -> Session:
         """A new session (one rollout); `group` is a group id or a `Group`."""
-        from sdk.session import Session
-
         group_id = getattr(group, "id", group)
         return Session(self, session_id or new_id("sess"), group_id, split)
 
     def group(self, id: str | None = None, split: str = "train") -> Group:
         """A group of sessions GRPO compares (the rollouts of one task)."""
-        from sdk.group import Group
-
         return Group(self, id or new_id("grp"), split)
 
     # -- the HTTP routes
@@ -224,14 +205,10 @@ class AsyncRLProxy(_ClientBase):
     def session(
         self, group: str | Any | None = None, split: str = "train", session_id: str | None = None
     ) -> AsyncSession:
-        from sdk.session import AsyncSession
-
         group_id = getattr(group, "id", group)
         return AsyncSession(self, session_id or new_id("sess"), group_id, split)
 
     def group(self, id: str | None = None, split: str = "train") -> AsyncGroup:
-        from sdk.group import AsyncGroup
-
         return AsyncGroup(self, id or new_id("grp"), split)
 
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:

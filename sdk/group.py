@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import TYPE_CHECKING, Any
 
-from sdk.client import Score, new_id
 from sdk.errors import NotFoundError, RolloutsFailed
 from sdk.session import AsyncSession, Session
+from sdk.types import Score, new_id
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the client imports this module, to make groups
     from sdk.client import AsyncRLProxy, RLProxy
 
 log = logging.getLogger("rlproxy.sdk")

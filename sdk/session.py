@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the client imports this module, to make sessions
     from sdk.client import AsyncRLProxy, RLProxy
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.engines.vllm import VLLMEngine
+from gateway.engines.vllm.engine import VLLMEngine
 from gateway.settings import Settings
 from tests.fake_vllm import FakeState, create_fake_vllm
 from tests.helpers import ThreadServer, free_port, stop_process
@@ -114,7 +114,7 @@ def vllm_settings(tmp_path: Path, **overrides) -> Settings:
 
 def attached_engine(url: str, **kwargs) -> VLLMEngine:
     engine = VLLMEngine(BASE, url=url, **kwargs)
-    engine.health_interval = 0.1
+    engine.supervisor.health_interval = 0.1
     return engine
 
 

@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.demo import load_task, tictactoe
-from gateway.demo.driver import add_arguments, options_from_args
+from gateway.demo.options import add_arguments, options_from_args
 from gateway.errors import ConfigError
 from gateway.models.tiny import ensure_tiny_model
 from trainer.data import trajectory_samples

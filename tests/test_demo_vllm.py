@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gateway.demo.driver import _settings_flags, demo_settings
+from gateway.demo.options import demo_settings
+from gateway.demo.processes import _settings_flags
 from gateway.errors import ConfigError
 from tests.helpers_real_vllm import vllm_python
 from tests.test_demo import ROOT, run_demo

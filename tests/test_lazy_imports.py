@@ -22,7 +22,7 @@ MODULES = [
     "gateway.cli",
     "gateway.chat.service",
     "gateway.colocate",
-    "gateway.engines.vllm",
+    "gateway.engines.vllm.engine",
     "gateway.engines.openai",
     "trainer",
     "trainer.worker",
@@ -80,7 +80,9 @@ def test_importing_rlproxy_never_imports_vllm_or_unsloth():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {"gateway.app", "gateway.cli", "gateway.engines.vllm", "trainer.backends.unsloth"} <= set(report["imported"])
+    assert {"gateway.app", "gateway.cli", "gateway.engines.vllm.engine", "trainer.backends.unsloth"} <= set(
+        report["imported"]
+    )
     assert report["attempts"] == [] and report["loaded"] == []
 
 

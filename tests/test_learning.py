@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from gateway.demo import shout as demo_task
-from gateway.engines.local_worker import Sampling, processed_logprobs
+from gateway.engines.local.jobs import Sampling
+from gateway.engines.local.sampling import processed_logprobs
 from gateway.settings import Settings
 from tests.helpers_trainer import grpo_samples
 from trainer.backends.peft import PeftBackend

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from gateway.demo import tictactoe
-from gateway.engines.local_worker import Sampling, processed_logprobs
+from gateway.engines.local.jobs import Sampling
+from gateway.engines.local.sampling import processed_logprobs
 from gateway.models.tuning import TINY_MODEL_SETTINGS
 from gateway.settings import Settings
 from trainer.advantages import compute_advantages

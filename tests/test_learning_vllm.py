@@ -21,7 +21,7 @@ import torch
 
 from gateway.demo import shout as demo_task
 from gateway.engines.base import EngineRequest
-from gateway.engines.vllm import VLLMEngine
+from gateway.engines.vllm.engine import VLLMEngine
 from gateway.settings import Settings
 from tests.helpers import free_port
 from tests.helpers_real_vllm import vllm_python

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gateway.engines.base import EngineRequest, StreamChunk, StreamEnd
-from gateway.engines.local import LocalEngine
+from gateway.engines.local.engine import LocalEngine
 from gateway.errors import InvalidRequest, NotFound
 from gateway.models.tiny import ensure_tiny_model
 
@@ -87,7 +87,7 @@ class Script:
 
     def __init__(self, engine, token_ids, delay=0.0):
         self.tokens, self.delay, self.step = list(token_ids), delay, 0
-        self.handle = engine.model.get_output_embeddings().register_forward_hook(self)
+        self.handle = engine.loaded.model.get_output_embeddings().register_forward_hook(self)
 
     def __call__(self, module, inputs, output):
         if self.delay:
@@ -437,9 +437,9 @@ async def test_concurrent_requests_are_batched(engine):
         dict(messages=[{"role": "user", "content": f"Question number {i}?"}], max_tokens=24, seed=i) for i in range(8)
     ]
     alone = [await engine.complete(request(**b)) for b in bodies]
-    engine.step_batch_sizes.clear()
+    engine.loaded.step_batch_sizes.clear()
     together = await asyncio.gather(*(engine.complete(request(**b)) for b in bodies))
-    seen = list(engine.step_batch_sizes)
+    seen = list(engine.loaded.step_batch_sizes)
     assert max(seen) >= 4, seen  # they shared forward passes
     for a, b in zip(alone, together, strict=False):  # and batching does not change what a seed samples
         assert a.tokens.choices[0].completion_ids == b.tokens.choices[0].completion_ids
@@ -505,10 +505,10 @@ async def test_adapters_load_serve_mix_and_unload(engine, reference, model_dir, 
         assert max(abs(a - b) for a, b in zip(still.tokens.choices[0].logprobs, expected, strict=False)) < 1e-4
     finally:
         for name in ("agent@1", "agent@2"):
-            if name in engine._adapters:
+            if name in engine.loaded.adapters:
                 await engine.unload_adapter(name)
     # all gone: back to the plain base model, which is unchanged
-    assert not engine._peft
+    assert not engine.loaded.peft
     base = await engine.complete(request(max_tokens=8, seed=1))
     expected = teacher_forced(reference, base.tokens.prompt_ids, base.tokens.choices[0].completion_ids)
     assert max(abs(a - b) for a, b in zip(base.tokens.choices[0].logprobs, expected, strict=False)) < 1e-4
@@ -521,7 +521,7 @@ async def test_unload_waits_for_running_requests(engine, lora_dirs):
     await engine.unload_adapter("agent@3")
     result = await running  # finished on its adapter, not failed by the unload
     assert len(result.tokens.choices[0].completion_ids) >= 1
-    assert "agent@3" not in engine._adapters
+    assert "agent@3" not in engine.loaded.adapters
 
 
 async def test_adapter_errors(engine, tmp_path, lora_dirs):

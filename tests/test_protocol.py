@@ -4,7 +4,9 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.adapters import Target
-from gateway.chat.service import StreamAccumulator, engine_body, identify
+from gateway.chat.identity import identify
+from gateway.chat.service import engine_body
+from gateway.chat.stream import StreamAccumulator
 from gateway.errors import InvalidRequest
 from gateway.protocols.chat import ChatCompletionRequest, RewardRequest
 

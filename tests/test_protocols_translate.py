@@ -4,7 +4,13 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.http import session_url
-from gateway.protocols import completions, messages, responses
+from gateway.protocols.completions import translate as completions_translate
+from gateway.protocols.completions import wire as completions_wire
+from gateway.protocols.messages import relay as messages_relay
+from gateway.protocols.messages import translate as messages_translate
+from gateway.protocols.messages import wire as messages_wire
+from gateway.protocols.responses import translate as responses_translate
+from gateway.protocols.responses import wire as responses_wire
 
 
 def test_responses_items_become_chat_messages():
@@ -17,7 +23,7 @@ def test_responses_items_become_chat_messages():
         {"type": "function_call_output", "call_id": "c1", "output": "one"},
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
     ]
-    assert responses.input_messages(items) == [
+    assert responses_translate.input_messages(items) == [
         {"role": "user", "content": "hi you"},
         {
             "role": "assistant",
@@ -33,7 +39,7 @@ def test_responses_items_become_chat_messages():
 
 
 def test_responses_request_and_answer():
-    request = responses.ResponsesRequest(
+    request = responses_wire.ResponsesRequest(
         model="m",
         input="q",
         instructions="sys",
@@ -41,7 +47,7 @@ def test_responses_request_and_answer():
         tool_choice={"type": "function", "name": "f"},
         tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}],
     )
-    body = responses.to_chat(request, history=[{"role": "user", "content": "before"}])
+    body = responses_translate.to_chat(request, history=[{"role": "user", "content": "before"}])
     assert body["messages"] == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "before"},
@@ -61,25 +67,25 @@ def test_responses_request_and_answer():
             }
         ],
     }
-    out = responses.from_chat(chat, {"model": "m"}, "resp_abc")
+    out = responses_translate.from_chat(chat, {"model": "m"}, "resp_abc")
     assert [i["type"] for i in out["output"]] == ["message", "function_call"]
     assert out["output"][0]["id"] == "msg_abc" and out["output"][1]["call_id"] == "call_1"
     assert out["status"] == "incomplete" and out["incomplete_details"] == {"reason": "max_output_tokens"}
     assert out["usage"]["total_tokens"] == 5
-    assert responses.call_id_of(responses.response_id("req_0123")) == "req_0123"
+    assert responses_wire.call_id_of(responses_wire.response_id("req_0123")) == "req_0123"
 
 
 def test_responses_history_drops_the_previous_instructions():
     chat_request = {"messages": [{"role": "system", "content": "old rules"}, {"role": "user", "content": "q"}]}
     chat_response = {"choices": [{"message": {"role": "assistant", "content": "a", "refusal": None}}]}
-    assert responses.history_of(chat_request, {"instructions": "old rules"}, chat_response) == [
+    assert responses_translate.history_of(chat_request, {"instructions": "old rules"}, chat_response) == [
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "a"},
     ]
 
 
 def test_anthropic_blocks_become_chat_messages():
-    request = messages.MessagesRequest(
+    request = messages_wire.MessagesRequest(
         model="m",
         max_tokens=9,
         system=[{"type": "text", "text": "be "}, {"type": "text", "text": "nice"}],
@@ -104,7 +110,7 @@ def test_anthropic_blocks_become_chat_messages():
             },
         ],
     )
-    body = messages.to_chat(request)
+    body = messages_translate.to_chat(request)
     assert body["messages"] == [
         {"role": "system", "content": "be nice"},
         {"role": "user", "content": "q"},
@@ -119,8 +125,8 @@ def test_anthropic_blocks_become_chat_messages():
     assert body["stop"] == ["END"] and body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
     assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     with pytest.raises(InvalidRequest, match="image"):
-        messages.to_chat(
-            messages.MessagesRequest(
+        messages_translate.to_chat(
+            messages_wire.MessagesRequest(
                 model="m", max_tokens=1, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]
             )
         )
@@ -139,15 +145,16 @@ def test_anthropic_answer_and_error_shape():
             }
         ],
     }
-    out = messages.from_chat(chat, {"model": "m"}, "msg_1")
+    out = messages_translate.from_chat(chat, {"model": "m"}, "msg_1")
     assert out["content"] == [{"type": "tool_use", "id": "c", "name": "f", "input": {"y": 2}}]
     assert out["stop_reason"] == "tool_use" and out["usage"] == {"input_tokens": 4, "output_tokens": 1}
-    assert messages.error_body(529, "busy") == {
+    assert messages_wire.error_body(529, "busy") == {
         "type": "error",
         "error": {"type": "overloaded_error", "message": "busy"},
     }
     assert (
-        messages.to_chat_response(out)["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"y": 2}'
+        messages_relay.to_chat_response(out)["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+        == '{"y": 2}'
     )
 
 
@@ -168,7 +175,7 @@ def test_completions_logprobs_in_the_legacy_layout():
             }
         ],
     }
-    out = completions.from_chat(chat, {"model": "m"}, "cmpl-1", first_index=2)
+    out = completions_translate.from_chat(chat, {"model": "m"}, "cmpl-1", first_index=2)
     assert out["choices"] == [
         {
             "text": "ab",
@@ -183,7 +190,7 @@ def test_completions_logprobs_in_the_legacy_layout():
         }
     ]
     with pytest.raises(ValueError, match="echo"):
-        completions.CompletionRequest(model="m", prompt="x", echo=True)
+        completions_wire.CompletionRequest(model="m", prompt="x", echo=True)
 
 
 def test_session_url_rewrite():

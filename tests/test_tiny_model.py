@@ -174,7 +174,7 @@ REPLIES = [
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_rendering_is_prefix_stable(tokenizer, reply, tools):
     """prompt(messages[:k]) + reply + <|im_end|> is a token prefix of the longer conversation."""
-    from gateway.chat.toolcalls import parse_tool_calls
+    from gateway.protocols.toolcalls import parse_tool_calls
 
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
     prompt_ids = encode(tokenizer, render(tokenizer, history, tools, generation_prompt=True))

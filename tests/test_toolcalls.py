@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from gateway.chat.toolcalls import ToolCallStream, parse_tool_calls
+from gateway.protocols.toolcalls import ToolCallStream, parse_tool_calls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 SEARCH = '<tool_call>{"name": "search", "arguments": {"query": "pizza"}}</tool_call>'

@@ -9,9 +9,11 @@ import math
 import pytest
 
 from tests.helpers_trainer import Recorder, trainer_settings
+from trainer import publish
 from trainer import worker as worker_module
+from trainer.attempts import MAX_ATTEMPTS
 from trainer.data import TOO_LONG
-from trainer.worker import MAX_ATTEMPTS, TrainerWorker
+from trainer.worker import TrainerWorker
 
 
 def files_digest(root) -> dict[str, str]:
@@ -97,15 +99,15 @@ def test_a_nan_in_a_later_pass_restores_the_earlier_passes_update(worker):
     assert all((a == b).all() for a, b in zip(before, lora_weights(worker), strict=False))
 
 
-def test_a_batch_that_keeps_failing_is_set_aside_and_the_worker_goes_on(worker):
+def test_a_batch_that_keeps_failing_is_set_aside_and_the_worker_goes_on(worker, monkeypatch):
     groups = worker.groups_to_train()
     ids = sorted(g["id"] for g in groups)
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory (simulated)")
 
-    real = worker_module.TrainerWorker._train_and_record
-    worker._train_and_record = out_of_memory
+    real = worker_module.train_and_record
+    monkeypatch.setattr(worker_module, "train_and_record", out_of_memory)
     for _ in range(MAX_ATTEMPTS):
         assert worker.train_once(worker.groups_to_train()) is None
     for gid in ids:
@@ -114,7 +116,7 @@ def test_a_batch_that_keeps_failing_is_set_aside_and_the_worker_goes_on(worker):
         assert group["failed"].startswith(f"training failed {MAX_ATTEMPTS} times: RuntimeError: CUDA out of memory")
     ready = [g["id"] for g in worker.store.ready_groups("agent")]
     assert not set(ids) & set(ready)  # never retried
-    worker._train_and_record = real.__get__(worker)
+    monkeypatch.setattr(worker_module, "train_and_record", real)
     metrics = worker.train_once(worker.groups_to_train())  # the other groups still train
     assert metrics is not None and metrics["failed_attempts"] == MAX_ATTEMPTS
 
@@ -131,12 +133,12 @@ def test_a_discard_that_races_the_step_takes_it_back(worker, monkeypatch, phase)
 
             asyncio.run(worker.store.discard_session(victim, "the rollout crashed"))
 
-    monkeypatch.setattr(worker_module, "_test_pause", discard_now)
+    monkeypatch.setattr(publish, "_test_pause", discard_now)
     assert worker.train_once(groups) is None
     assert files_digest(worker.root) == before_files  # a written checkpoint was removed again
     assert all((a == b).all() for a, b in zip(before_weights, lora_weights(worker), strict=False))
     assert [s["step"] for s in worker.store.steps("agent")] == [0]
-    monkeypatch.setattr(worker_module, "_test_pause", lambda at, step: None)
+    monkeypatch.setattr(publish, "_test_pause", lambda at, step: None)
     metrics = worker.train_once(worker.groups_to_train())
     assert metrics is not None
     step = worker.store.steps("agent")[-1]
@@ -196,4 +198,4 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_weights_as_they_were(wor
     worker._save = disk_full
     assert worker.train_once(worker.groups_to_train()) is None
     assert all((a == b).all() for a, b in zip(before, lora_weights(worker), strict=False))
-    assert worker.failed_steps == 1 and [s["step"] for s in worker.store.steps("agent")] == [0]
+    assert worker.attempts.since_step == 1 and [s["step"] for s in worker.store.steps("agent")] == [0]

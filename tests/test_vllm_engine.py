@@ -22,9 +22,10 @@ import torch
 from gateway.app import create_app
 from gateway.colocate import activate_step
 from gateway.engines.base import EngineRequest
-from gateway.engines.vllm import VLLMEngine
-from gateway.engines.vllm_server import max_lora_rank_for, vllm_command, vllm_environment, vllm_gpu_for
-from gateway.engines.vllm_wire import ClientAsk, StreamSplitter, split_completion, vllm_body
+from gateway.engines.vllm.engine import VLLMEngine
+from gateway.engines.vllm.probes import check_logprobs_mode
+from gateway.engines.vllm.server import max_lora_rank_for, vllm_command, vllm_environment, vllm_gpu_for
+from gateway.engines.vllm.wire import ClientAsk, StreamSplitter, split_completion, vllm_body
 from gateway.errors import ConfigError, EngineUnavailable, UpstreamError
 from gateway.models.tiny import resolve_base_model
 from gateway.store import Store
@@ -321,7 +322,7 @@ async def test_a_misconfigured_vllm_is_caught(caplog):
         await engine.start()
         try:
             assert "returns raw logprobs" in caplog.text
-            assert await engine._check_logprobs_mode() is False
+            assert await check_logprobs_mode(engine.client, BASE) is False
             done = await engine.complete(
                 EngineRequest(
                     body={"model": BASE, "messages": MESSAGES, "max_tokens": 4, "temperature": 0.5},
@@ -337,7 +338,7 @@ async def test_a_misconfigured_vllm_is_caught(caplog):
         engine = attached_engine(server.url)
         await engine.start()
         try:
-            assert await engine._check_logprobs_mode() is True
+            assert await check_logprobs_mode(engine.client, BASE) is True
         finally:
             await engine.close()
 
@@ -358,8 +359,8 @@ async def test_sleep_wake_and_is_sleeping(tmp_path):
             await engine.load_adapter("agent@2", path)
             assert "agent@2" not in fake.loaded
             # nor does a recovery (a health blip while asleep) load into the sleeping server
-            engine.mark_down("a blip")
-            await engine.recover()
+            engine.supervisor.mark_down("a blip")
+            await engine.supervisor.recover()
             assert "agent@2" not in fake.loaded
             # the stand-in refuses it as vLLM must (LoRA slots unmapped at level 1)
             async with httpx.AsyncClient() as client:
@@ -422,7 +423,7 @@ def _answers(client, model: str) -> str | None:
 def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
     settings = vllm_settings(tmp_path, vllm_port=free_port(), vllm_arg=["--gpu-memory-utilization=0.5"])
     engine = VLLMEngine.from_settings(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
-    engine.health_interval = 0.1
+    engine.supervisor.health_interval = 0.1
     with Gateway(engine, settings, SQLiteStore(settings.db_path)) as gw:
         first = fake_state(engine.url)
         assert first["argv"][:2] == ["serve", BASE]
@@ -476,8 +477,9 @@ def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
             message = _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
             assert "went away" in message
             wait_until(
-                lambda: _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
-                is not None,
+                lambda: (
+                    _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES)) is not None
+                ),
                 what="503 while vLLM is gone",
             )
             health = httpx.get(str(gw.client.base_url).removesuffix("/v1/") + "/healthz")
@@ -560,7 +562,7 @@ async def test_managed_vllm_command_line_and_environment_through_path(tmp_path, 
 
 
 def test_colocated_memory_share_from_card_and_model(tmp_path):
-    from gateway.engines.vllm_memory import colocated_memory_share, params_from_model
+    from gateway.engines.vllm.memory import colocated_memory_share, params_from_model
 
     assert params_from_model("Qwen/Qwen2.5-7B-Instruct") == 7e9
     assert params_from_model("Qwen/Qwen2.5-0.5B-Instruct") == 0.5e9
@@ -600,7 +602,7 @@ async def test_adapter_routes_exist_with_the_env_var_alone(tmp_path):
 
 
 def test_an_adapter_vllm_cannot_serve_is_refused_with_the_reason(tmp_path):
-    from gateway.engines.vllm import refuse_unservable_targets
+    from gateway.engines.vllm.adapters import refuse_unservable_targets
 
     path = make_adapter(tmp_path, "agent@1")
     config = json.loads((path / "adapter_config.json").read_text())

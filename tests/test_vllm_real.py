@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from gateway.engines.base import EngineRequest
-from gateway.engines.vllm import VLLMEngine
+from gateway.engines.vllm.engine import VLLMEngine
 from gateway.errors import UpstreamError
 from gateway.models.tiny import resolve_base_model
 from gateway.store.sqlite import SQLiteStore
@@ -246,7 +246,7 @@ def test_what_vllm_refuses_keeps_its_meaning(served, tmp_path):
             for _ in range(2):
                 await engine.unload_adapter("agent@92")
             # an adapter the engine loaded but vLLM lost, and that cannot be loaded again: vLLM's 404
-            engine.adapters["agent@93"] = tmp_path / "nowhere"
+            engine.adapters.paths["agent@93"] = tmp_path / "nowhere"
             with pytest.raises(UpstreamError, match="does not serve 'agent@93'.*does not exist"):
                 await engine.complete(
                     EngineRequest(body={"model": "agent", "messages": MESSAGES}, adapter="agent@93", request_id="lost")

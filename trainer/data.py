@@ -293,7 +293,7 @@ _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 
 def _plain_message(message: dict) -> dict:
     """A wire message as chat templates expect it, the way the local engine renders it
-    (`gateway.engines.local`): text parts joined into one string, OpenAI's newer roles
+    (`gateway.engines.local.request`): text parts joined into one string, OpenAI's newer roles
     mapped to the ones templates know, tool-call arguments given as an object (templates
     write `arguments | tojson`; a JSON string would be encoded twice)."""
     out = dict(message)

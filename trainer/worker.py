@@ -35,69 +35,37 @@ goes on. A session discarded while its group was being trained takes the step ba
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import logging
-import math
 import os
-import socket
-import sqlite3
-import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from gateway.errors import ConfigError, Conflict, EngineUnavailable, StoreUnavailable
+from gateway.errors import ConfigError, EngineUnavailable, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.open import open_store
 from trainer import checkpoints as ckpts
-from trainer.data import (
-    NO_SPREAD,
-    ChatTemplateRenderer,
-    build_batch,
-    fit_to_rows,
-    sampling_step,
-    spread_groups,
-    token_budget,
-)
+from trainer.attempts import Attempts
+from trainer.data import ChatTemplateRenderer
+from trainer.lock import take_lock
+from trainer.publish import gpu_lease, log_step, plan_step, train_and_record
 from trainer.reporting import Reporter
+from trainer.resume import resume
+from trainer.selection import HOLDER, enough_for_a_step, without_spread, without_stale
 
-if TYPE_CHECKING:  # the backend (torch) and the GPU lease are imported when needed
-    from gateway.colocate import TrainingLease
+if TYPE_CHECKING:  # the backend (torch) is imported when needed
     from trainer.backends.base import TrainingBackend
-    from trainer.types import Sample
 
 log = logging.getLogger("rlproxy.trainer")
 
-MAX_ATTEMPTS = 3
-"""Failures of the same batch before its groups are set aside as failed."""
-GPU_LEASE_TIMEOUT = 600.0
-"""Seconds to wait for the gateway to drain and lend the GPU before postponing a step."""
-# Settings a checkpoint cannot be resumed under when they change.
-_ADAPTER_SHAPE = ("base_model", "lora_rank", "lora_alpha")
-
-
-def _test_pause(phase: str, step: int) -> None:
-    """Test hook: `RLPROXY_TEST_PAUSE_AT=train,record` makes the worker announce the phase
-    on stderr and sleep (`RLPROXY_TEST_PAUSE_SECONDS`, default 60) so a test can kill it
-    there. `train`: after the update, before the checkpoint; `record`: after the
-    checkpoint, before the step row. Unset in normal runs."""
-    phases = os.environ.get("RLPROXY_TEST_PAUSE_AT", "")
-    if phase in phases.split(","):
-        print(f"rlproxy-test-pause: {phase} step {step}", file=sys.stderr, flush=True)
-        time.sleep(float(os.environ.get("RLPROXY_TEST_PAUSE_SECONDS", "60")))
-
-
-def _std(xs: list[float]) -> float:
-    mean = sum(xs) / len(xs)
-    return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
-
-
-_HOLDER = f"{socket.gethostname()}:{os.getpid()}"  # this trainer, in claims on a shared store
-
 
 class TrainerWorker:
+    """The loop and the state it carries between steps. Its parts: `lock` (one worker per
+    model), `resume` (checkpoints reconciled with the store), `selection` (the groups of a
+    step), `publish` (train, checkpoint, record), `attempts` (failed steps)."""
+
     def __init__(self, settings: Settings, store: Store | None = None) -> None:
         self.settings = settings
         self.model = settings.model_name
@@ -107,8 +75,7 @@ class TrainerWorker:
         self.backend: TrainingBackend | None = None  # loaded by start()
         self.next_step = 0
         self.skipped_since_step = 0
-        self.failures: dict[tuple[str, ...], int] = {}  # batch (its group ids) -> failed attempts
-        self.failed_steps = 0  # attempts that failed (non-finite or an error), for the log and the step metrics
+        self.attempts = Attempts(self.store)  # failed attempts, per batch and since the last step
         self.max_tokens_seen: int | None = None  # dr_grpo's budget when --max-tokens-norm is unset
         self._lock_file: TextIO | None = None
         self.reporter = Reporter.create(settings)  # --report-to: never stops training
@@ -118,7 +85,7 @@ class TrainerWorker:
     def start(self) -> None:
         """Take the lock, load the backend, resume from the newest checkpoint (or create
         step 0)."""
-        self._take_lock()
+        self._lock_file = take_lock(self.root, self.model)
         import torch
 
         from trainer.backends import get_backend
@@ -148,24 +115,6 @@ class TrainerWorker:
             raise RuntimeError("the trainer worker has no backend: call start() first")
         return self.backend
 
-    def _take_lock(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        lock = open(self.root / ".worker.lock", "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
-            lock.close()
-            raise ConfigError(
-                f"another trainer worker ({holder}) is training model '{self.model}' in {self.root}; "
-                "stop it, or use --trainer off beside a separate `rlproxy train`"
-            ) from None
-        lock.truncate(0)
-        lock.write(f"pid {os.getpid()}")
-        lock.flush()
-        self._lock_file = lock
-
     def close(self) -> None:
         self.reporter.close()
         if self._own_store:
@@ -176,63 +125,7 @@ class TrainerWorker:
             self._lock_file = None
 
     def _resume(self) -> None:
-        for leftover in ckpts.remove_partial(self.root):
-            log.info("removed an unfinished checkpoint write: %s", leftover.name)
-        recorded = {row["step"] for row in self.store.steps(self.model)}
-        last_recorded = max(recorded, default=-1)
-        for checkpoint in ckpts.list_checkpoints(self.root):
-            if checkpoint.step > last_recorded:
-                self._record_orphan(checkpoint)
-        recorded = {row["step"] for row in self.store.steps(self.model)}
-        last_recorded = max(recorded, default=-1)
-
-        # A trainer on a new machine: the checkpoint from the store, where it keeps one (PostgreSQL).
-        if last_recorded >= 0 and ckpts.latest_checkpoint(self.root) is None:
-            if self.store.restore_checkpoint(self.model, last_recorded, ckpts.checkpoint_dir(self.root, last_recorded)):
-                log.info("step %d: checkpoint fetched from the store", last_recorded)
-        latest = ckpts.latest_checkpoint(self.root)
-        if latest is None:
-            if last_recorded > 0:
-                raise ConfigError(
-                    f"the store records steps up to {last_recorded} for model '{self.model}' but "
-                    f"{self.root} holds no checkpoint; restore the checkpoints, or train under another "
-                    "--model-name or --state-dir"
-                )
-            checkpoint = self._save(0, metrics={}, groups=[])
-            if 0 not in recorded:
-                self.store.insert_step(self.model, 0, str(checkpoint.path), {}, [])
-            log.info("step 0: fresh adapter saved to %s", checkpoint.path)
-            self.next_step = 1
-            return
-        self._check_compatible(latest)
-        self._loaded_backend.load(latest.path)
-        if last_recorded > latest.step:
-            log.warning("steps after %d are recorded but their checkpoints are gone", latest.step)
-        self.next_step = max(latest.step, last_recorded) + 1
-        log.info("resumed from checkpoint %s; next step %d", latest.path, self.next_step)
-
-    def _record_orphan(self, checkpoint: ckpts.Checkpoint) -> None:
-        """A checkpoint written but not recorded (killed between the two): record it now,
-        or discard it if its groups were claimed meanwhile."""
-        state = checkpoint.state()
-        try:
-            self.store.insert_step(self.model, checkpoint.step, str(checkpoint.path), state["metrics"], state["groups"])
-        except (Conflict, sqlite3.IntegrityError) as exc:
-            log.warning("discarding checkpoint %s, which was never recorded: %s", checkpoint.path, exc)
-            ckpts.discard(checkpoint)
-            return
-        log.info("recorded step %d from its checkpoint (the worker stopped before recording it)", checkpoint.step)
-
-    def _check_compatible(self, checkpoint: ckpts.Checkpoint) -> None:
-        saved = checkpoint.settings()
-        current = self.settings.public_dict()
-        changed = [k for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
-        if changed:
-            what = ", ".join(f"{k} {saved[k]!r} -> {current[k]!r}" for k in changed)
-            raise ConfigError(
-                f"checkpoints of model '{self.model}' in {self.root} were trained with other settings ({what}); "
-                "keep those settings, or train under another --model-name or --state-dir"
-            )
+        self.next_step = resume(self.store, self.model, self.root, self.settings, save=self._save, load=self._load)
 
     def _save(self, step: int, *, metrics: dict, groups: list[str]) -> ckpts.Checkpoint:
         return ckpts.write_checkpoint(
@@ -244,239 +137,64 @@ class TrainerWorker:
             groups=groups,
         )
 
+    def _load(self, path: Path) -> None:
+        self._loaded_backend.load(path)
+
     # ------------------------------------------------------------------ loop
 
     def groups_to_train(self) -> list[dict] | None:
         """The groups of the next step, or None while there are too few. Ready groups
-        without a reward spread are marked skipped at once: they never teach anything,
-        so they do not count towards `groups_per_step`."""
-        ready = self.store.claim_groups(self.model, _HOLDER)  # several trainers take disjoint groups
+        without a reward spread, or sampled too long ago, are marked skipped at once: they
+        never teach anything, so they do not count towards `groups_per_step`."""
+        ready = self.store.claim_groups(self.model, HOLDER)  # several trainers take disjoint groups
         if not ready:
             return None
-        keep, drop = spread_groups([self.store.get_group(g["id"]) for g in ready])
-        if drop:
-            self.store.mark_skipped([g["id"] for g in drop], NO_SPREAD)
-            self.skipped_since_step += len(drop)
-            log.info("skipped %d group(s) with no reward spread", len(drop))
-        keep = self._drop_stale(keep)
-        wanted = self.settings.groups_per_step
-        if len(keep) >= wanted:
-            self.store.consume_triggers(self.model)  # this step answers any pending ask too
-            return keep[:wanted]
-        # A trigger is consumed only when it can be honoured (>= 1 group): one posted
-        # before any group is ready fires as soon as one is.
-        if keep and self.store.consume_triggers(self.model):
-            log.info("training step %d now: asked for by a trigger", self.next_step)
-            return keep
-        return None
-
-    def _drop_stale(self, groups: list[dict]) -> list[dict]:
-        """Mark skipped the groups sampled more than `max_staleness` steps before the step
-        this worker trains from: their behaviour logprobs are too far off-policy. Applies to
-        every engine that serves our adapters (local keeps serving while it trains, vLLM
-        in dedicated mode too); an `openai` upstream's policy is not ours, so it has no step."""
-        if self.settings.engine == "openai":
-            return groups
-        from gateway.colocate import is_stale
-
-        current = self.next_step - 1
-        fresh, stale = [], {}
-        for group in groups:
-            calls = [c for s in group["sessions"] for c in self.store.session_calls(s["id"])]
-            sampled_by = sampling_step(calls)
-            if is_stale(sampled_by, current, self.settings.max_staleness):
-                stale[group["id"]] = f"stale: sampled by step {sampled_by}, training from step {current}"
-            else:
-                fresh.append(group)
-        for gid, reason in stale.items():
-            self.store.mark_skipped([gid], reason)
-        if stale:
-            self.skipped_since_step += len(stale)
-            log.info("skipped %d group(s) sampled more than %d steps ago", len(stale), self.settings.max_staleness)
-        return fresh
+        keep, skipped = without_spread(self.store, ready)
+        self.skipped_since_step += skipped
+        keep, skipped = without_stale(self.store, self.settings, keep, self.next_step)
+        self.skipped_since_step += skipped
+        return enough_for_a_step(self.store, self.settings, self.model, keep, self.next_step)
 
     def train_once(self, groups: list[dict]) -> dict | None:
         """One step on `groups`: returns its metrics, or None if nothing was trained (nothing
         trainable, the step failed, or a discard took it back)."""
-        started = time.perf_counter()
-        step = self.next_step
-        calls = {s["id"]: self.store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
-        batch = build_batch(groups, calls, scale_rewards=self.settings.scale_rewards, render=self.render)
-        samples, skipped_long, cut = fit_to_rows(batch.samples, self.settings.max_tokens_per_row)
-        if cut:
-            log.warning(
-                "step %d: %d sample(s) longer than --max-tokens-per-row %d: trained on their first %d "
-                "tokens; raise it to train them whole",
-                step,
-                cut,
-                self.settings.max_tokens_per_row,
-                self.settings.max_tokens_per_row,
-            )
-        skipped = {**batch.skipped, **skipped_long}
-        trained_groups = [gid for gid in batch.group_ids if gid not in skipped]
-        for reason in set(skipped.values()):
-            self.store.mark_skipped([gid for gid, r in skipped.items() if r == reason], reason)
-        self.skipped_since_step += len(skipped)
-        if not samples:
+        plan = plan_step(self.store, self.settings, self.render, groups, self.next_step)
+        self.skipped_since_step += plan.skipped
+        if not plan.samples:
             return None
-        budget = token_budget(
-            [c for g in groups if g["id"] in trained_groups for s in g["sessions"] for c in calls.get(s["id"], [])]
-        )
-        if budget is not None:
-            self.max_tokens_seen = max(budget, self.max_tokens_seen or 0)
-        sessions = {g["id"]: [s["id"] for s in g["sessions"]] for g in groups if g["id"] in trained_groups}
+        if plan.token_budget is not None:
+            self.max_tokens_seen = max(plan.token_budget, self.max_tokens_seen or 0)
 
-        key = tuple(sorted(trained_groups))
+        batch = tuple(sorted(plan.trained_groups))
         try:
-            with self._gpu() as lease:
-                metrics = self._train_and_record(step, samples, groups, trained_groups, sessions, started, cut)
+            with gpu_lease(self.store, self.model, self.settings) as lease:
+                metrics = train_and_record(
+                    self._loaded_backend,
+                    self.store,
+                    self.model,
+                    self.settings,
+                    plan,
+                    save=self._save,
+                    token_budget=self.max_tokens_seen,
+                    skipped_groups=self.skipped_since_step,
+                    failed_attempts=self.attempts.since_step,
+                )
                 if lease is not None and metrics is not None:
-                    lease.step = step  # the gateway loads NAME@step when it takes the GPU back
+                    lease.step = plan.step  # the gateway loads NAME@step when it takes the GPU back
         except (EngineUnavailable, ConfigError, StoreUnavailable):
             raise  # not the batch's fault: the run loop waits for the engine or the store
         except Exception as exc:  # NonFiniteStep, out of memory, a bad batch: never the worker's end
-            self._step_failed(key, exc)
+            self.attempts.failed(batch, exc, self.next_step)
             return None
-        self.failures.pop(key, None)
+        self.attempts.forget(batch)
         if metrics is None:
             return None
-        self.next_step = step + 1
+        self.next_step = plan.step + 1
         self.skipped_since_step = 0
-        self.failed_steps = 0
-        self.reporter.report_step(step, metrics, self.store, self.model)
-        kl = "-" if metrics["kl"] is None else f"{metrics['kl']:.4f}"
-        log.info(
-            "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, mismatch %.4f, %d tokens in %.1f s "
-            "(%.0f tok/s), %d group(s), %d skipped",
-            step,
-            metrics["loss"],
-            metrics["reward_mean"],
-            metrics["reward_std"],
-            kl,
-            metrics["clip_fraction"],
-            metrics.get("mismatch_logprob_abs", 0.0),
-            metrics["tokens"],
-            metrics["seconds"],
-            metrics["tokens"] / max(metrics["train_seconds"], 1e-9),
-            metrics["groups"],
-            metrics["skipped_groups"],
-        )
+        self.attempts.since_step = 0
+        self.reporter.report_step(plan.step, metrics, self.store, self.model)
+        log_step(plan.step, metrics)
         return metrics
-
-    def _step_failed(self, key: tuple[str, ...], exc: Exception) -> None:
-        """Count a failed attempt at a batch; set the batch aside after `MAX_ATTEMPTS`."""
-        attempts = self.failures.get(key, 0) + 1
-        self.failures[key] = attempts
-        self.failed_steps += 1
-        reason = f"{type(exc).__name__}: {exc}"
-        if attempts < MAX_ATTEMPTS:
-            log.warning(
-                "step %d failed (attempt %d of %d; nothing was saved): %s",
-                self.next_step,
-                attempts,
-                MAX_ATTEMPTS,
-                reason,
-            )
-            return
-        log.error(
-            "step %d failed %d times on the same groups; setting them aside as failed: %s",
-            self.next_step,
-            attempts,
-            reason,
-        )
-        self.store.mark_failed(list(key), f"training failed {attempts} times: {reason}"[:2000])
-        self.failures.pop(key, None)
-
-    def _gpu(self) -> contextlib.AbstractContextManager[TrainingLease | None]:
-        """`--engine vllm --gpu-mode colocated`: borrow the GPU from vLLM for the step
-        (`gateway.colocate`); otherwise nothing to do."""
-        from gateway.colocate import gpu_for_training, needs_gpu_lease
-
-        if needs_gpu_lease(self.settings):
-            return gpu_for_training(self.store, self.model, timeout=GPU_LEASE_TIMEOUT)
-        return contextlib.nullcontext()
-
-    def _train_and_record(
-        self,
-        step: int,
-        samples: list[Sample],
-        groups: list[dict],
-        trained_groups: list[str],
-        sessions: dict[str, list[str]],
-        started: float,
-        cut: int,
-    ) -> dict | None:
-        """Train, checkpoint, record. Whatever stops it half-way (an error, a discard) puts
-        the weights back as they were, so the next attempt starts from the same adapter."""
-        backend = self._loaded_backend
-        snapshot = backend.snapshot()
-        try:
-            metrics = self._train_checkpoint_record(step, samples, groups, trained_groups, sessions, started, cut)
-        except Exception:
-            backend.restore(snapshot)
-            raise
-        if metrics is None:  # taken back: nothing was published
-            backend.restore(snapshot)
-        return metrics
-
-    def _train_checkpoint_record(
-        self,
-        step: int,
-        samples: list[Sample],
-        groups: list[dict],
-        trained_groups: list[str],
-        sessions: dict[str, list[str]],
-        started: float,
-        cut: int,
-    ) -> dict | None:
-        from trainer.step import train_step
-
-        metrics = train_step(self._loaded_backend, samples, self.settings, token_budget=self.max_tokens_seen)
-        rewards = [float(s["reward"]) for g in groups if g["id"] in trained_groups for s in g["sessions"]]
-        metrics.update(
-            reward_mean=sum(rewards) / len(rewards),
-            reward_std=_std(rewards),
-            groups=len(trained_groups),
-            skipped_groups=self.skipped_since_step,
-            cut_samples=cut,
-            failed_attempts=self.failed_steps,
-        )
-        _test_pause("train", step)
-        if self._discarded_meanwhile(sessions):
-            return None
-        metrics["seconds"] = time.perf_counter() - started
-        checkpoint = self._save(step, metrics=metrics, groups=trained_groups)
-        _test_pause("record", step)
-        try:
-            self.store.insert_step(
-                self.model,
-                step,
-                str(checkpoint.path),
-                metrics,
-                trained_groups,
-                session_ids=[sid for ids in sessions.values() for sid in ids],
-            )
-        except Conflict as exc:  # a discard landed between the check and the record
-            log.warning("step %d taken back: %s", step, exc.message)
-            ckpts.discard(checkpoint)
-            return None
-        return metrics
-
-    def _discarded_meanwhile(self, sessions: dict[str, list[str]]) -> bool:
-        """Whether a session this step trained on was discarded while it trained: the step
-        is then taken back and its groups trained again without that session."""
-        for group_id, session_ids in sessions.items():
-            now = {s["id"] for s in self.store.get_group(group_id)["sessions"]}
-            gone = [sid for sid in session_ids if sid not in now]
-            if gone:
-                log.warning(
-                    "session(s) %s of group %s were discarded during step %d; training it again without them",
-                    ", ".join(gone),
-                    group_id,
-                    self.next_step,
-                )
-                return True
-        return False
 
     def run(self, stop_event: threading.Event | None = None, max_steps: int | None = None) -> int:
         """Train until `stop_event` is set (checked between steps) or `max_steps` steps are

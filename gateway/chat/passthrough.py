@@ -18,15 +18,27 @@ from types import ModuleType
 
 import orjson
 
-from gateway.chat.service import ChatService, Identity, prepend_first
+from gateway.chat.identity import Identity
+from gateway.chat.service import ChatService
+from gateway.chat.stream import prepend_first
 from gateway.errors import ClientGone, RLProxyError, UpstreamError
-from gateway.protocols import Wire, completions, messages, responses
+from gateway.protocols import Wire
+from gateway.protocols.completions import relay as completions_relay
+from gateway.protocols.completions import wire as completions_wire
+from gateway.protocols.messages import relay as messages_relay
+from gateway.protocols.messages import wire as messages_wire
+from gateway.protocols.responses import relay as responses_relay
+from gateway.protocols.responses import wire as responses_wire
 
-PATHS = {responses.PROTOCOL: "/responses", messages.PROTOCOL: "/messages", completions.PROTOCOL: "/completions"}
+PATHS = {
+    responses_wire.PROTOCOL: "/responses",
+    messages_wire.PROTOCOL: "/messages",
+    completions_wire.PROTOCOL: "/completions",
+}
 MODULES: dict[str, ModuleType] = {
-    responses.PROTOCOL: responses,
-    messages.PROTOCOL: messages,
-    completions.PROTOCOL: completions,
+    responses_wire.PROTOCOL: responses_relay,
+    messages_wire.PROTOCOL: messages_relay,
+    completions_wire.PROTOCOL: completions_relay,
 }
 _IDENTITY_KEYS = ("session_id", "group_id", "split")
 
@@ -56,7 +68,7 @@ class PassThrough:
         module = MODULES[protocol]
         chat_response = module.to_chat_response(wire_response) if wire_response is not None else None
         wire = Wire(protocol, raw, lambda _chat: wire_response)
-        return self.chat._record(
+        return self.chat.record(
             request_id=request_id,
             identity=identity,
             raw=chat_body,
@@ -125,7 +137,7 @@ class PassThrough:
                     kind = None
                     if payload != b"[DONE]":
                         event = orjson.loads(payload)
-                        kind = event.get("type") if protocol != completions.PROTOCOL else None
+                        kind = event.get("type") if protocol != completions_wire.PROTOCOL else None
                         accumulator.add(event)
                     if held is not None:
                         yield held
@@ -173,8 +185,8 @@ class PassThrough:
                 raise error
             yield held
             body = (
-                messages.error_body(error.status_code, error.message)
-                if protocol == messages.PROTOCOL
+                messages_wire.error_body(error.status_code, error.message)
+                if protocol == messages_wire.PROTOCOL
                 else error.to_openai()
             )
             yield b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"

@@ -1,7 +1,8 @@
 """`rlproxy demo [--task NAME]`: the whole loop on the built-in model, watched as a reward curve.
 
-`driver` runs gateway + trainer + a toy agent and knows nothing about any task; each task is
-one module of this package with the same small shape, so a new one is a copy of an old one:
+`driver` runs gateway + trainer + a toy agent (its parts: `options`, `processes`, `agent`,
+`summary`) and knows nothing about any task; each task (one of TASKS) is one module of this
+package with the same small shape, so a new one is a copy of an old one:
 
     NAME: str                 the `--task` name
     DESCRIPTION: str          one line, printed at start and kept in summary.json
@@ -17,8 +18,9 @@ one module of this package with the same small shape, so a new one is a copy of 
                               score) when the task shapes its training reward: the score is
                               what is reported and what `val` sessions are given
 
-Pure game or prompt logic plus the `episode` coroutine: the driver does every piece of
-HTTP (session and group headers, rewards, group close), so a task never sees the gateway.
+Pure game or prompt logic plus the `episode` coroutine: the demo's agent (`agent`) does
+every piece of HTTP (session and group headers, rewards, group close), so a task never sees
+the gateway.
 """
 
 from __future__ import annotations

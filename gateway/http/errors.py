@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from gateway.errors import InvalidRequest, RLProxyError
-from gateway.protocols import messages
+from gateway.protocols.messages import wire as messages_wire
 
 log = logging.getLogger("rlproxy")
 
@@ -28,7 +28,7 @@ def error_response(path: str, exc: RLProxyError) -> Response:
     # 413: the rest of the body is still coming; close rather than read it all.
     headers = {"Connection": "close"} if exc.status_code == 413 else None
     if is_anthropic_path(path):
-        body = messages.error_body(exc.status_code, exc.message)
+        body = messages_wire.error_body(exc.status_code, exc.message)
     else:
         body = exc.to_openai()
     return Response(orjson.dumps(body), status_code=exc.status_code, headers=headers, media_type="application/json")

@@ -2,7 +2,7 @@
 warning when the gateway listens beyond loopback with no key.
 
 (The bearer-key check, constant time, is `gateway.http.middleware.BearerAuthMiddleware`; ids and
-names from requests are checked by `gateway.chat.service._check_id` before they reach the store.)
+names from requests are checked by `gateway.chat.identity.check_id` before they reach the store.)
 """
 
 from __future__ import annotations

@@ -1,12 +1,22 @@
 """The protocols an agent may speak, each translated to and from the internal chat form.
 
-One module per protocol: `chat` (the internal form itself: OpenAI Chat Completions' wire
-models, which the hot path parses every request with), `responses` (OpenAI Responses), `messages` (Anthropic Messages),
-`completions` (legacy completions). Each holds its pydantic wire models, a pair of pure
-functions (`to_chat`: wire request -> chat request body; `from_chat`: chat response ->
-wire response) and a stream encoder (chat chunks -> the protocol's SSE events). Engines
-and the trainer only ever see the chat form; `Wire` is what the chat service records
-beside it.
+`chat` is the internal form itself: OpenAI Chat Completions' wire models, which the hot path
+parses every request with (one light module). Each other protocol is a package of the same
+four modules: `responses` (OpenAI Responses), `messages` (Anthropic Messages), `completions`
+(legacy completions).
+
+    wire.py       its pydantic request models (unknown fields pass through), its ids, its
+                  own error body where it has one, and `PROTOCOL`, its name in the call row
+    translate.py  a pair of pure functions: `to_chat` (wire request -> chat request body)
+                  and `from_chat` (chat response -> wire response)
+    stream.py     its stream encoder (chat chunks -> the protocol's SSE events)
+    relay.py      for an upstream that speaks the protocol itself (`--upstream-protocol`):
+                  `to_chat_response` (wire response -> chat, for the record) and
+                  `Accumulator` (a relayed event stream -> the whole wire response)
+
+In a package a module imports only the ones above it in this list. `toolcalls` turns tool
+calls written in model text into chat `tool_calls`. Engines and the trainer only ever see the
+chat form; `Wire` is what the chat service records beside it.
 """
 
 from __future__ import annotations

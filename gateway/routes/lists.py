@@ -9,7 +9,7 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from gateway.chat.service import _check_id
+from gateway.chat.identity import check_id
 from gateway.routes.rl import json_response
 from gateway.store.lists import MAX_LIMIT, ListFilter
 
@@ -41,7 +41,7 @@ async def list_sessions(
     that answered its first call."""
     store = request.app.state.services.store
     if group_id is not None:
-        _check_id(group_id, "group_id")
+        check_id(group_id, "group_id")
     f = ListFilter(
         limit=limit,
         cursor=cursor,
@@ -116,7 +116,7 @@ async def session_tokens(session_id: str, request: Request) -> Response:
     were trained on (its group was trained, the session was not discarded, the call
     succeeded: `trainer.data.call_turn`'s rule; only choice 0 of an `n>1` call trains)."""
     services = request.app.state.services
-    session = services.store.get_session(_check_id(session_id, "session_id"))
+    session = services.store.get_session(check_id(session_id, "session_id"))
     group = services.store.get_group(session["group_id"]) if session.get("group_id") else None
     trained_step = group.get("trained_step") if group else None
     tokenizer = getattr(services.engine, "tokenizer", None)

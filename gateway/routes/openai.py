@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.chat.service import identify
+from gateway.chat.identity import identify
 from gateway.errors import ClientGone, InvalidRequest, RLProxyError
 from gateway.protocols.chat import ChatCompletionRequest
 from gateway.routes.client_watch import ClientWatch

@@ -18,10 +18,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway.chat.service import Identity, identify
+from gateway.chat.identity import Identity, identify
 from gateway.errors import ClientGone, InvalidRequest, NotFound
-from gateway.protocols import Wire, completions, messages, responses
+from gateway.protocols import Wire
 from gateway.protocols.chat import ChatCompletionRequest
+from gateway.protocols.completions import stream as completions_stream
+from gateway.protocols.completions import translate as completions_translate
+from gateway.protocols.completions import wire as completions_wire
+from gateway.protocols.messages import stream as messages_stream
+from gateway.protocols.messages import translate as messages_translate
+from gateway.protocols.messages import wire as messages_wire
+from gateway.protocols.responses import stream as responses_stream
+from gateway.protocols.responses import translate as responses_translate
+from gateway.protocols.responses import wire as responses_wire
 from gateway.routes.client_watch import ClientWatch
 from gateway.routes.openai import read_json, validation_message
 
@@ -153,9 +162,9 @@ async def _serve(
 
 
 def _stored_response(store: Any, resp_id: str) -> dict:
-    call_id = responses.call_id_of(resp_id)
+    call_id = responses_wire.call_id_of(resp_id)
     row = store.get_call(call_id) if call_id else None
-    if row is None or row.get("protocol") != responses.PROTOCOL or row.get("status") != "ok":
+    if row is None or row.get("protocol") != responses_wire.PROTOCOL or row.get("status") != "ok":
         raise NotFound(
             f"response '{resp_id[:80]}' not found: use the id of a completed response from this gateway",
             param="response_id",
@@ -164,14 +173,14 @@ def _stored_response(store: Any, resp_id: str) -> dict:
 
 
 @router.post("/v1/responses", summary="Create a model response (OpenAI Responses API)")
-async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
+async def create_response(body: responses_wire.ResponsesRequest, request: Request) -> Response:
     raw = await read_json(request)
-    body = _reparsed(responses.ResponsesRequest, raw)
+    body = _reparsed(responses_wire.ResponsesRequest, raw)
     identity = _identity(request, raw)
     history = None
     if body.previous_response_id:
         previous = _stored_response(request.app.state.services.store, body.previous_response_id)
-        history = responses.history_of(previous["request"], previous["wire_request"], previous["response"])
+        history = responses_translate.history_of(previous["request"], previous["wire_request"], previous["response"])
         if identity.minted:  # a conversation continued by id stays in its session
             identity = dataclasses.replace(
                 identity,
@@ -179,19 +188,19 @@ async def create_response(body: responses.ResponsesRequest, request: Request) ->
                 group_id=identity.group_id or previous["group_id"],
                 minted=False,
             )
-    resp_id = responses.response_id(request.scope["state"]["request_id"])
+    resp_id = responses_wire.response_id(request.scope["state"]["request_id"])
 
     def to_wire(chat_response: dict) -> dict:
-        return responses.from_chat(chat_response, raw, resp_id)
+        return responses_translate.from_chat(chat_response, raw, resp_id)
 
-    wire = Wire(responses.PROTOCOL, raw, to_wire)
+    wire = Wire(responses_wire.PROTOCOL, raw, to_wire)
     return await _serve(
         request,
-        responses.to_chat(body, history),
+        responses_translate.to_chat(body, history),
         identity,
         wire,
         to_wire,
-        lambda: responses.ResponsesStream(raw, resp_id),
+        lambda: responses_stream.ResponsesStream(raw, resp_id),
         body.stream,
     )
 
@@ -205,7 +214,7 @@ async def get_response(response_id: str, request: Request) -> Response:
     except NotFound:
         # --upstream-protocol responses: the ids are the upstream's, so ask it (the id is
         # checked before it becomes part of a URL)
-        if relay is None or not relay.serves(responses.PROTOCOL) or not _UPSTREAM_ID.match(response_id):
+        if relay is None or not relay.serves(responses_wire.PROTOCOL) or not _UPSTREAM_ID.match(response_id):
             raise
     return _json(await services.engine.relay(f"/responses/{response_id}", None))
 
@@ -214,23 +223,23 @@ async def get_response(response_id: str, request: Request) -> Response:
 
 
 @router.post("/v1/messages", summary="Create a message (Anthropic Messages API)")
-async def create_message(body: messages.MessagesRequest, request: Request) -> Response:
+async def create_message(body: messages_wire.MessagesRequest, request: Request) -> Response:
     raw = await read_json(request)
-    body = _reparsed(messages.MessagesRequest, raw)
+    body = _reparsed(messages_wire.MessagesRequest, raw)
     identity = _identity(request, raw)
-    msg_id = messages.message_id(request.scope["state"]["request_id"])
+    msg_id = messages_wire.message_id(request.scope["state"]["request_id"])
 
     def to_wire(chat_response: dict) -> dict:
-        return messages.from_chat(chat_response, raw, msg_id)
+        return messages_translate.from_chat(chat_response, raw, msg_id)
 
-    wire = Wire(messages.PROTOCOL, raw, to_wire)
+    wire = Wire(messages_wire.PROTOCOL, raw, to_wire)
     return await _serve(
         request,
-        messages.to_chat(body),
+        messages_translate.to_chat(body),
         identity,
         wire,
         to_wire,
-        lambda: messages.MessagesStream(raw, msg_id),
+        lambda: messages_stream.MessagesStream(raw, msg_id),
         body.stream,
     )
 
@@ -239,26 +248,26 @@ async def create_message(body: messages.MessagesRequest, request: Request) -> Re
 
 
 @router.post("/v1/completions", summary="Create a completion (legacy completions)")
-async def create_completion(body: completions.CompletionRequest, request: Request) -> Response:
+async def create_completion(body: completions_wire.CompletionRequest, request: Request) -> Response:
     raw = await read_json(request)
-    body = _reparsed(completions.CompletionRequest, raw)
+    body = _reparsed(completions_wire.CompletionRequest, raw)
     identity = _identity(request, raw)
     request_id = request.scope["state"]["request_id"]
-    cmpl_id = completions.completion_id(request_id)
+    cmpl_id = completions_wire.completion_id(request_id)
     prompts = body.prompts()
     if len(prompts) == 1:
 
         def to_wire(chat_response: dict) -> dict:
-            return completions.from_chat(chat_response, raw, cmpl_id)
+            return completions_translate.from_chat(chat_response, raw, cmpl_id)
 
-        wire = Wire(completions.PROTOCOL, raw, to_wire)
+        wire = Wire(completions_wire.PROTOCOL, raw, to_wire)
         return await _serve(
             request,
-            completions.to_chat(body, prompts[0]),
+            completions_translate.to_chat(body, prompts[0]),
             identity,
             wire,
             to_wire,
-            lambda: completions.CompletionsStream(raw, cmpl_id),
+            lambda: completions_stream.CompletionsStream(raw, cmpl_id),
             body.stream,
         )
     # Several prompts: one call row each (the first under the request's id), choices numbered across them.
@@ -268,13 +277,13 @@ async def create_completion(body: completions.CompletionRequest, request: Reques
         first = i * body.n
 
         def to_wire(chat_response: dict, first: int = first) -> dict:
-            return completions.from_chat(chat_response, raw, cmpl_id, first_index=first)
+            return completions_translate.from_chat(chat_response, raw, cmpl_id, first_index=first)
 
-        chat_body = completions.to_chat(body, prompt)
+        chat_body = completions_translate.to_chat(body, prompt)
         call_id = request_id if i == 0 else f"{request_id}.{i}"
         response, target = await services.chat.complete(
-            _chat_request(chat_body), chat_body, identity, call_id, Wire(completions.PROTOCOL, raw, to_wire)
+            _chat_request(chat_body), chat_body, identity, call_id, Wire(completions_wire.PROTOCOL, raw, to_wire)
         )
         answers.append(to_wire(response))
         step = target.step
-    return _json(completions.merge(answers), headers=_headers(identity.session_id, step))
+    return _json(completions_translate.merge(answers), headers=_headers(identity.session_id, step))

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from gateway.chat.service import _check_id
+from gateway.chat.identity import check_id
 from gateway.errors import InvalidRequest, StoreUnavailable
 from gateway.protocols.chat import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
 from gateway.routes.openai import read_json, validation_message
@@ -36,7 +36,7 @@ async def parse(request: Request, model: type[Body], *, allow_empty: bool = Fals
 async def post_reward(session_id: str, request: Request) -> Response:
     services = request.app.state.services
     body = await parse(request, RewardRequest)
-    result = await services.store.set_reward(_check_id(session_id, "session_id"), body.reward, body.metrics)
+    result = await services.store.set_reward(check_id(session_id, "session_id"), body.reward, body.metrics)
     if services.tracer is not None:
         services.tracer.on_reward(session_id, body.reward, body.metrics)
     return json_response(result)
@@ -47,27 +47,27 @@ async def discard_session(session_id: str, request: Request) -> Response:
     """Leave a failed rollout out of its group (no reward needed, never trained); calls are kept."""
     store = request.app.state.services.store
     body = await parse(request, DiscardRequest, allow_empty=True)
-    return json_response(await store.discard_session(_check_id(session_id, "session_id"), body.reason))
+    return json_response(await store.discard_session(check_id(session_id, "session_id"), body.reason))
 
 
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> Response:
     store = request.app.state.services.store
-    return json_response(store.get_session(_check_id(session_id, "session_id")))
+    return json_response(store.get_session(check_id(session_id, "session_id")))
 
 
 @router.post("/v1/groups/{group_id}/close")
 async def close_group(group_id: str, request: Request) -> Response:
     services = request.app.state.services
     body = await parse(request, GroupCloseRequest, allow_empty=True)
-    await services.store.close_group(_check_id(group_id, "group_id"), body.expected_sessions)
+    await services.store.close_group(check_id(group_id, "group_id"), body.expected_sessions)
     return json_response(services.store.get_group(group_id))
 
 
 @router.get("/v1/groups/{group_id}")
 async def get_group(group_id: str, request: Request) -> Response:
     store = request.app.state.services.store
-    return json_response(store.get_group(_check_id(group_id, "group_id")))
+    return json_response(store.get_group(check_id(group_id, "group_id")))
 
 
 @router.get("/v1/training/steps")

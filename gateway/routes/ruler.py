@@ -13,7 +13,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.chat.service import _check_id
+from gateway.chat.identity import check_id
 from gateway.protocols.chat import RulerRequest
 from gateway.routes.rl import json_response, parse
 from gateway.ruler.scoring import RulerService
@@ -32,7 +32,7 @@ async def ruler(group_id: str, request: Request) -> Response:
     body = await parse(request, RulerRequest)
     service: RulerService = services.extras.setdefault("ruler", RulerService(services))
     task = asyncio.ensure_future(
-        service.score_group(_check_id(group_id, "group_id"), body.judge_model, body.rubric, body.judge_api_base)
+        service.score_group(check_id(group_id, "group_id"), body.judge_model, body.rubric, body.judge_api_base)
     )
     task.add_done_callback(_retrieve)
     scores = await asyncio.shield(task)

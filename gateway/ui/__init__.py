@@ -15,7 +15,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from gateway.chat.service import _check_id
+from gateway.chat.identity import check_id
 
 STATIC = Path(__file__).parent / "static"
 # Scripts only from this gateway (a stored string can never run as a script, even if a bug
@@ -80,12 +80,12 @@ async def sessions() -> HTMLResponse:
 
 @router.get("/ui/groups/{group_id}")
 async def group(group_id: str) -> HTMLResponse:
-    return shell("group", f"Group {_check_id(group_id, 'group_id')}", id=group_id)
+    return shell("group", f"Group {check_id(group_id, 'group_id')}", id=group_id)
 
 
 @router.get("/ui/sessions/{session_id}")
 async def session(session_id: str) -> HTMLResponse:
-    return shell("session", f"Session {_check_id(session_id, 'session_id')}", id=session_id)
+    return shell("session", f"Session {check_id(session_id, 'session_id')}", id=session_id)
 
 
 def install(app: FastAPI) -> None:

@@ -9,7 +9,9 @@ Pure functions over JSON dicts (no I/O but the SSE reader), so each rule is test
   (no token ids, `logprobs: null` unless asked, `top_logprobs` cut to the number asked) plus
   the `TokenRecord` (prompt ids from `prompt_token_ids`, completion ids from each choice's
   `token_ids`, logprobs from `logprobs.content[i].logprob`; in a stream, prompt ids come on the
-  first chunk and ids and logprobs per chunk).
+  first chunk and ids and logprobs per chunk);
+- `status_error`: vLLM's error answer as the gateway's error (its 4xx the client's fault, its
+  5xx a 502).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import orjson
 
 from gateway.engines.base import ChoiceTokens, TokenRecord
-from gateway.errors import UpstreamError
+from gateway.errors import RLProxyError, UpstreamError
 
 # vLLM-only response fields that carry nothing when null; dropped so the client sees OpenAI's shape.
 _NULL_EXTRAS = ("prompt_logprobs", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics")
@@ -235,3 +237,20 @@ def error_message(data: object) -> str:
     if isinstance(error, dict):
         return str(error.get("message") or error.get("detail") or "")
     return str(error)
+
+
+def status_error(status: int, payload: bytes, target: str) -> RLProxyError:
+    """vLLM's error answer to a chat request for `target` (the adapter or base model name)."""
+    body = maybe_json(payload)
+    message = error_message(body) or payload[:300].decode(errors="replace")
+    if status == 404:
+        return UpstreamError(f"vLLM does not serve '{target}': {message}")
+    if status < 500:
+        detail = body.get("error") if isinstance(body, dict) else None
+        param, code = (detail.get("param") if isinstance(detail, dict) else None), None
+        if "maximum context length" in message:  # as the local engine says it, and OpenAI
+            param, code = "messages", "context_length_exceeded"
+        error = RLProxyError(f"vLLM rejected the request: {message}", param=param, code=code)
+        error.status_code, error.error_type = status, "invalid_request_error"
+        return error
+    return UpstreamError(f"vLLM answered {status}: {message}")

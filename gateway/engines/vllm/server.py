@@ -1,7 +1,8 @@
 """A managed `vllm serve` process: build its command line, start it, wait for health, stop it.
 
-The engine (`gateway.engines.vllm`) decides *when* to start or restart; this module
-knows *how*. vLLM is never imported: it runs as its own process, found on PATH
+The engine's supervisor (`gateway.engines.vllm.supervisor`) decides *when* to start or
+restart it; this module knows *how*.
+vLLM is never imported: it runs as its own process, found on PATH
 (`pip install 'rlproxy[gpu]'` puts `vllm` there).
 
 The command follows vLLM's documented CLI:
@@ -14,7 +15,7 @@ The command follows vLLM's documented CLI:
 `--generation-config vllm`: no sampling defaults from the model's `generation_config.json`
 (rlproxy sends every field anyway; this is the second lock). `--logprobs-mode
 processed_logprobs`: the logprobs vLLM returns are those of the distribution it sampled from
-(see `gateway.engines.vllm` for exactly what that includes). Colocated: sleep mode plus a
+(see `gateway.engines.vllm.engine` for exactly what that includes). Colocated: sleep mode plus a
 memory share (`colocated_memory_share`) that leaves the trainer's resident model room.
 
 It listens on loopback only: the runtime-LoRA and sleep endpoints it then exposes must

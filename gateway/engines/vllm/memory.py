@@ -118,7 +118,7 @@ def default_memory_share(base_model: str, gpu_index: str | None, four_bit: bool 
 
 
 def memory_table(cards_gib=(24, 40, 48, 80, 141), params_b=(0.5, 1.5, 3, 7, 14)) -> str:
-    """docs/gpu.md's table: default share per card and model size (`python -m gateway.engines.vllm_memory`)."""
+    """docs/gpu.md's table: default share per card and model size (`python -m gateway.engines.vllm.memory`)."""
     rows = ["| model | " + " | ".join(f"{c} GiB" for c in cards_gib) + " |", "|---|" + "---|" * len(cards_gib)]
     for b in params_b:
         cells = []

@@ -1,0 +1,146 @@
+"""The demo's options and settings: its own flags, the task's choices, the demo's tuning.
+
+Each option and setting is taken from, first to last: the flag, the `RLPROXY_*`
+environment (settings only), the task's `OPTIONS` / `SETTINGS`, the demo's defaults
+(`DemoOptions`, `DEMO_SETTINGS`), `Settings`' defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.demo import DEFAULT_TASK, TASKS, load_task
+from gateway.demo.processes import free_socket
+from gateway.errors import ConfigError
+from gateway.models.tuning import TINY_MODEL_SETTINGS
+from gateway.settings import Settings
+
+# The demo's settings (flags and RLPROXY_* env win): the built-in model's tuning (the same
+# that `rlproxy serve` uses on it), a quick hot-swap, a quiet screen; then the task's own.
+DEMO_SETTINGS = {
+    **TINY_MODEL_SETTINGS,
+    "poll_interval": 0.2,
+    "keep_adapters": 2,
+    "max_batch_size": 32,
+    "log_level": "warning",
+}
+
+
+@dataclass
+class DemoOptions:
+    task: str = DEFAULT_TASK
+    out: Path = Path("rlproxy-demo")
+    steps: int = 60  # training steps at most (a converged run stops early)
+    rollouts: int = 8  # rollouts per group (GRPO compares them)
+    seconds: float = 300.0  # budget: no new round starts after this
+    max_tokens: int = 6  # reply length: short replies keep a round well under a second
+    eval_groups: int = 4  # the held-out set: eval_groups x rollouts tasks, one per val rollout
+    converge_after: int = 8  # train groups in a row where every rollout earns the full reward end the run
+
+
+_TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups", "converge_after")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's own flags (the settings flags are added by the CLI)."""
+    defaults = DemoOptions()
+    group = parser.add_argument_group("demo")
+    group.add_argument(
+        "--task",
+        choices=TASKS,
+        default=DEFAULT_TASK,
+        help=f"what the agent learns (default: {DEFAULT_TASK}); each is a module of gateway.demo",
+    )
+    group.add_argument(
+        "--out",
+        type=Path,
+        default=defaults.out,
+        help=f"where summary.json, reward_curve.png and the logs go (default: {defaults.out})",
+    )
+    group.add_argument(
+        "--steps", type=int, default=None, help=f"training steps to run (default: the task's, else {defaults.steps})"
+    )
+    group.add_argument(
+        "--rollouts",
+        type=int,
+        default=None,
+        help=f"rollouts per group, sampled in parallel (default: the task's, else {defaults.rollouts})",
+    )
+    group.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help=f"time budget: no new round starts after it (default: the task's, else {defaults.seconds:g})",
+    )
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per reply (default: the task's, else {defaults.max_tokens})",
+    )
+    group.add_argument(
+        "--eval-groups",
+        type=int,
+        default=None,
+        help=f"the held-out set, in groups of --rollouts tasks (one task per val rollout), played "
+        f"for the baseline and the final score (default: the task's, else "
+        f"{defaults.eval_groups})",
+    )
+    group.add_argument(
+        "--converge-after",
+        type=int,
+        default=None,
+        help=f"stop once this many train groups in a row gave every rollout the full reward: "
+        f"nothing is left to learn from them (default: the task's, else {defaults.converge_after})",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> DemoOptions:
+    """Flags > the task's OPTIONS > DemoOptions' defaults."""
+    task = load_task(getattr(args, "task", DEFAULT_TASK))
+    chosen = {
+        **{k: v for k, v in task.OPTIONS.items() if k in _TASK_OPTIONS},
+        **{k: getattr(args, k) for k in _TASK_OPTIONS if getattr(args, k, None) is not None},
+    }
+    options = DemoOptions(task=task.NAME, out=args.out, **chosen)
+    for name in ("steps", "rollouts", "max_tokens", "eval_groups", "converge_after"):
+        if getattr(options, name) < (2 if name == "rollouts" else 1):
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be at least {2 if name == 'rollouts' else 1}"
+                + (" (GRPO compares rollouts of one group)" if name == "rollouts" else "")
+            )
+    if options.seconds <= 0:
+        raise ConfigError("--seconds must be positive")
+    return options
+
+
+def demo_settings(given: dict, out: Path, task: str = DEFAULT_TASK) -> Settings:
+    """Flags > RLPROXY_* environment > the task's tuning > the demo's > Settings' defaults.
+    The state dir defaults to OUT/state, so a demo never trains on top of another store."""
+    tuned = {
+        k: v
+        for k, v in {**DEMO_SETTINGS, **load_task(task).SETTINGS}.items()
+        if f"RLPROXY_{k.upper()}" not in os.environ
+    }
+    if "state_dir" not in given and "RLPROXY_STATE_DIR" not in os.environ:
+        tuned["state_dir"] = out / "state"
+    settings = Settings(**{**tuned, **given})
+    if settings.engine == "openai":
+        raise ConfigError(
+            "the demo trains the model it serves, and an OpenAI-compatible upstream serves no "
+            "adapters: use --engine local (the default) or --engine vllm"
+        )
+    if settings.engine == "vllm":
+        if settings.vllm_url:
+            raise ConfigError(
+                "the demo starts and stops its own vLLM: drop --vllm-url and give --vllm-python "
+                "(the python of the environment vLLM is installed in), or have `vllm` on PATH"
+            )
+        if "vllm_port" not in given and "RLPROXY_VLLM_PORT" not in os.environ:
+            with contextlib.closing(free_socket()) as sock:  # a port of its own: never another vLLM's 8001
+                settings = Settings(**{**tuned, **given, "vllm_port": sock.getsockname()[1]})
+    return settings

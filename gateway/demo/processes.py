@@ -1,0 +1,127 @@
+"""The demo's processes: the gateway in a thread of this one, the trainer as a child.
+
+The gateway runs under uvicorn on a free loopback port in this process (a managed vLLM is
+its own child, started and stopped by the gateway's lifespan). The trainer is `rlproxy
+train` in a process group of its own, told by Linux to die with the demo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from gateway.errors import RLProxyError
+from gateway.settings import KEEP_ALIVE_SECONDS, Settings
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))  # the OS picks a free port; uvicorn serves on this very socket
+    return sock
+
+
+@contextlib.contextmanager
+def serve_gateway(settings: Settings) -> Iterator[str]:
+    """The gateway under uvicorn in a thread of this process; yields its base URL."""
+    import uvicorn
+
+    from gateway.app import create_app
+
+    sock = free_socket()
+    # Keep-alive longer than the clients' (httpx, and so openai: 5 s): with uvicorn's default of
+    # 5 s both ends drop an idle connection at the same moment, and a round starting just then
+    # reuses a connection the server is closing (ReadError).
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings),
+            log_level=settings.log_level,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        )
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rlproxy-demo-gateway", daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RLProxyError(
+                    "the gateway failed to start; see gateway.log"
+                    + (" and state/vllm.log" if settings.engine == "vllm" else "")
+                )
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)  # its shutdown stops a managed vLLM (SIGTERM, SIGKILL after 30 s)
+        sock.close()
+
+
+def _die_with_parent() -> None:
+    """In the trainer child: have Linux SIGTERM it if the demo dies, even by SIGKILL."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _settings_flags(settings: Settings) -> list[str]:
+    """The settings as `rlproxy train` flags (no secrets: the trainer needs none)."""
+    argv: list[str] = []
+    for name, value in settings.public_dict().items():
+        if value is None or name in ("api_key", "upstream_api_key"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):  # switches take no value: --x / --no-x
+            argv.append(flag if value else "--no-" + flag[2:])
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            argv.append(f"{flag}={item}")  # one token: a value may itself start with "--" (--vllm-arg)
+    return argv
+
+
+class Trainer:
+    """`rlproxy train` as a child process, its output in OUT/trainer.log."""
+
+    def __init__(self, settings: Settings, log_path: Path, threads: int):
+        self.log_path = log_path
+        env = {**os.environ, "RLPROXY_TORCH_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+        # Its log is a file the user reads afterwards: one line per step is worth having.
+        cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_flags(settings), "--log-level", "info"]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RLProxyError(f"the trainer exited with code {self.proc.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        """SIGTERM (it finishes its step and exits), then SIGKILL to its group if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()

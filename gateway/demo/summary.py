@@ -1,0 +1,79 @@
+"""The demo's outputs: summary.json and the reward curve."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from gateway.demo import load_task
+from gateway.demo.agent import Record
+from gateway.demo.options import DemoOptions
+from gateway.settings import Settings
+
+AIM_BASELINE_AT_MOST = 0.3
+AIM_FINAL_AT_LEAST = 0.8
+
+
+def summarize(
+    record: Record, settings: Settings, options: DemoOptions, seconds: float, startup_seconds: float = 0.0
+) -> dict:
+    task = load_task(options.task)
+    by_step = {str(step): sum(r) / len(r) for step, r in sorted(record.rewards_by_step.items())}
+    reached = (
+        record.baseline_reward is not None
+        and record.final_reward is not None
+        and record.baseline_reward <= AIM_BASELINE_AT_MOST
+        and record.final_reward >= AIM_FINAL_AT_LEAST
+    )
+    return {
+        "task": task.NAME,
+        "task_description": task.DESCRIPTION,
+        "baseline_reward": record.baseline_reward,
+        "final_reward": record.final_reward,
+        "final_step": record.final_step,
+        "reward_by_step": by_step,
+        "rollouts_by_step": {str(step): len(r) for step, r in sorted(record.rewards_by_step.items())},
+        "mismatch_by_step": {str(step): m for step, m in sorted(record.mismatch_by_step.items())},
+        "groups_skipped": record.groups_skipped,
+        "stopped_because": record.stopped_because,
+        "engine": settings.engine,
+        "seconds": round(seconds, 1),
+        "startup_seconds": round(startup_seconds, 1),
+        "aim": {"baseline_at_most": AIM_BASELINE_AT_MOST, "final_at_least": AIM_FINAL_AT_LEAST, "reached": reached},
+        "demo": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
+        "settings": settings.public_dict(),
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    steps = [int(s) for s in summary["reward_by_step"]]
+    rewards = list(summary["reward_by_step"].values())
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, rewards, marker="o", markersize=3, label="train rollouts (mean reward per step)")
+    if summary["baseline_reward"] is not None:
+        ax.scatter([0], [summary["baseline_reward"]], color="tab:red", zorder=3, label="baseline (val, step 0)")
+    if summary["final_reward"] is not None:
+        ax.scatter(
+            [summary["final_step"] or 0],
+            [summary["final_reward"]],
+            color="tab:green",
+            zorder=3,
+            label=f"final (val, step {summary['final_step']})",
+        )
+    ax.axhline(AIM_FINAL_AT_LEAST, color="grey", linestyle="--", linewidth=1, label=f"aim {AIM_FINAL_AT_LEAST}")
+    ax.set(
+        xlabel="training step (adapter that sampled)",
+        ylabel="reward",
+        ylim=(-0.02, 1.02),
+        title=f"rlproxy demo: {summary['task']} ({summary['seconds']:.0f} s)",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,124 @@
+"""A chat request as the local engine takes it: validated, rendered to prompt ids, its `Sampling`.
+
+Runs on the event loop, before the request is queued for the worker. vLLM's `top_k`, `min_p`
+and `repetition_penalty` are accepted as extra body fields. `response_format` is accepted
+and ignored (no constrained decoding).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.engines.local.jobs import Sampling
+from gateway.errors import InvalidRequest
+from gateway.protocols.chat import ChatCompletionRequest
+
+
+def parse_request(body: dict) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as error:
+        raise InvalidRequest(_validation_message(error)) from None
+
+
+def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """Prompt token ids: the chat template over messages (+ tools), with the generation prompt."""
+    messages = [_template_message(m) for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # jinja raises its own types, templates raise exceptions by design
+        raise InvalidRequest(f"the model's chat template rejected these messages: {error}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_room(req: ChatCompletionRequest, prompt_ids: list[int], context: int) -> tuple[int | None, int]:
+    """The completion tokens asked for (None: not said) and the room the context leaves;
+    refuses a request that does not fit."""
+    limit = req.max_completion_tokens or req.max_tokens
+    room = context - len(prompt_ids)
+    if room < 1 or (limit is not None and limit > room):
+        asked = f" + {limit} completion tokens" if limit is not None else ""
+        raise InvalidRequest(
+            f"this model's context is {context} tokens; the messages take {len(prompt_ids)} tokens{asked}. "
+            "Shorten the messages or lower max_completion_tokens / max_tokens.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return limit, room
+
+
+def sampling_of(req: ChatCompletionRequest, max_new_tokens: int) -> Sampling:
+    """How the request samples: OpenAI's fields with their defaults, vLLM's extra ones checked."""
+    extra = _extra_sampling(req.model_extra or {})
+    return Sampling(
+        max_new_tokens=max_new_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        stops=[s for s in (req.stop or []) if s],
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        seed=req.seed,
+        **extra,
+    )
+
+
+def _template_message(message) -> dict:
+    """A protocol message as chat templates expect it (text content, arguments as objects)."""
+    role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
+    out: dict = {"role": role, "content": message.text()}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            arguments: Any = call.function.arguments
+            try:
+                parsed = json.loads(arguments)
+                if isinstance(parsed, dict):
+                    arguments = parsed  # templates write `arguments | tojson`, as vLLM passes them
+            except ValueError:
+                pass
+            calls.append(
+                {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+            )
+        out["tool_calls"] = calls
+    return out
+
+
+def _validation_message(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "body"
+        parts.append(f"{where}: {item['msg']}")
+    return "invalid request: " + "; ".join(parts)
+
+
+# vLLM's sampling fields beyond OpenAI's, accepted as extra body fields: (name, type, check, hint)
+_EXTRA_SAMPLING = (
+    ("top_k", int, lambda v: v == -1 or v >= 0, "-1 or 0 (off), or a positive number of tokens"),
+    ("min_p", float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    ("repetition_penalty", float, lambda v: v > 0, "a number > 0 (1 is off)"),
+)
+
+
+def _extra_sampling(extra: dict) -> dict:
+    """top_k, min_p and repetition_penalty from the request's extra fields, checked."""
+    out = {}
+    for name, kind, valid, hint in _EXTRA_SAMPLING:
+        value = extra.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise InvalidRequest(f"'{name}' must be {hint}; got {value!r}", param=name)
+        value = kind(value)
+        if not valid(value):
+            raise InvalidRequest(f"'{name}' must be {hint}; got {value!r}", param=name)
+        out[name] = value
+    return out

@@ -1,0 +1,95 @@
+"""The worker's results as OpenAI's chat completion: messages, logprob entries, usage, the token record.
+
+The logprobs a client asks for are the behaviour logprobs the worker recorded (as vLLM's
+`processed_logprobs` mode gives them), not the raw model's; each entry carries its token's
+raw bytes, since a byte-level token may be part of a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from gateway.engines.base import ChoiceTokens, TokenRecord
+from gateway.engines.local.jobs import ChoiceResult, Job
+from gateway.protocols.toolcalls import parse_tool_calls
+
+
+def assistant_message(text: str, parse_tools: bool) -> tuple[dict, bool]:
+    """The assistant message for a choice's text, and whether it holds tool calls."""
+    if not parse_tools:
+        return {"role": "assistant", "content": text}, False
+    content, calls = parse_tool_calls(text)
+    out: dict = {"role": "assistant", "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    return out, bool(calls)
+
+
+def completion_id(request_id: str) -> str:
+    return request_id if request_id.startswith("chatcmpl-") else f"chatcmpl-{request_id or uuid.uuid4().hex}"
+
+
+def usage(prompt_ids: list[int], results: list[ChoiceResult]) -> dict:
+    completion = sum(len(r.completion_ids) for r in results)
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": completion,
+        "total_tokens": len(prompt_ids) + completion,
+    }
+
+
+def token_record(job: Job, results: list[ChoiceResult]) -> TokenRecord:
+    return TokenRecord(
+        prompt_ids=list(job.prompt_ids),
+        choices=[ChoiceTokens(list(r.completion_ids), list(r.logprobs)) for r in results],
+        sampling=job.sampling.in_force(),
+    )
+
+
+class LogprobEntries:
+    """OpenAI's `logprobs.content` entries for sampled tokens, with each token's text and bytes (cached)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._token_cache: dict[int, tuple[str, list[int]]] = {}
+        self._byte_decoder = _byte_decoder()
+
+    def entries(self, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> list[dict]:
+        entries = []
+        for position, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=False)):
+            token, token_bytes = self.token_text(token_id)
+            alternatives = []
+            for alt_id, alt_logprob in top[position] if position < len(top) else []:
+                alt_token, alt_bytes = self.token_text(alt_id)
+                alternatives.append({"token": alt_token, "logprob": alt_logprob, "bytes": alt_bytes})
+            entries.append({"token": token, "logprob": logprob, "bytes": token_bytes, "top_logprobs": alternatives})
+        return entries
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and its raw bytes (a byte-level token may be part of a UTF-8 character)."""
+        cached = self._token_cache.get(token_id)
+        if cached is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            added = self.tokenizer.added_tokens_decoder.get(token_id)
+            if added is None and piece is not None and all(c in self._byte_decoder for c in piece):
+                raw = bytes(self._byte_decoder[c] for c in piece)
+            else:
+                raw = (added.content if added is not None else self.tokenizer.decode([token_id])).encode()
+            cached = (raw.decode("utf-8", errors="replace"), list(raw))
+            self._token_cache[token_id] = cached
+        return cached
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable character → byte."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=False)}

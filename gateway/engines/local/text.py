@@ -1,0 +1,79 @@
+"""A row's text as its tokens arrive: incremental decoding, stop strings, what may be streamed.
+
+Text is tracked incrementally (vLLM's detokenizer: decode a short window of the newest ids)
+when a request streams or watches for stop strings. Text that could still become a stop
+string or an incomplete UTF-8 character is held back from stream deltas, and with stop
+strings only whole tokens are sent, so a later cut never takes back what was sent.
+
+The worker thread calls these once per row per step; they read and write the `Row`.
+"""
+
+from __future__ import annotations
+
+from gateway.engines.local.jobs import Row
+
+
+class Detokenizer:
+    """Decodes token ids with the model's tokenizer, and keeps each row's text up to date."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._backend = None  # the Python side would change spaces the backend keeps
+
+    def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:  # the Rust tokenizer directly: half the cost, same text
+            return self._backend.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def advance(self, row: Row) -> None:
+        """Extend `row.text` by the newest token, holding back an incomplete UTF-8 character."""
+        before = self.decode(row.ids[row.prefix : row.read])
+        after = self.decode(row.ids[row.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            row.text += after[len(before) :]
+            row.prefix, row.read = row.read, len(row.ids)
+        row.offsets.append(len(row.text))
+
+    def cut_at_stop(self, row: Row) -> bool:
+        """If the text holds a stop string, cut text and tokens before it. Returns whether it did."""
+        stops = row.job.sampling.stops
+        longest = max(len(s) for s in stops)
+        previous = row.offsets[-2] if len(row.offsets) > 1 else 0
+        search_from = max(0, previous - longest + 1)
+        hits = [p for p in (row.text.find(s, search_from) for s in stops) if p >= 0]
+        if not hits:
+            return False
+        cut = min(hits)
+        # keep the tokens whose text ends at or before the stop string
+        kept = 0
+        for k, offset in enumerate(row.offsets, start=1):
+            if offset <= cut:
+                kept = k
+        del row.ids[kept:], row.logprobs[kept:], row.top[kept:], row.offsets[kept:]
+        row.text = self.decode(row.ids)
+        row.sent = min(row.sent, len(row.text))
+        return True
+
+
+def streamable(row: Row) -> tuple[int, int]:
+    """How much of the row can be streamed now, as (characters, tokens): never part of a
+    possible stop string (with stop strings, only whole tokens before the held-back tail,
+    so a later cut never takes back what was sent)."""
+    limit = len(row.text)
+    stops = row.job.sampling.stops
+    if not stops:
+        return limit, len(row.ids)
+    limit = min(limit, len(row.text) - (max(len(s) for s in stops) - 1))
+    chars = count = 0
+    for k, offset in enumerate(row.offsets, start=1):
+        if offset <= limit:
+            chars, count = max(chars, offset), k
+    return chars, count
+
+
+def delta(row: Row, text: str, upto: int) -> tuple:
+    """A stream event for one row: new text, and the tokens [sent_tokens, upto) with their logprobs."""
+    start, row.sent_tokens = row.sent_tokens, max(row.sent_tokens, upto)
+    return (row.index, text, row.ids[start:upto], row.logprobs[start:upto], row.top[start:upto])

@@ -1,0 +1,245 @@
+"""The local engine's worker: the one thread that touches the model.
+
+`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises requests on the event loop and
+puts `Job`s and `Control`s (gateway/engines/local/jobs.py) in its inbox; `Worker.run` drains
+that inbox and runs a continuous batch (gateway/engines/local/batch.py):
+
+- every step it admits waiting requests while the batch has room (`max_batch_size`
+  sequences; a request with `n` choices is `n` sequences), prefills them together and
+  merges their KV cache into the running one;
+- one decode step feeds every sequence its last token; rows that finish leave the batch;
+- requests for different adapters share a batch through peft's mixed-adapter forward
+  (`adapter_names=[...]`, "__base__" for the base model);
+- adapter loads and unloads run on the worker between steps; an unload waits until no
+  queued or running request uses the adapter.
+
+Each step samples one token per row (gateway/engines/local/sampling.py: vLLM's order, and
+the behaviour logprob of the token under the distribution it was drawn from) and records it:
+completion ids include the final `<|im_end|>` when the model stops by itself, so
+prompt + completion is a prefix of the next turn's rendering; streaming rows send deltas of
+the text that can no longer change (gateway/engines/local/text.py).
+
+The worker gets the `LocalModel` it serves, the inbox and the batch size; it never sees the
+engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+from collections import deque
+from typing import Any
+
+from gateway.engines.local.batch import Batch, prefill
+from gateway.engines.local.jobs import ChoiceResult, Control, Job, Row, deliver
+from gateway.engines.local.model import LocalModel
+from gateway.engines.local.sampling import sample
+from gateway.engines.local.text import Detokenizer, delta, streamable
+from gateway.errors import EngineUnavailable, InvalidRequest, NotFound, RLProxyError, UpstreamError
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Runs on the engine's thread; the only code that touches the model.
+
+    It reads `Job`s, `Control`s and None (stop) from `inbox`, runs the model's forward and its
+    adapter loads and unloads, and sends each job's events back to its event loop.
+    """
+
+    def __init__(self, model: LocalModel, inbox: queue.SimpleQueue, max_batch_size: int):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.inbox = inbox
+        self.max_batch_size = max_batch_size
+        self.device = model.device
+        self.detokenizer = Detokenizer(model.tokenizer)
+        self.pending: deque[Job] = deque()
+        self.controls: list[Control] = []
+        self.batch = Batch(model.device)
+        self.outbox: list[tuple[Job, str, Any]] = []  # events of this step, sent together
+        self.stopping = False
+
+    def run(self) -> None:
+        batch = self.batch
+        while not self.stopping or batch.rows or self.pending:
+            idle = not batch.rows and not self.pending and not self.controls
+            self._drain(block=idle and not self.stopping)
+            if self.stopping:
+                self._fail_everything(EngineUnavailable("the local engine is shutting down"))
+                break
+            self._run_controls()
+            try:
+                with self.torch.inference_mode():
+                    self._admit()
+                    if batch.rows:
+                        self._decode_step()
+            except Exception as error:  # keep serving: fail what was running, start clean
+                log.exception("local engine step failed")
+                self._fail_running(UpstreamError(f"the local model failed while generating: {error}"))
+            self._send()
+        self._send()
+        for control in self.controls:
+            control.resolve(EngineUnavailable("the local engine is shutting down"))
+
+    def _post(self, job: Job, kind: str, payload: Any) -> None:
+        self.outbox.append((job, kind, payload))
+
+    def _send(self) -> None:
+        """Hand this step's events to their event loops: one wake-up per loop, not per event."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for job, kind, payload in self.outbox:
+            by_loop.setdefault(job.loop, []).append((job, (kind, payload)))
+        self.outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                for job, _ in items:
+                    job.cancelled.set()
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                item = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                self.stopping = True
+            elif isinstance(item, Control):
+                self.controls.append(item)
+            else:
+                self.pending.append(item)
+
+    # ------------------------------------------------------------ adapters
+
+    def _run_controls(self) -> None:
+        waiting = []
+        for control in self.controls:
+            if control.kind == "unload" and self._in_use(control.name):
+                waiting.append(control)  # unload once no queued or running request needs it
+                continue
+            try:
+                if control.kind == "load":
+                    self.model.load_adapter(control.name, control.path)
+                else:
+                    self.model.unload_adapter(control.name)
+            except RLProxyError as error:
+                control.resolve(error)
+            except Exception as error:
+                control.resolve(InvalidRequest(f"cannot {control.kind} adapter '{control.name}': {error}"))
+            else:
+                control.resolve(None)
+        self.controls = waiting
+
+    def _in_use(self, name: str) -> bool:
+        return any(row.job.adapter == name for row in self.batch.rows) or any(
+            job.adapter == name for job in self.pending
+        )
+
+    # ------------------------------------------------------------ batching
+
+    def _admit(self) -> None:
+        new: list[Job] = []
+        rows = len(self.batch.rows)
+        while self.pending:
+            job = self.pending[0]
+            if job.cancelled.is_set():
+                self.pending.popleft()
+                continue
+            if job.adapter is not None and job.adapter not in self.model.adapters:
+                self.pending.popleft()
+                self._post(job, "error", NotFound(f"adapter '{job.adapter}' is not loaded in the local engine"))
+                continue
+            if rows and rows + job.n > self.max_batch_size:
+                break
+            new.append(self.pending.popleft())
+            rows += job.n
+        if not new:
+            return
+        new_rows, logits_RV, cache, mask_RT = prefill(self.model, new)
+        tokens_R, chosen_R, top = sample(logits_RV, new_rows, self.device)
+        keep = self._record(new_rows, tokens_R, chosen_R, top)
+        if not keep:
+            return
+        self.batch.merge(new_rows, keep, cache, mask_RT, tokens_R)
+
+    def _decode_step(self) -> None:
+        batch = self.batch
+        alive = [i for i, row in enumerate(batch.rows) if not row.job.cancelled.is_set()]
+        if len(alive) < len(batch.rows):
+            batch.select(alive)
+            if not batch.rows:
+                return
+        logits_BV = batch.step_logits(self.model)
+        tokens_B, chosen_B, top = sample(logits_BV, batch.rows, self.device)
+        keep = self._record(batch.rows, tokens_B, chosen_B, top)
+        batch.next_B = tokens_B
+        if len(keep) < len(batch.rows):
+            batch.select(keep)
+
+    def _record(self, rows: list[Row], tokens_B, chosen_B, top) -> list[int]:
+        """Append the sampled tokens; finish rows that stop; stream deltas. Returns the rows that go on."""
+        tokens, logprobs = tokens_B.tolist(), chosen_B.tolist()
+        detok, eos_ids = self.detokenizer, self.model.eos_ids
+        keep: list[int] = []
+        deltas: dict[int, tuple[Job, list]] = {}
+        for i, row in enumerate(rows):
+            job, sampling = row.job, row.job.sampling
+            row.ids.append(tokens[i])
+            row.logprobs.append(logprobs[i])
+            if sampling.top_logprobs:
+                row.top.append(top[i][: sampling.top_logprobs])
+            track_text = job.stream or bool(sampling.stops)
+            if tokens[i] in eos_ids:
+                row.finish_reason = "stop"
+            elif track_text:
+                detok.advance(row)
+                if sampling.stops and detok.cut_at_stop(row):
+                    row.finish_reason = "stop"
+            if row.finish_reason is None and len(row.ids) >= sampling.max_new_tokens:
+                row.finish_reason = "length"
+            if row.finish_reason is not None:
+                row.text = detok.decode(row.ids)  # the whole text, including any held-back bytes
+                if job.stream and row.sent_tokens < len(row.ids):  # logprobs not streamed yet
+                    deltas.setdefault(id(job), (job, []))[1].append(delta(row, "", len(row.ids)))
+                self._flush(deltas.pop(id(job), None))  # keep this job's events in order
+                self._post(
+                    job,
+                    "finish",
+                    ChoiceResult(
+                        row.index, row.text, row.ids, row.logprobs, row.top or [[] for _ in row.ids], row.finish_reason
+                    ),
+                )
+                continue
+            keep.append(i)
+            if job.stream:
+                chars, count = streamable(row)
+                text = row.text[row.sent : chars] if chars > row.sent else ""
+                row.sent = max(row.sent, chars)
+                if text or count > row.sent_tokens:
+                    deltas.setdefault(id(job), (job, []))[1].append(delta(row, text, count))
+        for entry in deltas.values():
+            self._flush(entry)
+        return keep
+
+    def _flush(self, entry) -> None:
+        if entry is not None:
+            job, items = entry
+            self._post(job, "delta", items)
+
+    # ------------------------------------------------------------ failure
+
+    def _fail_running(self, error: RLProxyError) -> None:
+        for job in {id(row.job): row.job for row in self.batch.rows}.values():
+            self._post(job, "error", error)
+        self.batch.clear()
+
+    def _fail_everything(self, error: RLProxyError) -> None:
+        self._fail_running(error)
+        while self.pending:
+            self._post(self.pending.popleft(), "error", error)

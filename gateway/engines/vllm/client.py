@@ -1,0 +1,104 @@
+"""HTTP to one vLLM server: the connections, and its admin API's answers as the gateway's errors.
+
+Chat completions answered in one piece go through `gateway.engines.http1`'s lean pool (a
+third of aiohttp's CPU per request, bench/upstream_client.py); streams and the admin API
+(adapters, sleep, `/v1/models`, `/health`), aiohttp. vLLM unreachable is `EngineUnavailable`
+(503); no answer in time, `UpstreamTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+
+from gateway.engines.http1 import HTTP1Pool
+from gateway.engines.vllm.server import probe_health
+from gateway.engines.vllm.wire import error_message, loads, maybe_json
+from gateway.errors import EngineUnavailable, UpstreamError, UpstreamTimeout
+
+
+class VLLMClient:
+    """The connections to the vLLM at `url`; `timeout` bounds each answer (streams: each read)."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url = url
+        self.timeout = timeout
+        self.session: aiohttp.ClientSession | None = None
+        self.pool = HTTP1Pool(url, {"Content-Type": "application/json", "Accept": "application/json"})
+        self._chat_head = self.pool.head("POST", "/v1/chat/completions")
+
+    def open(self) -> None:
+        if self.session is None:
+            # No cookie jar: nothing from vLLM should leak between clients.
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=512, limit_per_host=0), cookie_jar=aiohttp.DummyCookieJar()
+            )
+
+    async def close(self) -> None:
+        await self.pool.close()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # ------------------------------------------------------------ chat (the hot path)
+
+    def chat(self, body: bytes):
+        """POST a chat completion answered in one piece: an awaitable of the pool's `Answer`
+        (returned, not awaited here, so the request pays no extra coroutine)."""
+        return self.pool.exchange(self._chat_head, body, timeout=self.timeout)
+
+    def chat_stream(self, body: bytes):
+        """POST a streamed chat completion: aiohttp's awaitable response (release it when done)."""
+        return self.session.post(
+            self.url + "/v1/chat/completions",
+            data=body,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout),
+            headers={"Content-Type": "application/json"},
+        )
+
+    # ------------------------------------------------------------ the admin API
+
+    async def healthy(self) -> bool:
+        return await probe_health(self.session, self.url)
+
+    async def post(self, path: str, body: dict | None) -> tuple[int, bytes]:
+        try:
+            async with self.session.post(
+                self.url + path,
+                data=orjson.dumps(body) if body is not None else None,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+            ) as resp:
+                return resp.status, await resp.read()
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(f"vLLM did not answer {path} within {self.timeout:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(
+                f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}"
+            ) from None
+
+    async def get_json(self, path: str) -> dict:
+        try:
+            async with self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                status, payload = resp.status, await resp.read()
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            raise EngineUnavailable(
+                f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}"
+            ) from None
+        if status != 200:
+            raise UpstreamError(
+                sleep_error(path, status, payload) if "sleep" in path else f"vLLM answered {status} on {path}"
+            )
+        return loads(payload, path)
+
+
+def sleep_error(path: str, status: int, payload: bytes) -> str:
+    """What a failed `/sleep`, `/wake_up` or `/is_sleeping` means."""
+    if status == 404:
+        return (
+            f"vLLM has no {path} endpoint: for --gpu-mode colocated start it with --enable-sleep-mode "
+            "and VLLM_SERVER_DEV_MODE=1 (rlproxy does when it starts vLLM itself), or use --gpu-mode dedicated"
+        )
+    return f"vLLM answered {status} on {path}: {error_message(maybe_json(payload))}"

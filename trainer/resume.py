@@ -1,0 +1,113 @@
+"""Where a worker goes on from: its checkpoints reconciled with the store's step rows.
+
+At start, and after the store failed mid-step: unfinished checkpoint writes are removed; a
+complete checkpoint without a step row (the worker stopped between writing and recording
+it) is recorded now from its `trainer_state.json`, or discarded if its groups were claimed
+meanwhile; a trainer on a new machine fetches the newest checkpoint from the store where
+the store keeps one (PostgreSQL); an empty directory gets a fresh step 0. The next step is
+the last checkpoint + 1.
+
+The weights themselves are the worker's: it hands in how to save and load them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from pathlib import Path
+from typing import Protocol
+
+from gateway.errors import ConfigError, Conflict
+from gateway.settings import Settings
+from gateway.store import Store
+from trainer import checkpoints as ckpts
+
+log = logging.getLogger("rlproxy.trainer")
+
+# Settings a checkpoint cannot be resumed under when they change.
+_ADAPTER_SHAPE = ("base_model", "lora_rank", "lora_alpha")
+
+
+class SaveCheckpoint(Protocol):
+    """Write checkpoint `step` of the current weights (atomically) and return it."""
+
+    def __call__(self, step: int, *, metrics: dict, groups: list[str]) -> ckpts.Checkpoint: ...
+
+
+class LoadCheckpoint(Protocol):
+    """Load the weights (and optimizer state) of the checkpoint at `path`."""
+
+    def __call__(self, path: Path) -> None: ...
+
+
+def resume(
+    store: Store,
+    model: str,
+    root: Path,
+    settings: Settings,
+    *,
+    save: SaveCheckpoint,
+    load: LoadCheckpoint,
+) -> int:
+    """Reconcile `root` with the store's steps of `model`, load the newest checkpoint (or
+    save a fresh step 0) and return the step to train next."""
+    for leftover in ckpts.remove_partial(root):
+        log.info("removed an unfinished checkpoint write: %s", leftover.name)
+    recorded = {row["step"] for row in store.steps(model)}
+    last_recorded = max(recorded, default=-1)
+    for checkpoint in ckpts.list_checkpoints(root):
+        if checkpoint.step > last_recorded:
+            record_orphan(store, model, checkpoint)
+    recorded = {row["step"] for row in store.steps(model)}
+    last_recorded = max(recorded, default=-1)
+
+    # A trainer on a new machine: the checkpoint from the store, where it keeps one (PostgreSQL).
+    if last_recorded >= 0 and ckpts.latest_checkpoint(root) is None:
+        if store.restore_checkpoint(model, last_recorded, ckpts.checkpoint_dir(root, last_recorded)):
+            log.info("step %d: checkpoint fetched from the store", last_recorded)
+    latest = ckpts.latest_checkpoint(root)
+    if latest is None:
+        if last_recorded > 0:
+            raise ConfigError(
+                f"the store records steps up to {last_recorded} for model '{model}' but "
+                f"{root} holds no checkpoint; restore the checkpoints, or train under another "
+                "--model-name or --state-dir"
+            )
+        checkpoint = save(0, metrics={}, groups=[])
+        if 0 not in recorded:
+            store.insert_step(model, 0, str(checkpoint.path), {}, [])
+        log.info("step 0: fresh adapter saved to %s", checkpoint.path)
+        return 1
+    check_compatible(latest, settings, model, root)
+    load(latest.path)
+    if last_recorded > latest.step:
+        log.warning("steps after %d are recorded but their checkpoints are gone", latest.step)
+    next_step = max(latest.step, last_recorded) + 1
+    log.info("resumed from checkpoint %s; next step %d", latest.path, next_step)
+    return next_step
+
+
+def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint) -> None:
+    """A checkpoint written but not recorded (killed between the two): record it now,
+    or discard it if its groups were claimed meanwhile."""
+    state = checkpoint.state()
+    try:
+        store.insert_step(model, checkpoint.step, str(checkpoint.path), state["metrics"], state["groups"])
+    except (Conflict, sqlite3.IntegrityError) as exc:
+        log.warning("discarding checkpoint %s, which was never recorded: %s", checkpoint.path, exc)
+        ckpts.discard(checkpoint)
+        return
+    log.info("recorded step %d from its checkpoint (the worker stopped before recording it)", checkpoint.step)
+
+
+def check_compatible(checkpoint: ckpts.Checkpoint, settings: Settings, model: str, root: Path) -> None:
+    """Raise `ConfigError` if `checkpoint` was trained with another adapter shape."""
+    saved = checkpoint.settings()
+    current = settings.public_dict()
+    changed = [k for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
+    if changed:
+        what = ", ".join(f"{k} {saved[k]!r} -> {current[k]!r}" for k in changed)
+        raise ConfigError(
+            f"checkpoints of model '{model}' in {root} were trained with other settings ({what}); "
+            "keep those settings, or train under another --model-name or --state-dir"
+        )

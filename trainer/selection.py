@@ -1,0 +1,75 @@
+"""Which groups make the next step: claimed, those that cannot teach set aside, then enough.
+
+Ready groups are claimed for this trainer (several trainers on one store take disjoint
+groups). A group without a reward spread never teaches anything, and one sampled more than
+`--max-staleness` steps before the step being trained from is too far off-policy for the
+importance weights to correct: both are marked skipped at once and do not count towards
+`groups_per_step`. A step starts with `groups_per_step` groups, or earlier with what there
+is when a trigger asks for one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from gateway.settings import Settings
+from gateway.store import Store
+from trainer.data import NO_SPREAD, sampling_step, spread_groups
+
+log = logging.getLogger("rlproxy.trainer")
+
+HOLDER = f"{socket.gethostname()}:{os.getpid()}"
+"""This trainer, in claims on a shared store."""
+
+
+def without_spread(store: Store, ready: list[dict]) -> tuple[list[dict], int]:
+    """The full groups of `ready` that have a reward spread, and how many were marked skipped."""
+    keep, drop = spread_groups([store.get_group(g["id"]) for g in ready])
+    if drop:
+        store.mark_skipped([g["id"] for g in drop], NO_SPREAD)
+        log.info("skipped %d group(s) with no reward spread", len(drop))
+    return keep, len(drop)
+
+
+def without_stale(store: Store, settings: Settings, groups: list[dict], next_step: int) -> tuple[list[dict], int]:
+    """`groups` less those sampled more than `max_staleness` steps before the step this
+    worker trains from (`next_step - 1`), and how many were marked skipped. Applies to every
+    engine that serves our adapters (local keeps serving while it trains, vLLM in dedicated
+    mode too); an `openai` upstream's policy is not ours, so it has no step."""
+    if settings.engine == "openai":
+        return groups, 0
+    from gateway.colocate import is_stale
+
+    current = next_step - 1
+    fresh, stale = [], {}
+    for group in groups:
+        calls = [c for s in group["sessions"] for c in store.session_calls(s["id"])]
+        sampled_by = sampling_step(calls)
+        if is_stale(sampled_by, current, settings.max_staleness):
+            stale[group["id"]] = f"stale: sampled by step {sampled_by}, training from step {current}"
+        else:
+            fresh.append(group)
+    for gid, reason in stale.items():
+        store.mark_skipped([gid], reason)
+    if stale:
+        log.info("skipped %d group(s) sampled more than %d steps ago", len(stale), settings.max_staleness)
+    return fresh, len(stale)
+
+
+def enough_for_a_step(
+    store: Store, settings: Settings, model: str, groups: list[dict], next_step: int
+) -> list[dict] | None:
+    """The groups of step `next_step` out of `groups`, or None while there are too few and
+    no trigger asks for a step."""
+    wanted = settings.groups_per_step
+    if len(groups) >= wanted:
+        store.consume_triggers(model)  # this step answers any pending ask too
+        return groups[:wanted]
+    # A trigger is consumed only when it can be honoured (>= 1 group): one posted
+    # before any group is ready fires as soon as one is.
+    if groups and store.consume_triggers(model):
+        log.info("training step %d now: asked for by a trigger", next_step)
+        return groups
+    return None
