@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gateway.errors import ConfigError
 
@@ -35,7 +37,7 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return sorted(p for p in Path(directory).iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def upload_step_files(conn, model: str, step: int, directory: Path) -> int:
+def upload_step_files(conn: Any, model: str, step: int, directory: Path) -> int:
     """Write the checkpoint's files into the store (inside the caller's transaction).
     Content-addressed: a file already stored (an unchanged config) is not sent twice."""
     conn.execute("DELETE FROM step_files WHERE model = ? AND step = ?", (model, step))
@@ -72,7 +74,7 @@ def _verified(directory: Path, listing: list[tuple[str, str, int]]) -> bool:
     )
 
 
-def materialize(read_blob, listing: list[tuple[str, str, int]], dest: Path) -> Path:
+def materialize(read_blob: Callable[[str], bytes | None], listing: list[tuple[str, str, int]], dest: Path) -> Path:
     """Fetch the files of `listing` (name, sha256, size) into `dest`, verified, atomically:
     written into a hidden sibling, each file's checksum checked, then renamed to `dest`."""
     if dest.is_dir() and _verified(dest, listing):

@@ -93,7 +93,8 @@ _SESSION_STEP = "(SELECT COALESCE(MIN(COALESCE(c.step, 0)), 0) FROM calls c WHER
 
 def list_sessions(query: Query, f: ListFilter) -> dict:
     check_filter(f)
-    where, params = ["1 = 1"], []
+    where: list[str] = ["1 = 1"]
+    params: list = []
     _common(f, "s", where, params)
     if f.group_id is not None:
         where.append("s.group_id = ?")
@@ -117,7 +118,8 @@ def list_sessions(query: Query, f: ListFilter) -> dict:
 
 def list_groups(query: Query, f: ListFilter) -> dict:
     check_filter(f)
-    where, params = ["1 = 1"], []
+    where: list[str] = ["1 = 1"]
+    params: list = []
     _common(f, "g", where, params)
     if f.state == "trained":
         where.append("g.trained_step IS NOT NULL")

@@ -37,14 +37,14 @@ _RETRYABLE = ("40P01", "40001")  # deadlock detected, serialization failure: rer
 
 
 class _PgCursor:
-    def __init__(self, cursor):
+    def __init__(self, cursor: Any) -> None:
         self._cursor = cursor
         self._conn = cursor.connection
 
-    def fetchone(self):
+    def fetchone(self) -> Any:
         return self._cursor.fetchone()
 
-    def fetchall(self):
+    def fetchall(self) -> list:
         return self._cursor.fetchall()
 
     @property
@@ -52,7 +52,7 @@ class _PgCursor:
         return self._cursor.rowcount
 
     @property
-    def description(self):
+    def description(self) -> Any:
         return self._cursor.description
 
     @property
@@ -72,7 +72,7 @@ def translate(sql: str) -> str:
 class _PgConn:
     """The sqlite3.Connection surface the store's ops use, on one psycopg connection."""
 
-    def __init__(self, conn):
+    def __init__(self, conn: Any) -> None:
         self._conn = conn
 
     def execute(self, sql: str, params: tuple | list | dict = ()) -> _PgCursor:

@@ -5,14 +5,16 @@ PostgreSQL types, plus `calls.seq`: the order of a session's calls, handed out b
 so replicas' clocks never decide it). Each later version is a list of statements; `migrate`
 runs the missing ones in order, in one transaction under an advisory lock, so gateways and
 trainers starting together migrate once. Columns the SQLite schema gains later
-(`store_schema._ADDED_COLUMNS`) are added here too, so both backends hold the same rows.
+(`sqlite_schema._ADDED_COLUMNS`) are added here too, so both backends hold the same rows.
 A database newer than this code is refused: running old code on it could lose columns' data.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.errors import ConfigError
-from gateway.store import sqlite_schema as store_schema
+from gateway.store import sqlite_schema
 
 _V1 = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -158,7 +160,7 @@ def _pg_type(definition: str) -> str:
     return definition.replace("REAL", "DOUBLE PRECISION").replace("BLOB", "BYTEA")
 
 
-def migrate(conn) -> int:
+def migrate(conn: Any) -> int:
     """Bring the database to `VERSION` (created from nothing, or from any earlier version).
     Returns the version it started at (0: empty)."""
     with conn.transaction():
@@ -180,6 +182,6 @@ def migrate(conn) -> int:
             conn.execute(MIGRATIONS[version])
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version,))
         # Columns the SQLite schema gained (both backends hold the same rows).
-        for table, column, definition in store_schema._ADDED_COLUMNS:
+        for table, column, definition in sqlite_schema._ADDED_COLUMNS:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {_pg_type(definition)}")
     return current

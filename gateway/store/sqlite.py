@@ -90,6 +90,7 @@ class SQLiteStore(Store):
             return None
         try:
             conn = self._loop_conn
+            assert conn is not None  # a file store (`_writes_on_loop`) always has one
             try:
                 _begin(conn)
             except sqlite3.Error:
