@@ -58,6 +58,7 @@ TRAINER = (
     "load_in_4bit",
     "groups_per_step",
     "learning_rate",
+    "weight_decay",
     "loss_type",
     "epsilon",
     "epsilon_high",

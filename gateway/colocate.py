@@ -78,6 +78,17 @@ def is_stale(group_step: int | None, current_step: int, max_staleness: int) -> b
     return current_step - (group_step or 0) > max_staleness
 
 
+RECORD_ONLY_ENGINES = frozenset({"openai"})
+"""Engines whose calls were sampled by a policy that is not ours (an upstream's): no step."""
+
+
+def policy_calls(calls: Iterable[dict]) -> list[dict]:
+    """The calls one of our adapters (or the base model) answered, by the engine each call
+    recorded (`calls.engine`), never the reading process's own `--engine`: a trainer on
+    another machine may run with any setting. Only these can be stale."""
+    return [call for call in calls if call.get("engine") not in RECORD_ONLY_ENGINES]
+
+
 def sampled_step(calls: Iterable[dict]) -> int:
     """The step a group (or session) was sampled by: the oldest adapter step among its
     recorded calls (`calls.step`; None = the base model = step 0). Feed it to `is_stale`."""

@@ -21,6 +21,17 @@ BUILT_IN_MODELS = (TINY_MODEL_ID, TINY_INSTRUCT_MODEL_ID)
 KEEP_ALIVE_SECONDS = 75
 """uvicorn's keep-alive, well past the clients' own 5 s (httpx, openai): with equal timeouts
 both ends drop an idle connection at once and a request sent then fails with a ReadError."""
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy (argmax) on every engine, as vLLM treats it:
+`_SAMPLING_EPS = 1e-5` in vllm/sampling_params.py, where `SamplingParams.sampling_type` is
+GREEDY when `temperature < _SAMPLING_EPS` (and vllm/v1/sample/sampler.py picks the argmax
+below it). Greedy calls are recorded with temperature 0 and no behaviour logprobs, and the
+trainer never trains their tokens: a point mass has no distribution to take a ratio against."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a call sampling at `temperature` is greedy (`GREEDY_BELOW`)."""
+    return temperature < GREEDY_BELOW
 
 
 class Settings(BaseSettings):
@@ -103,6 +114,9 @@ class Settings(BaseSettings):
     )
     groups_per_step: int = Field(4, ge=1, description="ready train groups per training step")
     learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW weight decay (0 as in TRL and transformers); applies after a restart too"
+    )
     loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field("grpo", description="policy loss")
     epsilon: float = Field(0.2, gt=0, description="lower clip range of the ratio")
     epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon)")
@@ -123,7 +137,8 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="dr_grpo: the fixed token budget a trajectory's "
-        "loss is divided by; default: the largest max_tokens the calls asked for",
+        "loss is divided by; default: the largest max_tokens among the run's first step's calls "
+        "(--default-max-tokens for calls that set none), fixed for the run and saved with the checkpoints",
     )
     lora_rank: int = Field(16, ge=1, description="LoRA rank")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha")

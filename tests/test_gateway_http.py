@@ -369,6 +369,15 @@ def test_session_view_shows_sampling_beside_behaviour_logprobs(client, http):
     assert call["sampling"]["presence_penalty"] is None
 
 
+def test_a_greedy_call_shows_why_it_is_not_trained(client, http):
+    # an upstream call at 1e-6 is greedy (below 1e-5, as vLLM decides it): never trained
+    _chat(client, "argmax", temperature=1e-6, extra_headers={"X-Session-Id": "greedy-view"})
+    _chat(client, "sampled", temperature=0.7, extra_headers={"X-Session-Id": "greedy-view"})
+    greedy, sampled = http.get("/v1/sessions/greedy-view/tokens").json()["calls"]
+    assert greedy["trained"] is False and greedy["untrained_reason"].startswith("greedy")
+    assert sampled["untrained_reason"] is None
+
+
 def test_reward_and_session_roundtrip(client, http):
     _chat(client, "solve it", extra_headers={"X-Session-Id": "rewarded"})
     reply = http.post("/v1/sessions/rewarded/reward", json={"reward": 0.75, "metrics": {"steps": 3}})

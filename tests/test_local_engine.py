@@ -306,6 +306,20 @@ async def test_greedy_and_tiny_top_p_agree(engine):
     assert greedy.tokens.choices[0].completion_ids == nucleus.tokens.choices[0].completion_ids
 
 
+async def test_a_near_zero_temperature_is_greedy_and_recorded_as_greedy(engine):
+    # vLLM samples greedily below 1e-5 (_SAMPLING_EPS); so does the local engine, and the record
+    # says so: temperature 0, no behaviour logprobs (the token came from a point mass).
+    greedy = await engine.complete(request(max_tokens=10, temperature=0, logprobs=True))
+    for seed in (1, 2):
+        tiny = await engine.complete(request(max_tokens=10, temperature=1e-6, seed=seed, logprobs=True))
+        assert tiny.tokens.choices[0].completion_ids == greedy.tokens.choices[0].completion_ids
+        assert tiny.tokens.sampling["temperature"] == 0.0
+        assert tiny.tokens.choices[0].logprobs is None
+        # the client still gets logprobs, at T = 1 as vLLM sends them for greedy calls
+        assert tiny.response["choices"][0]["logprobs"] == greedy.response["choices"][0]["logprobs"]
+    assert greedy.tokens.sampling["temperature"] == 0.0 and greedy.tokens.choices[0].logprobs is None
+
+
 # ---------------------------------------------------------------- stop strings
 
 

@@ -69,13 +69,13 @@ def test_mixed_protocol_session_trains_with_hand_checked_masks(gateway, tokenize
     oai = openai.OpenAI(base_url=f"{url}/sessions/mixed/v1", api_key="x", max_retries=0)
     claude = anthropic.Anthropic(base_url=f"{url}/sessions/mixed", api_key="x", max_retries=0)
     first = oai.responses.create(
-        model=TINY_MODEL_ID, instructions="be kind", input="tell me", max_output_tokens=6, temperature=0
-    )
+        model=TINY_MODEL_ID, instructions="be kind", input="tell me", max_output_tokens=6, temperature=0.7
+    )  # sampled, not greedy: greedy calls are context only (never trained)
     second = claude.messages.create(
         model=TINY_MODEL_ID,
         system="be kind",
         max_tokens=6,
-        extra_body={"temperature": 0},
+        extra_body={"temperature": 0.7},
         messages=[
             {"role": "user", "content": "tell me"},
             {"role": "assistant", "content": first.output_text},
@@ -85,7 +85,7 @@ def test_mixed_protocol_session_trains_with_hand_checked_masks(gateway, tokenize
     oai.chat.completions.create(
         model=TINY_MODEL_ID,
         max_tokens=6,
-        temperature=0,
+        temperature=0.7,
         messages=[
             {"role": "system", "content": "be kind"},
             {"role": "user", "content": "tell me"},

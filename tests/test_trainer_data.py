@@ -264,7 +264,7 @@ def test_store_rows_round_trip(session):
 
 
 def test_each_token_keeps_its_calls_sampling_temperature(session):
-    # The engine's record of the sampling in force wins; greedy (0) and unknown count as 1.
+    # The engine's record of the sampling in force wins; greedy (< 1e-5) and unknown count as 1.
     c1, c2 = (dict(c) for c in (session["calls"][0], session["calls"][2]))
     c1["sampling"] = {"temperature": 0.7, "top_p": 0.9}
     c2["sampling"] = {"temperature": 0.0}
@@ -272,7 +272,7 @@ def test_each_token_keeps_its_calls_sampling_temperature(session):
     p1, n1 = len(session["p1"]), len(session["c1"])
     expected = [1.0] * len(sample.token_ids)
     expected[p1 : p1 + n1] = [0.7] * n1
-    assert list(sample.temperatures) == expected  # the second call was greedy: scored at 1
+    assert list(sample.temperatures) == expected  # the second call was greedy: context, never scored
     # an upstream's call: the request's temperature
     o1 = {
         **session["calls"][0],

@@ -170,8 +170,9 @@ def test_gspo_clips_whole_sequences_with_small_epsilons():
 
 
 def test_cispo_detached_clipped_weight():
-    loss, grad, _, m = run(LossConfig("cispo", epsilon=0.2, epsilon_high=0.2))
-    # Weight min(r, 1.2), no lower clip: a 1.19, b 1.2, f 0.5, c 0.81, d 0.79, e 1.2.
+    loss, grad, _, m = run(LossConfig("cispo", epsilon=0.2, epsilon_high=1.2))
+    # Weight min(r, epsilon_high) (TRL: the cap is epsilon_high itself), no lower clip:
+    # a 1.19, b 1.2, f 0.5, c 0.81, d 0.79, e 1.2.
     w = {"a": 1.19, "b": 1.2, "f": 0.5, "c": 0.81, "d": 0.79, "e": 1.2}
     # Token loss -w A logp; mean per trajectory then over 2.
     per = {k: -w[k] * ADV[k] * LOGP[k] for k in w}
@@ -271,7 +272,7 @@ def test_cispo_averages_over_every_token_of_the_batch():
     t = batch()
     t["loss_mask"] = torch.tensor([False, True, True, True, False, True, False, False])
     t["trajectory_tokens"] = torch.tensor([3.0] * 4 + [1.0] * 4)
-    loss, _ = compute_loss(config=LossConfig("cispo", epsilon=0.2, epsilon_high=0.2), **t)
+    loss, _ = compute_loss(config=LossConfig("cispo", epsilon=0.2, epsilon_high=1.2), **t)
     w = {"a": 1.19, "b": 1.2, "f": 0.5, "c": 0.81}
     expected = sum(-w[k] * ADV[k] * LOGP[k] for k in w) / 4
     assert loss.item() == pytest.approx(expected, abs=1e-6)

@@ -25,7 +25,7 @@ from gateway.engines.base import EngineRequest
 from gateway.engines.vllm.engine import VLLMEngine
 from gateway.engines.vllm.probes import check_logprobs_mode
 from gateway.engines.vllm.server import max_lora_rank_for, vllm_command, vllm_environment, vllm_gpu_for
-from gateway.engines.vllm.wire import ClientAsk, StreamSplitter, split_completion, vllm_body
+from gateway.engines.vllm.wire import ClientAsk, StreamSplitter, sampling_in_force, split_completion, vllm_body
 from gateway.errors import ConfigError, EngineUnavailable, UpstreamError
 from gateway.models.tiny import resolve_base_model
 from gateway.store import Store
@@ -267,6 +267,29 @@ def test_request_body_asks_for_token_ids_and_logprobs():
     }  # every field explicit: no generation-config default applies
     asked = {**body, "logprobs": True, "top_logprobs": 3}
     assert vllm_body(asked, BASE, ClientAsk.of(asked))["top_logprobs"] == 3
+
+
+def test_near_zero_temperatures_are_sent_and_recorded_as_vllm_samples_them():
+    # vLLM raises (0, 1e-2) to 1e-2 before deciding greedy (< 1e-5): 1e-6 would sample at 1e-2
+    # while rlproxy recorded 1e-6. Below 1e-5 rlproxy sends greedy (0); up to 1e-2, vLLM's floor.
+    for asked, in_force in ((0, 0.0), (1e-6, 0.0), (9.9e-6, 0.0), (1e-3, 1e-2), (0.5, 0.5)):
+        body = {"model": "agent", "messages": MESSAGES, "temperature": asked}
+        assert sampling_in_force(body)["temperature"] == in_force, asked
+        assert vllm_body(body, "agent@3", ClientAsk.of(body))["temperature"] == in_force, asked
+    data = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "token_ids": [1],
+                "logprobs": {"content": [{"token": "hi", "logprob": -0.5, "top_logprobs": []}]},
+            }
+        ],
+        "prompt_token_ids": [7],
+    }
+    greedy = sampling_in_force({"messages": MESSAGES, "temperature": 1e-6})
+    _, tokens = split_completion(data, ClientAsk(False, 0, False), greedy)
+    assert tokens.choices[0].logprobs is None  # greedy: no mu recorded
 
 
 def test_misaligned_logprobs_are_dropped_not_recorded():

@@ -2,7 +2,8 @@
 
 Each checkpoint holds the adapter in PEFT format (what the gateway loads), the optimizer
 state, `settings.json` (the settings that produced it, secrets excluded) and
-`trainer_state.json` (step, metrics and the group ids it trained on).
+`trainer_state.json` (step, metrics, the group ids it trained on and the run's dr_grpo token
+budget, fixed at its first step and restored on restart).
 
 A checkpoint is written into a hidden temporary sibling (`.tmp-NNNN-PID`), every file and
 the directory fsynced, then renamed to `NNNN`: a rename within one directory is atomic,
@@ -35,11 +36,19 @@ class Checkpoint:
     path: Path
 
     def state(self) -> dict:
-        """`trainer_state.json`: {"step", "metrics", "groups"}."""
+        """`trainer_state.json`: {"step", "metrics", "groups", "token_budget"} (the last one
+        absent from checkpoints written before it existed, and None before the first step)."""
         return json.loads((self.path / STATE_FILE).read_text())
 
     def settings(self) -> dict:
         return json.loads((self.path / SETTINGS_FILE).read_text())
+
+
+def saved_token_budget(path: Path) -> int | None:
+    """The run's dr_grpo token budget saved in the checkpoint at `path` (None: not fixed yet,
+    or a checkpoint from before it was saved)."""
+    value = json.loads((Path(path) / STATE_FILE).read_text()).get("token_budget")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -105,6 +114,7 @@ def write_checkpoint(
     settings: dict,
     metrics: dict,
     groups: list[str],
+    token_budget: int | None = None,
 ) -> Checkpoint:
     """Write checkpoint `step` atomically: `write_files(tmp_dir)` (the backend's `save`),
     then the JSON files, fsync, rename. Raises FileExistsError if `NNNN` already exists
@@ -120,7 +130,7 @@ def write_checkpoint(
     try:
         write_files(tmp)
         (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, sort_keys=True))
-        state = {"step": step, "metrics": metrics, "groups": groups}
+        state = {"step": step, "metrics": metrics, "groups": groups, "token_budget": token_budget}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         _fsync_tree(tmp)
         os.rename(tmp, final)

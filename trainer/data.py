@@ -11,7 +11,11 @@ trajectory, with the same advantage.
 
 Each token keeps the temperature its call sampled at (`Sample.temperatures`): the trainer
 scores pi_old at it, so the policy it compares against is the one that sampled. Greedy
-calls (temperature 0) are scored at 1, as engines report their logprobs.
+calls (temperature below 1e-5, `gateway.settings.GREEDY_BELOW`, as vLLM decides it; any
+engine, any protocol) are not trained: a point mass has no distribution for a ratio, and
+pi_old at T = 1e-6 would inflate it ~10^6. Their completion stays in the sequence as
+context (masked, like a prompt), so the trajectory's later turns still merge and train;
+each is counted (`GREEDY`, `Batch.greedy_calls`, the step's `greedy_calls` metric).
 
 Calls recorded without token ids (the `openai` engine) are re-rendered with the base
 model's chat template (`ChatTemplateRenderer`) and trained without behaviour logprobs
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainer.advantages import compute_advantages, has_reward_spread
-from trainer.retries import trainable_calls
+from trainer.retries import GREEDY, greedy_calls, is_greedy_call, sampling_temperature, trainable_calls
 from trainer.types import Sample
 
 if TYPE_CHECKING:
@@ -56,6 +60,8 @@ class Turn:
     """Same length as `completion_ids`; behaviour logprobs, NaN where unknown."""
     temperature: float = 1.0
     """The temperature the completion was sampled at (1 for greedy or unknown)."""
+    trained: bool = True
+    """False for a greedy call: its completion is context, never trained on."""
 
 
 Render = Callable[[dict, dict], "Turn | None"]
@@ -65,23 +71,22 @@ Render = Callable[[dict, dict], "Turn | None"]
 # ------------------------------------------------------------------ calls -> turns
 
 
-def sampling_temperature(call: dict) -> float:
-    """The temperature a call's completion was sampled at: the engine's record of the
-    sampling in force, else what the request asked for; greedy (0) and unknown count as 1."""
-    temperature: Any = (call.get("sampling") or {}).get("temperature")  # JSON: a number, or anything
-    if temperature is None:
-        temperature = (call.get("request") or {}).get("temperature")
-    try:
-        temperature = float(temperature)
-    except (TypeError, ValueError):
-        return 1.0
-    return temperature if temperature > 0 and math.isfinite(temperature) else 1.0
-
-
 def call_turn(call: dict, render: Render | None = None) -> Turn | None:
-    """The turn a recorded call contributes, or None (failed call, or nothing usable)."""
+    """The turn a recorded call contributes, or None (failed call, or nothing usable). A
+    greedy call's turn is context only (`trained=False`, no logprobs)."""
     if call.get("status") != "ok":
         return None
+    if is_greedy_call(call):
+        turn = _call_turn(call, render)
+        return (
+            dataclasses.replace(turn, completion_logprobs=(NAN,) * len(turn.completion_ids), trained=False)
+            if turn
+            else None
+        )
+    return _call_turn(call, render)
+
+
+def _call_turn(call: dict, render: Render | None) -> Turn | None:
     temperature = sampling_temperature(call)
     prompt_ids = call.get("prompt_ids")
     completions = call.get("completion_ids")
@@ -132,7 +137,7 @@ def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, adv
         old.extend([NAN] * len(new_prompt))
         temps.extend([1.0] * len(new_prompt))
         ids.extend(turn.completion_ids)
-        mask.extend([True] * len(turn.completion_ids))
+        mask.extend([turn.trained] * len(turn.completion_ids))
         old.extend(turn.completion_logprobs)
         temps.extend([turn.temperature] * len(turn.completion_ids))
     flush()
@@ -162,10 +167,12 @@ class Batch:
     """Group id -> why it was not trained (no reward spread, no trainable tokens)."""
     rewards: list[float] = field(default_factory=list)
     """Rewards of the trajectories of `group_ids`."""
+    greedy_calls: int = 0
+    """Calls of `group_ids`' trajectories left untrained for `GREEDY`."""
 
 
 NO_SPREAD = "no reward spread: every rollout of the group scored the same"
-NO_TOKENS = "no trainable tokens: every call failed or had no completion"
+NO_TOKENS = "no trainable tokens: every call failed, was greedy or had no completion"
 
 
 def trained_sessions(group: dict) -> list[dict]:
@@ -208,10 +215,13 @@ def build_batch(
     samples: list[Sample] = []
     trained: list[str] = []
     rewards: list[float] = []
+    greedy = 0
     for gid, advantages_G in advantages.items():
         group = by_id[gid]
         group_samples = []
+        group_greedy = 0
         for session, advantage in zip(trained_sessions(group), advantages_G, strict=False):
+            group_greedy += len(greedy_calls(calls_by_session.get(session["id"], [])))
             group_samples += trajectory_samples(
                 calls_by_session.get(session["id"], []),
                 trajectory_id=session["id"],
@@ -225,7 +235,10 @@ def build_batch(
         samples += group_samples
         trained.append(gid)
         rewards += group_rewards(group)
-    return Batch(samples, trained, skipped, rewards)
+        greedy += group_greedy
+    if greedy:
+        log.info("%d greedy call(s) not trained (%s); their turns stay as context", greedy, GREEDY)
+    return Batch(samples, trained, skipped, rewards, greedy)
 
 
 TOO_LONG = "too long: a sample's prompt alone exceeds max_tokens_per_row; raise --max-tokens-per-row"
@@ -258,18 +271,18 @@ def fit_to_rows(samples: Sequence[Sample], max_tokens: int) -> tuple[list[Sample
     return [s for s in fitted if s.group_id not in too_long], too_long, cut
 
 
-def token_budget(calls: Sequence[dict]) -> int | None:
-    """The largest completion budget (`max_tokens`) these calls asked for: dr_grpo's fixed
-    divisor when `--max-tokens-norm` is not set."""
+def token_budget(calls: Sequence[dict], default: int) -> int:
+    """The largest completion budget (`max_tokens`) these calls asked for, `default`
+    (`--default-max-tokens`) for a call that set none: on the run's first step, dr_grpo's
+    fixed divisor when `--max-tokens-norm` is not set. Never None."""
     budgets = []
     for call in calls:
         value = (call.get("sampling") or {}).get("max_tokens")
         if value is None:
             request = call.get("request") or {}
             value = request.get("max_completion_tokens") or request.get("max_tokens")
-        if isinstance(value, int) and value > 0:
-            budgets.append(value)
-    return max(budgets, default=None)
+        budgets.append(value if isinstance(value, int) and value > 0 else default)
+    return max(budgets, default=default)
 
 
 def sampling_step(calls: Sequence[dict]) -> int:

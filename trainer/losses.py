@@ -96,13 +96,17 @@ def sequence_clipped_surrogate(x: Tokens, cfg: LossConfig) -> tuple[torch.Tensor
 
 
 def cispo_surrogate(x: Tokens, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CISPO (MiniMax-M1, 2025): -sg(min(r, 1+eps_high)) * A * logp_t. The clipped
-    importance weight is detached, so every token keeps a REINFORCE gradient (none is
-    dropped, unlike PPO clipping). No lower clip, as in MiniMax-M1 (which sets eps_low so
+    """CISPO (MiniMax-M1, 2025): -sg(min(r, eps_max)) * A * logp_t. The clipped importance
+    weight is detached, so every token keeps a REINFORCE gradient (none is dropped, unlike
+    PPO clipping). The cap is `epsilon_high` itself, not 1 + epsilon_high, as in TRL
+    (`GRPOTrainer._compute_loss`: `torch.clamp(coef_1, max=self.epsilon_high).detach()`;
+    `GRPOConfig.epsilon_high`: ScaleRL's eps_max, recommended 5.0), and 5.0 when none is
+    given (`LossConfig.cispo_cap`). No lower clip, as in MiniMax-M1 (which sets eps_low so
     large it never acts): a token the policy now dislikes still gets its weight."""
     ratio_N = torch.exp(x.logprobs_N - x.old_logprobs_N).detach()
-    weight_N = ratio_N.clamp(max=1.0 + cfg.eps_high)
-    return -weight_N * x.advantages_N * x.logprobs_N, ratio_N, ratio_N > 1.0 + cfg.eps_high
+    cap = cfg.cispo_cap
+    weight_N = ratio_N.clamp(max=cap)
+    return -weight_N * x.advantages_N * x.logprobs_N, ratio_N, ratio_N > cap
 
 
 # --- aggregations ---------------------------------------------------------------------
@@ -126,7 +130,7 @@ def sum_over_constant(v_N: torch.Tensor, x: Tokens, cfg: LossConfig, norm: LossN
     if cfg.max_tokens_norm is None:
         raise ValueError(
             "dr_grpo needs max_tokens_norm, a fixed token budget (--max-tokens-norm, "
-            "default: the largest max_tokens the calls asked for)"
+            "default: the largest max_tokens among the run's first step's calls)"
         )
     return v_N.sum() / (cfg.max_tokens_norm * norm.num_trajectories)
 

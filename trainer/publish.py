@@ -23,7 +23,7 @@ from gateway.errors import Conflict
 from gateway.settings import Settings
 from gateway.store import Store
 from trainer import checkpoints as ckpts
-from trainer.data import Render, build_batch, fit_to_rows, token_budget
+from trainer.data import Render, build_batch, fit_to_rows, token_budget, trained_sessions
 
 if TYPE_CHECKING:  # the backend (torch) and the GPU lease are imported when needed
     from gateway.colocate import TrainingLease
@@ -57,8 +57,11 @@ class StepPlan:
     """Samples longer than a row, trained on their first `max_tokens_per_row` tokens."""
     skipped: int
     """Groups marked skipped while planning (too long, no trainable tokens)."""
-    token_budget: int | None
-    """The largest `max_tokens` the trained groups' calls asked for (None: none did)."""
+    token_budget: int
+    """The largest `max_tokens` the trained groups' calls asked for (`--default-max-tokens`
+    for a call that set none): dr_grpo's budget when this is the run's first step."""
+    greedy_calls: int = 0
+    """Calls of the trained groups left untrained as greedy (`trainer.retries.GREEDY`)."""
 
 
 def plan_step(store: Store, settings: Settings, render: Render, groups: list[dict], step: int) -> StepPlan:
@@ -86,12 +89,14 @@ def plan_step(store: Store, settings: Settings, render: Render, groups: list[dic
         started=started,
         groups=groups,
         trained_groups=trained_groups,
-        sessions={g["id"]: [s["id"] for s in g["sessions"]] for g in groups if g["id"] in trained_groups},
+        sessions={g["id"]: [s["id"] for s in trained_sessions(g)] for g in groups if g["id"] in trained_groups},
         samples=samples,
         cut=cut,
         skipped=len(skipped),
+        greedy_calls=batch.greedy_calls,
         token_budget=token_budget(
-            [c for g in groups if g["id"] in trained_groups for s in g["sessions"] for c in calls.get(s["id"], [])]
+            [c for g in groups if g["id"] in trained_groups for s in g["sessions"] for c in calls.get(s["id"], [])],
+            default=settings.default_max_tokens,
         ),
     )
 
@@ -158,13 +163,21 @@ def _train_checkpoint_record(
 
     step, trained_groups = plan.step, plan.trained_groups
     metrics = train_step(backend, plan.samples, settings, token_budget=token_budget)
-    rewards = [float(s["reward"]) for g in plan.groups if g["id"] in trained_groups for s in g["sessions"]]
+    # The sessions trained only: never a val session (nor one that left its group).
+    rewards = [
+        float(s["reward"])
+        for g in plan.groups
+        if g["id"] in trained_groups
+        for s in g["sessions"]
+        if s["id"] in plan.sessions[g["id"]]
+    ]
     metrics.update(
         reward_mean=sum(rewards) / len(rewards),
         reward_std=_std(rewards),
         groups=len(trained_groups),
         skipped_groups=skipped_groups,
         cut_samples=plan.cut,
+        greedy_calls=plan.greedy_calls,
         failed_attempts=failed_attempts,
     )
     _test_pause("train", step)

@@ -7,15 +7,23 @@ from at most one answer. The orphan is every such call but the one a later call 
 from (its request's messages extend the call's messages with that call's answer); when
 none was continued from (the retried call was the last turn), the latest one is kept.
 
+Greedy calls are not trained either (`is_greedy_call`: temperature below 1e-5,
+`gateway.settings.GREEDY_BELOW`): `trainer.data` keeps their completion as context only
+and counts them (`GREEDY`, the step's `greedy_calls` metric).
+
 Pure functions over the store's call dicts (`request` is always the chat form, whatever
 protocol the call came in by, so calls of different protocols compare).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
+
+from gateway.settings import is_greedy
 
 
 def _key(call: dict) -> bytes | None:
@@ -81,3 +89,41 @@ def trainable_calls(calls: Sequence[dict]) -> list[dict]:
     without retry orphans, in order. (Positions, not ids: calls built by hand may have none.)"""
     orphans = _orphan_positions(calls)
     return [c for n, c in enumerate(calls) if c.get("http_status") != 499 and n not in orphans]
+
+
+# ------------------------------------------------------------------ greedy calls
+
+
+def _recorded_temperature(call: dict) -> float | None:
+    """The engine's record of the temperature in force, else what the request asked for
+    (None: neither says, or not a number)."""
+    temperature: Any = (call.get("sampling") or {}).get("temperature")  # JSON: a number, or anything
+    if temperature is None:
+        temperature = (call.get("request") or {}).get("temperature")
+    try:
+        temperature = float(temperature)
+    except (TypeError, ValueError):
+        return None
+    return temperature if math.isfinite(temperature) and temperature >= 0 else None
+
+
+def is_greedy_call(call: dict) -> bool:
+    """Whether a call sampled greedily: temperature below 1e-5 (`GREEDY_BELOW`), whichever
+    engine answered it (vLLM's own rule; the engines record it as 0)."""
+    temperature = _recorded_temperature(call)
+    return temperature is not None and is_greedy(temperature)
+
+
+def sampling_temperature(call: dict) -> float:
+    """The temperature a call's completion was sampled at; greedy and unknown count as 1."""
+    temperature = _recorded_temperature(call)
+    return 1.0 if temperature is None or is_greedy(temperature) else temperature
+
+
+GREEDY = "greedy: sampled at temperature < 1e-5 (a point mass, no distribution to train on)"
+"""Why a greedy call is not trained (counted per step: the `greedy_calls` metric)."""
+
+
+def greedy_calls(calls: Sequence[dict]) -> list[str]:
+    """Ids of the calls of a session (call order) that would train but for `GREEDY`."""
+    return [c.get("id", "") for c in trainable_calls(calls) if c.get("status") == "ok" and is_greedy_call(c)]

@@ -35,19 +35,19 @@ def without_spread(store: Store, ready: list[dict]) -> tuple[list[dict], int]:
 
 def without_stale(store: Store, settings: Settings, groups: list[dict], next_step: int) -> tuple[list[dict], int]:
     """`groups` less those sampled more than `max_staleness` steps before the step this
-    worker trains from (`next_step - 1`), and how many were marked skipped. Applies to every
+    worker trains from (`next_step - 1`), and how many were marked skipped. Decided per group
+    by the engine each of its calls recorded, not this trainer's `--engine`: calls of an
     engine that serves our adapters (local keeps serving while it trains, vLLM in dedicated
-    mode too); an `openai` upstream's policy is not ours, so it has no step."""
-    if settings.engine == "openai":
-        return groups, 0
-    from gateway.colocate import is_stale
+    mode too) have a step; an `openai` upstream's policy is not ours, so its calls have none
+    and a group of them is never stale."""
+    from gateway.colocate import is_stale, policy_calls
 
     current = next_step - 1
     fresh, stale = [], {}
     for group in groups:
-        calls = [c for s in group["sessions"] for c in store.session_calls(s["id"])]
+        calls = policy_calls(c for s in group["sessions"] for c in store.session_calls(s["id"]))
         sampled_by = sampling_step(calls)
-        if is_stale(sampled_by, current, settings.max_staleness):
+        if calls and is_stale(sampled_by, current, settings.max_staleness):
             stale[group["id"]] = f"stale: sampled by step {sampled_by}, training from step {current}"
         else:
             fresh.append(group)

@@ -10,6 +10,10 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
 """The names `trainer.losses.LOSSES` is keyed by; here so that a config is checked
 without importing torch."""
 
+CISPO_CAP = 5.0
+"""cispo's ratio cap when `--epsilon-high` is not given: TRL's recommended value (its
+`GRPOConfig.epsilon_high` under cispo is ScaleRL's eps_max, recommended 5.0)."""
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -107,7 +111,8 @@ class LossConfig:
 
     epsilon_high: float | None = None
     """Upper clip: 1 + epsilon_high. None means epsilon (symmetric). DAPO's paper uses
-    0.28 with epsilon 0.2; GSPO's uses 4e-4 with epsilon 3e-4. Set it explicitly."""
+    0.28 with epsilon 0.2; GSPO's uses 4e-4 with epsilon 3e-4. Set it explicitly.
+    cispo: the cap of the ratio itself (TRL's eps_max), `CISPO_CAP` when None."""
 
     beta: float = 0.0
     """Weight of the k3 KL penalty against the base model; 0 turns it off (and then no
@@ -116,7 +121,8 @@ class LossConfig:
     max_tokens_norm: int | None = None
     """dr_grpo only: the fixed token budget a trajectory's token-loss sum is divided by
     (TRL: max_completion_length). Required for dr_grpo; the worker sets it from
-    `--max-tokens-norm`, else from the largest `max_tokens` its calls asked for."""
+    `--max-tokens-norm`, else from the largest `max_tokens` among the run's first step's
+    calls (`--default-max-tokens` for those that set none), saved with the checkpoints."""
 
     tis_cap: float = 2.0
     """Truncated importance sampling: each token's policy loss is weighted by
@@ -151,6 +157,12 @@ class LossConfig:
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def cispo_cap(self) -> float:
+        """cispo's cap on the importance ratio: `epsilon_high` itself, as in TRL, or
+        `CISPO_CAP` when it is not given."""
+        return CISPO_CAP if self.epsilon_high is None else self.epsilon_high
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,10 @@ class TrainerWorker:
         self.next_step = 0
         self.skipped_since_step = 0
         self.attempts = Attempts(self.store)  # failed attempts, per batch and since the last step
-        self.max_tokens_seen: int | None = None  # dr_grpo's budget when --max-tokens-norm is unset
+        # dr_grpo's token budget: --max-tokens-norm, else fixed at the run's first step from its
+        # calls; saved with every checkpoint and restored on restart, never a running maximum.
+        self.token_budget: int | None = None
+        self._step_budget: int | None = None  # the budget of the step being saved
         self._lock_file: TextIO | None = None
         self.reporter = Reporter.create(settings)  # --report-to: never stops training
 
@@ -135,10 +138,12 @@ class TrainerWorker:
             settings=self.settings.public_dict(),
             metrics=metrics,
             groups=groups,
+            token_budget=self._step_budget if self._step_budget is not None else self.token_budget,
         )
 
     def _load(self, path: Path) -> None:
         self._loaded_backend.load(path)
+        self.token_budget = ckpts.saved_token_budget(path)
 
     # ------------------------------------------------------------------ loop
 
@@ -162,10 +167,10 @@ class TrainerWorker:
         self.skipped_since_step += plan.skipped
         if not plan.samples:
             return None
-        if plan.token_budget is not None:
-            self.max_tokens_seen = max(plan.token_budget, self.max_tokens_seen or 0)
+        budget = self.settings.max_tokens_norm or self.token_budget or plan.token_budget
 
         batch = tuple(sorted(plan.trained_groups))
+        self._step_budget = budget
         try:
             with gpu_lease(self.store, self.model, self.settings) as lease:
                 metrics = train_and_record(
@@ -175,7 +180,7 @@ class TrainerWorker:
                     self.settings,
                     plan,
                     save=self._save,
-                    token_budget=self.max_tokens_seen,
+                    token_budget=budget,
                     skipped_groups=self.skipped_since_step,
                     failed_attempts=self.attempts.since_step,
                 )
@@ -186,9 +191,12 @@ class TrainerWorker:
         except Exception as exc:  # NonFiniteStep, out of memory, a bad batch: never the worker's end
             self.attempts.failed(batch, exc, self.next_step)
             return None
+        finally:
+            self._step_budget = None
         self.attempts.forget(batch)
         if metrics is None:
             return None
+        self.token_budget = budget  # fixed from the first step on
         self.next_step = plan.step + 1
         self.skipped_since_step = 0
         self.attempts.since_step = 0

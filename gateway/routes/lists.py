@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from gateway.chat.identity import check_id
 from gateway.routes.rl import json_response
+from gateway.settings import is_greedy
 from gateway.store.lists import MAX_LIMIT, ListFilter
 
 router = APIRouter()
@@ -109,12 +110,31 @@ async def dashboard(request: Request) -> Response:
     )
 
 
+GREEDY_REASON = "greedy: sampled at temperature < 1e-5, never trained (context for later turns)"
+
+
+def _greedy(call: dict) -> bool:
+    """The trainer's rule (`trainer.retries.is_greedy_call`): the recorded temperature in
+    force, else the request's, below `GREEDY_BELOW`."""
+    temperature = (call.get("sampling") or {}).get("temperature")
+    if temperature is None:
+        temperature = (call.get("request") or {}).get("temperature")
+    return (
+        isinstance(temperature, (int, float))
+        and not isinstance(temperature, bool)
+        and 0 <= temperature
+        and is_greedy(temperature)
+    )
+
+
 @router.get("/v1/sessions/{session_id}/tokens", summary="The session's completion tokens: text, logprob, trained")
 async def session_tokens(session_id: str, request: Request) -> Response:
     """For each call: its completion tokens (choice 0) with the recorded logprob and, where
     the gateway's engine has a tokenizer, each token's text; and whether the call's tokens
     were trained on (its group was trained, the session was not discarded, the call
-    succeeded: `trainer.data.call_turn`'s rule; only choice 0 of an `n>1` call trains)."""
+    succeeded and was not greedy: `trainer.data.call_turn`'s rule; only choice 0 of an `n>1`
+    call trains). A greedy call (temperature below 1e-5) says so in `untrained_reason`: its
+    tokens are context for the later turns, never trained."""
     services = request.app.state.services
     session = services.store.get_session(check_id(session_id, "session_id"))
     group = services.store.get_group(session["group_id"]) if session.get("group_id") else None
@@ -126,6 +146,7 @@ async def session_tokens(session_id: str, request: Request) -> Response:
         logprobs = (call.get("behaviour_logprobs") or [None])[0] or [None] * len(ids)
         texts = _token_texts(tokenizer, ids)
         behaviour = _first_choice(call.get("behaviour_logprobs"), len(ids))
+        greedy = _greedy(call)
         calls.append(
             {
                 "call_id": call["id"],
@@ -133,8 +154,13 @@ async def session_tokens(session_id: str, request: Request) -> Response:
                 "status": call["status"],
                 "prompt_tokens": len(call.get("prompt_ids") or []),
                 "trained": bool(
-                    trained_step is not None and not session["discarded"] and call["status"] == "ok" and ids
+                    trained_step is not None
+                    and not session["discarded"]
+                    and call["status"] == "ok"
+                    and ids
+                    and not greedy
                 ),
+                "untrained_reason": GREEDY_REASON if greedy and call["status"] == "ok" else None,
                 "sampling": call.get("sampling"),
                 "tokens": [
                     {

@@ -46,6 +46,10 @@ OPTIMIZER_FILE = "optimizer.pt"
 with the same AdamW moments instead of restarting them at zero."""
 
 
+_RUN_SETTINGS = ("lr", "weight_decay")
+"""Optimizer param-group entries taken from the run's settings, never from a checkpoint."""
+
+
 def save_peft_checkpoint(
     model: PeftModel, optimizer: torch.optim.Optimizer, directory: Path, **save_options: Any
 ) -> None:
@@ -83,7 +87,12 @@ def load_peft_checkpoint(
         )
     optimizer_file = directory / OPTIMIZER_FILE
     if optimizer_file.is_file():
+        # load_state_dict restores the saved param groups (their lr, weight decay) with the
+        # moments: the settings of this run must win, or a new --learning-rate is ignored.
+        current = [{k: v for k, v in group.items() if k in _RUN_SETTINGS} for group in optimizer.param_groups]
         optimizer.load_state_dict(torch.load(optimizer_file, map_location=device, weights_only=True))
+        for group, settings in zip(optimizer.param_groups, current, strict=True):
+            group.update(settings)
     else:
         logging.getLogger("rlproxy.trainer").warning(
             "checkpoint %s has no %s: the optimizer restarts from zero", directory, OPTIMIZER_FILE
@@ -95,7 +104,7 @@ class TrainingBackend(ABC):
 
     Construction loads everything (`settings.base_model` resolved to a path,
     `settings.device`, LoRA `lora_rank`/`lora_alpha`/`lora_dropout` on
-    `LORA_TARGET_MODULES` where the model has them, AdamW at `learning_rate`), seeded
+    `LORA_TARGET_MODULES` where the model has them, AdamW at `learning_rate`, `weight_decay`), seeded
     with `settings.seed` so a fresh adapter is the same on every run. Misconfiguration
     (no GPU for a GPU backend, a model that cannot be found) raises `ConfigError` with a
     message saying what to change.
@@ -147,12 +156,15 @@ class TrainingBackend(ABC):
 
     # -- optimisation
     def init_optimizer(self) -> None:
-        """AdamW at `learning_rate` over `self.model`'s trainable (LoRA) parameters; call it
-        once the adapter is attached. The methods below work on what it sets."""
+        """AdamW at `learning_rate` and `weight_decay` (0 by default, as in TRL and
+        transformers; torch's own default is 0.01) over `self.model`'s trainable (LoRA)
+        parameters; call it once the adapter is attached. The methods below work on what it sets."""
         import torch
 
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self._params, lr=self.settings.learning_rate)
+        self.optimizer = torch.optim.AdamW(
+            self._params, lr=self.settings.learning_rate, weight_decay=self.settings.weight_decay
+        )
 
     def zero_grad(self) -> None:
         """Clear the adapter's gradients before a pass accumulates new ones."""

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.settings import is_greedy
+
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
 
 
@@ -37,6 +39,14 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if is_greedy(self.temperature):  # 1e-6 is greedy too, as on vLLM (`gateway.settings.GREEDY_BELOW`)
+            self.temperature = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
     def in_force(self) -> dict:
         """The parameters that shaped the distribution, all explicit (TokenRecord.sampling)."""

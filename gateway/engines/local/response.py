@@ -39,9 +39,14 @@ def usage(prompt_ids: list[int], results: list[ChoiceResult]) -> dict:
 
 
 def token_record(job: Job, results: list[ChoiceResult]) -> TokenRecord:
+    """What the store keeps. A greedy call (temperature 0) records no behaviour logprobs, as
+    the vllm engine does: its tokens were drawn from a point mass, not from the T = 1
+    distribution its logprobs describe (the client still gets those, as vLLM sends them)."""
     return TokenRecord(
         prompt_ids=list(job.prompt_ids),
-        choices=[ChoiceTokens(list(r.completion_ids), list(r.logprobs)) for r in results],
+        choices=[
+            ChoiceTokens(list(r.completion_ids), None if job.sampling.greedy else list(r.logprobs)) for r in results
+        ],
         sampling=job.sampling.in_force(),
     )
 

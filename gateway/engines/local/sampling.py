@@ -6,8 +6,9 @@ then temperature, then min_p, then top-k, then top-p, renormalised. The logprob 
 for each sampled token is its *behaviour* logprob: log mu(token) under exactly that
 processed distribution, the one the token was drawn from (what vLLM reports with
 `--logprobs-mode processed_logprobs`). The trainer's importance weights divide by it, so
-it must be the sampler's, not the raw model's. Greedy rows (temperature 0) report the
-penalised distribution at temperature 1, as vLLM does. Tokens that top-k/top-p/min_p
+it must be the sampler's, not the raw model's. Greedy rows (temperature 0; `Sampling` takes
+any temperature below 1e-5 as 0, as vLLM does) report the penalised distribution at
+temperature 1, as vLLM does; the token record keeps no behaviour logprobs for them. Tokens that top-k/top-p/min_p
 removed have probability 0: their logprob (in `top_logprobs`) is -inf, sent as -9999.0
 like vLLM.
 

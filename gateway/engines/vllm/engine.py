@@ -22,9 +22,10 @@ vllm/v1/sample/ops/topk_topp_sampler.py at 3babc05a, `TopKTopPSampler.forward_na
   of the same tensor); vLLM switches its FlashInfer sampler off in these modes for that reason.
 Not covered, and corrected by the trainer's truncated importance sampling min(pi_old/mu, C)
 (gateway records them, the trainer weights each token):
-  - greedy calls (temperature 0): the all-greedy path returns log_softmax of the penalised
-    logits at T = 1, not the point mass it sampled from; rlproxy records no mu for them
-    (`wire.behaviour_logprobs`), so their weight is 1;
+  - greedy calls (temperature below 1e-5, sent to vLLM as 0: `wire.vllm_temperature`): the
+    all-greedy path returns log_softmax of the penalised logits at T = 1, not the point mass
+    it sampled from; rlproxy records no mu for them (`wire.behaviour_logprobs`) and the
+    trainer does not train them (`trainer.retries.is_greedy_call`);
   - numerics: vLLM's bf16 forward (and its LoRA kernels, batch-dependent reductions) against
     the trainer's; speculative decoding's bonus tokens; structured output (its grammar bitmask
     is applied outside these modes' tensor). The step metrics show the mismatch.

@@ -22,6 +22,7 @@ import orjson
 
 from gateway.engines.base import ChoiceTokens, TokenRecord
 from gateway.errors import RLProxyError, UpstreamError
+from gateway.settings import is_greedy
 
 # vLLM-only response fields that carry nothing when null; dropped so the client sees OpenAI's shape.
 _NULL_EXTRAS = ("prompt_logprobs", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics")
@@ -70,10 +71,28 @@ def sampling_in_force(body: dict) -> dict:
     for key, default in OPENAI_SAMPLING_DEFAULTS.items():
         value = body.get(key)
         out[key] = default if value is None else value
+    out["temperature"] = vllm_temperature(out["temperature"])
     out["seed"] = body.get("seed")
     limit = body.get("max_completion_tokens")
     out["max_tokens"] = limit if limit is not None else body.get("max_tokens")
     return out
+
+
+VLLM_MIN_TEMPERATURE = 1e-2
+"""vLLM raises a temperature in (0, 1e-2) to 1e-2 (`_MAX_TEMP` in vllm/sampling_params.py,
+`SamplingParams.__post_init__`) before it decides greedy (`temperature < _SAMPLING_EPS`)."""
+
+
+def vllm_temperature(value):
+    """The temperature vLLM samples at for the client's `value`, sent and recorded as such:
+    below `GREEDY_BELOW` (1e-5) it is greedy, 0, as on every engine (vLLM itself would raise
+    1e-6 to 1e-2 and sample); up to 1e-2, vLLM's own floor. Anything else as it is (vLLM
+    judges what is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return value
+    if is_greedy(value):
+        return 0.0
+    return max(value, VLLM_MIN_TEMPERATURE)
 
 
 def vllm_body(body: dict, model: str, ask: ClientAsk) -> dict:
@@ -95,7 +114,7 @@ def behaviour_logprobs(values: list[float] | None, sampling: dict) -> list[float
     log_softmax of the penalised logits (sampler.py, `Sampler.sample`, all_greedy branch):
     not the distribution sampled from, so it is left unknown (the trainer's weight is 1).
     """
-    if values is None or not sampling.get("temperature"):
+    if values is None or not sampling.get("temperature"):  # greedy: `vllm_temperature` made it 0
         return None
     return values
 
