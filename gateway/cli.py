@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import typing
 from collections.abc import Callable
@@ -124,12 +123,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.trainer_process import start_trainer, stop_trainer
 
     settings = settings_from_args(args)
     _configure_logging(settings)
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
     app = create_app(settings)
-    trainer = _start_trainer(args, settings)
+    trainer = start_trainer(args, settings)
     try:
         # Keep-alive well past the clients' own 5 s (httpx, openai): with equal timeouts both
         # ends drop an idle connection at once and a request sent then fails with a ReadError.
@@ -145,83 +145,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             proxy_headers=False,
         )
     finally:
-        _stop_trainer(trainer)
+        stop_trainer(trainer)
     return 0
-
-
-_SECRET_SETTINGS = ("api_key", "upstream_api_key", "store")  # a store URL may hold a password
-
-
-def _settings_argv(args: argparse.Namespace) -> list[str]:
-    """The settings flags given on this command line, to hand on to a child command
-    (secrets left out: the trainer needs none, and argv is visible to every user)."""
-    argv: list[str] = []
-    for name, value in vars(args).items():
-        if name not in Settings.model_fields or name in _SECRET_SETTINGS:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            for item in value:
-                argv.append(f"{flag}={item}")  # `--vllm-arg=--x=1`: a value may itself start with --
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it when the gateway dies, even by
-    SIGKILL (elsewhere the shared process group is the only tie)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _start_trainer(args: argparse.Namespace, settings: Settings):
-    """`--trainer auto`: `rlproxy train` with the same settings as a child process in the
-    gateway's process group; None when there is nothing to train for."""
-    import subprocess
-
-    log = logging.getLogger("rlproxy")
-    if settings.trainer == "off":
-        return None
-    if settings.engine == "openai":
-        log.info(
-            "trainer not started: the openai engine serves no adapters, so trained steps could not be "
-            "served (calls are still recorded; train them with `rlproxy train` for another engine)"
-        )
-        return None
-    cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_argv(args)]
-    env = dict(os.environ)
-    if settings.store:
-        env["RLPROXY_STORE"] = settings.store  # by environment, not argv: its password stays private
-    if settings.device == "cpu":
-        # The local engine computes on the same cores: OpenMP threads of two processes
-        # competing for every core slow both down many times over, so the trainer takes half.
-        env.setdefault("RLPROXY_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-    log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
-    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-
-
-def _stop_trainer(proc, timeout: float = 30.0) -> None:
-    """SIGTERM: the worker finishes its current step and exits; after `timeout`, kill it
-    (safe: a checkpoint is never half written and a group is marked trained only with its
-    step row)."""
-    import subprocess
-
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def cmd_train(args: argparse.Namespace) -> int:

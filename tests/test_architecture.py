@@ -20,13 +20,13 @@ PACKAGES = ("gateway", "trainer", "sdk")
 
 # Bottom to top; a module may import its own layer and the ones below (ARCHITECTURE.md).
 GATEWAY_LAYERS = [
-    ["gateway.errors", "gateway.settings"],
+    ["gateway.errors", "gateway.settings", "gateway.children"],
     ["gateway.store", "gateway.models", "gateway.protocols", "gateway.http", "gateway.metrics"],
     ["gateway.engines", "gateway.adapters", "gateway.tracing", "gateway.colocate"],
     ["gateway.chat", "gateway.ruler"],
     ["gateway.routes", "gateway.ui", "gateway.openapi"],
     ["gateway.app"],
-    ["gateway.cli", "gateway.demo", "gateway.export"],
+    ["gateway.cli", "gateway.demo", "gateway.export", "gateway.trainer_process"],
 ]
 TRAINER_LAYERS = [
     ["trainer.types", "trainer.retries", "trainer.reporting"],
@@ -37,7 +37,7 @@ TRAINER_LAYERS = [
     ["trainer.worker"],
 ]
 TRAINER_MAY_USE = ["gateway.errors", "gateway.settings", "gateway.store", "gateway.models", "gateway.colocate"]
-GATEWAY_MAY_USE_TRAINER = ["gateway.cli", "gateway.demo", "gateway.export"]
+GATEWAY_MAY_USE_TRAINER = ["gateway.cli", "gateway.demo", "gateway.export", "gateway.trainer_process"]
 
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 250

@@ -116,7 +116,8 @@ def test_dedicated_gpu_mode_skips_groups_sampled_too_long_ago(tmp_path):
 
 
 def test_serve_hands_its_settings_to_the_trainer_and_starts_none_where_pointless(caplog):
-    from gateway.cli import _settings_argv, _start_trainer, build_parser, settings_from_args
+    from gateway.cli import build_parser, settings_from_args
+    from gateway.trainer_process import settings_argv, start_trainer
 
     serve = build_parser().parse_args(
         [
@@ -134,7 +135,7 @@ def test_serve_hands_its_settings_to_the_trainer_and_starts_none_where_pointless
             "dapo",
         ]
     )
-    argv = _settings_argv(serve)
+    argv = settings_argv(serve)
     assert "sk-secret" not in argv and "--api-key" not in argv
     train = build_parser().parse_args(["train", *argv])
     expected = settings_from_args(serve).public_dict()
@@ -142,7 +143,7 @@ def test_serve_hands_its_settings_to_the_trainer_and_starts_none_where_pointless
 
     with caplog.at_level("INFO", logger="rlproxy"):
         openai = build_parser().parse_args(["serve", "--engine", "openai", "--upstream-url", "http://127.0.0.1:9"])
-        assert _start_trainer(openai, settings_from_args(openai)) is None
+        assert start_trainer(openai, settings_from_args(openai)) is None
         off = build_parser().parse_args(["serve", "--trainer", "off"])
-        assert _start_trainer(off, settings_from_args(off)) is None
+        assert start_trainer(off, settings_from_args(off)) is None
     assert "openai engine serves no adapters" in caplog.text

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from gateway.children import die_with_parent
 from gateway.errors import RLProxyError
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 
@@ -67,14 +68,6 @@ def serve_gateway(settings: Settings) -> Iterator[str]:
         sock.close()
 
 
-def _die_with_parent() -> None:
-    """In the trainer child: have Linux SIGTERM it if the demo dies, even by SIGKILL."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _settings_flags(settings: Settings) -> list[str]:
     """The settings as `rlproxy train` flags (no secrets: the trainer needs none)."""
     argv: list[str] = []
@@ -106,7 +99,7 @@ class Trainer:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent,
         )
 
     def check_alive(self) -> None:

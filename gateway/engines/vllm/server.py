@@ -31,11 +31,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
 
+from gateway.children import die_with_parent
 from gateway.errors import ConfigError, EngineUnavailable
 
 log = logging.getLogger("rlproxy.engines.vllm")
@@ -185,16 +185,6 @@ def vllm_gpu_for(device: str, gpu_mode: str) -> str | None:
     return "0" if index != "0" else "1"
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the vLLM process gets SIGTERM if the gateway dies without stopping it."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class VLLMProcess:
     """One `vllm serve` child process (in its own process group, output appended to a log file)."""
 
@@ -234,7 +224,8 @@ class VLLMProcess:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                start_new_session=True,  # its own process group: stopped as one, with its workers
+                preexec_fn=die_with_parent,
             )
         log.info("started vLLM (pid %s), waiting for %s/health; its log: %s", self.proc.pid, self.url, self.log_path)
         await self.wait_healthy(session)
