@@ -99,7 +99,9 @@ def create_app(
         from gateway.tracing import build_tracer
 
         tracer = build_tracer(settings)
-    observers = [lambda record: metrics.observe_call(record.status, record.stream, record.latency_ms)]
+    observers = [
+        lambda record: metrics.observe_call(record.status, record.stream, record.latency_ms, record.untrainable)
+    ]
     if tracer is not None:
         observers.append(tracer.on_call)
     services = Services(

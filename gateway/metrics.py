@@ -31,9 +31,16 @@ class Metrics:
         self.model_step = Gauge("rlproxy_model_step", "step the alias NAME serves (-1: base)", registry=self.registry)
         self.held = Gauge("rlproxy_requests_held", "requests waiting at the gate", registry=self.registry)
         self.in_flight = Gauge("rlproxy_requests_in_flight", "requests inside the engine", registry=self.registry)
+        self.late_calls = Counter(
+            "rlproxy_untrainable_calls",
+            "calls recorded after their group was claimed by a step or trained: served and kept, never trained",
+            registry=self.registry,
+        )
         self._request_counters: dict[tuple[str, bool], Counter] = {}  # `labels()` resolved once per pair
 
-    def observe_call(self, status: str, stream: bool, latency_ms: float) -> None:
+    def observe_call(self, status: str, stream: bool, latency_ms: float, untrainable: str | None = None) -> None:
+        if untrainable is not None:
+            self.late_calls.inc()
         counter = self._request_counters.get((status, stream))
         if counter is None:
             counter = self._request_counters[(status, stream)] = self.requests.labels(

@@ -6,6 +6,7 @@ Set RLPROXY_UPDATE_SCREENSHOT=1 to rewrite docs/dashboard.png (the README's pict
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -13,11 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.store.sqlite import SQLiteStore
 from tests.browser import find_or_install_chromium
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import gateway_process
 from tests.test_demo import run_demo
 from tests.wandb_records import history
+from trainer.data import NO_SAMPLE, too_few
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "dashboard-test-key-0123456789"
@@ -116,6 +119,10 @@ def recorded(tmp_path_factory) -> dict:
                 json={"model": "agent", "messages": [{"role": "user", "content": XSS}]},
             ).raise_for_status()
             http.post("/v1/sessions/markup-session/reward", json={"reward": 0.0}).raise_for_status()
+    # As a trainer sets a group aside when one of its two sessions has nothing to train on.
+    store = SQLiteStore(state / "rlproxy.db")
+    store.mark_skipped(["tool-group"], too_few(1, 2), {"markup-session": NO_SAMPLE})
+    asyncio.run(store.close())
     return {"state": state, "tool_call_id": call_id, "wandb_dir": tmp / "wandb"}
 
 
@@ -250,6 +257,24 @@ def test_steps_page_lists_every_step_with_its_groups(dashboard, browser):
         for session in group["sessions"]:
             assert session["id"] in page.page.inner_text("#sessions")
         assert f"trained at step {group['trained_step']}" in page.page.inner_text("#content")
+        # each session trained with its advantage, over exactly the group's sessions: they sum to zero
+        advantages = [session["advantage"] for session in group["sessions"]]
+        assert None not in advantages and sum(advantages) == pytest.approx(0.0, abs=1e-6)
+        assert page.page.inner_text("#sessions").count("advantage ") == 4
+        assert page.errors == []
+    finally:
+        page.close()
+
+
+def test_a_skipped_group_says_why_and_which_session_left_it(dashboard, browser):
+    page = sign_in(browser, dashboard)
+    try:
+        page.open("/ui/groups/tool-group")
+        assert page.page.inner_text("#skipped") == "Skipped: " + too_few(1, 2)
+        assert "left out: " + NO_SAMPLE in page.page.inner_text("#sessions")
+        page.open("/ui/sessions/markup-session")
+        assert NO_SAMPLE in page.page.inner_text("#content")
+        assert api(dashboard, "/v1/groups/tool-group")["skipped"] == too_few(1, 2)
         assert page.errors == []
     finally:
         page.close()

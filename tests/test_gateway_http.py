@@ -388,6 +388,39 @@ def test_reward_and_session_roundtrip(client, http):
     assert [c["response"]["choices"][0]["message"]["content"] for c in session["calls"]] == ["solve it"]
 
 
+def _late_calls(http) -> float:
+    line = next(x for x in http.get("/metrics").text.splitlines() if x.startswith("rlproxy_untrainable_calls_total"))
+    return float(line.split()[-1])
+
+
+def test_rewards_are_taken_while_the_group_is_open_and_refused_once_a_step_claims_it(client, http, store):
+    for session in ("frozen-a", "frozen-b"):
+        _chat(client, "task", extra_headers={"X-Session-Id": session, "X-Group-Id": "frozen"})
+    assert http.post("/v1/sessions/frozen-a/reward", json={"reward": 1.0}).status_code == 200
+    assert http.post("/v1/sessions/frozen-a/reward", json={"reward": 0.5}).status_code == 200  # open: may change
+    http.post("/v1/groups/frozen/close")
+    assert http.post("/v1/sessions/frozen-b/reward", json={"reward": 0.0}).status_code == 200
+    assert store.claim_for_step(["frozen"], 7) == ["frozen"]  # what the trainer does first in a step
+    refused = http.post("/v1/sessions/frozen-a/reward", json={"reward": 1.0})
+    assert refused.status_code == 409, refused.text
+    assert "being trained (step 7)" in refused.json()["error"]["message"]
+    assert http.get("/v1/sessions/frozen-a").json()["reward"] == 0.5  # unchanged
+    # a call to a claimed group's session is served and kept, never trained, and counted
+    late_before = _late_calls(http)
+    assert _chat(client, "one more", extra_headers={"X-Session-Id": "frozen-b"}).choices[0].message.content
+    late = http.get("/v1/sessions/frozen-b").json()["calls"][-1]
+    assert late["untrainable"].startswith("late: group 'frozen' was being trained (step 7)")
+    assert _late_calls(http) == late_before + 1
+    store.insert_step("frozen-model", 7, "/nowhere/0007", {}, ["frozen"])  # the step records it
+    refused = http.post("/v1/sessions/frozen-b/reward", json={"reward": 1.0})
+    assert refused.status_code == 409 and "already trained (step 7)" in refused.json()["error"]["message"]
+    _chat(client, "and another", extra_headers={"X-Session-Id": "frozen-a"})
+    tokens = http.get("/v1/sessions/frozen-a/tokens").json()["calls"]
+    assert tokens[-1]["trained"] is False
+    assert tokens[-1]["untrained_reason"].startswith("late: group 'frozen' was already trained (step 7)")
+    assert _late_calls(http) == late_before + 2
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [

@@ -24,6 +24,7 @@ from gateway.engines.local.sampling import processed_logprobs
 from gateway.settings import Settings
 from tests.helpers_trainer import grpo_samples
 from trainer.backends.peft import PeftBackend
+from trainer.data import build_batch
 from trainer.step import train_step
 
 # Few, large steps: with shuffled rewards AdamW still moves the LoRA weights about lr per
@@ -106,9 +107,15 @@ def run(
     temperature: float = 1.0,
     top_p: float = 1.0,
     metrics: list[dict] | None = None,
+    fail_one_in: int | None = None,
+    batches: list | None = None,
 ) -> tuple[float, float]:
     """Train STEPS steps sampling at (temperature, top_p); returns (reward before, reward
-    after) on fresh rollouts sampled the same way. Each step's metrics go into `metrics`."""
+    after) on fresh rollouts sampled the same way. Each step's metrics go into `metrics`.
+
+    `fail_one_in`: one call in that many fails (an engine 5xx and a client that left, 499, in
+    turn), the harness scores it 0, and the step's samples come from the recorded calls through
+    `trainer.data.build_batch`, as the worker's do; each step's `Batch` goes into `batches`."""
     settings = Settings(
         state_dir=tmp_path, seed=seed, learning_rate=1e-2, lora_rank=8, lora_alpha=16, max_tokens_per_row=1024
     )
@@ -122,6 +129,15 @@ def run(
         rewards = [sampler.reward(c) for _, completions, _ in groups for c in completions]
         if shuffle_rewards:  # the control: same rewards, dealt out at random across the batch
             shuffler.shuffle(rewards)
+        if fail_one_in is not None:
+            batch = build_batch(*recorded(groups, rewards, step, fail_one_in, temperature))
+            if batches is not None:
+                batches.append(batch)
+            if batch.samples:
+                step_metrics = train_step(backend, batch.samples, settings)
+                if metrics is not None:
+                    metrics.append(step_metrics)
+            continue
         samples = grpo_samples(
             [
                 [(prompt, c, lp) for c, lp in zip(completions, logprob_lists, strict=False)]
@@ -137,6 +153,38 @@ def run(
             if metrics is not None:
                 metrics.append(step_metrics)
     return before, sampler.evaluate(EVAL_ROLLOUTS)
+
+
+def recorded(groups, rewards: list[float], step: int, fail_one_in: int, temperature: float):
+    """Rollouts as the gateway records them (`Store.get_group` groups, each session's calls):
+    every `fail_one_in`-th call failed, as an engine 5xx (502: no completion) or a client that
+    left before the answer (499: sampled, never delivered), in turn; the harness scored it 0."""
+    group_dicts, calls, n = [], {}, 0
+    for g, (prompt, completions, logprob_lists) in enumerate(groups):
+        sessions = []
+        for i, (completion, logprobs) in enumerate(zip(completions, logprob_lists, strict=True)):
+            session_id, n = f"s{step}-{g}-{i}", n + 1
+            reward = rewards[g * len(completions) + i]
+            call = {
+                "id": f"{session_id}-call",
+                "status": "ok",
+                "http_status": 200,
+                "request": {"messages": [{"role": "user", "content": f"rollout {session_id}"}]},
+                "sampling": {"temperature": temperature},
+                "prompt_ids": prompt,
+                "completion_ids": [completion],
+                "behaviour_logprobs": [logprobs],
+            }
+            if n % fail_one_in == 0:
+                engine_failed = (n // fail_one_in) % 2 == 0
+                call.update(status="error", http_status=502 if engine_failed else 499)
+                if engine_failed:
+                    call.update(completion_ids=None, behaviour_logprobs=None)
+                reward = 0.0
+            sessions.append({"id": session_id, "reward": reward})
+            calls[session_id] = [call]
+        group_dicts.append({"id": f"g{step}-{g}", "sessions": sessions})
+    return group_dicts, calls
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -187,3 +235,26 @@ def test_sampling_at_a_lower_temperature_with_top_p_learns_as_well(tmp_path, lea
     assert max(m["mismatch_logprob_abs"] for m in metrics_t1) < 1e-3
     assert max(mismatch) <= -math.log(0.9) + 1e-3
     assert all(m["behaviour_unknown_fraction"] == 0.0 for m in metrics_low)
+
+
+def test_a_call_in_four_failing_and_scored_0_still_learns_and_advantages_sum_to_zero(tmp_path, learned_at_t1):
+    # A harness that scores a failed call 0 (an engine 5xx, or a client gone: 499): those
+    # sessions leave their groups before the advantages are computed, so the 0s do not push
+    # every sampled rollout of the group up; the rest learn as before.
+    batches: list = []
+    before, after = run(tmp_path / "failing", shuffle_rewards=False, fail_one_in=4, batches=batches)
+    print(f"one call in four failing: {before:.3f} -> {after:.3f} (all calls ok: {learned_at_t1[1]:.3f})")
+    assert after >= before + MARGIN, f"reward rose only {before:.3f} -> {after:.3f}"
+    every_session = {
+        f"s{step}-{g}-{i}" for step in range(STEPS) for g in range(GROUPS_PER_STEP) for i in range(ROLLOUTS)
+    }
+    trained_groups = 0
+    for batch in batches:
+        assert len(batch.left_out) == GROUPS_PER_STEP * ROLLOUTS // 4  # every failed call's session left
+        for group_id, sessions in batch.sessions.items():
+            trained_groups += 1
+            advantages = [batch.advantages[s] for s in sessions]
+            assert sum(advantages) == pytest.approx(0.0, abs=1e-5), (group_id, advantages)
+            assert not set(sessions) & set(batch.left_out)
+        assert {s.trajectory_id for s in batch.samples} <= every_session - set(batch.left_out)
+    assert trained_groups > STEPS  # most groups had a reward spread and trained

@@ -123,6 +123,27 @@ async def test_step_row_and_trained_mark_are_one_transaction(store):
     assert store.latest_step("agent") == 1
 
 
+async def test_a_claimed_group_takes_no_reward_nor_judgement_and_a_failed_step_gives_it_back(store):
+    for i, session in enumerate(["a", "b"]):
+        await store.record_call(call(i, session))
+        await store.set_reward(session, float(i))
+    await store.close_group("g1")
+    assert store.claim_for_step(["g1"], 3) == ["g1"]
+    group = store.get_group("g1")
+    assert group["claimed_step"] == 3 and group["attempts"] == 1
+    with pytest.raises(Conflict, match="being trained"):
+        await store.set_reward("a", 0.5)
+    with pytest.raises(Conflict, match="RULER's scores were not stored"):
+        await store.record_judgement("g1", "judge", [{"trajectory_id": "a", "score": 0.2}], close=True)
+    store.release_step(["g1"], "RuntimeError: boom")  # a failed step: the attempt stays counted
+    group = store.get_group("g1")
+    assert group["claimed_step"] is None and group["attempts"] == 1 and group["last_error"] == "RuntimeError: boom"
+    await store.set_reward("a", 0.5)  # open again
+    store.claim_for_step(["g1"], 3)
+    store.release_step(["g1"])  # not the group's fault (a discard, the engine away): no attempt
+    assert store.get_group("g1")["attempts"] == 1
+
+
 async def test_committed_rows_survive_reopening(tmp_path):
     first = SQLiteStore(tmp_path / "db.sqlite")
     await first.start()

@@ -15,6 +15,7 @@ from gateway.models.tiny import ensure_tiny_model
 from gateway.store import CallRecord
 from gateway.store.sqlite import SQLiteStore
 from trainer.data import (
+    NO_SAMPLE,
     NO_SPREAD,
     NO_TOKENS,
     TOO_LONG,
@@ -23,6 +24,7 @@ from trainer.data import (
     fit_to_rows,
     load_groups,
     sampling_temperature,
+    too_few,
     trajectory_samples,
     turn_terminator,
 )
@@ -285,20 +287,37 @@ def test_each_token_keeps_its_calls_sampling_temperature(session):
     assert sampling_temperature({"request": {}}) == 1.0
 
 
-def test_an_over_long_sample_keeps_its_prefix_or_its_whole_group_is_left_out(session):
+def test_an_over_long_sample_keeps_its_prefix_or_is_dropped(session):
     (whole,) = trajectory_samples(session["calls"], trajectory_id="s1", group_id="g1", advantage=0.5)
     p1, n1 = len(session["p1"]), len(session["c1"])
     other = trajectory_samples(session["calls"][:1], trajectory_id="s2", group_id="g2", advantage=-0.5)
     # room for the first call and half its completion: the prefix keeps exactly those tokens
     limit = p1 + n1 // 2
-    fitted, left_out, cut = fit_to_rows([whole, *other], limit)
-    assert cut == 2 and left_out == {}
+    fitted, dropped, cut = fit_to_rows([whole, *other], limit)
+    assert cut == 2 and dropped == 0
     assert [len(s.token_ids) for s in fitted] == [limit, limit]
     assert fitted[0].token_ids == whole.token_ids[:limit] and fitted[0].loss_mask == whole.loss_mask[:limit]
     assert fitted[0].temperatures == whole.temperatures[:limit]
-    # room for less than the first prompt: nothing of it could train, so its group goes whole
-    fitted, left_out, _ = fit_to_rows([whole, *other], p1 - 1)
-    assert fitted == [] and left_out == {"g1": TOO_LONG, "g2": TOO_LONG}
+    # room for less than the first prompt: nothing of either could train, so both are dropped
+    fitted, dropped, cut = fit_to_rows([whole, *other], p1 - 1)
+    assert fitted == [] and dropped == 2 and cut == 0
+
+
+def _group(gid, rewards):
+    return {"id": gid, "sessions": [{"id": f"{gid}-s{i}", "reward": r} for i, r in enumerate(rewards)]}
+
+
+def test_a_session_too_long_for_a_row_leaves_its_group_and_the_rest_are_compared(session):
+    # Three rollouts rewarded [1, 0, 0.5]; the 0.5 one's prompt alone is longer than a row.
+    p1 = len(session["p1"])
+    long_call = {**session["calls"][0], "prompt_ids": list(range(3, 3 + p1 * 3))}
+    group = _group("g", [1.0, 0.0, 0.5])
+    calls = {"g-s0": session["calls"][:1], "g-s1": session["calls"][:1], "g-s2": [long_call]}
+    batch = build_batch([group], calls, max_tokens_per_row=p1 * 2)
+    assert batch.left_out == {"g-s2": TOO_LONG}
+    assert batch.sessions == {"g": ["g-s0", "g-s1"]} and batch.rewards == [1.0, 0.0]
+    # over [1, 0] alone: mean 0.5, population std 0.5
+    assert batch.advantages == pytest.approx({"g-s0": 0.5 / 0.5001, "g-s1": -0.5 / 0.5001})
 
 
 def test_re_rendering_ends_a_turn_with_the_templates_terminator_not_the_eos_token(tmp_path_factory):
@@ -329,3 +348,24 @@ def test_a_val_session_is_never_trained_even_inside_a_train_group(session):
     batch = build_batch([group], calls)
     assert [s.trajectory_id for s in batch.samples] == ["t0", "t1"]
     assert batch.rewards == [1.0, 0.0]
+
+
+def test_advantages_are_over_exactly_the_sessions_that_train(session):
+    ok, failed = session["calls"][:1], [c for c in session["calls"] if c["status"] == "error"]
+    gone = [{**session["calls"][0], "http_status": 499}]  # the client left: its answer never arrived
+    # [1, 1, 0] where the 0's only call failed: with it, both 1s would train at +0.707 (a pure
+    # "push everything up" step); without it nothing is left to compare.
+    batch = build_batch([_group("g", [1.0, 1.0, 0.0])], {"g-s0": ok, "g-s1": ok, "g-s2": failed})
+    assert batch.samples == [] and batch.skipped == {"g": NO_SPREAD}
+    assert batch.left_out == {"g-s2": NO_SAMPLE}
+    # [1, 0, 0.5, 0] where the last left (499): advantages over [1, 0, 0.5], by hand:
+    # mean 0.5, population std sqrt((0.25 + 0.25 + 0) / 3) = 0.40825
+    batch = build_batch([_group("h", [1.0, 0.0, 0.5, 0.0])], {"h-s0": ok, "h-s1": ok, "h-s2": ok, "h-s3": gone})
+    std = math.sqrt(0.5 / 3)
+    assert batch.advantages == pytest.approx({"h-s0": 0.5 / (std + 1e-4), "h-s1": -0.5 / (std + 1e-4), "h-s2": 0.0})
+    assert sum(batch.advantages.values()) == pytest.approx(0.0, abs=1e-9)
+    assert batch.left_out == {"h-s3": NO_SAMPLE} and batch.rewards == [1.0, 0.0, 0.5]
+    assert {s.trajectory_id: s.advantage for s in batch.samples} == batch.advantages
+    # a group left with one session has nothing to compare it with
+    batch = build_batch([_group("k", [1.0, 0.0])], {"k-s0": ok, "k-s1": failed})
+    assert batch.skipped == {"k": too_few(1, 2)} and "2 for a group-relative advantage" in too_few(1, 2)

@@ -11,8 +11,8 @@ import pytest
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer import publish
 from trainer import worker as worker_module
-from trainer.attempts import MAX_ATTEMPTS
-from trainer.data import TOO_LONG
+from trainer.attempts import MAX_ATTEMPTS, attempt_limit
+from trainer.data import TOO_LONG, too_few
 from trainer.worker import TrainerWorker
 
 
@@ -99,26 +99,75 @@ def test_a_nan_in_a_later_pass_restores_the_earlier_passes_update(worker):
     assert all((a == b).all() for a, b in zip(before, lora_weights(worker), strict=False))
 
 
-def test_a_batch_that_keeps_failing_is_set_aside_and_the_worker_goes_on(worker, monkeypatch):
+def test_a_failing_batch_is_bisected_and_only_the_group_at_fault_is_set_aside(worker, monkeypatch):
+    # One group's samples make every step that holds them fail (out of memory, say); the
+    # batch of two is split and the good group trains alone: one bad group sets aside no other.
     groups = worker.groups_to_train()
-    ids = sorted(g["id"] for g in groups)
-
-    def out_of_memory(*args, **kwargs):
-        raise RuntimeError("CUDA out of memory (simulated)")
-
+    bad, good = sorted(g["id"] for g in groups)
     real = worker_module.train_and_record
-    monkeypatch.setattr(worker_module, "train_and_record", out_of_memory)
-    for _ in range(MAX_ATTEMPTS):
-        assert worker.train_once(worker.groups_to_train()) is None
-    for gid in ids:
-        group = worker.store.get_group(gid)
-        assert group["trained_step"] is None
-        assert group["failed"].startswith(f"training failed {MAX_ATTEMPTS} times: RuntimeError: CUDA out of memory")
-    ready = [g["id"] for g in worker.store.ready_groups("agent")]
-    assert not set(ids) & set(ready)  # never retried
-    monkeypatch.setattr(worker_module, "train_and_record", real)
-    metrics = worker.train_once(worker.groups_to_train())  # the other groups still train
-    assert metrics is not None and metrics["failed_attempts"] == MAX_ATTEMPTS
+
+    def fails_with_bad(backend, store, model, settings, plan, **kwargs):
+        if bad in plan.trained_groups:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(backend, store, model, settings, plan, **kwargs)
+
+    monkeypatch.setattr(worker_module, "train_and_record", fails_with_bad)
+    limit = attempt_limit(worker.settings.groups_per_step)
+    assert limit == MAX_ATTEMPTS + 1  # one halving isolates a group of a 2-group step
+    assert worker.train_once(groups) is None
+    # the attempt is counted in the store, with the error; the group stays ready
+    assert worker.store.get_group(bad)["attempts"] == 1
+    assert worker.store.get_group(bad)["last_error"].startswith("RuntimeError: CUDA out of memory")
+    results = []
+    while (next_groups := worker.groups_to_train()) is not None and len(results) < 10:
+        results.append(([g["id"] for g in next_groups], worker.train_once(next_groups) is not None))
+    assert results[:2] == [([bad], False), ([good], True)]  # the halves, bad first
+    assert worker.store.get_group(good)["trained_step"] == 1
+    failed = worker.store.get_group(bad)
+    assert failed["trained_step"] is None and failed["attempts"] == limit
+    assert failed["failed"].startswith(f"training failed {limit} times: RuntimeError: CUDA out of memory")
+    assert bad not in {g["id"] for g in worker.store.ready_groups("agent")}  # never retried
+    # the other groups go on training (a step of 2, without any failure since the last step)
+    assert any(ok for _, ok in results[2:])
+
+
+def test_a_trainer_that_dies_mid_step_counts_the_attempt(tmp_path):
+    # The claim counts the attempt before training: a process killed in the step (out of host
+    # memory) leaves the count in the store, the restart gives the claim back and trains each
+    # group of that step alone; one that kills every attempt is set aside in the end.
+    settings = trainer_settings(tmp_path, groups_per_step=2)
+    recorder = Recorder(settings)
+    recorder.group("g1", [1.0, 0.0])
+    recorder.group("g2", [0.0, 1.0])
+    recorder.close()
+    worker = TrainerWorker(settings)
+    try:
+        groups = worker.groups_to_train()
+        assert worker.store.claim_for_step([g["id"] for g in groups], 1) == ["g1", "g2"]
+    finally:
+        worker.close()  # as if killed here: the claim and the attempt stay in the store
+    limit = attempt_limit(2)
+    for attempt in range(2, limit + 1):
+        worker = TrainerWorker(settings)
+        try:
+            worker._resume = lambda worker=worker: worker.store.release_model_claims(worker.model)
+            worker._resume()
+            chosen = worker.groups_to_train()
+            assert [g["id"] for g in chosen] == ["g1"]  # a suspect trains alone
+            assert worker.store.claim_for_step(["g1"], 1) == ["g1"]  # ... and the trainer dies again
+            assert worker.store.get_group("g1")["attempts"] == attempt
+        finally:
+            worker.close()
+    worker = TrainerWorker(settings)
+    try:
+        worker.store.release_model_claims(worker.model)
+        assert [g["id"] for g in worker.groups_to_train()] == ["g2"]
+        g1 = worker.store.get_group("g1")
+        assert g1["attempts"] == limit and g1["failed"].startswith(
+            f"training failed {limit} times: the trainer stopped"
+        )
+    finally:
+        worker.close()
 
 
 @pytest.mark.parametrize("phase", ["train", "record"])
@@ -147,27 +196,38 @@ def test_a_discard_that_races_the_step_takes_it_back(worker, monkeypatch, phase)
     assert victim not in {s["id"] for s in group["sessions"]}
 
 
-def test_a_group_with_an_over_long_sample_is_never_trained_in_part(tmp_path):
+def test_a_session_too_long_for_a_row_leaves_its_group_and_the_rest_train(tmp_path):
     settings = trainer_settings(tmp_path, groups_per_step=2, max_tokens_per_row=60)
     recorder = Recorder(settings)
     recorder.group("short", [1.0, 0.0])
     # one session of this group has a prompt longer than a row: nothing of it can be trained
     recorder.call("long-s0", "long", "What is " + "very " * 80 + "long?", "No.")
     recorder.call("long-s1", "long", "What is 1?", "It is 42.")
+    recorder.call("long-s2", "long", "What is 2?", "It is 2.")
+    recorder.call("pair-s0", "pair", "What is " + "very " * 80 + "long?", "No.")
+    recorder.call("pair-s1", "pair", "What is 1?", "It is 42.")
     import asyncio
 
-    asyncio.run(recorder.store.set_reward("long-s0", 1.0))
-    asyncio.run(recorder.store.set_reward("long-s1", 0.0))
+    for sid, reward in {"long-s0": 1.0, "long-s1": 0.0, "long-s2": 1.0, "pair-s0": 1.0, "pair-s1": 0.0}.items():
+        asyncio.run(recorder.store.set_reward(sid, reward))
     asyncio.run(recorder.store.close_group("long"))
+    asyncio.run(recorder.store.close_group("pair"))
     recorder.close()
     worker = TrainerWorker(settings)
     worker.start()
     try:
-        metrics = worker.train_once(worker.groups_to_train())
-        assert metrics is not None and metrics["groups"] == 1
+        metrics = worker.train_once([worker.store.get_group(g) for g in ("short", "long", "pair")])
+        assert metrics is not None and metrics["groups"] == 2 and metrics["left_out_sessions"] == 1
         assert worker.store.get_group("short")["trained_step"] == 1
         long = worker.store.get_group("long")
-        assert long["trained_step"] is None and long["skipped"] == TOO_LONG
+        assert long["trained_step"] == 1
+        by_id = {s["id"]: s for s in long["sessions"]}
+        assert by_id["long-s0"]["untrained_reason"] == TOO_LONG and by_id["long-s0"]["advantage"] is None
+        # the advantages are over [0, 1], the two sessions trained: they sum to zero
+        assert by_id["long-s1"]["advantage"] == pytest.approx(-by_id["long-s2"]["advantage"]) != 0
+        pair = worker.store.get_group("pair")  # one session left: nothing to compare it with
+        assert pair["trained_step"] is None and pair["skipped"] == too_few(1, 2)
+        assert worker.store.get_session("pair-s0")["untrained_reason"] == TOO_LONG
     finally:
         worker.close()
 

@@ -1,9 +1,17 @@
-"""Failed attempts at a step: counted per batch, and a batch that keeps failing set aside.
+"""Failed attempts at a step: counted in the store, a failing batch bisected, a failing group set aside.
 
-A step that fails (a non-finite loss or gradient, out of memory, a bad batch) changes
-nothing, and its groups stay ready for the next attempt. The same batch (the same group
-ids) failing `MAX_ATTEMPTS` times has its groups marked failed with the reason, visible in
-`GET /v1/groups/{id}`, and is never tried again.
+Claiming groups for a step (`Store.claim_for_step`) counts one attempt on each before training
+starts, so an attempt the trainer never came back from (killed, out of host memory) counts
+too; a step that records its groups ends their story, and one that is taken back through no
+fault of theirs (a discard, the engine or the store away) gives the attempt back.
+
+A step that fails (a non-finite loss or gradient, out of memory, a bad batch) changes nothing
+and its groups keep the error. One bad group must not set good ones aside, so a failed batch
+is bisected: its halves are tried next, each as a step of its own, until the group that fails
+is alone. A group that failed before, or was in a step the trainer died in, is a suspect: it
+trains alone. A group is set aside (marked failed with the last error, visible in
+`GET /v1/groups/{id}`) once its attempts reach `attempt_limit`: `MAX_ATTEMPTS` alone, plus
+the steps bisection needs to isolate it.
 """
 
 from __future__ import annotations
@@ -15,44 +23,90 @@ from gateway.store import Store
 log = logging.getLogger("rlproxy.trainer")
 
 MAX_ATTEMPTS = 3
-"""Failures of the same batch before its groups are set aside as failed."""
+"""Failed attempts of a group on its own before it is set aside as failed."""
+
+
+def attempt_limit(groups_per_step: int) -> int:
+    """Attempts after which a group is set aside: `MAX_ATTEMPTS` on its own, plus the halvings
+    it takes to get there from a full step (ceil(log2(groups_per_step)))."""
+    return MAX_ATTEMPTS + max(0, groups_per_step - 1).bit_length()
+
+
+def set_aside_reason(attempts: int, last_error: str | None) -> str:
+    return (
+        f"training failed {attempts} times: "
+        + (last_error or "the trainer stopped during each attempt (killed, or out of host memory)")
+    )[:2000]
 
 
 class Attempts:
-    """The failed attempts of one worker."""
+    """The failed attempts of one worker: the counts are the store's; the halves of a failed
+    batch still to try are this worker's (a restart tries each suspect alone instead)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, groups_per_step: int = 1) -> None:
         self.store = store
-        self.by_batch: dict[tuple[str, ...], int] = {}
-        """A batch (its sorted group ids) -> its failed attempts so far."""
+        self.limit = attempt_limit(groups_per_step)
+        self.pending: list[list[str]] = []
+        """Halves of failed batches, tried before any new group (front first)."""
         self.since_step = 0
         """Attempts that failed since the last step, for the log and the step metrics."""
 
-    def failed(self, batch: tuple[str, ...], exc: Exception, step: int) -> None:
-        """Count a failed attempt at step `step` on `batch`; set the batch aside after
-        `MAX_ATTEMPTS`."""
-        attempts = self.by_batch.get(batch, 0) + 1
-        self.by_batch[batch] = attempts
+    def next_half(self) -> list[dict] | None:
+        """The next half of a failed batch whose groups can still train, read afresh."""
+        while self.pending:
+            ids = self.pending.pop(0)
+            groups = [self.store.get_group(gid) for gid in ids]
+            groups = [g for g in groups if g["trained_step"] is None and not g["skipped"] and not g["failed"]]
+            if groups:
+                return groups
+        return None
+
+    def screen(self, groups: list[dict]) -> tuple[list[dict], dict | None]:
+        """`groups` (ready, in order) less those at the attempt limit, which are set aside now;
+        and the first suspect among them (it failed before, or a trainer died training it),
+        which trains alone."""
+        keep = []
+        for group in groups:
+            attempts = int(group.get("attempts") or 0)
+            if attempts >= self.limit:
+                reason = set_aside_reason(attempts, group.get("last_error"))
+                self.store.mark_failed([group["id"]], reason)
+                log.error("group %s set aside: %s", group["id"], reason)
+            else:
+                keep.append(group)
+        suspect = next((g for g in keep if int(g.get("attempts") or 0) > 0), None)
+        if suspect is not None:
+            log.info("group %s failed before (%d attempt(s)): training it alone", suspect["id"], suspect["attempts"])
+        return keep, suspect
+
+    def failed(self, group_ids: list[str], exc: Exception, step: int) -> None:
+        """Step `step` failed on `group_ids`: give them back with the error (the attempt stays
+        counted), then bisect the batch, or set a lone group aside at the limit."""
+        reason = f"{type(exc).__name__}: {exc}"[:2000]
         self.since_step += 1
-        reason = f"{type(exc).__name__}: {exc}"
-        if attempts < MAX_ATTEMPTS:
+        self.store.release_step(group_ids, reason)
+        if len(group_ids) > 1:
+            half = (len(group_ids) + 1) // 2
+            self.pending[:0] = [group_ids[:half], group_ids[half:]]
             log.warning(
-                "step %d failed (attempt %d of %d; nothing was saved): %s",
+                "step %d failed on %d groups (nothing was saved): trying each half alone to find the group at "
+                "fault: %s",
                 step,
-                attempts,
-                MAX_ATTEMPTS,
+                len(group_ids),
                 reason,
             )
             return
-        log.error(
-            "step %d failed %d times on the same groups; setting them aside as failed: %s",
+        (group_id,) = group_ids
+        attempts = int(self.store.get_group(group_id).get("attempts") or 0)
+        if attempts >= self.limit:
+            log.error("step %d failed on group %s %d times; setting it aside: %s", step, group_id, attempts, reason)
+            self.store.mark_failed([group_id], set_aside_reason(attempts, reason))
+            return
+        log.warning(
+            "step %d failed on group %s (attempt %d of %d; nothing was saved): %s",
             step,
+            group_id,
             attempts,
+            self.limit,
             reason,
         )
-        self.store.mark_failed(list(batch), f"training failed {attempts} times: {reason}"[:2000])
-        self.by_batch.pop(batch, None)
-
-    def forget(self, batch: tuple[str, ...]) -> None:
-        """An attempt at `batch` did not fail (it trained, or a discard took it back)."""
-        self.by_batch.pop(batch, None)

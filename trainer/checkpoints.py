@@ -115,6 +115,8 @@ def write_checkpoint(
     metrics: dict,
     groups: list[str],
     token_budget: int | None = None,
+    advantages: dict[str, float] | None = None,
+    left_out: dict[str, str] | None = None,
 ) -> Checkpoint:
     """Write checkpoint `step` atomically: `write_files(tmp_dir)` (the backend's `save`),
     then the JSON files, fsync, rename. Raises FileExistsError if `NNNN` already exists
@@ -130,7 +132,15 @@ def write_checkpoint(
     try:
         write_files(tmp)
         (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, sort_keys=True))
-        state = {"step": step, "metrics": metrics, "groups": groups, "token_budget": token_budget}
+        # The sessions' advantages and those left out, for a restart to record the step as it was.
+        state = {
+            "step": step,
+            "metrics": metrics,
+            "groups": groups,
+            "token_budget": token_budget,
+            "advantages": advantages or {},
+            "left_out": left_out or {},
+        }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         _fsync_tree(tmp)
         os.rename(tmp, final)

@@ -164,15 +164,36 @@ class Batch:
     group_ids: list[str]
     """Groups that contributed samples: marked trained with the step."""
     skipped: dict[str, str] = field(default_factory=dict)
-    """Group id -> why it was not trained (no reward spread, no trainable tokens)."""
+    """Group id -> why it was not trained (too few sessions with a sample, no reward spread)."""
     rewards: list[float] = field(default_factory=list)
-    """Rewards of the trajectories of `group_ids`."""
+    """Rewards of the sessions trained (those of `group_ids` that stayed in their group)."""
     greedy_calls: int = 0
-    """Calls of `group_ids`' trajectories left untrained for `GREEDY`."""
+    """Calls of the sessions trained left untrained for `GREEDY`."""
+    sessions: dict[str, list[str]] = field(default_factory=dict)
+    """Group id (of `group_ids`) -> the ids of its sessions trained, in session order."""
+    advantages: dict[str, float] = field(default_factory=dict)
+    """Session id -> the advantage it trained with (over exactly the sessions trained)."""
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Session id -> why it left its group before advantages were computed (no trainable sample)."""
+    cut: int = 0
+    """Samples longer than a row, trained on their first `max_tokens_per_row` tokens."""
 
 
 NO_SPREAD = "no reward spread: every rollout of the group scored the same"
 NO_TOKENS = "no trainable tokens: every call failed, was greedy or had no completion"
+NO_SAMPLE = (
+    "no trainable sample: every call failed, was left by its client (499), was a retry orphan, "
+    "was greedy, came after its group was claimed, or could not be re-rendered"
+)
+TOO_LONG = "too long: each sample's prompt alone exceeds max_tokens_per_row; raise --max-tokens-per-row"
+
+
+def too_few(kept: int, total: int) -> str:
+    """Why a group with fewer than 2 sessions left to train is skipped."""
+    return (
+        f"too few sessions to compare: {kept} of its {total} session(s) had a trainable sample; "
+        "a group needs 2 for a group-relative advantage"
+    )
 
 
 def trained_sessions(group: dict) -> list[dict]:
@@ -204,62 +225,89 @@ def build_batch(
     *,
     scale_rewards: str = "group",
     render: Render | None = None,
+    max_tokens_per_row: int | None = None,
 ) -> Batch:
-    """Samples of `groups` (`Store.get_group` dicts) with their group-relative advantages.
+    """Samples of `groups` (`Store.get_group` dicts) with their group-relative advantages,
+    computed over exactly the sessions that train.
 
-    `calls_by_session` maps a session id to its calls in order (`Store.session_calls`).
+    A session that yields no trainable sample (every call failed or was left by its client,
+    greedy, orphaned, too long for a row) leaves its group first: its reward would otherwise
+    move the others' advantages with no sample of its own to push down (rewards [1, 1, 0] whose
+    0 failed would train both 1s at +0.71, "push everything up"). The rest train with
+    advantages over them; a group left with fewer than 2 sessions, or without a reward spread
+    among them, is skipped with the reason. `calls_by_session` maps a session id to its calls
+    in order (`Store.session_calls`); with `max_tokens_per_row`, samples are fitted to rows
+    first (`fit_to_rows`).
     """
     by_id = {g["id"]: g for g in groups}
-    advantages, no_spread = compute_advantages({gid: group_rewards(g) for gid, g in by_id.items()}, scale_rewards)
-    skipped = {gid: NO_SPREAD for gid in no_spread}
-    samples: list[Sample] = []
-    trained: list[str] = []
-    rewards: list[float] = []
-    greedy = 0
-    for gid, advantages_G in advantages.items():
-        group = by_id[gid]
-        group_samples = []
-        group_greedy = 0
-        for session, advantage in zip(trained_sessions(group), advantages_G, strict=False):
-            group_greedy += len(greedy_calls(calls_by_session.get(session["id"], [])))
-            group_samples += trajectory_samples(
+    skipped: dict[str, str] = {}
+    left_out: dict[str, str] = {}
+    staying: dict[str, list[tuple[dict, list[Sample]]]] = {}
+    cut = 0
+    for gid, group in by_id.items():
+        stay = []
+        for session in trained_sessions(group):
+            samples = trajectory_samples(
                 calls_by_session.get(session["id"], []),
                 trajectory_id=session["id"],
                 group_id=gid,
-                advantage=advantage,
+                advantage=0.0,  # set below, once the group's sessions are known
                 render=render,
             )
-        if not group_samples:
-            skipped[gid] = NO_TOKENS
-            continue
-        samples += group_samples
+            if max_tokens_per_row is not None and samples:
+                samples, dropped, n_cut = fit_to_rows(samples, max_tokens_per_row)
+                cut += n_cut
+                if not samples:
+                    left_out[session["id"]] = TOO_LONG
+                    continue
+            if samples:
+                stay.append((session, samples))
+            else:
+                left_out[session["id"]] = NO_SAMPLE
+        total = len(trained_sessions(group))
+        if len(stay) < 2:
+            skipped[gid] = NO_TOKENS if not stay else too_few(len(stay), total)
+        else:
+            staying[gid] = stay
+    advantages_by_group, no_spread = compute_advantages(
+        {gid: [float(session["reward"]) for session, _ in stay] for gid, stay in staying.items()}, scale_rewards
+    )
+    skipped.update({gid: NO_SPREAD for gid in no_spread})
+    out: list[Sample] = []
+    trained: list[str] = []
+    rewards: list[float] = []
+    sessions: dict[str, list[str]] = {}
+    advantages: dict[str, float] = {}
+    greedy = 0
+    for gid, advantages_G in advantages_by_group.items():
         trained.append(gid)
-        rewards += group_rewards(group)
-        greedy += group_greedy
+        sessions[gid] = []
+        for (session, samples), advantage in zip(staying[gid], advantages_G, strict=True):
+            out += [dataclasses.replace(sample, advantage=advantage) for sample in samples]
+            sessions[gid].append(session["id"])
+            advantages[session["id"]] = advantage
+            rewards.append(float(session["reward"]))
+            greedy += len(greedy_calls(calls_by_session.get(session["id"], [])))
     if greedy:
         log.info("%d greedy call(s) not trained (%s); their turns stay as context", greedy, GREEDY)
-    return Batch(samples, trained, skipped, rewards, greedy)
+    return Batch(out, trained, skipped, rewards, greedy, sessions, advantages, left_out, cut)
 
 
-TOO_LONG = "too long: a sample's prompt alone exceeds max_tokens_per_row; raise --max-tokens-per-row"
-
-
-def fit_to_rows(samples: Sequence[Sample], max_tokens: int) -> tuple[list[Sample], dict[str, str], int]:
+def fit_to_rows(samples: Sequence[Sample], max_tokens: int) -> tuple[list[Sample], int, int]:
     """Samples that fit in a packed row: an over-long one keeps its first `max_tokens`
     tokens (the sampled prefix: attention is causal, so the kept tokens' logprobs do not
-    change; the completion tokens cut off are simply not trained). A group with a sample
-    that keeps no trained token is left out whole, never trained in part.
+    change; the completion tokens cut off are simply not trained); one that would keep no
+    trained token is dropped.
 
-    Returns (samples, {group id: reason} for the groups left out, number of samples cut)."""
-    too_long: dict[str, str] = {}
+    Returns (samples, number dropped, number cut)."""
     fitted: list[Sample] = []
-    cut = 0
+    cut = dropped = 0
     for sample in samples:
         if len(sample.token_ids) > max_tokens:
-            cut += 1
             if not any(sample.loss_mask[:max_tokens]):
-                too_long[sample.group_id] = TOO_LONG
+                dropped += 1
                 continue
+            cut += 1
             sample = dataclasses.replace(
                 sample,
                 token_ids=sample.token_ids[:max_tokens],
@@ -268,7 +316,7 @@ def fit_to_rows(samples: Sequence[Sample], max_tokens: int) -> tuple[list[Sample
                 temperatures=sample.temperatures[:max_tokens] if sample.temperatures is not None else None,
             )
         fitted.append(sample)
-    return [s for s in fitted if s.group_id not in too_long], too_long, cut
+    return fitted, dropped, cut
 
 
 def token_budget(calls: Sequence[dict], default: int) -> int:

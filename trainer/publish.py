@@ -16,14 +16,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.errors import Conflict
 from gateway.settings import Settings
 from gateway.store import Store
 from trainer import checkpoints as ckpts
-from trainer.data import Render, build_batch, fit_to_rows, token_budget, trained_sessions
+from trainer.data import Render, build_batch, token_budget
 
 if TYPE_CHECKING:  # the backend (torch) and the GPU lease are imported when needed
     from gateway.colocate import TrainingLease
@@ -62,40 +62,63 @@ class StepPlan:
     for a call that set none): dr_grpo's budget when this is the run's first step."""
     greedy_calls: int = 0
     """Calls of the trained groups left untrained as greedy (`trainer.retries.GREEDY`)."""
+    rewards: list[float] = field(default_factory=list)
+    """Rewards of the sessions trained (`reward_mean` counts these only)."""
+    advantages: dict[str, float] = field(default_factory=dict)
+    """Session id -> the advantage it trained with, recorded with the step."""
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Session id (of a trained group) -> why it left its group untrained, recorded with the step."""
 
 
 def plan_step(store: Store, settings: Settings, render: Render, groups: list[dict], step: int) -> StepPlan:
-    """The samples of `groups` for step `step`; the groups that cannot be trained whole are
+    """The samples of `groups` for step `step`, with advantages over exactly the sessions
+    that train (`trainer.data.build_batch`); the groups left with nothing to compare are
     marked skipped in the store."""
     started = time.perf_counter()
     calls = {s["id"]: store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
-    batch = build_batch(groups, calls, scale_rewards=settings.scale_rewards, render=render)
-    samples, skipped_long, cut = fit_to_rows(batch.samples, settings.max_tokens_per_row)
-    if cut:
+    batch = build_batch(
+        groups,
+        calls,
+        scale_rewards=settings.scale_rewards,
+        render=render,
+        max_tokens_per_row=settings.max_tokens_per_row,
+    )
+    if batch.cut:
         log.warning(
             "step %d: %d sample(s) longer than --max-tokens-per-row %d: trained on their first %d "
             "tokens; raise it to train them whole",
             step,
-            cut,
+            batch.cut,
             settings.max_tokens_per_row,
             settings.max_tokens_per_row,
         )
-    skipped = {**batch.skipped, **skipped_long}
-    trained_groups = [gid for gid in batch.group_ids if gid not in skipped]
-    for reason in set(skipped.values()):
-        store.mark_skipped([gid for gid, r in skipped.items() if r == reason], reason)
+    if batch.left_out:
+        log.info(
+            "step %d: %d session(s) left their group before advantages (no trainable sample)",
+            step,
+            len(batch.left_out),
+        )
+    group_of = {s["id"]: g["id"] for g in groups for s in g["sessions"]}
+    for reason in set(batch.skipped.values()):
+        ids = [gid for gid, r in batch.skipped.items() if r == reason]
+        left_out = {sid: why for sid, why in batch.left_out.items() if group_of[sid] in ids}
+        store.mark_skipped(ids, reason, left_out)
+    trained = set(batch.group_ids)
     return StepPlan(
         step=step,
         started=started,
         groups=groups,
-        trained_groups=trained_groups,
-        sessions={g["id"]: [s["id"] for s in trained_sessions(g)] for g in groups if g["id"] in trained_groups},
-        samples=samples,
-        cut=cut,
-        skipped=len(skipped),
+        trained_groups=batch.group_ids,
+        sessions=batch.sessions,
+        samples=batch.samples,
+        cut=batch.cut,
+        skipped=len(batch.skipped),
         greedy_calls=batch.greedy_calls,
+        rewards=batch.rewards,
+        advantages=batch.advantages,
+        left_out={sid: reason for sid, reason in batch.left_out.items() if group_of[sid] in trained},
         token_budget=token_budget(
-            [c for g in groups if g["id"] in trained_groups for s in g["sessions"] for c in calls.get(s["id"], [])],
+            [c for g in groups if g["id"] in trained for s in g["sessions"] for c in calls.get(s["id"], [])],
             default=settings.default_max_tokens,
         ),
     )
@@ -163,14 +186,7 @@ def _train_checkpoint_record(
 
     step, trained_groups = plan.step, plan.trained_groups
     metrics = train_step(backend, plan.samples, settings, token_budget=token_budget)
-    # The sessions trained only: never a val session (nor one that left its group).
-    rewards = [
-        float(s["reward"])
-        for g in plan.groups
-        if g["id"] in trained_groups
-        for s in g["sessions"]
-        if s["id"] in plan.sessions[g["id"]]
-    ]
+    rewards = plan.rewards  # the sessions trained only: never a val session, nor one that left its group
     metrics.update(
         reward_mean=sum(rewards) / len(rewards),
         reward_std=_std(rewards),
@@ -178,13 +194,14 @@ def _train_checkpoint_record(
         skipped_groups=skipped_groups,
         cut_samples=plan.cut,
         greedy_calls=plan.greedy_calls,
+        left_out_sessions=len(plan.left_out),
         failed_attempts=failed_attempts,
     )
     _test_pause("train", step)
     if _discarded_meanwhile(store, plan.sessions, step):
         return None
     metrics["seconds"] = time.perf_counter() - plan.started
-    checkpoint = save(step, metrics=metrics, groups=trained_groups)
+    checkpoint = save(step, metrics=metrics, groups=trained_groups, advantages=plan.advantages, left_out=plan.left_out)
     _test_pause("record", step)
     try:
         store.insert_step(
@@ -194,6 +211,8 @@ def _train_checkpoint_record(
             metrics,
             trained_groups,
             session_ids=[sid for ids in plan.sessions.values() for sid in ids],
+            advantages=plan.advantages,
+            left_out=plan.left_out,
         )
     except Conflict as exc:  # a discard landed between the check and the record
         log.warning("step %d taken back: %s", step, exc.message)

@@ -31,7 +31,15 @@ _ADAPTER_SHAPE = ("base_model", "lora_rank", "lora_alpha")
 class SaveCheckpoint(Protocol):
     """Write checkpoint `step` of the current weights (atomically) and return it."""
 
-    def __call__(self, step: int, *, metrics: dict, groups: list[str]) -> ckpts.Checkpoint: ...
+    def __call__(
+        self,
+        step: int,
+        *,
+        metrics: dict,
+        groups: list[str],
+        advantages: dict[str, float] | None = None,
+        left_out: dict[str, str] | None = None,
+    ) -> ckpts.Checkpoint: ...
 
 
 class LoadCheckpoint(Protocol):
@@ -92,7 +100,15 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint) -> Non
     or discard it if its groups were claimed meanwhile."""
     state = checkpoint.state()
     try:
-        store.insert_step(model, checkpoint.step, str(checkpoint.path), state["metrics"], state["groups"])
+        store.insert_step(
+            model,
+            checkpoint.step,
+            str(checkpoint.path),
+            state["metrics"],
+            state["groups"],
+            advantages=state.get("advantages"),
+            left_out=state.get("left_out"),
+        )
     except (Conflict, sqlite3.IntegrityError) as exc:
         log.warning("discarding checkpoint %s, which was never recorded: %s", checkpoint.path, exc)
         ckpts.discard(checkpoint)

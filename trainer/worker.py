@@ -26,15 +26,19 @@ from pi_old for the importance weights to correct.
 
 A step never publishes a broken adapter: a non-finite loss or gradient (`NonFiniteStep`)
 or any other failure of the step leaves weights, checkpoints and step rows as they were
-and the groups untrained; the same batch failing `MAX_ATTEMPTS` times is set aside (its
-groups marked failed with the reason, visible in `GET /v1/groups/{id}`) and the worker
-goes on. A session discarded while its group was being trained takes the step back
-(checkpoint removed, weights restored) and the group is trained again without it.
+and the groups untrained; a failing batch is bisected until the group at fault is alone,
+and that group is set aside after `MAX_ATTEMPTS` (marked failed with the reason, visible in
+`GET /v1/groups/{id}`; the counts are in the store, so a crash counts: `trainer.attempts`).
+A step claims its groups before it reads them: from then on a reward is refused (409) and a
+call to one of their sessions is kept but never trained. A session discarded while its group
+was being trained takes the step back (checkpoint removed, weights restored) and the group is
+trained again without it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -75,7 +79,7 @@ class TrainerWorker:
         self.backend: TrainingBackend | None = None  # loaded by start()
         self.next_step = 0
         self.skipped_since_step = 0
-        self.attempts = Attempts(self.store)  # failed attempts, per batch and since the last step
+        self.attempts = Attempts(self.store, settings.groups_per_step)  # failed steps: bisected, set aside
         # dr_grpo's token budget: --max-tokens-norm, else fixed at the run's first step from its
         # calls; saved with every checkpoint and restored on restart, never a running maximum.
         self.token_budget: int | None = None
@@ -128,9 +132,20 @@ class TrainerWorker:
             self._lock_file = None
 
     def _resume(self) -> None:
+        released = self.store.release_model_claims(self.model)  # left by a trainer that died mid-step
+        if released:
+            log.warning("%d group(s) were claimed by a step that never finished; they train again", released)
         self.next_step = resume(self.store, self.model, self.root, self.settings, save=self._save, load=self._load)
 
-    def _save(self, step: int, *, metrics: dict, groups: list[str]) -> ckpts.Checkpoint:
+    def _save(
+        self,
+        step: int,
+        *,
+        metrics: dict,
+        groups: list[str],
+        advantages: dict[str, float] | None = None,
+        left_out: dict[str, str] | None = None,
+    ) -> ckpts.Checkpoint:
         return ckpts.write_checkpoint(
             self.root,
             step,
@@ -139,6 +154,8 @@ class TrainerWorker:
             metrics=metrics,
             groups=groups,
             token_budget=self._step_budget if self._step_budget is not None else self.token_budget,
+            advantages=advantages,
+            left_out=left_out,
         )
 
     def _load(self, path: Path) -> None:
@@ -151,6 +168,9 @@ class TrainerWorker:
         """The groups of the next step, or None while there are too few. Ready groups
         without a reward spread, or sampled too long ago, are marked skipped at once: they
         never teach anything, so they do not count towards `groups_per_step`."""
+        half = self.attempts.next_half()  # a failed batch is bisected before anything new
+        if half is not None:
+            return half
         ready = self.store.claim_groups(self.model, HOLDER)  # several trainers take disjoint groups
         if not ready:
             return None
@@ -158,18 +178,28 @@ class TrainerWorker:
         self.skipped_since_step += skipped
         keep, skipped = without_stale(self.store, self.settings, keep, self.next_step)
         self.skipped_since_step += skipped
+        keep, suspect = self.attempts.screen(keep)
+        if suspect is not None:
+            return [suspect]
         return enough_for_a_step(self.store, self.settings, self.model, keep, self.next_step)
 
     def train_once(self, groups: list[dict]) -> dict | None:
         """One step on `groups`: returns its metrics, or None if nothing was trained (nothing
-        trainable, the step failed, or a discard took it back)."""
+        trainable, the step failed, or a discard took it back). The groups are claimed first:
+        from then on their rewards are refused and calls to their sessions are not trained."""
+        claimed = self.store.claim_for_step([g["id"] for g in groups], self.next_step)
+        if not claimed:
+            return None
+        groups = [self.store.get_group(gid) for gid in claimed]  # the rewards as the claim froze them
         plan = plan_step(self.store, self.settings, self.render, groups, self.next_step)
         self.skipped_since_step += plan.skipped
+        trained = list(plan.trained_groups)
+        if set(claimed) - set(trained):
+            self.store.release_step(sorted(set(claimed) - set(trained)))  # skipped: no attempt of theirs
         if not plan.samples:
             return None
         budget = self.settings.max_tokens_norm or self.token_budget or plan.token_budget
 
-        batch = tuple(sorted(plan.trained_groups))
         self._step_budget = budget
         try:
             with gpu_lease(self.store, self.model, self.settings) as lease:
@@ -187,14 +217,18 @@ class TrainerWorker:
                 if lease is not None and metrics is not None:
                     lease.step = plan.step  # the gateway loads NAME@step when it takes the GPU back
         except (EngineUnavailable, ConfigError, StoreUnavailable):
-            raise  # not the batch's fault: the run loop waits for the engine or the store
+            # Not the batch's fault: give the attempt back; the run loop waits for the engine or
+            # the store (a store that cannot take this either is reconciled by `_resume`).
+            with contextlib.suppress(StoreUnavailable):
+                self.store.release_step(trained)
+            raise
         except Exception as exc:  # NonFiniteStep, out of memory, a bad batch: never the worker's end
-            self.attempts.failed(batch, exc, self.next_step)
+            self.attempts.failed(trained, exc, self.next_step)
             return None
         finally:
             self._step_budget = None
-        self.attempts.forget(batch)
-        if metrics is None:
+        if metrics is None:  # a discard took the step back: the groups train again without it
+            self.store.release_step(trained)
             return None
         self.token_budget = budget  # fixed from the first step on
         self.next_step = plan.step + 1

@@ -123,12 +123,14 @@ class StepBatches:
                 groups = [self.store.get_group(gid) for gid in row["groups"]]
                 calls = {s["id"]: self.store.session_calls(s["id"]) for g in groups for s in trained_sessions(g)}
                 batch = build_batch(
-                    groups, calls, scale_rewards=saved.get("scale_rewards", "group"), render=self.render
+                    groups,
+                    calls,
+                    scale_rewards=saved.get("scale_rewards", "group"),
+                    render=self.render,
+                    max_tokens_per_row=saved.get("max_tokens_per_row"),
                 )
-                limit = saved.get("max_tokens_per_row")
                 for sample in batch.samples:
-                    if limit is None or len(sample.token_ids) <= limit:
-                        by_session.setdefault(sample.trajectory_id, []).append(sample)
+                    by_session.setdefault(sample.trajectory_id, []).append(sample)
             self._cache[key] = by_session
         return self._cache[key]
 

@@ -147,6 +147,7 @@ async def session_tokens(session_id: str, request: Request) -> Response:
         texts = _token_texts(tokenizer, ids)
         behaviour = _first_choice(call.get("behaviour_logprobs"), len(ids))
         greedy = _greedy(call)
+        untrained = _untrained_reason(call, session, greedy)
         calls.append(
             {
                 "call_id": call["id"],
@@ -154,13 +155,10 @@ async def session_tokens(session_id: str, request: Request) -> Response:
                 "status": call["status"],
                 "prompt_tokens": len(call.get("prompt_ids") or []),
                 "trained": bool(
-                    trained_step is not None
-                    and not session["discarded"]
-                    and call["status"] == "ok"
-                    and ids
-                    and not greedy
-                ),
-                "untrained_reason": GREEDY_REASON if greedy and call["status"] == "ok" else None,
+                    trained_step is not None and not session["discarded"] and call["status"] == "ok" and ids
+                )
+                and untrained is None,
+                "untrained_reason": untrained,
                 "sampling": call.get("sampling"),
                 "tokens": [
                     {
@@ -174,6 +172,19 @@ async def session_tokens(session_id: str, request: Request) -> Response:
             }
         )
     return json_response({"session_id": session_id, "trained_step": trained_step, "calls": calls})
+
+
+def _untrained_reason(call: dict, session: dict, greedy: bool) -> str | None:
+    """Why a call that succeeded is not trained although its group may be: it came after the
+    group was claimed or trained, it was greedy, or its session left the group (no trainable
+    sample, `trainer.data.build_batch`)."""
+    if call["status"] != "ok":
+        return None
+    if call.get("untrainable"):
+        return call["untrainable"]
+    if greedy:
+        return GREEDY_REASON
+    return session.get("untrained_reason")
 
 
 def _first_choice(values, n: int) -> list | None:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import Conflict, InvalidRequest
 from gateway.ruler.judges import SELF_JUDGE, JudgeCall, JudgeError, engine_judge, litellm_judge, redact
+from gateway.store.rows import frozen_group_reason
 
 log = logging.getLogger("rlproxy.ruler")
 
@@ -334,8 +335,9 @@ class RulerService:
     def trajectories(self, group_id: str) -> list[Trajectory]:
         store = self.services.store
         group = store.get_group(group_id)  # NotFound for an unknown group
-        if group.get("trained_step") is not None:
-            raise Conflict(f"group '{group_id}' was already trained on (step {group['trained_step']})")
+        frozen = frozen_group_reason(group_id, group.get("trained_step"), group.get("claimed_step"))
+        if frozen is not None:
+            raise Conflict(f"RULER cannot score it: {frozen}", param="group_id")
         return [trajectory_from_calls(s["id"], store.session_calls(s["id"])) for s in group["sessions"]]
 
     async def score_group(

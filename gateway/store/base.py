@@ -112,10 +112,10 @@ class Store(ABC):
     async def record_call(self, call: CallRecord, *, alone: bool = False) -> None:
         """Committed before this returns. `alone`: no other call is in flight, so nothing is
         gained by waiting to share a commit (`_write_now`)."""
-        await self._submit(lambda conn: rows.insert_call(conn, call), at_once=alone)
+        call.untrainable = await self._submit(lambda conn: rows.insert_call(conn, call), at_once=alone)
 
     def record_call_sync(self, call: CallRecord) -> None:
-        self._run_sync(lambda conn: rows.insert_call(conn, call))
+        call.untrainable = self._run_sync(lambda conn: rows.insert_call(conn, call))
 
     async def set_reward(self, session_id: str, reward: float, metrics: dict[str, float] | None = None) -> dict:
         return await self._submit(lambda conn: rows.set_reward(conn, session_id, reward, metrics or {}))
@@ -157,18 +157,46 @@ class Store(ABC):
         metrics: dict,
         group_ids: list[str],
         session_ids: list[str] | None = None,
+        *,
+        advantages: dict[str, float] | None = None,
+        left_out: dict[str, str] | None = None,
     ) -> None:
         """Insert a step row and mark its groups trained, in one transaction. With
         `session_ids` (the sessions the step trained on), a Conflict if any of them was
-        discarded meanwhile: the step must then be taken back."""
-        self._run_sync(lambda conn: training.insert_step(conn, model, step, path, metrics, group_ids, session_ids))
+        discarded meanwhile: the step must then be taken back. `advantages`: session id -> the
+        advantage it trained with; `left_out`: session id -> why it left its group untrained."""
+        self._run_sync(
+            lambda conn: training.insert_step(
+                conn, model, step, path, metrics, group_ids, session_ids, advantages, left_out
+            )
+        )
+
+    def claim_for_step(self, group_ids: Iterable[str], step: int) -> list[str]:
+        """Freeze groups for step `step` (rewards refused with 409, later calls marked
+        untrainable) and count an attempt on each; the ids claimed."""
+        return self._run_sync(lambda conn: training.claim_for_step(conn, list(group_ids), step))
+
+    def release_step(self, group_ids: Iterable[str], error: str | None = None) -> None:
+        """Unfreeze groups a step did not record; `error` keeps the attempt counted, with why."""
+        self._run_sync(lambda conn: training.release_step(conn, list(group_ids), error))
+
+    def release_model_claims(self, model: str) -> int:
+        """Unfreeze the groups a dead trainer of `model` had claimed (attempts stay counted)."""
+        return self._run_sync(lambda conn: training.release_model_claims(conn, model))
 
     def mark_failed(self, group_ids: Iterable[str], reason: str) -> None:
         """Set groups aside: training them kept failing (the reason says how). Never retried."""
         self._run_sync(lambda conn: training.mark_failed(conn, group_ids, reason))
 
-    def mark_skipped(self, group_ids: Iterable[str], reason: str) -> None:
-        self._run_sync(lambda conn: training.mark_skipped(conn, group_ids, reason))
+    def mark_skipped(self, group_ids: Iterable[str], reason: str, left_out: dict[str, str] | None = None) -> None:
+        """Set groups aside with the reason (never trained); `left_out`: session id -> why it
+        had no trainable sample (shown in `GET /v1/sessions/{id}`)."""
+
+        def op(conn: Any) -> None:
+            training.mark_skipped(conn, group_ids, reason)
+            training.set_untrained_reasons(conn, left_out or {})
+
+        self._run_sync(op)
 
     def claim_groups(
         self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0

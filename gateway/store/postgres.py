@@ -243,13 +243,18 @@ class PostgresStore(Store):
         metrics: dict,
         group_ids: list[str],
         session_ids: list[str] | None = None,
+        *,
+        advantages: dict[str, float] | None = None,
+        left_out: dict[str, str] | None = None,
     ) -> None:
         """As `Store.insert_step`, after the checkpoint's files went into the store (their own
         transaction, committed first): a step row is never visible without its files."""
         directory = Path(path)
         if directory.is_dir():
             self._transaction(lambda conn: store_files.upload_step_files(conn, model, step, directory))
-        super().insert_step(model, step, path, metrics, group_ids, session_ids)
+        super().insert_step(
+            model, step, path, metrics, group_ids, session_ids, advantages=advantages, left_out=left_out
+        )
 
     def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
         rows = self._query(

@@ -90,6 +90,7 @@ class CallRecord:
     protocol: str = "chat"  # what the client spoke; `request`/`response` are always the chat form
     wire_request: dict | None = None  # the client's body, for protocols other than chat
     wire_response: dict | None = None  # what that client got back
+    untrainable: str | None = None  # set by the store: why this call can never be trained (a late call)
 
 
 # ------------------------------------------------------------------ ops (run on the writer connection)
@@ -103,7 +104,10 @@ def _to_json(value: Any) -> str:
         return json.dumps(value, default=str)
 
 
-def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
+def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
+    """Insert the call and upsert its session and group. Returns why the call can never be
+    trained (its group was already claimed by a step or trained: it is kept, marked
+    `untrainable`), or None."""
     now = call.created_at
     lengths = [len(ids) for ids in call.completion_ids] if call.completion_ids is not None else None
     flat_ids = [t for ids in call.completion_ids for t in ids] if call.completion_ids is not None else None
@@ -160,31 +164,68 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> None:
         )
     if call.group_id is not None:
         group_id = call.group_id
-        (group_split,) = conn.execute(
+        group_split, trained_step, claimed_step = conn.execute(
             "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES (?,?,?,?,?)"
-            " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at RETURNING split",
+            " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at"
+            " RETURNING split, trained_step, claimed_step",
             (call.group_id, base_model, call.split, now, now),
         ).fetchone()
     elif group_id is not None:  # a call without a group, in a session that has one
-        row = conn.execute("SELECT split FROM groups WHERE id = ?", (group_id,)).fetchone()
-        group_split = row[0] if row is not None else call.split
+        row = conn.execute("SELECT split, trained_step, claimed_step FROM groups WHERE id = ?", (group_id,)).fetchone()
+        group_split, trained_step, claimed_step = row if row is not None else (call.split, None, None)
     else:
-        return
+        return None
     if group_split != call.split:
         raise Conflict(
             f"group '{group_id}' holds '{group_split}' sessions; this call says X-Split '{call.split}'. "
             "Use one split per group (a separate group id for val rollouts).",
             param="split",
         )
+    reason = late_call_reason(group_id, trained_step, claimed_step)
+    if reason is not None:
+        conn.execute("UPDATE calls SET untrainable = ? WHERE id = ?", (reason, call.id))
+    return reason
+
+
+def late_call_reason(group_id: str, trained_step: int | None, claimed_step: int | None) -> str | None:
+    """Why a call recorded now can never be trained: its group's data is frozen once a step
+    claimed it (the step reads the calls when it starts) or trained it."""
+    if trained_step is not None:
+        return f"late: group '{group_id}' was already trained (step {trained_step}) when this call was recorded"
+    if claimed_step is not None:
+        return f"late: group '{group_id}' was being trained (step {claimed_step}) when this call was recorded"
+    return None
+
+
+def frozen_group_reason(group_id: str, trained_step: int | None, claimed_step: int | None) -> str | None:
+    """Why a group's rewards can no longer change: a step claimed it or trained it."""
+    if trained_step is not None:
+        return (
+            f"group '{group_id}' was already trained (step {trained_step}): a reward now would change nothing "
+            "it learned from. Post rewards before the group is ready (closed and every session rewarded)."
+        )
+    if claimed_step is not None:
+        return (
+            f"group '{group_id}' is being trained (step {claimed_step}) with the rewards it had when the step "
+            "took it: post rewards before the group is ready (closed and every session rewarded)."
+        )
+    return None
 
 
 def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float]) -> dict:
-    row = conn.execute("SELECT metrics FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    row = conn.execute(
+        "SELECT s.metrics, s.group_id, g.trained_step, g.claimed_step"
+        " FROM sessions s LEFT JOIN groups g ON g.id = s.group_id WHERE s.id = ?",
+        (session_id,),
+    ).fetchone()
     if row is None:
         raise NotFound(
             f"session '{session_id}' not found: post a reward after the session's first chat completion",
             param="session_id",
         )
+    frozen = frozen_group_reason(row[1], row[2], row[3]) if row[1] is not None else None
+    if frozen is not None:
+        raise Conflict(f"session '{session_id}' takes no reward now: its {frozen}", param="session_id")
     merged = {**json.loads(row[0] or "{}"), **metrics}
     now = time.time()
     conn.execute(

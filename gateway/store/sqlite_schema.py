@@ -127,6 +127,18 @@ _ADDED_COLUMNS = (
     ("calls", "protocol", "TEXT NOT NULL DEFAULT 'chat'"),
     ("calls", "wire_request", "TEXT"),
     ("calls", "wire_response", "TEXT"),
+    # Training by state (trainer.attempts): the step that claimed a group (its rewards no longer
+    # change), the attempts that took it without recording a step (a crash counts: the claim
+    # adds one before training) and the last failure's reason.
+    ("groups", "claimed_step", "INTEGER"),
+    ("groups", "attempts", "INTEGER NOT NULL DEFAULT 0"),
+    ("groups", "last_error", "TEXT"),
+    # What a trained group's session trained with: its advantage, over exactly the sessions
+    # trained; or why it left its group (no trainable sample).
+    ("sessions", "advantage", "REAL"),
+    ("sessions", "untrained_reason", "TEXT"),
+    # A call recorded after its group was claimed or trained: served and kept, never trained.
+    ("calls", "untrainable", "TEXT"),
 )
 
 # The schema's version (`PRAGMA user_version`): 1 is the first release, each added column one more.

@@ -10,11 +10,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from gateway.errors import Conflict, NotFound
-from gateway.store.rows import require_group
+from gateway.store.rows import frozen_group_reason, require_group
 
 
 def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[dict], close: bool) -> None:
     require_group(conn, group_id)
+    trained_step, claimed_step = conn.execute(
+        "SELECT trained_step, claimed_step FROM groups WHERE id = ?", (group_id,)
+    ).fetchone()
+    frozen = frozen_group_reason(group_id, trained_step, claimed_step)
+    if frozen is not None:  # the judge took long, and the trainer took the group meanwhile
+        raise Conflict(f"RULER's scores were not stored: {frozen}", param="group_id")
     now = time.time()
     for item in scores:
         session_id, score = item["trajectory_id"], float(item["score"])
@@ -70,6 +76,8 @@ def insert_step(
     metrics: dict,
     group_ids: list[str],
     session_ids: list[str] | None,
+    advantages: dict[str, float] | None = None,
+    left_out: dict[str, str] | None = None,
 ) -> None:
     if session_ids:
         marks = ",".join("?" * len(session_ids))
@@ -84,11 +92,66 @@ def insert_step(
     )
     for group_id in group_ids:
         cursor = conn.execute(
-            "UPDATE groups SET trained_step = ?, updated_at = ? WHERE id = ? AND trained_step IS NULL",
+            "UPDATE groups SET trained_step = ?, claimed_step = NULL, updated_at = ?"
+            " WHERE id = ? AND trained_step IS NULL",
             (step, time.time(), group_id),
         )
         if cursor.rowcount != 1:
             raise Conflict(f"group '{group_id}' is unknown or already trained")
+    for session_id, advantage in (advantages or {}).items():
+        conn.execute("UPDATE sessions SET advantage = ?, untrained_reason = NULL WHERE id = ?", (advantage, session_id))
+    set_untrained_reasons(conn, left_out or {})
+
+
+def set_untrained_reasons(conn: Any, reasons: dict[str, str]) -> None:
+    """Session id -> why it left its group untrained (no trainable sample)."""
+    for session_id, reason in reasons.items():
+        conn.execute("UPDATE sessions SET advantage = NULL, untrained_reason = ? WHERE id = ?", (reason, session_id))
+
+
+def claim_for_step(conn: Any, group_ids: Iterable[str], step: int) -> list[str]:
+    """Claim groups for step `step`: their rewards and calls are frozen from now on, and one more
+    attempt is counted before training starts (so a crash counts too). Returns the ids claimed
+    (a group trained or set aside meanwhile is not)."""
+    claimed = []
+    for group_id in group_ids:
+        cursor = conn.execute(
+            "UPDATE groups SET claimed_step = ?, attempts = attempts + 1, updated_at = ?"
+            " WHERE id = ? AND trained_step IS NULL AND failed IS NULL AND skipped IS NULL",
+            (step, time.time(), group_id),
+        )
+        if cursor.rowcount == 1:
+            claimed.append(group_id)
+    return claimed
+
+
+def release_step(conn: Any, group_ids: Iterable[str], error: str | None) -> None:
+    """Give groups back after a step that did not record them. `error`: the step failed (the
+    attempt stays counted, the reason is kept); None: it was not their fault (a discard took
+    the step back, the engine or the store was away), so the attempt is not counted."""
+    for group_id in group_ids:
+        if error is None:
+            conn.execute(
+                "UPDATE groups SET claimed_step = NULL, attempts = CASE WHEN attempts > 0 THEN attempts - 1"
+                " ELSE 0 END, updated_at = ? WHERE id = ? AND trained_step IS NULL",
+                (time.time(), group_id),
+            )
+        else:
+            conn.execute(
+                "UPDATE groups SET claimed_step = NULL, last_error = ?, updated_at = ?"
+                " WHERE id = ? AND trained_step IS NULL",
+                (error, time.time(), group_id),
+            )
+
+
+def release_model_claims(conn: Any, model: str) -> int:
+    """Give back the claims a trainer of `model` left when it died (its attempts stay counted)."""
+    cursor = conn.execute(
+        "UPDATE groups SET claimed_step = NULL, updated_at = ?"
+        " WHERE model = ? AND claimed_step IS NOT NULL AND trained_step IS NULL",
+        (time.time(), model),
+    )
+    return int(cursor.rowcount or 0)
 
 
 def mark_failed(conn: Any, group_ids: Iterable[str], reason: str) -> None:

@@ -298,12 +298,18 @@ async function groupPage() {
   if (g.skipped) notes.push(el("p", { class: "bad", id: "skipped" }, "Skipped: ", g.skipped));
   if (g.failed) notes.push(el("p", { class: "bad", id: "failed" }, "Failed: ", g.failed));
   if (g.ruler_error) notes.push(el("p", { class: "bad" }, "RULER error: ", g.ruler_error));
+  if (g.attempts && g.trained_step === null && !g.failed) {
+    notes.push(el("p", { class: "bad", id: "attempts" }, `${g.attempts} failed attempt(s) to train it; last: `,
+      g.last_error || "the trainer stopped during the step"));
+  }
   const side = el("div", { class: "side", id: "sessions" }, g.sessions.map((s) => {
     const j = judged.get(s.id);
     const metrics = Object.entries(s.metrics || {});
     return el("div", { class: "panel session" },
       el("div", {}, link(`/ui/sessions/${encode(s.id)}`, s.id)),
       el("div", { class: "card-reward" }, "reward ", el("strong", { text: fmt(s.reward) })),
+      s.advantage !== null && s.advantage !== undefined ? el("div", { class: "muted", text: `advantage ${fmt(s.advantage)}` }) : null,
+      s.untrained_reason ? el("div", { class: "bad", text: `left out: ${s.untrained_reason}` }) : null,
       metrics.length ? el("div", { class: "muted" }, metrics.map(([k, v]) => `${k}: ${fmt(v)}`).join(" · ")) : null,
       j ? el("div", {}, el("div", { class: "muted", text: `RULER ${fmt(j.score)} by ${j.judge_model}` }),
         el("pre", { text: j.explanation || "" })) : null);
@@ -396,6 +402,8 @@ async function sessionPage() {
     el("div", { class: "card" }, el("div", { class: "k", text: "group" }),
       el("div", { class: "v" }, s.group_id ? link(`/ui/groups/${encode(s.group_id)}`, s.group_id) : "–")));
   if (s.discarded) cards.append(card("discarded", s.discard_reason || "yes"));
+  if (s.advantage !== null && s.advantage !== undefined) cards.append(card("advantage", fmt(s.advantage)));
+  if (s.untrained_reason) cards.append(card("left out", s.untrained_reason));
   const metricTable = metrics.length ? table([{ label: "metric", value: (r) => r[0] }, { label: "value", value: (r) => r[1], num: true }], metrics) : el("p", { class: "muted", text: "no metrics" });
   content.replaceChildren(cards, el("h2", { text: "Reward metrics" }), metricTable,
     el("h2", { text: "Conversation" }), el("div", { id: "conversation" }, conversation(s.calls)),
