@@ -30,7 +30,7 @@ GATEWAY_LAYERS = [
 ]
 TRAINER_LAYERS = [
     ["trainer.types", "trainer.retries", "trainer.reporting"],
-    ["trainer.advantages", "trainer.data", "trainer.packing", "trainer.losses"],
+    ["trainer.advantages", "trainer.data", "trainer.render", "trainer.packing", "trainer.losses"],
     ["trainer.backends", "trainer.checkpoints"],
     ["trainer.step"],
     ["trainer.lock", "trainer.attempts", "trainer.selection", "trainer.resume", "trainer.publish"],

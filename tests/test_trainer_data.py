@@ -19,15 +19,14 @@ from trainer.data import (
     NO_SPREAD,
     NO_TOKENS,
     TOO_LONG,
-    ChatTemplateRenderer,
     build_batch,
     fit_to_rows,
     load_groups,
     sampling_temperature,
     too_few,
     trajectory_samples,
-    turn_terminator,
 )
+from trainer.render import ChatTemplateRenderer, turn_terminator
 
 TOOLS = [
     {

@@ -1,5 +1,6 @@
-"""A trainer that never publishes a broken step: NaN steps, batches that keep failing, groups
-never trained in part, discards that race a step, staleness on every engine."""
+"""A trainer that never publishes a broken step: NaN steps, failing batches bisected to the group
+at fault, attempts that survive a crash, sessions too long for a row leaving their group,
+discards that race a step, staleness on every engine."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ context (masked, like a prompt), so the trajectory's later turns still merge and
 each is counted (`GREEDY`, `Batch.greedy_calls`, the step's `greedy_calls` metric).
 
 Calls recorded without token ids (the `openai` engine) are re-rendered with the base
-model's chat template (`ChatTemplateRenderer`) and trained without behaviour logprobs
+model's chat template (`trainer.render`) and trained without behaviour logprobs
 (NaN: the behaviour policy is unknown, so no importance weight applies). Calls that failed
 are skipped, and so are discarded sessions (rollouts that failed:
 `POST /v1/sessions/{id}/discard`).
@@ -30,12 +30,11 @@ tests feed hand-made rows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainer.advantages import compute_advantages, has_reward_spread
 from trainer.retries import GREEDY, greedy_calls, is_greedy_call, sampling_temperature, trainable_calls
@@ -344,96 +343,3 @@ def load_groups(store: Store, group_ids: Sequence[str]) -> tuple[list[dict], dic
     groups = [store.get_group(gid) for gid in group_ids]
     calls = {s["id"]: store.session_calls(s["id"]) for g in groups for s in trained_sessions(g)}
     return groups, calls
-
-
-# ------------------------------------------------------------------ re-rendering
-
-
-_TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
-
-
-def _plain_message(message: dict) -> dict:
-    """A wire message as chat templates expect it, the way the local engine renders it
-    (`gateway.engines.local.request`): text parts joined into one string, OpenAI's newer roles
-    mapped to the ones templates know, tool-call arguments given as an object (templates
-    write `arguments | tojson`; a JSON string would be encoded twice)."""
-    out = dict(message)
-    role = out.get("role")
-    out["role"] = _TEMPLATE_ROLES.get(role, role) if isinstance(role, str) else role
-    content = out.get("content")
-    if isinstance(content, list):
-        out["content"] = "".join(
-            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
-        )
-    if out.get("tool_calls"):
-        calls = []
-        for call in out["tool_calls"]:
-            function = dict(call.get("function") or {})
-            try:
-                parsed = json.loads(function.get("arguments") or "")
-            except (TypeError, ValueError):
-                parsed = None
-            if isinstance(parsed, dict):
-                function["arguments"] = parsed
-            calls.append({**call, "function": function})
-        out["tool_calls"] = calls
-    return out
-
-
-_MARK = "\u2063rlproxy-end-of-reply\u2063"
-
-
-def turn_terminator(tokenizer: Any) -> str | None:  # a tokenizer or processor: duck-typed, as HF's are
-    """The token the chat template closes an assistant turn with (`<|im_end|>` for Qwen,
-    `<|eot_id|>` for Llama 3), which is what the model samples to stop, and not always
-    `tokenizer.eos_token` (a base Qwen's is `<|endoftext|>`). Found by rendering a reply and
-    reading the special token right after it; the eos token where the template shows none."""
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARK}], tokenize=False
-        )
-    except Exception:  # no chat template, or one that refuses this conversation
-        return tokenizer.eos_token
-    after = text[text.rfind(_MARK) + len(_MARK) :] if _MARK in text else ""
-    ids = list(tokenizer(after, add_special_tokens=False)["input_ids"]) if after else []
-    special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    if ids and ids[0] in special:
-        return tokenizer.convert_ids_to_tokens(ids[0])
-    return tokenizer.eos_token
-
-
-class ChatTemplateRenderer:
-    """Turns a call recorded without token ids into a turn, with the tokenizer's chat
-    template: prompt = the request's messages (and tools) with the generation prompt;
-    completion = what rendering the response's assistant message appends to it, up to
-    and including the end-of-turn token the model would have sampled (the template's
-    text after it, such as a newline, belongs to the next prompt). No logprobs."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.end_of_turn = turn_terminator(tokenizer)
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def __call__(self, request: dict, response: dict) -> Turn | None:
-        choices = response.get("choices") or []
-        if not choices or not choices[0].get("message"):
-            return None
-        messages = [_plain_message(m) for m in request.get("messages", [])]
-        reply = {**_plain_message(choices[0]["message"]), "role": "assistant"}
-        tools = request.get("tools") or None
-        render = self.tokenizer.apply_chat_template
-        prompt_text = render(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        full_text = render([*messages, reply], tools=tools, tokenize=False)
-        if not full_text.startswith(prompt_text):
-            log.warning("chat template is not prefix-stable for a recorded call; the call is not trained on")
-            return None
-        completion_text = full_text[len(prompt_text) :]
-        if self.end_of_turn and self.end_of_turn in completion_text:
-            end = completion_text.rindex(self.end_of_turn)
-            # A reply cut by max_tokens never sampled the end-of-turn token.
-            finished = choices[0].get("finish_reason") != "length"
-            completion_text = completion_text[: end + len(self.end_of_turn) if finished else end]
-        completion_ids = self._encode(completion_text)
-        return Turn(tuple(self._encode(prompt_text)), tuple(completion_ids), (NAN,) * len(completion_ids))

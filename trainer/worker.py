@@ -52,9 +52,9 @@ from gateway.store import Store
 from gateway.store.open import open_store
 from trainer import checkpoints as ckpts
 from trainer.attempts import Attempts
-from trainer.data import ChatTemplateRenderer
 from trainer.lock import take_lock
 from trainer.publish import gpu_lease, log_step, plan_step, train_and_record
+from trainer.render import ChatTemplateRenderer
 from trainer.reporting import Reporter
 from trainer.resume import resume
 from trainer.selection import HOLDER, enough_for_a_step, without_spread, without_stale

@@ -47,7 +47,7 @@ class ExportedSample:
 
 
 class LazyRenderer:
-    """`trainer.data.ChatTemplateRenderer` over the base model's tokenizer, loaded on the
+    """`trainer.render.ChatTemplateRenderer` over the base model's tokenizer, loaded on the
     first call recorded without token ids (the `openai` engine); exports of sessions the
     local or vLLM engine answered never load a tokenizer."""
 
@@ -61,7 +61,7 @@ class LazyRenderer:
             from transformers import AutoTokenizer
 
             from gateway.models.tiny import resolve_base_model
-            from trainer.data import ChatTemplateRenderer
+            from trainer.render import ChatTemplateRenderer
 
             path = resolve_base_model(self.base_model, self.state_dir)
             self._render = ChatTemplateRenderer(AutoTokenizer.from_pretrained(path))

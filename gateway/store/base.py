@@ -163,25 +163,19 @@ class Store(ABC):
     ) -> None:
         """Insert a step row and mark its groups trained, in one transaction. With
         `session_ids` (the sessions the step trained on), a Conflict if any of them was
-        discarded meanwhile: the step must then be taken back. `advantages`: session id -> the
-        advantage it trained with; `left_out`: session id -> why it left its group untrained."""
-        self._run_sync(
-            lambda conn: training.insert_step(
-                conn, model, step, path, metrics, group_ids, session_ids, advantages, left_out
-            )
-        )
+        discarded meanwhile: the step must then be taken back. `advantages` and `left_out`:
+        session id -> the advantage it trained with, or why it left its group untrained."""
+        args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out)
+        self._run_sync(lambda conn: training.insert_step(conn, *args))
 
+    # Claims freeze a step's groups (`gateway.store.training`: rewards 409, later calls untrainable).
     def claim_for_step(self, group_ids: Iterable[str], step: int) -> list[str]:
-        """Freeze groups for step `step` (rewards refused with 409, later calls marked
-        untrainable) and count an attempt on each; the ids claimed."""
         return self._run_sync(lambda conn: training.claim_for_step(conn, list(group_ids), step))
 
     def release_step(self, group_ids: Iterable[str], error: str | None = None) -> None:
-        """Unfreeze groups a step did not record; `error` keeps the attempt counted, with why."""
         self._run_sync(lambda conn: training.release_step(conn, list(group_ids), error))
 
     def release_model_claims(self, model: str) -> int:
-        """Unfreeze the groups a dead trainer of `model` had claimed (attempts stay counted)."""
         return self._run_sync(lambda conn: training.release_model_claims(conn, model))
 
     def mark_failed(self, group_ids: Iterable[str], reason: str) -> None:
@@ -189,14 +183,8 @@ class Store(ABC):
         self._run_sync(lambda conn: training.mark_failed(conn, group_ids, reason))
 
     def mark_skipped(self, group_ids: Iterable[str], reason: str, left_out: dict[str, str] | None = None) -> None:
-        """Set groups aside with the reason (never trained); `left_out`: session id -> why it
-        had no trainable sample (shown in `GET /v1/sessions/{id}`)."""
-
-        def op(conn: Any) -> None:
-            training.mark_skipped(conn, group_ids, reason)
-            training.set_untrained_reasons(conn, left_out or {})
-
-        self._run_sync(op)
+        """Set groups aside (never trained); `left_out`: session id -> why it had no sample."""
+        self._run_sync(lambda conn: training.mark_skipped(conn, group_ids, reason, left_out or {}))
 
     def claim_groups(
         self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0

@@ -162,9 +162,10 @@ def mark_failed(conn: Any, group_ids: Iterable[str], reason: str) -> None:
         )
 
 
-def mark_skipped(conn: Any, group_ids: Iterable[str], reason: str) -> None:
+def mark_skipped(conn: Any, group_ids: Iterable[str], reason: str, left_out: dict[str, str]) -> None:
     for group_id in group_ids:
         conn.execute("UPDATE groups SET skipped = ?, updated_at = ? WHERE id = ?", (reason, time.time(), group_id))
+    set_untrained_reasons(conn, left_out)
 
 
 def move_gpu_lease(
