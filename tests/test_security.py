@@ -93,7 +93,7 @@ def test_model_names_from_requests_never_become_paths(tmp_path, name):
                 json={"model": name, "messages": [{"role": "user", "content": "hi"}]},
             )
             assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
-            # nothing loaded, nothing asked (the one chat at start-up is the engine's logprobs-mode probe, on the base)
+            # nothing loaded, nothing asked (the chats at start-up are the engine's logprobs-mode probe, on the base)
             assert not [e for e in fake.events if e["kind"] == "load"]
             assert all(e["model"] == settings.base_model for e in fake.events if e["kind"] == "chat")
     assert not (tmp_path / "tmp").exists() and not (tmp_path / "x").exists()

@@ -142,6 +142,9 @@ async def test_a_claimed_group_takes_no_reward_nor_judgement_and_a_failed_step_g
     store.claim_for_step(["g1"], 3)
     store.release_step(["g1"])  # not the group's fault (a discard, the engine away): no attempt
     assert store.get_group("g1")["attempts"] == 1
+    store.mark_skipped(["g1"], "no reward spread")  # set aside: a reward would change nothing either
+    with pytest.raises(Conflict, match=r"set aside by the trainer \(no reward spread\)"):
+        await store.set_reward("b", 0.0)
 
 
 async def test_committed_rows_survive_reopening(tmp_path):

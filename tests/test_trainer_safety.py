@@ -134,39 +134,40 @@ def test_a_failing_batch_is_bisected_and_only_the_group_at_fault_is_set_aside(wo
 
 def test_a_trainer_that_dies_mid_step_counts_the_attempt(tmp_path):
     # The claim counts the attempt before training: a process killed in the step (out of host
-    # memory) leaves the count in the store, the restart gives the claim back and trains each
-    # group of that step alone; one that kills every attempt is set aside in the end.
+    # memory) leaves the count in the store and the restart gives the claim back. One death is
+    # nobody's fault (a deploy's kill): the step is tried again as it was; after a second, each
+    # group trains alone, and the one that kills every attempt is set aside in the end.
     settings = trainer_settings(tmp_path, groups_per_step=2)
     recorder = Recorder(settings)
-    recorder.group("g1", [1.0, 0.0])
+    recorder.group("g1", [1.0, 0.0])  # kills the trainer whenever it is trained
     recorder.group("g2", [0.0, 1.0])
     recorder.close()
-    worker = TrainerWorker(settings)
-    try:
-        groups = worker.groups_to_train()
-        assert worker.store.claim_for_step([g["id"] for g in groups], 1) == ["g1", "g2"]
-    finally:
-        worker.close()  # as if killed here: the claim and the attempt stay in the store
-    limit = attempt_limit(2)
-    for attempt in range(2, limit + 1):
+
+    def restart_and_die():
+        """A restart that chooses a step, claims it and dies in it: what it chose."""
         worker = TrainerWorker(settings)
         try:
-            worker._resume = lambda worker=worker: worker.store.release_model_claims(worker.model)
-            worker._resume()
-            chosen = worker.groups_to_train()
-            assert [g["id"] for g in chosen] == ["g1"]  # a suspect trains alone
-            assert worker.store.claim_for_step(["g1"], 1) == ["g1"]  # ... and the trainer dies again
-            assert worker.store.get_group("g1")["attempts"] == attempt
+            worker.store.release_model_claims(worker.model)  # what `start` does first
+            chosen = [g["id"] for g in worker.groups_to_train() or []]
+            if "g1" in chosen:
+                worker.store.claim_for_step(chosen, 1)  # ... and the trainer dies here
+            return chosen
         finally:
             worker.close()
+
+    assert restart_and_die() == ["g1", "g2"]
+    assert restart_and_die() == ["g1", "g2"]  # one death: the same step again
+    limit = attempt_limit(2)
+    for attempt in range(3, limit + 1):
+        assert restart_and_die() == ["g1"]  # two: a suspect trains alone
+        assert TrainerWorker(settings).store.get_group("g1")["attempts"] == attempt
+    assert restart_and_die() == ["g2"]  # g1 is set aside; g2, a suspect too, trains alone
     worker = TrainerWorker(settings)
     try:
-        worker.store.release_model_claims(worker.model)
-        assert [g["id"] for g in worker.groups_to_train()] == ["g2"]
-        g1 = worker.store.get_group("g1")
-        assert g1["attempts"] == limit and g1["failed"].startswith(
-            f"training failed {limit} times: the trainer stopped"
-        )
+        g1, g2 = worker.store.get_group("g1"), worker.store.get_group("g2")
+        assert g1["attempts"] == limit
+        assert g1["failed"].startswith(f"training failed {limit} times: the trainer stopped")
+        assert g2["failed"] is None and g2["attempts"] == 2
     finally:
         worker.close()
 

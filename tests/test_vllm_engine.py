@@ -194,11 +194,9 @@ def test_vllm_serve_command_and_environment():
         "rlproxy/tiny-qwen2",
         "--host",
     ]
-    # our share only where the user gave none; 4-bit training: vLLM serves the bnb checkpoint
-    shared = vllm_command(
-        BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=True, memory_share=0.713, quantization="bitsandbytes"
-    )
-    assert shared[-4:] == ["--gpu-memory-utilization", "0.71", "--quantization", "bitsandbytes"]
+    # our share only where the user gave none; never a --quantization (no bitsandbytes in vLLM 0.28+)
+    shared = vllm_command(BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=True, memory_share=0.713)
+    assert shared[-2:] == ["--gpu-memory-utilization", "0.71"] and "--quantization" not in shared
     assert "--gpu-memory-utilization" not in vllm_command(
         BASE, port=1, max_loras=1, lora_rank=16, sleep_mode=False, memory_share=0.7
     )
@@ -364,6 +362,56 @@ async def test_a_misconfigured_vllm_is_caught(caplog):
             assert await check_logprobs_mode(engine.client, BASE) is True
         finally:
             await engine.close()
+
+
+# A top token this confident has a raw logprob of -1.3e-4: a probe that took "about 0" for
+# "processed" (one token at top_k = 1) was fooled by it.
+CONFIDENT_LOGITS = (12.0, 2.6, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0)
+
+
+@pytest.mark.parametrize(
+    ("mode", "logits", "verdict"),
+    [
+        ("raw_logprobs", CONFIDENT_LOGITS, False),
+        ("processed_logprobs", CONFIDENT_LOGITS, True),
+        ("raw_logprobs", None, False),
+        ("processed_logprobs", None, True),
+        ("raw_logits", None, False),
+        ("processed_logits", None, False),
+    ],
+)
+async def test_the_logprobs_mode_probe_is_not_fooled_by_a_confident_top_token(caplog, mode, logits, verdict):
+    """The probe compares the top tokens' logprobs at T = 1 and T = 1/2: processed logprobs (of
+    logits / T) double the gaps between them, raw ones keep them, however sure the model is."""
+    with fake_vllm_thread(logprobs_mode=mode, generation_config="vllm", logits=logits) as (server, fake):
+        engine = attached_engine(server.url)
+        engine.client.open()
+        try:
+            if logits is not None and mode == "raw_logprobs":
+                # what the old probe saw: the sampled top token's raw logprob is within 1e-3 of 0
+                assert -1e-3 < math.log(1 / sum(math.exp(x - logits[0]) for x in logits)) < 0
+            assert await check_logprobs_mode(engine.client, BASE) is verdict
+        finally:
+            await engine.close()
+        temperatures = [s["temperature"] for s in fake.sampling]
+        assert temperatures == [1.0, 0.5] and all(s["top_k"] == -1 and s["top_p"] == 1.0 for s in fake.sampling)
+    assert ("returns raw logprobs" in caplog.text) == (mode == "raw_logprobs")
+    assert ("returns logits, not logprobs" in caplog.text) == mode.endswith("_logits")
+
+
+async def test_the_logprobs_mode_probe_says_when_it_cannot_tell(caplog):
+    """Top tokens all alike (no gap to scale) or no logprobs in the answer: None, and it says so."""
+    caplog.set_level("INFO", logger="rlproxy.engines.vllm")
+    with fake_vllm_thread(logprobs_mode="raw_logprobs", logits=(1.0,) * 8) as (server, _):
+        engine = attached_engine(server.url)
+        engine.client.open()
+        try:
+            assert await check_logprobs_mode(engine.client, "no-such-model") is None  # a 404
+            assert await check_logprobs_mode(engine.client, BASE) is None  # no gap
+        finally:
+            await engine.close()
+    assert "no top logprobs in its answer" in caplog.text and "within 0.0000 of each other" in caplog.text
+    assert "returns raw logprobs" not in caplog.text
 
 
 # ---------------------------------------------------------------------------- sleep endpoints
@@ -600,7 +648,6 @@ def test_colocated_memory_share_from_card_and_model(tmp_path):
     assert colocated_memory_share(141, 0.5e9) == 0.9  # capped
     with pytest.raises(ConfigError, match="dedicated"):
         colocated_memory_share(24, 7e9)  # vLLM's 7.4 GiB share cannot hold its 13 GiB of weights
-    assert colocated_memory_share(24, 7e9, four_bit=True) > 0.5  # 4-bit fits both copies
 
 
 async def test_adapter_routes_exist_with_the_env_var_alone(tmp_path):

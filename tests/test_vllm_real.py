@@ -23,12 +23,20 @@ import psutil
 import pytest
 
 from gateway.engines.base import EngineRequest
+from gateway.engines.vllm.client import VLLMClient
 from gateway.engines.vllm.engine import VLLMEngine
+from gateway.engines.vllm.probes import check_logprobs_mode
 from gateway.errors import UpstreamError
 from gateway.models.tiny import resolve_base_model
 from gateway.store.sqlite import SQLiteStore
 from tests.helpers import free_port, gateway_process
-from tests.helpers_real_vllm import VLLM_VERSION, processed_logprobs, train_adapter_to_write, vllm_python
+from tests.helpers_real_vllm import (
+    VLLM_VERSION,
+    processed_logprobs,
+    real_vllm,
+    train_adapter_to_write,
+    vllm_python,
+)
 from tests.helpers_vllm import wait_until
 
 pytestmark = pytest.mark.timeout(900)
@@ -107,6 +115,41 @@ def test_the_gateway_starts_the_pinned_vllm_on_the_built_in_model(served):
     assert "--enable-sleep-mode" not in command and "--dtype float32" in command
     models = {m.id for m in served.client.models.list()}
     assert {"rlproxy/tiny-qwen2", "agent"} <= models
+
+
+def probe_logprobs_mode(vllm_url: str) -> bool | None:
+    """What the engine's start-up probe of an attached vLLM says about its --logprobs-mode."""
+
+    async def probe() -> bool | None:
+        client = VLLMClient(vllm_url, timeout=120)
+        client.open()
+        try:
+            return await check_logprobs_mode(client, "rlproxy/tiny-qwen2")
+        finally:
+            await client.close()
+
+    return asyncio.run(probe())
+
+
+def test_the_logprobs_mode_probe_finds_processed_logprobs(served, caplog):
+    """The vLLM the gateway started (--logprobs-mode processed_logprobs), probed as an attached one."""
+    caplog.set_level("INFO", logger="rlproxy.engines.vllm")
+    assert probe_logprobs_mode(served.vllm_url) is True
+    assert "raw logprobs" not in caplog.text and "could not check" not in caplog.text
+
+
+def test_the_logprobs_mode_probe_warns_about_a_raw_vllm(served, tmp_path, caplog):
+    """A vLLM a user started to attach to without --logprobs-mode (raw_logprobs, vLLM's default):
+    the probe says so and tells how to restart it."""
+    caplog.set_level("INFO", logger="rlproxy.engines.vllm")
+    model_dir = resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)
+    with real_vllm(model_dir, tmp_path / "vllm-raw.log", logprobs_mode=None) as url:
+        assert probe_logprobs_mode(url) is False
+        port_flag = "--port " + url.rsplit(":", 1)[1]
+        (server,) = [p for p in psutil.process_iter(["cmdline"]) if port_flag in " ".join(p.info["cmdline"] or [])]
+        started = [server, *server.children(recursive=True)]  # its engine core too
+    assert "returns raw logprobs" in caplog.text and "--logprobs-mode processed_logprobs" in caplog.text
+    assert not psutil.wait_procs(started, timeout=10)[1]  # none left behind
 
 
 def test_chat_records_token_ids_and_the_processed_logprobs(served):

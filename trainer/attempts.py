@@ -8,10 +8,10 @@ fault of theirs (a discard, the engine or the store away) gives the attempt back
 A step that fails (a non-finite loss or gradient, out of memory, a bad batch) changes nothing
 and its groups keep the error. One bad group must not set good ones aside, so a failed batch
 is bisected: its halves are tried next, each as a step of its own, until the group that fails
-is alone. A group that failed before, or was in a step the trainer died in, is a suspect: it
-trains alone. A group is set aside (marked failed with the last error, visible in
-`GET /v1/groups/{id}`) once its attempts reach `attempt_limit`: `MAX_ATTEMPTS` alone, plus
-the steps bisection needs to isolate it.
+is alone. A group that failed twice, or was in two steps the trainer died in (a restart
+forgets the halves still to try), is a suspect: it trains alone. A group is set aside (marked
+failed with the last error, visible in `GET /v1/groups/{id}`) once its attempts reach
+`attempt_limit`: `MAX_ATTEMPTS` alone, plus the steps bisection needs to isolate it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ log = logging.getLogger("rlproxy.trainer")
 
 MAX_ATTEMPTS = 3
 """Failed attempts of a group on its own before it is set aside as failed."""
+
+SUSPECT_AFTER = 2
+"""Attempts after which a group trains alone: one step the trainer died in (a deploy's kill, a
+Ctrl-C) is nobody's fault and retries as it was; a second points at the step's groups."""
 
 
 def attempt_limit(groups_per_step: int) -> int:
@@ -63,8 +67,8 @@ class Attempts:
 
     def screen(self, groups: list[dict]) -> tuple[list[dict], dict | None]:
         """`groups` (ready, in order) less those at the attempt limit, which are set aside now;
-        and the first suspect among them (it failed before, or a trainer died training it),
-        which trains alone."""
+        and the first suspect among them (`SUSPECT_AFTER` attempts: it failed, or a trainer
+        died training it, more than once), which trains alone."""
         keep = []
         for group in groups:
             attempts = int(group.get("attempts") or 0)
@@ -74,7 +78,7 @@ class Attempts:
                 log.error("group %s set aside: %s", group["id"], reason)
             else:
                 keep.append(group)
-        suspect = next((g for g in keep if int(g.get("attempts") or 0) > 0), None)
+        suspect = next((g for g in keep if int(g.get("attempts") or 0) >= SUSPECT_AFTER), None)
         if suspect is not None:
             log.info("group %s failed before (%d attempt(s)): training it alone", suspect["id"], suspect["attempts"])
         return keep, suspect

@@ -335,7 +335,9 @@ class RulerService:
     def trajectories(self, group_id: str) -> list[Trajectory]:
         store = self.services.store
         group = store.get_group(group_id)  # NotFound for an unknown group
-        frozen = frozen_group_reason(group_id, group.get("trained_step"), group.get("claimed_step"))
+        frozen = frozen_group_reason(
+            group_id, group.get("trained_step"), group.get("claimed_step"), group.get("failed") or group.get("skipped")
+        )
         if frozen is not None:
             raise Conflict(f"RULER cannot score it: {frozen}", param="group_id")
         return [trajectory_from_calls(s["id"], store.session_calls(s["id"])) for s in group["sessions"]]

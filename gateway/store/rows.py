@@ -197,8 +197,11 @@ def late_call_reason(group_id: str, trained_step: int | None, claimed_step: int 
     return None
 
 
-def frozen_group_reason(group_id: str, trained_step: int | None, claimed_step: int | None) -> str | None:
-    """Why a group's rewards can no longer change: a step claimed it or trained it."""
+def frozen_group_reason(
+    group_id: str, trained_step: int | None, claimed_step: int | None, set_aside: str | None = None
+) -> str | None:
+    """Why a group's rewards can no longer change: a step claimed it or trained it, or the
+    trainer set it aside (`set_aside`: why it was skipped or failed)."""
     if trained_step is not None:
         return (
             f"group '{group_id}' was already trained (step {trained_step}): a reward now would change nothing "
@@ -209,12 +212,17 @@ def frozen_group_reason(group_id: str, trained_step: int | None, claimed_step: i
             f"group '{group_id}' is being trained (step {claimed_step}) with the rewards it had when the step "
             "took it: post rewards before the group is ready (closed and every session rewarded)."
         )
+    if set_aside is not None:
+        return (
+            f"group '{group_id}' was set aside by the trainer ({set_aside}) and will not be trained: "
+            "post rewards before the group is ready (closed and every session rewarded)."
+        )
     return None
 
 
 def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float]) -> dict:
     row = conn.execute(
-        "SELECT s.metrics, s.group_id, g.trained_step, g.claimed_step"
+        "SELECT s.metrics, s.group_id, g.trained_step, g.claimed_step, COALESCE(g.failed, g.skipped)"
         " FROM sessions s LEFT JOIN groups g ON g.id = s.group_id WHERE s.id = ?",
         (session_id,),
     ).fetchone()
@@ -223,7 +231,7 @@ def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics
             f"session '{session_id}' not found: post a reward after the session's first chat completion",
             param="session_id",
         )
-    frozen = frozen_group_reason(row[1], row[2], row[3]) if row[1] is not None else None
+    frozen = frozen_group_reason(row[1], row[2], row[3], row[4]) if row[1] is not None else None
     if frozen is not None:
         raise Conflict(f"session '{session_id}' takes no reward now: its {frozen}", param="session_id")
     merged = {**json.loads(row[0] or "{}"), **metrics}

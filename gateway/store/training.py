@@ -15,10 +15,10 @@ from gateway.store.rows import frozen_group_reason, require_group
 
 def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[dict], close: bool) -> None:
     require_group(conn, group_id)
-    trained_step, claimed_step = conn.execute(
-        "SELECT trained_step, claimed_step FROM groups WHERE id = ?", (group_id,)
+    trained_step, claimed_step, set_aside = conn.execute(
+        "SELECT trained_step, claimed_step, COALESCE(failed, skipped) FROM groups WHERE id = ?", (group_id,)
     ).fetchone()
-    frozen = frozen_group_reason(group_id, trained_step, claimed_step)
+    frozen = frozen_group_reason(group_id, trained_step, claimed_step, set_aside)
     if frozen is not None:  # the judge took long, and the trainer took the group meanwhile
         raise Conflict(f"RULER's scores were not stored: {frozen}", param="group_id")
     now = time.time()

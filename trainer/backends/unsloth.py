@@ -4,8 +4,9 @@ What it does, in Unsloth's documented calls:
 - base model in 16 bit by default, on the exact id vLLM serves: `from_pretrained(model_name,
   load_in_4bit=False, dtype=bfloat16, use_exact_model_name=True)` - the trainer scores the
   policy vLLM samples from, so the importance ratio measures policy change, not quantisation;
-  `--load-in-4bit` (opt-in) trains QLoRA on a bnb-4bit checkpoint, which must then be the
-  `--base-model` itself so vLLM serves the same weights (`--quantization bitsandbytes`);
+  `--load-in-4bit` (opt-in, `--engine local` only: vLLM 0.28+ has no bitsandbytes) trains QLoRA
+  on a bnb-4bit checkpoint, which must then be the `--base-model` itself so the engine serves
+  the same weights;
 - forward under `torch.autocast("cuda", bfloat16)`, as Unsloth's own trainers run it; the
   output head applied here honours `logit_scale` (Cohere) and `final_logit_softcapping` (Gemma 2)
   and `logits_scaling` (Granite), the transforms Unsloth applies where it returns hidden states;
@@ -172,7 +173,7 @@ class UnslothBackend(TrainingBackend):
         four_bit = settings.load_in_4bit
         if four_bit and "bnb-4bit" not in settings.base_model and "bnb_4bit" not in settings.base_model:
             raise ConfigError(
-                f"--load-in-4bit trains on a bnb-4bit checkpoint, and vLLM must serve that same checkpoint: pass "
+                f"--load-in-4bit trains on a bnb-4bit checkpoint, and the engine must serve that same checkpoint: pass "
                 f"one as --base-model (e.g. unsloth/...-bnb-4bit), not '{settings.base_model}', or drop "
                 "--load-in-4bit to train 16-bit LoRA on the model vLLM serves"
             )

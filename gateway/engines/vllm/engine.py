@@ -145,9 +145,7 @@ class VLLMEngine(Engine):
         gpu = None if cpu else vllm_gpu_for(settings.device, settings.gpu_mode)
         share = None
         if colocated and not has_flag(settings.vllm_arg, "--gpu-memory-utilization"):
-            share = default_memory_share(
-                settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu), four_bit=settings.load_in_4bit
-            )
+            share = default_memory_share(settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu))
         command = vllm_command(
             model_path,
             port=settings.vllm_port,
@@ -155,8 +153,6 @@ class VLLMEngine(Engine):
             lora_rank=settings.lora_rank,
             sleep_mode=colocated,
             memory_share=share,
-            # 4-bit training (opt-in): vLLM serves the very bnb-4bit checkpoint the trainer loads.
-            quantization="bitsandbytes" if settings.load_in_4bit else None,
             extra_args=settings.vllm_arg,
             launcher=launcher or ["vllm"],
             python=settings.vllm_python,

@@ -32,7 +32,7 @@ from gateway.errors import ConfigError
 log = logging.getLogger("rlproxy.engines.vllm")
 
 GIB = 1024**3
-BYTES_PER_PARAM = {False: 2.0, True: 0.56}
+BYTES_PER_PARAM = 2.0  # bf16: the trainer's base and vLLM's (no 4-bit with vLLM: `Settings` refuses it)
 """The trainer's base weights: bf16 (2 bytes), or bnb 4-bit (0.5 bytes + quantisation state)."""
 TRAINER_OVERHEAD_GIB = 2.5
 """CUDA context (~0.5 GiB), LoRA weights and AdamW moments, the caching allocator's slack."""
@@ -75,16 +75,16 @@ def gpu_total_gib(index: str | None) -> float | None:
         return None
 
 
-def trainer_resident_gib(params: float, four_bit: bool = False) -> float:
-    return params * BYTES_PER_PARAM[four_bit] / GIB + TRAINER_OVERHEAD_GIB
+def trainer_resident_gib(params: float) -> float:
+    return params * BYTES_PER_PARAM / GIB + TRAINER_OVERHEAD_GIB
 
 
-def colocated_memory_share(card_gib: float, params: float, four_bit: bool = False) -> float:
+def colocated_memory_share(card_gib: float, params: float) -> float:
     """vLLM's `--gpu-memory-utilization` on a card it shares with the trainer (see module doc)."""
-    trainer = trainer_resident_gib(params, four_bit)
+    trainer = trainer_resident_gib(params)
     share = (card_gib - trainer - MARGIN_GIB) / card_gib
     # vLLM's own copy of the weights plus room for a useful KV cache must fit in its share too
-    serving = params * BYTES_PER_PARAM[four_bit] / GIB + VLLM_MIN_EXTRA_GIB
+    serving = params * BYTES_PER_PARAM / GIB + VLLM_MIN_EXTRA_GIB
     if share < MIN_SHARE or share * card_gib < serving:
         raise ConfigError(
             f"a {params / 1e9:g}B model cannot be served and trained on one {card_gib:.0f} GiB GPU: the trainer "
@@ -96,7 +96,7 @@ def colocated_memory_share(card_gib: float, params: float, four_bit: bool = Fals
     return min(MAX_SHARE, int(share * 100) / 100)
 
 
-def default_memory_share(base_model: str, gpu_index: str | None, four_bit: bool = False) -> float:
+def default_memory_share(base_model: str, gpu_index: str | None) -> float:
     """The share rlproxy passes when the user gives none: sized from the card and the model."""
     card, params = gpu_total_gib(gpu_index), params_from_model(base_model)
     if card is None or params is None:
@@ -107,12 +107,12 @@ def default_memory_share(base_model: str, gpu_index: str | None, four_bit: bool 
             FALLBACK_SHARE,
         )
         return FALLBACK_SHARE
-    share = colocated_memory_share(card, params, four_bit)
+    share = colocated_memory_share(card, params)
     log.info(
         "colocated: vLLM gets %.2f of the %.0f GiB GPU; the trainer keeps ~%.1f GiB resident",
         share,
         card,
-        trainer_resident_gib(params, four_bit),
+        trainer_resident_gib(params),
     )
     return share
 

@@ -10,7 +10,7 @@ The command follows vLLM's documented CLI:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True [VLLM_SERVER_DEV_MODE=1] \\
     vllm serve BASE --host 127.0.0.1 --port P --enable-lora --max-lora-rank R --max-loras N \\
         --generation-config vllm --logprobs-mode processed_logprobs \\
-        [--enable-sleep-mode --gpu-memory-utilization S] [--quantization bitsandbytes] [--vllm-arg ...]
+        [--enable-sleep-mode --gpu-memory-utilization S] [--vllm-arg ...]
 
 `--generation-config vllm`: no sampling defaults from the model's `generation_config.json`
 (rlproxy sends every field anyway; this is the second lock). `--logprobs-mode
@@ -67,7 +67,6 @@ def vllm_command(
     lora_rank: int,
     sleep_mode: bool,
     memory_share: float | None = None,
-    quantization: str | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
     launcher: list[str] | tuple[str, ...] = ("vllm",),
     python: str | None = None,
@@ -118,8 +117,6 @@ def vllm_command(
         cmd.append("--enable-sleep-mode")
         if memory_share is not None and not has_flag(extra_args, "--gpu-memory-utilization"):
             cmd += ["--gpu-memory-utilization", f"{memory_share:.2f}"]
-    if quantization:
-        cmd += ["--quantization", quantization]
     for flag in ("--generation-config", "--logprobs-mode"):
         if has_flag(extra_args, flag):
             log.warning(
