@@ -55,6 +55,7 @@ TRAINER = (
     "trainer",
     "backend",
     "load_in_4bit",
+    "init_from",
     "groups_per_step",
     "learning_rate",
     "weight_decay",
@@ -171,22 +172,22 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    run_worker(settings, stop, max_steps=args.max_steps)
+    sft = None
+    if args.objective == "sft":
+        from gateway.export.selection import selection_from_args
+        from trainer.worker import SFTOptions
+
+        sft = SFTOptions(selection_from_args(args), args.epochs, args.sft_sessions_per_step)
+    run_worker(settings, stop, max_steps=args.max_steps, sft=sft)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from gateway.export.records import export_trajectories
-    from gateway.store import SessionFilter
+    from gateway.export.selection import selection_from_args
 
     settings = settings_from_args(args)
-    where = SessionFilter(
-        split=args.split,
-        rewarded=args.rewarded,
-        min_reward=args.min_reward,
-        since_step=args.since_step,
-        groups=tuple(args.group or ()),
-    )
+    where = selection_from_args(args)
     result = export_trajectories(
         settings.store or settings.db_path,
         args.output,
@@ -261,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlproxy", description=__doc__.splitlines()[0].strip("`: "), allow_abbrev=False
     )
+    from gateway.export.selection import add_selection_flags
+
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, _, groups) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
@@ -268,8 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
             _add_settings_flags(command, names, title)
         if name == "export":
             command.add_argument("--output", "-o", default="-", help="file to write, or - for stdout")
-            command.add_argument("--split", choices=["train", "val"], default=None, help="only this split")
-            command.add_argument("--rewarded", action="store_true", help="only sessions with a reward")
             command.add_argument(
                 "--format",
                 choices=["rlproxy", "openai", "parquet"],
@@ -277,14 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                 help="rlproxy: one session per line; openai: chat fine-tuning JSONL, one trained "
                 "sample per line; parquet: one row per trained sample with token ids and masks",
             )
-            command.add_argument("--min-reward", type=float, default=None, help="only sessions rewarded at least this")
-            command.add_argument(
-                "--since-step",
-                type=int,
-                default=None,
-                help="only sessions answered entirely by this adapter step or a later one",
-            )
-            command.add_argument("--group", action="append", metavar="GROUP_ID", help="only this group (repeatable)")
+            add_selection_flags(command, "which sessions to export (the filters are ANDed)")
         if name == "export-model":
             command.add_argument(
                 "model", metavar="NAME[@STEP]", help="the model and step, as served (newest if no @STEP)"
@@ -301,6 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
             add_arguments(command)
         if name == "train":
             command.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+            sft = command.add_argument_group("objective")
+            sft.add_argument(
+                "--objective",
+                choices=["grpo", "sft"],
+                default="grpo",
+                help="grpo: reinforce on ready groups (the default); sft: fine-tune on the assistant turns "
+                "of the recorded sessions the selection flags pick (a snapshot taken when the run starts)",
+            )
+            sft.add_argument("--epochs", type=int, default=1, help="sft: passes over the selection")
+            sft.add_argument(
+                "--sft-sessions-per-step", type=int, default=8, help="sft: sessions trained together in one step"
+            )
+            add_selection_flags(command, "sft: which recorded sessions to distil (the filters are ANDed)")
     return parser
 
 

@@ -122,6 +122,11 @@ class Settings(BaseSettings):
             "releases have no bitsandbytes quantization; default 16-bit LoRA"
         ),
     )
+    init_from: str | None = Field(
+        None,
+        description="NAME@STEP: a new run starts from that step's adapter (another run of the same base "
+        "model and LoRA shape, e.g. a supervised one), with a fresh optimizer; ignored when resuming",
+    )
     groups_per_step: int = Field(4, ge=1, description="ready train groups per training step")
     learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(

@@ -33,7 +33,7 @@ TRAINER_LAYERS = [
     ["trainer.advantages", "trainer.data", "trainer.render", "trainer.packing", "trainer.losses"],
     ["trainer.backends", "trainer.checkpoints"],
     ["trainer.step"],
-    ["trainer.lock", "trainer.attempts", "trainer.selection", "trainer.resume", "trainer.publish"],
+    ["trainer.lock", "trainer.attempts", "trainer.selection", "trainer.resume", "trainer.publish", "trainer.sft"],
     ["trainer.worker"],
 ]
 TRAINER_MAY_USE = ["gateway.errors", "gateway.settings", "gateway.store", "gateway.models", "gateway.colocate"]

@@ -245,6 +245,8 @@ def test_steps_page_lists_every_step_with_its_groups(dashboard, browser):
         page.open("/ui/steps")
         steps = api(dashboard, "/v1/training/steps")["data"]
         rows = page.page.locator("#steps-table tbody tr")
+        assert "objective" in page.page.inner_text("#steps-table thead")
+        assert "grpo" in page.page.inner_text("#steps-table")
         assert rows.count() == len(steps) == STEPS + 1
         trained = [g for s in steps for g in s["groups"]]
         assert trained and page.page.locator("#steps-table a").count() == len(trained)

@@ -51,6 +51,15 @@ def saved_token_budget(path: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def saved_objective(path: Path) -> str:
+    """The objective the checkpoint at `path` was trained with ("grpo" when it says none)."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return "grpo"
+    return str((state.get("metrics") or {}).get("objective") or "grpo")
+
+
 def checkpoint_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{step:04d}"
 
@@ -117,6 +126,7 @@ def write_checkpoint(
     token_budget: int | None = None,
     advantages: dict[str, float] | None = None,
     left_out: dict[str, str] | None = None,
+    sft: dict | None = None,
 ) -> Checkpoint:
     """Write checkpoint `step` atomically: `write_files(tmp_dir)` (the backend's `save`),
     then the JSON files, fsync, rename. Raises FileExistsError if `NNNN` already exists
@@ -141,6 +151,8 @@ def write_checkpoint(
             "advantages": advantages or {},
             "left_out": left_out or {},
         }
+        if sft is not None:  # a supervised run's snapshot and position (`trainer.sft.run`)
+            state["sft"] = sft
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         _fsync_tree(tmp)
         os.rename(tmp, final)

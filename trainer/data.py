@@ -332,6 +332,13 @@ def token_budget(calls: Sequence[dict], default: int) -> int:
     return max(budgets, default=default)
 
 
+def answered_since(calls: Sequence[dict], since_step: int) -> bool:
+    """Whether every answered call was answered by adapter step `since_step` or a later one
+    (the base model counts as step 0): `--since-step`, for export and distillation alike."""
+    answered = [c for c in calls if c.get("status") == "ok"]
+    return bool(answered) and sampling_step(answered) >= since_step
+
+
 def sampling_step(calls: Sequence[dict]) -> int:
     """The oldest adapter step that answered any of these calls (None, the base model,
     counts as step 0): how stale a group's logprobs are."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from trainer.data import Turn
@@ -86,6 +87,10 @@ class ChatTemplateRenderer:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`, special tokens included (a tool call's tags are often special)."""
+        return str(self.tokenizer.decode(list(ids)))
 
     def __call__(self, request: dict, response: dict) -> Turn | None:
         choices = response.get("choices") or []

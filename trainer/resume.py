@@ -39,6 +39,7 @@ class SaveCheckpoint(Protocol):
         groups: list[str],
         advantages: dict[str, float] | None = None,
         left_out: dict[str, str] | None = None,
+        sft: dict | None = None,
     ) -> ckpts.Checkpoint: ...
 
 
@@ -56,9 +57,11 @@ def resume(
     *,
     save: SaveCheckpoint,
     load: LoadCheckpoint,
+    seed: LoadCheckpoint | None = None,
 ) -> int:
     """Reconcile `root` with the store's steps of `model`, load the newest checkpoint (or
-    save a fresh step 0) and return the step to train next."""
+    save a fresh step 0: `--init-from NAME@N`'s adapter, through `seed`, where given) and
+    return the step to train next."""
     for leftover in ckpts.remove_partial(root):
         log.info("removed an unfinished checkpoint write: %s", leftover.name)
     recorded = {row["step"] for row in store.steps(model)}
@@ -81,11 +84,22 @@ def resume(
                 f"{root} holds no checkpoint; restore the checkpoints, or train under another "
                 "--model-name or --state-dir"
             )
-        checkpoint = save(0, metrics={}, groups=[])
+        metrics = {}
+        if settings.init_from and seed is not None:
+            source = init_source(store, settings, root)
+            seed(source)
+            metrics = {"init_from": settings.init_from}
+        checkpoint = save(0, metrics=metrics, groups=[])
         if 0 not in recorded:
-            store.insert_step(model, 0, str(checkpoint.path), {}, [])
-        log.info("step 0: fresh adapter saved to %s", checkpoint.path)
+            store.insert_step(model, 0, str(checkpoint.path), metrics, [])
+        log.info(
+            "step 0: %s saved to %s",
+            f"the adapter of {settings.init_from}" if metrics else "fresh adapter",
+            checkpoint.path,
+        )
         return 1
+    if settings.init_from:
+        log.info("--init-from %s seeds a new run only: resuming this one", settings.init_from)
     check_compatible(latest, settings, model, root)
     load(latest.path)
     if last_recorded > latest.step:
@@ -127,3 +141,32 @@ def check_compatible(checkpoint: ckpts.Checkpoint, settings: Settings, model: st
             f"checkpoints of model '{model}' in {root} were trained with other settings ({what}); "
             "keep those settings, or train under another --model-name or --state-dir"
         )
+
+
+def init_source(store: Store, settings: Settings, root: Path) -> Path:
+    """The checkpoint directory `--init-from NAME@N` names (from the store where it keeps the
+    files), refused when it was trained on another base model or adapter shape."""
+    name, _, step_text = str(settings.init_from).partition("@")
+    if not name or not step_text.isdigit():
+        raise ConfigError(f"--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not '{settings.init_from}'")
+    if name == settings.model_name:
+        raise ConfigError(f"--init-from {settings.init_from} names this run itself: give another --model-name")
+    step = int(step_text)
+    rows = {row["step"]: row for row in store.steps(name)}
+    if step not in rows:
+        known = ", ".join(str(s) for s in sorted(rows)) or "none"
+        raise ConfigError(
+            f"--init-from {settings.init_from}: the store has no step {step} of '{name}' (steps: {known})"
+        )
+    source = ckpts.Checkpoint(step, Path(store.fetch_step_files(name, step, rows[step]["path"], settings.models_dir)))
+    if not ckpts.is_complete(source.path):
+        raise ConfigError(f"--init-from {settings.init_from}: its checkpoint {source.path} is missing or incomplete")
+    saved, current = source.settings(), settings.public_dict()
+    changed = [k for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
+    if changed:
+        what = ", ".join(f"{k} {saved[k]!r} (here {current[k]!r})" for k in changed)
+        raise ConfigError(
+            f"--init-from {settings.init_from} was trained with {what}: a run starts only from a step of the "
+            "same base model and LoRA shape"
+        )
+    return source.path

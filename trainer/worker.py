@@ -43,12 +43,13 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from gateway.errors import ConfigError, EngineUnavailable, StoreUnavailable
 from gateway.settings import Settings
-from gateway.store import Store
+from gateway.store import SessionFilter, Store
 from gateway.store.open import open_store
 from trainer import checkpoints as ckpts
 from trainer.attempts import Attempts
@@ -70,8 +71,9 @@ class TrainerWorker:
     model), `resume` (checkpoints reconciled with the store), `selection` (the groups of a
     step), `publish` (train, checkpoint, record), `attempts` (failed steps)."""
 
-    def __init__(self, settings: Settings, store: Store | None = None) -> None:
+    def __init__(self, settings: Settings, store: Store | None = None, objective: str = "grpo") -> None:
         self.settings = settings
+        self.objective = objective  # "grpo", or "sft" (`trainer.sft.run`)
         self.model = settings.model_name
         self._own_store = store is None
         self.store = store or open_store(settings)  # no writer task: sync writes (SQLite: WAL)
@@ -135,7 +137,9 @@ class TrainerWorker:
         released = self.store.release_model_claims(self.model)  # left by a trainer that died mid-step
         if released:
             log.warning("%d group(s) were claimed by a step that never finished; they train again", released)
-        self.next_step = resume(self.store, self.model, self.root, self.settings, save=self._save, load=self._load)
+        self.next_step = resume(
+            self.store, self.model, self.root, self.settings, save=self._save, load=self._load, seed=self._seed
+        )
 
     def _save(
         self,
@@ -145,6 +149,7 @@ class TrainerWorker:
         groups: list[str],
         advantages: dict[str, float] | None = None,
         left_out: dict[str, str] | None = None,
+        sft: dict | None = None,
     ) -> ckpts.Checkpoint:
         return ckpts.write_checkpoint(
             self.root,
@@ -156,11 +161,23 @@ class TrainerWorker:
             token_budget=self._step_budget if self._step_budget is not None else self.token_budget,
             advantages=advantages,
             left_out=left_out,
+            sft=sft,
         )
 
     def _load(self, path: Path) -> None:
         self._loaded_backend.load(path)
         self.token_budget = ckpts.saved_token_budget(path)
+        saved = ckpts.saved_objective(path)
+        if saved != self.objective:
+            # AdamW's moments follow one loss: the NLL's are no estimate for GRPO's (nor back).
+            self._loaded_backend.init_optimizer()
+            log.info("step %s was trained with %s: %s starts with a fresh optimizer", path.name, saved, self.objective)
+
+    def _seed(self, path: Path) -> None:
+        """`--init-from`: the adapter of another run's step, with a fresh optimizer."""
+        self._loaded_backend.load(path)
+        self._loaded_backend.init_optimizer()
+        self.token_budget = None
 
     # ------------------------------------------------------------------ loop
 
@@ -273,12 +290,38 @@ class TrainerWorker:
         return done
 
 
-def run_worker(settings: Settings, stop_event: threading.Event | None = None, max_steps: int | None = None) -> int:
+def run_worker(
+    settings: Settings,
+    stop_event: threading.Event | None = None,
+    max_steps: int | None = None,
+    sft: SFTOptions | None = None,
+) -> int:
     """Start a worker (resuming from the newest checkpoint) and train until stopped or
-    `max_steps` steps are done. Returns the number of steps trained."""
-    worker = TrainerWorker(settings)
+    `max_steps` steps are done: GRPO on ready groups, or with `sft` a supervised run over the
+    sessions it selects (`trainer.sft.run`). Returns the number of steps trained."""
+    worker = TrainerWorker(settings, objective="sft" if sft is not None else "grpo")
     try:
         worker.start()
+        if sft is not None:
+            from trainer.sft.run import run_sft
+
+            return run_sft(
+                worker,
+                sft.where,
+                epochs=sft.epochs,
+                sessions_per_step=sft.sessions_per_step,
+                stop_event=stop_event,
+                max_steps=max_steps,
+            )
         return worker.run(stop_event, max_steps)
     finally:
         worker.close()
+
+
+@dataclass(frozen=True)
+class SFTOptions:
+    """`rlproxy train --objective sft`: which sessions, how many passes, how many a step."""
+
+    where: SessionFilter
+    epochs: int = 1
+    sessions_per_step: int = 8

@@ -126,3 +126,20 @@ async def play(game: Game, chat) -> tuple[float, int]:
         if winner(board) == "O":
             return LOSS, 5
     return DRAW, 5  # unreachable: X's fifth move fills the board
+
+
+PREFERENCE = (4, 0, 2, 6, 8, 1, 3, 5, 7)
+"""A teacher's fixed order over the squares: centre, corners, edges (about 0.88 against the
+random opponent): `--warm-start sft` distils it before GRPO."""
+
+
+def board_of(text: str) -> list[str]:
+    """The board a user turn shows (`render`'s inverse)."""
+    cells = text.split()
+    return [" " if c.isdigit() else c for c in cells] if len(cells) == 9 else [" "] * 9
+
+
+def teacher_reply(messages: list[dict]) -> str:
+    """The teacher's move for the last board shown: the first free square in `PREFERENCE`."""
+    board = board_of(str(messages[-1].get("content") or ""))
+    return str(next(i for i in PREFERENCE if board[i] == " ") + 1)

@@ -8,14 +8,16 @@ step `since_step` or later (the base model counts as step 0), the way one takes 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import datetime as dt
 from collections.abc import Iterator
 from pathlib import Path
 
 from gateway.errors import NotFound
 from gateway.store import SessionFilter, Store
 from gateway.store.open import open_store as open_backend
-from trainer.data import sampling_step
+from trainer.data import answered_since
 
 
 def store_exists(target: Path | str) -> bool:
@@ -40,8 +42,66 @@ def select_sessions(store: Store, where: SessionFilter) -> Iterator[dict]:
     ids = store.select_session_ids(where)
     for session_id in ids:
         session = store.get_session(session_id)
-        if where.since_step is not None:
-            answered = [c for c in session["calls"] if c.get("status") == "ok"]
-            if not answered or sampling_step(answered) < where.since_step:
-                continue
+        if where.since_step is not None and not answered_since(session["calls"], where.since_step):
+            continue
         yield session
+
+
+# ------------------------------------------------------------------ the flags
+
+
+def add_selection_flags(command: argparse.ArgumentParser, title: str) -> None:
+    """The session filters `rlproxy export` and `rlproxy train --objective sft` share
+    (`gateway.store.SessionFilter`), defined once so both select the same sessions."""
+    group = command.add_argument_group(title)
+    group.add_argument("--split", choices=["train", "val"], default=None, help="only this split")
+    group.add_argument("--rewarded", action="store_true", help="only sessions with a reward")
+    group.add_argument("--min-reward", type=float, default=None, help="only sessions rewarded at least this")
+    group.add_argument(
+        "--since-step",
+        type=int,
+        default=None,
+        help="only sessions answered entirely by this adapter step or a later one",
+    )
+    group.add_argument("--group", action="append", metavar="GROUP_ID", help="only this group (repeatable)")
+    group.add_argument(
+        "--model", default=None, metavar="NAME", help="only sessions recorded under this model name (the client's)"
+    )
+    group.add_argument(
+        "--since",
+        type=_moment,
+        default=None,
+        metavar="TIME",
+        help="only sessions started at or after TIME "
+        "(ISO 8601 such as 2026-11-25 or 2026-11-25T14:00, UTC unless it says otherwise, or Unix seconds)",
+    )
+    group.add_argument("--until", type=_moment, default=None, metavar="TIME", help="only sessions started before TIME")
+
+
+def _moment(text: str) -> float:
+    """A time on the command line: Unix seconds, or ISO 8601 (UTC when it names no zone)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time: give 2026-11-25, 2026-11-25T14:00 or Unix seconds"
+        ) from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)).timestamp()
+
+
+def selection_from_args(args: argparse.Namespace) -> SessionFilter:
+    """The `SessionFilter` the flags of `add_selection_flags` describe."""
+    return SessionFilter(
+        split=args.split,
+        rewarded=args.rewarded,
+        min_reward=args.min_reward,
+        since_step=args.since_step,
+        groups=tuple(args.group or ()),
+        model=args.model,
+        since=args.since,
+        until=args.until,
+    )

@@ -32,12 +32,21 @@ class SessionFilter:
     """Only sessions of these groups; empty: any group."""
     include_discarded: bool = False
     """Discarded sessions (failed rollouts) are left out unless asked for."""
+    model: str | None = None
+    """Only sessions recorded under this model name (the name clients asked for, less any
+    `@step`: a teacher's traffic behind the openai engine, say)."""
+    since: float | None = None
+    """Only sessions started at or after this time (Unix seconds)."""
+    until: float | None = None
+    """Only sessions started before this time (Unix seconds)."""
 
     def __post_init__(self) -> None:
         if self.split not in (None, "train", "val"):
             raise InvalidRequest(f"split must be train or val, not {self.split!r}")
         if self.since_step is not None and self.since_step < 0:
             raise InvalidRequest(f"--since-step must be 0 or more, not {self.since_step}")
+        if self.since is not None and self.until is not None and self.until <= self.since:
+            raise InvalidRequest("--until must be later than --since")
 
 
 def session_ids(query: Query, where: SessionFilter) -> list[str]:
@@ -57,6 +66,15 @@ def session_ids(query: Query, where: SessionFilter) -> list[str]:
         params += list(where.groups)
     if not where.include_discarded:
         clauses.append("discarded = 0")
+    if where.model is not None:
+        clauses.append("model = ?")
+        params.append(where.model.split("@", 1)[0])
+    if where.since is not None:
+        clauses.append("created_at >= ?")
+        params.append(float(where.since))
+    if where.until is not None:
+        clauses.append("created_at < ?")
+        params.append(float(where.until))
     # Portable SQL (both backends run it): ids break ties between equal times.
     where_sql = " WHERE " + " AND ".join(clauses) if clauses else ""
     sql = f"SELECT id FROM sessions{where_sql} ORDER BY created_at, id"

@@ -184,10 +184,13 @@ async function overview() {
 
 async function stepsPage() {
   const d = await api("/v1/training/steps");
-  const keys = ["reward_mean", "reward_std", "loss", "kl", "clip_fraction", "grad_norm", "mismatch_logprob_abs",
-    "tokens", "seconds"];
+  const keys = ["reward_mean", "reward_std", "loss", "val_loss", "kl", "clip_fraction", "grad_norm",
+    "mismatch_logprob_abs", "tokens", "seconds"];
   const present = keys.filter((k) => d.data.some((s) => typeof (s.metrics || {})[k] === "number"));
+  // A supervised step (rlproxy train --objective sft) says so; a step 0 seeded by --init-from names its source.
+  const objective = (s) => (s.metrics || {}).objective || ((s.metrics || {}).init_from ? `from ${s.metrics.init_from}` : "grpo");
   const columns = [{ label: "step", value: (s) => s.step, num: true }, { label: "at", value: (s) => when(s.created_at) },
+    { label: "objective", value: objective },
     ...present.map((k) => ({ label: k, value: (s) => (s.metrics || {})[k], num: true })),
     { label: "groups trained", value: (s) => el("span", {}, (s.groups || []).flatMap((g, i) =>
       [i ? ", " : "", link(`/ui/groups/${encode(g)}`, g)])) }];

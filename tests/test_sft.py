@@ -1,0 +1,238 @@
+"""`rlproxy train --objective sft`: which tokens a supervised sample trains (checked by hand on
+the real chat template), the sessions it skips rather than train wrongly, the selection it
+shares with `rlproxy export`, its steps and snapshot, and GRPO after it (`--init-from`, or the
+same run going on)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.cli import main
+from gateway.models.tiny import ensure_tiny_model
+from gateway.store import CallRecord
+from gateway.store.sqlite import SQLiteStore
+from tests.helpers_trainer import Recorder, trainer_settings
+from trainer import checkpoints as ckpts
+from trainer.render import ChatTemplateRenderer
+from trainer.sft.samples import DROPPED_PARTS, PREFIX_BROKEN, TOOL_CALL_LOST, session_samples
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "look a number up",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+    }
+]
+SYSTEM = {"role": "system", "content": "You look numbers up."}
+USER = {"role": "user", "content": "What is 7?"}
+TOOL_CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"x": 7}'}}],
+}
+TOOL_RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "7 is lucky"}
+ANSWER = {"role": "assistant", "content": "Seven is lucky."}
+
+
+def teacher_call(n: int, messages: list[dict], reply: dict) -> dict:
+    """A call as the openai engine records a hosted model's answer: no token ids."""
+    return {
+        "id": f"c{n}",
+        "status": "ok",
+        "http_status": 200,
+        "request": {"model": "teacher", "messages": messages, "tools": TOOLS},
+        "response": {"choices": [{"index": 0, "message": reply, "finish_reason": "stop"}]},
+    }
+
+
+TOOL_SESSION = [
+    teacher_call(1, [SYSTEM, USER], TOOL_CALL),
+    teacher_call(2, [SYSTEM, USER, TOOL_CALL, TOOL_RESULT], ANSWER),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def trained_text(tokenizer, sample) -> list[str]:
+    """The runs of trained tokens of a sample, as text."""
+    runs, current = [], []
+    for token, trained in zip(sample.token_ids, sample.loss_mask, strict=True):
+        if trained:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def test_an_sft_sample_trains_the_assistant_turns_only_as_the_students_template_writes_them(tokenizer):
+    found = session_samples("s", TOOL_SESSION, ChatTemplateRenderer(tokenizer))
+    assert found.skipped is None
+    (sample,) = found.samples
+    # By hand, from Qwen2.5's template: the tool call in its <tool_call> tags and the answer, each
+    # with the <|im_end|> the model samples to stop; system, user, tool result and the
+    # "<|im_start|>assistant\n" headers are context.
+    assert trained_text(tokenizer, sample) == [
+        '<tool_call>\n{"name": "lookup", "arguments": {"x": 7}}\n</tool_call><|im_end|>',
+        "Seven is lucky.<|im_end|>",
+    ]
+    whole = tokenizer.decode(list(sample.token_ids))
+    assert whole == tokenizer.apply_chat_template(
+        [
+            SYSTEM,
+            USER,
+            {
+                **TOOL_CALL,
+                "tool_calls": [{**TOOL_CALL["tool_calls"][0], "function": {"name": "lookup", "arguments": {"x": 7}}}],
+            },
+            TOOL_RESULT,
+            ANSWER,
+        ],
+        tools=TOOLS,
+        tokenize=False,
+    ).rstrip("\n")
+    assert "<tool_response>\n7 is lucky\n</tool_response>" in whole  # the tool's turn, masked
+
+
+def test_a_session_whose_rendering_is_ambiguous_is_skipped_with_the_reason(tokenizer):
+    render = ChatTemplateRenderer(tokenizer)
+    image = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url"}]}
+    found = session_samples("img", [teacher_call(1, [SYSTEM, image], ANSWER)], render)
+    assert found.samples == () and found.skipped == DROPPED_PARTS.format(kinds="image_url")
+    # the second call rewrote the first turn's answer: the prefix check fails
+    rewritten = {"role": "assistant", "content": "Eight."}
+    calls = [teacher_call(1, [SYSTEM, USER], ANSWER), teacher_call(2, [SYSTEM, USER, rewritten, USER], ANSWER)]
+    assert session_samples("rw", calls, render).skipped == PREFIX_BROKEN
+    # a template without tools cannot write the tool call
+    plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    found = session_samples("tools", TOOL_SESSION, ChatTemplateRenderer(plain))
+    assert found.skipped == TOOL_CALL_LOST.format(name="lookup")
+
+
+def record(store, session_id: str, *, model: str, group: str | None, created_at: float, split: str = "train"):
+    store.record_call_sync(
+        CallRecord(
+            id=f"{session_id}-1",
+            session_id=session_id,
+            group_id=group,
+            split=split,
+            model=model,
+            served=model,
+            step=None,
+            engine="openai",
+            stream=False,
+            status="ok",
+            request={"model": model, "messages": [SYSTEM, USER], "tools": TOOLS},
+            response={"choices": [{"index": 0, "message": ANSWER, "finish_reason": "stop"}]},
+            latency_ms=1.0,
+            created_at=created_at,
+        )
+    )
+
+
+@pytest.fixture
+def teacher_store(tmp_path):
+    """Sessions of a teacher and of another model, before and after a moment, well and badly rewarded."""
+    settings = trainer_settings(tmp_path / "state")
+    settings.state_dir.mkdir(parents=True)
+    store = SQLiteStore(settings.db_path)
+    moment = time.time() - 1000
+    for i in range(8):
+        model = "teacher" if i % 4 else "other"
+        record(store, f"t{i}", model=model, group=f"g{i // 2}", created_at=moment + (i - 2) * 100)
+        asyncio.run(store.set_reward(f"t{i}", 1.0 if i % 2 else 0.5))
+    record(store, "v0", model="teacher", group=None, created_at=moment + 500, split="val")
+    asyncio.run(store.set_reward("v0", 1.0))
+    asyncio.run(store.close())
+    return settings, moment
+
+
+def flags(settings, moment) -> list[str]:
+    return ["--state-dir", str(settings.state_dir), "--model", "teacher", "--since", str(moment), "--min-reward", "0.8"]
+
+
+def test_export_and_sft_select_the_same_sessions(teacher_store, tmp_path, capsys):
+    settings, moment = teacher_store
+    out = tmp_path / "export.jsonl"
+    assert main(["export", *flags(settings, moment), "--output", str(out)]) == 0
+    exported = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert exported == ["t3", "t5", "t7", "v0"]  # teacher, at or after the moment, rewarded >= 0.8
+    train = ["train", *flags(settings, moment), "--objective", "sft", "--sft-sessions-per-step", "2"]
+    train += ["--lora-rank", "4", "--lora-alpha", "8", "--max-tokens-per-row", "512"]
+    assert main(train) == 0
+    state = ckpts.latest_checkpoint(settings.checkpoints_dir()).state()
+    assert sorted(state["sft"]["train"]) + state["sft"]["val"] == exported
+    steps = SQLiteStore(settings.db_path).steps("agent")
+    assert [s["step"] for s in steps] == [0, 1, 2] and {s["metrics"]["objective"] for s in steps[1:]} == {"sft"}
+    assert all(s["metrics"]["val_loss"] > 0 and s["metrics"]["loss"] > 0 for s in steps[1:])
+    # the selected sessions' groups are never taken by GRPO afterwards
+    store = SQLiteStore(settings.db_path)
+    assert store.get_group("g1")["skipped"].startswith("distilled") and store.get_group("g0")["skipped"] is None
+    # a bad time says what to give
+    with pytest.raises(SystemExit) as exited:
+        main(["export", "--state-dir", str(settings.state_dir), "--since", "yesterday"])
+    assert exited.value.code == 2 and "2026-11-25T14:00" in capsys.readouterr().err
+
+
+def test_sft_resumes_its_snapshot_and_grpo_goes_on_from_it_or_a_new_run_starts_from_it(tmp_path):
+    settings = trainer_settings(tmp_path, model_name="student")
+    recorder = Recorder(settings)
+    for i in range(4):
+        recorder.call(f"d{i}", f"dg{i}", f"What is {i}?", "It is 42.")
+    recorder.group("rl", [1.0, 0.0])
+    recorder.close()
+    base = ["train", "--state-dir", str(tmp_path), "--model-name", "student", "--lora-rank", "4"]
+    base += ["--lora-alpha", "8", "--max-tokens-per-row", "256", "--learning-rate", "0.01"]
+    sft = [*base, "--objective", "sft", "--group", "dg0", "--group", "dg1", "--group", "dg2", "--group", "dg3"]
+    sft += ["--sft-sessions-per-step", "1", "--epochs", "2"]
+    assert main([*sft, "--max-steps", "3"]) == 0
+    root = settings.checkpoints_dir()
+    first = ckpts.latest_checkpoint(root).state()["sft"]
+    assert (first["epoch"], first["position"]) == (0, 3)
+    # a restart goes on with the same snapshot (a session recorded since is not added)
+    recorder = Recorder(settings)
+    recorder.call("late", "dg0", "What is 9?", "It is 42.")
+    recorder.close()
+    assert main(sft) == 0
+    last = ckpts.latest_checkpoint(root)
+    assert last.step == 8 and last.state()["sft"]["train"] == first["train"] and "late" not in first["train"]
+    assert last.state()["sft"]["epoch"] == 2
+    # GRPO goes on from the newest step, whatever its objective, with a fresh optimizer
+    assert main([*base, "--max-steps", "1", "--groups-per-step", "1", "--max-staleness", "100"]) == 0
+    steps = SQLiteStore(settings.db_path).steps("student")
+    assert steps[-1]["step"] == 9 and steps[-1]["groups"] == ["rl"] and "objective" not in steps[-1]["metrics"]
+    # a new run starts from any step of it: the adapter as its step 0, not the optimizer
+    other = [*base[:3], "--model-name", "fresh", *base[5:], "--max-steps", "0"]
+    assert main([*other, "--init-from", "student@4"]) == 0
+    seeded = settings.checkpoints_dir("fresh") / "0000"
+    source = root / "0004"
+    assert (seeded / "adapter_model.safetensors").read_bytes() == (source / "adapter_model.safetensors").read_bytes()
+    assert json.loads((seeded / "trainer_state.json").read_text())["metrics"] == {"init_from": "student@4"}
+
+
+def test_init_from_is_refused_for_another_base_model_or_adapter_shape_or_an_unknown_step(tmp_path, capsys):
+    base = ["train", "--state-dir", str(tmp_path), "--lora-alpha", "8", "--max-steps", "0"]
+    assert main([*base, "--model-name", "a", "--lora-rank", "4"]) == 0
+    assert main([*base, "--model-name", "b", "--lora-rank", "8", "--init-from", "a@0"]) == 2
+    assert "lora_rank 4 (here 8)" in capsys.readouterr().err
+    assert main([*base, "--model-name", "b", "--lora-rank", "4", "--init-from", "a@3"]) == 2
+    assert "no step 3 of 'a' (steps: 0)" in capsys.readouterr().err
+    assert main([*base, "--model-name", "b", "--lora-rank", "4", "--init-from", "a"]) == 2
+    assert "NAME@STEP" in capsys.readouterr().err

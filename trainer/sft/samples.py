@@ -1,0 +1,119 @@
+"""Recorded sessions -> supervised samples: the assistant turns, as the student's chat template writes them.
+
+Every call of a session is re-rendered with the student's template (`trainer.render`), whatever
+model answered it: a teacher behind the `openai` engine has another tokenizer, and the
+student's own traffic renders to the same tokens it was sampled as. A call's completion is the
+assistant message (text and tool calls) up to and including the end-of-turn token; the turns
+of one session merge into one sample when each prompt extends the sequence so far, so the
+system, user and tool turns in between are context (masked) and every assistant turn is
+trained once.
+
+A session is skipped, with the reason, and counted, never trained wrongly, when rendering it
+is ambiguous: a message has content parts the template drops (an image, audio, a file), the
+template does not write one of the reply's tool calls or its text, a turn does not extend the
+sequence (the prefix check), or the template is not prefix-stable.
+
+Pure functions over the store's call dicts and a renderer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.render import ChatTemplateRenderer
+from trainer.retries import trainable_calls
+from trainer.types import Sample
+
+NAN = math.nan
+
+NO_CALLS = "no answered call"
+DROPPED_PARTS = "a message has content parts the chat template drops ({kinds}); only text is trained"
+NOT_PREFIX_STABLE = "the chat template is not prefix-stable for one of its calls"
+TOOL_CALL_LOST = "the chat template does not write the reply's tool call '{name}'"
+TEXT_LOST = "the chat template does not write the reply's text"
+PREFIX_BROKEN = "a turn does not extend the conversation so far (the history was rewritten)"
+
+
+@dataclass(frozen=True)
+class SessionSamples:
+    """What one session gives supervised training: samples, or why none."""
+
+    session_id: str
+    samples: tuple[Sample, ...]
+    skipped: str | None = None
+
+
+def _dropped_parts(messages: Sequence[dict]) -> set[str]:
+    kinds = set()
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            kinds |= {
+                str(part.get("type")) for part in content if isinstance(part, dict) and part.get("type") != "text"
+            }
+    return kinds
+
+
+def _lost(reply: dict, completion_text: str) -> str | None:
+    """Why the rendered completion does not carry the reply (None: it does)."""
+    for call in reply.get("tool_calls") or []:
+        function = call.get("function") or {}
+        name = str(function.get("name") or "")
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            arguments = None
+        keys = list(arguments) if isinstance(arguments, dict) else []
+        if name not in completion_text or any(str(key) not in completion_text for key in keys):
+            return TOOL_CALL_LOST.format(name=name)
+    text = reply.get("content")
+    if isinstance(text, list):
+        text = "".join(p.get("text", "") for p in text if isinstance(p, dict))
+    if isinstance(text, str) and text.strip() and text.strip() not in completion_text:
+        return TEXT_LOST
+    return None
+
+
+def session_samples(session_id: str, calls: Sequence[dict], render: ChatTemplateRenderer) -> SessionSamples:
+    """The supervised sample of one session (its calls in order), or why it is skipped."""
+    answered = [c for c in trainable_calls(calls) if c.get("status") == "ok" and c.get("response")]
+    if not answered:
+        return SessionSamples(session_id, (), NO_CALLS)
+    ids: list[int] = []
+    mask: list[bool] = []
+    for call in answered:
+        request, response = call["request"], call["response"]
+        reply = ((response.get("choices") or [{}])[0]).get("message") or {}
+        dropped = _dropped_parts([*request.get("messages", []), reply])
+        if dropped:
+            return SessionSamples(session_id, (), DROPPED_PARTS.format(kinds=", ".join(sorted(dropped))))
+        turn = render(request, response)
+        if turn is None:
+            return SessionSamples(session_id, (), NOT_PREFIX_STABLE)
+        lost = _lost(reply, render.decode(turn.completion_ids))
+        if lost is not None:
+            return SessionSamples(session_id, (), lost)
+        n = len(ids)
+        if n and list(turn.prompt_ids[:n]) != ids:
+            return SessionSamples(session_id, (), PREFIX_BROKEN)
+        new_prompt = turn.prompt_ids[n:]
+        ids += [*new_prompt, *turn.completion_ids]
+        mask += [False] * len(new_prompt) + [True] * len(turn.completion_ids)
+    sample = Sample(
+        token_ids=tuple(ids),
+        loss_mask=tuple(mask),
+        old_logprobs=(NAN,) * len(ids),
+        advantage=1.0,  # unused by the supervised loss
+        trajectory_id=session_id,
+        group_id=session_id,
+    )
+    return SessionSamples(session_id, (sample,))
+
+
+def load_session_samples(store: Any, session_ids: Sequence[str], render: ChatTemplateRenderer) -> list[SessionSamples]:
+    """`session_samples` of sessions read from the store (the one I/O function here)."""
+    return [session_samples(sid, store.session_calls(sid), render) for sid in session_ids]
