@@ -223,7 +223,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     options = options_from_args(args)
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    summary = run_demo(demo_settings(given, options.out, options.task), options)
+    summary = run_demo(demo_settings(given, options.out, options.task, options.warm_start is not None), options)
     print(report(summary))
     return 0
 

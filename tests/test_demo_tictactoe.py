@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 
@@ -21,6 +22,7 @@ from gateway.demo import load_task, tictactoe
 from gateway.demo.options import add_arguments, options_from_args
 from gateway.errors import ConfigError
 from gateway.models.tiny import ensure_tiny_model
+from gateway.store import SessionFilter
 from trainer.data import trajectory_samples
 
 
@@ -148,3 +150,57 @@ def test_a_whole_game_merges_into_one_sample_that_trains_exactly_the_moves(token
         for a, b in zip(sample.old_logprobs, expected_old, strict=True)
     )
     assert sample.advantage == 1.5
+
+
+def test_the_teacher_prefers_the_centre_then_the_corners():
+    assert tictactoe.teacher_reply([{"role": "user", "content": "1 2 3\n4 5 6\n7 8 9"}]) == "5"
+    assert tictactoe.teacher_reply([{"role": "user", "content": "O 2 3\n4 X 6\n7 8 9"}]) == "3"
+    assert tictactoe.board_of("O 2 3\n4 X 6\n7 8 9") == ["O", " ", " ", " ", "X", " ", " ", " ", " "]
+
+
+def test_a_warm_start_records_the_teacher_distils_it_then_grpo_goes_on(tmp_path):
+    from gateway.store.sqlite import SQLiteStore
+    from tests.test_demo import run_demo
+
+    out = tmp_path / "warm"
+    result = run_demo(
+        out,
+        "--task",
+        "tictactoe",
+        "--warm-start",
+        "sft",
+        "--teacher-games",
+        "64",
+        "--warm-start-epochs",
+        "1",
+        "--steps",
+        "1",
+        "--eval-groups",
+        "1",
+        "--seconds",
+        "60",
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    warm = summary["warm_start"]
+    assert warm["teacher_games"] == 64 and warm["teacher_score"] > 0.7  # the fixed preference plays well
+    assert "after the warm start (sft) reward" in result.stdout
+    store = SQLiteStore(out / "state" / "rlproxy.db")
+    steps = store.steps("agent")
+    objectives = [s["metrics"].get("objective", "grpo") for s in steps[1:]]
+    # the train games that did not lose (one in eight is val), 8 a step, one epoch; then GRPO
+    distilled = store.select_session_ids(SessionFilter(model="teacher", split="train", min_reward=0.5))
+    n = math.ceil(len(distilled) / 8)
+    assert 40 <= len(distilled) <= 56 and objectives[:n] == ["sft"] * n and set(objectives[n:]) == {"grpo"}
+    assert all(s["metrics"]["val_loss"] is not None for s in steps[1 : n + 1])
+    assert len(store.select_session_ids(SessionFilter(model="teacher"))) == 64
+    assert summary["settings"]["learning_rate"] == 3e-3
+    assert summary["final_step"] > n and summary["baseline_reward"] is not None
+
+
+def test_a_warm_start_needs_a_task_with_a_teacher(tmp_path):
+    from tests.test_demo import run_demo
+
+    result = run_demo(tmp_path / "shout", "--task", "shout", "--warm-start", "sft", "--steps", "1", timeout=120)
+    assert result.returncode == 2 and "has none (tictactoe has)" in result.stderr

@@ -37,6 +37,8 @@ class Record:
     mismatch_by_step: dict[int, float] = field(default_factory=dict)
     groups_skipped: int = 0
     stopped_because: str = ""
+    baseline_at: float | None = None  # time.monotonic() when each val evaluation ended
+    final_at: float | None = None
 
 
 class Agent:
@@ -200,7 +202,8 @@ async def drive(
     record = agent.record
     try:
         await agent.wait_for_step(0, "the untrained adapter (step 0)")
-        record.baseline_reward, _ = await agent.evaluate()
+        record.baseline_reward, _ = await agent.evaluate()  # after a warm start: the distilled step
+        record.baseline_at = time.monotonic()
         bar = tqdm(
             total=options.steps,
             desc="training",
@@ -211,8 +214,8 @@ async def drive(
         )
         bar.set_postfix_str(f"baseline reward {record.baseline_reward:.2f}")
         try:
-            step = 0
-            while step < options.steps:
+            first = step = await agent.served_step() or 0  # a warm start's GRPO begins after its steps
+            while step < first + options.steps:
                 stop = await agent.train_round(step)
                 rewards = record.rewards_by_step.get(step, [])
                 await agent.read_mismatch(step if stop is None else None)
@@ -229,12 +232,13 @@ async def drive(
                 if rewards:
                     bar.set_postfix_str(f"reward {sum(rewards) / len(rewards):.2f} (step {step})")
                 step = await agent.served_step()
-                bar.update(step - bar.n)
+                bar.update(step - first - bar.n)
             else:
                 record.stopped_because = "steps"
         finally:
             bar.close()
         record.final_reward, record.final_step = await agent.evaluate()
+        record.final_at = time.monotonic()
         await agent.read_mismatch()
     finally:
         await agent.close()

@@ -37,6 +37,7 @@ from gateway.demo.agent import drive
 from gateway.demo.options import DemoOptions
 from gateway.demo.processes import Trainer, serve_gateway
 from gateway.demo.summary import plot, summarize
+from gateway.demo.warm_start import warm_start
 from gateway.errors import ConfigError
 from gateway.settings import Settings
 
@@ -103,6 +104,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
             file=sys.stderr,
         )
     starting = time.monotonic()
+    warm = warm_start(settings, options, out, threads) if options.warm_start else None
     trainer = None
     try:
         with serve_gateway(settings) as url:
@@ -116,7 +118,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
-    summary = summarize(record, settings, options, time.monotonic() - started, started - starting)
+    summary = summarize(record, settings, options, time.monotonic() - started, started - starting, warm, starting)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, out / "reward_curve.png")
     return summary
@@ -131,8 +133,10 @@ def report(summary: dict) -> str:
         else (f"aim not reached (baseline <= {aim['baseline_at_most']}, final >= {aim['final_at_least']})")
     )
     final = summary["final_reward"]
+    warm = summary.get("warm_start")
+    before = "after the warm start (sft)" if warm else "baseline"
     return (
-        f"baseline reward {summary['baseline_reward']:.2f} -> final reward "
+        f"{before} reward {summary['baseline_reward']:.2f} -> final reward "
         f"{final if final is None else f'{final:.2f}'} at step {summary['final_step']} "
         f"in {summary['seconds']:.0f} s ({summary['stopped_because']}): {verdict}"
     )

@@ -86,11 +86,12 @@ def _settings_flags(settings: Settings) -> list[str]:
 class Trainer:
     """`rlproxy train` as a child process, its output in OUT/trainer.log."""
 
-    def __init__(self, settings: Settings, log_path: Path, threads: int):
+    def __init__(self, settings: Settings, log_path: Path, threads: int, extra: list[str] | None = None):
         self.log_path = log_path
         env = {**os.environ, "RLPROXY_TORCH_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
         # Its log is a file the user reads afterwards: one line per step is worth having.
         cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_flags(settings), "--log-level", "info"]
+        cmd += extra or []  # `train`'s own flags (the warm start's --objective sft ...)
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             cmd,
@@ -106,6 +107,12 @@ class Trainer:
         if self.proc.poll() is not None:
             tail = self.log_path.read_text(errors="replace")[-3000:]
             raise RLProxyError(f"the trainer exited with code {self.proc.returncode}:\n{tail}")
+
+    def wait(self) -> int:
+        """Wait for a run that ends by itself (a supervised run's epochs); its exit code."""
+        code = self.proc.wait()
+        self._log.close()
+        return code
 
     def stop(self) -> None:
         """SIGTERM (it finishes its step and exits), then SIGKILL to its group if it lingers."""

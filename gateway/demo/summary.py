@@ -14,15 +14,33 @@ AIM_BASELINE_AT_MOST = 0.3
 AIM_FINAL_AT_LEAST = 0.8
 
 
+def seconds_to_aim(record: Record, demo_started: float | None) -> float | None:
+    """Wall time from the demo's start (a warm start's teacher and SFT included) to the first
+    val evaluation that scored at least `AIM_FINAL_AT_LEAST`; None if none did."""
+    if demo_started is None:
+        return None
+    for reward, at in ((record.baseline_reward, record.baseline_at), (record.final_reward, record.final_at)):
+        if reward is not None and at is not None and reward >= AIM_FINAL_AT_LEAST:
+            return round(at - demo_started, 1)
+    return None
+
+
 def summarize(
-    record: Record, settings: Settings, options: DemoOptions, seconds: float, startup_seconds: float = 0.0
+    record: Record,
+    settings: Settings,
+    options: DemoOptions,
+    seconds: float,
+    startup_seconds: float = 0.0,
+    warm_start: dict | None = None,
+    demo_started: float | None = None,
 ) -> dict:
     task = load_task(options.task)
     by_step = {str(step): sum(r) / len(r) for step, r in sorted(record.rewards_by_step.items())}
+    # A warm start's baseline is the distilled model's score: only the final score is the aim then.
     reached = (
         record.baseline_reward is not None
         and record.final_reward is not None
-        and record.baseline_reward <= AIM_BASELINE_AT_MOST
+        and (warm_start is not None or record.baseline_reward <= AIM_BASELINE_AT_MOST)
         and record.final_reward >= AIM_FINAL_AT_LEAST
     )
     return {
@@ -39,6 +57,8 @@ def summarize(
         "engine": settings.engine,
         "seconds": round(seconds, 1),
         "startup_seconds": round(startup_seconds, 1),
+        "seconds_to_aim": seconds_to_aim(record, demo_started),
+        "warm_start": warm_start,
         "aim": {"baseline_at_most": AIM_BASELINE_AT_MOST, "final_at_least": AIM_FINAL_AT_LEAST, "reached": reached},
         "demo": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
         "settings": settings.public_dict(),
@@ -56,7 +76,9 @@ def plot(summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, rewards, marker="o", markersize=3, label="train rollouts (mean reward per step)")
     if summary["baseline_reward"] is not None:
-        ax.scatter([0], [summary["baseline_reward"]], color="tab:red", zorder=3, label="baseline (val, step 0)")
+        first = min(steps, default=0) if summary.get("warm_start") else 0
+        label = f"after sft (val, step {first})" if summary.get("warm_start") else "baseline (val, step 0)"
+        ax.scatter([first], [summary["baseline_reward"]], color="tab:red", zorder=3, label=label)
     if summary["final_reward"] is not None:
         ax.scatter(
             [summary["final_step"] or 0],
