@@ -368,3 +368,10 @@ def test_advantages_are_over_exactly_the_sessions_that_train(session):
     # a group left with one session has nothing to compare it with
     batch = build_batch([_group("k", [1.0, 0.0])], {"k-s0": ok, "k-s1": failed})
     assert batch.skipped == {"k": too_few(1, 2)} and "2 for a group-relative advantage" in too_few(1, 2)
+
+
+def test_a_call_recorded_after_its_group_was_claimed_is_never_trained(session):
+    ok = session["calls"][:1]
+    late = [{**session["calls"][0], "untrainable": "late: group 'g' was being trained (step 3) ..."}]
+    batch = build_batch([_group("g", [1.0, 0.0, 0.5])], {"g-s0": ok, "g-s1": ok, "g-s2": late})
+    assert batch.left_out == {"g-s2": NO_SAMPLE} and batch.sessions == {"g": ["g-s0", "g-s1"]}

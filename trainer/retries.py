@@ -85,10 +85,16 @@ def retry_orphans(calls: Sequence[dict]) -> set[str]:
 
 
 def trainable_calls(calls: Sequence[dict]) -> list[dict]:
-    """A session's calls without those whose answer never reached the client (499) and
-    without retry orphans, in order. (Positions, not ids: calls built by hand may have none.)"""
+    """A session's calls without those whose answer never reached the client (499), without
+    retry orphans and without those recorded after their group was claimed by a step or
+    trained (`untrainable`: the store marks them), in order. (Positions, not ids: calls built
+    by hand may have none.)"""
     orphans = _orphan_positions(calls)
-    return [c for n, c in enumerate(calls) if c.get("http_status") != 499 and n not in orphans]
+    return [
+        c
+        for n, c in enumerate(calls)
+        if c.get("http_status") != 499 and n not in orphans and not c.get("untrainable")
+    ]
 
 
 # ------------------------------------------------------------------ greedy calls
