@@ -91,9 +91,7 @@ def trainable_calls(calls: Sequence[dict]) -> list[dict]:
     by hand may have none.)"""
     orphans = _orphan_positions(calls)
     return [
-        c
-        for n, c in enumerate(calls)
-        if c.get("http_status") != 499 and n not in orphans and not c.get("untrainable")
+        c for n, c in enumerate(calls) if c.get("http_status") != 499 and n not in orphans and not c.get("untrainable")
     ]
 
 
