@@ -86,7 +86,7 @@ def resume(
             )
         metrics = {}
         if settings.init_from and seed is not None:
-            source = init_source(store, settings, root)
+            source = init_source(store, settings)
             seed(source)
             metrics = {"init_from": settings.init_from}
         checkpoint = save(0, metrics=metrics, groups=[])
@@ -130,20 +130,24 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint) -> Non
     log.info("recorded step %d from its checkpoint (the worker stopped before recording it)", checkpoint.step)
 
 
+def shape_changes(checkpoint: ckpts.Checkpoint, settings: Settings) -> list[tuple[str, object, object]]:
+    """(setting, the checkpoint's value, this run's) for each adapter-shape setting that differs."""
+    saved, current = checkpoint.settings(), settings.public_dict()
+    return [(k, saved[k], current[k]) for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
+
+
 def check_compatible(checkpoint: ckpts.Checkpoint, settings: Settings, model: str, root: Path) -> None:
     """Raise `ConfigError` if `checkpoint` was trained with another adapter shape."""
-    saved = checkpoint.settings()
-    current = settings.public_dict()
-    changed = [k for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
+    changed = shape_changes(checkpoint, settings)
     if changed:
-        what = ", ".join(f"{k} {saved[k]!r} -> {current[k]!r}" for k in changed)
+        what = ", ".join(f"{k} {saved!r} -> {current!r}" for k, saved, current in changed)
         raise ConfigError(
             f"checkpoints of model '{model}' in {root} were trained with other settings ({what}); "
             "keep those settings, or train under another --model-name or --state-dir"
         )
 
 
-def init_source(store: Store, settings: Settings, root: Path) -> Path:
+def init_source(store: Store, settings: Settings) -> Path:
     """The checkpoint directory `--init-from NAME@N` names (from the store where it keeps the
     files), refused when it was trained on another base model or adapter shape."""
     name, _, step_text = str(settings.init_from).partition("@")
@@ -161,10 +165,9 @@ def init_source(store: Store, settings: Settings, root: Path) -> Path:
     source = ckpts.Checkpoint(step, Path(store.fetch_step_files(name, step, rows[step]["path"], settings.models_dir)))
     if not ckpts.is_complete(source.path):
         raise ConfigError(f"--init-from {settings.init_from}: its checkpoint {source.path} is missing or incomplete")
-    saved, current = source.settings(), settings.public_dict()
-    changed = [k for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
+    changed = shape_changes(source, settings)
     if changed:
-        what = ", ".join(f"{k} {saved[k]!r} (here {current[k]!r})" for k in changed)
+        what = ", ".join(f"{k} {saved!r} (here {current!r})" for k, saved, current in changed)
         raise ConfigError(
             f"--init-from {settings.init_from} was trained with {what}: a run starts only from a step of the "
             "same base model and LoRA shape"
