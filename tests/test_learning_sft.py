@@ -17,13 +17,10 @@ import random
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pytest
 import torch
 
 from gateway.demo import tictactoe
-from gateway.models.tuning import TINY_MODEL_SETTINGS
-from gateway.settings import Settings
-from tests.test_learning_tictactoe import EVAL_GAMES, Player
+from tests.test_learning_tictactoe import EVAL_GAMES, Player, one_thread, task_settings  # noqa: F401 (fixture)
 from trainer.backends.peft import PeftBackend
 from trainer.render import ChatTemplateRenderer
 from trainer.sft.samples import session_samples
@@ -81,15 +78,7 @@ def shuffled_answers(sessions: list[list[dict]], seed: int) -> list[list[dict]]:
 
 def distil(tmp_path, sessions: list[list[dict]], seed: int = 0) -> tuple[float, float, int]:
     """SFT on `sessions`; (score before, score after, sessions trained)."""
-    settings = Settings(
-        state_dir=tmp_path,
-        seed=seed,
-        learning_rate=TINY_MODEL_SETTINGS["learning_rate"],
-        base_model=tictactoe.SETTINGS["base_model"],
-        lora_rank=TINY_MODEL_SETTINGS["lora_rank"],
-        lora_alpha=TINY_MODEL_SETTINGS["lora_alpha"],
-        max_tokens_per_row=tictactoe.SETTINGS["max_tokens_per_row"],
-    )
+    settings = task_settings(tmp_path, seed)
     torch.manual_seed(seed)
     backend = PeftBackend(settings)
     render = ChatTemplateRenderer(backend.tokenizer)
@@ -103,14 +92,6 @@ def distil(tmp_path, sessions: list[list[dict]], seed: int = 0) -> tuple[float, 
         for start in range(0, len(trained), SESSIONS_PER_STEP):
             sft_step(backend, trained[start : start + SESSIONS_PER_STEP], settings)
     return before, player.score(EVAL_GAMES, random.Random(2000 + seed)), len(trained)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_sft_on_a_teachers_games_teaches_the_cold_model_to_play_and_shuffled_answers_do_not(tmp_path):

@@ -120,9 +120,9 @@ class Player:
         return total / n_games
 
 
-def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, steps: int = STEPS) -> tuple[float, float]:
-    """Train `steps` steps; returns the score (before, after) on fresh games."""
-    settings = Settings(
+def task_settings(tmp_path, seed: int) -> Settings:
+    """The demo's recipe for the task: the instruct model, the built-in models' LoRA and rate."""
+    return Settings(
         state_dir=tmp_path,
         seed=seed,
         learning_rate=LEARNING_RATE,
@@ -131,6 +131,11 @@ def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, steps: int = STEPS) -
         lora_alpha=TINY_MODEL_SETTINGS["lora_alpha"],
         max_tokens_per_row=tictactoe.SETTINGS["max_tokens_per_row"],
     )
+
+
+def run(tmp_path, *, shuffle_rewards: bool, seed: int = 0, steps: int = STEPS) -> tuple[float, float]:
+    """Train `steps` steps; returns the score (before, after) on fresh games."""
+    settings = task_settings(tmp_path, seed)
     torch.manual_seed(seed)
     backend = PeftBackend(settings)
     player = Player(backend, seed)
