@@ -123,6 +123,16 @@ def create_app(
         from gateway.chat.passthrough import PassThrough
 
         services.extras["passthrough"] = PassThrough(services.chat, settings.upstream_protocol)
+    if settings.shadow_samples:
+        if engine.kind == "openai":
+            from gateway.errors import ConfigError
+
+            raise ConfigError("--shadow-samples needs a policy of ours to sample: use --engine local or vllm")
+        from gateway.shadow.sampler import ShadowSampler
+
+        shadows = ShadowSampler(services, settings, metrics)
+        services.chat.observers.append(shadows)  # sees every committed call; schedules, never blocks
+        services.extras["shadow"] = shadows
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -150,6 +160,8 @@ def create_app(
         try:
             yield
         finally:
+            if "shadow" in services.extras:
+                await services.extras["shadow"].stop()
             if colocator is not None:
                 await colocator.close()
             await registry.close()

@@ -51,6 +51,15 @@ ENGINE = (
     "gpu_mode",
     "max_staleness",
 )
+LIVE = (
+    "live_group_size",
+    "live_max_staleness",
+    "shadow_samples",
+    "shadow_rate",
+    "shadow_max_in_flight",
+    "shadow_judge_model",
+    "shadow_judge_api_base",
+)
 TRAINER = (
     "trainer",
     "backend",
@@ -232,7 +241,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "serve": (
         "run the gateway (and, with --trainer auto, a trainer worker beside it)",
         cmd_serve,
-        ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer")),
+        ((SERVICE, "service"), (ENGINE, "engine"), (LIVE, "live traffic"), (TRAINER, "trainer")),
     ),
     "export": (
         "write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples",
@@ -252,7 +261,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "train": (
         "run a trainer worker alone: train on ready groups, save adapters, record steps",
         cmd_train,
-        ((SERVICE, "service"), (ENGINE, "engine"), (TRAINER, "trainer")),
+        ((SERVICE, "service"), (ENGINE, "engine"), (LIVE, "live traffic"), (TRAINER, "trainer")),
     ),
 }
 

@@ -36,6 +36,26 @@ class Metrics:
             "calls recorded after their group was claimed by a step or trained: served and kept, never trained",
             registry=self.registry,
         )
+        # Shadow samples (gateway/shadow/): live calls shadowed and how it ended, the tokens the
+        # shadows generated, the judge's calls on shadow groups.
+        self.shadow_calls = Counter(
+            "rlproxy_shadow_calls",
+            "live calls given shadow samples, by outcome (shadowed, completed, failed, dropped_cap, dropped_busy)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.shadow_tokens = Counter(
+            "rlproxy_shadow_tokens", "completion tokens generated for shadow samples", registry=self.registry
+        )
+        self.shadow_judge_calls = Counter(
+            "rlproxy_shadow_judge_calls",
+            "RULER judgements of shadow groups, by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.shadow_in_flight = Gauge(
+            "rlproxy_shadow_in_flight", "live calls being shadowed right now", registry=self.registry
+        )
         self._request_counters: dict[tuple[str, bool], Counter] = {}  # `labels()` resolved once per pair
 
     def observe_call(self, status: str, stream: bool, latency_ms: float, untrainable: str | None = None) -> None:
@@ -58,6 +78,9 @@ class Metrics:
         self.store_degraded.set(1 if health.degraded else 0)
         current = services.registry.current
         self.model_step.set(-1 if current is None else current)
+        shadows = services.extras.get("shadow")
+        if shadows is not None:
+            self.shadow_in_flight.set(shadows.in_flight)
         self.held.set(services.gate.held)
         self.in_flight.set(services.gate.in_flight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

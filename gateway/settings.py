@@ -111,6 +111,37 @@ class Settings(BaseSettings):
         "step being trained from (every engine that serves adapters)",
     )
 
+    # -- live traffic (gateway/store/live.py, gateway/shadow/)
+    live_group_size: int | None = Field(
+        None,
+        ge=2,
+        description="gather rewarded sessions that have no X-Group-Id into training groups of this many, "
+        "one task key at a time (X-Task-Id, or derived from the system prompt); default off",
+    )
+    live_max_staleness: int = Field(
+        2,
+        ge=0,
+        description="a live session joins a group only while the step that answered it is within this "
+        "many steps of the newest; a later reward is kept but never trained",
+    )
+    shadow_samples: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="sample this many more completions of a live call in the background, never returned; "
+        "the judge ranks them with the live answer and the turn trains as a group of its own (default 0: off)",
+    )
+    shadow_rate: float = Field(1.0, gt=0, le=1, description="the share of live calls that get shadow samples")
+    shadow_max_in_flight: int = Field(
+        4, ge=1, description="most live calls being shadowed at once; more are not shadowed (counted as dropped)"
+    )
+    shadow_judge_model: str | None = Field(
+        None, description="RULER judge for shadow groups: a litellm model string, or self (the served model)"
+    )
+    shadow_judge_api_base: str | None = Field(
+        None, description="OpenAI-compatible base URL of the shadow judge (litellm's api_base)"
+    )
+
     # -- trainer
     trainer: Literal["auto", "off"] = Field("auto", description="auto: run a trainer worker beside the gateway")
     backend: Literal["peft", "unsloth"] = Field("peft", description="training backend")
@@ -173,6 +204,29 @@ class Settings(BaseSettings):
     def _no_4_bit_with_vllm(self) -> Settings:
         if self.load_in_4bit and self.engine == "vllm":
             raise ValueError(FOUR_BIT_WITH_VLLM)
+        return self
+
+    @model_validator(mode="after")
+    def _shadows_need_a_policy_and_a_judge(self) -> Settings:
+        if not self.shadow_samples:
+            return self
+        if self.engine == "openai":
+            raise ValueError(
+                "--shadow-samples cannot run with --engine openai: shadow samples must come from the policy "
+                "being trained (the adapter step that answered the call), and an upstream serves no policy "
+                "of ours; use --engine local or vllm, or drop the shadow flags"
+            )
+        if not self.shadow_judge_model:
+            raise ValueError(
+                "--shadow-samples needs a judge to rank the live answer and its shadows: give "
+                "--shadow-judge-model (a litellm model string such as openai/gpt-4.1-mini, or self)"
+            )
+        if self.shadow_judge_model == "self" and self.shadow_judge_api_base:
+            raise ValueError("--shadow-judge-api-base cannot be used with --shadow-judge-model self")
+        if self.shadow_judge_api_base and not self.shadow_judge_api_base.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--shadow-judge-api-base must start with http:// or https://, got {self.shadow_judge_api_base!r}"
+            )
         return self
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ GATEWAY_LAYERS = [
     ["gateway.errors", "gateway.settings", "gateway.children"],
     ["gateway.store", "gateway.models", "gateway.protocols", "gateway.http", "gateway.metrics"],
     ["gateway.engines", "gateway.adapters", "gateway.tracing", "gateway.colocate"],
-    ["gateway.chat", "gateway.ruler"],
+    ["gateway.chat", "gateway.ruler", "gateway.shadow"],
     ["gateway.routes", "gateway.ui", "gateway.openapi"],
     ["gateway.app"],
     ["gateway.cli", "gateway.demo", "gateway.export", "gateway.trainer_process"],

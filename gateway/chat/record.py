@@ -8,7 +8,7 @@ import logging
 import time
 
 from gateway.adapters import Target
-from gateway.chat.identity import Identity
+from gateway.chat.identity import Identity, task_key
 from gateway.engines.base import TokenRecord
 from gateway.errors import Conflict, RLProxyError
 from gateway.protocols import Wire
@@ -56,6 +56,7 @@ def call_record(
         client_request_id=identity.client_request_id,
         session_id=identity.session_id,
         group_id=identity.group_id,
+        task_key=task_key(identity, raw.get("messages")),
         split=identity.split,
         model=str(raw.get("model", "")),
         served=target.adapter or target.model if target else None,

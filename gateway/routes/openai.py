@@ -28,7 +28,7 @@ log = logging.getLogger("rlproxy.routes")
 router = APIRouter()
 
 SSE_PING_SECONDS = 15.0  # a comment line on a quiet stream, so proxies in between do not time it out
-_IDENTITY_HEADERS = frozenset((b"x-session-id", b"x-group-id", b"x-split", b"x-request-id"))
+_IDENTITY_HEADERS = frozenset((b"x-session-id", b"x-group-id", b"x-task-id", b"x-split", b"x-request-id"))
 _JSON = (b"content-type", b"application/json")
 
 

@@ -36,7 +36,7 @@ from gateway.routes.openai import read_json, validation_message
 
 router = APIRouter()
 
-_IDENTITY_HEADERS = ("x-session-id", "x-group-id", "x-split", "x-request-id")
+_IDENTITY_HEADERS = ("x-session-id", "x-group-id", "x-task-id", "x-split", "x-request-id")
 _UPSTREAM_ID = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
 
 

@@ -13,6 +13,7 @@ from gateway.chat.identity import check_id
 from gateway.errors import InvalidRequest, StoreUnavailable
 from gateway.protocols.chat import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
 from gateway.routes.openai import read_json, validation_message
+from gateway.store import LiveRule
 
 router = APIRouter()
 Body = TypeVar("Body", bound=BaseModel)
@@ -36,7 +37,9 @@ async def parse(request: Request, model: type[Body], *, allow_empty: bool = Fals
 async def post_reward(session_id: str, request: Request) -> Response:
     services = request.app.state.services
     body = await parse(request, RewardRequest)
-    result = await services.store.set_reward(check_id(session_id, "session_id"), body.reward, body.metrics)
+    settings = services.settings
+    live = LiveRule(settings.live_group_size, settings.live_max_staleness) if settings.live_group_size else None
+    result = await services.store.set_reward(check_id(session_id, "session_id"), body.reward, body.metrics, live)
     if services.tracer is not None:
         services.tracer.on_reward(session_id, body.reward, body.metrics)
     return json_response(result)

@@ -7,12 +7,14 @@ the embedded default) and `PostgresStore` (`postgres`, shared by many machines).
 """
 
 from gateway.store.base import Store
+from gateway.store.live import LiveRule
 from gateway.store.open import open_store
 from gateway.store.reads import SessionFilter
 from gateway.store.rows import CallRecord, pack_floats, pack_ids, unpack_floats, unpack_ids
 
 __all__ = [
     "CallRecord",
+    "LiveRule",
     "SessionFilter",
     "Store",
     "open_store",

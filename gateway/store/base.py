@@ -23,6 +23,7 @@ from typing import Any
 
 from gateway.store import lists, reads, rows, training
 from gateway.store.health import StoreHealth, classify
+from gateway.store.live import LiveRule
 from gateway.store.reads import SessionFilter
 from gateway.store.rows import CallRecord
 from gateway.store.writer import GroupCommitWriter, Op, Outcome
@@ -56,11 +57,9 @@ class Store(ABC):
 
     @abstractmethod
     async def probe(self) -> None:
-        """A write as large as a typical call, committed and removed in the same transaction:
-        succeeds only when calls can be recorded again, raises the store's failure otherwise.
-        Used while the store is degraded (`/healthz`, and before each call), so the gateway
-        notices by itself that the cause went away; only a probe ends the degraded state (a
-        small write, a reward, may fit where a call does not)."""
+        """A write as large as a typical call, committed and removed in one transaction: succeeds
+        only when calls can be recorded again (else raises the failure). Run while degraded, it
+        alone ends that state (a small write, a reward, may fit where a call does not)."""
 
     @abstractmethod
     def _close_connections(self) -> None:
@@ -110,22 +109,27 @@ class Store(ABC):
     # ------------------------------------------------------------ the gateway's writes
 
     async def record_call(self, call: CallRecord, *, alone: bool = False) -> None:
-        """Committed before this returns. `alone`: no other call is in flight, so nothing is
-        gained by waiting to share a commit (`_write_now`)."""
+        """Committed before this returns. `alone`: no call in flight to share a commit with (`_write_now`)."""
         call.untrainable = await self._submit(lambda conn: rows.insert_call(conn, call), at_once=alone)
 
     def record_call_sync(self, call: CallRecord) -> None:
         call.untrainable = self._run_sync(lambda conn: rows.insert_call(conn, call))
 
-    async def set_reward(self, session_id: str, reward: float, metrics: dict[str, float] | None = None) -> dict:
-        return await self._submit(lambda conn: rows.set_reward(conn, session_id, reward, metrics or {}))
+    async def set_reward(
+        self, session_id: str, reward: float, metrics: dict | None = None, live: LiveRule | None = None
+    ) -> dict:
+        """Store a reward; with `live`, an ungrouped session joins a live group (gateway/store/live.py)."""
+        return await self._submit(lambda conn: rows.set_reward(conn, session_id, reward, metrics or {}, live))
+
+    async def record_shadow_group(self, calls: list[CallRecord], origin: str = "shadow") -> str:
+        """One group of calls, each its own session (a live turn and its shadow samples), in one transaction."""
+        return await self._submit(lambda conn: rows.insert_shadow_group(conn, calls, origin))
 
     async def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
         return await self._submit(lambda conn: rows.close_group(conn, group_id, expected_sessions))
 
     async def discard_session(self, session_id: str, reason: str | None = None) -> dict:
-        """Leave a session (a failed rollout) out of its group: it needs no reward and is
-        never trained; its calls stay recorded. Discarding twice is harmless."""
+        """Leave a failed rollout out of its group: no reward needed, never trained, calls kept (idempotent)."""
         await self._submit(lambda conn: rows.discard_session(conn, session_id, reason))
         return self.get_session(session_id)
 
@@ -135,8 +139,7 @@ class Store(ABC):
     async def record_judgement(
         self, group_id: str, judge_model: str, scores: list[dict], *, close: bool = True
     ) -> None:
-        """Store a RULER judgement: scores become rewards (an earlier reward is kept as
-        `independent_reward`), explanations go to `judgements`, and the group closes."""
+        """RULER's scores become rewards (an earlier one kept as `independent_reward`); the group closes."""
         await self._submit(lambda conn: training.record_judgement(conn, group_id, judge_model, scores, close))
 
     async def request_trigger(self, model: str) -> int:
@@ -161,9 +164,8 @@ class Store(ABC):
         advantages: dict[str, float] | None = None,
         left_out: dict[str, str] | None = None,
     ) -> None:
-        """Insert a step row and mark its groups trained, in one transaction. With
-        `session_ids` (the sessions the step trained on), a Conflict if any of them was
-        discarded meanwhile: the step must then be taken back. `advantages` and `left_out`:
+        """Insert a step row and mark its groups trained, in one transaction; a Conflict if one of
+        `session_ids` was discarded meanwhile (take the step back). `advantages`, `left_out`:
         session id -> the advantage it trained with, or why it left its group untrained."""
         args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out)
         self._run_sync(lambda conn: training.insert_step(conn, *args))

@@ -184,4 +184,6 @@ def migrate(conn: Any) -> int:
         # Columns the SQLite schema gained (both backends hold the same rows).
         for table, column, definition in sqlite_schema._ADDED_COLUMNS:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {_pg_type(definition)}")
+        for statement in sqlite_schema.ADDED_INDEXES:
+            conn.execute(statement)
     return current

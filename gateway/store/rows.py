@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import Conflict, NotFound
+from gateway.store.live import LiveRule, join_live_group
 
 # ------------------------------------------------------------------ array codec
 
@@ -91,6 +92,8 @@ class CallRecord:
     wire_request: dict | None = None  # the client's body, for protocols other than chat
     wire_response: dict | None = None  # what that client got back
     untrainable: str | None = None  # set by the store: why this call can never be trained (a late call)
+    task_key: str | None = None  # the session's task (X-Task-Id or derived: gateway.chat.identity.task_key)
+    shadow_of: str | None = None  # a shadow group's call: the live call it shadows (gateway/shadow/)
 
 
 # ------------------------------------------------------------------ ops (run on the writer connection)
@@ -151,10 +154,12 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
     # rows as stored, so the checks cost no extra statement; a conflict raises, and the
     # caller's rollback takes the whole call back out.
     split, group_id = conn.execute(
-        "INSERT INTO sessions (id, group_id, split, model, n_calls, created_at, updated_at) VALUES (?,?,?,?,1,?,?)"
+        "INSERT INTO sessions (id, group_id, split, model, n_calls, created_at, updated_at, task_key, shadow_of)"
+        " VALUES (?,?,?,?,1,?,?,?,?)"
         " ON CONFLICT(id) DO UPDATE SET n_calls = sessions.n_calls + 1, updated_at = excluded.updated_at,"
-        " group_id = COALESCE(sessions.group_id, excluded.group_id) RETURNING split, group_id",
-        (call.session_id, call.group_id, call.split, base_model, now, now),
+        " group_id = COALESCE(sessions.group_id, excluded.group_id),"
+        " task_key = COALESCE(sessions.task_key, excluded.task_key) RETURNING split, group_id",
+        (call.session_id, call.group_id, call.split, base_model, now, now, call.task_key, call.shadow_of),
     ).fetchone()
     if split != call.split:
         raise Conflict(
@@ -185,6 +190,16 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
     if reason is not None:
         conn.execute("UPDATE calls SET untrainable = ? WHERE id = ?", (reason, call.id))
     return reason
+
+
+def insert_shadow_group(conn: sqlite3.Connection, calls: list[CallRecord], origin: str) -> str:
+    """Record calls that share a group id, each the one call of its own session (a live turn
+    and its shadow samples: gateway/shadow/), and mark the group's origin and task key."""
+    group_id = calls[0].group_id
+    for call in calls:
+        insert_call(conn, call)
+    conn.execute("UPDATE groups SET origin = ?, task_key = ? WHERE id = ?", (origin, calls[0].task_key, group_id))
+    return str(group_id)
 
 
 def late_call_reason(group_id: str, trained_step: int | None, claimed_step: int | None) -> str | None:
@@ -220,10 +235,21 @@ def frozen_group_reason(
     return None
 
 
-def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float]) -> dict:
+NO_GROUP = (
+    "no group: the session came without X-Group-Id and this gateway forms no live groups "
+    "(--live-group-size); the reward is kept, never trained"
+)
+
+
+def set_reward(
+    conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float], live: LiveRule | None = None
+) -> dict:
+    """Store a session's reward. The answer says whether it can train (`trainable`): a session
+    of a group can; an ungrouped one joins a live group under `live` (gateway/store/live.py)."""
     row = conn.execute(
-        "SELECT s.metrics, s.group_id, g.trained_step, g.claimed_step, COALESCE(g.failed, g.skipped)"
-        " FROM sessions s LEFT JOIN groups g ON g.id = s.group_id WHERE s.id = ?",
+        "SELECT s.metrics, s.group_id, g.trained_step, g.claimed_step, COALESCE(g.failed, g.skipped),"
+        " s.task_key, s.split, s.model, s.discarded FROM sessions s LEFT JOIN groups g ON g.id = s.group_id"
+        " WHERE s.id = ?",
         (session_id,),
     ).fetchone()
     if row is None:
@@ -231,7 +257,8 @@ def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics
             f"session '{session_id}' not found: post a reward after the session's first chat completion",
             param="session_id",
         )
-    frozen = frozen_group_reason(row[1], row[2], row[3], row[4]) if row[1] is not None else None
+    group_id, task_key, split, model, discarded = row[1], row[5], row[6], row[7], row[8]
+    frozen = frozen_group_reason(group_id, row[2], row[3], row[4]) if group_id is not None else None
     if frozen is not None:
         raise Conflict(f"session '{session_id}' takes no reward now: its {frozen}", param="session_id")
     merged = {**json.loads(row[0] or "{}"), **metrics}
@@ -240,7 +267,18 @@ def set_reward(conn: sqlite3.Connection, session_id: str, reward: float, metrics
         "UPDATE sessions SET reward = ?, metrics = ?, rewarded_at = ?, updated_at = ? WHERE id = ?",
         (reward, json.dumps(merged), now, now, session_id),
     )
-    return {"session_id": session_id, "reward": reward, "metrics": merged}
+    answer: dict = {"session_id": session_id, "reward": reward, "metrics": merged}
+    if group_id is not None:
+        answer.update(trainable=split == "train" and not discarded, group_id=group_id)
+    elif discarded:
+        answer.update(trainable=False, reason="discarded: the session was discarded, so it is never trained")
+    elif split != "train":
+        answer.update(trainable=False, reason=f"split '{split}': recorded and scored, never trained")
+    elif live is None or task_key is None:
+        answer.update(trainable=False, reason=NO_GROUP)
+    else:
+        answer.update(join_live_group(conn, session_id, model, split, task_key, live))
+    return answer
 
 
 def require_group(conn: sqlite3.Connection, group_id: str) -> None:

@@ -139,6 +139,21 @@ _ADDED_COLUMNS = (
     ("sessions", "untrained_reason", "TEXT"),
     # A call recorded after its group was claimed or trained: served and kept, never trained.
     ("calls", "untrainable", "TEXT"),
+    # Live traffic (gateway/store/live.py): the task key an ungrouped session was answered under
+    # (X-Task-Id, or derived from its system prompt); how a group was formed (harness, live or
+    # shadow) and, for live and shadow groups, their task key; a shadow group's sessions name the
+    # live call they shadow.
+    ("sessions", "task_key", "TEXT"),
+    ("sessions", "shadow_of", "TEXT"),
+    ("groups", "origin", "TEXT NOT NULL DEFAULT 'harness'"),
+    ("groups", "task_key", "TEXT"),
+)
+
+# Indexes on added columns: made after them, in both backends.
+ADDED_INDEXES = (
+    # The open live group of a task key, looked up on every reward of an ungrouped session.
+    "CREATE INDEX IF NOT EXISTS groups_open_live ON groups (model, split, task_key)"
+    " WHERE origin = 'live' AND closed = 0",
 )
 
 # The schema's version (`PRAGMA user_version`): 1 is the first release, each added column one more.
@@ -191,6 +206,8 @@ def add_missing_columns(conn: sqlite3.Connection) -> None:
             present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
             if column not in present:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        for statement in ADDED_INDEXES:
+            conn.execute(statement)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:

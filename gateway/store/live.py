@@ -1,0 +1,110 @@
+"""Live groups: rewarded sessions that came without a group, gathered by task key as their
+rewards arrive (`--live-group-size K`).
+
+Production traffic has no harness to run a task K times: each user's session happens once and
+its reward comes later, or never. A session without `X-Group-Id` is recorded under a task key
+(`X-Task-Id`, or one derived from its system prompt: `gateway.chat.identity.task_key`); when its
+reward arrives it joins the open live group of its key, and the group closes (ready) once it
+holds K sessions. Two keys never share a group. A session joins only while the adapter step that
+answered it is within `--live-max-staleness` steps of the newest: a later reward is stored
+(the API answers 200) with `trainable: false` and the reason, and the session is never trained.
+A member that went stale while its group was filling leaves it, with the same reason.
+
+These are ops on the writer's connection, inside `rows.set_reward`'s transaction.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LiveRule:
+    """How live groups are formed (`--live-group-size`, `--live-max-staleness`)."""
+
+    group_size: int
+    max_staleness: int
+
+
+# The step that sampled a session: the oldest adapter step among its answered calls of an
+# engine that serves our adapters (None, the base model, is step 0); an upstream's calls
+# (engine openai) have no step of ours and never go stale.
+_SAMPLED_STEP = "SELECT MIN(COALESCE(step, 0)) FROM calls WHERE session_id = ? AND status = 'ok' AND engine != 'openai'"
+
+
+def newest_step(conn: sqlite3.Connection, model: str) -> int:
+    row = conn.execute("SELECT MAX(step) FROM steps WHERE model = ?", (model,)).fetchone()
+    return (row[0] or 0) if row is not None else 0
+
+
+def stale_reason(conn: sqlite3.Connection, session_id: str, newest: int, rule: LiveRule) -> str | None:
+    """Why the session is too stale to train, or None."""
+    sampled = conn.execute(_SAMPLED_STEP, (session_id,)).fetchone()[0]
+    if sampled is None or newest - sampled <= rule.max_staleness:
+        return None
+    return (
+        f"stale: answered by step {sampled}, the newest step is {newest} (--live-max-staleness "
+        f"{rule.max_staleness}): the policy has moved too far for this reward to train it; it is kept"
+    )
+
+
+def _leave(conn: sqlite3.Connection, session_id: str, reason: str | None, now: float) -> None:
+    conn.execute(
+        "UPDATE sessions SET group_id = NULL, untrained_reason = ?, updated_at = ? WHERE id = ?",
+        (reason, now, session_id),
+    )
+    conn.execute("UPDATE calls SET group_id = NULL WHERE session_id = ?", (session_id,))
+
+
+def _open_group(conn: sqlite3.Connection, model: str, split: str, task_key: str) -> str | None:
+    row = conn.execute(
+        "SELECT id FROM groups WHERE model = ? AND split = ? AND task_key = ? AND origin = 'live' AND closed = 0"
+        " ORDER BY created_at LIMIT 1",
+        (model, split, task_key),
+    ).fetchone()
+    return row[0] if row is not None else None
+
+
+def join_live_group(
+    conn: sqlite3.Connection, session_id: str, model: str, split: str, task_key: str, rule: LiveRule
+) -> dict:
+    """Put a just-rewarded ungrouped session into the open live group of its task key (made
+    when there is none; closed once it holds `rule.group_size` sessions). Returns what the
+    reward's answer adds: {"trainable": True, "group_id"} or {"trainable": False, "reason"}."""
+    now = time.time()
+    newest = newest_step(conn, model)
+    reason = stale_reason(conn, session_id, newest, rule)
+    if reason is not None:
+        _leave(conn, session_id, reason, now)
+        return {"trainable": False, "reason": reason}
+    group_id = _open_group(conn, model, split, task_key)
+    if group_id is not None:
+        members = [r[0] for r in conn.execute("SELECT id FROM sessions WHERE group_id = ?", (group_id,)).fetchall()]
+        for member in members:  # the policy moved on while the group was filling
+            went_stale = stale_reason(conn, member, newest, rule)
+            if went_stale is not None:
+                _leave(conn, member, went_stale, now)
+    else:
+        group_id = "live-" + uuid.uuid4().hex[:20]
+        conn.execute(
+            "INSERT INTO groups (id, model, split, created_at, updated_at, origin, task_key)"
+            " VALUES (?,?,?,?,?,'live',?)",
+            (group_id, model, split, now, now, task_key),
+        )
+    conn.execute(
+        "UPDATE sessions SET group_id = ?, untrained_reason = NULL, updated_at = ? WHERE id = ?",
+        (group_id, now, session_id),
+    )
+    conn.execute("UPDATE calls SET group_id = ? WHERE session_id = ?", (group_id, session_id))
+    size = conn.execute("SELECT COUNT(*) FROM sessions WHERE group_id = ? AND discarded = 0", (group_id,)).fetchone()[0]
+    if size >= rule.group_size:
+        conn.execute(
+            "UPDATE groups SET closed = 1, expected_sessions = ?, updated_at = ? WHERE id = ?",
+            (size, now, group_id),
+        )
+    else:
+        conn.execute("UPDATE groups SET updated_at = ? WHERE id = ?", (now, group_id))
+    return {"trainable": True, "group_id": group_id}

@@ -1,0 +1,207 @@
+"""Live traffic (issue 30, Deliver 1): ungrouped sessions carry a task key (the URL, the header,
+the metadata, or their system prompt), and with --live-group-size K their rewards gather them
+into groups of K, one key at a time; a reward that comes after the policy moved on is stored
+and marked, never trained."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from gateway.store import CallRecord, LiveRule, Store
+from gateway.store.sqlite import SQLiteStore
+from tests.helpers import ThreadServer
+
+SYSTEM = "You are a billing assistant."
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    settings = Settings(
+        state_dir=tmp_path_factory.mktemp("state"), trainer="off", default_max_tokens=4, live_group_size=3
+    )
+    with ThreadServer(create_app(settings)) as server:
+        yield server
+
+
+def chat(url: str, session_id: str, *, system: str | None = SYSTEM, headers=None, metadata=None) -> None:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": "my invoice?"}
+    ]
+    extra = {"metadata": metadata} if metadata else None
+    client.chat.completions.create(
+        model="agent",
+        messages=messages,
+        max_tokens=4,
+        extra_headers={"X-Session-Id": session_id, **(headers or {})},
+        extra_body=extra,
+    )
+
+
+def session(server, session_id: str) -> dict:
+    response = httpx.get(f"{server.url}/v1/sessions/{session_id}")
+    response.raise_for_status()
+    return response.json()
+
+
+def reward(server, session_id: str, value: float) -> dict:
+    response = httpx.post(f"{server.url}/v1/sessions/{session_id}/reward", json={"reward": value})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_task_key_comes_from_the_url_the_header_and_the_metadata(gateway):
+    chat(f"{gateway.url}/tasks/refunds/sessions/tk-url/v1", "tk-url")
+    chat(gateway.url + "/v1", "tk-header", headers={"X-Task-Id": "refunds"})
+    chat(gateway.url + "/v1", "tk-metadata", metadata={"task_id": "refunds"})
+    for session_id in ("tk-url", "tk-header", "tk-metadata"):
+        assert session(gateway, session_id)["task_key"] == "refunds"
+    # The header wins over the metadata, as for session and group ids.
+    chat(gateway.url + "/v1", "tk-both", headers={"X-Task-Id": "from-header"}, metadata={"task_id": "from-body"})
+    assert session(gateway, "tk-both")["task_key"] == "from-header"
+    bad = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        headers={"X-Task-Id": "../etc/passwd"},
+        json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert bad.status_code == 400 and "task_id" in bad.json()["error"]["message"]
+
+
+def test_without_a_key_the_system_prompt_is_the_key(gateway):
+    chat(gateway.url + "/v1", "sys-a")
+    chat(gateway.url + "/v1", "sys-b")
+    chat(gateway.url + "/v1", "sys-other", system="You are a travel agent.")
+    chat(gateway.url + "/v1", "sys-none", system=None)
+    expected = "system:" + hashlib.sha256(SYSTEM.encode()).hexdigest()[:16]
+    assert session(gateway, "sys-a")["task_key"] == session(gateway, "sys-b")["task_key"] == expected
+    assert session(gateway, "sys-other")["task_key"] not in (expected, "system:none")
+    assert session(gateway, "sys-none")["task_key"] == "system:none"
+    # A harness session (it has a group) keeps only a key it was given.
+    chat(gateway.url + "/v1", "sys-harness", headers={"X-Group-Id": "g-harness"})
+    assert session(gateway, "sys-harness")["task_key"] is None
+
+
+def test_rewarded_sessions_of_one_key_form_groups_of_k_and_two_keys_never_share(gateway):
+    for i in range(4):
+        chat(gateway.url + "/v1", f"k-a{i}", headers={"X-Task-Id": "key-a"})
+        chat(gateway.url + "/v1", f"k-b{i}", headers={"X-Task-Id": "key-b"})
+    answers = {}
+    for i in range(4):  # interleaved: a, b, a, b, ...
+        answers[f"k-a{i}"] = reward(gateway, f"k-a{i}", float(i))
+        answers[f"k-b{i}"] = reward(gateway, f"k-b{i}", float(i))
+    assert all(answer["trainable"] for answer in answers.values())
+    groups = {session_id: answer["group_id"] for session_id, answer in answers.items()}
+    # The first three of each key share a group, closed at K = 3; the fourth opens the next.
+    assert groups["k-a0"] == groups["k-a1"] == groups["k-a2"] != groups["k-a3"]
+    assert groups["k-b0"] == groups["k-b1"] == groups["k-b2"] != groups["k-b3"]
+    assert not {groups[f"k-a{i}"] for i in range(4)} & {groups[f"k-b{i}"] for i in range(4)}
+    full = httpx.get(f"{gateway.url}/v1/groups/{groups['k-a0']}").json()
+    assert full["origin"] == "live" and full["task_key"] == "key-a" and full["closed"]
+    assert sorted(s["id"] for s in full["sessions"]) == ["k-a0", "k-a1", "k-a2"]
+    filling = httpx.get(f"{gateway.url}/v1/groups/{groups['k-a3']}").json()
+    assert not filling["closed"] and [s["id"] for s in filling["sessions"]] == ["k-a3"]
+    # A reward posted again to a live session stays in its group.
+    assert reward(gateway, "k-a0", 0.5)["group_id"] == groups["k-a0"]
+
+
+def test_a_val_session_and_a_harness_session_never_join_a_live_group(gateway):
+    chat(gateway.url + "/v1", "val-1", headers={"X-Task-Id": "key-v", "X-Split": "val"})
+    answer = reward(gateway, "val-1", 1.0)
+    assert answer["trainable"] is False and "val" in answer["reason"]
+    chat(gateway.url + "/v1", "harness-1", headers={"X-Group-Id": "g-h1"})
+    assert reward(gateway, "harness-1", 1.0)["group_id"] == "g-h1"
+
+
+def test_without_live_groups_an_ungrouped_reward_is_kept_and_says_it_will_not_train(tmp_path):
+    settings = Settings(state_dir=tmp_path, trainer="off", default_max_tokens=4)
+    with ThreadServer(create_app(settings)) as server:
+        chat(server.url + "/v1", "lone")
+        answer = reward(server, "lone", 1.0)
+        assert answer["trainable"] is False and "--live-group-size" in answer["reason"]
+        assert session(server, "lone")["reward"] == 1.0 and session(server, "lone")["group_id"] is None
+
+
+# ------------------------------------------------------------------ staleness, on the store
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request, tmp_path):
+    """Both backends: the live-group ops are portable SQL run inside the reward's transaction."""
+    if request.param == "sqlite":
+        yield SQLiteStore(tmp_path / "db.sqlite")
+    else:
+        from gateway.store.postgres import PostgresStore
+
+        pg = PostgresStore(request.getfixturevalue("postgres_db"))
+        yield pg
+        asyncio.run(pg.close())
+
+
+def _call(store: Store, session_id: str, step: int | None, engine: str = "local") -> None:
+    store.record_call_sync(
+        CallRecord(
+            id=f"{session_id}-c",
+            session_id=session_id,
+            group_id=None,
+            task_key="key",
+            split="train",
+            model="agent",
+            served=None if step is None else f"agent@{step}",
+            step=step,
+            engine=engine,
+            stream=False,
+            status="ok",
+            request={"messages": [{"role": "user", "content": "x"}]},
+            response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "Y"}}]},
+            latency_ms=1.0,
+            prompt_ids=[1, 2],
+            completion_ids=[[3]],
+            behaviour_logprobs=[[-0.1]],
+        )
+    )
+
+
+def _step(store: Store, step: int) -> None:
+    store.insert_step("agent", step, f"/nowhere/{step}", {}, [])
+
+
+def test_a_reward_after_the_session_went_stale_is_stored_marked_and_never_trained(store):
+    rule = LiveRule(group_size=2, max_staleness=1)
+    _call(store, "old", step=1)
+    _call(store, "fresh", step=3)
+    _call(store, "upstream", step=None, engine="openai")  # an upstream's policy is not ours: never stale
+    for step in range(4):
+        _step(store, step)
+    old = asyncio.run(store.set_reward("old", 1.0, {}, rule))
+    assert old["trainable"] is False
+    assert old["reason"].startswith("stale: answered by step 1, the newest step is 3 (--live-max-staleness 1)")
+    stored = store.get_session("old")
+    assert stored["reward"] == 1.0 and stored["group_id"] is None and stored["untrained_reason"] == old["reason"]
+    fresh = asyncio.run(store.set_reward("fresh", 0.0, {}, rule))
+    upstream = asyncio.run(store.set_reward("upstream", 1.0, {}, rule))
+    assert fresh["trainable"] and upstream["trainable"] and fresh["group_id"] == upstream["group_id"]
+    ready = store.ready_groups("agent")
+    assert [g["id"] for g in ready] == [fresh["group_id"]]  # the stale session is in no group the trainer sees
+
+
+def test_a_member_that_went_stale_while_its_group_filled_leaves_it(store):
+    rule = LiveRule(group_size=2, max_staleness=1)
+    _step(store, 0)
+    _call(store, "early", step=0)
+    first = asyncio.run(store.set_reward("early", 1.0, {}, rule))
+    assert first["trainable"]
+    _step(store, 1)
+    _step(store, 2)  # the policy moved two steps while the group waited for its second session
+    _call(store, "late", step=2)
+    second = asyncio.run(store.set_reward("late", 0.0, {}, rule))
+    assert second["group_id"] == first["group_id"]
+    group = store.get_group(first["group_id"])
+    assert [s["id"] for s in group["sessions"]] == ["late"] and not group["closed"]
+    assert store.get_session("early")["untrained_reason"].startswith("stale: answered by step 0")
