@@ -302,8 +302,10 @@ def build_openapi(app: FastAPI) -> dict:
     paths.setdefault("/v1/chat/completions", {})["post"] = {
         "summary": "Chat Completions",
         "operationId": "chat_completions",
-        "description": "OpenAI's chat completions; every call is recorded. Session and group from the "
-        "`X-Session-Id`, `X-Group-Id`, `X-Split` headers or the body's `metadata`.",
+        "description": "OpenAI's chat completions; every call is recorded. Session, group, task and split "
+        "from the `X-Session-Id`, `X-Group-Id`, `X-Task-Id`, `X-Split` headers or the body's `metadata` "
+        "(`session_id`, `group_id`, `task_id`, `split`). A session without a group is recorded under a "
+        "task key (`X-Task-Id`, else one derived from its system prompt) that live groups are formed by.",
     }
     for path, operations in paths.items():
         for method, operation in operations.items():

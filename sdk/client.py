@@ -114,10 +114,21 @@ class RLProxy(_ClientBase):
 
     # -- sessions and groups
 
-    def session(self, group: str | Any | None = None, split: str = "train", session_id: str | None = None) -> Session:
-        """A new session (one rollout); `group` is a group id or a `Group`."""
+    def session(
+        self,
+        group: str | Any | None = None,
+        split: str = "train",
+        session_id: str | None = None,
+        *,
+        task_id: str | None = None,
+    ) -> Session:
+        """A new session (one rollout); `group` is a group id or a `Group`.
+
+        Live traffic has no group: give `task_id` instead (sent as `X-Task-Id`) and the
+        gateway puts the session, once rewarded, into a group of the same task's sessions
+        (`rlproxy serve --live-group-size K`)."""
         group_id = getattr(group, "id", group)
-        return Session(self, session_id or new_id("sess"), group_id, split)
+        return Session(self, session_id or new_id("sess"), group_id, split, task_id)
 
     def group(self, id: str | None = None, split: str = "train") -> Group:
         """A group of sessions GRPO compares (the rollouts of one task)."""
@@ -203,10 +214,15 @@ class AsyncRLProxy(_ClientBase):
         return self._openai
 
     def session(
-        self, group: str | Any | None = None, split: str = "train", session_id: str | None = None
+        self,
+        group: str | Any | None = None,
+        split: str = "train",
+        session_id: str | None = None,
+        *,
+        task_id: str | None = None,
     ) -> AsyncSession:
         group_id = getattr(group, "id", group)
-        return AsyncSession(self, session_id or new_id("sess"), group_id, split)
+        return AsyncSession(self, session_id or new_id("sess"), group_id, split, task_id)
 
     def group(self, id: str | None = None, split: str = "train") -> AsyncGroup:
         return AsyncGroup(self, id or new_id("grp"), split)

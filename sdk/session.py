@@ -1,7 +1,9 @@
 """A session is one rollout: the calls an agent makes on one task, and the reward it earned.
 
 The ids are minted before the first call, so every call the agent makes carries
-them as headers and the reward can be posted at the end.
+them as headers and the reward can be posted at the end. A session of live traffic has no
+group but a task key (`task_id`, sent as `X-Task-Id`): the gateway gathers rewarded sessions
+of one task into groups itself (`rlproxy serve --live-group-size K`).
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ if TYPE_CHECKING:  # the client imports this module, to make sessions
 
 
 class _SessionBase:
-    def __init__(self, proxy: Any, id: str, group_id: str | None, split: str):
+    def __init__(self, proxy: Any, id: str, group_id: str | None, split: str, task_id: str | None = None):
         if split not in ("train", "val"):
             raise ValueError(f"split '{split}' is not valid: use 'train' or 'val'")
+        if task_id is not None and (not isinstance(task_id, str) or not task_id):
+            raise ValueError("task_id must be a non-empty string")
         self.proxy = proxy
         self.id = id
         self.group_id = group_id
         self.split = split
+        self.task_id = task_id  # the task key (X-Task-Id) live groups are formed by
         self.index: int | None = None  # position in `group.run`, if it made this session
         self.discarded = False  # discarded on the gateway through this object
 
@@ -28,6 +33,8 @@ class _SessionBase:
         headers = {"X-Session-Id": self.id, "X-Split": self.split}
         if self.group_id is not None:
             headers["X-Group-Id"] = self.group_id
+        if self.task_id is not None:
+            headers["X-Task-Id"] = self.task_id
         return headers
 
     def openai_client(self, **options: Any):
@@ -42,7 +49,8 @@ class _SessionBase:
         return self.proxy.openai_base().with_options(default_headers=headers, **options)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(id={self.id!r}, group_id={self.group_id!r}, split={self.split!r})"
+        task = f", task_id={self.task_id!r}" if self.task_id is not None else ""
+        return f"{type(self).__name__}(id={self.id!r}, group_id={self.group_id!r}, split={self.split!r}{task})"
 
 
 class Session(_SessionBase):

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from gateway.store import CallRecord, LiveRule
 from gateway.store.sqlite import SQLiteStore
 from tests.browser import find_or_install_chromium
 from tests.fake_upstream import FakeUpstream
@@ -366,6 +368,126 @@ def test_lists_page_and_filter(dashboard, browser):
         assert sorted(page.page.locator("#list tbody tr td:first-child a").all_inner_texts()) == sorted(
             g["id"] for g in trained
         )
+        assert page.errors == []
+    finally:
+        page.close()
+
+
+def live_call(session: str, group: str | None, step: int | None, **fields) -> CallRecord:
+    return CallRecord(
+        id=f"{session}-0",
+        session_id=session,
+        group_id=group,
+        split="train",
+        model="agent",
+        served=None,
+        step=step,
+        engine="local",
+        stream=False,
+        status="ok",
+        request={"messages": [{"role": "user", "content": f"question of {session}"}]},
+        response={"choices": [{"index": 0, "message": {"role": "assistant", "content": f"answer of {session}"}}]},
+        latency_ms=1.0,
+        **fields,
+    )
+
+
+@pytest.fixture(scope="module")
+def live_dashboard(tmp_path_factory):
+    """A store with a harness group, a live group its rewards formed, a shadow group of one live
+    call, and a reward too stale to train; served by a gateway with the dashboard."""
+    state = tmp_path_factory.mktemp("live-dashboard")
+
+    async def record() -> tuple[dict, str]:
+        store = SQLiteStore(state / "rlproxy.db")
+        store.record_call_sync(live_call("harness-s", "harness-g", None))
+        store.insert_step("agent", 3, "/ckpt/3", {}, [])  # the newest step: 3
+        for session, step in (("live-1", 3), ("live-2", 3), ("live-old", 0)):
+            store.record_call_sync(live_call(session, None, step, task_key="billing"))
+        rule = LiveRule(group_size=2, max_staleness=1)
+        stale = await store.set_reward("live-old", 0.9, None, rule)
+        live_id = (await store.set_reward("live-1", 1.0, None, rule))["group_id"]
+        assert (await store.set_reward("live-2", 0.0, None, rule))["group_id"] == live_id
+        shadows = [live_call(f"shadow-{i}", "shadow-g", 3, task_key="billing", shadow_of="live-1-0") for i in range(3)]
+        await store.record_shadow_group(shadows, origin="shadow")
+        await store.close()
+        return stale, live_id
+
+    # In a thread of its own: Playwright's sync API may already run an event loop in this one.
+    with ThreadPoolExecutor(1) as pool:
+        stale, live_id = pool.submit(asyncio.run, record()).result()
+    assert stale["trainable"] is False
+    with (
+        FakeUpstream() as upstream,
+        gateway_process(
+            ["--state-dir", str(state), "--api-key", KEY, "--trainer", "off"]
+            + ["--engine", "openai", "--upstream-url", upstream.url]
+        ) as (_, url),
+    ):
+        yield {"url": url, "live_id": live_id, "stale_reason": stale["reason"]}
+
+
+def test_live_and_shadow_groups_show_their_origin_task_and_stale_rewards(live_dashboard, browser):
+    url, live_id = live_dashboard["url"], live_dashboard["live_id"]
+    assert live_dashboard["stale_reason"].startswith("stale: answered by step 0")
+    live_traffic = api(url, "/v1/dashboard")["live_traffic"]
+    assert live_traffic == {
+        "groups": {
+            "harness": {"total": 1, "trained": 0},
+            "live": {"total": 1, "trained": 0},
+            "shadow": {"total": 1, "trained": 0},
+        },
+        "stale_sessions": 1,
+    }
+    assert [g["id"] for g in api(url, "/v1/groups?origin=shadow")["data"]] == ["shadow-g"]
+    bad = httpx.get(url + "/v1/groups?origin=upstream", headers={"Authorization": f"Bearer {KEY}"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["type"] == "invalid_request_error" and "origin" in bad.json()["error"]["message"]
+
+    page = sign_in(browser, url)
+    try:
+        # the overview's live-traffic panel
+        rows = page.page.locator("#live-groups tbody tr").all_inner_texts()
+        assert [r.split() for r in rows] == [["harness", "1", "0"], ["live", "1", "0"], ["shadow", "1", "0"]]
+        assert page.page.inner_text("#stale-sessions").endswith(": 1")
+        # the groups list: origin and task columns, and the origin filter
+        page.open("/ui/groups?origin=live")
+        page.page.wait_for_selector("#list tbody tr")
+        [row] = page.page.locator("#list tbody tr").all()
+        cells = row.locator("td").all_inner_texts()
+        assert cells[:3] == [live_id, "live", "billing"]
+        page.open("/ui/groups")
+        page.page.wait_for_function("document.querySelectorAll('#list tbody tr').length === 3")
+        assert sorted(page.page.locator("#list tbody tr td:nth-child(2)").all_inner_texts()) == [
+            "harness",
+            "live",
+            "shadow",
+        ]
+        page.page.select_option("select[name=origin]", "shadow")
+        page.page.click("#filters button[type=submit]")
+        page.page.wait_for_function("document.querySelectorAll('#list tbody tr').length === 1")
+        assert "origin=shadow" in page.page.url
+        assert page.page.locator("#list tbody tr td:first-child a").all_inner_texts() == ["shadow-g"]
+        # the group pages
+        page.open(f"/ui/groups/{live_id}")
+        assert page.page.inner_text("#origin").split() == ["origin", "live"]
+        assert "billing" in page.page.inner_text("#task-key")
+        assert page.page.locator("#sessions .session").count() == 2
+        page.open("/ui/groups/shadow-g")
+        assert "shadow" in page.page.inner_text("#origin") and "billing" in page.page.inner_text("#task-key")
+        page.open("/ui/groups/harness-g")
+        assert "harness" in page.page.inner_text("#origin")
+        # a shadow sample's session: its task and the live call it shadows, linked to that call's session
+        page.open("/ui/sessions/shadow-1")
+        assert "billing" in page.page.inner_text("#task-key")
+        shadow_of = page.page.locator("#shadow-of a")
+        assert shadow_of.inner_text() == "live-1-0"
+        assert shadow_of.get_attribute("href") == "/ui/sessions/live-1"
+        # a stale reward: kept, never trained, and the session page says why
+        page.open("/ui/sessions/live-old")
+        assert live_dashboard["stale_reason"] in page.page.inner_text("#untrained-reason")
+        assert "billing" in page.page.inner_text("#task-key")
+        assert page.page.locator("#shadow-of").count() == 0
         assert page.errors == []
     finally:
         page.close()

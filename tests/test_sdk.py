@@ -191,6 +191,40 @@ def test_sessions_and_headers_for_any_client(proxy, gateway):
     assert recorded["split"] == "val" and recorded["group_id"] == "g-headers" and recorded["reward"] == 0.5
 
 
+def test_a_session_with_a_task_id_instead_of_a_group(upstream, tmp_path):
+    """Live traffic: sessions opened with `task_id` carry X-Task-Id, are recorded under that task
+    key, and once rewarded the gateway gathers them into a live group of that task."""
+    with openai_gateway(upstream.url, tmp_path, live_group_size=2) as (server, _), RLProxy(server.url) as proxy:
+        sessions = [proxy.session(task_id="billing") for _ in range(2)]
+        assert sessions[0].headers() == {"X-Session-Id": sessions[0].id, "X-Split": "train", "X-Task-Id": "billing"}
+        assert "task_id='billing'" in repr(sessions[0])
+        answers = []
+        for session in sessions:
+            assert _ask(session, "refund my invoice") == "refund my invoice"
+            recorded = session.get()
+            assert recorded["task_key"] == "billing" and recorded["group_id"] is None
+            answers.append(session.reward(1.0))
+        assert all(a["trainable"] for a in answers) and answers[0]["group_id"] == answers[1]["group_id"]
+        group = proxy.get_group(answers[0]["group_id"])
+        assert group["origin"] == "live" and group["task_key"] == "billing" and group["closed"]
+        assert sorted(s["id"] for s in group["sessions"]) == sorted(s.id for s in sessions)
+        with pytest.raises(ValueError, match="task_id"):
+            proxy.session(task_id="")
+
+        async def asynchronously() -> dict:
+            async with AsyncRLProxy(server.url) as client:
+                session = client.session(task_id="support", split="val")
+                assert session.headers()["X-Task-Id"] == "support"
+                reply = await session.openai_client(max_retries=0).chat.completions.create(
+                    model="fake-model", messages=[{"role": "user", "content": "where is my parcel"}]
+                )
+                assert reply.choices[0].message.content == "where is my parcel"
+                return await session.get()
+
+        recorded = asyncio.run(asynchronously())
+        assert recorded["task_key"] == "support" and recorded["split"] == "val"
+
+
 def test_discard_by_hand_and_its_errors(proxy, gateway):
     server, services = gateway
     with pytest.raises(NotFoundError) as info:

@@ -104,6 +104,12 @@ def test_shadows_are_a_judged_group_of_their_own_and_never_reach_the_client(gate
     tokens = next(line for line in metrics.splitlines() if line.startswith("rlproxy_shadow_tokens_total"))
     assert float(tokens.split()[-1]) >= K
     assert 'rlproxy_shadow_judge_calls_total{outcome="scored"}' in metrics
+    # The dashboard's overview shows the same counts, and the shadow group by its origin.
+    live = httpx.get(f"{gateway.url}/v1/dashboard").json()["live_traffic"]
+    shown = live["shadow_samples"]
+    assert shown["completed"] >= 1 and shown["tokens"] >= K and shown["judge_calls"] >= 1
+    assert shown["tokens"] == float(tokens.split()[-1])
+    assert live["groups"]["shadow"]["total"] >= 1
 
 
 def test_greedy_harness_and_val_calls_are_not_shadowed(gateway):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.store import CallRecord
+from gateway.store import CallRecord, LiveRule
 from gateway.store import rows as store_rows
 from gateway.store.lists import ListFilter
 from gateway.store.sqlite import SQLiteStore
@@ -109,6 +110,55 @@ def test_bad_input_says_what_to_fix(store):
         store.list_groups(ListFilter(limit=0))
     with pytest.raises(InvalidRequest, match="finite"):
         store.list_sessions(ListFilter(min_reward=float("nan")))
+
+
+def test_origin_filter_and_live_traffic_counts(store):
+    """Live groups formed by rewards, a shadow group, and a reward too stale to train, beside the
+    three harness groups: the origin filter picks each kind, the counts add them up."""
+    store.insert_step("agent", 5, "/ckpt/5", {}, ["g0"])  # the newest step is now 5; g0 trained
+    for sid, step in (("live-a", 5), ("live-b", 5), ("live-old", 0)):
+        store.record_call_sync(dataclasses.replace(call(sid, None, "train", step, 2000.0), task_key="billing"))
+    rule = LiveRule(group_size=2, max_staleness=2)
+    old = asyncio.run(store.set_reward("live-old", 1.0, None, rule))
+    assert old["trainable"] is False and old["reason"].startswith("stale")
+    joined = [asyncio.run(store.set_reward(sid, 0.5, None, rule)) for sid in ("live-a", "live-b")]
+    live_id = joined[0]["group_id"]
+    assert joined[1]["group_id"] == live_id and store.get_group(live_id)["closed"]
+    shadows = [
+        dataclasses.replace(call(f"shadow-{i}", "shadow-g", "train", 5, 2001.0), task_key="billing") for i in range(3)
+    ]
+    shadows = [dataclasses.replace(c, shadow_of="live-a-0") for c in shadows]
+    assert asyncio.run(store.record_shadow_group(shadows, origin="shadow")) == "shadow-g"
+    store.insert_step("agent", 6, "/ckpt/6", {}, [live_id])
+
+    def ids(**kw):
+        return sorted(g["id"] for g in store.list_groups(ListFilter(limit=50, **kw))["data"])
+
+    assert ids(origin="harness") == ["g0", "g1", "g2"]
+    assert ids(origin="live") == [live_id]
+    assert ids(origin="shadow") == ["shadow-g"]
+    assert ids(origin="harness", state="trained") == ["g0"]
+    assert ids(origin="shadow", state="pending") == ["shadow-g"]
+    [live] = store.list_groups(ListFilter(origin="live"))["data"]
+    assert live["origin"] == "live" and live["task_key"] == "billing" and live["n_sessions"] == 2
+    [shadow] = store.list_groups(ListFilter(origin="shadow"))["data"]
+    assert shadow["task_key"] == "billing" and shadow["n_sessions"] == 3
+    assert store.get_session("shadow-1")["shadow_of"] == "live-a-0"
+    with pytest.raises(InvalidRequest, match="origin") as info:
+        store.list_groups(ListFilter(origin="upstream"))
+    assert info.value.param == "origin"
+
+    counts = store.counts()
+    assert counts["groups"] == 5 and counts["sessions"] == 12 + 3 + 3
+    assert {k: v for k, v in counts.items() if k.startswith(("groups_", "sessions_"))} == {
+        "groups_harness": 3,
+        "groups_harness_trained": 1,
+        "groups_live": 1,
+        "groups_live_trained": 1,
+        "groups_shadow": 1,
+        "groups_shadow_trained": 0,
+        "sessions_stale": 1,
+    }
 
 
 def test_calls_per_minute_counts_each_minute():

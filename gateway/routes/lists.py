@@ -13,6 +13,7 @@ from gateway.chat.identity import check_id
 from gateway.routes.rl import json_response
 from gateway.settings import is_greedy
 from gateway.store.lists import MAX_LIMIT, ListFilter
+from gateway.store.reads import ORIGINS
 
 router = APIRouter()
 
@@ -63,19 +64,26 @@ async def list_groups(
     cursor: str | None = Cursor,
     split: Literal["train", "val"] | None = Split,
     state: Literal["trained", "skipped", "pending"] | None = Query(None, description="trained, skipped or neither"),
+    origin: Literal["harness", "live", "shadow"] | None = Query(
+        None,
+        description="how the group was formed: harness (the client's X-Group-Id), live (rewarded live "
+        "sessions of one task key) or shadow (a live turn and its shadow samples)",
+    ),
     min_reward: float | None = MinReward,
     max_reward: float | None = MaxReward,
     since: float | None = Since,
     until: float | None = Until,
 ) -> Response:
     """`{"object": "list", "data": [group...], "has_more", "next_cursor"}`; each group with
-    `n_sessions`, `n_rewarded` and its sessions' `reward_mean`, `reward_min`, `reward_max`."""
+    `n_sessions`, `n_rewarded` and its sessions' `reward_mean`, `reward_min`, `reward_max`,
+    and its `origin` and `task_key`."""
     store = request.app.state.services.store
     f = ListFilter(
         limit=limit,
         cursor=cursor,
         split=split,
         state=state,
+        origin=origin,
         min_reward=min_reward,
         max_reward=max_reward,
         since=since,
@@ -88,18 +96,21 @@ async def list_groups(
 async def dashboard(request: Request) -> Response:
     """What the dashboard's first page shows, in one request: `model`, `engine`, `step`
     (serving now), `calls_per_minute` (last 60 minutes), `reward_curve` (per step and
-    split: n, mean, std, min, max of the rollouts that step sampled) and `steps` (each
-    training step's metrics)."""
+    split: n, mean, std, min, max of the rollouts that step sampled), `steps` (each
+    training step's metrics) and `live_traffic` (groups per origin, total and trained, the
+    sessions a stale reward left untrained, and this gateway's `shadow_samples` counts)."""
     services = request.app.state.services
     model = services.settings.model_name
     steps = services.store.steps(model)
+    counts = services.store.counts()
     return json_response(
         {
             "model": model,
             "base_model": services.settings.base_model,
             "engine": services.engine.kind,
             "step": services.registry.current,
-            "counts": services.store.counts(),
+            "counts": counts,
+            "live_traffic": {**live_traffic(counts), "shadow_samples": _shadow_counts(services)},
             "calls_per_minute": services.store.calls_per_minute(time.time()),
             "reward_curve": services.store.reward_curve(model),
             "steps": [
@@ -108,6 +119,23 @@ async def dashboard(request: Request) -> Response:
             ],
         }
     )
+
+
+def _shadow_counts(services) -> dict | None:
+    """This gateway's shadow sampler since it started (gateway/shadow/sampler.py: the same as its
+    `rlproxy_shadow_*` metrics): live calls shadowed, completed, dropped, failed, the tokens the
+    shadows generated and the judge's calls; None when shadow sampling is off."""
+    sampler = services.extras.get("shadow")
+    return None if sampler is None else {**sampler.counts, "in_flight": sampler.in_flight}
+
+
+def live_traffic(counts: dict[str, int]) -> dict:
+    """`{"groups": {origin: {"total", "trained"}}, "stale_sessions"}` from the store's counts."""
+    groups = {
+        origin: {"total": counts.get(f"groups_{origin}", 0), "trained": counts.get(f"groups_{origin}_trained", 0)}
+        for origin in ORIGINS
+    }
+    return {"groups": groups, "stale_sessions": counts.get("sessions_stale", 0)}
 
 
 GREEDY_REASON = "greedy: sampled at temperature < 1e-5, never trained (context for later turns)"
@@ -134,9 +162,12 @@ async def session_tokens(session_id: str, request: Request) -> Response:
     were trained on (its group was trained, the session was not discarded, the call
     succeeded and was not greedy: `trainer.data.call_turn`'s rule; only choice 0 of an `n>1`
     call trains). A greedy call (temperature below 1e-5) says so in `untrained_reason`: its
-    tokens are context for the later turns, never trained."""
+    tokens are context for the later turns, never trained. A shadow sample's session also
+    says which session holds the live call it shadows (`shadow_of_session`, None if that call
+    is not recorded)."""
     services = request.app.state.services
     session = services.store.get_session(check_id(session_id, "session_id"))
+    shadowed = services.store.get_call(session["shadow_of"]) if session.get("shadow_of") else None
     group = services.store.get_group(session["group_id"]) if session.get("group_id") else None
     trained_step = group.get("trained_step") if group else None
     tokenizer = getattr(services.engine, "tokenizer", None)
@@ -171,7 +202,14 @@ async def session_tokens(session_id: str, request: Request) -> Response:
                 ],
             }
         )
-    return json_response({"session_id": session_id, "trained_step": trained_step, "calls": calls})
+    return json_response(
+        {
+            "session_id": session_id,
+            "trained_step": trained_step,
+            "shadow_of_session": shadowed["session_id"] if shadowed else None,
+            "calls": calls,
+        }
+    )
 
 
 def _untrained_reason(call: dict, session: dict, greedy: bool) -> str | None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest
+from gateway.store.reads import ORIGINS
 
 Query = Callable[[str, tuple], list[dict]]
 MAX_LIMIT = 500
@@ -34,6 +35,7 @@ class ListFilter:
     since: float | None = None  # unix seconds, created at or after
     until: float | None = None  # unix seconds, created before
     state: str | None = None  # groups: trained | skipped | pending
+    origin: str | None = None  # groups: harness | live | shadow (how the group was formed)
 
 
 def encode_cursor(created_at: float, row_id: str) -> str:
@@ -57,6 +59,8 @@ def check_filter(f: ListFilter) -> None:
         raise InvalidRequest("split must be 'train' or 'val'", param="split")
     if f.state not in (None, "trained", "skipped", "pending"):
         raise InvalidRequest("state must be 'trained', 'skipped' or 'pending'", param="state")
+    if f.origin not in (None, *ORIGINS):
+        raise InvalidRequest("origin must be 'harness', 'live' or 'shadow'", param="origin")
     for name in ("min_reward", "max_reward", "since", "until"):
         value = getattr(f, name)
         if value is not None and not math.isfinite(value):
@@ -127,6 +131,9 @@ def list_groups(query: Query, f: ListFilter) -> dict:
         where.append("g.skipped IS NOT NULL")
     elif f.state == "pending":
         where.append("g.trained_step IS NULL AND g.skipped IS NULL")
+    if f.origin is not None:
+        where.append("g.origin = ?")
+        params.append(f.origin)
     having = []
     if f.min_reward is not None:
         having.append("reward_mean >= ?")

@@ -137,7 +137,25 @@ def gpu_lease(query: Query, model: str) -> dict:
 
 
 def counts(query: Query) -> dict[str, int]:
-    return {
+    """Rows per table, plus `live_counts` (the dashboard's live-traffic panel)."""
+    tables = {
         table: query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
         for table in ("calls", "sessions", "groups", "steps", "judgements")
     }
+    return {**tables, **live_counts(query)}
+
+
+ORIGINS = ("harness", "live", "shadow")  # groups.origin: a harness's X-Group-Id, live traffic, shadow samples
+
+
+def live_counts(query: Query) -> dict[str, int]:
+    """Groups per origin (`groups_<origin>`, and `groups_<origin>_trained`), and the sessions a
+    stale reward left untrained (`sessions_stale`). One pass over groups; a stale session has
+    left its group (`gateway.store.live`), so the sessions' group index finds it."""
+    out = {f"groups_{origin}{part}": 0 for origin in ORIGINS for part in ("", "_trained")}
+    for row in query("SELECT origin, COUNT(*) AS n, COUNT(trained_step) AS trained FROM groups GROUP BY origin"):
+        out[f"groups_{row['origin']}"] = row["n"]
+        out[f"groups_{row['origin']}_trained"] = row["trained"]
+    stale = "SELECT COUNT(*) AS n FROM sessions WHERE group_id IS NULL AND untrained_reason LIKE ?"
+    out["sessions_stale"] = query(stale, ("stale%",))[0]["n"]
+    return out

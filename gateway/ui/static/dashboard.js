@@ -75,8 +75,9 @@ function appendRows(tbody, columns, rows) {
   }
 }
 
-function card(label, value) {
-  return el("div", { class: "card" }, el("div", { class: "k", text: label }), el("div", { class: "v", text: value }));
+function card(label, value, id) {
+  return el("div", { class: "card", id }, el("div", { class: "k", text: label }),
+    el("div", { class: "v" }, value === null || value === undefined ? "" : value));
 }
 
 // ------------------------------------------------------------------ charts (uPlot)
@@ -128,9 +129,11 @@ async function overview() {
   const callsNode = el("div", { class: "panel", id: "calls-chart" });
   const metricsNode = el("div", { class: "metrics", id: "metric-charts" });
   const dataTable = el("details", { id: "curve-data" }, el("summary", { text: "Curve data" }));
+  const liveNode = el("div", { class: "panel live", id: "live-traffic" });
   const note = el("p", { class: "muted", text: "Reward of the rollouts each step's policy sampled (a session counts for "
     + "the step that answered its first call); val rollouts are never trained on. Updates every 5 s." });
   content.replaceChildren(top, el("div", { class: "grid" }, rewardNode, callsNode), note,
+    el("h2", { text: "Live traffic" }), liveNode,
     el("h2", { text: "Training metrics" }), metricsNode, dataTable);
 
   async function refresh() {
@@ -140,6 +143,7 @@ async function overview() {
       card("calls, last minute", fmt(d.calls_per_minute[d.calls_per_minute.length - 1].calls)),
       card("sessions", fmt(d.counts.sessions)), card("groups", fmt(d.counts.groups)),
       card("steps", fmt(d.steps.length)));
+    liveTraffic(liveNode, d.live_traffic);
     const steps = Array.from(new Set([...d.steps.map((s) => s.step), ...d.reward_curve.map((r) => r.step)]))
       .sort((a, b) => a - b);
     const train = curveBySplit(d.reward_curve, "train", steps);
@@ -178,6 +182,31 @@ async function overview() {
   }
   await refresh();
   setInterval(() => refresh().catch((e) => status(`update failed: ${e.message}`, true)), POLL_MS);
+}
+
+const ORIGINS = ["harness", "live", "shadow"];
+
+function liveTraffic(node, live) {
+  // Groups by how they were formed: a harness's X-Group-Id, rewarded live sessions of one task
+  // key, or a live turn with its shadow samples; and the rewards that came too late to train.
+  const rows = ORIGINS.map((origin) => ({ origin, ...((live && live.groups[origin]) || { total: 0, trained: 0 }) }));
+  const t = table([
+    { label: "origin", value: (r) => el("a", { href: `/ui/groups?origin=${r.origin}` }, r.origin) },
+    { label: "groups", value: (r) => r.total, num: true },
+    { label: "trained", value: (r) => r.trained, num: true },
+  ], rows);
+  t.id = "live-groups";
+  const parts = [t, el("p", { class: "muted", id: "stale-sessions" },
+    `stale rewards (kept, never trained): ${fmt(live ? live.stale_sessions : 0)}`)];
+  const shadows = live && live.shadow_samples;
+  if (shadows) {
+    // This gateway's shadow sampler since it started (the same counts as its rlproxy_shadow_* metrics).
+    parts.push(el("p", { class: "muted", id: "shadow-samples" },
+      `shadow samples: ${fmt(shadows.shadowed)} live calls shadowed, ${fmt(shadows.completed)} judged, ` +
+      `${fmt(shadows.dropped)} dropped, ${fmt(shadows.failed)} failed, ${fmt(shadows.in_flight)} in flight; ` +
+      `${fmt(shadows.tokens)} tokens generated, ${fmt(shadows.judge_calls)} judge calls`));
+  }
+  node.replaceChildren(...parts);
 }
 
 // ------------------------------------------------------------------ steps
@@ -265,8 +294,9 @@ const REWARD = [{ name: "min_reward", label: "min reward", type: "number", step:
 
 function groupsPage() {
   return pagedList("/v1/groups", [SPLIT, { name: "state", label: "state", options: ["", "trained", "skipped", "pending"] },
-    ...REWARD, ...TIME], [
+    { name: "origin", label: "origin", options: ["", ...ORIGINS] }, ...REWARD, ...TIME], [
     { label: "group", value: (g) => link(`/ui/groups/${encode(g.id)}`, g.id) },
+    { label: "origin", value: (g) => g.origin || "harness" }, { label: "task", value: (g) => g.task_key || "" },
     { label: "split", value: (g) => g.split }, { label: "sessions", value: (g) => g.n_sessions, num: true },
     { label: "mean reward", value: (g) => g.reward_mean, num: true },
     { label: "min", value: (g) => g.reward_min, num: true }, { label: "max", value: (g) => g.reward_max, num: true },
@@ -279,6 +309,7 @@ function sessionsPage() {
   return pagedList("/v1/sessions", [SPLIT, ...REWARD, ...TIME], [
     { label: "session", value: (s) => link(`/ui/sessions/${encode(s.id)}`, s.id) },
     { label: "group", value: (s) => (s.group_id ? link(`/ui/groups/${encode(s.group_id)}`, s.group_id) : "") },
+    { label: "task", value: (s) => s.task_key || "" },
     { label: "split", value: (s) => s.split }, { label: "step", value: (s) => s.step, num: true },
     { label: "calls", value: (s) => s.n_calls, num: true }, { label: "reward", value: (s) => s.reward, num: true },
     { label: "discarded", value: (s) => (s.discarded ? s.discard_reason || "yes" : "") },
@@ -293,7 +324,8 @@ async function groupPage() {
   const judged = new Map((g.judgements || []).map((j) => [j.session_id, j]));
   const state = g.trained_step !== null && g.trained_step !== undefined ? `trained at step ${g.trained_step}`
     : g.failed ? `failed: ${g.failed}` : g.skipped ? `skipped: ${g.skipped}` : g.ready ? "ready" : "waiting";
-  const cards = el("div", { class: "cards" }, card("split", g.split), card("state", state),
+  const cards = el("div", { class: "cards" }, card("origin", g.origin || "harness", "origin"),
+    card("task", g.task_key || "–", "task-key"), card("split", g.split), card("state", state),
     card("sessions", `${g.n_rewarded}/${g.n_sessions} rewarded`), card("closed", g.closed ? "yes" : "no"),
     card("expected", g.expected_sessions === null ? "–" : String(g.expected_sessions)),
     card("RULER", g.ruler_status || "–"));
@@ -406,7 +438,13 @@ async function sessionPage() {
       el("div", { class: "v" }, s.group_id ? link(`/ui/groups/${encode(s.group_id)}`, s.group_id) : "–")));
   if (s.discarded) cards.append(card("discarded", s.discard_reason || "yes"));
   if (s.advantage !== null && s.advantage !== undefined) cards.append(card("advantage", fmt(s.advantage)));
-  if (s.untrained_reason) cards.append(card("left out", s.untrained_reason));
+  if (s.untrained_reason) cards.append(card("left out", s.untrained_reason, "untrained-reason"));
+  if (s.task_key) cards.append(card("task", s.task_key, "task-key"));
+  if (s.shadow_of) {
+    // A shadow sample: the live call it shadows, linked to that call's session when it is recorded.
+    const live = tokens.shadow_of_session;
+    cards.append(card("shadow of", live ? link(`/ui/sessions/${encode(live)}`, s.shadow_of) : s.shadow_of, "shadow-of"));
+  }
   const metricTable = metrics.length ? table([{ label: "metric", value: (r) => r[0] }, { label: "value", value: (r) => r[1], num: true }], metrics) : el("p", { class: "muted", text: "no metrics" });
   content.replaceChildren(cards, el("h2", { text: "Reward metrics" }), metricTable,
     el("h2", { text: "Conversation" }), el("div", { id: "conversation" }, conversation(s.calls)),
