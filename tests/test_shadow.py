@@ -105,7 +105,10 @@ def test_shadows_are_a_judged_group_of_their_own_and_never_reach_the_client(gate
     assert float(tokens.split()[-1]) >= K
     assert 'rlproxy_shadow_judge_calls_total{outcome="scored"}' in metrics
     # The dashboard's overview shows the same counts, and the shadow group by its origin.
-    live = httpx.get(f"{gateway.url}/v1/dashboard").json()["live_traffic"]
+    dashboard = httpx.get(f"{gateway.url}/v1/dashboard").json()
+    # Judge ranks within one turn are not rewards on the task's scale: not on the reward curve.
+    assert dashboard["reward_curve"] == []
+    live = dashboard["live_traffic"]
     shown = live["shadow_samples"]
     assert shown["completed"] >= 1 and shown["tokens"] >= K and shown["judge_calls"] >= 1
     assert shown["tokens"] == float(tokens.split()[-1])

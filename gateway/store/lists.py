@@ -165,12 +165,14 @@ def reward_curve(query: Query, model: str) -> list[dict]:
 
     A session counts for the step that answered its first call, so the curve reads "how
     good was the policy at step N" for train and val alike (the trainer's own
-    `reward_mean` is that of the groups a step trained on, sampled one step earlier)."""
+    `reward_mean` is that of the groups a step trained on, sampled one step earlier). Shadow
+    groups' sessions are left out: their rewards are a judge's ranks within one turn, not
+    rewards on the task's scale."""
     rows = query(
         "SELECT split, step, COUNT(*) AS n, AVG(reward) AS mean, AVG(reward * reward) AS mean_sq,"
         " MIN(reward) AS min, MAX(reward) AS max FROM"
         f" (SELECT s.split, s.reward, {_SESSION_STEP} AS step FROM sessions s"
-        "  WHERE s.model = ? AND s.reward IS NOT NULL AND s.discarded = 0)"
+        "  WHERE s.model = ? AND s.reward IS NOT NULL AND s.discarded = 0 AND s.shadow_of IS NULL)"
         " GROUP BY split, step ORDER BY step, split",
         (model,),
     )
