@@ -30,6 +30,7 @@ from gateway.errors import UpstreamError
 from gateway.models.tiny import resolve_base_model
 from gateway.store.sqlite import SQLiteStore
 from tests.helpers import free_port, gateway_process
+from tests.helpers_judge import FakeJudge
 from tests.helpers_real_vllm import (
     VLLM_VERSION,
     processed_logprobs,
@@ -376,6 +377,45 @@ def test_attach_to_a_running_vllm(served, tmp_path):
         assert completion.choices[0].message.content is not None
         (call,) = SQLiteStore(tmp_path / "rlproxy.db").session_calls("attached")
         assert call["engine"] == "vllm" and call["completion_ids"][0] and call["behaviour_logprobs"][0]
+
+
+def test_shadow_samples_through_the_real_vllm(served, tmp_path):
+    """Issue 30: a live call's shadows come from vLLM (n=K, the seed removed), each recorded with
+    its own token ids and vLLM's processed logprobs, judged with the live answer by RULER."""
+    DONE = ("scored", "failed")
+    with FakeJudge() as judge:
+        args = ["--engine", "vllm", "--vllm-url", served.vllm_url + "/v1", "--state-dir", str(tmp_path)]
+        args += ["--model-name", "agent", "--trainer", "off", "--shadow-samples", "3"]
+        args += ["--shadow-judge-model", "openai/j", "--shadow-judge-api-base", judge.url]
+        with gateway_process(args, startup_timeout=120) as (_, url):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+            raw = client.chat.completions.with_raw_response.create(
+                model="agent",
+                messages=MESSAGES,
+                max_tokens=6,
+                temperature=1.0,
+                seed=5,
+                extra_headers={"X-Session-Id": "live-vllm"},
+            )
+            assert len(raw.parse().choices) == 1
+            call_id = raw.headers["x-request-id"]
+            group = wait_until(
+                lambda: (lambda r: r.json() if r.status_code == 200 and r.json()["ruler_status"] in DONE else None)(
+                    httpx.get(f"{url}/v1/groups/shadow-{call_id}", timeout=10)
+                ),
+                timeout=120,
+                interval=0.2,
+                what="the judged shadow group",
+            )
+    assert group["ruler_status"] == "scored" and group["origin"] == "shadow" and len(group["sessions"]) == 4
+    store = SQLiteStore(tmp_path / "rlproxy.db")
+    (live,) = store.session_calls("live-vllm")
+    shadows = [store.session_calls(s["id"])[0] for s in group["sessions"][1:]]
+    for shadow in shadows:
+        assert shadow["engine"] == "vllm" and shadow["prompt_ids"] == live["prompt_ids"]
+        assert len(shadow["behaviour_logprobs"][0]) == len(shadow["completion_ids"][0]) > 0
+        assert shadow["sampling"]["seed"] is None and shadow["sampling"]["temperature"] == 1.0
+    assert live["sampling"]["seed"] == 5
 
 
 def test_vllm_killed_mid_call_gives_a_clear_error_then_serves_again(served):

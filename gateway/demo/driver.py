@@ -18,11 +18,16 @@ What is measured, and why:
   the `X-Model-Step` header of each response: exactly the on-policy reward GRPO sees,
   at no extra cost;
 - final_reward: the same `val` evaluation as the baseline, on the last step served.
+
+With `--live rewards|shadows` the agent's part is `live` instead of `agent`'s rounds: a
+Poisson stream of sessions with no group, rewarded late or never (`live` says how), scored
+on the same `val` set before and after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +39,9 @@ from pathlib import Path
 
 from gateway.demo import load_task
 from gateway.demo.agent import drive
-from gateway.demo.options import DemoOptions
+from gateway.demo.judge import ScriptedJudge
+from gateway.demo.live import drive_live
+from gateway.demo.options import LIVE_ARRIVAL_RATES, DemoOptions, live_settings
 from gateway.demo.processes import Trainer, serve_gateway
 from gateway.demo.summary import plot, summarize
 from gateway.demo.warm_start import warm_start
@@ -67,6 +74,8 @@ def _configure_logging(settings: Settings, path: Path) -> logging.Handler:
     root.addHandler(handler)
     root.setLevel(min(logging.INFO, logging.getLevelName(settings.log_level.upper())))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the agent's own requests: one line each
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):  # --live shadows: a line per judge call
+        logging.getLogger(name).setLevel(logging.WARNING)
     return handler
 
 
@@ -91,10 +100,15 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     # Two processes on the same cores: each gets half, or their OpenMP threads fight.
     threads = max(1, (os.cpu_count() or 2) // 2)
     torch.set_num_threads(threads)
+    shape = (
+        f"steps at most, live {options.live}: {options.arrival_rate or LIVE_ARRIVAL_RATES[options.live]:g} "
+        f"sessions/s, groups of {options.rollouts}"
+        if options.live
+        else f"steps x {settings.groups_per_step} groups x {options.rollouts} rollouts"
+    )
     print(
         f"rlproxy demo --task {options.task}: {load_task(options.task).DESCRIPTION}\n"
-        f"  {options.steps} steps x {settings.groups_per_step} groups x "
-        f"{options.rollouts} rollouts; outputs in {out}/",
+        f"  {options.steps} {shape}; outputs in {out}/",
         file=sys.stderr,
     )
     if settings.engine == "vllm":
@@ -105,20 +119,29 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
         )
     starting = time.monotonic()
     warm = warm_start(settings, options, out, threads) if options.warm_start else None
-    trainer = None
+    trainer = live = None
     try:
-        with serve_gateway(settings) as url:
+        with contextlib.ExitStack() as stack:
+            # --live shadows: the scripted judge the gateway's RULER reaches through litellm
+            shadows = options.live == "shadows"
+            judge = stack.enter_context(ScriptedJudge(load_task(options.task).reward)) if shadows else None
+            settings = live_settings(settings, options, judge.url if judge else None)
+            url = stack.enter_context(serve_gateway(settings))
             # The engine is up (vLLM started and healthy): from here on is the demo's time and budget.
             started = time.monotonic()
             trainer = Trainer(settings, out / "trainer.log", threads)
             try:
-                record = asyncio.run(drive(url, settings, options, trainer, started + options.seconds, progress))
+                deadline = started + options.seconds
+                if options.live:
+                    record, live = asyncio.run(drive_live(url, settings, options, trainer, deadline, progress))
+                else:
+                    record = asyncio.run(drive(url, settings, options, trainer, deadline, progress))
             finally:
                 trainer.stop()
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
-    summary = summarize(record, settings, options, time.monotonic() - started, started - starting, warm, starting)
+    summary = summarize(record, settings, options, time.monotonic() - started, started - starting, warm, starting, live)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, out / "reward_curve.png")
     return summary
@@ -134,8 +157,18 @@ def report(summary: dict) -> str:
     )
     final = summary["final_reward"]
     warm = summary.get("warm_start")
+    live = summary.get("live")
+    stream = ""
+    if live:
+        posted = (
+            f"{live['rewarded']} rewarded ({live['stale_rewards']} stale)"
+            if live["mode"] == "rewards"
+            else f"no reward posted, {live['groups_judged']} shadow groups judged"
+        )
+        trained = f"{live['groups_trained']} {live['origin']} groups trained"
+        stream = f"live {live['mode']}: {live['sessions']} sessions, {posted}, {trained}\n"
     before = "after the warm start (sft)" if warm else "baseline"
-    return (
+    return stream + (
         f"{before} reward {summary['baseline_reward']:.2f} -> final reward "
         f"{final if final is None else f'{final:.2f}'} at step {summary['final_step']} "
         f"in {summary['seconds']:.0f} s ({summary['stopped_because']}): {verdict}"

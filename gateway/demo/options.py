@@ -43,9 +43,20 @@ class DemoOptions:
     warm_start: str | None = None  # "sft": distil the task's teacher before GRPO (`gateway.demo.warm_start`)
     teacher_games: int = 256  # --warm-start: the teacher's recorded games
     warm_start_epochs: int = 2  # --warm-start: passes over them
+    live: str | None = None  # "rewards" or "shadows": a stream of live sessions, no harness (`gateway.demo.live`)
+    arrival_rate: float | None = None  # --live: sessions per second, Poisson arrivals (None: LIVE_ARRIVAL_RATES)
+    reward_delay: float = 1.0  # --live rewards: each reward is posted after a uniform delay in [0, this] s
+    unrewarded_share: float = 0.2  # --live rewards: the share of sessions never rewarded
+    shuffle_rewards: bool = False  # --live rewards, a control: each session is posted another recent session's score
 
 
 _TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups", "converge_after")
+_LIVE_OPTIONS = ("live", "arrival_rate", "reward_delay", "unrewarded_share", "shuffle_rewards")
+LIVE_ARRIVAL_RATES = {"rewards": 32.0, "shadows": 4.0}
+"""--live's default sessions per second, on 2 CPU cores: with rewards, 40 sessions make a step's
+4 live groups of 8 (a fifth are never rewarded), about a second and a half of traffic; with
+shadows, each call brings 7 more completions, and shadows wait for an engine with no live call
+in it (they yield to live load), so the stream leaves it quiet most of the time."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +112,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"nothing is left to learn from them (default: the task's, else {defaults.converge_after})",
     )
     _add_warm_start(group)
+    _add_live(group)
+
+
+def _add_live(group) -> None:
+    defaults = DemoOptions()
+    group.add_argument(
+        "--live",
+        choices=["rewards", "shadows"],
+        default=None,
+        help="learn from live traffic instead of harness groups: a Poisson stream of sessions with no "
+        "X-Group-Id. rewards: a share of them is rewarded after a delay and the gateway gathers them into "
+        "live groups (--live-group-size = --rollouts); shadows: no reward is ever posted, the gateway "
+        "samples --rollouts - 1 shadow completions beside each call and a scripted RULER judge ranks them",
+    )
+    group.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=None,
+        help="--live: sessions per second, Poisson arrivals (default: "
+        + ", ".join(f"{rate:g} with {mode}" for mode, rate in LIVE_ARRIVAL_RATES.items())
+        + ")",
+    )
+    group.add_argument(
+        "--reward-delay",
+        type=float,
+        default=defaults.reward_delay,
+        help=f"--live rewards: each reward is posted after a random delay of up to this many seconds "
+        f"(default {defaults.reward_delay:g})",
+    )
+    group.add_argument(
+        "--unrewarded-share",
+        type=float,
+        default=defaults.unrewarded_share,
+        help=f"--live rewards: the share of sessions never rewarded (default {defaults.unrewarded_share:g})",
+    )
+    group.add_argument(
+        "--shuffle-rewards",
+        action="store_true",
+        help="--live rewards, a control: post each session another recent session's score, so rewards "
+        "say nothing about the reply they are posted for (nothing should be learned)",
+    )
 
 
 def _add_warm_start(group) -> None:
@@ -138,7 +190,9 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         "teacher_games": getattr(args, "teacher_games", DemoOptions.teacher_games),
         "warm_start_epochs": getattr(args, "warm_start_epochs", DemoOptions.warm_start_epochs),
     }
-    options = DemoOptions(task=task.NAME, out=args.out, **chosen, **warm)
+    live = {k: getattr(args, k, getattr(DemoOptions, k)) for k in _LIVE_OPTIONS}
+    options = DemoOptions(task=task.NAME, out=args.out, **chosen, **warm, **live)
+    _check_live(options, task)
     if options.teacher_games < 8 or options.warm_start_epochs < 1:
         raise ConfigError("--teacher-games must be at least 8 and --warm-start-epochs at least 1")
     for name in ("steps", "rollouts", "max_tokens", "eval_groups", "converge_after"):
@@ -151,6 +205,48 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         raise ConfigError("--seconds must be positive")
     return options
 
+
+def _check_live(options: DemoOptions, task) -> None:
+    if options.live is None:
+        if options.shuffle_rewards:
+            raise ConfigError("--shuffle-rewards is a control of --live rewards")
+        return
+    if options.warm_start:
+        raise ConfigError("--live trains from the untrained model: drop --warm-start")
+    if options.shuffle_rewards and options.live != "rewards":
+        raise ConfigError("--shuffle-rewards shuffles posted rewards: it goes with --live rewards")
+    if options.live == "shadows" and not callable(getattr(task, "reward", None)):
+        raise ConfigError(
+            f"--live shadows: the scripted judge scores a reply with the task's reward(reply), and "
+            f"task '{options.task}' has none (try --task shout)"
+        )
+    if options.arrival_rate is None:
+        options.arrival_rate = LIVE_ARRIVAL_RATES[options.live]
+    if options.arrival_rate <= 0 or options.reward_delay < 0 or not 0 <= options.unrewarded_share < 1:
+        raise ConfigError("--arrival-rate must be positive, --reward-delay at least 0 and --unrewarded-share in [0, 1)")
+
+
+def live_settings(settings: Settings, options: DemoOptions, judge_url: str | None = None) -> Settings:
+    """The settings of a --live run (an RLPROXY_* variable wins): live groups of --rollouts
+    sessions, or --rollouts - 1 shadow samples of every live call judged by the scripted judge
+    at `judge_url` (`gateway.demo.judge`)."""
+    if options.live == "rewards":
+        update: dict = {"live_group_size": options.rollouts, "live_max_staleness": 2}
+    elif options.live == "shadows":
+        update = {
+            "shadow_samples": options.rollouts - 1,
+            "shadow_rate": 1.0,
+            "shadow_judge_model": SCRIPTED_JUDGE_MODEL,
+            "shadow_judge_api_base": judge_url,
+        }
+    else:
+        return settings
+    update = {k: v for k, v in update.items() if f"RLPROXY_{k.upper()}" not in os.environ}
+    return Settings(**{**settings.model_dump(), **update})
+
+
+SCRIPTED_JUDGE_MODEL = "openai/scripted-judge"
+"""--live shadows: the litellm model string of the demo's scripted judge (`gateway.demo.judge`)."""
 
 WARM_START_LEARNING_RATE = 3e-3
 """--warm-start: the distilled model already plays, and the built-in models' 1e-2 unlearns it

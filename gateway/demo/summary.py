@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gateway.demo import load_task
 from gateway.demo.agent import Record
+from gateway.demo.live import LiveStats
 from gateway.demo.options import DemoOptions
 from gateway.settings import Settings
 
@@ -33,6 +34,7 @@ def summarize(
     startup_seconds: float = 0.0,
     warm_start: dict | None = None,
     demo_started: float | None = None,
+    live: LiveStats | None = None,
 ) -> dict:
     task = load_task(options.task)
     by_step = {str(step): sum(r) / len(r) for step, r in sorted(record.rewards_by_step.items())}
@@ -59,6 +61,8 @@ def summarize(
         "startup_seconds": round(startup_seconds, 1),
         "seconds_to_aim": seconds_to_aim(record, demo_started),
         "warm_start": warm_start,
+        # --live: the mode and what the stream did (None for the harness demo)
+        "live": None if live is None else live.as_dict(),
         "aim": {"baseline_at_most": AIM_BASELINE_AT_MOST, "final_at_least": AIM_FINAL_AT_LEAST, "reached": reached},
         "demo": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
         "settings": settings.public_dict(),
@@ -74,7 +78,9 @@ def plot(summary: dict, path: Path) -> None:
     steps = [int(s) for s in summary["reward_by_step"]]
     rewards = list(summary["reward_by_step"].values())
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot(steps, rewards, marker="o", markersize=3, label="train rollouts (mean reward per step)")
+    live = summary.get("live")
+    what = f"live sessions ({live['mode']}: mean score per step)" if live else "train rollouts (mean reward per step)"
+    ax.plot(steps, rewards, marker="o", markersize=3, label=what)
     if summary["baseline_reward"] is not None:
         first = min(steps, default=0) if summary.get("warm_start") else 0
         label = f"after sft (val, step {first})" if summary.get("warm_start") else "baseline (val, step 0)"
