@@ -5,15 +5,15 @@
     python bench/shadow_latency.py --rate 4 8       # several arrival rates
 
 One gateway per config (`rlproxy serve`, local engine, the built-in tiny model, trainer off),
-in its own process, started fresh for each config and warmed up first. The same Poisson
+each in its own process, both up at once and warmed up first; their windows interleave (off
+then on, then on then off, ...), each started with no shadow of either gateway in flight. The same Poisson
 stream of live SHOUT calls goes to each (`gateway.demo.shout`: its system prompt and prompts,
 no X-Group-Id, split train, temperature 1, 6 tokens): shadows off, then `--shadow-samples 7`
 with the demo's scripted judge (`gateway.demo.judge`, in this process, reached through litellm
 as `openai/scripted-judge` exactly like a real judge). Per config and rate: the live calls'
 latency, median and p90 (each the median over the windows), its ratio to shadows off measured
 in the same run, and the shadow groups completed (judged: `GET /v1/groups?origin=shadow`,
-`ruler_status` 'scored') during the windows, per window. Between windows the gateway is left to
-finish its shadows in flight, so each window starts quiet.
+`ruler_status` 'scored') during the windows, per window.
 
 Results: a table on stdout, JSON in bench/out/shadow_latency.json.
 """
@@ -112,12 +112,22 @@ async def scored_shadow_groups(client: httpx.AsyncClient) -> set[str]:
             return scored
 
 
-async def shadows_in_flight(client: httpx.AsyncClient) -> float:
-    text = (await client.get("/metrics")).text
+async def shadows_in_flight(client: httpx.AsyncClient, url: str) -> float:
+    text = (await client.get(url + "/metrics")).text
     for line in text.splitlines():
         if line.startswith("rlproxy_shadow_in_flight "):
             return float(line.split()[1])
     return 0.0
+
+
+async def quiet(urls: list[str]) -> None:
+    """Wait until no gateway has shadows in flight (the last window's are finished)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        for url in urls:
+            for _ in range(600):
+                if await shadows_in_flight(client, url) == 0:
+                    break
+                await asyncio.sleep(0.1)
 
 
 async def window(url: str, rate: float, seconds: float, seed: int, first: int) -> tuple[list[float], int]:
@@ -125,10 +135,6 @@ async def window(url: str, rate: float, seconds: float, seed: int, first: int) -
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        for _ in range(600):  # start quiet: the shadows of the last window finished
-            if await shadows_in_flight(client) == 0:
-                break
-            await asyncio.sleep(0.1)
         before = await scored_shadow_groups(client)
         calls = []
         start = time.monotonic()
@@ -148,26 +154,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(url: str, rates: list[float], runs: int, seconds: float, label: str) -> list[dict]:
-    asyncio.run(window(url, 8.0, 3.0, 12345, 9_000_000))  # warm-up: the model's first batches, litellm's import
+def measure(urls: dict[str, str], rates: list[float], runs: int, seconds: float) -> list[dict]:
+    """Each config's windows, interleaved: off then on in even runs, on then off in odd ones, the
+    same Poisson stream (seed) for both in a run, each window started with both gateways quiet."""
+    for url in urls.values():
+        asyncio.run(window(url, 8.0, 3.0, 12345, 9_000_000))  # warm-up: the model's first batches, litellm's import
     rows = []
     for rate in rates:
-        results = [
-            asyncio.run(window(url, rate, seconds, seed=1000 * run + int(rate), first=100_000 * run))
-            for run in range(runs)
-        ]
-        row = {
-            "shadows": label,
-            "rate": rate,
-            "calls": sum(len(latencies) for latencies, _ in results),
-            "p50_ms": statistics.median(statistics.median(latencies) for latencies, _ in results),
-            "p90_ms": statistics.median(percentile(latencies, 0.9) for latencies, _ in results),
-            "judged_per_window": statistics.median(judged for _, judged in results),
-            "runs": [round(statistics.median(latencies), 1) for latencies, _ in results],
-        }
-        rows.append(row)
-        judged = row["judged_per_window"]
-        print(f"shadows {label:<4} {rate:g}/s: p50 {row['p50_ms']:.1f} ms, judged {judged}", file=sys.stderr)
+        results: dict[str, list[tuple[list[float], int]]] = {label: [] for label in urls}
+        for run in range(runs):
+            order = list(urls) if run % 2 == 0 else list(reversed(urls))
+            for label in order:
+                asyncio.run(quiet(list(urls.values())))
+                seed = 1000 * run + int(rate)
+                results[label].append(asyncio.run(window(urls[label], rate, seconds, seed, first=100_000 * run)))
+        for label, windows in results.items():
+            row = {
+                "shadows": label,
+                "rate": rate,
+                "calls": sum(len(latencies) for latencies, _ in windows),
+                "p50_ms": statistics.median(statistics.median(latencies) for latencies, _ in windows),
+                "p90_ms": statistics.median(percentile(latencies, 0.9) for latencies, _ in windows),
+                "judged_per_window": statistics.median(judged for _, judged in windows),
+                "runs": [round(statistics.median(latencies), 1) for latencies, _ in windows],
+            }
+            rows.append(row)
+            print(f"shadows {label:<4} {rate:g}/s: p50 by window {row['runs']} ms", file=sys.stderr)
     return rows
 
 
@@ -183,9 +195,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlproxy-bench-shadow-") as tmp, ScriptedJudge(shout.reward) as judge:
         on = ["--shadow-samples", str(SHADOWS), "--shadow-judge-model", SCRIPTED_JUDGE_MODEL]
         on += ["--shadow-judge-api-base", judge.url]
-        for label, extra in (("off", []), ("on", on)):
-            with gateway(Path(tmp) / f"state-{label}", extra) as url:
-                rows += measure(url, args.rate, runs, seconds, label)
+        # Both gateways up at once (the idle one costs next to nothing), so their windows interleave.
+        with gateway(Path(tmp) / "state-off", []) as off_url, gateway(Path(tmp) / "state-on", on) as on_url:
+            rows += measure({"off": off_url, "on": on_url}, args.rate, runs, seconds)
     off = {row["rate"]: row for row in rows if row["shadows"] == "off"}
     print(
         f"\n{runs} window(s) x {seconds:g} s per row, medians over windows; local engine, tiny model, "

@@ -571,3 +571,26 @@ async def test_bad_input_says_what_to_fix(engine):
     with pytest.raises(InvalidRequest):
         async for _ in engine.stream(request(long, stream=True)):
             pass
+
+
+async def test_a_background_job_makes_way_for_a_live_request_and_still_finishes_right(engine, reference):
+    """Shadow samples run as background jobs: a live request that arrives while one is in the
+    batch never shares a step with it (its rows are set aside and recomputed afterwards), and
+    what the background job returns is still exact: each choice's recorded logprobs are the
+    model's own for its tokens after the prompt."""
+    worker = engine.worker
+    body = {"model": "tiny", "messages": MESSAGES, "n": 4, "max_tokens": 48, "temperature": 1.0}
+    background = asyncio.ensure_future(engine.complete(EngineRequest(body, None, "shadow-test", background=True)))
+    while not any(row.job.background for row in list(worker.batch.rows)):
+        assert not background.done(), "the background job finished before a live request could arrive"
+        await asyncio.sleep(0.0005)
+    set_aside = worker.set_aside
+    live = await engine.complete(request(max_tokens=4, temperature=1.0))
+    assert worker.set_aside == set_aside + 1  # the live request did not wait behind it, nor beside it
+    assert len(live.tokens.choices) == 1
+    done = await background
+    assert [c["index"] for c in done.response["choices"]] == [0, 1, 2, 3]
+    for tokens in done.tokens.choices:
+        expected = teacher_forced(reference, done.tokens.prompt_ids, tokens.completion_ids)
+        assert len(tokens.logprobs) == len(tokens.completion_ids) > 0
+        assert max(abs(a - b) for a, b in zip(tokens.logprobs, expected, strict=True)) < 1e-4

@@ -31,6 +31,8 @@ log = logging.getLogger("rlproxy.shadow")
 QUIET_POLL_S = 0.01
 MAX_WAIT_S = 30.0
 """A shadow that finds the engine busy this long is given up (counted as dropped: busy)."""
+SAMPLE_TIMEOUT_S = 300.0
+"""A shadow the engine kept setting aside for live calls this long is given up too (dropped: busy)."""
 
 
 class ShadowSampler:
@@ -91,6 +93,8 @@ class ShadowSampler:
             self._count("completed")
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            self._count("dropped", reason="busy")
         except Exception as exc:  # a shadow's failure never reaches a client; it is counted and logged
             self._count("failed")
             message = exc.message if isinstance(exc, RLProxyError) else f"{type(exc).__name__}: {exc}"
@@ -114,13 +118,13 @@ class ShadowSampler:
         async with chat.gate.passage(), chat.registry.use(requested) as target:
             self.sampling += 1
             try:
-                completion = await chat.engine.complete(
-                    EngineRequest(
-                        body=shadow_body(live.request, target.model, self.k),
-                        adapter=target.adapter,
-                        request_id="shadow-" + uuid.uuid4().hex,
-                    )
+                request = EngineRequest(
+                    body=shadow_body(live.request, target.model, self.k),
+                    adapter=target.adapter,
+                    request_id="shadow-" + uuid.uuid4().hex,
+                    background=True,  # the local engine sets it aside whenever a live call arrives
                 )
+                completion = await asyncio.wait_for(chat.engine.complete(request), SAMPLE_TIMEOUT_S)
             finally:
                 self.sampling -= 1
         if completion.tokens is None:

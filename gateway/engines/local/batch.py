@@ -41,10 +41,11 @@ def prefill(model: LocalModel, jobs: list[Job]):
     ids_JT, mask_JT = ids_JT.to(device), mask_JT.to(device)
     cache = new_cache()
     logits_JV = model.forward(ids_JT, mask_JT, cache, [job.adapter for job in jobs], logits_to_keep=1)
-    # n choices of a job share its prompt: repeat its row n times
-    repeat_R = torch.tensor([j for j, job in enumerate(jobs) for _ in range(job.n)], device=device)
+    # n choices of a job share its prompt: repeat its row n times (a background job set aside
+    # and started again: once per choice it had not finished)
+    repeat_R = torch.tensor([j for j, job in enumerate(jobs) for _ in job.unfinished], device=device)
     cache.batch_select_indices(repeat_R)
-    rows = [Row(job, index) for job in jobs for index in range(job.n)]
+    rows = [Row(job, index) for job in jobs for index in job.unfinished]
     return rows, logits_JV[repeat_R], cache, mask_JT[repeat_R]
 
 

@@ -99,8 +99,8 @@ class LocalEngine(Engine):
             raise ConfigError(f"cannot load the model '{self.model_path}': {error}") from error
         self.loaded, self.tokenizer, self._context = loaded, loaded.tokenizer, loaded.context
         self._logprobs = LogprobEntries(loaded.tokenizer)
-        worker = Worker(loaded, self.inbox, self.max_batch_size)
-        self._thread = threading.Thread(target=worker.run, name="rlproxy-local-engine", daemon=True)
+        self.worker = Worker(loaded, self.inbox, self.max_batch_size)  # read by tests (its counters)
+        self._thread = threading.Thread(target=self.worker.run, name="rlproxy-local-engine", daemon=True)
         self._thread.start()
 
     async def close(self) -> None:
@@ -263,7 +263,7 @@ class LocalEngine(Engine):
         prompt_ids = self.render(req)
         limit, room = completion_room(req, prompt_ids, self._context)
         sampling = sampling_of(req, limit if limit is not None else min(self.default_max_tokens, room))
-        job = Job(prompt_ids, req.n, adapter, sampling, req.seed, stream, self.device)
+        job = Job(prompt_ids, req.n, adapter, sampling, req.seed, stream, self.device, request.background)
         self.inbox.put(job)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         return req, job, parse_tools

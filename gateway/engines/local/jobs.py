@@ -87,11 +87,16 @@ class Job:
         seed: int | None,
         stream: bool,
         device: Any,
+        background: bool = False,
     ):
         import torch
 
         self.prompt_ids = prompt_ids
         self.n = n
+        # A background job (shadow samples) runs only while no foreground row is in the batch;
+        # set aside for one, it starts again later with the choices it had not finished.
+        self.background = background and not stream
+        self.unfinished: list[int] = list(range(n))  # choice indices still to generate
         self.adapter = adapter
         self.sampling = sampling
         self.stream = stream

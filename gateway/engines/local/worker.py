@@ -11,7 +11,11 @@ that inbox and runs a continuous batch (gateway/engines/local/batch.py):
 - requests for different adapters share a batch through peft's mixed-adapter forward
   (`adapter_names=[...]`, "__base__" for the base model);
 - adapter loads and unloads run on the worker between steps; an unload waits until no
-  queued or running request uses the adapter.
+  queued or running request uses the adapter;
+- background jobs (shadow samples: no client waits for them) run only while no foreground
+  request is in the batch or waiting; when one arrives they are set aside (their rows leave the
+  batch) and start again, from their prompt, with the choices they had not finished, once
+  the foreground is done. Live calls never share a step with them.
 
 Each step samples one token per row (gateway/engines/local/sampling.py: vLLM's order, and
 the behaviour logprob of the token under the distribution it was drawn from) and records it:
@@ -58,6 +62,8 @@ class Worker:
         self.device = model.device
         self.detokenizer = Detokenizer(model.tokenizer)
         self.pending: deque[Job] = deque()
+        self.background: deque[Job] = deque()  # waiting background jobs, oldest first
+        self.set_aside = 0  # background jobs taken out of the batch for a foreground one (tests)
         self.controls: list[Control] = []
         self.batch = Batch(model.device)
         self.outbox: list[tuple[Job, str, Any]] = []  # events of this step, sent together
@@ -65,8 +71,8 @@ class Worker:
 
     def run(self) -> None:
         batch = self.batch
-        while not self.stopping or batch.rows or self.pending:
-            idle = not batch.rows and not self.pending and not self.controls
+        while not self.stopping or batch.rows or self.pending or self.background:
+            idle = not batch.rows and not self.pending and not self.background and not self.controls
             self._drain(block=idle and not self.stopping)
             if self.stopping:
                 self._fail_everything(EngineUnavailable("the local engine is shutting down"))
@@ -74,6 +80,7 @@ class Worker:
             self._run_controls()
             try:
                 with self.torch.inference_mode():
+                    self._set_aside_background()
                     self._admit()
                     if batch.rows:
                         self._decode_step()
@@ -112,6 +119,8 @@ class Worker:
                 self.stopping = True
             elif isinstance(item, Control):
                 self.controls.append(item)
+            elif item.background:
+                self.background.append(item)
             else:
                 self.pending.append(item)
 
@@ -138,27 +147,27 @@ class Worker:
 
     def _in_use(self, name: str) -> bool:
         return any(row.job.adapter == name for row in self.batch.rows) or any(
-            job.adapter == name for job in self.pending
+            job.adapter == name for waiting in (self.pending, self.background) for job in waiting
         )
 
     # ------------------------------------------------------------ batching
 
+    def _set_aside_background(self) -> None:
+        """A foreground request is waiting: background rows leave the batch, and their jobs
+        go back to the front of the background queue (recomputed from the prompt later)."""
+        rows = self.batch.rows
+        if not self.pending or not any(row.job.background for row in rows):
+            return
+        aside = list({id(row.job): row.job for row in rows if row.job.background}.values())
+        self.batch.select([i for i, row in enumerate(rows) if not row.job.background])
+        self.background.extendleft(reversed(aside))
+        self.set_aside += len(aside)
+
     def _admit(self) -> None:
-        new: list[Job] = []
         rows = len(self.batch.rows)
-        while self.pending:
-            job = self.pending[0]
-            if job.cancelled.is_set():
-                self.pending.popleft()
-                continue
-            if job.adapter is not None and job.adapter not in self.model.adapters:
-                self.pending.popleft()
-                self._post(job, "error", NotFound(f"adapter '{job.adapter}' is not loaded in the local engine"))
-                continue
-            if rows and rows + job.n > self.max_batch_size:
-                break
-            new.append(self.pending.popleft())
-            rows += job.n
+        new = self._take(self.pending, rows)
+        if not new and not self.pending and not any(not row.job.background for row in self.batch.rows):
+            new = self._take(self.background, rows)  # nothing in the foreground: background work may run
         if not new:
             return
         new_rows, logits_RV, cache, mask_RT = prefill(self.model, new)
@@ -167,6 +176,24 @@ class Worker:
         if not keep:
             return
         self.batch.merge(new_rows, keep, cache, mask_RT, tokens_R)
+
+    def _take(self, waiting: deque[Job], rows: int) -> list[Job]:
+        """Jobs from the front of `waiting` that fit in the batch beside its `rows` rows."""
+        new: list[Job] = []
+        while waiting:
+            job = waiting[0]
+            if job.cancelled.is_set():
+                waiting.popleft()
+                continue
+            if job.adapter is not None and job.adapter not in self.model.adapters:
+                waiting.popleft()
+                self._post(job, "error", NotFound(f"adapter '{job.adapter}' is not loaded in the local engine"))
+                continue
+            if rows and rows + len(job.unfinished) > self.max_batch_size:
+                break
+            new.append(waiting.popleft())
+            rows += len(job.unfinished)
+        return new
 
     def _decode_step(self) -> None:
         batch = self.batch
@@ -204,6 +231,8 @@ class Worker:
             if row.finish_reason is None and len(row.ids) >= sampling.max_new_tokens:
                 row.finish_reason = "length"
             if row.finish_reason is not None:
+                if job.background:
+                    job.unfinished.remove(row.index)  # set aside later, it is not generated again
                 row.text = detok.decode(row.ids)  # the whole text, including any held-back bytes
                 if job.stream and row.sent_tokens < len(row.ids):  # logprobs not streamed yet
                     deltas.setdefault(id(job), (job, []))[1].append(delta(row, "", len(row.ids)))
@@ -241,5 +270,6 @@ class Worker:
 
     def _fail_everything(self, error: RLProxyError) -> None:
         self._fail_running(error)
-        while self.pending:
-            self._post(self.pending.popleft(), "error", error)
+        for waiting in (self.pending, self.background):
+            while waiting:
+                self._post(waiting.popleft(), "error", error)
