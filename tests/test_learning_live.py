@@ -147,7 +147,9 @@ def test_live_rewards_learn_shout(tmp_path):
 def test_live_rewards_shuffled_between_sessions_teach_nothing(tmp_path):
     summary, db = _live_demo(tmp_path, "--live", "rewards", "--shuffle-rewards", "--steps", str(SHUFFLED_STEPS))
     _check_stream(summary, db, "rewards")
-    assert summary["stopped_because"] == "steps" and summary["final_step"] == SHUFFLED_STEPS
+    # The stream stops after SHUFFLED_STEPS steps; the trainer may land one or two more from the
+    # live groups already full (it never waits for the stream), and the final score is of those.
+    assert summary["stopped_because"] == "steps" and SHUFFLED_STEPS <= summary["final_step"] <= SHUFFLED_STEPS + 2
     assert summary["final_reward"] < NOT_LEARNED, summary["reward_by_step"]
 
 

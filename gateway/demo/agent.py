@@ -93,12 +93,11 @@ class Agent:
                 return
             await asyncio.sleep(0.1)
 
-    async def rollout(self, group_id: str, index: int, spec, split: str) -> tuple[float, float, int | None]:
-        """One session: the task's episode, each of its model calls a chat completion in this
-        session; its reward posted. Returns (score, training reward, the oldest step that
-        answered)."""
-        session_id = f"{group_id}-r{index}"
-        steps: list[int] = []
+    def chat_in(self, headers: dict[str, str], steps: list[int], rng: random.Random | None = None):
+        """The task's `chat` for one session: a chat completion with these identity headers,
+        sampled at temperature 1 with a seed from `rng`; the step that answered each call goes
+        into `steps`."""
+        seeds = rng or self.rng
 
         async def chat(messages: list[dict]) -> str | None:
             raw = await self.client.chat.completions.with_raw_response.create(
@@ -106,14 +105,23 @@ class Agent:
                 messages=messages,
                 max_tokens=self.options.max_tokens,
                 temperature=1.0,
-                seed=self.rng.getrandbits(31),
-                extra_headers={"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split},
+                seed=seeds.getrandbits(31),
+                extra_headers=headers,
             )
             step = raw.headers.get("x-model-step")
             if step is not None:
                 steps.append(int(step))
             return raw.parse().choices[0].message.content
 
+        return chat
+
+    async def rollout(self, group_id: str, index: int, spec, split: str) -> tuple[float, float, int | None]:
+        """One session: the task's episode, each of its model calls a chat completion in this
+        session; its reward posted. Returns (score, training reward, the oldest step that
+        answered)."""
+        session_id = f"{group_id}-r{index}"
+        steps: list[int] = []
+        chat = self.chat_in({"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split}, steps)
         result = await self.task.episode(spec, chat)
         reward, score = (float(result), float(result)) if isinstance(result, (int, float)) else map(float, result)
         posted = reward if split == "train" else score  # val is never trained: it gets the score itself

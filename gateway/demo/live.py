@@ -85,21 +85,7 @@ class LiveStream:
         """One live session: the task's episode with no group, then (maybe, later) its reward."""
         agent, record = self.agent, self.agent.record
         steps: list[int] = []
-
-        async def chat(messages: list[dict]) -> str | None:
-            raw = await agent.client.chat.completions.with_raw_response.create(
-                model=agent.model,
-                messages=messages,
-                max_tokens=self.options.max_tokens,
-                temperature=1.0,
-                seed=self.rng.getrandbits(31),
-                extra_headers={"X-Session-Id": session_id},  # no X-Group-Id: live traffic
-            )
-            step = raw.headers.get("x-model-step")
-            if step is not None:
-                steps.append(int(step))
-            return raw.parse().choices[0].message.content
-
+        chat = agent.chat_in({"X-Session-Id": session_id}, steps, self.rng)  # no X-Group-Id: live traffic
         result = await agent.task.episode(agent.task.sample(self.rng), chat)
         reward, score = (float(result), float(result)) if isinstance(result, (int, float)) else map(float, result)
         self.stats.sessions += 1
