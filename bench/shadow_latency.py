@@ -106,7 +106,7 @@ async def scored_shadow_groups(client: httpx.AsyncClient) -> set[str]:
     while True:
         params = {"origin": "shadow", "limit": 200, **({"cursor": cursor} if cursor else {})}
         page = (await client.get("/v1/groups", params=params)).raise_for_status().json()
-        scored |= {g["id"] for g in page["data"] if g.get("origin") == "shadow" and g.get("ruler_status") == "scored"}
+        scored |= {g["id"] for g in page["data"] if g.get("ruler_status") == "scored"}
         cursor = page.get("next_cursor")
         if not page.get("has_more") or not cursor:
             return scored

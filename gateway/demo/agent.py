@@ -41,6 +41,27 @@ class Record:
     final_at: float | None = None
 
 
+def episode_scores(result) -> tuple[float, float]:
+    """(training reward, score) of a task's episode: it returns one number, or the two."""
+    return (float(result), float(result)) if isinstance(result, (int, float)) else tuple(map(float, result))
+
+
+def steps_bar(desc: str, steps: int, baseline: float | None, progress: bool):
+    """The demo's progress bar over training steps, opened on the baseline reward."""
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=steps,
+        desc=desc,
+        unit="step",
+        disable=not progress,
+        leave=True,
+        bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed}{postfix}",
+    )
+    bar.set_postfix_str(f"baseline reward {baseline:.2f}")
+    return bar
+
+
 class Agent:
     """Plays the task's episodes against the gateway over its real HTTP API."""
 
@@ -123,7 +144,7 @@ class Agent:
         steps: list[int] = []
         chat = self.chat_in({"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split}, steps)
         result = await self.task.episode(spec, chat)
-        reward, score = (float(result), float(result)) if isinstance(result, (int, float)) else map(float, result)
+        reward, score = episode_scores(result)
         posted = reward if split == "train" else score  # val is never trained: it gets the score itself
         (
             await self.http.post(
@@ -204,23 +225,13 @@ class Agent:
 async def drive(
     url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float, progress: bool
 ) -> Record:
-    from tqdm import tqdm
-
     agent = Agent(url, settings, options, trainer, deadline, load_task(options.task))
     record = agent.record
     try:
         await agent.wait_for_step(0, "the untrained adapter (step 0)")
         record.baseline_reward, _ = await agent.evaluate()  # after a warm start: the distilled step
         record.baseline_at = time.monotonic()
-        bar = tqdm(
-            total=options.steps,
-            desc="training",
-            unit="step",
-            disable=not progress,
-            leave=True,
-            bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed}{postfix}",
-        )
-        bar.set_postfix_str(f"baseline reward {record.baseline_reward:.2f}")
+        bar = steps_bar("training", options.steps, record.baseline_reward, progress)
         try:
             first = step = await agent.served_step() or 0  # a warm start's GRPO begins after its steps
             while step < first + options.steps:

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from gateway.demo import load_task
-from gateway.demo.agent import Agent, Record
+from gateway.demo.agent import Agent, Record, episode_scores, steps_bar
 from gateway.demo.options import LIVE_ARRIVAL_RATES, DemoOptions
 from gateway.demo.processes import Trainer
 from gateway.errors import RLProxyError
@@ -87,7 +87,7 @@ class LiveStream:
         steps: list[int] = []
         chat = agent.chat_in({"X-Session-Id": session_id}, steps, self.rng)  # no X-Group-Id: live traffic
         result = await agent.task.episode(agent.task.sample(self.rng), chat)
-        reward, score = (float(result), float(result)) if isinstance(result, (int, float)) else map(float, result)
+        reward, score = episode_scores(result)
         self.stats.sessions += 1
         if steps:
             record.rewards_by_step.setdefault(min(steps), []).append(score)
@@ -121,11 +121,7 @@ class LiveStream:
         response = await self.agent.http.get("/v1/groups", params=params)
         response.raise_for_status()
         done = "ruler_status" if self.origin == "shadow" else "closed"
-        complete = [
-            group
-            for group in response.json()["data"]
-            if group.get("origin") == self.origin and group.get(done) in ("scored", True)
-        ][:n]
+        complete = [group for group in response.json()["data"] if group.get(done) in ("scored", True)][:n]
         return len(complete) == n and all((group.get("reward_min") or 0.0) >= 1.0 for group in complete)
 
     async def run(self, first: int, on_step) -> str:
@@ -174,8 +170,7 @@ class LiveStream:
             await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def count_groups(self) -> None:
-        """The stream's groups, trained, skipped and (shadows) judged, from GET /v1/groups: the
-        `origin` filter where the gateway has it, and each row's `origin` checked here too."""
+        """The stream's groups, trained, skipped and (shadows) judged: GET /v1/groups?origin=..."""
         cursor = None
         while True:
             params: dict = {"limit": 200, "origin": self.origin, **({"cursor": cursor} if cursor else {})}
@@ -183,8 +178,6 @@ class LiveStream:
             response.raise_for_status()
             page = response.json()
             for group in page["data"]:
-                if group.get("origin") != self.origin:
-                    continue
                 self.stats.groups_trained += group.get("trained_step") is not None
                 self.stats.groups_skipped += group.get("skipped") is not None
                 self.stats.groups_judged += group.get("ruler_status") == "scored"
@@ -197,8 +190,6 @@ async def drive_live(
     url: str, settings: Settings, options: DemoOptions, trainer: Trainer, deadline: float, progress: bool
 ) -> tuple[Record, LiveStats]:
     """Baseline on val, the live stream, final score on val (`agent.drive`'s shape)."""
-    from tqdm import tqdm
-
     agent = Agent(url, settings, options, trainer, deadline, load_task(options.task))
     record = agent.record
     stream = LiveStream(agent)
@@ -206,15 +197,7 @@ async def drive_live(
         await agent.wait_for_step(0, "the untrained adapter (step 0)")
         record.baseline_reward, _ = await agent.evaluate()
         record.baseline_at = time.monotonic()
-        bar = tqdm(
-            total=options.steps,
-            desc=f"live {options.live}",
-            unit="step",
-            disable=not progress,
-            leave=True,
-            bar_format="{desc}: {n_fmt}/{total_fmt} steps |{bar}| {elapsed}{postfix}",
-        )
-        bar.set_postfix_str(f"baseline reward {record.baseline_reward:.2f}")
+        bar = steps_bar(f"live {options.live}", options.steps, record.baseline_reward, progress)
         first = await agent.served_step() or 0
 
         def on_step(done: int, newest: int) -> None:
