@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -159,6 +160,25 @@ class Page:
         self.page.wait_for_selector("body[data-ready='1']", timeout=30_000)
         return response
 
+    def wait_until(self, expression: str, timeout_s: float = 30.0) -> None:
+        """Poll a JS expression until it holds. Not Playwright's wait_for_function: that one
+        evaluates its string with eval() inside the page, which our CSP (script-src 'self')
+        forbids once the first check fails and it starts polling."""
+        deadline = time.monotonic() + timeout_s
+        while not self._holds(expression):
+            assert time.monotonic() < deadline, f"still false after {timeout_s} s: {expression}"
+            self.page.wait_for_timeout(50)
+
+    def _holds(self, expression: str) -> bool:
+        from playwright.sync_api import Error
+
+        try:
+            return bool(self.page.evaluate(expression))
+        except Error as e:  # a form submit navigated away mid-evaluation: ask again
+            if "context was destroyed" not in str(e):
+                raise
+            return False
+
     def close(self) -> None:
         self.context.close()
 
@@ -215,7 +235,7 @@ def test_overview_curve_has_one_point_per_step(dashboard, browser):
     try:
         steps = [s["step"] for s in api(dashboard, "/v1/training/steps")["data"]]
         assert steps == list(range(STEPS + 1))
-        page.page.wait_for_function("window.rlproxy.charts.reward !== undefined")
+        page.wait_until("window.rlproxy?.charts?.reward !== undefined")
         xs = page.page.evaluate("window.rlproxy.charts.reward.data[0]")
         assert xs == steps
         train = page.page.evaluate("window.rlproxy.charts.reward.data[1]")
@@ -363,7 +383,7 @@ def test_lists_page_and_filter(dashboard, browser):
         page.page.select_option("select[name=state]", "trained")
         page.page.click("#filters button[type=submit]")
         trained = api(dashboard, "/v1/groups?limit=500&state=trained")["data"]
-        page.page.wait_for_function(f"document.querySelectorAll('#list tbody tr').length === {len(trained)}")
+        page.wait_until(f"document.querySelectorAll('#list tbody tr').length === {len(trained)}")
         assert "state=trained" in page.page.url
         assert sorted(page.page.locator("#list tbody tr td:first-child a").all_inner_texts()) == sorted(
             g["id"] for g in trained
@@ -458,7 +478,7 @@ def test_live_and_shadow_groups_show_their_origin_task_and_stale_rewards(live_da
         cells = row.locator("td").all_inner_texts()
         assert cells[:3] == [live_id, "live", "billing"]
         page.open("/ui/groups")
-        page.page.wait_for_function("document.querySelectorAll('#list tbody tr').length === 3")
+        page.wait_until("document.querySelectorAll('#list tbody tr').length === 3")
         assert sorted(page.page.locator("#list tbody tr td:nth-child(2)").all_inner_texts()) == [
             "harness",
             "live",
@@ -466,7 +486,7 @@ def test_live_and_shadow_groups_show_their_origin_task_and_stale_rewards(live_da
         ]
         page.page.select_option("select[name=origin]", "shadow")
         page.page.click("#filters button[type=submit]")
-        page.page.wait_for_function("document.querySelectorAll('#list tbody tr').length === 1")
+        page.wait_until("document.querySelectorAll('#list tbody tr').length === 1")
         assert "origin=shadow" in page.page.url
         assert page.page.locator("#list tbody tr td:first-child a").all_inner_texts() == ["shadow-g"]
         # the group pages
