@@ -162,6 +162,8 @@ def test_vllm_serve_command_and_environment():
         "vllm",
         "--logprobs-mode",
         "processed_logprobs",
+        "--scheduling-policy",
+        "priority",
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
@@ -174,6 +176,11 @@ def test_vllm_serve_command_and_environment():
         BASE, port=1, max_loras=1, lora_rank=8, sleep_mode=False, extra_args=["--tool-call-parser", "mistral"]
     )
     assert "hermes" not in mistral and mistral[-2:] == ["--tool-call-parser", "mistral"]
+    # first come, first served for everything, if the user says so (shadows then share alike)
+    fcfs = vllm_command(
+        BASE, port=1, max_loras=1, lora_rank=8, sleep_mode=False, extra_args=["--scheduling-policy=fcfs"]
+    )
+    assert [a for a in fcfs if "scheduling-policy" in a] == ["--scheduling-policy=fcfs"]
     # --vllm-python: vLLM's server module in that environment, the same flags after it
     module = vllm_command(
         "/models/tiny",
@@ -265,6 +272,9 @@ def test_request_body_asks_for_token_ids_and_logprobs():
     }  # every field explicit: no generation-config default applies
     asked = {**body, "logprobs": True, "top_logprobs": 3}
     assert vllm_body(asked, BASE, ClientAsk.of(asked))["top_logprobs"] == 3
+    # a shadow sample goes behind live calls (vLLM handles lower priorities first; live: its default 0)
+    shadow = vllm_body(body, "agent@3", ClientAsk.of(body), background=True)
+    assert shadow == {**sent, "priority": 10} and "priority" not in sent
 
 
 def test_near_zero_temperatures_are_sent_and_recorded_as_vllm_samples_them():

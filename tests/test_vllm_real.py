@@ -114,6 +114,7 @@ def test_the_gateway_starts_the_pinned_vllm_on_the_built_in_model(served):
     assert "--tool-call-parser hermes" in command
     # On CPU there is no GPU to share: no sleep mode, whatever --gpu-mode says (colocated by default).
     assert "--enable-sleep-mode" not in command and "--dtype float32" in command
+    assert "--scheduling-policy priority" in command  # shadow samples go behind live calls
     models = {m.id for m in served.client.models.list()}
     assert {"rlproxy/tiny-qwen2", "agent"} <= models
 
@@ -380,8 +381,9 @@ def test_attach_to_a_running_vllm(served, tmp_path):
 
 
 def test_shadow_samples_through_the_real_vllm(served, tmp_path):
-    """Issue 30: a live call's shadows come from vLLM (n=K, the seed removed), each recorded with
-    its own token ids and vLLM's processed logprobs, judged with the live answer by RULER."""
+    """Issue 30: a live call's shadows come from vLLM (n=K, the seed removed, at a lower priority
+    than live calls on this priority-scheduled vLLM), each recorded with its own token ids and
+    vLLM's processed logprobs, judged with the live answer by RULER."""
     DONE = ("scored", "failed")
     with FakeJudge() as judge:
         args = ["--engine", "vllm", "--vllm-url", served.vllm_url + "/v1", "--state-dir", str(tmp_path)]

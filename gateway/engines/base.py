@@ -44,8 +44,9 @@ class EngineRequest:
     body: dict  # the OpenAI request as JSON-able dict; `model` is what the engine should be asked for
     adapter: str | None  # loaded adapter name such as "agent@3"; None = the base model
     request_id: str
-    # Work no client waits for (shadow samples, gateway/shadow/): an engine that can runs it only
-    # while no other request is in it, and sets it aside when one arrives (local: recomputed later).
+    # Work no client waits for (shadow samples, gateway/shadow/): the local engine runs it only
+    # while no other request is in it and sets it aside when one arrives (recomputed later);
+    # vLLM schedules it at a lower priority than live calls.
     background: bool = False
 
 

@@ -122,7 +122,7 @@ class ShadowSampler:
                     body=shadow_body(live.request, target.model, self.k),
                     adapter=target.adapter,
                     request_id="shadow-" + uuid.uuid4().hex,
-                    background=True,  # the local engine sets it aside whenever a live call arrives
+                    background=True,  # set aside (local) or behind live calls (vLLM priority)
                 )
                 completion = await asyncio.wait_for(chat.engine.complete(request), SAMPLE_TIMEOUT_S)
             finally:

@@ -212,7 +212,7 @@ class VLLMEngine(Engine):
         self.supervisor.check_ready()
         ask = ClientAsk.of(request.body)
         sampling = sampling_in_force(request.body)
-        body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
+        body = orjson.dumps(vllm_body(request.body, self._target(request), ask, background=request.background))
         for attempt in (1, 2):
             try:
                 answer = await self.client.chat(body)
@@ -236,7 +236,7 @@ class VLLMEngine(Engine):
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         self.supervisor.check_ready()
         ask = ClientAsk.of(request.body)
-        body = orjson.dumps(vllm_body(request.body, self._target(request), ask))
+        body = orjson.dumps(vllm_body(request.body, self._target(request), ask, background=request.background))
         splitter = StreamSplitter(ask, sampling_in_force(request.body))
         finished = False
         try:

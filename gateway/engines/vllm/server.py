@@ -9,7 +9,7 @@ The command follows vLLM's documented CLI:
 
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True [VLLM_SERVER_DEV_MODE=1] \\
     vllm serve BASE --host 127.0.0.1 --port P --enable-lora --max-lora-rank R --max-loras N \\
-        --generation-config vllm --logprobs-mode processed_logprobs \\
+        --generation-config vllm --logprobs-mode processed_logprobs --scheduling-policy priority \\
         [--enable-sleep-mode --gpu-memory-utilization S] [--vllm-arg ...]
 
 `--generation-config vllm`: no sampling defaults from the model's `generation_config.json`
@@ -17,6 +17,10 @@ The command follows vLLM's documented CLI:
 processed_logprobs`: the logprobs vLLM returns are those of the distribution it sampled from
 (see `gateway.engines.vllm.engine` for exactly what that includes). Colocated: sleep mode plus a
 memory share (`colocated_memory_share`) that leaves the trainer's resident model room.
+`--scheduling-policy priority`: work no client waits for (shadow samples) is sent at a lower
+priority, so a live call waiting for room goes before it and, when the KV cache is full, a shadow
+is preempted rather than a live call. Live calls all have vLLM's default priority (0), so among
+them the order is vLLM's default: first come, first served.
 
 It listens on loopback only: the runtime-LoRA and sleep endpoints it then exposes must
 not be reachable from outside (the gateway is the only client).
@@ -101,6 +105,8 @@ def vllm_command(
         "--logprobs-mode",
         "processed_logprobs",
     ]
+    if not has_flag(extra_args, "--scheduling-policy"):
+        cmd += ["--scheduling-policy", "priority"]
     # Tool calls come back as `tool_calls`, parsed by vLLM itself (Qwen2.5's and the built-in
     # models' <tool_call> JSON is the hermes format); --vllm-arg may name another parser.
     if not has_flag(extra_args, "--tool-call-parser"):

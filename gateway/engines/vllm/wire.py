@@ -61,6 +61,10 @@ OPENAI_SAMPLING_DEFAULTS = {
 SAMPLING_KEYS = (*OPENAI_SAMPLING_DEFAULTS, "seed", "max_tokens")
 
 
+# vLLM handles lower values first; live calls keep its default, 0.
+BACKGROUND_PRIORITY = 10
+
+
 def sampling_in_force(body: dict) -> dict:
     """Every sampling parameter of this call, explicit: the client's value or OpenAI's default.
 
@@ -95,10 +99,14 @@ def vllm_temperature(value):
     return max(value, VLLM_MIN_TEMPERATURE)
 
 
-def vllm_body(body: dict, model: str, ask: ClientAsk) -> dict:
+def vllm_body(body: dict, model: str, ask: ClientAsk, *, background: bool = False) -> dict:
     """The body sent to vLLM: the client's, with the served model, token ids and logprobs
-    switched on and every sampling field explicit."""
+    switched on and every sampling field explicit. Background work (shadow samples) goes at
+    BACKGROUND_PRIORITY: behind live calls on a vLLM started with `--scheduling-policy priority`
+    (as rlproxy starts it); a first-come-first-served vLLM takes the field and ignores it."""
     out = dict(body)
+    if background:
+        out["priority"] = BACKGROUND_PRIORITY
     out.update({key: value for key, value in sampling_in_force(body).items() if key in OPENAI_SAMPLING_DEFAULTS})
     out["model"] = model
     out["return_token_ids"] = True
