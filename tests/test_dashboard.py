@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from gateway.store.sqlite import SQLiteStore
 from tests.browser import find_or_install_chromium
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import gateway_process
+from tests.helpers_vllm import wait_until
 from tests.test_demo import run_demo
 from tests.wandb_records import history
 from trainer.data import NO_SAMPLE, too_few
@@ -164,10 +164,7 @@ class Page:
         """Poll a JS expression until it holds. Not Playwright's wait_for_function: that one
         evaluates its string with eval() inside the page, which our CSP (script-src 'self')
         forbids once the first check fails and it starts polling."""
-        deadline = time.monotonic() + timeout_s
-        while not self._holds(expression):
-            assert time.monotonic() < deadline, f"still false after {timeout_s} s: {expression}"
-            self.page.wait_for_timeout(50)
+        wait_until(lambda: self._holds(expression), timeout=timeout_s, what=expression)
 
     def _holds(self, expression: str) -> bool:
         from playwright.sync_api import Error
