@@ -5,6 +5,8 @@ names the limit and the flag that sets it.
   byte is read, and counted while a chunked body arrives (413).
 - `check_chat_limits`: messages (`--max-messages`), `n` (`--max-n`), and the completion
   tokens asked for against the engine's context (400).
+- `check_prompt_list`: legacy completions' prompt list, one engine call per prompt, so its
+  prompts times `n` count against `--max-n` (400).
 """
 
 from __future__ import annotations
@@ -120,4 +122,16 @@ def check_chat_limits(request, limits: Limits, context_length: int | None) -> No
             f"ask for fewer than {context_length} tokens",
             param=field,
             code="context_length_exceeded",
+        )
+
+
+def check_prompt_list(prompts: int, n: int, limits: Limits) -> None:
+    """Refuse a legacy completions prompt list whose prompts x `n` choices pass `--max-n`: each
+    prompt is an engine call of its own, so a long list is as much work as a large `n`."""
+    if prompts * n > limits.max_n:
+        raise InvalidRequest(
+            f"'prompt' has {prompts} prompts x 'n' {n} = {prompts * n} choices, over the gateway's limit of "
+            f"{limits.max_n} choices per request (--max-n): send fewer prompts per request, or raise --max-n",
+            param="prompt",
+            code="too_many_prompts",
         )

@@ -119,11 +119,18 @@ class ChatCompletionRequest(_Open):
 
 # ---------------------------------------------------------------- rlproxy's own
 
+# Bounds on what rlproxy's own routes keep: a reward's metrics are stored with its session and
+# returned by every list page that holds it, and a rubric goes into every judge prompt. Room for
+# any real use (a few dozen named numbers, a page of criteria), nothing like megabytes.
+MAX_METRICS = 64  # a session keeps as many, rewards merged (MAX_SESSION_METRICS in gateway/store/rows.py)
+MAX_METRIC_NAME_CHARS = 128
+MAX_RUBRIC_CHARS = 32 * 1024
+
 
 class RewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: float
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict, max_length=MAX_METRICS)
 
     @field_validator("reward")
     @classmethod
@@ -132,10 +139,25 @@ class RewardRequest(BaseModel):
             raise ValueError("'reward' must be a finite number (not NaN or infinity)")
         return value
 
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _few_metrics(cls, value: Any) -> Any:
+        if isinstance(value, dict) and len(value) > MAX_METRICS:
+            raise ValueError(
+                f"'metrics' has {len(value)} metrics, over the limit of {MAX_METRICS}: "
+                "send the few that matter (aggregate the rest, or log them elsewhere)"
+            )
+        return value
+
     @field_validator("metrics")
     @classmethod
     def _finite_metrics(cls, value: dict[str, float]) -> dict[str, float]:
         for name, metric in value.items():
+            if len(name) > MAX_METRIC_NAME_CHARS:
+                raise ValueError(
+                    f"metric name '{name[:40]}...' is {len(name)} characters, over the limit of "
+                    f"{MAX_METRIC_NAME_CHARS}: use a shorter name"
+                )
             if not math.isfinite(metric):
                 raise ValueError(f"metric '{name}' must be a finite number")
         return value
@@ -154,7 +176,7 @@ class DiscardRequest(BaseModel):
 class RulerRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     judge_model: str = Field(min_length=1)
-    rubric: str | None = None
+    rubric: str | None = Field(default=None, max_length=MAX_RUBRIC_CHARS)
     judge_api_base: str | None = None
 
 

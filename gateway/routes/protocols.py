@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.chat.identity import Identity, identify
 from gateway.errors import ClientGone, InvalidRequest, NotFound
+from gateway.http.limits import check_prompt_list
 from gateway.protocols import Wire
 from gateway.protocols.chat import ChatCompletionRequest
 from gateway.protocols.completions import stream as completions_stream
@@ -255,6 +256,9 @@ async def create_completion(body: completions_wire.CompletionRequest, request: R
     request_id = request.scope["state"]["request_id"]
     cmpl_id = completions_wire.completion_id(request_id)
     prompts = body.prompts()
+    services = request.app.state.services
+    if len(prompts) > 1:
+        check_prompt_list(len(prompts), body.n, services.chat.limits)
     if len(prompts) == 1:
 
         def to_wire(chat_response: dict) -> dict:
@@ -271,7 +275,8 @@ async def create_completion(body: completions_wire.CompletionRequest, request: R
             body.stream,
         )
     # Several prompts: one call row each (the first under the request's id), choices numbered across them.
-    services = request.app.state.services
+    # Each call is watched like a single one, and its answer ends in a look at the client, so a
+    # client that left cancels the call in flight (recorded as 499) and no later prompt starts.
     answers, step = [], None
     for i, prompt in enumerate(prompts):
         first = i * body.n
@@ -281,9 +286,20 @@ async def create_completion(body: completions_wire.CompletionRequest, request: R
 
         chat_body = completions_translate.to_chat(body, prompt)
         call_id = request_id if i == 0 else f"{request_id}.{i}"
-        response, target = await services.chat.complete(
-            _chat_request(chat_body), chat_body, identity, call_id, Wire(completions_wire.PROTOCOL, raw, to_wire)
-        )
+        watch = ClientWatch(request.receive)
+        try:
+            response, target = await watch.run(
+                services.chat.complete(
+                    _chat_request(chat_body),
+                    chat_body,
+                    identity,
+                    call_id,
+                    Wire(completions_wire.PROTOCOL, raw, to_wire),
+                    client_left=watch.left,
+                )
+            )
+        except ClientGone:
+            return Response(status_code=499)  # recorded as 499; nobody reads this
         answers.append(to_wire(response))
         step = target.step
     return _json(completions_translate.merge(answers), headers=_headers(identity.session_id, step))

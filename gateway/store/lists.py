@@ -20,6 +20,7 @@ from gateway.store.reads import ORIGINS
 
 Query = Callable[[str, tuple], list[dict]]
 MAX_LIMIT = 500
+MAX_CURSOR_CHARS = 1024  # a cursor is a time and an id (of 128 characters at most): well under this
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,19 @@ def encode_cursor(created_at: float, row_id: str) -> str:
 
 
 def decode_cursor(cursor: str) -> tuple[float, str]:
+    """`(created_at, id)` from a `next_cursor`; anything else a client sends is a 400, never a 500
+    (nested brackets, numbers past a float, the wrong shape, a NUL that PostgreSQL refuses)."""
     try:
+        if len(cursor) > MAX_CURSOR_CHARS:
+            raise ValueError("too long")
         created_at, row_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        return float(created_at), str(row_id)
-    except (ValueError, TypeError):
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not isinstance(row_id, str):
+            raise TypeError("not [number, id]")
+        created_at = float(created_at)  # OverflowError for an integer past a float
+        if not math.isfinite(created_at) or "\x00" in row_id:
+            raise ValueError("not a time and an id")
+        return created_at, row_id
+    except (ValueError, TypeError, ArithmeticError, RecursionError):
         raise InvalidRequest(
             "cursor is not one this gateway returned: pass `next_cursor` from the previous page", param="cursor"
         ) from None
