@@ -175,8 +175,17 @@ class _Connection(asyncio.Protocol):
 
 
 class FakeUpstream:
-    def __init__(self, *, api_key: str | None = None, record: bool = True, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        record: bool = True,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        echo_key: bool = False,
+    ):
         self.api_key = api_key  # when set, requests without `Authorization: Bearer <api_key>` get a 401
+        self.echo_key = echo_key  # a careless upstream: that 401 repeats the Authorization it got
         self.record = record
         self.requests: list[ReceivedRequest] = []
         self.host, self.port = host, port
@@ -247,10 +256,10 @@ class FakeUpstream:
     ) -> None:
         close = not keep_alive
         if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+            told = f" (got Authorization: {headers.get('authorization')})" if self.echo_key else ""
+            message = f"fake upstream: wrong API key{told}"
             conn._respond(
-                401,
-                orjson.dumps({"error": {"message": "fake upstream: wrong API key", "type": "authentication_error"}}),
-                close=close,
+                401, orjson.dumps({"error": {"message": message, "type": "authentication_error"}}), close=close
             )
             return
         if path == "/health" and method == "GET":  # as vLLM answers it (rLLM's gateway polls it)

@@ -39,7 +39,7 @@ def test_bad_flag_value_is_refused_with_the_choices():
 
 
 def test_secrets_are_masked_in_public_settings():
-    settings = Settings(api_key="sk-gateway", upstream_api_key="sk-upstream")
+    settings = Settings(api_key="sk-gateway-3f8b2c6e1d", upstream_api_key="sk-upstream")
     public = settings.public_dict()
     assert "sk-gateway" not in str(public) and "sk-upstream" not in str(public)
     assert "sk-gateway" not in repr(settings)

@@ -14,6 +14,7 @@ import pytest
 
 from tests.helpers_upstream import openai_gateway
 
+KEY = "sk-gw-0a4e1c7d9b2f"
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -25,13 +26,13 @@ ANTHROPIC_WEATHER = {"name": "get_weather", "description": "weather for a city",
 
 @pytest.fixture(scope="module")
 def gateway(upstream, tmp_path_factory):
-    with openai_gateway(upstream.url, tmp_path_factory.mktemp("state"), api_key="sk-gw") as (server, services):
+    with openai_gateway(upstream.url, tmp_path_factory.mktemp("state"), api_key=KEY) as (server, services):
         yield server, services
 
 
 @pytest.fixture
 def oai(gateway):
-    return openai.OpenAI(base_url=gateway[0].url + "/v1", api_key="sk-gw", max_retries=0)
+    return openai.OpenAI(base_url=gateway[0].url + "/v1", api_key=KEY, max_retries=0)
 
 
 def calls(gateway, session_id):
@@ -175,7 +176,7 @@ def test_completions_create(gateway, oai, upstream):
 
 def test_anthropic_messages_tool_round_trip(gateway, upstream):
     client = anthropic.Anthropic(
-        base_url=gateway[0].url, api_key="sk-gw", max_retries=0, default_headers={"X-Session-Id": "anth-1"}
+        base_url=gateway[0].url, api_key=KEY, max_retries=0, default_headers={"X-Session-Id": "anth-1"}
     )
     first = client.messages.create(
         model="fake-model",
@@ -211,7 +212,7 @@ def test_anthropic_messages_tool_round_trip(gateway, upstream):
 
 
 def test_anthropic_stream_tool_input_json_delta(gateway):
-    client = anthropic.Anthropic(base_url=gateway[0].url, api_key="sk-gw", max_retries=0)
+    client = anthropic.Anthropic(base_url=gateway[0].url, api_key=KEY, max_retries=0)
     with client.messages.stream(
         model="fake-model",
         max_tokens=50,
@@ -231,7 +232,7 @@ def test_anthropic_errors_and_x_api_key(gateway):
     with pytest.raises(anthropic.AuthenticationError) as info:
         bad.messages.create(model="fake-model", max_tokens=5, messages=[{"role": "user", "content": "x"}])
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "authentication_error"
-    good = anthropic.Anthropic(base_url=gateway[0].url, api_key="sk-gw", max_retries=0)
+    good = anthropic.Anthropic(base_url=gateway[0].url, api_key=KEY, max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as info:
         good.messages.create(model="fake-model", max_tokens=0, messages=[{"role": "user", "content": "x"}])
     assert (
@@ -239,7 +240,7 @@ def test_anthropic_errors_and_x_api_key(gateway):
         and "max_tokens" in info.value.body["error"]["message"]
     )
     # x-api-key works on OpenAI routes too; a wrong one there gets OpenAI's shape
-    r = httpx.get(gateway[0].url + "/v1/models", headers={"x-api-key": "sk-gw"})
+    r = httpx.get(gateway[0].url + "/v1/models", headers={"x-api-key": KEY})
     assert r.status_code == 200
     r = httpx.get(gateway[0].url + "/v1/models", headers={"x-api-key": "nope"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -250,10 +251,10 @@ def test_anthropic_errors_and_x_api_key(gateway):
 
 def test_sessions_in_base_url(gateway):
     url = gateway[0].url
-    oai = openai.OpenAI(base_url=f"{url}/groups/g-url/sessions/s-url/v1", api_key="sk-gw", max_retries=0)
+    oai = openai.OpenAI(base_url=f"{url}/groups/g-url/sessions/s-url/v1", api_key=KEY, max_retries=0)
     oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
     oai.responses.create(model="fake-model", input="hi")
-    client = anthropic.Anthropic(base_url=f"{url}/groups/g-url/sessions/s-url", api_key="sk-gw", max_retries=0)
+    client = anthropic.Anthropic(base_url=f"{url}/groups/g-url/sessions/s-url", api_key=KEY, max_retries=0)
     client.messages.create(model="fake-model", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
     rows = calls(gateway, "s-url")
     assert [r["protocol"] for r in rows] == ["chat", "responses", "messages"]
@@ -263,14 +264,14 @@ def test_sessions_in_base_url(gateway):
     assert len(calls(gateway, "s-header")) == 1 and len(calls(gateway, "s-url")) == 3
     r = httpx.post(
         f"{url}/sessions/bad%20id/v1/chat/completions",
-        headers={"Authorization": "Bearer sk-gw"},
+        headers={"Authorization": f"Bearer {KEY}"},
         json={"model": "fake-model", "messages": [{"role": "user", "content": "x"}]},
     )
     assert r.status_code == 400 and "session_id" in r.json()["error"]["message"]
 
 
 def test_openapi_lists_new_routes_with_schemas(gateway):
-    spec = httpx.get(gateway[0].url + "/openapi.json", headers={"Authorization": "Bearer sk-gw"}).json()
+    spec = httpx.get(gateway[0].url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
     for path, schema in (
         ("/v1/responses", "ResponsesRequest"),
         ("/v1/messages", "MessagesRequest"),
@@ -286,7 +287,7 @@ def test_openapi_lists_new_routes_with_schemas(gateway):
 
 def test_openai_agents_sdk_default_responses_model(gateway, upstream):
     agents = pytest.importorskip("agents")
-    client = openai.AsyncOpenAI(base_url=gateway[0].url + "/sessions/agent-sdk/v1", api_key="sk-gw", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=gateway[0].url + "/sessions/agent-sdk/v1", api_key=KEY, max_retries=0)
     seen = []
 
     @agents.function_tool
@@ -312,7 +313,7 @@ def test_openai_agents_sdk_default_responses_model(gateway, upstream):
 def test_client_that_leaves_a_non_stream_call_is_recorded_as_499(gateway):
     import time
 
-    impatient = openai.OpenAI(base_url=gateway[0].url + "/v1", api_key="sk-gw", max_retries=0, timeout=0.5)
+    impatient = openai.OpenAI(base_url=gateway[0].url + "/v1", api_key=KEY, max_retries=0, timeout=0.5)
     with pytest.raises(openai.APITimeoutError):
         impatient.responses.create(model="fake-model", input="[[delay=3]] slow", extra_headers={"X-Session-Id": "left"})
     deadline = time.monotonic() + 30
@@ -326,7 +327,7 @@ def test_mid_stream_failures_in_each_protocols_shape(gateway, oai):
     events = list(oai.responses.create(model="fake-model", input="[[stream_error]] a b", stream=True))
     assert [e.type for e in events][-2:] == ["error", "response.failed"]
     assert "mid-stream" in events[-2].message and events[-1].response.status == "failed"
-    claude = anthropic.Anthropic(base_url=gateway[0].url, api_key="sk-gw", max_retries=0)
+    claude = anthropic.Anthropic(base_url=gateway[0].url, api_key=KEY, max_retries=0)
     with pytest.raises(anthropic.APIStatusError) as info:
         with claude.messages.stream(
             model="fake-model", max_tokens=5, messages=[{"role": "user", "content": "[[stream_error]] a"}]

@@ -130,7 +130,7 @@ def test_serve_hands_its_settings_to_the_trainer_and_starts_none_where_pointless
             "0.05",
             "--vllm-arg=--enforce-eager",
             "--api-key",
-            "sk-secret",
+            "sk-secret-5d2a9e7c41b0",
             "--loss-type",
             "dapo",
         ]

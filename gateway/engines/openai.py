@@ -10,7 +10,9 @@ rate limit) and keeps its status, type and message; 401/403 are the exception:
 the client's key is not what the upstream saw, so those mean rlproxy's own
 `--upstream-api-key` is wrong and become 502. Everything the client cannot fix
 (5xx, refused connection, a body that is not a chat completion) is a 502, and
-no answer within `--upstream-timeout` is a 504.
+no answer within `--upstream-timeout` is a 504. Every error's text (and a relayed stream's
+error event) has the upstream key and every configured secret replaced by `***` before the
+client, the store or the log sees it: an upstream may echo the Authorization header it got.
 
 Requests answered in one piece (chat completions, relayed protocols, `/models`) go
 through `gateway.engines.http1`, a lean keep-alive HTTP/1.1 pool: relaying is the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import aiohttp
 import orjson
@@ -33,6 +35,7 @@ from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk,
 from gateway.engines.http1 import ConnectError, HTTP1Pool
 from gateway.engines.sse import sse_data
 from gateway.errors import ConfigError, RLProxyError, UpstreamError, UpstreamTimeout
+from gateway.redact import mask_text, redact
 from gateway.settings import Settings
 
 log = logging.getLogger("rlproxy.engines.openai")
@@ -56,9 +59,18 @@ class OpenAIEngine(Engine):
     supports_adapters = False
 
     def __init__(
-        self, base_url: str, *, api_key: str | None = None, timeout: float = 600.0, served_base_id: str = "upstream"
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        served_base_id: str = "upstream",
+        secrets: Iterable[str] = (),
     ):
         self.base_url = base_url.rstrip("/")
+        # Hidden from every error this engine raises: an upstream may echo the Authorization it got.
+        self._secrets = [api_key or "", *secrets]
+        mask_text(self.base_url, self._secrets)
         self._chat_url = URL(self.base_url + "/chat/completions")
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
@@ -85,7 +97,11 @@ class OpenAIEngine(Engine):
             raise ConfigError(f"--upstream-url must start with http:// or https://, got '{settings.upstream_url}'")
         key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
         return cls(
-            settings.upstream_url, api_key=key, timeout=settings.upstream_timeout, served_base_id=settings.base_model
+            settings.upstream_url,
+            api_key=key,
+            timeout=settings.upstream_timeout,
+            served_base_id=settings.base_model,
+            secrets=settings.secrets(),
         )
 
     @property
@@ -134,15 +150,15 @@ class OpenAIEngine(Engine):
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            raise UpstreamError(
+            raise self._fail(
                 f"the upstream at {self.base_url} answered {status} with a body that is not JSON: {_excerpt(payload)}"
             ) from None
         if not isinstance(data, dict) or "choices" not in data:
             if isinstance(data, dict) and isinstance(data.get("error"), dict):
-                raise UpstreamError(
+                raise self._fail(
                     f"the upstream at {self.base_url} answered with an error: {data['error'].get('message')}"
                 )
-            raise UpstreamError(
+            raise self._fail(
                 f"the upstream at {self.base_url} answered {status} with JSON that is not a "
                 f"chat.completion (no 'choices'): {_excerpt(payload)}"
             )
@@ -159,7 +175,7 @@ class OpenAIEngine(Engine):
                 if resp.status >= 400:
                     raise self._status_error(resp.status, await resp.read())
                 if resp.content_type != "text/event-stream":
-                    raise UpstreamError(
+                    raise self._fail(
                         f"the upstream at {self.base_url} answered a stream request with {resp.content_type or 'no'}"
                         f" content instead of text/event-stream: {_excerpt(await resp.read())}"
                     )
@@ -170,19 +186,17 @@ class OpenAIEngine(Engine):
                     try:
                         data = orjson.loads(payload)
                     except orjson.JSONDecodeError:
-                        raise UpstreamError(
+                        raise self._fail(
                             f"the upstream at {self.base_url} sent a stream chunk that is not JSON: {_excerpt(payload)}"
                         ) from None
                     if not isinstance(data, dict):
-                        raise UpstreamError(
+                        raise self._fail(
                             f"the upstream at {self.base_url} sent a stream chunk that is not a "
                             f"JSON object: {_excerpt(payload)}"
                         )
                     if "error" in data and "choices" not in data:
                         error = data["error"] if isinstance(data["error"], dict) else {"message": data["error"]}
-                        raise UpstreamError(
-                            f"the upstream at {self.base_url} failed mid-stream: {error.get('message')}"
-                        )
+                        raise self._fail(f"the upstream at {self.base_url} failed mid-stream: {error.get('message')}")
                     yield StreamChunk(data=data, raw=payload)
             finally:
                 resp.release()
@@ -191,7 +205,7 @@ class OpenAIEngine(Engine):
         except aiohttp.ClientError as exc:
             raise self._unreachable(exc) from None
         if not finished:
-            raise UpstreamError(f"the upstream at {self.base_url} closed the stream before sending [DONE]")
+            raise self._fail(f"the upstream at {self.base_url} closed the stream before sending [DONE]")
         yield StreamEnd(tokens=None)
 
     # ---------------------------------------------------------------- other protocols, relayed as they are
@@ -206,7 +220,7 @@ class OpenAIEngine(Engine):
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict):
-            raise UpstreamError(
+            raise self._fail(
                 f"the upstream at {self.base_url} answered {path} with something that is not a JSON "
                 f"object: {_excerpt(payload)}"
             )
@@ -224,11 +238,13 @@ class OpenAIEngine(Engine):
                 if resp.status >= 400:
                     raise self._status_error(resp.status, await resp.read())
                 if resp.content_type != "text/event-stream":
-                    raise UpstreamError(
+                    raise self._fail(
                         f"the upstream at {self.base_url} answered a stream request on {path} with "
                         f"{resp.content_type or 'no'} content: {_excerpt(await resp.read())}"
                     )
                 async for payload in sse_data(resp.content):
+                    if b'"error"' in payload:  # relayed as it is: an error event may echo our key
+                        payload = redact(payload.decode("utf-8", errors="replace"), self._secrets).encode()
                     yield payload
             finally:
                 resp.release()
@@ -259,48 +275,52 @@ class OpenAIEngine(Engine):
 
     # ---------------------------------------------------------------- errors
 
-    def _timeout(self) -> UpstreamTimeout:
-        return UpstreamTimeout(
+    def _fail(self, message: str, kind: type[UpstreamError] = UpstreamError) -> UpstreamError:
+        """An error whose message holds none of the configured secrets."""
+        return kind(redact(message, self._secrets))
+
+    def _timeout(self) -> UpstreamError:
+        return self._fail(
             f"the upstream at {self.base_url} did not answer within {self.timeout:g} s "
-            "(raise --upstream-timeout if it is just slow)"
+            "(raise --upstream-timeout if it is just slow)",
+            UpstreamTimeout,
         )
 
     def _unreachable(self, exc: aiohttp.ClientError | OSError) -> UpstreamError:
         reason = str(exc) or type(exc).__name__
         if isinstance(exc, (aiohttp.ClientConnectorError, ConnectError)):
-            return UpstreamError(f"cannot reach the upstream at {self.base_url}: {reason}")
-        return UpstreamError(f"the connection to the upstream at {self.base_url} failed: {reason}")
+            return self._fail(f"cannot reach the upstream at {self.base_url}: {reason}")
+        return self._fail(f"the connection to the upstream at {self.base_url} failed: {reason}")
 
     def _status_error(self, status: int, payload: bytes) -> RLProxyError:
-        error: dict = {}
-        try:
-            body = orjson.loads(payload)
-            if isinstance(body, dict):
-                raw_error = body.get("error", body)
-                error = raw_error if isinstance(raw_error, dict) else {"message": str(raw_error)}
-        except orjson.JSONDecodeError:
-            pass
-        message = str(error.get("message") or error.get("detail") or _excerpt(payload) or "no message")
-        if status in (401, 403):
-            return UpstreamError(
-                f"the upstream at {self.base_url} refused rlproxy's upstream key ({status}): {message}; "
-                "check --upstream-api-key"
-            )
-        if status < 500:
-            return UpstreamRejected(
-                status,
-                message,
-                _str_or_none(error.get("type")),
-                _str_or_none(error.get("param")),
-                _str_or_none(error.get("code")),
-            )
-        return UpstreamError(f"the upstream at {self.base_url} answered {status}: {message}")
+        return status_error(self.base_url, status, payload, self._secrets)
+
+
+def status_error(where: str, status: int, payload: bytes, secrets: list[str]) -> RLProxyError:
+    """The gateway's error for an upstream's error answer, `secrets` redacted from all of it."""
+    error: dict = {}
+    try:
+        body = orjson.loads(payload)
+        if isinstance(body, dict):
+            raw_error = body.get("error", body)
+            error = raw_error if isinstance(raw_error, dict) else {"message": str(raw_error)}
+    except orjson.JSONDecodeError:
+        pass
+
+    def text(value: object) -> str | None:
+        return None if value is None else redact(str(value), secrets)
+
+    message = redact(str(error.get("message") or error.get("detail") or _excerpt(payload) or "no message"), secrets)
+    if status in (401, 403):
+        refused = f"the upstream at {where} refused rlproxy's upstream key ({status})"
+        return UpstreamError(redact(f"{refused}: {message}; check --upstream-api-key", secrets))
+    if status < 500:
+        return UpstreamRejected(
+            status, message, text(error.get("type")), text(error.get("param")), text(error.get("code"))
+        )
+    return UpstreamError(redact(f"the upstream at {where} answered {status}: {message}", secrets))
 
 
 def _excerpt(payload: bytes, limit: int = 300) -> str:
     text = payload.decode("utf-8", errors="replace").strip()
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _str_or_none(value: object) -> str | None:
-    return None if value is None else str(value)

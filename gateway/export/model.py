@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import ConfigError, InvalidRequest, NotFound
+from gateway.redact import masked
 from gateway.settings import Settings
 from trainer import checkpoints as ckpts
 from trainer.backends.base import ADAPTER_FILES
@@ -128,7 +129,7 @@ def _prepare_out(out: Path) -> None:
 def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = False) -> ModelExport:
     name, step = parse_model_ref(ref)
     checkpoint = find_checkpoint(settings, name, step)
-    trained_with = checkpoint.settings()
+    trained_with = masked(checkpoint.settings())  # one saved before every form was masked may hold secrets
     base_model = trained_with.get("base_model", settings.base_model)
     out = Path(out)
     _prepare_out(out)

@@ -1,9 +1,11 @@
-"""The API key for browsers: a login form (or `/ui?key=...` once) sets an HttpOnly cookie.
+"""The API key for browsers: a login form sets an HttpOnly cookie.
 
 The cookie holds an HMAC of a fixed label under the key, never the key itself, and it is
 compared in constant time. It is accepted on GET and HEAD only, and is SameSite=Strict:
 the dashboard reads, and a page on another site can never make a browser post a reward or
 trigger training with it. Everything else is `BearerAuthMiddleware`'s job, unchanged.
+The key is never taken from a URL (`/ui?key=...`): URLs end up in access logs, proxies' logs
+and the browser's history.
 """
 
 from __future__ import annotations
@@ -85,19 +87,14 @@ class DashboardAuthMiddleware(BearerAuthMiddleware):
             return
         if path == "/ui" or path.startswith("/ui/"):
             if method in _READ_METHODS:
-                query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-                if "key" in query:  # `/ui?key=...` once: set the cookie, and drop the key from the URL
-                    rest = {k: v for k, v in query.items() if k != "key"}
-                    target = path + ("?" + urlencode(rest, doseq=True) if rest else "")
-                    if hmac.compare_digest(query["key"][0].encode(), self._key):
-                        await self._signed_in(scope, send, target)
-                    else:
-                        await self._refuse(send, target, "That key does not match the gateway's API key.")
-                    return
                 if any(name == b"authorization" for name, _ in scope["headers"]):
                     await super().__call__(scope, receive, send)
                     return
+                # An old `/ui?key=...` link signs nobody in, and its key is not put into the page.
                 query_string = scope.get("query_string", b"").decode("latin-1")
+                query = parse_qs(query_string, keep_blank_values=True)
+                if "key" in query:
+                    query_string = urlencode({k: v for k, v in query.items() if k != "key"}, doseq=True)
                 await self._refuse(send, path + ("?" + query_string if query_string else ""), None)
                 return
         await super().__call__(scope, receive, send)

@@ -1,0 +1,178 @@
+"""Keys and secrets: a short or empty key is refused at start, the dashboard never takes its key
+from a URL, an upstream's error text reaches nobody with a key in it, and the settings written
+to the log, beside checkpoints and to trackers hold no password, key or token in any form."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from gateway.redact import redact
+from gateway.settings import Settings
+from tests.fake_upstream import FakeUpstream
+from tests.helpers_upstream import openai_gateway, raw_store_bytes
+
+KEY = "sk-gateway-" + "2d9f41c7e8a3-secret"
+UPSTREAM_KEY = "sk-upstream-" + "8e1b5a0c33-never-echoed"
+
+
+def rlproxy(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+# ---------------------------------------------------------------- item 5: a key is long enough
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [
+        (["--api-key", "short-key-12"], {}),
+        (["--api-key", ""], {}),
+        ([], {"RLPROXY_API_KEY": ""}),  # a blank variable is not "no key"
+    ],
+    ids=["short", "empty", "blank-env"],
+)
+def test_a_short_or_empty_key_is_refused_at_start(flags, env):
+    # --engine openai without --upstream-url: a gateway that got past its key stops at once too.
+    done = rlproxy("serve", "--engine", "openai", *flags, env=env)
+    assert done.returncode != 0
+    assert "--api-key" in done.stderr and "at least 16 characters" in done.stderr
+    assert "openssl rand -hex 24" in done.stderr  # how to make a good one
+    assert "short-key-12" not in done.stderr
+
+
+def test_settings_take_a_long_key_and_refuse_a_short_one_without_repeating_it():
+    assert Settings(api_key=KEY).api_key.get_secret_value() == KEY
+    with pytest.raises(ValidationError) as refused:
+        Settings(api_key="0123456789abcde")  # 15 characters
+    assert "at least 16 characters" in str(refused.value) and "0123456789abcde" not in str(refused.value)
+
+
+# ---------------------------------------------------------------- item 8: no key in a URL
+
+
+def test_a_key_in_the_dashboard_url_signs_nobody_in(upstream, tmp_path):
+    with openai_gateway(upstream.url, tmp_path, api_key=KEY) as (server, _):
+        page = httpx.get(f"{server.url}/ui?key={KEY}")
+        assert page.status_code == 401 and "set-cookie" not in page.headers
+        assert KEY not in page.text  # the login form's next page drops it
+        signed_in = httpx.post(f"{server.url}/ui/login", data={"key": KEY, "next": "/ui"})
+        assert signed_in.status_code == 303 and "rlproxy_ui" in signed_in.cookies
+
+
+# ---------------------------------------------------------------- item 6: upstream text redacted
+
+
+def test_an_upstream_that_echoes_our_key_gets_it_nowhere(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+    with FakeUpstream(api_key="the-upstream-wants-another-key", echo_key=True) as careless:
+        with openai_gateway(careless.url, tmp_path, upstream_api_key=UPSTREAM_KEY, upstream_protocol=["responses"]) as (
+            server,
+            _,
+        ):
+            answers = [
+                httpx.post(server.url + "/v1/chat/completions", json=chat, headers={"X-Session-Id": "plain"}),
+                httpx.post(
+                    server.url + "/v1/chat/completions", json={**chat, "stream": True}, headers={"X-Session-Id": "sse"}
+                ),
+                httpx.post(  # relayed as it is to an upstream that speaks Responses itself
+                    server.url + "/v1/responses",
+                    json={"model": "fake-model", "input": "hello"},
+                    headers={"X-Session-Id": "relayed"},
+                ),
+            ]
+    assert all(f"Bearer {UPSTREAM_KEY}" in r.headers.get("authorization", "") for r in careless.requests)
+    for answer in answers:
+        assert answer.status_code == 502
+        assert "check --upstream-api-key" in answer.text and "Authorization: Bearer ***" in answer.text
+        assert UPSTREAM_KEY not in answer.text
+    stored = raw_store_bytes(tmp_path)
+    assert b"check --upstream-api-key" in stored  # the calls were recorded, with their errors
+    assert UPSTREAM_KEY.encode() not in stored
+    assert UPSTREAM_KEY not in caplog.text
+
+
+# ---------------------------------------------------------------- item 7: settings written down
+
+
+def _cases() -> list:
+    cases = [
+        ({"api_key": KEY}, KEY, "api_key"),
+        ({"upstream_api_key": UPSTREAM_KEY}, UPSTREAM_KEY, "upstream_api_key"),
+        ({"store": "postgresql://rl:Pg-pw-1@db.example:5432/rl"}, "Pg-pw-1", "rl:***@db.example:5432/rl"),
+        ({"store": "postgresql://rl:p@ss-Pw2@db.example/rl"}, "p@ss-Pw2", "rl:***@db.example/rl"),  # an @ in it
+        ({"store": "postgresql://rl@db.example/rl?password=Qp-3&sslmode=require"}, "Qp-3", "sslmode=require"),
+        ({"store": "postgresql://db.example/rl?sslpassword=Ssl-4"}, "Ssl-4", "db.example/rl"),
+        ({"store": "host=db.example user=rl password=Kv-5 dbname=rl"}, "Kv-5", "host=db.example user=rl"),
+        ({"store": "host=db.example password = 'Kv 6' dbname=rl"}, "Kv 6", "dbname=rl"),
+        ({"upstream_url": "https://rl:Up-7@api.example/v1"}, "Up-7", "api.example/v1"),
+        ({"upstream_url": "https://api.example/v1?api_key=Q-8"}, "Q-8", "api.example/v1"),
+        ({"shadow_judge_api_base": "https://rl:Judge-9@judge.example/v1"}, "Judge-9", "judge.example/v1"),
+        ({"vllm_url": "http://rl:Vllm-10@127.0.0.1:8001"}, "Vllm-10", "127.0.0.1:8001"),
+        ({"vllm_arg": ["--hf-token=Hf-11", "--enforce-eager"]}, "Hf-11", "--enforce-eager"),
+        ({"vllm_arg": ["--hf-token", "Hf-12", "--max-num-batched-tokens", "8192"]}, "Hf-12", "8192"),
+        ({"vllm_arg": ["--api-key=Vk-13"]}, "Vk-13", "--api-key"),
+        ({"vllm_arg": ["--api-key", "Vk-14"]}, "Vk-14", "--api-key"),
+    ]
+    if "vllm_api_key" in Settings.model_fields:
+        cases.append(({"vllm_api_key": "Vllm-key-15"}, "Vllm-key-15", "vllm_api_key"))
+    if "judge_api_base" in Settings.model_fields:
+        cases.append(({"judge_api_base": ["https://rl:Jb-16@judge.example/v1"]}, "Jb-16", "judge.example/v1"))
+    return cases
+
+
+@pytest.mark.parametrize(
+    ("given", "secret", "kept"), _cases(), ids=lambda v: str(v)[:48] if isinstance(v, dict) else None
+)
+def test_public_settings_mask_every_form_and_redact_knows_it(given, secret, kept):
+    settings = Settings(**given)
+    public = json.dumps(settings.public_dict())
+    assert secret not in public and "***" in public
+    assert kept in public  # what is not secret stays readable
+    said = redact(f"the upstream said: {secret}!", settings.secrets())
+    assert said == "the upstream said: ***!"
+
+
+def test_the_judge_key_in_the_environment_is_redacted_too(monkeypatch):
+    monkeypatch.setenv("RLPROXY_JUDGE_API_KEY", "sk-judge-" + "51f0c2-from-env")
+    assert redact("echoed sk-judge-51f0c2-from-env", Settings().secrets()) == "echoed ***"
+
+
+def test_the_log_and_settings_beside_a_checkpoint_hold_no_secret(tmp_path):
+    secrets = ["Up-secret-7", "Q-secret-8", "Hf-secret-11", UPSTREAM_KEY]
+    done = rlproxy(
+        "train",
+        "--max-steps",
+        "0",  # step 0's checkpoint, with its settings.json, and nothing trained
+        "--state-dir",
+        str(tmp_path),
+        "--lora-rank",
+        "4",
+        "--upstream-url",
+        "https://rl:Up-secret-7@api.example/v1?token=Q-secret-8",
+        "--vllm-arg=--hf-token",
+        "--vllm-arg=Hf-secret-11",
+        "--log-level",
+        "info",
+        env={"RLPROXY_UPSTREAM_API_KEY": UPSTREAM_KEY},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "train settings" in done.stderr and "api.example/v1" in done.stderr
+    [saved] = tmp_path.glob("models/agent/checkpoints/*/settings.json")
+    assert "api.example/v1" in saved.read_text()
+    for secret in secrets:
+        assert secret not in done.stderr and secret not in saved.read_text()
