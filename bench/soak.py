@@ -314,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
                 "warning",
                 "--poll-interval",
                 "0.5",
+                "--judge-model",  # the only judge RULER may call here
+                "openai/soak-judge",
+                "--judge-api-base",
+                judge.url,
             ]
             with Gateway(gateway_args, Path(tmp) / "gateway.log", {"RLPROXY_JUDGE_API_KEY": JUDGE_KEY}) as gw:
                 checkpoints = state / "models" / "agent" / "checkpoints"

@@ -364,9 +364,14 @@ def parse_args(example: Example, argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--judge-model",
         default="self",
-        help="RULER judge: a litellm id (openai/o3, ...) or 'self', the model the gateway serves",
+        help="RULER judge: a litellm id (openai/o3, ...) or 'self', the model the gateway serves; "
+        "another than self must be one the gateway was started with (rlproxy serve --judge-model)",
     )
-    parser.add_argument("--judge-api-base", default=None, help="RULER judge at an OpenAI-compatible URL")
+    parser.add_argument(
+        "--judge-api-base",
+        default=None,
+        help="RULER judge at an OpenAI-compatible URL (one the gateway was started with: --judge-api-base)",
+    )
     parser.add_argument("--rubric", default=None, help="RULER rubric (default: this example's)")
     parser.add_argument("--out", default=None, help="append one JSON line per rollout to this file")
     args = parser.parse_args(argv)

@@ -157,7 +157,9 @@ class Group(_GroupBase):
         return body
 
     def ruler(self, judge_model: str, rubric: str | None = None, judge_api_base: str | None = None) -> list[Score]:
-        """Score every session with an LLM judge (RULER); the scores become rewards and the group closes."""
+        """Score every session with an LLM judge (RULER); the scores become rewards and the group closes.
+        The gateway calls only the judges it was started with (`--judge-model`, `--judge-api-base`)
+        and `self`; another is a `BadRequestError`."""
         scores = self.proxy.ruler(self.id, judge_model, rubric, judge_api_base)
         self.closed = True
         return scores

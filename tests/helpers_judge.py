@@ -4,7 +4,9 @@
 callable gets the request body and returns the content); once they run out the
 judge answers well on its own: one score per `<trajectory id="...">` it was shown,
 the first best. Point litellm at it with `judge_api_base=judge.url`, or with
-`OPENAI_BASE_URL=judge.url` for a plain `openai/<model>` judge id.
+`OPENAI_BASE_URL=judge.url` for a plain `openai/<model>` judge id. A gateway calls only the
+judges it was started with: one started before its judge gives `--judge-api-base judge_url(port)`
+and the judge that `port`.
 """
 
 from __future__ import annotations
@@ -52,8 +54,16 @@ def good_answer(body: dict) -> str:
     )
 
 
+def judge_url(port: int) -> str:
+    """The base URL of a FakeJudge on `port` (what a gateway allows with --judge-api-base)."""
+    return f"http://127.0.0.1:{port}/v1"
+
+
 class FakeJudge:
-    def __init__(self, answers: list[str | Callable[[dict], str]] | None = None, status: int = 200):
+    def __init__(
+        self, answers: list[str | Callable[[dict], str]] | None = None, status: int = 200, port: int | None = None
+    ):
+        self.port = port
         self.answers = list(answers or [])
         # A non-200 status makes every answer an OpenAI-shaped error that quotes the key it got,
         # as some providers do, so tests can check the gateway does not pass it on.
@@ -101,7 +111,7 @@ class FakeJudge:
         )
 
     def __enter__(self) -> FakeJudge:
-        self._server = ThreadServer(self.app).__enter__()
+        self._server = ThreadServer(self.app, port=self.port).__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,8 @@ from examples.retail.agent import RETAIL
 from examples.retail.env import RetailEnv
 from examples.retail.tasks import TASKS
 from examples.toolagent import SimulatedUser, grade, main
-from tests.helpers_judge import FakeJudge
+from tests.helpers import free_port
+from tests.helpers_judge import FakeJudge, judge_url
 from tests.helpers_policy import ScriptedPolicy, call, check_trajectory, fail, say
 from tests.helpers_upstream import openai_gateway
 
@@ -208,10 +209,16 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def judge_port() -> int:
+    return free_port()  # the FakeJudge's: the gateway starts first and allows that judge
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, judge_port):
+    judges = {"judge_model": ["openai/judge"], "judge_api_base": [judge_url(judge_port)]}
     with (
         ScriptedPolicy(SCRIPTS) as policy,
-        openai_gateway(policy.url, tmp_path_factory.mktemp("retail-state")) as (server, _),
+        openai_gateway(policy.url, tmp_path_factory.mktemp("retail-state"), **judges) as (server, _),
     ):
         yield server.url, policy
 
@@ -246,10 +253,10 @@ def test_the_agent_runs_the_tool_loop_and_posts_the_database_reward(served):
         assert sorted(s["reward"] for s in group["sessions"]) == [0.0, 1.0]
 
 
-def test_ruler_scores_each_group_through_the_gateway(served, monkeypatch):
+def test_ruler_scores_each_group_through_the_gateway(served, judge_port, monkeypatch):
     url, policy = served
     monkeypatch.setenv("RLPROXY_JUDGE_API_KEY", "sk-judge-test")
-    with FakeJudge() as judge:
+    with FakeJudge(port=judge_port) as judge:
         records = _run(url, "--ruler", "--judge-model", "openai/judge", "--judge-api-base", judge.url)
     assert len(judge.requests) == 2  # one judgement per group
     for body in judge.bodies:

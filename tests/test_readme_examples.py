@@ -66,6 +66,7 @@ def served(tmp_path_factory):
             "LANGFUSE_HOST": "",
         }
         args = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(state_dir)]
+        args += ["--judge-model", "openai/o3"]  # as the README says to start it for its RULER example
         with gateway_process(args, env=env) as (_, url):
             yield url, judge
 

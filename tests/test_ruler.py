@@ -28,8 +28,8 @@ from gateway.ruler.scoring import (
     trajectory_from_calls,
 )
 from gateway.settings import Settings
-from tests.helpers import ThreadServer
-from tests.helpers_judge import FakeJudge, good_answer, shown_ids
+from tests.helpers import ThreadServer, free_port
+from tests.helpers_judge import FakeJudge, good_answer, judge_url, shown_ids
 from tests.helpers_upstream import openai_gateway, raw_store_bytes
 
 GOLDEN = Path(__file__).parent / "golden" / "ruler_prompt.txt"
@@ -212,9 +212,16 @@ def test_a_fenced_answer_in_any_order_is_accepted():
 
 
 @pytest.fixture(scope="module")
-def gateway(upstream, tmp_path_factory):
+def judge_port() -> int:
+    """Where each test's FakeJudge listens: the gateway starts first and allows that judge."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, tmp_path_factory, judge_port):
     state_dir = tmp_path_factory.mktemp("ruler-state")
-    with openai_gateway(upstream.url, state_dir) as (server, services):
+    judges = {"judge_model": ["openai/j", "openai/judge-model"], "judge_api_base": [judge_url(judge_port)]}
+    with openai_gateway(upstream.url, state_dir, **judges) as (server, services):
         yield server, services, state_dir
 
 
@@ -250,12 +257,12 @@ def _group(server, group_id: str) -> dict:
     return httpx.get(f"{server.url}/v1/groups/{group_id}").json()
 
 
-def test_a_group_is_judged_scores_become_rewards_and_it_closes(gateway, judge_env):
+def test_a_group_is_judged_scores_become_rewards_and_it_closes(gateway, judge_env, judge_port):
     server, services, state_dir = gateway
     sessions = _run_group(server, "g-judged", ["Answer 391", "Answer 400", "Answer 391"])
     httpx.post(f"{server.url}/v1/sessions/{sessions[1]}/reward", json={"reward": 0.3}).raise_for_status()
 
-    with FakeJudge() as judge:
+    with FakeJudge(port=judge_port) as judge:
         response = _ruler(server, "g-judged", judge_model="openai/judge-model", judge_api_base=judge.url)
     assert response.status_code == 200, response.text
 
@@ -296,10 +303,10 @@ def test_a_group_is_judged_scores_become_rewards_and_it_closes(gateway, judge_en
     assert JUDGE_KEY.encode() not in raw_store_bytes(state_dir)
 
 
-def test_a_custom_rubric_reaches_the_judge(gateway, judge_env):
+def test_a_custom_rubric_reaches_the_judge(gateway, judge_env, judge_port):
     server, _, _ = gateway
     _run_group(server, "g-rubric", ["Answer 391", "Answer 390"])
-    with FakeJudge() as judge:
+    with FakeJudge(port=judge_port) as judge:
         assert (
             _ruler(
                 server,
@@ -314,10 +321,10 @@ def test_a_custom_rubric_reaches_the_judge(gateway, judge_env):
     assert "Only the exact product counts." in system and DEFAULT_RUBRIC not in system
 
 
-def test_a_malformed_answer_is_retried_once_with_the_reason(gateway, judge_env):
+def test_a_malformed_answer_is_retried_once_with_the_reason(gateway, judge_env, judge_port):
     server, _, _ = gateway
     _run_group(server, "g-retry", ["Answer 391", "Answer 12"])
-    with FakeJudge(answers=["I think the first one is better."]) as judge:
+    with FakeJudge(port=judge_port, answers=["I think the first one is better."]) as judge:
         response = _ruler(server, "g-retry", judge_model="openai/j", judge_api_base=judge.url)
     assert response.status_code == 200, response.text
     first, second = judge.bodies
@@ -327,7 +334,7 @@ def test_a_malformed_answer_is_retried_once_with_the_reason(gateway, judge_env):
     assert _group(server, "g-retry")["ruler_status"] == "scored"
 
 
-def test_two_bad_answers_fail_the_judgement_and_leave_the_group_unscored(gateway, judge_env):
+def test_two_bad_answers_fail_the_judgement_and_leave_the_group_unscored(gateway, judge_env, judge_port):
     server, _, _ = gateway
     sessions = _run_group(server, "g-fail", ["Answer 391", "Answer 12"])
     wrong_ids = json.dumps(
@@ -346,7 +353,7 @@ def test_two_bad_answers_fail_the_judgement_and_leave_the_group_unscored(gateway
             ]
         }
     )
-    with FakeJudge(answers=[wrong_ids, out_of_range]) as judge:
+    with FakeJudge(port=judge_port, answers=[wrong_ids, out_of_range]) as judge:
         response = _ruler(server, "g-fail", judge_model="openai/j", judge_api_base=judge.url)
     assert len(judge.requests) == 2  # exactly one retry
     assert response.status_code == 502
@@ -360,21 +367,23 @@ def test_two_bad_answers_fail_the_judgement_and_leave_the_group_unscored(gateway
     assert all(s["reward"] is None for s in group["sessions"] if s["id"] in sessions)
 
 
-def test_an_unreachable_judge_is_reported_without_its_key(gateway, judge_env, caplog):
+def test_an_unreachable_judge_is_reported_without_its_key(gateway, judge_env, judge_port, caplog):
     server, _, state_dir = gateway
     _run_group(server, "g-refused", ["Answer 391", "Answer 12"])
-    with FakeJudge(status=400) as judge:  # its error message quotes the key it was sent
+    with FakeJudge(port=judge_port, status=400) as judge:  # its error message quotes the key it was sent
         response = _ruler(server, "g-refused", judge_model="openai/j", judge_api_base=judge.url)
     assert response.status_code == 502
     message = response.json()["error"]["message"]
-    assert "the judge 'openai/j' failed" in message and "refuses the key" in message
+    assert "the judge 'openai/j' failed" in message and "HTTP 400" in message
+    # What the judge replied goes to the log only (issue 37: a reply read back made RULER an SSRF).
+    assert "refuses the key" not in message and "refuses the key" in caplog.text
     assert JUDGE_KEY not in message and JUDGE_KEY not in caplog.text
     group = _group(server, "g-refused")
     assert group["ruler_status"] == "failed" and JUDGE_KEY not in group["ruler_error"]
     assert JUDGE_KEY.encode() not in raw_store_bytes(state_dir)
 
 
-def test_a_group_is_judged_once_at_a_time_and_shows_running(gateway, judge_env):
+def test_a_group_is_judged_once_at_a_time_and_shows_running(gateway, judge_env, judge_port):
     server, _, _ = gateway
     _run_group(server, "g-busy", ["Answer 391", "Answer 12"])
     asked, release = threading.Event(), threading.Event()
@@ -384,7 +393,7 @@ def test_a_group_is_judged_once_at_a_time_and_shows_running(gateway, judge_env):
         release.wait(30)
         return good_answer(body)
 
-    with FakeJudge(answers=[slow_answer]) as judge:
+    with FakeJudge(port=judge_port, answers=[slow_answer]) as judge:
         first: dict = {}
         worker = threading.Thread(
             target=lambda: first.setdefault(

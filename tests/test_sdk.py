@@ -27,7 +27,7 @@ from sdk import (
 )
 from sdk.client import api_base
 from tests.helpers import free_port
-from tests.helpers_judge import FakeJudge
+from tests.helpers_judge import FakeJudge, judge_url
 from tests.helpers_upstream import openai_gateway
 from trainer.data import load_groups
 
@@ -35,8 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def gateway(upstream, tmp_path_factory):
-    with openai_gateway(upstream.url, tmp_path_factory.mktemp("sdk-state")) as (server, services):
+def judge_port() -> int:
+    """Where the tests' FakeJudges listen: the gateway starts first and allows that judge."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, tmp_path_factory, judge_port):
+    judges = {"judge_model": ["openai/judge"], "judge_api_base": [judge_url(judge_port)]}
+    with openai_gateway(upstream.url, tmp_path_factory.mktemp("sdk-state"), **judges) as (server, services):
         yield server, services
 
 
@@ -269,10 +276,10 @@ def test_gateway_errors_are_typed_and_carry_its_message(proxy, gateway):
     assert info.value.status_code == 400 and "turns" in info.value.message
 
 
-def test_a_failed_judgement_is_a_server_error(proxy):
+def test_a_failed_judgement_is_a_server_error(proxy, judge_port):
     with proxy.group() as group:
         group.run(lambda s: _ask(s, f"attempt {s.index}") and None, n=2)
-        with FakeJudge(answers=["nope", "still nope"]) as judge:
+        with FakeJudge(answers=["nope", "still nope"], port=judge_port) as judge:
             with pytest.raises(ServerError) as info:
                 group.ruler("openai/judge", judge_api_base=judge.url)
         assert info.value.status_code == 502 and info.value.type == "judge_error"
@@ -300,7 +307,7 @@ def test_wrong_key_and_no_gateway(upstream, tmp_path):
 # ---------------------------------------------------------------- asyncio flows
 
 
-async def test_async_group_run_then_ruler(gateway):
+async def test_async_group_run_then_ruler(gateway, judge_port):
     server, _ = gateway
 
     async def rollout(session):
@@ -315,7 +322,7 @@ async def test_async_group_run_then_ruler(gateway):
         assert reply.choices[0].message.content.startswith("attempt")
         return None  # RULER scores it
 
-    with FakeJudge() as judge:
+    with FakeJudge(port=judge_port) as judge:
         async with AsyncRLProxy(server.url) as client:
             async with client.group() as group:
                 result = await group.run(rollout, n=4, concurrency=4)

@@ -29,7 +29,7 @@ from gateway.settings import Settings
 from gateway.store import CallRecord
 from gateway.tracing import LangfuseTracer, build_tracer, generation_fields
 from tests.helpers import ThreadServer, free_port
-from tests.helpers_judge import FakeJudge
+from tests.helpers_judge import FakeJudge, judge_url
 from tests.helpers_upstream import openai_gateway
 
 SECRET = "sk-lf-" + "5ec7e7-never-log-me"
@@ -164,7 +164,9 @@ def test_a_call_becomes_a_generation_with_model_step_usage_and_latency():
 
 def test_sessions_calls_rewards_and_judgements_reach_langfuse(monkeypatch, receiver, upstream, tmp_path, caplog):
     _env(monkeypatch, receiver.url)
-    with FakeJudge() as judge, openai_gateway(upstream.url, tmp_path) as (server, services):
+    port = free_port()
+    judges = {"judge_model": ["openai/judge"], "judge_api_base": [judge_url(port)]}  # the judges RULER may call
+    with FakeJudge(port=port) as judge, openai_gateway(upstream.url, tmp_path, **judges) as (server, services):
         assert isinstance(services.tracer, LangfuseTracer)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         sessions = ["trace-a", "trace-b"]

@@ -4,6 +4,10 @@ Synchronous: the answer comes once the judge has scored the group (a reasoning
 judge can take minutes; clients should allow for it). A client that hangs up does
 not cancel the judgement; `GET /v1/groups/{id}` shows `ruler_status` (running,
 scored, failed) and `ruler_error` either way.
+
+Only the judges the operator named may be called (`--judge-model`, `--judge-api-base`,
+the shadow judge, `self`); another is a 400 before anything is sent
+(`gateway.ruler.judges.judge_for`).
 """
 
 from __future__ import annotations

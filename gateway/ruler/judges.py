@@ -2,20 +2,29 @@
 or its own engine (`self`). A judge is a function from (messages, response_format) to
 the answer's text; RULER (`gateway.ruler.scoring`) builds the messages and checks the answer.
 
+A request only picks among the judges the operator named (`judge_for`): a model string
+reaches wherever litellm routes it (`ollama/...` a local port, `openai/...` with
+OPENAI_API_KEY), and a base URL is a place the gateway POSTs to, so both must be on
+`--judge-model` / `--judge-api-base` (or be the shadow judge's, or `self`).
+
 Judge keys come from the environment (litellm reads OPENAI_API_KEY, ANTHROPIC_API_KEY,
-...) and are never stored, logged or echoed: error messages are scrubbed of them.
+...; RLPROXY_JUDGE_API_KEY goes to a configured base URL only) and are never stored,
+logged or echoed. A failed judge call answers a short reason; what the judge replied goes
+to the log only, scrubbed of keys: a judge's reply is not for the client to read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gateway.errors import UpstreamError
+from gateway.errors import InvalidRequest, RLProxyError, UpstreamError
+from gateway.redact import redact as redact_secrets
 
 SELF_JUDGE = "self"  # judge_model that means: the model this gateway serves
 JUDGE_TIMEOUT = 600.0  # seconds for one judge call; reasoning judges think long
@@ -29,6 +38,8 @@ class JudgeError(UpstreamError):
     error_type = "judge_error"
 
 
+log = logging.getLogger("rlproxy.ruler")
+
 _SECRET_NAME = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD)", re.IGNORECASE)
 
 
@@ -38,6 +49,17 @@ def redact(text: str) -> str:
         if len(value) >= 8 and _SECRET_NAME.search(name) and value in text:
             text = text.replace(value, "***")
     return text
+
+
+def _failed(judge_model: str, exc: BaseException, key: str | None = None) -> JudgeError:
+    """The short error a client and the group see; the judge's whole reply goes to the log."""
+    text = redact(redact_secrets(str(exc), [key or ""]))
+    log.warning("RULER: the judge '%s' failed: %s: %s", judge_model, type(exc).__name__, text[:4000])
+    if isinstance(exc, RLProxyError) and not isinstance(exc, UpstreamError):
+        return JudgeError(f"the judge '{judge_model}' failed: {text[:500]}")  # our own words, e.g. too long
+    status = getattr(exc, "status_code", None)
+    what = type(exc).__name__ + (f", HTTP {status}" if isinstance(status, int) else "")
+    return JudgeError(f"the judge '{judge_model}' failed ({what}); its reply is in the gateway's log")
 
 
 _litellm_module: Any = None
@@ -57,9 +79,11 @@ async def _litellm() -> Any:
     return _litellm_module
 
 
-def litellm_judge(model: str, api_base: str | None = None, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
+def litellm_judge(
+    model: str, api_base: str | None = None, timeout: float = JUDGE_TIMEOUT, api_key: str | None = None
+) -> JudgeCall:
     """A judge reached through litellm: a provider id (`openai/o3`, `anthropic/...`) with its key
-    from the environment, or any OpenAI-compatible server at `api_base`."""
+    from the environment, or any OpenAI-compatible server at `api_base` with `api_key`."""
 
     async def call(messages: list[dict], response_format: dict) -> str | None:
         litellm = await _litellm()
@@ -75,14 +99,14 @@ def litellm_judge(model: str, api_base: str | None = None, timeout: float = JUDG
             kwargs["api_base"] = api_base
             if model.split("/", 1)[0] not in litellm.provider_list:
                 kwargs["custom_llm_provider"] = "openai"  # `my-model` at an OpenAI-compatible URL
-            # The URL comes with the request, so the provider keys in the environment must not
-            # go there: only the key meant for such a judge. A local judge often wants none,
-            # but the OpenAI client insists on one.
-            kwargs["api_key"] = os.environ.get("RLPROXY_JUDGE_API_KEY") or "EMPTY"
+            # Never the provider keys in the environment: only the key meant for such a judge
+            # (the caller's to choose). A local judge often wants none, but the OpenAI client
+            # insists on one.
+            kwargs["api_key"] = api_key or "EMPTY"
         try:
             response = await litellm.acompletion(**kwargs)
         except Exception as exc:  # litellm raises its own zoo; the caller wants one kind
-            raise JudgeError(f"the judge '{model}' failed: {redact(str(exc))[:1000]}") from None
+            raise _failed(model, exc, api_key) from None
         if not response.choices:
             return None
         return response.choices[0].message.content
@@ -110,8 +134,48 @@ def engine_judge(services: Any, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
         except asyncio.TimeoutError:
             raise JudgeError(f"the judge '{SELF_JUDGE}' did not answer within {timeout:.0f} s") from None
         except Exception as exc:
-            raise JudgeError(f"the judge '{SELF_JUDGE}' failed: {redact(str(exc))[:1000]}") from None
+            raise _failed(SELF_JUDGE, exc) from None
         choices = completion.response.get("choices") or []
         return (choices[0].get("message") or {}).get("content") if choices else None
 
     return call
+
+
+def _bare(url: str) -> str:
+    return url.rstrip("/")
+
+
+def _refused(what: str, value: str, flag: str) -> InvalidRequest:
+    shown = value if len(value) <= 200 else value[:200] + "..."
+    return InvalidRequest(
+        f"{what} '{shown}' is not a judge this gateway may call: the operator allows it by starting the "
+        f"gateway with {flag} {shown} (repeatable, exact match)",
+        param=what,
+        code="judge_not_allowed",
+    )
+
+
+def judge_for(services: Any, judge_model: str, judge_api_base: str | None) -> JudgeCall:
+    """The judge a RULER request names, if the operator allowed it (`InvalidRequest` if not).
+
+    Exact matches only: a prefix rule would let `BASE/../internal` or `BASE?` through. A request
+    without `judge_api_base` goes where litellm routes the model id (its provider's URL and
+    key); the gateway never fills in a configured base, so a request means the same whatever
+    else is configured."""
+    settings = services.settings
+    if judge_model == SELF_JUDGE:
+        if judge_api_base:
+            raise InvalidRequest("judge_api_base cannot be used with judge_model 'self'", param="judge_api_base")
+        return engine_judge(services)
+    if judge_api_base is not None and not judge_api_base.startswith(("http://", "https://")):
+        raise InvalidRequest(
+            f"judge_api_base must start with http:// or https://, got '{judge_api_base[:200]}'", param="judge_api_base"
+        )
+    if judge_model not in {*settings.judge_model, settings.shadow_judge_model}:
+        raise _refused("judge_model", judge_model, "--judge-model")
+    if judge_api_base is None:
+        return litellm_judge(judge_model)
+    bases = {_bare(base) for base in [*settings.judge_api_base, settings.shadow_judge_api_base] if base}
+    if _bare(judge_api_base) not in bases:
+        raise _refused("judge_api_base", judge_api_base, "--judge-api-base")
+    return litellm_judge(judge_model, judge_api_base, api_key=os.environ.get("RLPROXY_JUDGE_API_KEY"))

@@ -24,8 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.errors import Conflict, InvalidRequest
-from gateway.ruler.judges import SELF_JUDGE, JudgeCall, JudgeError, engine_judge, litellm_judge, redact
+from gateway.errors import Conflict
+from gateway.ruler.judges import JudgeCall, JudgeError, judge_for, redact
 from gateway.store.rows import frozen_group_reason
 
 log = logging.getLogger("rlproxy.ruler")
@@ -321,17 +321,6 @@ class RulerService:
         self.services = services
         self._running: set[str] = set()
 
-    def _judge_call(self, judge_model: str, judge_api_base: str | None) -> JudgeCall:
-        if judge_model == SELF_JUDGE:
-            if judge_api_base:
-                raise InvalidRequest("judge_api_base cannot be used with judge_model 'self'", param="judge_api_base")
-            return engine_judge(self.services)
-        if judge_api_base is not None and not judge_api_base.startswith(("http://", "https://")):
-            raise InvalidRequest(
-                f"judge_api_base must start with http:// or https://, got '{judge_api_base}'", param="judge_api_base"
-            )
-        return litellm_judge(judge_model, judge_api_base)
-
     def trajectories(self, group_id: str) -> list[Trajectory]:
         store = self.services.store
         group = store.get_group(group_id)  # NotFound for an unknown group
@@ -346,7 +335,7 @@ class RulerService:
         self, group_id: str, judge_model: str, rubric: str | None = None, judge_api_base: str | None = None
     ) -> list[dict]:
         """Judge the group, store scores as rewards and close it; on failure mark it failed and raise."""
-        call = self._judge_call(judge_model, judge_api_base)
+        call = judge_for(self.services, judge_model, judge_api_base)  # 400 for a judge the operator did not name
         if group_id in self._running:
             raise Conflict(f"group '{group_id}' is being judged already; wait for GET /v1/groups/{group_id}")
         self._running.add(group_id)
