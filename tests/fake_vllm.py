@@ -11,7 +11,9 @@ What it serves, as vLLM does:
   `adapter_config.json` -> 404; a LoRA rank above `--max-lora-rank` -> 400.
 - `POST /sleep?level=1`, `POST /wake_up`, `GET /is_sleeping`: registered only with
   `VLLM_SERVER_DEV_MODE=1`, and need `--enable-sleep-mode`.
-- `GET /v1/models` (adapters listed with `parent`), `GET /health`.
+- `GET /v1/models` (adapters listed with `parent`), `GET /health`;
+- `--uds PATH`: on that Unix socket instead of a port; `VLLM_API_KEY`: every route but
+  `/health` needs it as a bearer (401 otherwise).
 
 Stricter where vLLM is: sampling fields a request leaves out come from the model's generation
 config (`MODEL_GENERATION_CONFIG`, Qwen2.5-Instruct's) unless started with `--generation-config
@@ -27,7 +29,8 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING alone (loading then needs `--enable-lora`).
 
 Made for tests: every completion's text names the model that answered (`[agent@1] ...`), so a
 test sees which adapter served it; `/fake/state` shows the event log (load, unload, sleep,
-wake_up, chat — and any chat that arrived while asleep), argv and the vLLM env vars;
+wake_up, chat with the `priority` it was sent at — and any chat that arrived while asleep), argv and
+the vLLM env vars;
 `POST /fake/script` sets a per-token delay, a parser that holds text back (chunks with an
 empty delta that carry only token ids), or a crash after N chunks (the process exits, as a
 dying vLLM would; in-thread servers drop the connection instead).
@@ -264,7 +267,9 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = await request.json()
         model = body.get("model") or state.base_model
-        state.event("chat", model=model, stream=bool(body.get("stream")), asleep=state.asleep)
+        state.event(
+            "chat", model=model, stream=bool(body.get("stream")), asleep=state.asleep, priority=body.get("priority")
+        )
         if state.asleep:
             with state.lock:
                 state.chats_while_asleep += 1
@@ -559,6 +564,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("model")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--uds", default=None)
     serve.add_argument("--enable-lora", action="store_true")
     serve.add_argument("--max-lora-rank", type=int, default=16)
     serve.add_argument("--max-loras", type=int, default=1)
@@ -588,7 +594,34 @@ def main(argv: list[str] | None = None) -> None:
     )
     import uvicorn
 
-    uvicorn.run(create_fake_vllm(state), host=args.host, port=args.port, log_level="warning")
+    app = create_fake_vllm(state)
+    if os.environ.get("VLLM_API_KEY"):
+        app = require_key(app, os.environ["VLLM_API_KEY"])
+    if args.uds:
+        # As vLLM binds it (create_server_unix_socket): a file already there, even a dead
+        # server's socket, makes the start fail (uvicorn's own `uds` would replace it).
+        import socket
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(args.uds)
+        uvicorn.run(app, fd=sock.fileno(), log_level="warning")
+    else:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+def require_key(app, key: str):
+    """vLLM's --api-key (or VLLM_API_KEY): every route but /health (and the tests' /fake/ ones)
+    needs `Authorization: Bearer KEY`."""
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health" and not scope["path"].startswith("/fake/"):
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization") != b"Bearer " + key.encode():
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return guarded
 
 
 if __name__ == "__main__":

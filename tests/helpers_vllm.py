@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from gateway.engines.vllm.engine import VLLMEngine
+from gateway.engines.vllm.server import socket_of
 from gateway.settings import Settings
 from tests.fake_vllm import FakeState, create_fake_vllm
 from tests.helpers import ThreadServer, free_port, stop_process
@@ -66,13 +67,29 @@ def fake_vllm_process(port: int, *, sleep_mode: bool = True, log_path: Path | No
             out.close()
 
 
+def vllm_http(url: str) -> httpx.Client:
+    """An httpx client for the vLLM at `url`: http://HOST:PORT, or unix:PATH (its socket)."""
+    path = socket_of(url)
+    if path is None:
+        return httpx.Client(base_url=url)
+    return httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=path))
+
+
+def fake_vllm_on_path(bin_dir: Path) -> str:
+    """A `vllm` executable in `bin_dir` that is the fake server; returns a PATH that finds it first."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_VLLM}" "$@"\n')
+    (bin_dir / "vllm").chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"fake vLLM exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+        with contextlib.suppress(httpx.HTTPError), vllm_http(url) as client:
+            if client.get("/health", timeout=1.0).status_code == 200:
                 return
         if time.monotonic() > deadline:
             raise RuntimeError(f"fake vLLM at {url} did not become healthy")
@@ -80,11 +97,13 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
 
 
 def fake_state(url: str) -> dict:
-    return httpx.get(url + "/fake/state", timeout=5).json()
+    with vllm_http(url) as client:
+        return client.get("/fake/state", timeout=5).json()
 
 
 def script_fake(url: str, **script) -> None:
-    httpx.post(url + "/fake/script", json=script, timeout=5).raise_for_status()
+    with vllm_http(url) as client:
+        client.post("/fake/script", json=script, timeout=5).raise_for_status()
 
 
 def make_adapter(root: Path, name: str, rank: int = 16) -> Path:
@@ -135,6 +154,7 @@ __all__ = [
     "FAKE_LAUNCHER",
     "fake_vllm_thread",
     "fake_vllm_process",
+    "fake_vllm_on_path",
     "fake_state",
     "script_fake",
     "make_adapter",
@@ -142,5 +162,6 @@ __all__ = [
     "attached_engine",
     "wait_until",
     "wait_healthy",
+    "vllm_http",
     "free_port",
 ]

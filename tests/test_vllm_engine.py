@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from tests.helpers_vllm import (
     FAKE_LAUNCHER,
     attached_engine,
     fake_state,
+    fake_vllm_on_path,
     fake_vllm_process,
     fake_vllm_thread,
     free_port,
@@ -502,7 +502,7 @@ def _answers(client, model: str) -> str | None:
 
 
 def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
-    settings = vllm_settings(tmp_path, vllm_port=free_port(), vllm_arg=["--gpu-memory-utilization=0.5"])
+    settings = vllm_settings(tmp_path, vllm_arg=["--gpu-memory-utilization=0.5"])
     engine = VLLMEngine.from_settings(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
     engine.supervisor.health_interval = 0.1
     with Gateway(engine, settings, SQLiteStore(settings.db_path)) as gw:
@@ -575,7 +575,7 @@ def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
 
 
 async def test_managed_vllm_that_cannot_start_says_why(tmp_path):
-    settings = vllm_settings(tmp_path, vllm_port=free_port())
+    settings = vllm_settings(tmp_path)
     dies = [sys.executable, "-c", "print('torch.OutOfMemoryError: CUDA out of memory'); raise SystemExit(3)"]
     engine = VLLMEngine.from_settings(settings, launcher=dies, startup_timeout=60)
     with pytest.raises(EngineUnavailable) as info:
@@ -591,13 +591,12 @@ async def test_managed_vllm_that_cannot_start_says_why(tmp_path):
 # ---------------------------------------------------------------------------- `vllm` on PATH
 
 
-def _stand_ins(bin_dir: Path) -> None:
+def _stand_ins(bin_dir: Path) -> str:
     """A `vllm` executable that is the fake server, and an `nvidia-smi` that reports an 80 GiB card."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    (bin_dir / "vllm").write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_LAUNCHER[1]}" "$@"\n')
+    path = fake_vllm_on_path(bin_dir)
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 81920\n")  # MiB, as --format=csv,noheader,nounits
-    for name in ("vllm", "nvidia-smi"):
-        (bin_dir / name).chmod(0o755)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return path
 
 
 @pytest.mark.parametrize(
@@ -605,15 +604,13 @@ def _stand_ins(bin_dir: Path) -> None:
 )
 async def test_managed_vllm_command_line_and_environment_through_path(tmp_path, monkeypatch, mode, vllm_arg):
     """Acceptance (issue 9): the managed vLLM as started through a stand-in `vllm` on PATH."""
-    _stand_ins(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", _stand_ins(tmp_path / "bin"))
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     settings = vllm_settings(
         tmp_path,
         gpu_mode=mode,
         device="cuda:0",
-        vllm_port=free_port(),
         vllm_arg=vllm_arg,
         base_model="Qwen/Qwen2.5-7B-Instruct",
     )

@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import stat
 import threading
 import time
 
@@ -29,7 +30,7 @@ from gateway.engines.vllm.probes import check_logprobs_mode
 from gateway.errors import UpstreamError
 from gateway.models.tiny import resolve_base_model
 from gateway.store.sqlite import SQLiteStore
-from tests.helpers import free_port, gateway_process
+from tests.helpers import gateway_process
 from tests.helpers_judge import FakeJudge
 from tests.helpers_real_vllm import (
     VLLM_VERSION,
@@ -38,7 +39,7 @@ from tests.helpers_real_vllm import (
     train_adapter_to_write,
     vllm_python,
 )
-from tests.helpers_vllm import wait_until
+from tests.helpers_vllm import vllm_http, wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -46,8 +47,9 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
 class Served:
-    def __init__(self, url: str, state_dir, vllm_port: int, proc):
-        self.url, self.state_dir, self.vllm_url, self.proc = url, state_dir, f"http://127.0.0.1:{vllm_port}", proc
+    def __init__(self, url: str, state_dir, proc):
+        # The managed vLLM's socket in the state dir (what --vllm-url unix:PATH attaches to)
+        self.url, self.state_dir, self.vllm_url, self.proc = url, state_dir, f"unix:{state_dir / 'vllm.sock'}", proc
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
         self.store = SQLiteStore(state_dir / "rlproxy.db")
 
@@ -79,14 +81,11 @@ class Served:
 def served(tmp_path_factory):
     python = vllm_python()
     state = tmp_path_factory.mktemp("real-vllm")
-    port = free_port()
     args = [
         "--engine",
         "vllm",
         "--vllm-python",
         python,
-        "--vllm-port",
-        str(port),
         "--state-dir",
         str(state),
         "--model-name",
@@ -101,11 +100,12 @@ def served(tmp_path_factory):
         "0.2",
     ]
     with gateway_process(args, startup_timeout=600) as (proc, url):
-        yield Served(url, state, port, proc)
+        yield Served(url, state, proc)
 
 
 def test_the_gateway_starts_the_pinned_vllm_on_the_built_in_model(served):
-    assert httpx.get(served.vllm_url + "/version", timeout=10).json()["version"] == VLLM_VERSION
+    with vllm_http(served.vllm_url) as vllm:
+        assert vllm.get("/version", timeout=10).json()["version"] == VLLM_VERSION
     command = [line for line in (served.state_dir / "vllm.log").read_text().splitlines() if "rlproxy starts:" in line][
         0
     ]
@@ -115,6 +115,12 @@ def test_the_gateway_starts_the_pinned_vllm_on_the_built_in_model(served):
     # On CPU there is no GPU to share: no sleep mode, whatever --gpu-mode says (colocated by default).
     assert "--enable-sleep-mode" not in command and "--dtype float32" in command
     assert "--scheduling-policy priority" in command  # shadow samples go behind live calls
+    # On a socket in the private state dir, on no port: no other local user reaches it.
+    socket = served.state_dir / "vllm.sock"
+    assert f"--uds {socket}" in command and "--port" not in command
+    assert stat.S_ISSOCK(socket.stat().st_mode) and stat.S_IMODE(served.state_dir.stat().st_mode) == 0o700
+    (pid,) = served.vllm_pids()
+    assert [c for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN] == []
     models = {m.id for m in served.client.models.list()}
     assert {"rlproxy/tiny-qwen2", "agent"} <= models
 

@@ -113,8 +113,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     )
     if settings.engine == "vllm":
         print(
-            f"  starting vLLM on port {settings.vllm_port} (a minute on a CPU; its log: "
-            f"{settings.state_dir / 'vllm.log'})",
+            f"  starting vLLM (a minute on a CPU; its log: {settings.state_dir / 'vllm.log'})",
             file=sys.stderr,
         )
     starting = time.monotonic()

@@ -8,13 +8,11 @@ environment (settings only), the task's `OPTIONS` / `SETTINGS`, the demo's defau
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.demo import DEFAULT_TASK, TASKS, load_task
-from gateway.demo.processes import free_socket
 from gateway.errors import ConfigError
 from gateway.models.tuning import TINY_MODEL_SETTINGS
 from gateway.settings import Settings
@@ -277,7 +275,5 @@ def demo_settings(given: dict, out: Path, task: str = DEFAULT_TASK, warm_start: 
                 "the demo starts and stops its own vLLM: drop --vllm-url and give --vllm-python "
                 "(the python of the environment vLLM is installed in), or have `vllm` on PATH"
             )
-        if "vllm_port" not in given and "RLPROXY_VLLM_PORT" not in os.environ:
-            with contextlib.closing(free_socket()) as sock:  # a port of its own: never another vLLM's 8001
-                settings = Settings(**{**tuned, **given, "vllm_port": sock.getsockname()[1]})
+        # vLLM listens on a socket in the demo's own state dir: no port to collide with another's.
     return settings

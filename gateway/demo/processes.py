@@ -72,7 +72,7 @@ def _settings_flags(settings: Settings) -> list[str]:
     """The settings as `rlproxy train` flags (no secrets: the trainer needs none)."""
     argv: list[str] = []
     for name, value in settings.public_dict().items():
-        if value is None or name in ("api_key", "upstream_api_key"):
+        if value is None or name in ("api_key", "upstream_api_key", "vllm_api_key"):
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):  # switches take no value: --x / --no-x

@@ -8,10 +8,10 @@ piece (chat completions, other protocols relayed, `/models`) through this pool, 
 engine its non-streamed chat completions; event streams stay on aiohttp, where per-chunk
 work dominates anyway.
 
-Scope, on purpose: http and https; one request per connection at a time; responses
-framed by Content-Length, chunked encoding (httptools decodes it) or the connection
-closing; no redirects, no proxies (the aiohttp session does not read proxy settings
-either), no compression (requests say `Accept-Encoding: identity`).
+Scope, on purpose: http and https, over TCP or a Unix socket (the managed vLLM's); one request
+per connection at a time; responses framed by Content-Length, chunked encoding (httptools
+decodes it) or the connection closing; no redirects, no proxies (the aiohttp session does not
+read proxy settings either), no compression (requests say `Accept-Encoding: identity`).
 
 A request that fails on a reused keep-alive connection before any byte of the answer
 arrived is sent once more on a new connection: the server closed an idle connection as
@@ -133,10 +133,12 @@ class _Connection(asyncio.Protocol):
 
 
 class HTTP1Pool:
-    """Keep-alive connections to the origin of `base_url`; `exchange` sends one request and
-    returns the whole answer."""
+    """Keep-alive connections to the origin of `base_url` (over `unix_socket` when given);
+    `exchange` sends one request and returns the whole answer."""
 
-    def __init__(self, base_url: str, headers: dict[str, str], *, connect_timeout: float = 30.0):
+    def __init__(
+        self, base_url: str, headers: dict[str, str], *, connect_timeout: float = 30.0, unix_socket: str | None = None
+    ):
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -153,6 +155,8 @@ class HTTP1Pool:
             for name, value in {"Host": host_header, "Accept-Encoding": "identity", **headers}.items()
         ).encode("latin-1")
         self.connect_timeout = connect_timeout
+        self.unix_socket = unix_socket
+        self._where = unix_socket or f"{self.host}:{self.port}"
         # No cap on connections: the gateway's own clients bound its concurrency, and a
         # proxy that queued behind a cap would add latency the client cannot see the cause of.
         self._idle: list[_Connection] = []
@@ -197,12 +201,15 @@ class HTTP1Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(
-                    _Connection, self.host, self.port, ssl=self.ssl, server_hostname=self.host if self.ssl else None
-                )
+                if self.unix_socket:
+                    _, conn = await loop.create_unix_connection(_Connection, self.unix_socket)
+                else:
+                    _, conn = await loop.create_connection(
+                        _Connection, self.host, self.port, ssl=self.ssl, server_hostname=self.host if self.ssl else None
+                    )
                 conn.generation = self._generation
         except TimeoutError:
-            raise ConnectError(f"no connection to {self.host}:{self.port} within {self.connect_timeout:g} s") from None
+            raise ConnectError(f"no connection to {self._where} within {self.connect_timeout:g} s") from None
         except OSError as exc:
             raise ConnectError(str(exc) or type(exc).__name__) from None
         return conn

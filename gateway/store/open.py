@@ -1,7 +1,8 @@
 """Pick the store's backend: `open_store(settings)` or `open_store("postgresql://...")`.
 
 No `--store` (the default): the SQLite file under the state dir, for one machine. A
-PostgreSQL URL: `PostgresStore`, shared by any number of gateways and trainers.
+PostgreSQL URL: `PostgresStore`, shared by any number of gateways and trainers. Either way
+the state dir is made private first (`gateway.store.private`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from gateway.errors import ConfigError
 from gateway.store.base import Store
+from gateway.store.private import private_state_dir
 from gateway.store.sqlite import SQLiteStore
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -23,6 +25,7 @@ def is_postgres_url(value: str | None) -> bool:
 def open_store(target: Any) -> Store:
     """A `Store` for Settings (its `store` URL, else its SQLite file) or for a URL or path."""
     if hasattr(target, "state_dir"):
+        private_state_dir(target.state_dir)  # checkpoints live there whatever the backend
         url = getattr(target, "store", None)
         if not url:
             return SQLiteStore(target.db_path, synchronous=target.store_sync)

@@ -20,6 +20,7 @@ import sqlite_utils
 from gateway.store import sqlite_schema
 from gateway.store.base import Store
 from gateway.store.health import classify
+from gateway.store.private import private_db_file
 from gateway.store.writer import Op, Outcome, with_savepoints
 
 CHECKPOINT_EVERY = 256
@@ -49,7 +50,7 @@ class SQLiteStore(Store):
         else:
             if path is None:
                 raise ValueError("Store needs a path, or memory=True")
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            private_db_file(path)
             self._conn = sqlite_schema.connect(path, synchronous, busy_timeout)
             self._read_conn = sqlite_schema.connect(path, synchronous, busy_timeout)
             # `_write_now`'s own connection, whose BEGIN never waits for the lock (busy timeout 0):

@@ -3,7 +3,9 @@
 Chat completions answered in one piece go through `gateway.engines.http1`'s lean pool (a
 third of aiohttp's CPU per request, bench/upstream_client.py); streams and the admin API
 (adapters, sleep, `/v1/models`, `/health`), aiohttp. vLLM unreachable is `EngineUnavailable`
-(503); no answer in time, `UpstreamTimeout`.
+(503); no answer in time, `UpstreamTimeout`. The vLLM is at an http(s) URL or on a Unix socket
+(`unix:PATH`: the managed one, `gateway.engines.vllm.server`); a key, when it has one, goes as a
+bearer on every request.
 """
 
 from __future__ import annotations
@@ -14,26 +16,35 @@ import aiohttp
 import orjson
 
 from gateway.engines.http1 import HTTP1Pool
-from gateway.engines.vllm.server import probe_health
+from gateway.engines.vllm.server import probe_health, socket_of
 from gateway.engines.vllm.wire import error_message, loads, maybe_json
 from gateway.errors import EngineUnavailable, UpstreamError, UpstreamTimeout
 
 
 class VLLMClient:
-    """The connections to the vLLM at `url`; `timeout` bounds each answer (streams: each read)."""
+    """The connections to the vLLM at `url` (http(s)://HOST:PORT or unix:PATH); `timeout` bounds
+    each answer (streams: each read); `api_key`, the vLLM's key if it has one."""
 
-    def __init__(self, url: str, timeout: float):
-        self.url = url
+    def __init__(self, url: str, timeout: float, *, api_key: str | None = None):
+        self.url = url  # as messages name it
+        self.socket = socket_of(url)
+        self.base = "http://localhost" if self.socket else url  # what request URLs start with
         self.timeout = timeout
         self.session: aiohttp.ClientSession | None = None
-        self.pool = HTTP1Pool(url, {"Content-Type": "application/json", "Accept": "application/json"})
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = {"Content-Type": "application/json", "Accept": "application/json", **self._auth}
+        self.pool = HTTP1Pool(self.base, headers, unix_socket=self.socket)
         self._chat_head = self.pool.head("POST", "/v1/chat/completions")
 
     def open(self) -> None:
         if self.session is None:
+            if self.socket:
+                connector: aiohttp.BaseConnector = aiohttp.UnixConnector(self.socket, limit=512, limit_per_host=0)
+            else:
+                connector = aiohttp.TCPConnector(limit=512, limit_per_host=0)
             # No cookie jar: nothing from vLLM should leak between clients.
             self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=512, limit_per_host=0), cookie_jar=aiohttp.DummyCookieJar()
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), headers=self._auth
             )
 
     async def close(self) -> None:
@@ -52,7 +63,7 @@ class VLLMClient:
     def chat_stream(self, body: bytes):
         """POST a streamed chat completion: aiohttp's awaitable response (release it when done)."""
         return self.session.post(
-            self.url + "/v1/chat/completions",
+            self.base + "/v1/chat/completions",
             data=body,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout),
             headers={"Content-Type": "application/json"},
@@ -61,12 +72,12 @@ class VLLMClient:
     # ------------------------------------------------------------ the admin API
 
     async def healthy(self) -> bool:
-        return await probe_health(self.session, self.url)
+        return await probe_health(self.session, self.base)
 
     async def post(self, path: str, body: dict | None) -> tuple[int, bytes]:
         try:
             async with self.session.post(
-                self.url + path,
+                self.base + path,
                 data=orjson.dumps(body) if body is not None else None,
                 headers={"Content-Type": "application/json"},
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
@@ -81,7 +92,7 @@ class VLLMClient:
 
     async def get_json(self, path: str) -> dict:
         try:
-            async with self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            async with self.session.get(self.base + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 status, payload = resp.status, await resp.read()
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise EngineUnavailable(

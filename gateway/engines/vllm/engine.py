@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -59,9 +60,12 @@ from gateway.engines.vllm.client import VLLMClient
 from gateway.engines.vllm.memory import default_memory_share
 from gateway.engines.vllm.probes import check_logprobs_mode, detect_base_model, has_sleep_endpoints
 from gateway.engines.vllm.server import (
+    ManagedSocket,
     VLLMProcess,
     has_flag,
     is_cpu_build,
+    socket_url,
+    vllm_address,
     vllm_command,
     vllm_environment,
     vllm_gpu_for,
@@ -79,6 +83,7 @@ from gateway.engines.vllm.wire import (
 )
 from gateway.errors import ConfigError, UpstreamError, UpstreamTimeout
 from gateway.settings import BUILT_IN_MODELS, Settings
+from gateway.store.private import private_state_dir
 
 log = logging.getLogger("rlproxy.engines.vllm")
 
@@ -96,17 +101,18 @@ class VLLMEngine(Engine):
         timeout: float = 600.0,
         health_interval: float = 2.0,
         max_restarts: int = 5,
+        api_key: str | None = None,
     ):
         if (url is None) == (process is None):
             raise ConfigError("VLLMEngine needs either url (attach) or process (managed), not both")
         self.process = process
-        self.url = (url or process.url).rstrip("/")
+        self.url = (url or process.url).rstrip("/")  # http(s)://HOST:PORT or unix:PATH
         self.managed = process is not None
         self._base_model = base_model
         self._vllm_base = base_model  # what vLLM calls the base model (attached servers may rename it)
         self._max_model_len: int | None = None  # from vLLM's model cards, at start
         self.timeout = timeout
-        self.client = VLLMClient(self.url, timeout)
+        self.client = VLLMClient(self.url, timeout, api_key=api_key)
         self.adapters = VLLMAdapters(self.client)
         self.supervisor = VLLMSupervisor(
             self.client, process, self.adapters, health_interval=health_interval, max_restarts=max_restarts
@@ -122,12 +128,18 @@ class VLLMEngine(Engine):
     ) -> VLLMEngine:
         colocated = settings.gpu_mode == "colocated"
         if settings.vllm_url:
-            url = settings.vllm_url.rstrip("/")
-            if url.endswith("/v1"):
-                url = url[: -len("/v1")]  # accept the OpenAI-style base URL too
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"--vllm-url must start with http:// or https://, got '{settings.vllm_url}'")
-            return cls(settings.base_model, url=url, timeout=settings.upstream_timeout)
+            url = vllm_address(settings)  # the OpenAI-style base URL (.../v1) too
+            if not url.startswith(("http://", "https://", "unix:")):
+                raise ConfigError(
+                    f"--vllm-url must start with http://, https:// or unix: (a socket), got '{settings.vllm_url}'"
+                )
+            key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
+            return cls(settings.base_model, url=url, timeout=settings.upstream_timeout, api_key=key)
+        if settings.vllm_api_key:
+            raise ConfigError(
+                "--vllm-api-key is the key of a vLLM you attach with --vllm-url; the vLLM rlproxy starts "
+                "needs none (it listens on a socket only this user reaches)"
+            )
         cpu = is_cpu_build(settings.vllm_python)
         if cpu and colocated:
             log.info(
@@ -146,9 +158,21 @@ class VLLMEngine(Engine):
         share = None
         if colocated and not has_flag(settings.vllm_arg, "--gpu-memory-utilization"):
             share = default_memory_share(settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu))
+        # A socket in the private state dir; asked for a port (--vllm-port), loopback with a key
+        # made now, since every local user can reach a port.
+        socket = None if settings.vllm_port else ManagedSocket(private_state_dir(settings.state_dir))
+        key = secrets.token_urlsafe(32) if socket is None else None
+        if socket is None and colocated:
+            log.warning(
+                "--vllm-port with --gpu-mode colocated: vLLM's key guards /v1 only, so every local user "
+                "can reach its dev routes (/sleep, /wake_up, /collective_rpc) on port %d; leave --vllm-port "
+                "out to have vLLM on a Unix socket only this user reaches",
+                settings.vllm_port,
+            )
         command = vllm_command(
             model_path,
             port=settings.vllm_port,
+            socket=str(socket.path) if socket else None,
             max_loras=settings.max_loras,
             lora_rank=settings.lora_rank,
             sleep_mode=colocated,
@@ -159,15 +183,16 @@ class VLLMEngine(Engine):
             served_name=served_name,
             cpu=cpu,
         )
-        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu, cpu=cpu)
+        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu, cpu=cpu, api_key=key)
         process = VLLMProcess(
             command,
             env,
-            f"http://127.0.0.1:{settings.vllm_port}",
+            socket_url(socket.path) if socket else f"http://127.0.0.1:{settings.vllm_port}",
             settings.state_dir / "vllm.log",
             startup_timeout=startup_timeout,
+            socket=socket,
         )
-        engine = cls(settings.base_model, process=process, timeout=settings.upstream_timeout)
+        engine = cls(settings.base_model, process=process, timeout=settings.upstream_timeout, api_key=key)
         engine.can_sleep = colocated  # started with sleep mode, or not
         return engine
 

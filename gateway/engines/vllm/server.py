@@ -8,7 +8,7 @@ vLLM is never imported: it runs as its own process, found on PATH
 The command follows vLLM's documented CLI:
 
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True [VLLM_SERVER_DEV_MODE=1] \\
-    vllm serve BASE --host 127.0.0.1 --port P --enable-lora --max-lora-rank R --max-loras N \\
+    vllm serve BASE --uds STATE_DIR/vllm.sock --enable-lora --max-lora-rank R --max-loras N \\
         --generation-config vllm --logprobs-mode processed_logprobs --scheduling-policy priority \\
         [--enable-sleep-mode --gpu-memory-utilization S] [--vllm-arg ...]
 
@@ -22,8 +22,14 @@ priority, so a live call waiting for room goes before it and, when the KV cache 
 is preempted rather than a live call. Live calls all have vLLM's default priority (0), so among
 them the order is vLLM's default: first come, first served.
 
-It listens on loopback only: the runtime-LoRA and sleep endpoints it then exposes must
-not be reachable from outside (the gateway is the only client).
+It listens on a Unix socket in the state dir (0700, `gateway.store.private`): its runtime-LoRA
+routes, and when colocated its dev routes (`/sleep`, `/wake_up`, `/collective_rpc`), carry no key,
+so no one but this user (the gateway is the only client) may reach it. A port on loopback would
+be open to every local user. `--vllm-port` asks for one where a socket cannot work: vLLM then
+gets a random key made at each start, in its environment (`VLLM_API_KEY`; argv shows in `ps`).
+Unix socket paths are limited to about 100 bytes (108 on Linux, 104 on macOS, the NUL
+included): under a deeper state dir the socket goes in a private directory of its own from
+`tempfile.mkdtemp` (0700, in /tmp), and `STATE_DIR/vllm.sock` links to it for the trainer.
 """
 
 from __future__ import annotations
@@ -35,12 +41,18 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from gateway.children import die_with_parent
 from gateway.errors import ConfigError, EngineUnavailable
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
 
 log = logging.getLogger("rlproxy.engines.vllm")
 
@@ -66,7 +78,8 @@ def has_flag(args: list[str] | tuple[str, ...], flag: str) -> bool:
 def vllm_command(
     base_model: str,
     *,
-    port: int,
+    port: int | None = None,
+    socket: str | None = None,
     max_loras: int,
     lora_rank: int,
     sleep_mode: bool,
@@ -86,15 +99,13 @@ def vllm_command(
     `served_name` is the name vLLM answers to when `base_model` is a local directory. `cpu`
     (vLLM's CPU build): float32 weights, as the trainer's CPU forward has them; vLLM would
     otherwise downcast a float32 model to bfloat16, and the behaviour logprobs it records would
-    differ from the trainer's by bfloat16's rounding."""
+    differ from the trainer's by bfloat16's rounding. `socket`: listen there (`--uds`), else on
+    127.0.0.1:`port`."""
     head = [python, "-m", VLLM_SERVER_MODULE, "--model", base_model] if python else [*launcher, "serve", base_model]
     cmd = [
         *head,
         *(["--served-model-name", served_name] if served_name else []),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+        *(["--uds", socket] if socket else ["--host", "127.0.0.1", "--port", str(port)]),
         "--enable-lora",
         "--max-lora-rank",
         str(max_lora_rank_for(lora_rank)),
@@ -153,11 +164,20 @@ def is_cpu_build(python: str | None) -> bool:
 
 
 def vllm_environment(
-    *, sleep_mode: bool, cuda_visible_devices: str | None = None, base: dict[str, str] | None = None, cpu: bool = False
+    *,
+    sleep_mode: bool,
+    cuda_visible_devices: str | None = None,
+    base: dict[str, str] | None = None,
+    cpu: bool = False,
+    api_key: str | None = None,
 ) -> dict[str, str]:
     """Environment for the vLLM process: runtime LoRA updates on; dev mode (sleep endpoints) when
-    colocated; on the CPU build, a KV cache that fits beside the trainer."""
+    colocated; on the CPU build, a KV cache that fits beside the trainer; `api_key` (or none: a
+    VLLM_API_KEY of the user's would lock the gateway, its only client, out)."""
     env = dict(os.environ if base is None else base)
+    env.pop("VLLM_API_KEY", None)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     if cpu:
         # vLLM's CPU build reserves VLLM_CPU_KVCACHE_SPACE GiB of RAM for its KV cache (default
         # 4); 1 GiB holds millions of the built-in model's tokens. The user's value wins.
@@ -188,17 +208,83 @@ def vllm_gpu_for(device: str, gpu_mode: str) -> str | None:
     return "0" if index != "0" else "1"
 
 
+SOCKET_NAME = "vllm.sock"
+MAX_SOCKET_PATH = 100  # bytes: under Linux's 107 and macOS's 103
+
+
+def socket_url(path: Path | str) -> str:
+    """How a vLLM on a Unix socket is named: `unix:PATH` (what --vllm-url takes)."""
+    return f"unix:{path}"
+
+
+def socket_of(url: str) -> str | None:
+    """The socket path of a `unix:PATH` (or `unix:///PATH`) URL, through the link the gateway
+    leaves in a deep state dir; None for an http(s) URL."""
+    if not url.startswith("unix:"):
+        return None
+    path = url[len("unix:") :]
+    path = path[2:] if path.startswith("///") else path
+    if os.path.islink(path):
+        path = os.path.join(os.path.dirname(path), os.readlink(path))
+    return path
+
+
+def vllm_address(settings: Settings) -> str:
+    """Where the vLLM of `settings` answers: the attached URL, the managed one's port, or its socket."""
+    if settings.vllm_url:
+        return settings.vllm_url.rstrip("/").removesuffix("/v1")
+    if settings.vllm_port:
+        return f"http://127.0.0.1:{settings.vllm_port}"
+    return socket_url(Path(settings.state_dir).absolute() / SOCKET_NAME)
+
+
+class ManagedSocket:
+    """The managed vLLM's socket: `path`, where it binds, and `link`, the name in the state dir
+    that points at it when the state dir is too deep to bind in (else None)."""
+
+    def __init__(self, state_dir: Path | str):
+        wanted = Path(state_dir).absolute() / SOCKET_NAME
+        self.path, self.link = wanted, None
+        if len(os.fsencode(wanted)) > MAX_SOCKET_PATH:
+            # Too long to bind: a private directory of its own instead (mkdtemp makes it 0700).
+            self.path, self.link = Path(tempfile.mkdtemp(prefix="rlproxy-vllm-")) / SOCKET_NAME, wanted
+
+    def prepare(self) -> None:
+        """Before each start: a socket file left by a vLLM that died would stop the next binding."""
+        for path in (self.path, self.link):
+            if path is not None:
+                path.unlink(missing_ok=True)
+        if self.link is not None:
+            self.link.symlink_to(self.path)
+
+    def remove(self) -> None:
+        for path in (self.path, self.link):
+            if path is not None:
+                path.unlink(missing_ok=True)
+        if self.link is not None:
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()
+
+
 class VLLMProcess:
-    """One `vllm serve` child process (in its own process group, output appended to a log file)."""
+    """One `vllm serve` child process (in its own process group, output appended to a log file),
+    listening on `socket` (None: on the port its command names)."""
 
     def __init__(
-        self, command: list[str], env: dict[str, str], url: str, log_path: Path, startup_timeout: float = 1800.0
+        self,
+        command: list[str],
+        env: dict[str, str],
+        url: str,
+        log_path: Path,
+        startup_timeout: float = 1800.0,
+        socket: ManagedSocket | None = None,
     ):
         self.command = command
         self.env = env
         self.url = url.rstrip("/")
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
+        self.socket = socket
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -209,8 +295,8 @@ class VLLMProcess:
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.returncode
 
-    async def start(self, session: aiohttp.ClientSession) -> None:
-        """Spawn the process and return once `GET /health` answers 200."""
+    async def start(self, healthy: Callable[[], Awaitable[bool]]) -> None:
+        """Spawn the process and return once `healthy()` (its `GET /health`) says so."""
         executable = self.command[0]
         if shutil.which(executable) is None and not Path(executable).exists():
             raise ConfigError(
@@ -218,6 +304,8 @@ class VLLMProcess:
                 "(pip install 'rlproxy[gpu]') or attach to a running server with --vllm-url"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.socket is not None:
+            self.socket.prepare()
         with open(self.log_path, "ab") as log_file:
             log_file.write(("\n=== rlproxy starts: " + " ".join(self.command) + "\n").encode())
             log_file.flush()
@@ -231,9 +319,9 @@ class VLLMProcess:
                 preexec_fn=die_with_parent,
             )
         log.info("started vLLM (pid %s), waiting for %s/health; its log: %s", self.proc.pid, self.url, self.log_path)
-        await self.wait_healthy(session)
+        await self.wait_healthy(healthy)
 
-    async def wait_healthy(self, session: aiohttp.ClientSession) -> None:
+    async def wait_healthy(self, healthy: Callable[[], Awaitable[bool]]) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.startup_timeout
         while True:
@@ -242,7 +330,7 @@ class VLLMProcess:
                     f"vLLM exited with code {self.proc.returncode} while starting; "
                     f"the end of {self.log_path} says why:\n{self.log_tail()}"
                 )
-            if await probe_health(session, self.url):
+            if await healthy():
                 return
             if loop.time() > deadline:
                 await self.stop()
@@ -270,6 +358,12 @@ class VLLMProcess:
             # The leader is gone; engine-core children may not be.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+
+    async def close(self) -> None:
+        """Stop it for good: its socket goes too."""
+        await self.stop()
+        if self.socket is not None:
+            self.socket.remove()
 
     def log_tail(self, lines: int = 20) -> str:
         try:

@@ -55,7 +55,7 @@ class VLLMSupervisor:
     async def connect(self) -> None:
         """Start the managed vLLM (back when `/health` answers), or check that the attached one answers."""
         if self.managed:
-            await self.process.start(self.client.session)
+            await self.process.start(self.client.healthy)
         elif not await self.client.healthy():
             raise EngineUnavailable(
                 f"no vLLM answers at {self.client.url}/health; start it first (vllm serve BASE --enable-lora ...) "
@@ -76,7 +76,7 @@ class VLLMSupervisor:
         self.ready.clear()
         self.down_reason = "the gateway is shutting down"
         if self.managed:
-            await self.process.stop()
+            await self.process.close()
 
     def check_ready(self) -> None:
         if not self.ready.is_set():
@@ -141,7 +141,7 @@ class VLLMSupervisor:
         for attempt in range(1, self.max_restarts + 1):
             await self.process.stop()
             try:
-                await self.process.start(self.client.session)
+                await self.process.start(self.client.healthy)
                 return
             except EngineUnavailable as exc:
                 log.error("vLLM restart %d/%d failed: %s", attempt, self.max_restarts, exc.message)

@@ -103,8 +103,10 @@ def vllm_body(body: dict, model: str, ask: ClientAsk, *, background: bool = Fals
     """The body sent to vLLM: the client's, with the served model, token ids and logprobs
     switched on and every sampling field explicit. Background work (shadow samples) goes at
     BACKGROUND_PRIORITY: behind live calls on a vLLM started with `--scheduling-policy priority`
-    (as rlproxy starts it); a first-come-first-served vLLM takes the field and ignores it."""
+    (as rlproxy starts it); a first-come-first-served vLLM takes the field and ignores it. A
+    client's own `priority` is dropped: a negative one would jump ahead of every other client."""
     out = dict(body)
+    out.pop("priority", None)
     if background:
         out["priority"] = BACKGROUND_PRIORITY
     out.update({key: value for key, value in sampling_in_force(body).items() if key in OPENAI_SAMPLING_DEFAULTS})

@@ -1,0 +1,83 @@
+"""The state dir and the database files are this user's alone: 0700 and 0600.
+
+The state dir holds every recorded conversation (the SQLite file), the adapters trained on them
+and the managed vLLM's socket: no other local user may read or reach any of it. Modes are set
+with chmod after creating, not left to the process umask (022 is common and would leave
+everything readable). A state dir or database that an older rlproxy left looser is tightened
+at start, and the log says so in one line; only group and other bits are taken away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+log = logging.getLogger("rlproxy.store")
+
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+DB_NAME = "rlproxy.db"
+# SQLite's own files beside the database: it creates them with the database's mode.
+DB_SUFFIXES = ("", "-wal", "-shm", "-journal")
+
+
+def private_state_dir(state_dir: Path | str) -> Path:
+    """Create the state dir 0700, or tighten an existing one and its database files."""
+    path = Path(state_dir)
+    changes = [] if make_private_dir(path) else _tighten(path, PRIVATE_DIR)
+    changes += _tighten_db(path / DB_NAME)
+    _say(changes)
+    return path
+
+
+def private_db_file(path: Path | str) -> None:
+    """The SQLite file 0600 before SQLite opens it (its -wal and -shm then get the same mode);
+    an existing one, and its -wal and -shm, tightened."""
+    path = Path(path)
+    make_private_dir(path.parent)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, PRIVATE_FILE)
+    except FileExistsError:
+        _say(_tighten_db(path))
+        return
+    os.fchmod(fd, PRIVATE_FILE)
+    os.close(fd)
+
+
+def make_private_dir(path: Path) -> bool:
+    """Create `path` 0700 (its parents as the umask has them); True if it is new. An existing
+    one is left as it is."""
+    try:
+        path.mkdir(parents=True, mode=PRIVATE_DIR)
+    except FileExistsError:
+        return False
+    path.chmod(PRIVATE_DIR)  # the umask may have taken owner bits away
+    return True
+
+
+def _tighten_db(db: Path) -> list[str]:
+    return [change for suffix in DB_SUFFIXES for change in _tighten(db.with_name(db.name + suffix), PRIVATE_FILE)]
+
+
+def _tighten(path: Path, private: int) -> list[str]:
+    """Take group and other bits off `path` (not through a link); what changed, as text."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return []
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode) or not mode & ~private:
+        return []
+    try:
+        path.chmod(mode & private)
+    except OSError as exc:  # not ours (another user's state dir): say it, serve anyway
+        log.warning("%s is readable by other local users (mode %o) and cannot be made private: %s", path, mode, exc)
+        return []
+    return [f"{path} {mode:o} -> {mode & private:o}"]
+
+
+def _say(changes: list[str]) -> None:
+    if changes:
+        log.warning("other local users could read the recorded calls; made them private: %s", ", ".join(changes))
