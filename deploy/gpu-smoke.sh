@@ -69,7 +69,7 @@ for group in g1 g2; do
         curl -sf "$URL/v1/sessions/$session/reward" -H "Content-Type: application/json" \
             -d "{\"reward\": $((i % 2)).$i}" >/dev/null || fail "reward for $session"
     done
-    curl -sf -X POST "$URL/v1/groups/$group/close" >/dev/null || fail "closing group $group"
+    curl -sf --json "{}" "$URL/v1/groups/$group/close" >/dev/null || fail "closing group $group"
     tokens=$(curl -sf "$URL/v1/sessions/smoke-${group}-1" | json 'len(data["calls"][0]["completion_ids"][0])') \
         || fail "the recorded session smoke-${group}-1 has no token ids"
     log "group $group recorded (first completion: $tokens token ids)"

@@ -14,6 +14,7 @@ from gateway.chat.gate import RequestGate
 from gateway.chat.service import ChatService
 from gateway.engines.base import Engine
 from gateway.http import session_url
+from gateway.http.browsers import BrowserGuardMiddleware
 from gateway.http.errors import install_error_handlers
 from gateway.http.limits import BodyLimitMiddleware, Limits
 from gateway.http.middleware import BearerAuthMiddleware, RequestIdMiddleware
@@ -21,6 +22,7 @@ from gateway.metrics import Metrics
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.open import open_store
+from gateway.store.private import private_state_dir
 from gateway.ui.auth import DashboardAuthMiddleware
 
 log = logging.getLogger("rlproxy")
@@ -90,6 +92,7 @@ class GatewayApp(FastAPI):
 def create_app(
     settings: Settings, *, engine: Engine | None = None, store: Store | None = None, tracer: Any = None
 ) -> FastAPI:
+    private_state_dir(settings.state_dir)  # before the engine writes its model or socket there
     engine = engine or build_engine(settings)
     store = store or open_store(settings)
     gate = RequestGate()
@@ -195,17 +198,23 @@ def create_app(
     install_openapi(app)
     warn_if_exposed(settings)
     # The same stack, innermost first, in front of FastAPI's routes and the chat fast path:
-    # body limit, bearer key, CORS (only with --cors-origin), request id.
+    # body limit, bearer key, CORS (only with --cors-origin), what browsers may send, request id.
+    guard = {
+        "cors_origins": settings.cors_origin,
+        "allowed_hosts": settings.allowed_host,
+        "check_host": settings.api_key is None or bool(settings.allowed_host),
+    }
     app.add_middleware(BodyLimitMiddleware, limit_mb=settings.max_body_mb)
     if settings.api_key is not None:
         app.add_middleware(DashboardAuthMiddleware, api_key=settings.api_key.get_secret_value())
     if settings.cors_origin:
         app.add_middleware(cors_middleware, origins=settings.cors_origin)
+    app.add_middleware(BrowserGuardMiddleware, **guard)
     app.add_middleware(RequestIdMiddleware)
     chat_endpoint = BodyLimitMiddleware(openai_routes.chat_completions, limit_mb=settings.max_body_mb)
     if settings.api_key is not None:
         chat_endpoint = BearerAuthMiddleware(chat_endpoint, api_key=settings.api_key.get_secret_value())
     if settings.cors_origin:
         chat_endpoint = cors_middleware(chat_endpoint, origins=settings.cors_origin)
-    app.chat_fast_path = RequestIdMiddleware(chat_endpoint)
+    app.chat_fast_path = RequestIdMiddleware(BrowserGuardMiddleware(chat_endpoint, **guard))
     return app

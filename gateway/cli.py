@@ -31,6 +31,7 @@ SERVICE = (
     "max_messages",
     "max_n",
     "cors_origin",
+    "allowed_host",
 )
 ENGINE = (
     "engine",
@@ -44,6 +45,7 @@ ENGINE = (
     "default_max_tokens",
     "device",
     "vllm_url",
+    "vllm_api_key",
     "vllm_port",
     "vllm_python",
     "vllm_arg",
@@ -60,6 +62,7 @@ LIVE = (
     "shadow_judge_model",
     "shadow_judge_api_base",
 )
+JUDGES = ("judge_model", "judge_api_base")
 TRAINER = (
     "trainer",
     "backend",
@@ -171,7 +174,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gateway.colocate import needs_gpu_lease, wait_for_vllm
 
     if needs_gpu_lease(settings):  # vLLM profiles the whole GPU while it starts: load nothing before
-        wait_for_vllm((settings.vllm_url or f"http://127.0.0.1:{settings.vllm_port}").removesuffix("/v1"))
+        from gateway.engines.vllm.server import vllm_address
+
+        wait_for_vllm(vllm_address(settings))
     stop = threading.Event()
 
     def request_stop(signum, frame) -> None:
@@ -241,7 +246,13 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "serve": (
         "run the gateway (and, with --trainer auto, a trainer worker beside it)",
         cmd_serve,
-        ((SERVICE, "service"), (ENGINE, "engine"), (LIVE, "live traffic"), (TRAINER, "trainer")),
+        (
+            (SERVICE, "service"),
+            (ENGINE, "engine"),
+            (LIVE, "live traffic"),
+            (JUDGES, "RULER judges"),
+            (TRAINER, "trainer"),
+        ),
     ),
     "export": (
         "write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples",
@@ -261,7 +272,13 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "train": (
         "run a trainer worker alone: train on ready groups, save adapters, record steps",
         cmd_train,
-        ((SERVICE, "service"), (ENGINE, "engine"), (LIVE, "live traffic"), (TRAINER, "trainer")),
+        (
+            (SERVICE, "service"),
+            (ENGINE, "engine"),
+            (LIVE, "live traffic"),
+            (JUDGES, "RULER judges"),
+            (TRAINER, "trainer"),
+        ),
     ),
 }
 

@@ -33,6 +33,16 @@ class AuthenticationError(RLProxyError):
     error_type = "authentication_error"
 
 
+class Forbidden(RLProxyError):
+    status_code = 403
+    error_type = "permission_error"
+
+
+class UnsupportedMediaType(RLProxyError):
+    status_code = 415
+    error_type = "invalid_request_error"
+
+
 class NotFound(RLProxyError):
     status_code = 404
     error_type = "not_found_error"

@@ -174,7 +174,7 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
         }
     ),
     "Health": _object(
-        {"status": {"enum": ["ok", "degraded"]}, "engine": _STRING, "model": _STRING},
+        {"status": {"enum": ["ok", "degraded", "loading"]}, "engine": _STRING, "model": _STRING},
         {"step": _NULLABLE_INT, "reason": _STRING, "store": {"type": "object"}},
     ),
 }
@@ -182,9 +182,11 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
 _ERRORS = {
     "400": "the request is not valid: the message says what to fix",
     "401": "missing or wrong API key (when the gateway runs with --api-key)",
+    "403": "sent by a web page whose Origin is neither the gateway's own nor one of --cors-origin",
     "404": "no such session, group, model or adapter",
     "409": "the request conflicts with the state (e.g. discarding a trained session)",
     "413": "the body is over --max-body-mb",
+    "415": "a write whose Content-Type is not application/json (an empty body included)",
     "502": "the model upstream failed",
     "503": "the store cannot record (read-only, locked, unavailable) or the engine is not ready; retry later",
     "504": "the model upstream timed out",
@@ -229,7 +231,12 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, dict[str, tupl
         False,
         {
             "200": ("serving", _JSON, "Health"),
-            "503": ("degraded: the store cannot record (see `reason`)", _JSON, "Health"),
+            "503": (
+                "degraded: the store cannot record or the engine cannot serve; loading: NAME waits for its "
+                "--init-from step 0 (see `reason`)",
+                _JSON,
+                "Health",
+            ),
         },
     ),
     ("get", "/metrics"): (None, False, {"200": ("Prometheus metrics", "text/plain", "")}),
@@ -334,7 +341,9 @@ def build_openapi(app: FastAPI) -> dict:
                         else _ref("ServerSentEvent")
                     }
             error_schema = _ref("AnthropicError") if path == "/v1/messages" else _ref("Error")
-            for status in _ROUTE_ERRORS.get((method, path), _DEFAULT_ERRORS):
+            # What the browser guard (gateway/http/browsers.py) answers in front of every route.
+            edge = ("403", "415") if method == "post" else ("403",)
+            for status in (*_ROUTE_ERRORS.get((method, path), _DEFAULT_ERRORS), *edge):
                 responses.setdefault(
                     status, {"description": _ERRORS[status], "content": {_JSON: {"schema": error_schema}}}
                 )

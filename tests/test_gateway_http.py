@@ -189,7 +189,7 @@ def test_a_client_that_leaves_at_once_is_recorded_as_499_too(base_url, store):
     body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "slow [[delay=3]]"}]}).encode()
     with socket.create_connection((url.hostname, url.port)) as sock:
         sock.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"X-Session-Id: left-at-once\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
     left = time.monotonic()
@@ -398,7 +398,7 @@ def test_rewards_are_taken_while_the_group_is_open_and_refused_once_a_step_claim
         _chat(client, "task", extra_headers={"X-Session-Id": session, "X-Group-Id": "frozen"})
     assert http.post("/v1/sessions/frozen-a/reward", json={"reward": 1.0}).status_code == 200
     assert http.post("/v1/sessions/frozen-a/reward", json={"reward": 0.5}).status_code == 200  # open: may change
-    http.post("/v1/groups/frozen/close")
+    http.post("/v1/groups/frozen/close", json={})
     assert http.post("/v1/sessions/frozen-b/reward", json={"reward": 0.0}).status_code == 200
     assert store.claim_for_step(["frozen"], 7) == ["frozen"]  # what the trainer does first in a step
     refused = http.post("/v1/sessions/frozen-a/reward", json={"reward": 1.0})
@@ -451,7 +451,7 @@ def test_group_close_and_ready(client, http):
     http.post("/v1/sessions/g1-a/reward", json={"reward": 1.0})
     group = http.get("/v1/groups/g1").json()
     assert group["n_sessions"] == 2 and not group["closed"] and not group["ready"]
-    closed = http.post("/v1/groups/g1/close")
+    closed = http.post("/v1/groups/g1/close", json={})
     assert closed.status_code == 200 and closed.json()["closed"] and not closed.json()["ready"]
     http.post("/v1/sessions/g1-b/reward", json={"reward": 0.0})
     assert http.get("/v1/groups/g1").json()["ready"]

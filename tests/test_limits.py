@@ -51,7 +51,9 @@ def _raw_request(url: str, head: str, parts) -> tuple[int, bytes]:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/sessions/s1/reward"])
 def test_content_length_over_the_limit_is_refused_before_reading(gateway, path):
     size = 60 * 1024 * 1024
-    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    )
     # Only 1 KB of the announced 60 MB is ever sent: an answer proves nothing waited for the rest.
     status, body = _raw_request(gateway.url, head, [b"{" + b" " * 1023])
     assert status == 413
@@ -62,7 +64,7 @@ def test_content_length_over_the_limit_is_refused_before_reading(gateway, path):
 
 def test_chunked_body_is_refused_once_it_passes_the_limit(gateway):
     head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         "Transfer-Encoding: chunked\r\n\r\n"
     )
     chunk = b" " * (256 * 1024)

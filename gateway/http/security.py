@@ -7,11 +7,12 @@ names from requests are checked by `gateway.chat.identity.check_id` before they 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
+
+from gateway.http.browsers import is_loopback_name
 
 log = logging.getLogger("rlproxy")
 
@@ -33,12 +34,8 @@ def cors_middleware(app: ASGIApp, origins: list[str]) -> ASGIApp:
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
+    """Whether `--host` listens on loopback only ("" is uvicorn's default, loopback)."""
+    return host == "" or is_loopback_name(host.strip("[]").lower())
 
 
 def warn_if_exposed(settings) -> None:
