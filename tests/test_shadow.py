@@ -208,6 +208,8 @@ class _Nothing:
 class _Registry:
     """Resolves what the sampler asks for; the alias has moved on to step 4 meanwhile."""
 
+    current = 4
+
     def __init__(self):
         self.asked: list[str] = []
 
@@ -278,3 +280,91 @@ def test_the_sampler_asks_for_the_step_that_answered_and_respects_its_cap(tmp_pa
     assert [len(calls) for calls in recorded] == [3] and judged == [("shadow-req-1", "openai/j", None)]
     assert sampler.counts["dropped"] == 1 and sampler.counts["completed"] == 1 and sampler.counts["tokens"] == 4
     assert sampler.in_flight == 0
+
+
+class _Waiting(_Engine):
+    """Answers once `answer` is set; counts the calls cancelled before that."""
+
+    def __init__(self):
+        super().__init__()
+        self.started, self.answer, self.cancelled = asyncio.Event(), asyncio.Event(), 0
+
+    async def complete(self, request):
+        self.started.set()
+        try:
+            await self.answer.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return await super().complete(request)
+
+
+class _Polled(_Registry):
+    """The alias at `step`; each look the sampler takes at it is counted, and after `answer_after`
+    looks the engine answers (a long answer: it outlasts many looks)."""
+
+    def __init__(self, step: int, engine: _Waiting, answer_after: int):
+        super().__init__()
+        self.step, self.engine, self.answer_after, self.looks = step, engine, answer_after, 0
+
+    @property
+    def current(self) -> int:
+        self.looks += 1
+        if self.looks >= self.answer_after:
+            self.engine.answer.set()
+        return self.step
+
+
+def test_a_shadow_is_dropped_only_once_its_step_is_stale_and_drops_are_shown_per_task_key(tmp_path, monkeypatch):
+    """No clock gives a shadow up: one whose answer outlasts 20 looks at the alias is recorded;
+    one whose step falls more than --max-staleness (2) behind the alias while it samples is
+    dropped, its engine call cancelled, and the dashboard's counts say which task key lost it."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import Metrics
+
+    monkeypatch.setattr("gateway.shadow.sampler.STALE_POLL_S", 0.01)
+    recorded: list[str] = []
+
+    class _Store:
+        async def record_shadow_group(self, calls):
+            recorded.append(calls[0].group_id)
+            return calls[0].group_id
+
+    class _Ruler:
+        async def score_group(self, *args):
+            return []
+
+    settings = Settings(state_dir=tmp_path, shadow_samples=2, max_staleness=2, shadow_judge_model="openai/j")
+    metrics = Metrics()
+
+    async def shadow(live: CallRecord, answer_after: int, moves_to: int | None) -> ShadowSampler:
+        engine = _Waiting()
+        registry = _Polled(3, engine, answer_after)
+        services = SimpleNamespace(
+            chat=SimpleNamespace(gate=_Gate(), registry=registry, engine=engine), store=_Store(), extras={}
+        )
+        services.extras["ruler"] = _Ruler()
+        sampler = ShadowSampler(services, settings, metrics, seed=0)
+        sampler(live)
+        if moves_to is not None:
+            await engine.started.wait()
+            registry.step = moves_to  # the trainer published steps 4, 5, 6 meanwhile
+        await asyncio.wait_for(asyncio.gather(*sampler.tasks), 60)  # a guard: the looks end it
+        assert engine.cancelled == (moves_to is not None)
+        return sampler
+
+    async def main():
+        long = await shadow(live_call(id="req-a", task_key="task-a"), answer_after=20, moves_to=None)
+        stale = await shadow(live_call(id="req-b", task_key="task-b"), answer_after=10**9, moves_to=6)
+        return long.summary(), stale.summary()
+
+    long, stale = asyncio.run(main())
+    assert recorded == ["shadow-req-a"]
+    assert long["completed"] == 1 and long["dropped"] == 0
+    assert long["by_task_key"] == {"task-a": {"calls": 1, "dropped": 0, "drop_share": 0.0}}
+    assert stale["completed"] == 0 and stale["dropped"] == 1
+    assert stale["by_task_key"] == {"task-b": {"calls": 1, "dropped": 1, "drop_share": 1.0}}
+    assert 'rlproxy_shadow_calls_total{outcome="dropped_stale"} 1.0' in generate_latest(metrics.registry).decode()

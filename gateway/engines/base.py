@@ -45,8 +45,8 @@ class EngineRequest:
     adapter: str | None  # loaded adapter name such as "agent@3"; None = the base model
     request_id: str
     # Work no client waits for (shadow samples, gateway/shadow/): the local engine runs it only
-    # while no other request is in it and sets it aside when one arrives (recomputed later);
-    # vLLM schedules it at a lower priority than live calls.
+    # while no other request is in it and sets it aside when one arrives (it continues later
+    # from its tokens so far); vLLM schedules it at a lower priority than live calls.
     background: bool = False
 
 

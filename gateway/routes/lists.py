@@ -124,9 +124,10 @@ async def dashboard(request: Request) -> Response:
 def _shadow_counts(services) -> dict | None:
     """This gateway's shadow sampler since it started (gateway/shadow/sampler.py: the same as its
     `rlproxy_shadow_*` metrics): live calls shadowed, completed, dropped, failed, the tokens the
-    shadows generated and the judge's calls; None when shadow sampling is off."""
+    shadows generated, the judge's calls and, per task key, the share of its calls dropped;
+    None when shadow sampling is off."""
     sampler = services.extras.get("shadow")
-    return None if sampler is None else {**sampler.counts, "in_flight": sampler.in_flight}
+    return None if sampler is None else sampler.summary()
 
 
 def live_traffic(counts: dict[str, int]) -> dict:

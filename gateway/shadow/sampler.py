@@ -8,6 +8,13 @@ call, records the group (gateway.store.rows.insert_shadow_group) and has RULER j
 scores become the sessions' rewards and the trainer takes the group like any other. At most
 `--shadow-max-in-flight` live calls are shadowed at once; a call arriving when that many are
 is not shadowed (counted as dropped), so shadows never pile up behind live traffic.
+
+No clock gives a shadow up: one that waited or sampled long would be one with long answers, and
+dropping it would lean the groups short. A shadow is dropped only once its step is no longer
+worth sampling: the alias has moved more than `--max-staleness` steps past the step that
+answered the live call, so the trainer would skip its group as stale anyway. The drops are
+counted per task key too (`summary()["by_task_key"]`, shown on `/v1/dashboard`), so a key
+whose shadows are dropped more often than others' can be seen.
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
-from gateway.engines.base import EngineRequest
+from gateway.colocate import is_stale
+from gateway.engines.base import Completion, EngineRequest
 from gateway.errors import RLProxyError
 from gateway.metrics import Metrics
 from gateway.settings import Settings
@@ -29,10 +38,10 @@ from gateway.store import CallRecord
 log = logging.getLogger("rlproxy.shadow")
 
 QUIET_POLL_S = 0.01
-MAX_WAIT_S = 30.0
-"""A shadow that finds the engine busy this long is given up (counted as dropped: busy)."""
-SAMPLE_TIMEOUT_S = 300.0
-"""A shadow the engine kept setting aside for live calls this long is given up too (dropped: busy)."""
+STALE_POLL_S = 0.5
+"""How often a sampling shadow looks whether its step went stale (not a time-out)."""
+MAX_TASK_KEYS = 256
+"""Task keys counted one by one in `summary()`; later ones are counted together as "(other)"."""
 
 
 class ShadowSampler:
@@ -41,6 +50,7 @@ class ShadowSampler:
         self.k = settings.shadow_samples
         self.rate = settings.shadow_rate
         self.cap = settings.shadow_max_in_flight
+        self.max_staleness = settings.max_staleness
         self.judge_model = str(settings.shadow_judge_model)
         self.judge_api_base = settings.shadow_judge_api_base
         self.metrics = metrics
@@ -50,13 +60,16 @@ class ShadowSampler:
         self.tasks: set[asyncio.Task] = set()
         # What the dashboard shows (the same as /metrics' counters, for this process).
         self.counts = {"shadowed": 0, "completed": 0, "dropped": 0, "failed": 0, "tokens": 0, "judge_calls": 0}
+        self.by_task_key: dict[str, dict[str, int]] = {}  # key -> live calls picked, dropped
 
     def __call__(self, record: CallRecord) -> None:
         """The chat service's observer: schedule shadows of `record` if it is a live call to shadow."""
         if why_not_shadowed(record) is not None or self.rng.random() >= self.rate:
             return
+        self._per_key(record, "calls")
         if self.in_flight >= self.cap:
             self._count("dropped", reason="cap")
+            self._per_key(record, "dropped")
             return
         self.in_flight += 1
         self._count("shadowed")
@@ -73,6 +86,28 @@ class ShadowSampler:
         if what in ("shadowed", "completed", "dropped", "failed"):
             self.metrics.shadow_calls.labels(outcome=what if not reason else f"{what}_{reason}").inc(n)
 
+    def _per_key(self, record: CallRecord, what: str) -> None:
+        key = record.task_key or "(none)"
+        if key not in self.by_task_key and len(self.by_task_key) >= MAX_TASK_KEYS:
+            key = "(other)"
+        counts = self.by_task_key.setdefault(key, {"calls": 0, "dropped": 0})
+        counts[what] += 1
+
+    def summary(self) -> dict:
+        """The counts, in flight, and per task key the live calls picked for shadows, those
+        dropped and their share (what the dashboard shows)."""
+        by_key = {
+            key: {**counts, "drop_share": round(counts["dropped"] / counts["calls"], 4)}
+            for key, counts in self.by_task_key.items()
+        }
+        return {**self.counts, "in_flight": self.in_flight, "by_task_key": by_key}
+
+    def _stale(self, live: CallRecord) -> bool:
+        """The alias moved more than `--max-staleness` past the live call's step: the trainer
+        would skip this group (the same rule, `gateway.colocate.is_stale`)."""
+        current = self.services.chat.registry.current
+        return current is not None and is_stale(live.step, current, self.max_staleness)
+
     async def stop(self) -> None:
         """Cancel what is still running (the gateway is shutting down): a shadow group not
         judged yet is simply never trained."""
@@ -82,35 +117,33 @@ class ShadowSampler:
 
     async def _shadow(self, live: CallRecord) -> None:
         try:
-            if not await self._quiet_engine():
-                self._count("dropped", reason="busy")
-                return
-            sampled = await self._sample(live)
+            sampled = await self._sample(live) if await self._quiet_engine(live) else None
             if sampled is None:
+                self._count("dropped", reason="stale")
+                self._per_key(live, "dropped")
                 return
             group_id = await self.services.store.record_shadow_group(sampled)
             await self._judge(group_id)
             self._count("completed")
         except asyncio.CancelledError:
             raise
-        except TimeoutError:
-            self._count("dropped", reason="busy")
         except Exception as exc:  # a shadow's failure never reaches a client; it is counted and logged
             self._count("failed")
             message = exc.message if isinstance(exc, RLProxyError) else f"{type(exc).__name__}: {exc}"
             log.warning("shadow samples of call %s failed: %s", live.id, message)
 
-    async def _quiet_engine(self) -> bool:
-        """Wait until no live call is in the engine (shadows yield to live load); False if it never is."""
+    async def _quiet_engine(self, live: CallRecord) -> bool:
+        """Wait until no live call is in the engine (shadows yield to live load); False once the
+        live call's step went stale meanwhile."""
         gate = self.services.chat.gate
-        deadline = time.monotonic() + MAX_WAIT_S
         while gate.in_flight - self.sampling > 0 or not gate.is_open:
-            if time.monotonic() > deadline:
+            if self._stale(live):
                 return False
             await asyncio.sleep(QUIET_POLL_S)
-        return True
+        return not self._stale(live)
 
     async def _sample(self, live: CallRecord) -> list[CallRecord] | None:
+        """The group's rows, or None when the step went stale before the engine answered."""
         chat = self.services.chat
         started = time.perf_counter()
         # The step that answered the live call, pinned (NAME@N), even if the alias moved since.
@@ -124,15 +157,32 @@ class ShadowSampler:
                     request_id="shadow-" + uuid.uuid4().hex,
                     background=True,  # set aside (local) or behind live calls (vLLM priority)
                 )
-                completion = await asyncio.wait_for(chat.engine.complete(request), SAMPLE_TIMEOUT_S)
+                completion = await self._unless_stale(live, chat.engine.complete(request))
             finally:
                 self.sampling -= 1
+        if completion is None:
+            return None
         if completion.tokens is None:
             raise RLProxyError("the engine returned no token ids for the shadow samples")
         tokens = generated_tokens(completion.tokens)
         self._count("tokens", tokens)
         self.metrics.shadow_tokens.inc(tokens)
         return shadow_calls(live, completion.response, completion.tokens, (time.perf_counter() - started) * 1000.0)
+
+    async def _unless_stale(self, live: CallRecord, call: Awaitable[Completion]) -> Completion | None:
+        """`call`'s completion, or None once the step went stale first (the engine call is
+        cancelled: the local engine drops the job, vLLM the request)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=STALE_POLL_S)
+                if not task.done() and self._stale(live):
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    return None
+            return task.result()
+        finally:
+            task.cancel()  # cancelled ourselves (shutdown): the engine call goes too
 
     async def _judge(self, group_id: str) -> None:
         from gateway.ruler.scoring import RulerService

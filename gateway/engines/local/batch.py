@@ -2,7 +2,8 @@
 
 Requests join between steps: `prefill` runs their prompts together (left padding, one prompt
 row per request, then repeated `n` times, since the `n` choices of a request share its
-prompt), and `Batch.merge` adds the new rows' KV cache to the running one. One decode step
+prompt; a background choice set aside mid-way continues from a row of prompt + its tokens),
+and `Batch.merge` adds the new rows' KV cache to the running one. One decode step
 (`Batch.step_logits`) feeds every row its last token; `Batch.select` drops the rows that
 finished, and the cache columns that are padding in every row left. Requests for different
 adapters share a batch through peft's mixed-adapter forward (`LocalModel.forward`).
@@ -26,26 +27,41 @@ def new_cache(layers: list | None = None):
 
 
 def prefill(model: LocalModel, jobs: list[Job]):
-    """Run these jobs' prompts together: one left-padded row per job, then each repeated `n`
-    times. Returns the new rows, the logits of their last position [R, V], their cache and
-    their attention mask [R, T]."""
+    """Run these jobs' sequences together, left-padded: one prompt row per job, repeated once
+    per choice that starts here (the `n` choices of a job share its prompt), and one row of
+    prompt + its tokens per choice that continues after being set aside (`Job.parked`).
+    Returns the rows, the logits of their last position [R, V], their cache and their
+    attention mask [R, T]."""
     import torch
 
     device = model.device
-    width = max(len(job.prompt_ids) for job in jobs)
-    ids_JT = torch.full((len(jobs), width), model.pad_id, dtype=torch.long)
-    mask_JT = torch.zeros((len(jobs), width), dtype=torch.long)
-    for j, job in enumerate(jobs):
-        ids_JT[j, width - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids)
-        mask_JT[j, width - len(job.prompt_ids) :] = 1
+    sequences: list[tuple[list[int], str | None]] = []  # (token ids, adapter) per prefilled row
+    rows: list[Row] = []
+    repeat: list[int] = []  # the prefilled row each new row takes its cache from
+    for job in jobs:
+        fresh = [index for index in job.unfinished if index not in job.parked]
+        if fresh:
+            repeat += [len(sequences)] * len(fresh)
+            sequences.append((job.prompt_ids, job.adapter))
+            rows += [Row(job, index) for index in fresh]
+        for index in [index for index in job.unfinished if index in job.parked]:
+            # Its last token was sampled but never fed: the prefill's last logits are the
+            # next position's, as the decode step would have computed them.
+            row = job.parked.pop(index)
+            repeat.append(len(sequences))
+            sequences.append((job.prompt_ids + row.ids, job.adapter))
+            rows.append(row)
+    width = max(len(ids) for ids, _ in sequences)
+    ids_JT = torch.full((len(sequences), width), model.pad_id, dtype=torch.long)
+    mask_JT = torch.zeros((len(sequences), width), dtype=torch.long)
+    for j, (ids, _) in enumerate(sequences):
+        ids_JT[j, width - len(ids) :] = torch.tensor(ids)
+        mask_JT[j, width - len(ids) :] = 1
     ids_JT, mask_JT = ids_JT.to(device), mask_JT.to(device)
     cache = new_cache()
-    logits_JV = model.forward(ids_JT, mask_JT, cache, [job.adapter for job in jobs], logits_to_keep=1)
-    # n choices of a job share its prompt: repeat its row n times (a background job set aside
-    # and started again: once per choice it had not finished)
-    repeat_R = torch.tensor([j for j, job in enumerate(jobs) for _ in job.unfinished], device=device)
+    logits_JV = model.forward(ids_JT, mask_JT, cache, [adapter for _, adapter in sequences], logits_to_keep=1)
+    repeat_R = torch.tensor(repeat, device=device)
     cache.batch_select_indices(repeat_R)
-    rows = [Row(job, index) for job in jobs for index in job.unfinished]
     return rows, logits_JV[repeat_R], cache, mask_JT[repeat_R]
 
 

@@ -94,9 +94,11 @@ class Job:
         self.prompt_ids = prompt_ids
         self.n = n
         # A background job (shadow samples) runs only while no foreground row is in the batch;
-        # set aside for one, it starts again later with the choices it had not finished.
+        # set aside for one, its unfinished choices are parked with what they generated and
+        # later continue from there.
         self.background = background and not stream
         self.unfinished: list[int] = list(range(n))  # choice indices still to generate
+        self.parked: dict[int, Row] = {}  # choice index -> its row, set aside mid-generation
         self.adapter = adapter
         self.sampling = sampling
         self.stream = stream

@@ -13,9 +13,11 @@ that inbox and runs a continuous batch (gateway/engines/local/batch.py):
 - adapter loads and unloads run on the worker between steps; an unload waits until no
   queued or running request uses the adapter;
 - background jobs (shadow samples: no client waits for them) run only while no foreground
-  request is in the batch or waiting; when one arrives they are set aside (their rows leave the
-  batch) and start again, from their prompt, with the choices they had not finished, once
-  the foreground is done. Live calls never share a step with them.
+  request is in the batch or waiting; when one arrives they are set aside: their rows leave the
+  batch with the tokens and logprobs they have, and once the foreground is done each continues
+  from prompt + its tokens (a prefill of them, vLLM's recompute preemption), so a shadow is
+  drawn from the same distribution however often live load interrupts it. Live calls never
+  share a step with them.
 
 Each step samples one token per row (gateway/engines/local/sampling.py: vLLM's order, and
 the behaviour logprob of the token under the distribution it was drawn from) and records it:
@@ -33,6 +35,7 @@ import asyncio
 import logging
 import queue
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from gateway.engines.local.batch import Batch, prefill
@@ -64,6 +67,8 @@ class Worker:
         self.pending: deque[Job] = deque()
         self.background: deque[Job] = deque()  # waiting background jobs, oldest first
         self.set_aside = 0  # background jobs taken out of the batch for a foreground one (tests)
+        # Called on this thread after every step (tests: they script arrivals by token counts).
+        self.after_step: Callable[[], None] | None = None
         self.controls: list[Control] = []
         self.batch = Batch(model.device)
         self.outbox: list[tuple[Job, str, Any]] = []  # events of this step, sent together
@@ -88,6 +93,8 @@ class Worker:
                 log.exception("local engine step failed")
                 self._fail_running(UpstreamError(f"the local model failed while generating: {error}"))
             self._send()
+            if self.after_step is not None:
+                self.after_step()
         self._send()
         for control in self.controls:
             control.resolve(EngineUnavailable("the local engine is shutting down"))
@@ -153,14 +160,20 @@ class Worker:
     # ------------------------------------------------------------ batching
 
     def _set_aside_background(self) -> None:
-        """A foreground request is waiting: background rows leave the batch, and their jobs
-        go back to the front of the background queue (recomputed from the prompt later)."""
+        """A foreground request is waiting: background rows leave the batch, parked in their
+        jobs with what they generated, and the jobs go back to the front of the background
+        queue. A row's cache is dropped, not its tokens: they are prefilled again when it
+        continues (`prefill`), so no choice is re-drawn, and long ones are not selected out."""
         rows = self.batch.rows
         if not self.pending or not any(row.job.background for row in rows):
             return
-        aside = list({id(row.job): row.job for row in rows if row.job.background}.values())
+        aside: dict[int, Job] = {}
+        for row in rows:
+            if row.job.background:
+                row.job.parked[row.index] = row
+                aside[id(row.job)] = row.job
         self.batch.select([i for i, row in enumerate(rows) if not row.job.background])
-        self.background.extendleft(reversed(aside))
+        self.background.extendleft(reversed(list(aside.values())))
         self.set_aside += len(aside)
 
     def _admit(self) -> None:
@@ -232,7 +245,7 @@ class Worker:
                 row.finish_reason = "length"
             if row.finish_reason is not None:
                 if job.background:
-                    job.unfinished.remove(row.index)  # set aside later, it is not generated again
+                    job.unfinished.remove(row.index)  # set aside later, it is not continued
                 row.text = detok.decode(row.ids)  # the whole text, including any held-back bytes
                 if job.stream and row.sent_tokens < len(row.ids):  # logprobs not streamed yet
                     deltas.setdefault(id(job), (job, []))[1].append(delta(row, "", len(row.ids)))
