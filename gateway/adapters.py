@@ -2,7 +2,9 @@
 
 Served names: `NAME` (the newest loaded step), `NAME@N` (any step with a step row:
 loaded on demand if it is not loaded, ART's convention) and the base model's id (no
-adapter). Engines without adapters (`openai`) pass every name through unchanged.
+adapter). Engines without adapters (`openai`) pass every name through unchanged. Before
+any step is loaded `NAME` is the base model (step None), or, with `--init-from`, a 503
+until step 0 is loaded (`loading`).
 
 The hot-swap, driven by the store (the trainer's only channel to the gateway):
 
@@ -290,6 +292,7 @@ class AdapterRegistry:
             return Target(model=requested, adapter=None, step=None)
         if requested == self.name:
             if self.current is None:
+                refuse_before_step_0(self)  # --init-from: step 0 is another adapter, not the base model
                 # No adapter yet: the untrained LoRA equals the base model (B = 0).
                 return Target(model=self.engine.base_model_id, adapter=None, step=None)
             return Target(model=self.loaded[self.current], adapter=self.loaded[self.current], step=self.current)
@@ -328,6 +331,31 @@ class AdapterRegistry:
     def _release(self, target: Target) -> None:
         if target.step is not None:
             self.in_flight[target.step] -= 1
+
+
+def loading(registry: AdapterRegistry) -> str | None:
+    """What NAME waits for before it answers, or None once it answers. A run started with
+    `--init-from` has another run's adapter as its step 0: the base model is not its policy,
+    and a call it answered would be trained as if step 0 had sampled it. So NAME answers only
+    once step 0 is loaded (`/healthz` says so meanwhile); a cold run's step 0 is the untrained
+    LoRA, which equals the base model, and NAME is served by the base model until it loads."""
+    init_from = registry.settings.init_from
+    if registry.current is not None or not init_from or not registry.engine.supports_adapters:
+        return None
+    failed = registry.load_errors.get(0)
+    return f"loading step 0 of '{registry.name}' from --init-from {init_from}" + (
+        f" (the last try failed: {failed}; retrying every {registry.settings.poll_interval:g} s)" if failed else ""
+    )
+
+
+def refuse_before_step_0(registry: AdapterRegistry) -> None:
+    reason = loading(registry)
+    if reason is not None:
+        raise EngineUnavailable(
+            f"model '{registry.name}' does not answer yet: {reason}. The trainer saves it when it starts; "
+            "try again shortly (GET /healthz says ok once it serves)",
+            code="loading_step_0",
+        )
 
 
 class _Held:

@@ -70,11 +70,12 @@ def needs_gpu_lease(settings: Settings) -> bool:
 
 
 def is_stale(group_step: int | None, current_step: int, max_staleness: int) -> bool:
-    """Dedicated mode: True when a group sampled by `group_step` (None = base model = 0) is
-    more than `max_staleness` steps behind `current_step`, the step the trainer would now
-    produce from the newest adapter (it trains from step `current_step`). Such groups are
-    skipped: their logprobs come from a policy too far from the one being updated for the
-    clipped ratio to mean much."""
+    """Dedicated mode: True when a group sampled by `group_step` (None = the base model = step 0,
+    which only a run's untrained LoRA equals: `trainer.selection` sets aside the base model's
+    groups of a run seeded with `--init-from` first) is more than `max_staleness` steps behind
+    `current_step`, the step the trainer would now produce from the newest adapter (it trains
+    from step `current_step`). Such groups are skipped: their logprobs come from a policy too
+    far from the one being updated for the clipped ratio to mean much."""
     return current_step - (group_step or 0) > max_staleness
 
 
@@ -197,19 +198,33 @@ def free_trainer_cache() -> None:
 
 def wait_for_vllm(url: str, timeout: float = 1800.0, interval: float = 2.0) -> bool:
     """Colocated trainer: block until vLLM answers `/health` (it profiles the whole GPU while it
-    loads; a trainer that allocates meanwhile makes its start fail). False on timeout."""
-    import urllib.request
-
+    loads; a trainer that allocates meanwhile makes its start fail). `url`: http(s)://HOST:PORT,
+    or unix:PATH for the managed vLLM's socket. False on timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return True
+            if _health_ok(url):
+                return True
         except OSError:
             pass
         time.sleep(interval)
     return False
+
+
+def _health_ok(url: str) -> bool:
+    from gateway.engines.vllm.server import socket_of
+
+    path = socket_of(url)
+    if path is None:
+        import urllib.request
+
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as resp:
+            return resp.status == 200
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(path)
+        sock.sendall(b"GET /health HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        return sock.recv(16).split(b" ")[1:2] == [b"200"]
 
 
 # ---------------------------------------------------------------------------- gateway side (async)

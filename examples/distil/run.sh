@@ -8,8 +8,9 @@
 #
 # Settings are environment variables (defaults below). The *_ARGS ones are extra flags, split
 # on spaces. record and reinforce start `rlproxy serve` in the background on $PORT, wait for
-# /healthz, run the agent and stop the gateway again (also on an error or Ctrl-C); its log is
-# $STATE/logs/PHASE-gateway.log.
+# /healthz to be ok (with INIT_FROM: until the new run's step 0 is loaded; it answers 503
+# `loading` before), run the agent and stop the gateway again (also on an error or Ctrl-C); its
+# log is $STATE/logs/PHASE-gateway.log.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -54,7 +55,7 @@ AGENT=${AGENT:-$PYTHON $ROOT/examples/retail/agent.py}  # called with --base-url
 AGENT_ARGS=${AGENT_ARGS:-}                            # more agent flags, both phases (--max-turns, --task, ...)
 RULER=${RULER:-0}                                     # 1: the agent asks for RULER scores (--ruler)
 JUDGE_MODEL=${JUDGE_MODEL:-self}                      # RULER judge: self (the model served), or a litellm id
-STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-1200}              # seconds for the gateway to answer /healthz
+STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-1200}              # seconds for the gateway's /healthz to be ok
 
 BASE_URL="http://127.0.0.1:$PORT"
 GATEWAY_PID=
@@ -101,6 +102,8 @@ start_gateway() { # start_gateway PHASE FLAGS...: `rlproxy serve FLAGS` in the b
         echo "something already answers at $BASE_URL: stop it, or set PORT" >&2
         return 1
     fi
+    # RULER calls only the judges the gateway is started with (self is always allowed)
+    [[ $RULER != 1 || $JUDGE_MODEL == self ]] || set -- "$@" --judge-model "$JUDGE_MODEL"
     say "$phase: rlproxy serve $* (log: $log)"
     set -m # its own process group: stopped as a whole, and Ctrl-C reaches it only through us
     "${rlproxy_cmd[@]}" serve --state-dir "$STATE" --host 127.0.0.1 --port "$PORT" "$@" </dev/null >>"$log" 2>&1 &
@@ -116,7 +119,7 @@ start_gateway() { # start_gateway PHASE FLAGS...: `rlproxy serve FLAGS` in the b
             return 1
         fi
         if ((waited >= STARTUP_TIMEOUT)); then
-            echo "the gateway did not answer $BASE_URL/healthz in $STARTUP_TIMEOUT s; see $log" >&2
+            echo "the gateway's $BASE_URL/healthz was not ok in $STARTUP_TIMEOUT s; see $log" >&2
             return 1
         fi
         sleep 1

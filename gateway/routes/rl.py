@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from gateway.adapters import loading
 from gateway.chat.identity import check_id
 from gateway.errors import InvalidRequest, StoreUnavailable
 from gateway.protocols.chat import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
@@ -91,8 +92,9 @@ async def training_trigger(request: Request) -> Response:
 @router.get("/healthz")
 async def healthz(request: Request) -> Response:
     """200 `ok`, or 503 `degraded` with the reason while the store cannot record or the
-    engine cannot serve. While the store is degraded each look probes it with a write, so
-    it turns `ok` once the cause is gone."""
+    engine cannot serve, or 503 `loading` while NAME waits for its `--init-from` step 0.
+    While the store is degraded each look probes it with a write, so it turns `ok` once the
+    cause is gone."""
     services = request.app.state.services
     store = services.store
     if store.health.degraded:
@@ -107,13 +109,16 @@ async def healthz(request: Request) -> Response:
         "step": services.registry.current,
     }
     engine_down = services.engine.health()
-    if not store.health.degraded and engine_down is None:
+    waiting = loading(services.registry)
+    if not store.health.degraded and engine_down is None and waiting is None:
         return json_response(body)
     if store.health.degraded:
         report = store.health.report()
         body.update(status="degraded", reason=report["reason"], store=report)
-    else:
+    elif engine_down is not None:
         body.update(status="degraded", reason=f"the {services.engine.kind} engine cannot serve: {engine_down}")
+    else:
+        body.update(status="loading", reason=waiting)
     return json_response(body, status_code=503)
 
 

@@ -8,13 +8,16 @@ reward arrives it joins the open live group of its key, and the group closes (re
 holds K sessions. Two keys never share a group. A session joins only while the adapter step that
 answered it is within `--live-max-staleness` steps of the newest: a later reward is stored
 (the API answers 200) with `trainable: false` and the reason, and the session is never trained.
-A member that went stale while its group was filling leaves it, with the same reason.
+A member that went stale while its group was filling leaves it, with the same reason. The base
+model (a call's step None) is step 0 only where step 0 is the untrained LoRA: in a run seeded with
+`--init-from`, a session the base model answered is never trained.
 
 These are ops on the writer's connection, inside `rows.set_reward`'s transaction.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 import uuid
@@ -30,9 +33,19 @@ class LiveRule:
 
 
 # The step that sampled a session: the oldest adapter step among its answered calls of an
-# engine that serves our adapters (None, the base model, is step 0); an upstream's calls
-# (engine openai) have no step of ours and never go stale.
-_SAMPLED_STEP = "SELECT MIN(COALESCE(step, 0)) FROM calls WHERE session_id = ? AND status = 'ok' AND engine != 'openai'"
+# engine that serves our adapters, and how many of them the base model answered (step None);
+# an upstream's calls (engine openai) have no step of ours and never go stale.
+_SAMPLED_STEP = (
+    "SELECT MIN(step), COUNT(*) - COUNT(step) FROM calls WHERE session_id = ? AND status = 'ok' AND engine != 'openai'"
+)
+
+
+def seeded_from(conn: sqlite3.Connection, model: str) -> str | None:
+    """The `--init-from NAME@N` whose adapter is the run's step 0, or None. Only where step 0
+    is the fresh adapter (B = 0) is the base model step 0: after `--init-from` a call the
+    base model answered was sampled by no step of this run."""
+    row = conn.execute("SELECT metrics FROM steps WHERE model = ? AND step = 0", (model,)).fetchone()
+    return json.loads(row[0] or "{}").get("init_from") if row is not None else None
 
 
 def newest_step(conn: sqlite3.Connection, model: str) -> int:
@@ -40,9 +53,17 @@ def newest_step(conn: sqlite3.Connection, model: str) -> int:
     return (row[0] or 0) if row is not None else 0
 
 
-def stale_reason(conn: sqlite3.Connection, session_id: str, newest: int, rule: LiveRule) -> str | None:
-    """Why the session is too stale to train, or None."""
-    sampled = conn.execute(_SAMPLED_STEP, (session_id,)).fetchone()[0]
+def stale_reason(
+    conn: sqlite3.Connection, session_id: str, newest: int, rule: LiveRule, seeded: str | None = None
+) -> str | None:
+    """Why the session is too stale to train, or None. `seeded`: the run's `seeded_from`."""
+    oldest, by_base_model = conn.execute(_SAMPLED_STEP, (session_id,)).fetchone()
+    if by_base_model and seeded is not None:
+        return (
+            f"answered by the base model, which is not this run's policy: its step 0 is the adapter of --init-from "
+            f"{seeded} (a gateway started with --init-from waits for it); it is kept, never trained"
+        )
+    sampled = 0 if by_base_model else oldest  # a cold run's step 0 is the untrained LoRA: the base model
     if sampled is None or newest - sampled <= rule.max_staleness:
         return None
     return (
@@ -75,8 +96,8 @@ def join_live_group(
     when there is none; closed once it holds `rule.group_size` sessions). Returns what the
     reward's answer adds: {"trainable": True, "group_id"} or {"trainable": False, "reason"}."""
     now = time.time()
-    newest = newest_step(conn, model)
-    reason = stale_reason(conn, session_id, newest, rule)
+    newest, seeded = newest_step(conn, model), seeded_from(conn, model)
+    reason = stale_reason(conn, session_id, newest, rule, seeded)
     if reason is not None:
         _leave(conn, session_id, reason, now)
         return {"trainable": False, "reason": reason}
@@ -84,7 +105,7 @@ def join_live_group(
     if group_id is not None:
         members = [r[0] for r in conn.execute("SELECT id FROM sessions WHERE group_id = ?", (group_id,)).fetchall()]
         for member in members:  # the policy moved on while the group was filling
-            went_stale = stale_reason(conn, member, newest, rule)
+            went_stale = stale_reason(conn, member, newest, rule, seeded)
             if went_stale is not None:
                 _leave(conn, member, went_stale, now)
     else:
