@@ -19,7 +19,7 @@ from gateway.store.sqlite import SQLiteStore
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer import checkpoints as ckpts
 from trainer.render import ChatTemplateRenderer
-from trainer.sft.samples import DROPPED_PARTS, PREFIX_BROKEN, TOOL_CALL_LOST, session_samples
+from trainer.sft.samples import DROPPED_PARTS, TOOL_CALL_LOST, session_samples
 
 TOOLS = [
     {
@@ -112,10 +112,6 @@ def test_a_session_whose_rendering_is_ambiguous_is_skipped_with_the_reason(token
     image = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url"}]}
     found = session_samples("img", [teacher_call(1, [SYSTEM, image], ANSWER)], render)
     assert found.samples == () and found.skipped == DROPPED_PARTS.format(kinds="image_url")
-    # the second call rewrote the first turn's answer: the prefix check fails
-    rewritten = {"role": "assistant", "content": "Eight."}
-    calls = [teacher_call(1, [SYSTEM, USER], ANSWER), teacher_call(2, [SYSTEM, USER, rewritten, USER], ANSWER)]
-    assert session_samples("rw", calls, render).skipped == PREFIX_BROKEN
     # a template without tools cannot write the tool call
     plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     plain.chat_template = (
@@ -124,6 +120,43 @@ def test_a_session_whose_rendering_is_ambiguous_is_skipped_with_the_reason(token
     )
     found = session_samples("tools", TOOL_SESSION, ChatTemplateRenderer(plain))
     assert found.skipped == TOOL_CALL_LOST.format(name="lookup")
+
+
+# Qwen3's way, in small: an assistant turn's <think>...</think> is written only while it is the
+# turn being rendered; in the history of a later call it is dropped.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and not loop.last %}{{ (m.content or '').split('</think>')[-1].lstrip() }}"
+    "{% else %}{{ m.content or '' }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_history_the_template_rewrote_splits_the_session_into_samples_instead_of_skipping_it(tokenizer):
+    thinking = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    thinking.chat_template = THINKING_TEMPLATE
+    first = {"role": "assistant", "content": "<think>7 is in the table.</think>\n\nSeven."}
+    second = {"role": "assistant", "content": "<think>Add one.</think>\n\nEight."}
+    more = {"role": "user", "content": "And plus one?"}
+    calls = [teacher_call(1, [SYSTEM, USER], first), teacher_call(2, [SYSTEM, USER, first, more], second)]
+    found = session_samples("think", calls, ChatTemplateRenderer(thinking))
+    # The second prompt does not extend the first sample (its thinking is gone): a new sample
+    # starts there, counted as a split; each reply is trained once, thinking included.
+    assert found.skipped is None and found.splits == 1
+    one, two = found.samples
+    assert trained_text(thinking, one) == ["<think>7 is in the table.</think>\n\nSeven.<|im_end|>"]
+    assert trained_text(thinking, two) == ["<think>Add one.</think>\n\nEight.<|im_end|>"]
+    context = thinking.decode([t for t, trained in zip(two.token_ids, two.loss_mask, strict=True) if not trained])
+    assert context.endswith(
+        "<|im_start|>assistant\nSeven.<|im_end|>\n<|im_start|>user\nAnd plus one?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # an agent that rewrote an earlier answer splits the same way
+    rewritten = {"role": "assistant", "content": "Eight."}
+    render = ChatTemplateRenderer(tokenizer)
+    calls = [teacher_call(1, [SYSTEM, USER], ANSWER), teacher_call(2, [SYSTEM, USER, rewritten, USER], ANSWER)]
+    found = session_samples("rw", calls, render)
+    assert found.skipped is None and found.splits == 1
+    assert [trained_text(tokenizer, s) for s in found.samples] == [["Seven is lucky.<|im_end|>"]] * 2
 
 
 def record(store, session_id: str, *, model: str, group: str | None, created_at: float, split: str = "train"):

@@ -249,6 +249,43 @@ def test_staleness_applies_to_the_local_engine_too(tmp_path):
         worker.close()
 
 
+def test_a_half_of_a_bisected_batch_that_went_stale_is_skipped_not_trained(tmp_path, monkeypatch):
+    # Each half of a failed batch that trains advances the step: the next half is screened for
+    # staleness as the first selection was, so no group trains past --max-staleness.
+    settings = trainer_settings(tmp_path, engine="local", max_staleness=0, groups_per_step=4)
+    recorder = Recorder(settings)
+    for gid in ("g1", "g2", "g3", "g4"):
+        recorder.group(gid, [1.0, 0.0], step=0)
+    recorder.close()
+    worker = TrainerWorker(settings)
+    worker.start()
+    try:
+        batch = [g["id"] for g in worker.groups_to_train()]  # step 1, trained from step 0: fresh
+        assert len(batch) == 4
+        real, failures = worker_module.train_and_record, [1]
+
+        def fails_once(*args, **kwargs):
+            if failures[0]:
+                failures[0] -= 1
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(worker_module, "train_and_record", fails_once)
+        assert worker.train_once([worker.store.get_group(gid) for gid in batch]) is None
+        first = worker.groups_to_train()
+        assert [g["id"] for g in first] == batch[:2]
+        assert worker.train_once(first) is not None and worker.next_step == 2  # step 1: trained from step 0
+        # The other half would now train from step 1, sampled by step 0: more than --max-staleness 0.
+        assert worker.groups_to_train() is None
+        for gid in batch[2:]:
+            group = worker.store.get_group(gid)
+            assert group["trained_step"] is None
+            assert group["skipped"] == "stale: sampled by step 0, training from step 1"
+        assert [s["step"] for s in worker.store.steps("agent")] == [0, 1]
+    finally:
+        worker.close()
+
+
 def test_a_checkpoint_that_cannot_be_written_leaves_the_weights_as_they_were(worker):
     # The update happened in memory; the checkpoint write fails: the next attempt must start
     # from the same adapter, not from one updated twice.

@@ -8,8 +8,11 @@ fault of theirs (a discard, the engine or the store away) gives the attempt back
 A step that fails (a non-finite loss or gradient, out of memory, a bad batch) changes nothing
 and its groups keep the error. One bad group must not set good ones aside, so a failed batch
 is bisected: its halves are tried next, each as a step of its own, until the group that fails
-is alone. A group that failed twice, or was in two steps the trainer died in (a restart
-forgets the halves still to try), is a suspect: it trains alone. A group is set aside (marked
+is alone. Each half that trains advances the step, so the worker screens the next half for
+staleness (`trainer.selection.without_stale`) before it trains: a group that went stale
+meanwhile is marked skipped with the reason, never trained past `--max-staleness`. A group
+that failed twice, or was in two steps the trainer died in (a restart forgets the halves
+still to try), is a suspect: it trains alone. A group is set aside (marked
 failed with the last error, visible in `GET /v1/groups/{id}`) once its attempts reach
 `attempt_limit`: `MAX_ATTEMPTS` alone, plus the steps bisection needs to isolate it.
 """

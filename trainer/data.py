@@ -5,9 +5,10 @@ the completion ids of choice 0 (the one an agent continues with) and their sampl
 logprobs. Consecutive turns merge into one sequence when the next prompt's ids start with
 everything so far (previous prompt + completion): the new tokens in between (tool
 results, user turns, template tokens) are prompt, and only sampled completion tokens are
-trained on. A turn whose prompt does not extend the sequence (the agent rewrote its
-history, or a tokenizer merged across the boundary) starts a new sample of the same
-trajectory, with the same advantage.
+trained on. A turn whose prompt does not extend the sequence (`extends`: the agent rewrote
+its history, a reasoning template dropped an earlier turn's <think> block, or a tokenizer
+merged across the boundary) starts a new sample of the same trajectory, with the same
+advantage; supervised samples split there too (`trainer.sft.samples`).
 
 Each token keeps the temperature its call sampled at (`Sample.temperatures`): the trainer
 scores pi_old at it, so the policy it compares against is the one that sampled. Greedy
@@ -16,6 +17,10 @@ engine, any protocol) are not trained: a point mass has no distribution for a ra
 pi_old at T = 1e-6 would inflate it ~10^6. Their completion stays in the sequence as
 context (masked, like a prompt), so the trajectory's later turns still merge and train;
 each is counted (`GREEDY`, `Batch.greedy_calls`, the step's `greedy_calls` metric).
+
+A call can carry a loss weight (`call_weights`, call id -> weight, 1 for the others) that each
+of its completion tokens takes into the loss (`Sample.weights`): a live turn that is trained in
+two groups, its live group and its shadow group, weighs 1 in all (`trainer.publish`).
 
 Calls recorded without token ids (the `openai` engine) are re-rendered with the base
 model's chat template (`trainer.render`) and trained without behaviour logprobs
@@ -32,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -61,6 +66,8 @@ class Turn:
     """The temperature the completion was sampled at (1 for greedy or unknown)."""
     trained: bool = True
     """False for a greedy call: its completion is context, never trained on."""
+    weight: float = 1.0
+    """The loss weight of each completion token (below 1: the turn also trains elsewhere)."""
 
 
 Render = Callable[[dict, dict], "Turn | None"]
@@ -101,6 +108,13 @@ def _call_turn(call: dict, render: Render | None) -> Turn | None:
     return dataclasses.replace(turn, temperature=temperature) if turn is not None else None
 
 
+def extends(ids: Sequence[int], prompt_ids: Sequence[int]) -> bool:
+    """Whether a turn's prompt continues the token sequence so far, so that the two merge into
+    one sample; where it does not, a new sample starts (GRPO's and supervised samples alike)."""
+    n = len(ids)
+    return len(prompt_ids) >= n and list(prompt_ids[:n]) == list(ids)
+
+
 def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, advantage: float) -> list[Sample]:
     """One trajectory's turns as samples: merged while each prompt extends the sequence."""
     samples: list[Sample] = []
@@ -108,47 +122,63 @@ def merge_turns(turns: Sequence[Turn], *, trajectory_id: str, group_id: str, adv
     mask: list[bool] = []
     old: list[float] = []
     temps: list[float] = []
+    weights: list[float] = []
 
     def flush() -> None:
         # A sample needs a trained token, and a first token that is context (no logprob).
         if ids and any(mask) and not mask[0]:
             samples.append(
                 Sample(
-                    tuple(ids), tuple(mask), tuple(old), advantage, trajectory_id, group_id, temperatures=tuple(temps)
+                    tuple(ids),
+                    tuple(mask),
+                    tuple(old),
+                    advantage,
+                    trajectory_id,
+                    group_id,
+                    temperatures=tuple(temps),
+                    weights=tuple(weights) if any(w != 1.0 for w in weights) else None,
                 )
             )
-        ids.clear()
-        mask.clear()
-        old.clear()
-        temps.clear()
+        for values in (ids, mask, old, temps, weights):
+            values.clear()
 
     for turn in turns:
         if not turn.prompt_ids:
             continue  # nothing to condition on; an engine never records this
-        n = len(ids)
-        if n and len(turn.prompt_ids) >= n and list(turn.prompt_ids[:n]) == ids:
-            new_prompt = turn.prompt_ids[n:]
-        else:
+        if not extends(ids, turn.prompt_ids):
             flush()
-            new_prompt = turn.prompt_ids
+        new_prompt = turn.prompt_ids[len(ids) :]
         ids.extend(new_prompt)
         mask.extend([False] * len(new_prompt))
         old.extend([NAN] * len(new_prompt))
         temps.extend([1.0] * len(new_prompt))
+        weights.extend([1.0] * len(new_prompt))
         ids.extend(turn.completion_ids)
         mask.extend([turn.trained] * len(turn.completion_ids))
         old.extend(turn.completion_logprobs)
         temps.extend([turn.temperature] * len(turn.completion_ids))
+        weights.extend([turn.weight] * len(turn.completion_ids))
     flush()
     return samples
 
 
 def trajectory_samples(
-    calls: Sequence[dict], *, trajectory_id: str, group_id: str, advantage: float, render: Render | None = None
+    calls: Sequence[dict],
+    *,
+    trajectory_id: str,
+    group_id: str,
+    advantage: float,
+    render: Render | None = None,
+    call_weights: Mapping[str, float] | None = None,
 ) -> list[Sample]:
     """A session's calls (in call order) as samples; retry orphans and calls the client never
-    got an answer to (`trainer.retries`) are left out."""
-    turns = [turn for call in trainable_calls(calls) if (turn := call_turn(call, render)) is not None]
+    got an answer to (`trainer.retries`) are left out. `call_weights`: call id -> loss weight."""
+    weights = call_weights or {}
+    turns = [
+        dataclasses.replace(turn, weight=weights[call["id"]]) if call.get("id") in weights else turn
+        for call in trainable_calls(calls)
+        if (turn := call_turn(call, render)) is not None
+    ]
     return merge_turns(turns, trajectory_id=trajectory_id, group_id=group_id, advantage=advantage)
 
 
@@ -225,6 +255,7 @@ def build_batch(
     scale_rewards: str = "group",
     render: Render | None = None,
     max_tokens_per_row: int | None = None,
+    call_weights: Mapping[str, float] | None = None,
 ) -> Batch:
     """Samples of `groups` (`Store.get_group` dicts) with their group-relative advantages,
     computed over exactly the sessions that train.
@@ -236,7 +267,7 @@ def build_batch(
     advantages over them; a group left with fewer than 2 sessions, or without a reward spread
     among them, is skipped with the reason. `calls_by_session` maps a session id to its calls
     in order (`Store.session_calls`); with `max_tokens_per_row`, samples are fitted to rows
-    first (`fit_to_rows`).
+    first (`fit_to_rows`). `call_weights`: call id -> the loss weight of its tokens (1 if absent).
     """
     by_id = {g["id"]: g for g in groups}
     skipped: dict[str, str] = {}
@@ -252,6 +283,7 @@ def build_batch(
                 group_id=gid,
                 advantage=0.0,  # set below, once the group's sessions are known
                 render=render,
+                call_weights=call_weights,
             )
             if max_tokens_per_row is not None and samples:
                 samples, dropped, n_cut = fit_to_rows(samples, max_tokens_per_row)
@@ -313,6 +345,7 @@ def fit_to_rows(samples: Sequence[Sample], max_tokens: int) -> tuple[list[Sample
                 loss_mask=sample.loss_mask[:max_tokens],
                 old_logprobs=sample.old_logprobs[:max_tokens],
                 temperatures=sample.temperatures[:max_tokens] if sample.temperatures is not None else None,
+                weights=sample.weights[:max_tokens] if sample.weights is not None else None,
             )
         fitted.append(sample)
     return fitted, dropped, cut

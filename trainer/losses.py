@@ -15,7 +15,10 @@ sampling (Ionides 2008; Yao et al. 2025, "Your efficient RL framework secretly b
 off-policy RL training"): the policy loss of each token is weighted by
 w_t = min(pi_old/mu, tis_cap), detached; w = 1 where mu is unknown (NaN) or tis_cap is 0.
 GSPO takes the sequence-level weight min(exp(mean_t log(pi_old/mu)), tis_cap), matching
-its sequence-level ratio. The KL term is added after the weighting, as TRL does.
+its sequence-level ratio. The KL term is added after the weighting, as TRL does. A token's
+loss weight (`Sample.weights`: below 1 on a turn that also trains in another group) then
+multiplies its whole loss, policy and KL, before the aggregation; the counts the aggregations
+divide by are the batch's tokens and trajectories as they are.
 
 Normalisation is batch-wide (`LossNorm`), so a batch processed as several chunks (one
 packed row per forward/backward) gives losses and gradients that *sum* to those of the
@@ -215,6 +218,7 @@ def compute_loss(
     ref_logprobs: torch.Tensor | None = None,
     norm: LossNorm | None = None,
     behaviour_logprobs: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The `config.loss_type` loss of a batch, or of one chunk of it.
 
@@ -226,7 +230,7 @@ def compute_loss(
 
     The k3 KL to the reference (base) model, times `beta`, is added to each token's loss
     before aggregation (as TRL does); `ref_logprobs` is needed only when beta > 0 (given
-    with beta = 0, the KL is only reported).
+    with beta = 0, the KL is only reported). `weights`: each token's loss weight (None: 1).
     Metrics (detached floats, additive over chunks): loss, policy_loss (the loss without
     the KL), kl (mean per trained token), clip_fraction (trained tokens whose gradient
     clipping removed or, for cispo, whose weight was capped), ratio_mean, and with
@@ -275,6 +279,9 @@ def compute_loss(
         kl_N = k3_kl(logprobs_N, ref_logprobs[mask].float())
     if config.beta > 0 and kl_N is not None:  # beta > 0 without ref_logprobs raised above
         loss_N = policy_N + config.beta * kl_N
+    if weights is not None:
+        weight_N = weights[mask].float()
+        loss_N, policy_N = loss_N * weight_N, policy_N * weight_N
     loss = spec.aggregate(loss_N, x, config, norm)
 
     per_token = float(norm.num_loss_tokens)

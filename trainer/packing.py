@@ -48,6 +48,9 @@ class PackedRow:
     """float32; trained tokens of the token's trajectory over the whole batch (its
     samples may sit in other rows). Losses divide by it to weigh trajectories equally."""
 
+    weights_T: torch.Tensor
+    """float32; the loss weight of token t (`Sample.weights`, 1 where the sample has none)."""
+
     sample_indices: tuple[int, ...]
     """The samples in this row, in row order (indices into the list given to `pack`)."""
 
@@ -67,6 +70,7 @@ class PaddedBatch:
     advantages_BT: torch.Tensor
     trajectory_tokens_BT: torch.Tensor
     temperatures_BT: torch.Tensor
+    weights_BT: torch.Tensor
 
 
 def _trajectory_tokens(samples: Sequence[Sample]) -> dict[str, int]:
@@ -85,10 +89,12 @@ def _row(samples: Sequence[Sample], indices: Sequence[int], traj_tokens: dict[st
     adv: list[float] = []
     ttok: list[int] = []
     temp: list[float] = []
+    weights: list[float] = []
     for i in indices:
         s = samples[i]
         n = len(s.token_ids)
         temp += s.temperatures if s.temperatures is not None else [1.0] * n
+        weights += s.weights if s.weights is not None else [1.0] * n
         ids += s.token_ids
         pos += range(n)
         seg += [i] * n
@@ -105,6 +111,7 @@ def _row(samples: Sequence[Sample], indices: Sequence[int], traj_tokens: dict[st
         advantages_T=torch.tensor(adv, dtype=torch.float32),
         temperatures_T=torch.tensor(temp, dtype=torch.float32),
         trajectory_tokens_T=torch.tensor(ttok, dtype=torch.float32),
+        weights_T=torch.tensor(weights, dtype=torch.float32),
         sample_indices=tuple(indices),
     )
 
@@ -159,6 +166,7 @@ def padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatc
     adv = torch.zeros((B, T), dtype=torch.float32)
     ttok = torch.zeros((B, T), dtype=torch.float32)
     temp = torch.ones((B, T), dtype=torch.float32)
+    weights = torch.ones((B, T), dtype=torch.float32)
     for b, s in enumerate(samples):
         n = len(s.token_ids)
         input_ids[b, :n] = torch.tensor(s.token_ids)
@@ -171,7 +179,9 @@ def padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatc
         ttok[b, :n] = traj_tokens[s.trajectory_id]
         if s.temperatures is not None:
             temp[b, :n] = torch.tensor(s.temperatures, dtype=torch.float32)
-    return PaddedBatch(input_ids, attention, position, segment, loss_mask, old, adv, ttok, temp)
+        if s.weights is not None:
+            weights[b, :n] = torch.tensor(s.weights, dtype=torch.float32)
+    return PaddedBatch(input_ids, attention, position, segment, loss_mask, old, adv, ttok, temp, weights)
 
 
 def attention_mask_4d(segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

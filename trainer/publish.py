@@ -1,7 +1,8 @@
 """One step, from the groups chosen to a recorded step: train, checkpoint, record.
 
 `plan_step` turns the groups into samples cut to rows (the groups that cannot be trained
-whole are marked skipped). `train_and_record` trains in memory, writes checkpoint `NNNN/`
+whole are marked skipped), a live turn that trains in two groups weighed once
+(`shared_turn_weights`). `train_and_record` trains in memory, writes checkpoint `NNNN/`
 and inserts the step row with its groups marked trained; whatever stops it half-way (an
 error, a discard of one of its sessions) puts the weights back as they were and removes a
 checkpoint already written, so nothing is published and the next attempt starts from the
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING
 from gateway.errors import Conflict
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store.rows import shadow_call_id
 from trainer import checkpoints as ckpts
-from trainer.data import Render, build_batch, token_budget
+from trainer.data import Batch, Render, build_batch, token_budget
 
 if TYPE_CHECKING:  # the backend (torch) and the GPU lease are imported when needed
     from gateway.colocate import TrainingLease
@@ -68,6 +70,8 @@ class StepPlan:
     """Session id -> the advantage it trained with, recorded with the step."""
     left_out: dict[str, str] = field(default_factory=dict)
     """Session id (of a trained group) -> why it left its group untrained, recorded with the step."""
+    shared_turns: int = 0
+    """Live turns trained here at a weight below 1 because they train in a second group too."""
 
 
 def plan_step(store: Store, settings: Settings, render: Render, groups: list[dict], step: int) -> StepPlan:
@@ -76,13 +80,27 @@ def plan_step(store: Store, settings: Settings, render: Render, groups: list[dic
     marked skipped in the store."""
     started = time.perf_counter()
     calls = {s["id"]: store.session_calls(s["id"]) for g in groups for s in g["sessions"]}
-    batch = build_batch(
-        groups,
-        calls,
-        scale_rewards=settings.scale_rewards,
-        render=render,
-        max_tokens_per_row=settings.max_tokens_per_row,
-    )
+
+    def batch_with(weights: dict[str, float] | None = None) -> Batch:
+        return build_batch(
+            groups,
+            calls,
+            scale_rewards=settings.scale_rewards,
+            render=render,
+            max_tokens_per_row=settings.max_tokens_per_row,
+            call_weights=weights,
+        )
+
+    batch = batch_with()
+    weights = shared_turn_weights(store, groups, batch, calls)
+    if weights:  # the same samples, groups and advantages again: weights decide none of them
+        batch = batch_with(weights)
+        log.info(
+            "step %d: %d live turn(s) also trained in a second group, weighed %s",
+            step,
+            len(weights),
+            ", ".join(f"{w:g}" for w in sorted(set(weights.values()))),
+        )
     if batch.cut:
         log.warning(
             "step %d: %d sample(s) longer than --max-tokens-per-row %d: trained on their first %d "
@@ -117,11 +135,60 @@ def plan_step(store: Store, settings: Settings, render: Render, groups: list[dic
         rewards=batch.rewards,
         advantages=batch.advantages,
         left_out={sid: reason for sid, reason in batch.left_out.items() if group_of[sid] in trained},
+        shared_turns=len(weights),
         token_budget=token_budget(
             [c for g in groups if g["id"] in trained for s in g["sessions"] for c in calls.get(s["id"], [])],
             default=settings.default_max_tokens,
         ),
     )
+
+
+SHARED_WEIGHT = 0.5
+"""The weight of each of a live turn's two occurrences when its two groups train in one step."""
+
+
+def shared_turn_weights(
+    store: Store, groups: list[dict], batch: Batch, calls: dict[str, list[dict]]
+) -> dict[str, float]:
+    """Call id -> loss weight (only those below 1) of the live turns this step trains that train
+    in a second group too. With live groups and shadow samples both on, a shadowed live call is
+    in its live group (the real reward) and, as the copy of the live answer (`shadow_call_id`
+    index 0), in its shadow group (the judge's ranking): two unbiased estimates, and a turn
+    trained at full weight in both would count double. So the turn weighs 1 in all: 1/2 in each
+    where both groups train in this step; otherwise all of it in the one that trains first and
+    0 in the later one, which keeps the turn in its group (its reward still sets the others'
+    advantages) but trains nothing on it. Which trained first is in the store: a session's
+    advantage is recorded when its group trains."""
+    trained = {sid for ids in batch.sessions.values() for sid in ids}
+    by_id = {g["id"]: g for g in groups}
+    pairs: set[tuple[str, str, str, str]] = set()  # (live call, its session, the copy's call, its session)
+    for gid, session_ids in batch.sessions.items():
+        origin = by_id[gid].get("origin")
+        shadow_of = {s["id"]: s.get("shadow_of") for s in by_id[gid]["sessions"]}
+        for sid in session_ids:
+            live_id = shadow_of.get(sid)
+            if origin == "shadow" and live_id and any(c["id"] == shadow_call_id(live_id, 0) for c in calls[sid]):
+                live = store.get_call(live_id)
+                if live is not None:
+                    pairs.add((live_id, live["session_id"], shadow_call_id(live_id, 0), sid))
+            elif origin == "live":  # a live session's calls, each of which may have been shadowed
+                for call in calls.get(sid, []):
+                    copy = store.get_call(shadow_call_id(call["id"], 0))
+                    if copy is not None:
+                        pairs.add((call["id"], sid, copy["id"], copy["session_id"]))
+    weights: dict[str, float] = {}
+    for live_id, live_session, copy_id, copy_session in pairs:
+        if live_session in trained and copy_session in trained:
+            weights[live_id] = weights[copy_id] = SHARED_WEIGHT
+        elif live_session in trained:
+            weights[live_id] = 0.0 if _trained_before(store, copy_session) else 1.0
+        else:
+            weights[copy_id] = 0.0 if _trained_before(store, live_session) else 1.0
+    return {call_id: w for call_id, w in weights.items() if w != 1.0}
+
+
+def _trained_before(store: Store, session_id: str) -> bool:
+    return store.get_session(session_id).get("advantage") is not None
 
 
 def gpu_lease(store: Store, model: str, settings: Settings) -> contextlib.AbstractContextManager[TrainingLease | None]:
@@ -195,6 +262,7 @@ def _train_checkpoint_record(
         cut_samples=plan.cut,
         greedy_calls=plan.greedy_calls,
         left_out_sessions=len(plan.left_out),
+        shared_turns=plan.shared_turns,
         failed_attempts=failed_attempts,
     )
     _test_pause("train", step)

@@ -39,22 +39,37 @@ def without_stale(store: Store, settings: Settings, groups: list[dict], next_ste
     by the engine each of its calls recorded, not this trainer's `--engine`: calls of an
     engine that serves our adapters (local keeps serving while it trains, vLLM in dedicated
     mode too) have a step; an `openai` upstream's policy is not ours, so its calls have none
-    and a group of them is never stale."""
+    and a group of them is never stale. Only answered calls count: a refused one has no step.
+    A call the base model answered (step None) was sampled by step 0 only where step 0 is the
+    untrained LoRA; after `--init-from`, step 0 is another adapter and no step sampled it."""
     from gateway.colocate import is_stale, policy_calls
 
     current = next_step - 1
+    step_0 = [row for row in store.steps(settings.model_name) if row["step"] == 0]
+    seeded = step_0[0]["metrics"].get("init_from") if step_0 else None
     fresh, stale = [], {}
     for group in groups:
-        calls = policy_calls(c for s in group["sessions"] for c in store.session_calls(s["id"]))
+        calls = policy_calls(
+            c for s in group["sessions"] for c in store.session_calls(s["id"]) if c.get("status") == "ok"
+        )
         sampled_by = sampling_step(calls)
-        if calls and is_stale(sampled_by, current, settings.max_staleness):
+        if seeded is not None and any(c.get("step") is None for c in calls):
+            stale[group["id"]] = (
+                f"answered by the base model, not by a step of this run: its step 0 is the adapter of "
+                f"--init-from {seeded}"
+            )
+        elif calls and is_stale(sampled_by, current, settings.max_staleness):
             stale[group["id"]] = f"stale: sampled by step {sampled_by}, training from step {current}"
         else:
             fresh.append(group)
     for gid, reason in stale.items():
         store.mark_skipped([gid], reason)
     if stale:
-        log.info("skipped %d group(s) sampled more than %d steps ago", len(stale), settings.max_staleness)
+        log.info(
+            "skipped %d group(s) sampled more than %d steps ago or by the base model",
+            len(stale),
+            settings.max_staleness,
+        )
     return fresh, len(stale)
 
 

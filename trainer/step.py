@@ -104,6 +104,7 @@ def train_step(
                     config=config,
                     ref_logprobs=ref_T,
                     norm=norm,
+                    weights=row.weights_T.to(device),
                 )
                 if not math.isfinite(metrics["loss"]):
                     raise NonFiniteStep(f"the loss of row {index} is {metrics['loss']}")

@@ -49,10 +49,21 @@ class Sample:
     that predict token t are divided by it when the policy is scored, so pi_old is the
     policy that sampled. 1.0 on prompt tokens; None means 1.0 everywhere."""
 
+    weights: tuple[float, ...] | None = None
+    """Length T; the loss weight of token t (its per-token loss is multiplied by it before the
+    loss aggregates): below 1 on a turn that also trains in another group, so that its
+    occurrences weigh 1 in all (`trainer.publish`). None means 1.0 everywhere."""
+
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if n == 0:
             raise ValueError(f"sample of trajectory {self.trajectory_id!r} has no tokens")
+        if self.weights is not None and (
+            len(self.weights) != n or not all(w >= 0 and math.isfinite(w) for w in self.weights)
+        ):
+            raise ValueError(
+                f"sample of trajectory {self.trajectory_id!r}: weights must be one finite number >= 0 per token ({n})"
+            )
         if self.temperatures is not None:
             if len(self.temperatures) != n:
                 raise ValueError(

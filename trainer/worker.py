@@ -26,8 +26,9 @@ from pi_old for the importance weights to correct.
 
 A step never publishes a broken adapter: a non-finite loss or gradient (`NonFiniteStep`)
 or any other failure of the step leaves weights, checkpoints and step rows as they were
-and the groups untrained; a failing batch is bisected until the group at fault is alone,
-and that group is set aside after `MAX_ATTEMPTS` (marked failed with the reason, visible in
+and the groups untrained; a failing batch is bisected until the group at fault is alone
+(each half screened for staleness before it trains, as every step's groups are), and that
+group is set aside after `MAX_ATTEMPTS` (marked failed with the reason, visible in
 `GET /v1/groups/{id}`; the counts are in the store, so a crash counts: `trainer.attempts`).
 A step claims its groups before it reads them: from then on a reward is refused (409) and a
 call to one of their sessions is kept but never trained. A session discarded while its group
@@ -185,9 +186,12 @@ class TrainerWorker:
         """The groups of the next step, or None while there are too few. Ready groups
         without a reward spread, or sampled too long ago, are marked skipped at once: they
         never teach anything, so they do not count towards `groups_per_step`."""
-        half = self.attempts.next_half()  # a failed batch is bisected before anything new
-        if half is not None:
-            return half
+        while (half := self.attempts.next_half()) is not None:  # a failed batch is bisected before anything new
+            # Each half that trains advances the step: the next one is screened as the first selection was.
+            half, skipped = without_stale(self.store, self.settings, half, self.next_step)
+            self.skipped_since_step += skipped
+            if half:
+                return half
         ready = self.store.claim_groups(self.model, HOLDER)  # several trainers take disjoint groups
         if not ready:
             return None

@@ -9,6 +9,7 @@ import time
 from gateway.engines.base import TokenRecord
 from gateway.settings import is_greedy
 from gateway.store import CallRecord
+from gateway.store.rows import shadow_call_id
 
 SHADOWED_ENGINES = frozenset({"local", "vllm"})
 """Engines that answer with a policy of ours (an adapter step, or the base model)."""
@@ -51,7 +52,7 @@ def shadow_body(request: dict, model: str, k: int) -> dict:
 def _row(live: CallRecord, index: int, **fields) -> CallRecord:
     return CallRecord(
         **{
-            "id": f"{live.id}-shadow-{index}",
+            "id": shadow_call_id(live.id, index),
             "session_id": f"{group_id_for(live.id)}-{index}",
             "group_id": group_id_for(live.id),
             "split": live.split,

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import Conflict, NotFound
+from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.store.live import LiveRule, join_live_group
 
 # ------------------------------------------------------------------ array codec
@@ -94,6 +94,13 @@ class CallRecord:
     untrainable: str | None = None  # set by the store: why this call can never be trained (a late call)
     task_key: str | None = None  # the session's task (X-Task-Id or derived: gateway.chat.identity.task_key)
     shadow_of: str | None = None  # a shadow group's call: the live call it shadows (gateway/shadow/)
+
+
+def shadow_call_id(live_call_id: str, index: int) -> str:
+    """Call `index` of the shadow group of live call `live_call_id` (0: the copy of the live
+    answer; 1..K: its shadow samples). The gateway names them so (gateway/shadow/); the trainer
+    finds a live turn's copy by it, to weigh the turn once across its two groups."""
+    return f"{live_call_id}-shadow-{index}"
 
 
 # ------------------------------------------------------------------ ops (run on the writer connection)
@@ -240,6 +247,11 @@ NO_GROUP = (
     "(--live-group-size); the reward is kept, never trained"
 )
 
+# A session's metrics are kept with it and returned by every list page that holds it; rewards
+# merge theirs by name into it, so the bound is on what it keeps. The same as one reward's
+# (`MAX_METRICS` in gateway/protocols/chat.py, checked before the body reaches the store).
+MAX_SESSION_METRICS = 64
+
 
 def set_reward(
     conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float], live: LiveRule | None = None
@@ -261,7 +273,14 @@ def set_reward(
     frozen = frozen_group_reason(group_id, row[2], row[3], row[4]) if group_id is not None else None
     if frozen is not None:
         raise Conflict(f"session '{session_id}' takes no reward now: its {frozen}", param="session_id")
-    merged = {**json.loads(row[0] or "{}"), **metrics}
+    kept = json.loads(row[0] or "{}")
+    merged = {**kept, **metrics}
+    if len(merged) > max(MAX_SESSION_METRICS, len(kept)):  # one stored before the bound keeps what it has
+        raise InvalidRequest(
+            f"session '{session_id}' would keep {len(merged)} metrics with this reward's, over the limit of "
+            f"{MAX_SESSION_METRICS}: metrics are merged by name across rewards, so reuse the names already sent",
+            param="metrics",
+        )
     now = time.time()
     conn.execute(
         "UPDATE sessions SET reward = ?, metrics = ?, rewarded_at = ?, updated_at = ? WHERE id = ?",

@@ -13,7 +13,9 @@ hot-swapped like any other, and the dashboard shows its `objective`. The run:
 - trains `--epochs` passes over the train sessions, shuffled per epoch (`--seed`),
   `--sft-sessions-per-step` sessions a step, until the epochs or `--max-steps` are done.
   Sessions whose rendering is ambiguous are skipped with the reason and counted
-  (`trainer.sft.samples`).
+  (`trainer.sft.samples`); a session whose history the template rewrote (a reasoning model's
+  dropped `<think>` blocks) is split into samples there, and the splits are counted
+  (`split_samples`), not skipped.
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ def run_sft(
         log.info("sft: resuming the run at epoch %d, session %d", snapshot.epoch + 1, snapshot.position)
     else:
         snapshot = take_snapshot(store, where, epochs=epochs, sessions_per_step=sessions_per_step, seed=settings.seed)
-    train, skipped = _fitted(load_session_samples(store, snapshot.train, worker.render), settings.max_tokens_per_row)
+    found = load_session_samples(store, snapshot.train, worker.render)
+    train, skipped = _fitted(found, settings.max_tokens_per_row)
+    splits = sum(item.splits for item in found if item.session_id in train)
     val, _ = _fitted(load_session_samples(store, snapshot.val, worker.render), settings.max_tokens_per_row)
     snapshot.skipped = skipped
     if skipped:
@@ -150,6 +154,12 @@ def run_sft(
             "sft: %d session(s) skipped, never trained wrongly: %s",
             len(skipped),
             "; ".join(f"{n} x {why}" for why, n in reasons.most_common()),
+        )
+    if splits:
+        log.info(
+            "sft: %d split(s) where a call's prompt does not extend the session so far (a template that rewrites "
+            "the history, such as a reasoning model's dropped <think> blocks): a new sample starts there",
+            splits,
         )
     val_samples = [s for samples in val.values() for s in samples]
     done = 0
@@ -167,6 +177,7 @@ def run_sft(
             epoch=epoch + 1,
             sessions=len([sid for sid in batch if sid in train]),
             skipped_sessions=len(skipped),
+            split_samples=splits,
             val_loss=sft_loss(backend, val_samples, settings),
             seconds=time.perf_counter() - started,
         )

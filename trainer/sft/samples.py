@@ -4,14 +4,17 @@ Every call of a session is re-rendered with the student's template (`trainer.ren
 model answered it: a teacher behind the `openai` engine has another tokenizer, and the
 student's own traffic renders to the same tokens it was sampled as. A call's completion is the
 assistant message (text and tool calls) up to and including the end-of-turn token; the turns
-of one session merge into one sample when each prompt extends the sequence so far, so the
+of one session merge into one sample while each prompt extends the sequence so far, so the
 system, user and tool turns in between are context (masked) and every assistant turn is
-trained once.
+trained once. Where a prompt does not extend it (a reasoning template, Qwen3's family, writes
+`<think>...</think>` only for the turn being rendered and drops it from the history; an agent
+that rewrote its history), a new sample starts there, with the whole prompt as context: GRPO's
+turn merging (`trainer.data.merge_turns`), the same rule. Each such start is a split, counted.
 
 A session is skipped, with the reason, and counted, never trained wrongly, when rendering it
 is ambiguous: a message has content parts the template drops (an image, audio, a file), the
-template does not write one of the reply's tool calls or its text, a turn does not extend the
-sequence (the prefix check), or the template is not prefix-stable.
+template does not write one of the reply's tool calls or its text, or the template is not
+prefix-stable.
 
 Pure functions over the store's call dicts and a renderer.
 """
@@ -19,23 +22,21 @@ Pure functions over the store's call dicts and a renderer.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.data import Turn, merge_turns
 from trainer.render import ChatTemplateRenderer
 from trainer.retries import trainable_calls
 from trainer.types import Sample
 
-NAN = math.nan
-
 NO_CALLS = "no answered call"
+NO_TOKENS = "no assistant token to train: every reply rendered empty"
 DROPPED_PARTS = "a message has content parts the chat template drops ({kinds}); only text is trained"
 NOT_PREFIX_STABLE = "the chat template is not prefix-stable for one of its calls"
 TOOL_CALL_LOST = "the chat template does not write the reply's tool call '{name}'"
 TEXT_LOST = "the chat template does not write the reply's text"
-PREFIX_BROKEN = "a turn does not extend the conversation so far (the history was rewritten)"
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class SessionSamples:
     session_id: str
     samples: tuple[Sample, ...]
     skipped: str | None = None
+    splits: int = 0
+    """Where a call's prompt did not extend the sequence so far and a new sample started."""
 
 
 def _dropped_parts(messages: Sequence[dict]) -> set[str]:
@@ -83,8 +86,7 @@ def session_samples(session_id: str, calls: Sequence[dict], render: ChatTemplate
     answered = [c for c in trainable_calls(calls) if c.get("status") == "ok" and c.get("response")]
     if not answered:
         return SessionSamples(session_id, (), NO_CALLS)
-    ids: list[int] = []
-    mask: list[bool] = []
+    turns: list[Turn] = []
     for call in answered:
         request, response = call["request"], call["response"]
         reply = ((response.get("choices") or [{}])[0]).get("message") or {}
@@ -97,21 +99,11 @@ def session_samples(session_id: str, calls: Sequence[dict], render: ChatTemplate
         lost = _lost(reply, render.decode(turn.completion_ids))
         if lost is not None:
             return SessionSamples(session_id, (), lost)
-        n = len(ids)
-        if n and list(turn.prompt_ids[:n]) != ids:
-            return SessionSamples(session_id, (), PREFIX_BROKEN)
-        new_prompt = turn.prompt_ids[n:]
-        ids += [*new_prompt, *turn.completion_ids]
-        mask += [False] * len(new_prompt) + [True] * len(turn.completion_ids)
-    sample = Sample(
-        token_ids=tuple(ids),
-        loss_mask=tuple(mask),
-        old_logprobs=(NAN,) * len(ids),
-        advantage=1.0,  # unused by the supervised loss
-        trajectory_id=session_id,
-        group_id=session_id,
-    )
-    return SessionSamples(session_id, (sample,))
+        turns.append(turn)
+    samples = merge_turns(turns, trajectory_id=session_id, group_id=session_id, advantage=1.0)  # no advantage in SFT
+    if not samples:
+        return SessionSamples(session_id, (), NO_TOKENS)
+    return SessionSamples(session_id, tuple(samples), splits=len(samples) - 1)
 
 
 def load_session_samples(store: Any, session_ids: Sequence[str], render: ChatTemplateRenderer) -> list[SessionSamples]:
