@@ -14,7 +14,7 @@ from gateway.chat.gate import RequestGate
 from gateway.chat.service import ChatService
 from gateway.engines.base import Engine
 from gateway.http import session_url
-from gateway.http.browsers import BrowserGuardMiddleware
+from gateway.http.browsers import BrowserGuardMiddleware, JsonWritesMiddleware
 from gateway.http.errors import install_error_handlers
 from gateway.http.limits import BodyLimitMiddleware, Limits
 from gateway.http.middleware import BearerAuthMiddleware, RequestIdMiddleware
@@ -198,20 +198,24 @@ def create_app(
     install_openapi(app)
     warn_if_exposed(settings)
     # The same stack, innermost first, in front of FastAPI's routes and the chat fast path:
-    # body limit, bearer key, CORS (only with --cors-origin), what browsers may send, request id.
+    # body limit, JSON writes only, bearer key, CORS (only with --cors-origin), Host and Origin
+    # (gateway/http/browsers.py), request id.
     guard = {
         "cors_origins": settings.cors_origin,
         "allowed_hosts": settings.allowed_host,
         "check_host": settings.api_key is None or bool(settings.allowed_host),
     }
     app.add_middleware(BodyLimitMiddleware, limit_mb=settings.max_body_mb)
+    app.add_middleware(JsonWritesMiddleware)
     if settings.api_key is not None:
         app.add_middleware(DashboardAuthMiddleware, api_key=settings.api_key.get_secret_value())
     if settings.cors_origin:
         app.add_middleware(cors_middleware, origins=settings.cors_origin)
     app.add_middleware(BrowserGuardMiddleware, **guard)
     app.add_middleware(RequestIdMiddleware)
-    chat_endpoint = BodyLimitMiddleware(openai_routes.chat_completions, limit_mb=settings.max_body_mb)
+    chat_endpoint = JsonWritesMiddleware(
+        BodyLimitMiddleware(openai_routes.chat_completions, limit_mb=settings.max_body_mb)
+    )
     if settings.api_key is not None:
         chat_endpoint = BearerAuthMiddleware(chat_endpoint, api_key=settings.api_key.get_secret_value())
     if settings.cors_origin:

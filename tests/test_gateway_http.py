@@ -475,7 +475,7 @@ def test_group_ready_by_expected_sessions(client, http):
     [
         ("POST", "/v1/sessions/nobody/reward", {"reward": 1.0}),
         ("GET", "/v1/sessions/nobody", None),
-        ("POST", "/v1/groups/nogroup/close", None),
+        ("POST", "/v1/groups/nogroup/close", {}),
         ("GET", "/v1/groups/nogroup", None),
     ],
 )

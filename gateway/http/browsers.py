@@ -8,6 +8,7 @@ in front of every route (the chat fast path too), keep such pages out, with a ke
 - `Content-Type: application/json` on every write (an empty body included): a page can send
   JSON cross-site only after a CORS preflight, which rlproxy answers only for `--cors-origin`.
   The dashboard's login form is the one exception: it is a form, and it is same-origin.
+  (`JsonWritesMiddleware`, inside the key check: who asks comes before what they sent.)
 - `Origin`, when a browser sends one, must be the gateway's own (the `Host` it was reached
   at) or one of `--cors-origin`: a cross-site page's `no-cors` write is refused before it runs.
 - `Host` (DNS rebinding: an attacker's name that resolves to 127.0.0.1 makes the gateway
@@ -79,9 +80,33 @@ def _is_json(content_type: str | None) -> bool:
     return media == "application/json"
 
 
-class BrowserGuardMiddleware:
-    """Refuses what a cross-site page or a rebound name could send (see the module's note):
-    400 for a Host not allowed, 403 for a foreign Origin, 415 for a write that is not JSON."""
+def _header(scope: Scope, wanted: bytes) -> str | None:
+    for name, value in scope["headers"]:
+        if name == wanted:
+            return value.decode("latin-1")
+    return None
+
+
+class _Refusing:
+    """An ASGI middleware that answers `refusal(scope)`, when there is one, in the route's
+    protocol's error shape instead of calling the app."""
+
+    app: ASGIApp
+
+    def refusal(self, scope: Scope) -> RLProxyError | None:
+        raise NotImplementedError
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self.refusal(scope)
+            if refused is not None:
+                await error_response(scope["path"], refused)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BrowserGuardMiddleware(_Refusing):
+    """Outermost, before the key: 400 for a Host not allowed, 403 for a foreign Origin."""
 
     def __init__(self, app: ASGIApp, *, cors_origins: list[str], allowed_hosts: list[str], check_host: bool):
         self.app = app
@@ -90,14 +115,7 @@ class BrowserGuardMiddleware:
         self._check_host = check_host
 
     def refusal(self, scope: Scope) -> RLProxyError | None:
-        host = origin = content_type = None
-        for name, value in scope["headers"]:
-            if name == b"host":
-                host = value.decode("latin-1")
-            elif name == b"origin":
-                origin = value.decode("latin-1")
-            elif name == b"content-type":
-                content_type = value.decode("latin-1")
+        host, origin = _header(scope, b"host"), _header(scope, b"origin")
         if self._check_host and host is not None and not host_allowed(host, self._allowed_hosts):
             return InvalidRequest(
                 f"the Host header {host[:100]!r} is not a name this gateway answers to: without --api-key only "
@@ -112,20 +130,26 @@ class BrowserGuardMiddleware:
                 "only from the gateway's own origin or one listed with --cors-origin",
                 code="origin_not_allowed",
             )
-        if scope["method"] not in _READS and scope["path"] not in FORM_PATHS and not _is_json(content_type):
-            got = f"Content-Type {content_type[:100]!r}" if content_type else "no Content-Type"
-            return UnsupportedMediaType(
-                f"{scope['method']} {scope['path']} takes JSON, and the request has {got}: send "
-                "'Content-Type: application/json' (with an empty body too, or '{}'); the check keeps "
-                "other sites' pages from posting to the gateway",
-                code="unsupported_media_type",
-            )
         return None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            refused = self.refusal(scope)
-            if refused is not None:
-                await error_response(scope["path"], refused)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+
+class JsonWritesMiddleware(_Refusing):
+    """Inside the key (who is asking comes before what they sent): 415 for a write that is not
+    JSON, the login form excepted."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    def refusal(self, scope: Scope) -> RLProxyError | None:
+        if scope["method"] in _READS or scope["path"] in FORM_PATHS:
+            return None
+        content_type = _header(scope, b"content-type")
+        if _is_json(content_type):
+            return None
+        got = f"Content-Type {content_type[:100]!r}" if content_type else "no Content-Type"
+        return UnsupportedMediaType(
+            f"{scope['method']} {scope['path']} takes JSON, and the request has {got}: send "
+            "'Content-Type: application/json' (with an empty body too, or '{}'); the check keeps "
+            "other sites' pages from posting to the gateway",
+            code="unsupported_media_type",
+        )
