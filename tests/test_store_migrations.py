@@ -35,6 +35,7 @@ async def _check_upgraded(store) -> None:
     old = store.get_session("old-s")
     assert old["reward"] == 1.0 and not old["discarded"] and old["calls"][0]["id"] == "old-1"
     assert old["calls"][0]["sampling"] is None  # a column added later reads as empty
+    assert old["trained_reward"] is None  # the newest: what a step trained with (none yet)
     assert [g["id"] for g in store.ready_groups("agent")] == ["old-g"]
     await store.record_call(call(1, "new-s", group="old-g", sampling={"temperature": 0.7}))
     assert store.get_session("new-s")["calls"][0]["sampling"] == {"temperature": 0.7}

@@ -85,6 +85,13 @@ def test_step_row_with_metrics_and_groups_marked(trained):
     assert store.ready_groups("agent") == []
 
 
+def test_each_trained_session_records_the_reward_it_trained_with(trained):
+    """What a reward's 200 (or 409) answer is checked against: the reward the step read after its claim."""
+    _, store = trained
+    for group_id, rewards in (("g1", [1.0, 0.0, 0.5]), ("g2", [0.0, 1.0]), ("flat", [None, None])):
+        assert [s["trained_reward"] for s in store.get_group(group_id)["sessions"]] == rewards, group_id
+
+
 def test_restart_resumes_weights_and_optimizer_and_locks_out_a_second_worker(trained):
     settings, _ = trained
     worker = TrainerWorker(settings)

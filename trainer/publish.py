@@ -281,6 +281,10 @@ def _train_checkpoint_record(
             session_ids=[sid for ids in plan.sessions.values() for sid in ids],
             advantages=plan.advantages,
             left_out=plan.left_out,
+            # what each session trained with, as read after the claim froze it: a reward's answer is checked on it
+            rewards={
+                s["id"]: float(s["reward"]) for g in plan.groups for s in g["sessions"] if s["id"] in plan.advantages
+            },
         )
     except Conflict as exc:  # a discard landed between the check and the record
         log.warning("step %d taken back: %s", step, exc.message)

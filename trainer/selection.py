@@ -25,12 +25,19 @@ HOLDER = f"{socket.gethostname()}:{os.getpid()}"
 
 
 def without_spread(store: Store, ready: list[dict]) -> tuple[list[dict], int]:
-    """The full groups of `ready` that have a reward spread, and how many were marked skipped."""
+    """The full groups of `ready` that have a reward spread, and how many were marked skipped.
+    A group is skipped only if its rewards are still those read here (decided under the lock a
+    reward takes): one a reward changed meanwhile is neither kept nor skipped now, so the next
+    screen sees that reward; a reward after the skip is refused (409), never taken and ignored."""
     keep, drop = spread_groups([store.get_group(g["id"]) for g in ready])
-    if drop:
-        store.mark_skipped([g["id"] for g in drop], NO_SPREAD)
-        log.info("skipped %d group(s) with no reward spread", len(drop))
-    return keep, len(drop)
+    if not drop:
+        return keep, 0
+    skipped = store.skip_if_unchanged(drop, NO_SPREAD)
+    if skipped:
+        log.info("skipped %d group(s) with no reward spread", len(skipped))
+    if len(skipped) < len(drop):
+        log.info("%d group(s) changed while screened: screened again next time", len(drop) - len(skipped))
+    return keep, len(skipped)
 
 
 def without_stale(store: Store, settings: Settings, groups: list[dict], next_step: int) -> tuple[list[dict], int]:

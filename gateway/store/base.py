@@ -70,8 +70,7 @@ class Store(ABC):
         return None
 
     def _checkpoint(self) -> None:
-        """Housekeeping the writer thread runs when asked (SQLite: the WAL checkpoint).
-        None by default: PostgreSQL checkpoints by itself."""
+        """Housekeeping the writer thread runs when asked (SQLite: the WAL checkpoint; PostgreSQL needs none)."""
         return None
 
     # ------------------------------------------------------------ lifecycle and the writer
@@ -163,11 +162,11 @@ class Store(ABC):
         *,
         advantages: dict[str, float] | None = None,
         left_out: dict[str, str] | None = None,
+        rewards: dict[str, float] | None = None,
     ) -> None:
-        """Insert a step row and mark its groups trained, in one transaction; a Conflict if one of
-        `session_ids` was discarded meanwhile (take the step back). `advantages`, `left_out`:
-        session id -> the advantage it trained with, or why it left its group untrained."""
-        args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out)
+        """A step row and its groups marked trained, in one transaction (Conflict: one of `session_ids` was discarded
+        meanwhile). By session id: what it trained with (`advantages`, `rewards`), or why it was `left_out`."""
+        args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out, rewards)
         self._run_sync(lambda conn: training.insert_step(conn, *args))
 
     # Claims freeze a step's groups (`gateway.store.training`: rewards 409, later calls untrainable).
@@ -188,11 +187,13 @@ class Store(ABC):
         """Set groups aside (never trained); `left_out`: session id -> why it had no sample."""
         self._run_sync(lambda conn: training.mark_skipped(conn, group_ids, reason, left_out or {}))
 
+    def skip_if_unchanged(self, groups: list[dict], reason: str) -> list[str]:  # the no-spread screen's
+        return self._run_sync(lambda conn: training.skip_if_unchanged(conn, groups, reason))
+
     def claim_groups(
         self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0
     ) -> list[dict]:
-        """Ready groups for the trainer `holder`, none of which another trainer holds. One
-        trainer per store needs no claim (SQLite's case): the ready groups."""
+        """Ready groups for the trainer `holder` that no other holds (SQLite: one trainer, no claims needed)."""
         return self.ready_groups(model, split, limit)
 
     def release_claims(self, holder: str) -> None:
@@ -222,8 +223,7 @@ class Store(ABC):
     # ------------------------------------------------------------ checkpoints kept in the store
 
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
-        """A local directory holding step `step`'s adapter. A backend that keeps checkpoint
-        files in the database fetches them under `models_dir`; otherwise the trainer's path."""
+        """A local directory holding step `step`'s adapter: fetched under `models_dir` from a database that keeps it."""
         return raw_path
 
     def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:

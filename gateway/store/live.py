@@ -12,7 +12,9 @@ A member that went stale while its group was filling leaves it, with the same re
 model (a call's step None) is step 0 only where step 0 is the untrained LoRA: in a run seeded with
 `--init-from`, a session the base model answered is never trained.
 
-These are ops on the writer's connection, inside `rows.set_reward`'s transaction.
+These are ops on the writer's connection, inside `rows.set_reward`'s transaction, which holds
+the task key's lock (`gateway.store.locks`): joins of one key take turns, so a session never
+joins a group another join has just closed (and a trainer may have claimed).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import sqlite3
 import time
 import uuid
 from dataclasses import dataclass
+
+from gateway.store.locks import for_update
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def _leave(conn: sqlite3.Connection, session_id: str, reason: str | None, now: f
 def _open_group(conn: sqlite3.Connection, model: str, split: str, task_key: str) -> str | None:
     row = conn.execute(
         "SELECT id FROM groups WHERE model = ? AND split = ? AND task_key = ? AND origin = 'live' AND closed = 0"
-        " ORDER BY created_at LIMIT 1",
+        " ORDER BY created_at LIMIT 1" + for_update(conn),  # a close (POST .../close) waits, or is seen
         (model, split, task_key),
     ).fetchone()
     return row[0] if row is not None else None

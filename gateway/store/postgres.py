@@ -4,8 +4,9 @@
 `Store` (and of `gateway/store/rows.py`) runs unchanged: `_PgConn` gives them the sqlite3-shaped
 `execute(sql, params)` they call, rewriting `?` placeholders to psycopg's `%s`. What the two
 dialects disagree on is overridden here: the schema (`postgres_schema.py`), the ready-groups
-query, the order of a session's calls (a database sequence, never a replica's clock), and the
-transaction handling (group commit with retry on deadlock, acknowledgement after COMMIT).
+query, the order of a session's calls (a database sequence, never a replica's clock), the
+transaction handling (group commit with retry on deadlock, acknowledgement after COMMIT) and
+row locks (`FOR UPDATE`, advisory locks: `gateway/store/locks.py`).
 
 Several gateways and trainers may share one database:
 - calls of one session may land on any replica; they are ordered by `calls.seq`, which the
@@ -34,6 +35,11 @@ from gateway.store.rows import decode_call
 from gateway.store.writer import Op, Outcome, with_savepoints
 
 _RETRYABLE = ("40P01", "40001")  # deadlock detected, serialization failure: rerun the batch
+_LOCK_NOT_AVAILABLE = "55P03"  # a batch waited for a lock longer than BATCH_LOCK_WAIT
+BATCH_LOCK_WAIT = "100ms"
+"""The longest a batch of several ops waits for a lock before each op runs alone instead: its
+locks are held in the order the ops came, so two replicas' batches can wait on each other, and
+PostgreSQL would take `deadlock_timeout` (1 s by default) to notice."""
 
 
 class _PgCursor:
@@ -72,6 +78,8 @@ def translate(sql: str) -> str:
 class _PgConn:
     """The sqlite3.Connection surface the store's ops use, on one psycopg connection."""
 
+    row_lock = " FOR UPDATE"  # rows lock one by one here (gateway/store/locks.py)
+
     def __init__(self, conn: Any) -> None:
         self._conn = conn
 
@@ -90,6 +98,42 @@ def redact(url: str) -> str:
 
 def _is_retryable(exc: BaseException) -> bool:
     return getattr(exc, "sqlstate", None) in _RETRYABLE
+
+
+def _contended(exc: BaseException) -> bool:
+    """A batch that waited on another transaction's locks (deadlock, or past `BATCH_LOCK_WAIT`)."""
+    return _is_retryable(exc) or getattr(exc, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+
+
+def _fails_the_round(exc: BaseException) -> bool:
+    """Not the op's fault: a lock, or the server failing. The whole batch goes, not this op."""
+    return _contended(exc) or classify(exc) is not None
+
+
+class _OpFailed(Exception):
+    """An op of a batch raised (its own fault): the batch runs again with a savepoint per op."""
+
+
+def _batch(ops: list[Op], *, careful: bool) -> Callable[[_PgConn], list[Outcome]]:
+    """The body of a batch's transaction: its ops in order, waits for a lock bounded where there
+    are several; `careful`, a savepoint per op, so an op that raises is rolled back alone."""
+
+    def body(conn: _PgConn) -> list[Outcome]:
+        if len(ops) > 1:
+            conn.execute(f"SET LOCAL lock_timeout = '{BATCH_LOCK_WAIT}'")
+        if careful:
+            return with_savepoints(conn, ops, fails_the_round=_fails_the_round)
+        outcomes: list[Outcome] = []
+        for op in ops:
+            try:
+                outcomes.append((True, op(conn)))
+            except Exception as exc:
+                if _fails_the_round(exc):
+                    raise
+                raise _OpFailed from exc
+        return outcomes
+
+    return body
 
 
 class PostgresStore(Store):
@@ -139,17 +183,17 @@ class PostgresStore(Store):
 
     # -------------------------------------------------------------- transactions
 
-    def _transaction(self, body: Callable[[_PgConn], Any]) -> Any:
-        """Run `body` in one transaction, rerun whole if PostgreSQL picked it as a deadlock
-        victim (two replicas' batches touching the same sessions in another order)."""
+    def _transaction(self, body: Callable[[_PgConn], Any], attempts: int = 20) -> Any:
+        """Run `body` in one transaction, rerun whole (`attempts` times in all, at most) if
+        PostgreSQL picked it as a deadlock victim: nothing of it was committed."""
         try:
-            for attempt in range(20):
+            for attempt in range(attempts):
                 with self._pool.connection() as raw:
                     try:
                         with raw.transaction():
                             return body(_PgConn(raw))
                     except Exception as exc:
-                        if not _is_retryable(exc) or attempt == 19:
+                        if not _is_retryable(exc) or attempt == attempts - 1:
                             raise
                         self.retries += 1
                 time.sleep(0.005 * (attempt + 1))
@@ -165,34 +209,31 @@ class PostgresStore(Store):
         """Every op in one transaction (group commit). Ops rarely fail, so the batch first runs
         without savepoints (each is a round trip to the server); if an op raises, that attempt
         is rolled back and the batch runs again with a savepoint per op, so the failing op is
-        rolled back alone. A deadlock reruns the whole batch: nothing was acknowledged yet."""
-
-        class _OpFailed(Exception):
-            pass
-
-        def fast(conn: _PgConn) -> list[Outcome]:
-            outcomes: list[Outcome] = []
-            for op in ops:
-                try:
-                    outcomes.append((True, op(conn)))
-                except Exception as exc:
-                    if _is_retryable(exc) or classify(exc) is not None:
-                        raise  # a deadlock, or the server failing: the whole batch, not this op
-                    raise _OpFailed from exc
-            return outcomes
-
-        def careful(conn: _PgConn) -> list[Outcome]:
-            return with_savepoints(
-                conn, ops, fails_the_round=lambda exc: _is_retryable(exc) or classify(exc) is not None
-            )
-
+        rolled back alone. A batch that deadlocks, or waits for a lock past `BATCH_LOCK_WAIT`,
+        is rolled back, and each op then runs in a transaction of its own (taking its locks in
+        the store's order, `gateway.store.locks`; rerun on a deadlock) with an outcome of its
+        own: nothing was acknowledged before, each op is after its own COMMIT."""
         with self._write_lock:
             try:
-                outcomes = self._transaction(fast)
-            except _OpFailed:
-                outcomes = self._transaction(careful)
-            self.commits += 1
+                try:
+                    outcomes = self._transaction(_batch(ops, careful=False), attempts=1)
+                except _OpFailed:
+                    outcomes = self._transaction(_batch(ops, careful=True), attempts=1)
+                self.commits += 1
+            except Exception as exc:
+                if not _contended(exc):
+                    raise
+                self.retries += 1
+                outcomes = [self._alone(op) for op in ops]
         return outcomes
+
+    def _alone(self, op: Op) -> Outcome:
+        try:
+            result = self._transaction(op)
+        except Exception as exc:  # noqa: BLE001 - this op's outcome (a store failure too), not its neighbours'
+            return False, exc
+        self.commits += 1
+        return True, result
 
     # -------------------------------------------------------------- dialect differences
 
@@ -235,26 +276,13 @@ class PostgresStore(Store):
             row[key] = int(row[key])
         return row
 
-    def insert_step(
-        self,
-        model: str,
-        step: int,
-        path: str,
-        metrics: dict,
-        group_ids: list[str],
-        session_ids: list[str] | None = None,
-        *,
-        advantages: dict[str, float] | None = None,
-        left_out: dict[str, str] | None = None,
-    ) -> None:
+    def insert_step(self, model: str, step: int, path: str, *args: Any, **kwargs: Any) -> None:
         """As `Store.insert_step`, after the checkpoint's files went into the store (their own
         transaction, committed first): a step row is never visible without its files."""
         directory = Path(path)
         if directory.is_dir():
             self._transaction(lambda conn: store_files.upload_step_files(conn, model, step, directory))
-        super().insert_step(
-            model, step, path, metrics, group_ids, session_ids, advantages=advantages, left_out=left_out
-        )
+        super().insert_step(model, step, path, *args, **kwargs)
 
     def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
         rows = self._query(

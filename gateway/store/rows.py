@@ -21,6 +21,7 @@ import orjson
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.store.live import LiveRule, join_live_group
+from gateway.store.locks import for_update, lock_group, lock_live_key
 
 # ------------------------------------------------------------------ array codec
 
@@ -156,6 +157,18 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
         ),
     )
     base_model = call.model.split("@", 1)[0]
+    # Whether the group is claimed is read under the group's row lock (its upsert, or FOR
+    # UPDATE): a claim commits before this call (then late) or after it (and reads it). The
+    # group's row is locked before the session's (gateway/store/locks.py), except for a call
+    # without X-Group-Id, which learns its session's group from the session's upsert.
+    group_state: tuple | None = None
+    if call.group_id is not None:
+        group_state = conn.execute(
+            "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES (?,?,?,?,?)"
+            " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at"
+            " RETURNING split, trained_step, claimed_step",
+            (call.group_id, base_model, call.split, now, now),
+        ).fetchone()
     # A session keeps one split, and it is its group's: a val rollout inside a train group
     # would be trained on, a train one inside a val group never would. The upserts return the
     # rows as stored, so the checks cost no extra statement; a conflict raises, and the
@@ -176,17 +189,13 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
         )
     if call.group_id is not None:
         group_id = call.group_id
-        group_split, trained_step, claimed_step = conn.execute(
-            "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES (?,?,?,?,?)"
-            " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at"
-            " RETURNING split, trained_step, claimed_step",
-            (call.group_id, base_model, call.split, now, now),
-        ).fetchone()
     elif group_id is not None:  # a call without a group, in a session that has one
-        row = conn.execute("SELECT split, trained_step, claimed_step FROM groups WHERE id = ?", (group_id,)).fetchone()
-        group_split, trained_step, claimed_step = row if row is not None else (call.split, None, None)
+        group_state = conn.execute(
+            "SELECT split, trained_step, claimed_step FROM groups WHERE id = ?" + for_update(conn), (group_id,)
+        ).fetchone()
     else:
         return None
+    group_split, trained_step, claimed_step = group_state or (call.split, None, None)
     if group_split != call.split:
         raise Conflict(
             f"group '{group_id}' holds '{group_split}' sessions; this call says X-Split '{call.split}'. "
@@ -257,20 +266,22 @@ def set_reward(
     conn: sqlite3.Connection, session_id: str, reward: float, metrics: dict[str, float], live: LiveRule | None = None
 ) -> dict:
     """Store a session's reward. The answer says whether it can train (`trainable`): a session
-    of a group can; an ungrouped one joins a live group under `live` (gateway/store/live.py)."""
+    of a group can; an ungrouped one joins a live group under `live` (gateway/store/live.py).
+    Decided under the group's lock (gateway/store/locks.py): a claim commits before this
+    reward (409) or after it (and trains it)."""
+    group_id, task_key, split, model = _reward_target(conn, session_id)
+    if group_id is None and live is not None and task_key is not None:
+        lock_live_key(conn, model, split, task_key)  # joins of one key, this session's too, take turns
+        group_id = _reward_target(conn, session_id)[0]  # as the join before ours left it
+    state = lock_group(conn, group_id) if group_id is not None else None
     row = conn.execute(
-        "SELECT s.metrics, s.group_id, g.trained_step, g.claimed_step, COALESCE(g.failed, g.skipped),"
-        " s.task_key, s.split, s.model, s.discarded FROM sessions s LEFT JOIN groups g ON g.id = s.group_id"
-        " WHERE s.id = ?",
-        (session_id,),
+        "SELECT metrics, group_id, discarded FROM sessions WHERE id = ?" + for_update(conn), (session_id,)
     ).fetchone()
-    if row is None:
-        raise NotFound(
-            f"session '{session_id}' not found: post a reward after the session's first chat completion",
-            param="session_id",
-        )
-    group_id, task_key, split, model, discarded = row[1], row[5], row[6], row[7], row[8]
-    frozen = frozen_group_reason(group_id, row[2], row[3], row[4]) if group_id is not None else None
+    if row[1] != group_id:  # a call named a group for it meanwhile
+        group_id = row[1]
+        state = lock_group(conn, group_id) if group_id is not None else None
+    discarded = row[2]
+    frozen = frozen_group_reason(group_id, *state) if state is not None else None
     if frozen is not None:
         raise Conflict(f"session '{session_id}' takes no reward now: its {frozen}", param="session_id")
     kept = json.loads(row[0] or "{}")
@@ -300,6 +311,17 @@ def set_reward(
     return answer
 
 
+def _reward_target(conn: sqlite3.Connection, session_id: str) -> tuple:
+    """(group id, task key, split, model) of a session, read without a lock."""
+    row = conn.execute("SELECT group_id, task_key, split, model FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    if row is None:
+        raise NotFound(
+            f"session '{session_id}' not found: post a reward after the session's first chat completion",
+            param="session_id",
+        )
+    return tuple(row)
+
+
 def require_group(conn: sqlite3.Connection, group_id: str) -> None:
     if conn.execute("SELECT 1 FROM groups WHERE id = ?", (group_id,)).fetchone() is None:
         raise NotFound(
@@ -321,17 +343,17 @@ def close_group(conn: sqlite3.Connection, group_id: str, expected_sessions: int 
 
 
 def discard_session(conn: sqlite3.Connection, session_id: str, reason: str | None) -> None:
-    row = conn.execute(
-        "SELECT s.group_id, g.trained_step FROM sessions s LEFT JOIN groups g ON g.id = s.group_id WHERE s.id = ?",
-        (session_id,),
-    ).fetchone()
+    row = conn.execute("SELECT group_id FROM sessions WHERE id = ?", (session_id,)).fetchone()
     if row is None:
         raise NotFound(
             f"session '{session_id}' not found: a session exists once it made a chat completion "
             "(a rollout that failed before its first call has nothing to discard)",
             param="session_id",
         )
-    group_id, trained_step = row
+    # Under the group's lock: a step recording the group commits first (409 here) or sees the discard.
+    group_id = row[0]
+    state = lock_group(conn, group_id) if group_id is not None else None
+    trained_step = state[0] if state is not None else None
     if trained_step is not None:
         raise Conflict(
             f"session '{session_id}' cannot be discarded: its group '{group_id}' was already trained "

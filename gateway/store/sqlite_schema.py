@@ -147,6 +147,9 @@ _ADDED_COLUMNS = (
     ("sessions", "shadow_of", "TEXT"),
     ("groups", "origin", "TEXT NOT NULL DEFAULT 'harness'"),
     ("groups", "task_key", "TEXT"),
+    # The reward a trained session's step trained with (beside its `advantage`): what a reward's
+    # 200 or 409 answer can be checked against (gateway/store/locks.py).
+    ("sessions", "trained_reward", "REAL"),
 )
 
 # Indexes on added columns: made after them, in both backends.

@@ -1,6 +1,7 @@
 """The writes of the trainer's side, as ops on a connection in an open transaction: step
 rows, groups set aside, asks for a step, RULER's judgements and the GPU lease. Portable SQL:
-both backends run them unchanged (`Store` hands them to its backend's transaction)."""
+both backends run them unchanged (`Store` hands them to its backend's transaction). Each
+locks the groups it decides on first, in id order (`gateway.store.locks`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from gateway.errors import Conflict, NotFound
+from gateway.store.locks import lock_group
 from gateway.store.rows import frozen_group_reason, require_group
 
 
 def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[dict], close: bool) -> None:
-    require_group(conn, group_id)
-    trained_step, claimed_step, set_aside = conn.execute(
-        "SELECT trained_step, claimed_step, COALESCE(failed, skipped) FROM groups WHERE id = ?", (group_id,)
-    ).fetchone()
-    frozen = frozen_group_reason(group_id, trained_step, claimed_step, set_aside)
+    state = lock_group(conn, group_id)
+    if state is None:
+        require_group(conn, group_id)  # raises NotFound
+        return
+    frozen = frozen_group_reason(group_id, *state)
     if frozen is not None:  # the judge took long, and the trainer took the group meanwhile
         raise Conflict(f"RULER's scores were not stored: {frozen}", param="group_id")
     now = time.time()
@@ -78,7 +80,18 @@ def insert_step(
     session_ids: list[str] | None,
     advantages: dict[str, float] | None = None,
     left_out: dict[str, str] | None = None,
+    rewards: dict[str, float] | None = None,
 ) -> None:
+    """`rewards`: session id -> the reward it trained with, recorded as `trained_reward` (absent:
+    the stored one, which the claim froze)."""
+    for group_id in sorted(group_ids):  # locked first: a discard commits before (Conflict below) or waits
+        cursor = conn.execute(
+            "UPDATE groups SET trained_step = ?, claimed_step = NULL, updated_at = ?"
+            " WHERE id = ? AND trained_step IS NULL",
+            (step, time.time(), group_id),
+        )
+        if cursor.rowcount != 1:
+            raise Conflict(f"group '{group_id}' is unknown or already trained")
     if session_ids:
         marks = ",".join("?" * len(session_ids))
         gone = conn.execute(f"SELECT id FROM sessions WHERE discarded = 1 AND id IN ({marks})", session_ids).fetchall()
@@ -90,38 +103,44 @@ def insert_step(
         "INSERT INTO steps (model, step, path, metrics, groups, created_at) VALUES (?, ?, ?, ?, ?, ?)",
         (model, step, path, json.dumps(metrics), json.dumps(group_ids), time.time()),
     )
-    for group_id in group_ids:
-        cursor = conn.execute(
-            "UPDATE groups SET trained_step = ?, claimed_step = NULL, updated_at = ?"
-            " WHERE id = ? AND trained_step IS NULL",
-            (step, time.time(), group_id),
+    for session_id, advantage in sorted((advantages or {}).items()):
+        conn.execute(
+            "UPDATE sessions SET advantage = ?, trained_reward = COALESCE(?, reward), untrained_reason = NULL"
+            " WHERE id = ?",
+            (advantage, (rewards or {}).get(session_id), session_id),
         )
-        if cursor.rowcount != 1:
-            raise Conflict(f"group '{group_id}' is unknown or already trained")
-    for session_id, advantage in (advantages or {}).items():
-        conn.execute("UPDATE sessions SET advantage = ?, untrained_reason = NULL WHERE id = ?", (advantage, session_id))
     set_untrained_reasons(conn, left_out or {})
 
 
 def set_untrained_reasons(conn: Any, reasons: dict[str, str]) -> None:
     """Session id -> why it left its group untrained (no trainable sample)."""
-    for session_id, reason in reasons.items():
-        conn.execute("UPDATE sessions SET advantage = NULL, untrained_reason = ? WHERE id = ?", (reason, session_id))
+    for session_id, reason in sorted(reasons.items()):
+        conn.execute(
+            "UPDATE sessions SET advantage = NULL, trained_reward = NULL, untrained_reason = ? WHERE id = ?",
+            (reason, session_id),
+        )
 
 
 def claim_for_step(conn: Any, group_ids: Iterable[str], step: int) -> list[str]:
     """Claim groups for step `step`: their rewards and calls are frozen from now on, and one more
-    attempt is counted before training starts (so a crash counts too). Returns the ids claimed
-    (a group trained or set aside meanwhile is not)."""
+    attempt is counted before training starts (so a crash counts too). Returns the ids claimed:
+    a group trained or set aside meanwhile is not, nor one no longer ready (a session without a
+    reward joined it). Each is decided under its lock, the one a reward takes."""
     claimed = []
-    for group_id in group_ids:
-        cursor = conn.execute(
-            "UPDATE groups SET claimed_step = ?, attempts = attempts + 1, updated_at = ?"
-            " WHERE id = ? AND trained_step IS NULL AND failed IS NULL AND skipped IS NULL",
+    for group_id in sorted(set(group_ids)):
+        state = lock_group(conn, group_id)
+        if state is None or state[0] is not None or state[2] is not None:
+            continue
+        waiting = conn.execute(
+            "SELECT COUNT(*) FROM sessions WHERE group_id = ? AND discarded = 0 AND reward IS NULL", (group_id,)
+        ).fetchone()[0]
+        if waiting:
+            continue
+        conn.execute(
+            "UPDATE groups SET claimed_step = ?, attempts = attempts + 1, updated_at = ? WHERE id = ?",
             (step, time.time(), group_id),
         )
-        if cursor.rowcount == 1:
-            claimed.append(group_id)
+        claimed.append(group_id)
     return claimed
 
 
@@ -129,7 +148,7 @@ def release_step(conn: Any, group_ids: Iterable[str], error: str | None) -> None
     """Give groups back after a step that did not record them. `error`: the step failed (the
     attempt stays counted, the reason is kept); None: it was not their fault (a discard took
     the step back, the engine or the store was away), so the attempt is not counted."""
-    for group_id in group_ids:
+    for group_id in sorted(group_ids):
         if error is None:
             conn.execute(
                 "UPDATE groups SET claimed_step = NULL, attempts = CASE WHEN attempts > 0 THEN attempts - 1"
@@ -155,7 +174,7 @@ def release_model_claims(conn: Any, model: str) -> int:
 
 
 def mark_failed(conn: Any, group_ids: Iterable[str], reason: str) -> None:
-    for group_id in group_ids:
+    for group_id in sorted(group_ids):
         conn.execute(
             "UPDATE groups SET failed = ?, updated_at = ? WHERE id = ? AND trained_step IS NULL",
             (reason, time.time(), group_id),
@@ -163,9 +182,28 @@ def mark_failed(conn: Any, group_ids: Iterable[str], reason: str) -> None:
 
 
 def mark_skipped(conn: Any, group_ids: Iterable[str], reason: str, left_out: dict[str, str]) -> None:
-    for group_id in group_ids:
+    for group_id in sorted(group_ids):
         conn.execute("UPDATE groups SET skipped = ?, updated_at = ? WHERE id = ?", (reason, time.time(), group_id))
     set_untrained_reasons(conn, left_out)
+
+
+def skip_if_unchanged(conn: Any, groups: list[dict], reason: str) -> list[str]:
+    """Set aside those of `groups` (`Store.get_group` dicts, as a screen read them) whose
+    sessions and rewards are still as read, each decided under its lock; returns their ids. A
+    group whose rewards changed since the read is left as it is: the next screen sees them."""
+    skipped = []
+    for group in sorted(groups, key=lambda g: g["id"]):
+        state = lock_group(conn, group["id"])
+        if state is None or any(value is not None for value in state):
+            continue  # claimed, trained or set aside meanwhile: not the screen's to decide
+        now = conn.execute(
+            "SELECT id, reward FROM sessions WHERE group_id = ? AND discarded = 0", (group["id"],)
+        ).fetchall()
+        if sorted((r[0], r[1]) for r in now) != sorted((s["id"], s["reward"]) for s in group["sessions"]):
+            continue
+        conn.execute("UPDATE groups SET skipped = ?, updated_at = ? WHERE id = ?", (reason, time.time(), group["id"]))
+        skipped.append(group["id"])
+    return skipped
 
 
 def move_gpu_lease(
