@@ -30,11 +30,16 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.engines.base import Engine
 from gateway.errors import Conflict, EngineUnavailable, NotFound
+from gateway.promotion.serving import NOT_SERVED, follow_serving_step
 from gateway.settings import Settings
 from gateway.store import Store
+
+if TYPE_CHECKING:
+    from gateway.promotion.canary import Canary
 
 log = logging.getLogger("rlproxy.adapters")
 
@@ -98,6 +103,7 @@ class AdapterRegistry:
         self._last_resolved: dict[int, float] = {}  # step -> monotonic time a request last resolved it
         self._lock = asyncio.Lock()  # one refresh at a time (poll loop, start, activate)
         self._task: asyncio.Task | None = None
+        self.canary: Canary | None = None  # --promote canary (gateway.promotion.canary): its share of NAME
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -140,12 +146,13 @@ class AdapterRegistry:
             newest = sorted(rows, key=lambda row: row["step"])[-self.settings.keep_adapters :]
             for row in newest:
                 step = row["step"]
-                if step in self.loaded:
+                if step in self.loaded or row.get("state") in NOT_SERVED:
                     continue
                 if self.current is not None and step < self.current and self.loaded:
                     continue  # older than what serves now: not worth loading after the fact
                 if await self._load(step, row["path"]):
                     self._point_alias_at(step)
+            await follow_serving_step(self, rows)
             await self._unload_idle()
 
     async def activate(self, step: int) -> bool:
@@ -158,7 +165,7 @@ class AdapterRegistry:
         async with self._lock:
             if step not in self.loaded and not await self._load(step, rows[0]["path"]):
                 return False
-            self._point_alias_at(step)
+            self._point_alias_at(step, rows[0].get("state"))
             await self._unload_idle()
         return True
 
@@ -193,27 +200,15 @@ class AdapterRegistry:
         log.info("loaded %s in %.2f s", adapter, time.perf_counter() - started)
         return True
 
-    def _point_alias_at(self, step: int) -> None:
-        # No await between the check and the write: atomic for every request on this loop.
-        if self.current is None or step > self.current:
+    def _point_alias_at(self, step: int, state: str | None = None) -> None:
+        # No await between check and write: atomic on this loop. A candidate serves only once promoted.
+        if state not in NOT_SERVED and (self.current is None or step > self.current):
             previous, self.current = self.current, step
             self.swaps += 1
             log.info("%s now serves step %d (was %s)", self.name, step, previous)
 
-    def _keep(self) -> set[int]:
-        """Steps that stay loaded: the current one, and the most recently used others up to
-        `keep_adapters` in all (a load counts as a use, so without pinned requests these
-        are the newest steps)."""
-        keep = {self.current} if self.current is not None else set()
-        by_recency = sorted(self.loaded, key=lambda s: (self._last_resolved.get(s, float("-inf")), s), reverse=True)
-        for step in by_recency:
-            if len(keep) >= self.settings.keep_adapters:
-                break
-            keep.add(step)
-        return keep
-
     async def _unload_idle(self) -> None:
-        keep = self._keep()
+        keep = _keep(self)
         now = time.monotonic()
         for step in sorted(self.loaded):
             if step in keep or self.in_flight.get(step, 0) > 0:
@@ -279,8 +274,10 @@ class AdapterRegistry:
         names = [f"{self.name}@{step}" for step in sorted(self.loaded)]
         return [self.name, *names]
 
-    def resolve(self, requested: str) -> Target:
-        target = self._resolve(requested)
+    def resolve(self, requested: str, key: str | None = None) -> Target:
+        target = self._resolve(requested)  # `key`: its harness group, else session (--promote canary routes by it)
+        if key is not None and self.canary is not None and requested == self.name:
+            target = self.canary.route(key, target)
         if target.step is not None:
             self._last_resolved[target.step] = time.monotonic()
         return target
@@ -314,10 +311,10 @@ class AdapterRegistry:
             code="model_not_found",
         )
 
-    def use(self, requested: str) -> _Held:
+    def use(self, requested: str, key: str | None = None) -> _Held:
         """`async with registry.use(name) as target:` resolve a name (loading a pinned step on
         demand) and hold the adapter loaded while the request runs."""
-        return _Held(self, requested=requested)
+        return _Held(self, requested=requested, key=key)
 
     def hold(self, target: Target) -> _Held:
         """`async with registry.hold(target):` keep an already resolved target's adapter loaded
@@ -331,6 +328,19 @@ class AdapterRegistry:
     def _release(self, target: Target) -> None:
         if target.step is not None:
             self.in_flight[target.step] -= 1
+
+
+def _keep(registry: AdapterRegistry) -> set[int]:
+    """Steps that stay loaded: the current one, and the most recently used others up to
+    `keep_adapters` in all (a load counts as a use, so without pinned requests these
+    are the newest steps)."""
+    keep = {registry.current} if registry.current is not None else set()
+    by_recency = sorted(registry.loaded, key=lambda s: (registry._last_resolved.get(s, float("-inf")), s), reverse=True)
+    for step in by_recency:
+        if len(keep) >= registry.settings.keep_adapters:
+            break
+        keep.add(step)
+    return keep
 
 
 def loading(registry: AdapterRegistry) -> str | None:
@@ -363,18 +373,26 @@ class _Held:
     `asynccontextmanager`: every call goes through it, and an async generator costs six times
     as much to enter and leave."""
 
-    __slots__ = ("_registry", "_requested", "_target")
+    __slots__ = ("_key", "_registry", "_requested", "_target")
 
-    def __init__(self, registry: AdapterRegistry, *, requested: str | None = None, target: Target | None = None):
+    def __init__(
+        self,
+        registry: AdapterRegistry,
+        *,
+        requested: str | None = None,
+        target: Target | None = None,
+        key: str | None = None,
+    ):
         self._registry = registry
         self._requested = requested
         self._target = target
+        self._key = key
 
     async def __aenter__(self) -> Target:
         registry = self._registry
         if self._target is None:
             await registry.ensure(self._requested)
-            self._target = registry.resolve(self._requested)
+            self._target = registry.resolve(self._requested, self._key)
         registry._take(self._target)
         return self._target
 

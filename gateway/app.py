@@ -97,6 +97,10 @@ def create_app(
     store = store or open_store(settings)
     gate = RequestGate()
     registry = AdapterRegistry(engine, store, settings)
+    if settings.promote == "canary" and engine.supports_adapters:
+        from gateway.promotion.canary import Canary
+
+        registry.canary = Canary(registry, store, settings)
     metrics = Metrics()
     if tracer is None:
         from gateway.tracing import build_tracer
@@ -142,6 +146,8 @@ def create_app(
         await store.start()
         await engine.start()
         await registry.start()
+        if registry.canary is not None:
+            await registry.canary.start()
         colocator = None
         if engine.kind == "vllm" and settings.gpu_mode == "colocated":
             # One GPU for vLLM and the trainer: lend it while a step trains (gateway/colocate.py).
@@ -167,6 +173,8 @@ def create_app(
                 await services.extras["shadow"].stop()
             if colocator is not None:
                 await colocator.close()
+            if registry.canary is not None:
+                await registry.canary.close()
             await registry.close()
             await engine.close()
             if tracer is not None:
@@ -181,6 +189,7 @@ def create_app(
     from gateway import ui
     from gateway.routes import lists as list_routes
     from gateway.routes import openai as openai_routes
+    from gateway.routes import promotion as promotion_routes
     from gateway.routes import protocols as protocol_routes
     from gateway.routes import rl as rl_routes
     from gateway.routes import ruler as ruler_routes
@@ -188,6 +197,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(protocol_routes.router)
     app.include_router(rl_routes.router)
+    app.include_router(promotion_routes.router)
     app.include_router(ruler_routes.router)
     app.include_router(list_routes.router)
     ui.install(app)  # the dashboard's pages; its cookie login is DashboardAuthMiddleware's
@@ -205,10 +215,11 @@ def create_app(
         "allowed_hosts": settings.allowed_host,
         "check_host": settings.api_key is None or bool(settings.allowed_host),
     }
+    admin_key = settings.admin_key.get_secret_value() if settings.admin_key is not None else None
     app.add_middleware(BodyLimitMiddleware, limit_mb=settings.max_body_mb)
     app.add_middleware(JsonWritesMiddleware)
     if settings.api_key is not None:
-        app.add_middleware(DashboardAuthMiddleware, api_key=settings.api_key.get_secret_value())
+        app.add_middleware(DashboardAuthMiddleware, api_key=settings.api_key.get_secret_value(), admin_key=admin_key)
     if settings.cors_origin:
         app.add_middleware(cors_middleware, origins=settings.cors_origin)
     app.add_middleware(BrowserGuardMiddleware, **guard)
@@ -217,7 +228,8 @@ def create_app(
         BodyLimitMiddleware(openai_routes.chat_completions, limit_mb=settings.max_body_mb)
     )
     if settings.api_key is not None:
-        chat_endpoint = BearerAuthMiddleware(chat_endpoint, api_key=settings.api_key.get_secret_value())
+        api_key = settings.api_key.get_secret_value()
+        chat_endpoint = BearerAuthMiddleware(chat_endpoint, api_key=api_key, admin_key=admin_key)
     if settings.cors_origin:
         chat_endpoint = cors_middleware(chat_endpoint, origins=settings.cors_origin)
     app.chat_fast_path = RequestIdMiddleware(BrowserGuardMiddleware(chat_endpoint, **guard))

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from gateway.errors import RLProxyError
 from gateway.models.tuning import log_settings
-from gateway.settings import KEEP_ALIVE_SECONDS, Settings
+from gateway.settings import KEEP_ALIVE_SECONDS, PromotionSettings, Settings
 
 SERVICE = (
     "host",
@@ -63,6 +63,7 @@ LIVE = (
     "shadow_judge_api_base",
 )
 JUDGES = ("judge_model", "judge_api_base")
+PROMOTION = tuple(PromotionSettings.model_fields)  # --promote and its rule's flags
 TRAINER = (
     "trainer",
     "backend",
@@ -252,6 +253,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
             (LIVE, "live traffic"),
             (JUDGES, "RULER judges"),
             (TRAINER, "trainer"),
+            (PROMOTION, "promotion"),
         ),
     ),
     "export": (
@@ -278,6 +280,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
             (LIVE, "live traffic"),
             (JUDGES, "RULER judges"),
             (TRAINER, "trainer"),
+            (PROMOTION, "promotion"),
         ),
     ),
 }

@@ -29,6 +29,13 @@ class Metrics:
         self._store_errors_seen: dict[str, int] = {}
         self.store_degraded = Gauge("rlproxy_store_degraded", "1 while the store cannot record", registry=self.registry)
         self.model_step = Gauge("rlproxy_model_step", "step the alias NAME serves (-1: base)", registry=self.registry)
+        # Promotion (gateway/promotion/): the step the store serves, the candidate under trial, decisions taken here.
+        self.serving_step = Gauge("rlproxy_serving_step", "the serving step of NAME (-1: none)", registry=self.registry)
+        self.candidate_step = Gauge("rlproxy_candidate_step", "the candidate step (-1: none)", registry=self.registry)
+        self.decisions = Counter(
+            "rlproxy_promotion_decisions", "canary decisions this gateway took", ["decision"], registry=self.registry
+        )
+        self._decisions_seen: dict[str, int] = {}
         self.held = Gauge("rlproxy_requests_held", "requests waiting at the gate", registry=self.registry)
         self.in_flight = Gauge("rlproxy_requests_in_flight", "requests inside the engine", registry=self.registry)
         self.late_calls = Counter(
@@ -82,6 +89,17 @@ class Metrics:
         shadows = services.extras.get("shadow")
         if shadows is not None:
             self.shadow_in_flight.set(shadows.in_flight)
+        self._promotion(services)
         self.held.set(services.gate.held)
         self.in_flight.set(services.gate.in_flight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _promotion(self, services) -> None:
+        model = services.settings.model_name
+        serving, candidate = services.store.serving_step(model), services.store.undecided_step(model)
+        self.serving_step.set(-1 if serving is None else serving)
+        self.candidate_step.set(-1 if candidate is None else candidate)
+        canary = services.registry.canary
+        for decision, count in (canary.decisions if canary is not None else {}).items():
+            self.decisions.labels(decision=decision).inc(count - self._decisions_seen.get(decision, 0))
+            self._decisions_seen[decision] = count

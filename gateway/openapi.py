@@ -25,6 +25,7 @@ from gateway.protocols.chat import (
     GroupCloseRequest,
     RewardRequest,
     RulerRequest,
+    StepDecisionRequest,
     TriggerRequest,
 )
 
@@ -156,11 +157,18 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
                         "step": {"type": "integer"},
                         "metrics": {"type": "object"},
                         "groups": {"type": "array"},
+                        "state": {"enum": ["candidate", "promoted", "superseded", "rejected", "rolled_back"]},
+                        "parent": _NULLABLE_INT,
+                        "decision": {"type": ["object", "null"]},
                     }
                 ),
             },
         }
     ),
+    "StepDecision": _object(
+        {"model": _STRING, "step": {"type": "integer"}, "state": _STRING, "decision": {"type": "object"}}
+    ),
+    "Resumed": _object({"model": _STRING, "status": {"const": "resumed"}, "cleared": {"type": "integer"}}),
     "TriggerResult": _object({"model": _STRING, "trigger_id": {"type": "integer"}, "status": {"const": "requested"}}),
     "RulerResult": _object(
         {
@@ -221,6 +229,17 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, dict[str, tupl
         {"200": ("the judge's scores, now the sessions' rewards", _JSON, "RulerResult")},
     ),
     ("get", "/v1/training/steps"): (None, False, {"200": ("the training steps", _JSON, "StepList")}),
+    ("post", "/v1/training/steps/{step}/promote"): (
+        StepDecisionRequest,
+        True,
+        {"200": ("the step, promoted: NAME serves it (admin; 409 if decided already)", _JSON, "StepDecision")},
+    ),
+    ("post", "/v1/training/steps/{step}/reject"): (
+        StepDecisionRequest,
+        True,
+        {"200": ("the step, rejected: NAME keeps its step (admin; 409 if decided already)", _JSON, "StepDecision")},
+    ),
+    ("post", "/v1/training/resume"): (None, False, {"200": ("paused training goes on (admin)", _JSON, "Resumed")}),
     ("post", "/v1/training/trigger"): (
         TriggerRequest,
         False,

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, SecretStr, model_validator
+from pydantic import AfterValidator, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.redact import hidden_in, masked
@@ -66,8 +66,43 @@ FOUR_BIT_WITH_VLLM = (
 )
 
 
+class PromotionSettings(BaseModel):
+    """When a trained step serves as NAME, and who decides (gateway/store/steps.py, gateway/promotion.py):
+    flags of `Settings`, kept in a class of their own so that each class stays within its size limit."""
+
+    promote: Literal["always", "canary", "manual"] = Field(
+        "always",
+        description="when a new step serves as NAME: always (at once), canary (a share of sessions tries it, "
+        "live rewards decide) or manual (POST /v1/training/steps/{n}/promote or /reject); the trainer waits "
+        "while a step is undecided and goes on from the serving step",
+    )
+    admin_key: Annotated[SecretStr | None, AfterValidator(_long_enough)] = Field(
+        None,
+        description="a second bearer key, for the admin actions (promote, reject, resume, trigger): with it set "
+        "--api-key is refused there (403); without it, --api-key does everything",
+    )
+    max_rejections: int = Field(
+        3, ge=1, description="steps rejected in a row before training pauses (until POST /v1/training/resume)"
+    )
+    canary_share: float = Field(
+        0.1, gt=0, lt=1, description="--promote canary: the share of sessions the candidate answers (sticky)"
+    )
+    canary_margin: float = Field(
+        0.1, ge=0, description="--promote canary: promote a candidate whose mean reward is at most this much worse"
+    )
+    canary_min_sessions: int = Field(
+        100, ge=2, description="--promote canary: candidate sessions at the first look (and between looks)"
+    )
+    canary_max_wait: float = Field(
+        86400.0, gt=0, description="--promote canary: seconds before a candidate still undecided is rejected"
+    )
+    watch_sessions: int = Field(
+        500, ge=0, description="--promote canary: sessions a promoted step is watched for a drop (rolled back)"
+    )
+
+
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
-class Settings(BaseSettings):
+class Settings(BaseSettings, PromotionSettings):
     model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
 
     # -- service

@@ -12,7 +12,8 @@ from subprocess import Popen
 from gateway.children import die_with_parent
 from gateway.settings import Settings
 
-_SECRET_SETTINGS = ("api_key", "upstream_api_key", "vllm_api_key", "store")  # a store URL may hold a password
+# A store URL may hold a password.
+_SECRET_SETTINGS = ("api_key", "admin_key", "upstream_api_key", "vllm_api_key", "store")
 
 
 def settings_argv(args: argparse.Namespace) -> list[str]:

@@ -22,7 +22,7 @@ PACKAGES = ("gateway", "trainer", "sdk")
 GATEWAY_LAYERS = [
     ["gateway.errors", "gateway.settings", "gateway.children", "gateway.redact"],
     ["gateway.store", "gateway.models", "gateway.protocols", "gateway.http", "gateway.metrics"],
-    ["gateway.engines", "gateway.adapters", "gateway.tracing", "gateway.colocate"],
+    ["gateway.engines", "gateway.promotion", "gateway.adapters", "gateway.tracing", "gateway.colocate"],
     ["gateway.chat", "gateway.ruler", "gateway.shadow"],
     ["gateway.routes", "gateway.ui", "gateway.openapi"],
     ["gateway.app"],

@@ -285,6 +285,8 @@ def _train_checkpoint_record(
             rewards={
                 s["id"]: float(s["reward"]) for g in plan.groups for s in g["sessions"] if s["id"] in plan.advantages
             },
+            # Its parent is the serving step it was trained from (the trainer waits while a candidate is undecided).
+            state="promoted" if settings.promote == "always" else "candidate",
         )
     except Conflict as exc:  # a discard landed between the check and the record
         log.warning("step %d taken back: %s", step, exc.message)

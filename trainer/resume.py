@@ -20,6 +20,7 @@ from typing import Protocol
 from gateway.errors import ConfigError, Conflict
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store.steps import paused_reason
 from trainer import checkpoints as ckpts
 
 log = logging.getLogger("rlproxy.trainer")
@@ -59,7 +60,7 @@ def resume(
     load: LoadCheckpoint,
     seed: LoadCheckpoint | None = None,
 ) -> int:
-    """Reconcile `root` with the store's steps of `model`, load the newest checkpoint (or
+    """Reconcile `root` with the store's steps of `model`, load the serving step's checkpoint (or
     save a fresh step 0: `--init-from NAME@N`'s adapter, through `seed`, where given) and
     return the step to train next."""
     for leftover in ckpts.remove_partial(root):
@@ -68,7 +69,7 @@ def resume(
     last_recorded = max(recorded, default=-1)
     for checkpoint in ckpts.list_checkpoints(root):
         if checkpoint.step > last_recorded:
-            record_orphan(store, model, checkpoint)
+            record_orphan(store, model, checkpoint, "promoted" if settings.promote == "always" else "candidate")
     recorded = {row["step"] for row in store.steps(model)}
     last_recorded = max(recorded, default=-1)
 
@@ -101,15 +102,31 @@ def resume(
     if settings.init_from:
         log.info("--init-from %s seeds a new run only: resuming this one", settings.init_from)
     check_compatible(latest, settings, model, root)
-    load(latest.path)
+    start = serving_checkpoint(store, model, root) or latest
+    load(start.path)
     if last_recorded > latest.step:
         log.warning("steps after %d are recorded but their checkpoints are gone", latest.step)
     next_step = max(latest.step, last_recorded) + 1
-    log.info("resumed from checkpoint %s; next step %d", latest.path, next_step)
+    log.info("resumed from checkpoint %s; next step %d", start.path, next_step)
     return next_step
 
 
-def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint) -> None:
+def serving_checkpoint(store: Store, model: str, root: Path) -> ckpts.Checkpoint | None:
+    """The checkpoint of the step NAME serves (fetched from the store where it keeps one), when
+    that is not the newest: a candidate waits or was turned down, and training goes on from what
+    serves. None where it is the newest, or where no checkpoint of it can be found."""
+    step = store.serving_step(model)
+    latest = ckpts.latest_checkpoint(root)
+    if step is None or (latest is not None and latest.step == step):
+        return None
+    path = ckpts.checkpoint_dir(root, step)
+    if not ckpts.is_complete(path) and not store.restore_checkpoint(model, step, path):
+        log.warning("the serving step %d has no checkpoint here: training goes on from the newest", step)
+        return None
+    return ckpts.Checkpoint(step, path)
+
+
+def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_state: str = "promoted") -> None:
     """A checkpoint written but not recorded (killed between the two): record it now,
     or discard it if its groups were claimed meanwhile."""
     state = checkpoint.state()
@@ -122,6 +139,7 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint) -> Non
             state["groups"],
             advantages=state.get("advantages"),
             left_out=state.get("left_out"),
+            state=step_state,
         )
     except (Conflict, sqlite3.IntegrityError) as exc:
         log.warning("discarding checkpoint %s, which was never recorded: %s", checkpoint.path, exc)
@@ -173,3 +191,34 @@ def init_source(store: Store, settings: Settings) -> Path:
             "same base model and LoRA shape"
         )
     return source.path
+
+
+def hold_reason(store: Store, settings: Settings, model: str) -> str | None:
+    """Why the trainer waits before its next step, or None. Under `--promote canary|manual` a
+    step waits for its decision (the next one would train on top of a step that may never
+    serve), and `--max-rejections` steps turned down in a row pause training until
+    POST /v1/training/resume."""
+    if settings.promote == "always":
+        return None
+    undecided = store.undecided_step(model)
+    if undecided is not None:
+        return f"step {undecided} is a candidate: training waits for its decision (--promote {settings.promote})"
+    rejected = store.rejections_in_a_row(model)
+    if rejected >= settings.max_rejections:
+        return paused_reason(rejected)
+    return None
+
+
+def go_on_from_serving(
+    store: Store, model: str, root: Path, weights_step: int | None, load: LoadCheckpoint
+) -> int | None:
+    """The step the weights hold from now on: the serving one, its checkpoint (adapter and
+    optimizer) loaded when the weights hold another (a candidate rejected or rolled back)."""
+    serving = store.serving_step(model)
+    if serving is None or serving == weights_step:
+        return weights_step
+    checkpoint = serving_checkpoint(store, model, root)
+    if checkpoint is not None:
+        load(checkpoint.path)
+        log.info("trainer: step %d serves; training goes on from its adapter and optimizer", serving)
+    return serving

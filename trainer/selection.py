@@ -16,6 +16,7 @@ import socket
 
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store.steps import chain_distance
 from trainer.data import NO_SPREAD, sampling_step, spread_groups
 
 log = logging.getLogger("rlproxy.trainer")
@@ -49,9 +50,12 @@ def without_stale(store: Store, settings: Settings, groups: list[dict], next_ste
     and a group of them is never stale. Only answered calls count: a refused one has no step.
     A call the base model answered (step None) was sampled by step 0 only where step 0 is the
     untrained LoRA; after `--init-from`, step 0 is another adapter and no step sampled it."""
-    from gateway.colocate import is_stale, policy_calls
+    from gateway.colocate import policy_calls
 
     current = next_step - 1
+    if settings.promote != "always":  # training goes on from the serving step, not the newest
+        current = store.serving_step(settings.model_name) or 0
+    parents = store.lineage(settings.model_name)  # steps count along the parent chain: a rejected one never does
     step_0 = [row for row in store.steps(settings.model_name) if row["step"] == 0]
     seeded = step_0[0]["metrics"].get("init_from") if step_0 else None
     fresh, stale = [], {}
@@ -65,7 +69,7 @@ def without_stale(store: Store, settings: Settings, groups: list[dict], next_ste
                 f"answered by the base model, not by a step of this run: its step 0 is the adapter of "
                 f"--init-from {seeded}"
             )
-        elif calls and is_stale(sampled_by, current, settings.max_staleness):
+        elif calls and chain_distance(parents, current, sampled_by) > settings.max_staleness:
             stale[group["id"]] = f"stale: sampled by step {sampled_by}, training from step {current}"
         else:
             fresh.append(group)

@@ -58,7 +58,7 @@ from trainer.lock import take_lock
 from trainer.publish import gpu_lease, log_step, plan_step, train_and_record
 from trainer.render import ChatTemplateRenderer
 from trainer.reporting import Reporter
-from trainer.resume import resume
+from trainer.resume import go_on_from_serving, hold_reason, resume
 from trainer.selection import HOLDER, enough_for_a_step, without_spread, without_stale
 
 if TYPE_CHECKING:  # the backend (torch) is imported when needed
@@ -81,6 +81,8 @@ class TrainerWorker:
         self.root = settings.checkpoints_dir().resolve()
         self.backend: TrainingBackend | None = None  # loaded by start()
         self.next_step = 0
+        self.weights_step: int | None = None  # the step whose adapter the weights hold (--promote canary|manual)
+        self._held_for: str | None = None
         self.skipped_since_step = 0
         self.attempts = Attempts(self.store, settings.groups_per_step)  # failed steps: bisected, set aside
         # dr_grpo's token budget: --max-tokens-norm, else fixed at the run's first step from its
@@ -141,6 +143,22 @@ class TrainerWorker:
         self.next_step = resume(
             self.store, self.model, self.root, self.settings, save=self._save, load=self._load, seed=self._seed
         )
+        self.weights_step = self.store.serving_step(self.model)  # what resume loaded (where it has the checkpoint)
+
+    def _held(self, stop_event: threading.Event) -> bool:
+        """Whether to wait rather than train now (a candidate undecided, training paused); once decided, the
+        weights go on from the serving step (the incumbent's adapter and optimizer after a rejection or rollback)."""
+        if self.settings.promote == "always":
+            return False  # every step serves at once: nothing to wait for, nothing to go back to
+        reason = hold_reason(self.store, self.settings, self.model)
+        if reason != self._held_for and reason is not None:
+            log.info("trainer: %s", reason)
+        self._held_for = reason
+        if reason is not None:
+            stop_event.wait(self.settings.poll_interval)
+            return True
+        self.weights_step = go_on_from_serving(self.store, self.model, self.root, self.weights_step, self._load)
+        return False
 
     def _save(
         self,
@@ -253,6 +271,7 @@ class TrainerWorker:
             return None
         self.token_budget = budget  # fixed from the first step on
         self.next_step = plan.step + 1
+        self.weights_step = plan.step
         self.skipped_since_step = 0
         self.attempts.since_step = 0
         self.reporter.report_step(plan.step, metrics, self.store, self.model)
@@ -275,6 +294,8 @@ class TrainerWorker:
                     # (or discard) that checkpoint as a restart would, and go on from it.
                     self._resume()
                     store_failed = False
+                if self._held(stop_event):
+                    continue
                 groups = self.groups_to_train()
                 if groups is None:
                     stop_event.wait(self.settings.poll_interval)

@@ -91,3 +91,9 @@ def task_key(identity: Identity, messages: object) -> str | None:
     if not system:
         return NO_SYSTEM_PROMPT
     return "system:" + hashlib.sha256("\n".join(system).encode()).hexdigest()[:16]
+
+
+def canary_key(identity: Identity) -> str:
+    """What `--promote canary` routes NAME by: a harness group's sessions follow its first (one
+    step per group, so GRPO compares rollouts of one policy), any other session by its own id."""
+    return f"group:{identity.group_id}" if identity.group_id else f"session:{identity.session_id}"

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.adapters import AdapterRegistry, Target
 from gateway.chat.gate import RequestGate
-from gateway.chat.identity import IDENTITY_KEYS, Identity
+from gateway.chat.identity import IDENTITY_KEYS, Identity, canary_key
 from gateway.chat.record import SplitGuard, call_record
 from gateway.chat.stream import StreamAccumulator, prepend_first
 from gateway.engines.base import Engine, EngineRequest, StreamEnd, TokenRecord
@@ -103,7 +103,7 @@ class ChatService:
         self.splits.check(identity)
 
         try:
-            async with self.gate.passage(), self.registry.use(request.model) as target:
+            async with self.gate.passage(), self.registry.use(request.model, canary_key(identity)) as target:
                 completion = await self.engine.complete(
                     EngineRequest(body=engine_body(request, raw, target), adapter=target.adapter, request_id=request_id)
                 )
@@ -175,7 +175,7 @@ class ChatService:
         self.splits.check(identity)
         await self.gate.wait()
         await self.registry.ensure(request.model)  # a pinned step not loaded: load it now
-        target = self.registry.resolve(request.model)
+        target = self.registry.resolve(request.model, canary_key(identity))
         events = self._stream(request, raw, identity, request_id, target, time.perf_counter(), wire)
         first = await events.__anext__()  # raises the engine's error when no chunk came before it
         return prepend_first(first, events), target

@@ -62,9 +62,13 @@ class BearerAuthMiddleware:
 
     The key is compared in constant time and never logged or echoed."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/healthz",)):
+    def __init__(
+        self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/healthz",), admin_key: str | None = None
+    ):
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        # The admin's key passes here too; the admin routes then tell the two apart (gateway/routes/promotion.py).
+        self._admin = f"Bearer {admin_key}".encode() if admin_key else None
         self._expected_bare = api_key.encode()
         self._open_paths = open_paths
 
@@ -81,7 +85,8 @@ class BearerAuthMiddleware:
         # Both compared every time, in constant time: which one matched is not a timing signal.
         bearer_ok = hmac.compare_digest(supplied, self._expected)
         x_api_key_ok = hmac.compare_digest(x_api_key, self._expected_bare)
-        if bearer_ok or (x_api_key and x_api_key_ok):
+        admin_ok = self._admin is not None and hmac.compare_digest(supplied, self._admin)
+        if bearer_ok or (x_api_key and x_api_key_ok) or admin_ok:
             await self.app(scope, receive, send)
             return
         message = (

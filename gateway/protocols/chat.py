@@ -183,3 +183,11 @@ class RulerRequest(BaseModel):
 class TriggerRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
+
+
+class StepDecisionRequest(BaseModel):
+    """POST /v1/training/steps/{n}/promote or /reject: the model the step is of, and why."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    reason: str | None = Field(None, max_length=2000)

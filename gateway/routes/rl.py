@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import TypeVar
 
 import orjson
@@ -11,10 +12,12 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.adapters import loading
 from gateway.chat.identity import check_id
-from gateway.errors import InvalidRequest, StoreUnavailable
+from gateway.errors import Forbidden, InvalidRequest, StoreUnavailable
 from gateway.protocols.chat import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
 from gateway.routes.openai import read_json, validation_message
-from gateway.store import LiveRule
+from gateway.settings import Settings
+from gateway.store import LiveRule, Store
+from gateway.store.steps import paused_reason
 
 router = APIRouter()
 Body = TypeVar("Body", bound=BaseModel)
@@ -32,6 +35,20 @@ async def parse(request: Request, model: type[Body], *, allow_empty: bool = Fals
         return model.model_validate(raw)
     except ValidationError as exc:
         raise InvalidRequest(validation_message(exc)) from None
+
+
+def require_admin(request: Request) -> None:
+    """403 unless the caller sent the admin key (where one is set)."""
+    admin_key = request.app.state.services.settings.admin_key
+    if admin_key is None:
+        return
+    supplied = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(supplied, f"Bearer {admin_key.get_secret_value()}".encode()):
+        raise Forbidden(
+            "this is an admin action (promote, reject, resume, trigger): send the gateway's --admin-key as "
+            "'Authorization: Bearer <admin key>'; an agent's --api-key may not do it",
+            code="admin_key_required",
+        )
 
 
 @router.post("/v1/sessions/{session_id}/reward")
@@ -82,6 +99,7 @@ async def training_steps(request: Request) -> Response:
 
 @router.post("/v1/training/trigger")
 async def training_trigger(request: Request) -> Response:
+    require_admin(request)
     services = request.app.state.services
     body = await parse(request, TriggerRequest, allow_empty=True)
     model = body.model or services.settings.model_name
@@ -108,6 +126,8 @@ async def healthz(request: Request) -> Response:
         "model": services.settings.model_name,
         "step": services.registry.current,
     }
+    if services.settings.promote != "always":  # the promotion's state: serving, undecided, paused
+        body.update(promotion_state(store, services.settings))
     engine_down = services.engine.health()
     waiting = loading(services.registry)
     if not store.health.degraded and engine_down is None and waiting is None:
@@ -120,6 +140,16 @@ async def healthz(request: Request) -> Response:
     else:
         body.update(status="loading", reason=waiting)
     return json_response(body, status_code=503)
+
+
+def promotion_state(store: Store, settings: Settings) -> dict:
+    """`/healthz`'s promotion fields: the store's serving and candidate steps, and why training is
+    paused (`--max-rejections` in a row, until POST /v1/training/resume); serving goes on meanwhile."""
+    model = settings.model_name
+    rejected = store.rejections_in_a_row(model)
+    paused = paused_reason(rejected) if rejected >= settings.max_rejections else None
+    candidate = store.undecided_step(model)
+    return {"serving_step": store.serving_step(model), "candidate_step": candidate, "training": paused}
 
 
 @router.get("/metrics")

@@ -26,10 +26,11 @@ from gateway.store.health import StoreHealth, classify
 from gateway.store.live import LiveRule
 from gateway.store.reads import SessionFilter
 from gateway.store.rows import CallRecord
+from gateway.store.steps import StepRows
 from gateway.store.writer import GroupCommitWriter, Op, Outcome
 
 
-class Store(ABC):
+class Store(StepRows, ABC):
     backend: str
     """"sqlite" or "postgres"."""
     path: Any
@@ -150,24 +151,6 @@ class Store(ABC):
     def consume_triggers(self, model: str) -> bool:
         """True if a step was asked for since the last call (and mark those asks done)."""
         return self._run_sync(lambda conn: training.consume_triggers(conn, model))
-
-    def insert_step(
-        self,
-        model: str,
-        step: int,
-        path: str,
-        metrics: dict,
-        group_ids: list[str],
-        session_ids: list[str] | None = None,
-        *,
-        advantages: dict[str, float] | None = None,
-        left_out: dict[str, str] | None = None,
-        rewards: dict[str, float] | None = None,
-    ) -> None:
-        """A step row and its groups marked trained, in one transaction (Conflict: one of `session_ids` was discarded
-        meanwhile). By session id: what it trained with (`advantages`, `rewards`), or why it was `left_out`."""
-        args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out, rewards)
-        self._run_sync(lambda conn: training.insert_step(conn, *args))
 
     # Claims freeze a step's groups (`gateway.store.training`: rewards 409, later calls untrainable).
     def claim_for_step(self, group_ids: Iterable[str], step: int) -> list[str]:

@@ -128,6 +128,7 @@ def steps(query: Query, model: str | None) -> list[dict]:
     for row in rows:
         row["metrics"] = json.loads(row["metrics"] or "{}")
         row["groups"] = json.loads(row["groups"] or "[]")
+        row["decision"] = json.loads(row["decision"]) if row.get("decision") else None
     return rows
 
 

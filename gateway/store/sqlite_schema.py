@@ -150,6 +150,13 @@ _ADDED_COLUMNS = (
     # The reward a trained session's step trained with (beside its `advantage`): what a reward's
     # 200 or 409 answer can be checked against (gateway/store/locks.py).
     ("sessions", "trained_reward", "REAL"),
+    # Promotion (gateway/store/steps.py): a step's state (rows made before it served at once:
+    # promoted), the step it was trained from, the decision's record (JSON), and whether a
+    # rejection was cleared by POST /v1/training/resume (it no longer counts towards the pause).
+    ("steps", "state", "TEXT NOT NULL DEFAULT 'promoted'"),
+    ("steps", "parent", "INTEGER"),
+    ("steps", "decision", "TEXT"),
+    ("steps", "resumed", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # Indexes on added columns: made after them, in both backends.

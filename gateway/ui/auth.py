@@ -66,8 +66,10 @@ def login_page(next_path: str, message: str | None = None) -> bytes:
 class DashboardAuthMiddleware(BearerAuthMiddleware):
     """`BearerAuthMiddleware`, plus the dashboard's cookie for reads and its login."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/healthz",)):
-        super().__init__(app, api_key, open_paths)
+    def __init__(
+        self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/healthz",), admin_key: str | None = None
+    ):
+        super().__init__(app, api_key, open_paths, admin_key)
         self._key = api_key.encode()
         self._token = cookie_token(api_key).encode()
 

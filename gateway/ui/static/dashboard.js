@@ -218,14 +218,27 @@ async function stepsPage() {
   const present = keys.filter((k) => d.data.some((s) => typeof (s.metrics || {})[k] === "number"));
   // A supervised step (rlproxy train --objective sft) says so; a step 0 seeded by --init-from names its source.
   const objective = (s) => (s.metrics || {}).objective || ((s.metrics || {}).init_from ? `from ${s.metrics.init_from}` : "grpo");
+  // Promotion (--promote): who decided and the numbers behind it (gateway/promotion/rule.py).
+  const decision = (s) => {
+    const d = s.decision;
+    if (!d) return "";
+    const numbers = typeof d.difference === "number" ? ` (difference ${d.difference.toFixed(3)} ± ` +
+      `${d.std_error.toFixed(3)} × z ${d.z_critical.toFixed(2)}, margin ${d.margin}; ` +
+      `${d.candidate_sessions} vs ${d.incumbent_sessions} sessions)` : "";
+    return `${d.by === "api" ? "API" : d.policy}${d.reason ? ": " + d.reason : ""}${numbers}`;
+  };
   const columns = [{ label: "step", value: (s) => s.step, num: true }, { label: "at", value: (s) => when(s.created_at) },
+    { label: "state", value: (s) => s.state || "" }, { label: "parent", value: (s) => s.parent ?? "", num: true },
+    { label: "decision", value: decision },
     { label: "objective", value: objective },
     ...present.map((k) => ({ label: k, value: (s) => (s.metrics || {})[k], num: true })),
     { label: "groups trained", value: (s) => el("span", {}, (s.groups || []).flatMap((g, i) =>
       [i ? ", " : "", link(`/ui/groups/${encode(g)}`, g)])) }];
   const t = table(columns, d.data);
   t.id = "steps-table";
-  content.replaceChildren(el("p", { class: "muted", text: `${d.data.length} steps` }), t);
+  const health = await api("/healthz").catch(() => ({}));  // while paused: why (--max-rejections)
+  const paused = health.training ? [el("p", { id: "training-paused", text: health.training })] : [];
+  content.replaceChildren(...paused, el("p", { class: "muted", text: `${d.data.length} steps` }), t);
 }
 
 // ------------------------------------------------------------------ paged lists with filters

@@ -1,0 +1,205 @@
+"""Step rows and their promotion states: what the trainer records, what a policy decides.
+
+A step row carries `state`, `parent` (the step it was trained from) and `decision` (JSON: who
+decided, why, and the numbers behind it). States:
+
+- `candidate`: recorded under `--promote canary|manual`; NAME does not serve it (yet);
+- `promoted`: NAME serves the newest promoted step (the *serving* step, or incumbent);
+- `superseded`: was promoted, a newer step took its place;
+- `rejected`: a candidate a policy or an operator turned down; it never serves as NAME;
+- `rolled_back`: was promoted, dropped against the step it replaced, which serves again.
+
+Under `--promote always` (the default) a step is recorded `promoted` (today's behaviour). Every
+decision is one conditional UPDATE on the step row (`WHERE state = <expected>`), so among gateway
+replicas sharing one PostgreSQL exactly one decision lands and the others see it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from gateway.errors import Conflict, NotFound
+from gateway.store import training
+from gateway.store.writer import Op
+
+STATES = ("candidate", "promoted", "superseded", "rejected", "rolled_back")
+TURNED_DOWN = ("rejected", "rolled_back")
+# Where each decision may start from (the conditional UPDATE's expected state).
+_FROM = {"promoted": ("candidate",), "rejected": ("candidate",), "rolled_back": ("promoted",)}
+
+
+def paused_reason(rejected: int) -> str:
+    """What /healthz, the dashboard and the trainer's log say while training is paused."""
+    return (
+        f"training is paused: {rejected} steps in a row were rejected or rolled back (--max-rejections); "
+        "look at the steps' decisions (GET /v1/training/steps), fix the rewards or the data, then "
+        "POST /v1/training/resume"
+    )
+
+
+def serving(conn: Any, model: str) -> int | None:
+    row = conn.execute("SELECT MAX(step) FROM steps WHERE model = ? AND state = 'promoted'", (model,)).fetchone()
+    return None if row is None else row[0]
+
+
+def decide(conn: Any, model: str, step: int, to_state: str, decision: dict) -> dict:
+    """Move step `step` to `to_state` if it is still where that decision starts from; the
+    serving step's neighbours follow (a promotion supersedes the incumbent; a rollback puts
+    back the step it replaced). Conflict when another decision came first."""
+    found = conn.execute("SELECT state, parent FROM steps WHERE model = ? AND step = ?", (model, step)).fetchone()
+    if found is None:
+        raise NotFound(f"model '{model}' has no step {step}", param="step")
+    now = time.time()
+    record = {**decision, "at": now, "from": found[0]}
+    cursor = conn.execute(
+        "UPDATE steps SET state = ?, decision = ? WHERE model = ? AND step = ? AND state IN ("
+        + ",".join("?" * len(_FROM[to_state]))
+        + ")",
+        (to_state, json.dumps(record), model, step, *_FROM[to_state]),
+    )
+    if cursor.rowcount != 1:
+        raise Conflict(
+            f"step {step} of '{model}' is {found[0]}, not {' or '.join(_FROM[to_state])}: it was decided already",
+            param="step",
+        )
+    if to_state == "promoted":
+        conn.execute(
+            "UPDATE steps SET state = 'superseded' WHERE model = ? AND state = 'promoted' AND step <> ?",
+            (model, step),
+        )
+    elif to_state == "rolled_back" and found[1] is not None:
+        conn.execute(
+            "UPDATE steps SET state = 'promoted' WHERE model = ? AND step = ? AND state = 'superseded'",
+            (model, found[1]),
+        )
+    return {"model": model, "step": step, "state": to_state, "decision": record}
+
+
+def resume_training(conn: Any, model: str) -> int:
+    """Clear the rejections that paused training (they stay rejected, they no longer count)."""
+    cursor = conn.execute(
+        "UPDATE steps SET resumed = 1 WHERE model = ? AND state IN ('rejected', 'rolled_back') AND resumed = 0",
+        (model,),
+    )
+    return int(cursor.rowcount or 0)
+
+
+class StepRows:
+    """The step rows' part of `Store` (a mixin: the class stays within its size limit)."""
+
+    def _run_sync(self, op: Op) -> Any:  # implemented by each backend (`Store`)
+        raise NotImplementedError
+
+    def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:  # implemented by each backend
+        raise NotImplementedError
+
+    def insert_step(
+        self,
+        model: str,
+        step: int,
+        path: str,
+        metrics: dict,
+        group_ids: list[str],
+        session_ids: list[str] | None = None,
+        *,
+        advantages: dict[str, float] | None = None,
+        left_out: dict[str, str] | None = None,
+        rewards: dict[str, float] | None = None,
+        state: str = "promoted",
+        parent: int | None = None,
+    ) -> None:
+        """A step row and its groups marked trained, in one transaction (Conflict: one of `session_ids` was discarded
+        meanwhile). By session id: what it trained with (`advantages`, `rewards`), or why it was `left_out`.
+        `state`: `promoted` (serves at once; the incumbent is superseded) or `candidate` (a policy decides);
+        `parent`: the step it was trained from (default: the serving step)."""
+        args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out, rewards)
+
+        def op(conn: Any) -> None:
+            source = serving(conn, model) if parent is None else parent
+            if source is not None and source >= step:
+                source = None  # a step recorded out of order (a test, a restore) has no parent to name
+            training.insert_step(conn, *args)
+            decision = {"by": "policy", "policy": "always", "at": time.time()} if state == "promoted" else None
+            conn.execute(
+                "UPDATE steps SET state = ?, parent = ?, decision = ? WHERE model = ? AND step = ?",
+                (state, source, json.dumps(decision) if decision else None, model, step),
+            )
+            if state == "promoted":
+                conn.execute(
+                    "UPDATE steps SET state = 'superseded' WHERE model = ? AND state = 'promoted' AND step <> ?",
+                    (model, step),
+                )
+
+        self._run_sync(op)
+
+    def serving_step(self, model: str) -> int | None:
+        """The step NAME serves: the newest promoted one (None: nothing recorded yet)."""
+        found = self._query("SELECT MAX(step) AS step FROM steps WHERE model = ? AND state = 'promoted'", (model,))
+        return found[0]["step"] if found else None
+
+    def undecided_step(self, model: str) -> int | None:
+        """The newest candidate step still waiting for a decision, if any."""
+        found = self._query("SELECT MAX(step) AS step FROM steps WHERE model = ? AND state = 'candidate'", (model,))
+        return found[0]["step"] if found else None
+
+    def decide_step(self, model: str, step: int, to_state: str, decision: dict) -> dict:
+        """Promote, reject or roll back step `step`, once (Conflict if decided meanwhile)."""
+        if to_state not in _FROM:
+            raise ValueError(f"no decision moves a step to {to_state!r}")
+        return self._run_sync(lambda conn: decide(conn, model, step, to_state, decision))
+
+    def rejections_in_a_row(self, model: str) -> int:
+        """Steps turned down since the last one promoted (or the last resume)."""
+        rows = self._query("SELECT state, resumed FROM steps WHERE model = ? ORDER BY step DESC", (model,))
+        count = 0
+        for row in rows:
+            if row["state"] == "candidate":
+                continue
+            if row["state"] not in TURNED_DOWN or row["resumed"]:
+                break
+            count += 1
+        return count
+
+    def resume_training(self, model: str) -> int:
+        return self._run_sync(lambda conn: resume_training(conn, model))
+
+    def step_sessions(self, model: str, since: float, until: float) -> list[dict]:
+        """Sessions of `model` started in [since, until) with an HTTP reward, each answered by one
+        step throughout: {"id", "reward", "task_key", "step"} (the canary's comparison). RULER's
+        scores (relative within a group), shadow samples and discarded sessions are left out."""
+        rows = self._query(
+            "SELECT s.id, s.reward, COALESCE(s.task_key, '') AS task_key, s.metrics, MIN(c.step) AS step,"
+            " MAX(c.step) AS last_step FROM sessions s JOIN calls c ON c.session_id = s.id"
+            " WHERE s.model = ? AND s.created_at >= ? AND s.created_at < ? AND s.reward IS NOT NULL"
+            " AND s.discarded = 0 AND s.shadow_of IS NULL AND c.status = 'ok' AND c.step IS NOT NULL"
+            " GROUP BY s.id, s.reward, s.task_key, s.metrics",
+            (model, since, until),
+        )
+        return [
+            r for r in rows if r["step"] == r["last_step"] and "ruler_score" not in json.loads(r["metrics"] or "{}")
+        ]
+
+    def lineage(self, model: str) -> dict[int, int | None]:
+        """Step -> parent step, for every step of `model`."""
+        return {r["step"]: r["parent"] for r in self._query("SELECT step, parent FROM steps WHERE model = ?", (model,))}
+
+
+def chain_distance(parents: dict[int, int | None], current: int, sampled_by: int | None) -> int:
+    """Steps between `sampled_by` (None: the base model = step 0) and `current` along the parent
+    chain, so a step turned down never counts: depth(current) - depth(sampled_by), where a step's
+    depth is its parent's + 1. A row recorded before steps had parents counts as its number (the
+    steps before it were one line); a step unknown here counts as its number too."""
+
+    def depth(step: int) -> int:
+        hops, node, seen = 0, step, set()
+        while node not in seen:
+            seen.add(node)
+            parent = parents.get(node)
+            if parent is None:
+                return hops + node  # step 0, or a row without lineage: linear before it
+            node, hops = parent, hops + 1
+        return hops  # a cycle cannot be recorded; never loop on a hand-edited store
+
+    return depth(current) - depth(sampled_by or 0)
