@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from gateway.engines.base import Engine
 from gateway.errors import Conflict, EngineUnavailable, NotFound
-from gateway.promotion.serving import NOT_SERVED, follow_serving_step
+from gateway.promotion.serving import NOT_SERVED, follow_serving_step, pinned_steps
 from gateway.settings import Settings
 from gateway.store import Store
 
@@ -100,6 +100,7 @@ class AdapterRegistry:
         self.in_flight: dict[int, int] = {}  # step -> requests using it
         self.load_errors: dict[int, str] = {}  # step -> why its last load failed (cleared on success)
         self.swaps = 0  # times the alias moved (for /metrics and tests)
+        self.turned_down: set[int] = set()  # steps rejected or rolled back: unloaded once idle
         self._last_resolved: dict[int, float] = {}  # step -> monotonic time a request last resolved it
         self._lock = asyncio.Lock()  # one refresh at a time (poll loop, start, activate)
         self._task: asyncio.Task | None = None
@@ -331,11 +332,10 @@ class AdapterRegistry:
 
 
 def _keep(registry: AdapterRegistry) -> set[int]:
-    """Steps that stay loaded: the current one, and the most recently used others up to
-    `keep_adapters` in all (a load counts as a use, so without pinned requests these
-    are the newest steps)."""
-    keep = {registry.current} if registry.current is not None else set()
-    by_recency = sorted(registry.loaded, key=lambda s: (registry._last_resolved.get(s, float("-inf")), s), reverse=True)
+    """Steps that stay loaded: the serving one, a candidate, then the most recently used not turned down."""
+    keep = pinned_steps(registry)
+    others = set(registry.loaded) - registry.turned_down
+    by_recency = sorted(others, key=lambda s: (registry._last_resolved.get(s, float("-inf")), s), reverse=True)
     for step in by_recency:
         if len(keep) >= registry.settings.keep_adapters:
             break
