@@ -98,7 +98,13 @@ def test_canary_with_the_trainer_promotes_the_good_step_rejects_the_bad_and_goes
     assert all(len(steps) == 1 for steps in steps_of.values())
     on_bad = {gid for gid, steps in steps_of.items() if steps == {2}}
     assert on_bad and all(share_of(f"group:{gid}") < SHARE for gid in on_bad)
-    print(f"{len(seen)} sessions; on a candidate: {sum(s > 0 for _, s in seen)}; on step 2: {4 * len(on_bad)}")
+    # The incumbent keeps every session outside the share: no group hashed at or above it met step 2.
+    outside = [gid for gid in steps_of if share_of(f"group:{gid}") >= SHARE]
+    assert outside and not any(2 in steps_of[gid] for gid in outside)
+    print(
+        f"{len(seen)} sessions; on the rejected candidate: {ROLLOUTS * len(on_bad)}; "
+        f"outside the share: {ROLLOUTS * len(outside)}"
+    )
 
     restarted = TrainerWorker(settings)
     restarted.start()
