@@ -45,17 +45,15 @@ def group(client: httpx.Client, gid: str, seen: list) -> None:
     assert client.post(f"/v1/groups/{gid}/close", json={}).status_code == 200
 
 
-def test_canary_with_the_trainer_promotes_the_good_step_rejects_the_bad_and_goes_on_from_the_incumbent(tmp_path):
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    settings = Settings(
+def scenario(tmp_path, promote: str) -> Settings:
+    """The gateway and trainer of both tests: one group a step, the tiny model, a fast poll."""
+    return Settings(
         engine="local",
         state_dir=tmp_path,
         poll_interval=0.05,
         default_max_tokens=6,
         max_tokens_per_row=1024,
-        promote="canary",
+        promote=promote,
         canary_share=SHARE,
         canary_min_sessions=2 * ROLLOUTS,
         canary_margin=0.3,
@@ -65,6 +63,13 @@ def test_canary_with_the_trainer_promotes_the_good_step_rejects_the_bad_and_goes
         lora_alpha=8,
         learning_rate=1e-2,
     )
+
+
+def test_canary_with_the_trainer_promotes_the_good_step_rejects_the_bad_and_goes_on_from_the_incumbent(tmp_path):
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    settings = scenario(tmp_path, "canary")
     worker = TrainerWorker(settings)
     worker.start()  # step 0
     stop = threading.Event()
@@ -117,3 +122,37 @@ def test_canary_with_the_trainer_promotes_the_good_step_rejects_the_bad_and_goes
         assert not all(lora[k].equal(rejected[k]) for k in lora)
     finally:
         restarted.close()
+
+
+def test_the_control_under_always_serves_the_bad_step_to_everyone(tmp_path):
+    """The same scenario with `--promote always`: once step 2 exists, every session meets a bad step."""
+    settings = scenario(tmp_path, "always")
+    worker = TrainerWorker(settings)
+    worker.start()
+    stop = threading.Event()
+    trainer = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    after: list[tuple[str, int]] = []
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        trainer.start()
+        for g in range(200):  # a hang guard, not a speed requirement
+            steps = {r["step"] for r in client.get("/v1/training/steps").json()["data"]}
+            if 2 in steps:
+                served = int(
+                    client.post(
+                        "/v1/chat/completions",
+                        json={"model": "agent", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+                    ).headers["x-model-step"]
+                )
+                if served >= 2:
+                    break
+            group(client, f"g{g}", [])
+        stop.set()  # no step after this one is needed: the control is about who meets step 2+
+        for g in range(4):
+            group(client, f"after-{g}", after)
+        trainer.join(120)
+        rows = client.get("/v1/training/steps").json()["data"]
+    worker.close()
+    assert {r["state"] for r in rows} <= {"promoted", "superseded"}  # nothing is ever held back
+    # Groups on both sides of the canary's share: under `always` each of them meets a bad step.
+    assert {share_of(f"group:{gid}") < SHARE for gid, _ in after} == {True, False}
+    assert all(step > GOOD for _, step in after), after
