@@ -82,6 +82,8 @@ class FakeState:
     token_delay: float = 0.0
     parser_holds: bool = False
     crash_after_chunks: int | None = None
+    # A proxy in front of vLLM that quotes the request's Authorization header in its errors.
+    echo_auth_in_errors: bool = False
     in_flight: int = 0
     sampling: list[dict] = field(default_factory=list)  # what each chat sampled with
     aborts: int = 0  # bumped by /sleep: vLLM aborts in-flight requests when it goes to sleep
@@ -274,6 +276,8 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
             with state.lock:
                 state.chats_while_asleep += 1
             return _error(503, "the engine is sleeping", "ServiceUnavailable")
+        if state.echo_auth_in_errors:
+            return _error(400, f"refused the request with {request.headers.get('authorization')}", "BadRequestError")
         if model != state.base_model and model not in state.loaded:
             return _error(
                 404, f"The model `{model}` does not exist. Valid aliases: {state.base_model}.", "NotFoundError", "model"

@@ -31,6 +31,7 @@ from gateway.engines.vllm.server import vllm_address
 from tests.fake_upstream import FakeUpstream
 from tests.fake_vllm import FakeState, create_fake_vllm, require_key
 from tests.helpers import ThreadServer, free_port, gateway_process
+from tests.helpers_upstream import raw_store_bytes
 from tests.helpers_vllm import (
     BASE,
     FAKE_LAUNCHER,
@@ -177,6 +178,29 @@ def test_an_attached_vllm_with_a_key_gets_it_on_every_request_and_it_is_never_lo
     assert {"/v1/models", "/v1/chat/completions"} <= {path for path, _ in answered}
     assert [status for _, status in answered if status == 401] == []
     assert key not in caplog.text and key not in str(settings.public_dict())
+
+
+def test_an_attached_vllms_error_text_never_carries_a_key(tmp_path, caplog):
+    """A proxy in front of vLLM that quotes the Authorization it got: the key is redacted before
+    the client's error, the call row and the log see it, streamed or not."""
+    key = "vllm-key-" + os.urandom(8).hex()
+    caplog.set_level(logging.DEBUG)
+    with fake_vllm_thread(logprobs_mode="processed_logprobs") as (vllm, fake):
+        guarded = ThreadServer(require_key(create_fake_vllm(fake), key))
+        with guarded, ThreadServer(create_app(vllm_settings(tmp_path, vllm_url=guarded.url, vllm_api_key=key))) as gw:
+            fake.echo_auth_in_errors = True
+            body = {"model": "agent", "messages": MESSAGES, "max_tokens": 2}
+            whole = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "echoed"})
+            streamed = httpx.post(gw.url + "/v1/chat/completions", json={**body, "stream": True})
+    # vLLM's 400 is the client's (the request's fault), with its text, the key taken out
+    assert whole.status_code == 400 and "refused the request with Bearer ***" in whole.text, whole.text
+    assert streamed.status_code == 400 and "Bearer ***" in streamed.text, streamed.text
+    for where, text in {
+        "answers": whole.text + streamed.text,
+        "store": raw_store_bytes(tmp_path / "state").decode("latin-1"),
+        "log": caplog.text,
+    }.items():
+        assert key not in text, f"the vLLM key is in the {where}"
 
 
 def vllm_chats(fake: FakeState) -> list[dict]:

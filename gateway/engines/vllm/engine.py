@@ -82,10 +82,22 @@ from gateway.engines.vllm.wire import (
     vllm_body,
 )
 from gateway.errors import ConfigError, UpstreamError, UpstreamTimeout
+from gateway.redact import redact
 from gateway.settings import BUILT_IN_MODELS, Settings
 from gateway.store.private import private_state_dir
 
 log = logging.getLogger("rlproxy.engines.vllm")
+
+
+def _options(settings: Settings) -> dict:
+    return {"timeout": settings.upstream_timeout, "hide": settings.secrets()}
+
+
+def _redacted(hide: list[str], error: UpstreamError) -> UpstreamError:
+    """`error` without a secret in its text, before a client, the store or the log sees it."""
+    error.message = redact(error.message, hide)
+    error.args = (error.message,)
+    return error
 
 
 class VLLMEngine(Engine):
@@ -102,6 +114,7 @@ class VLLMEngine(Engine):
         health_interval: float = 2.0,
         max_restarts: int = 5,
         api_key: str | None = None,
+        hide: list[str] | None = None,
     ):
         if (url is None) == (process is None):
             raise ConfigError("VLLMEngine needs either url (attach) or process (managed), not both")
@@ -113,6 +126,7 @@ class VLLMEngine(Engine):
         self._max_model_len: int | None = None  # from vLLM's model cards, at start
         self.timeout = timeout
         self.client = VLLMClient(self.url, timeout, api_key=api_key)
+        self._hide = [*(hide or []), api_key or ""]  # out of vLLM's error text (or a proxy's in front of it)
         self.adapters = VLLMAdapters(self.client)
         self.supervisor = VLLMSupervisor(
             self.client, process, self.adapters, health_interval=health_interval, max_restarts=max_restarts
@@ -134,7 +148,7 @@ class VLLMEngine(Engine):
                     f"--vllm-url must start with http://, https:// or unix: (a socket), got '{settings.vllm_url}'"
                 )
             key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
-            return cls(settings.base_model, url=url, timeout=settings.upstream_timeout, api_key=key)
+            return cls(settings.base_model, url=url, api_key=key, **_options(settings))
         if settings.vllm_api_key:
             raise ConfigError(
                 "--vllm-api-key is the key of a vLLM you attach with --vllm-url; the vLLM rlproxy starts "
@@ -192,7 +206,7 @@ class VLLMEngine(Engine):
             startup_timeout=startup_timeout,
             socket=socket,
         )
-        engine = cls(settings.base_model, process=process, timeout=settings.upstream_timeout, api_key=key)
+        engine = cls(settings.base_model, process=process, api_key=key, **_options(settings))
         engine.can_sleep = colocated  # started with sleep mode, or not
         return engine
 
@@ -252,7 +266,7 @@ class VLLMEngine(Engine):
                 continue
             break
         if status >= 400:
-            raise status_error(status, payload, self._target(request))
+            raise _redacted(self._hide, status_error(status, payload, self._target(request)))
         data = loads(payload, "a chat completion")
         response, tokens = split_completion(data, ask, sampling)
         self._warn_if_no_tokens(tokens)
@@ -272,18 +286,18 @@ class VLLMEngine(Engine):
                     resp.release()
                     if await self._reload_missing(request.adapter):
                         continue
-                    raise status_error(404, payload, self._target(request))
+                    raise _redacted(self._hide, status_error(404, payload, self._target(request)))
                 break
             try:
                 if resp.status >= 400:
-                    raise status_error(resp.status, await resp.read(), self._target(request))
+                    raise _redacted(self._hide, status_error(resp.status, await resp.read(), self._target(request)))
                 async for payload in sse_data(resp.content):
                     if payload == b"[DONE]":
                         finished = True
                         break
                     chunk = loads(payload, "a stream chunk")
                     if "choices" not in chunk and ("error" in chunk or chunk.get("object") == "error"):
-                        raise UpstreamError(f"vLLM failed mid-stream: {error_message(chunk)}")
+                        raise _redacted(self._hide, UpstreamError(f"vLLM failed mid-stream: {error_message(chunk)}"))
                     out = splitter.feed(chunk)
                     if out is not None:
                         yield StreamChunk(data=out)
