@@ -25,7 +25,6 @@ A failed load is logged, leaves the previous step serving, and is retried next p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from gateway.errors import Conflict, EngineUnavailable, NotFound
 from gateway.promotion.serving import NOT_SERVED, follow_serving_step, pinned_steps
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
     from gateway.promotion.canary import Canary
@@ -122,11 +122,8 @@ class AdapterRegistry:
         self._task = asyncio.create_task(self._poll(), name="rlproxy-adapter-poll")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def _poll(self) -> None:
         while True:

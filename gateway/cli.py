@@ -243,18 +243,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# `serve` and `train` take every setting (the demo passes the gateway's settings to its trainer).
+EVERY_FLAG = (
+    (SERVICE, "service"),
+    (ENGINE, "engine"),
+    (LIVE, "live traffic"),
+    (JUDGES, "RULER judges"),
+    (TRAINER, "trainer"),
+    (PROMOTION, "promotion"),
+)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[tuple[str, ...], str], ...]]] = {
     "serve": (
         "run the gateway (and, with --trainer auto, a trainer worker beside it)",
         cmd_serve,
-        (
-            (SERVICE, "service"),
-            (ENGINE, "engine"),
-            (LIVE, "live traffic"),
-            (JUDGES, "RULER judges"),
-            (TRAINER, "trainer"),
-            (PROMOTION, "promotion"),
-        ),
+        EVERY_FLAG,
     ),
     "export": (
         "write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples",
@@ -274,14 +276,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "train": (
         "run a trainer worker alone: train on ready groups, save adapters, record steps",
         cmd_train,
-        (
-            (SERVICE, "service"),
-            (ENGINE, "engine"),
-            (LIVE, "live traffic"),
-            (JUDGES, "RULER judges"),
-            (TRAINER, "trainer"),
-            (PROMOTION, "promotion"),
-        ),
+        EVERY_FLAG,
     ),
 }
 

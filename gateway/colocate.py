@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.errors import EngineUnavailable
+from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
     from gateway.adapters import AdapterRegistry
@@ -268,11 +269,8 @@ class Colocator:
         self._task = asyncio.create_task(self._run(), name="rlproxy-colocator")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def _lease(self) -> dict:
         return await asyncio.to_thread(self.store.gpu_lease, self.model)

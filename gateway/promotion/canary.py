@@ -21,7 +21,6 @@ rule's reject test) rolls it back, recorded like any decision.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,6 +33,7 @@ from gateway.errors import Conflict
 from gateway.promotion import rule
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
     from gateway.adapters import AdapterRegistry, Target
@@ -91,11 +91,8 @@ class Canary:
         self._task = asyncio.create_task(self._poll(), name="rlproxy-canary")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def _poll(self) -> None:
         while True:

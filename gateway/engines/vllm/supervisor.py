@@ -14,13 +14,13 @@ watched.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from gateway.engines.vllm.adapters import VLLMAdapters
 from gateway.engines.vllm.client import VLLMClient, sleep_error
 from gateway.engines.vllm.server import VLLMProcess
 from gateway.errors import EngineUnavailable, UpstreamError
+from gateway.tasks import stop_task
 
 log = logging.getLogger("rlproxy.engines.vllm")
 
@@ -68,11 +68,8 @@ class VLLMSupervisor:
         self._monitor = asyncio.create_task(self._watch(), name="rlproxy-vllm-monitor")
 
     async def stop(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-            self._monitor = None
+        await stop_task(self._monitor)
+        self._monitor = None
         self.ready.clear()
         self.down_reason = "the gateway is shutting down"
         if self.managed:
