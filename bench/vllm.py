@@ -160,7 +160,7 @@ def stop(service: Service) -> None:
 
 def start_vllm(python: str, layout: Layout, workdir: Path, services: list[Service]) -> tuple[Service, str]:
     from gateway.engines.vllm.server import is_cpu_build, vllm_command, vllm_environment
-    from gateway.models.tiny import resolve_base_model
+    from gateway.models.registry import resolve_base_model
 
     model_dir = resolve_base_model(MODEL, STATE)  # RLPROXY_CACHE_DIR, when set, wins
     cpu = is_cpu_build(python)

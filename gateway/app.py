@@ -54,7 +54,7 @@ def build_engine(settings: Settings) -> Engine:
 
         return VLLMEngine.from_settings(settings)
     from gateway.engines.local.engine import LocalEngine
-    from gateway.models.tiny import resolve_base_model
+    from gateway.models.registry import resolve_base_model
 
     return LocalEngine(
         resolve_base_model(settings.base_model, settings.state_dir),

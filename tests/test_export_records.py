@@ -330,7 +330,7 @@ def test_calls_recorded_without_token_ids_are_rendered_like_the_trainer_does(tmp
     (`ChatTemplateRenderer`, what the trainer trains on) with no behaviour logprobs."""
     from transformers import AutoTokenizer
 
-    from gateway.models.tiny import resolve_base_model
+    from gateway.models.registry import resolve_base_model
     from gateway.settings import Settings
 
     settings = Settings(state_dir=tmp_path)

@@ -10,7 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.app import create_app
-from gateway.models.tiny import TINY_MODEL_ID, resolve_base_model
+from gateway.models.registry import resolve_base_model
+from gateway.models.tiny import TINY_MODEL_ID
 from gateway.settings import Settings
 from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer

@@ -243,7 +243,7 @@ class Publisher:
     """Plays the trainer: checkpoint files, then the step row, through its own connection."""
 
     def __init__(self, settings: Settings):
-        from gateway.models.tiny import resolve_base_model
+        from gateway.models.registry import resolve_base_model
 
         self.settings = settings
         self.base_dir = Path(resolve_base_model(settings.base_model, settings.state_dir))

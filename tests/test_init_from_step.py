@@ -16,7 +16,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.cli import main
-from gateway.models.tiny import resolve_base_model
+from gateway.models.registry import resolve_base_model
 from gateway.settings import Settings
 from gateway.store import CallRecord
 from gateway.store.sqlite import SQLiteStore

@@ -38,7 +38,7 @@ class Publisher:
     """Plays the trainer: checkpoint files, then the step row (a candidate unless `always`)."""
 
     def __init__(self, settings: Settings):
-        from gateway.models.tiny import resolve_base_model
+        from gateway.models.registry import resolve_base_model
 
         self.settings = settings
         self.base_dir = Path(resolve_base_model(settings.base_model, settings.state_dir))

@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from gateway.models.instruct import DIGITS, LETTERS, instruction_tune, synthetic_chat, training_example
-from gateway.models.tiny import TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID, _build_tokenizer, resolve_base_model
+from gateway.models.registry import resolve_base_model
+from gateway.models.tiny import TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID, _build_tokenizer
 
 
 @pytest.fixture(scope="module")

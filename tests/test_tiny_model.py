@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway.models import tiny as tiny_model
-from gateway.models.tiny import TINY_MODEL_ID, ensure_tiny_model, resolve_base_model
+from gateway.models.registry import resolve_base_model
+from gateway.models.tiny import TINY_MODEL_ID, ensure_tiny_model
 
 TOOLS = [
     {

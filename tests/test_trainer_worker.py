@@ -8,7 +8,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from gateway.errors import ConfigError
-from gateway.models.tiny import resolve_base_model
+from gateway.models.registry import resolve_base_model
 from gateway.store.sqlite import SQLiteStore
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer.data import NO_SPREAD

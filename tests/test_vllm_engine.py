@@ -26,7 +26,7 @@ from gateway.engines.vllm.probes import check_logprobs_mode
 from gateway.engines.vllm.server import max_lora_rank_for, vllm_command, vllm_environment, vllm_gpu_for
 from gateway.engines.vllm.wire import ClientAsk, StreamSplitter, sampling_in_force, split_completion, vllm_body
 from gateway.errors import ConfigError, EngineUnavailable, UpstreamError
-from gateway.models.tiny import resolve_base_model
+from gateway.models.registry import resolve_base_model
 from gateway.store import Store
 from gateway.store.sqlite import SQLiteStore
 from tests.fake_vllm import FAKE_LOGITS, prompt_ids_for

@@ -28,7 +28,7 @@ from gateway.engines.vllm.client import VLLMClient
 from gateway.engines.vllm.engine import VLLMEngine
 from gateway.engines.vllm.probes import check_logprobs_mode
 from gateway.errors import UpstreamError
-from gateway.models.tiny import resolve_base_model
+from gateway.models.registry import resolve_base_model
 from gateway.store.sqlite import SQLiteStore
 from tests.helpers import gateway_process
 from tests.helpers_judge import FakeJudge

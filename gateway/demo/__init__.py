@@ -11,6 +11,8 @@ package with the same small shape, so a new one is a copy of an old one:
                               built-in model it runs on (`base_model`) if not the default
     sample(rng) -> spec       the task of one group: every rollout of the group gets the same
                               spec (a prompt; for a game, the opponent's dice)
+    held_out(n) -> [spec]     optional: the val set's n specs, kept apart from what `sample`
+                              draws (else val draws from `sample` with its own seed)
     async episode(spec, chat) -> float | (float, float)
                               one rollout: the agent's side of the conversation, each model
                               call an `await chat(messages)` returning the reply text (None
@@ -28,7 +30,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-TASKS = ("shout", "tictactoe")
+TASKS = ("shout", "tictactoe", "json")
+_MODULES = {"json": "json_answer"}  # a task module named `json` would read as the standard library's
 DEFAULT_TASK = "shout"
 """What `rlproxy demo` runs without `--task`: the most convincing task that finishes within
 about 5 minutes on 2 CPU cores (docs/demo.md, "What the demo shows")."""
@@ -40,4 +43,4 @@ def load_task(name: str) -> ModuleType:
         from gateway.errors import ConfigError
 
         raise ConfigError(f"unknown demo task '{name}'; choose one of: {', '.join(TASKS)}")
-    return importlib.import_module(f"gateway.demo.{name}")
+    return importlib.import_module(f"gateway.demo.{_MODULES.get(name, name)}")

@@ -88,7 +88,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
     # progress logged): like a download, that is not the demo's time, nor its budget's.
     from transformers.utils import logging as hf_logging
 
-    from gateway.models.tiny import resolve_base_model
+    from gateway.models.registry import resolve_base_model
 
     hf_logging.disable_progress_bar()  # its bars (writing the built model, loading) are not the demo's
     resolve_base_model(settings.base_model, settings.state_dir)

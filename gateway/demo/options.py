@@ -14,13 +14,12 @@ from pathlib import Path
 
 from gateway.demo import DEFAULT_TASK, TASKS, load_task
 from gateway.errors import ConfigError
-from gateway.models.tuning import TINY_MODEL_SETTINGS
+from gateway.models.tuning import tuned_defaults
 from gateway.settings import Settings
 
-# The demo's settings (flags and RLPROXY_* env win): the built-in model's tuning (the same
-# that `rlproxy serve` uses on it), a quick hot-swap, a quiet screen; then the task's own.
+# The demo's settings (flags and RLPROXY_* env win): the model's tuning (the same that
+# `rlproxy serve` uses on it), a quick hot-swap, a quiet screen; then the task's own.
 DEMO_SETTINGS = {
-    **TINY_MODEL_SETTINGS,
     "poll_interval": 0.2,
     "keep_adapters": 2,
     "max_batch_size": 32,
@@ -256,9 +255,12 @@ def demo_settings(given: dict, out: Path, task: str = DEFAULT_TASK, warm_start: 
     """Flags > RLPROXY_* environment > the task's tuning > the demo's > Settings' defaults.
     The state dir defaults to OUT/state, so a demo never trains on top of another store."""
     warm = {"learning_rate": WARM_START_LEARNING_RATE} if warm_start else {}
+    task_settings = load_task(task).SETTINGS
+    base_model = given.get("base_model") or os.environ.get("RLPROXY_BASE_MODEL") or task_settings.get("base_model")
+    model = tuned_defaults(base_model or Settings.model_fields["base_model"].default)
     tuned = {
         k: v
-        for k, v in {**DEMO_SETTINGS, **load_task(task).SETTINGS, **warm}.items()
+        for k, v in {**model, **DEMO_SETTINGS, **task_settings, **warm}.items()
         if f"RLPROXY_{k.upper()}" not in os.environ
     }
     if "state_dir" not in given and "RLPROXY_STATE_DIR" not in os.environ:

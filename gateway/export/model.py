@@ -192,7 +192,7 @@ def write_merged(checkpoint: Path, base_model: str, state_dir: Path, out: Path) 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gateway.models.tiny import resolve_base_model
+    from gateway.models.registry import resolve_base_model
 
     source = resolve_base_model(base_model, state_dir)
     try:

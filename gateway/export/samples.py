@@ -60,7 +60,7 @@ class LazyRenderer:
         if self._render is None:
             from transformers import AutoTokenizer
 
-            from gateway.models.tiny import resolve_base_model
+            from gateway.models.registry import resolve_base_model
             from trainer.render import ChatTemplateRenderer
 
             path = resolve_base_model(self.base_model, self.state_dir)

@@ -26,12 +26,10 @@ Builds are deterministic on one machine: same seed, same files.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from gateway.models.cache import build_once
+from gateway.models.templates import hermes_template
 from gateway.settings import BUILT_IN_MODELS, TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID  # noqa: F401 - re-exported
 
 # Bump when the recipe changes so cached builds of an older recipe are not reused.
@@ -92,50 +90,7 @@ _PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
 
 _DEFAULT_SYSTEM = "You are a helpful assistant."
 
-# Qwen2.5's template, with two changes: `arguments` given as a JSON string (OpenAI's wire
-# form) is emitted as is instead of being JSON-encoded a second time, and a missing
-# content renders as "". It is prefix-stable: rendering messages[:k] with
-# add_generation_prompt and appending the reply + <|im_end|> gives a prefix of rendering
-# the longer conversation.
-CHAT_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}"
-    "{%- else %}{{- '" + _DEFAULT_SYSTEM + "' }}{%- endif %}"
-    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- else %}"
-    "{%- if messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + (messages[0].content or '') + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\n" + _DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first)"
-    " or (message.role == 'assistant' and not message.tool_calls) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant' }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
-    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
-    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' }}{{- message.content or '' }}{{- '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+CHAT_TEMPLATE = hermes_template(_DEFAULT_SYSTEM)
 
 # Training text for the BPE merges: chat scaffolding, tool-call JSON, everyday English, digits.
 _CORPUS = """
@@ -323,62 +278,7 @@ def _add_character_classes(model, tokenizer, std: float) -> None:
 
 def ensure_tiny_model(cache_dir: Path, seed: int = 0, instruct: bool = False) -> Path:
     """Build the tiny model (the instruct one if `instruct`) under `cache_dir` unless it is
-    there; return its directory.
-
-    The build goes to a temporary sibling directory that is renamed into place, so a
-    crash never leaves a half-written model behind and concurrent builders agree; where the
-    OS has `flock`, a second process (the trainer beside the gateway) waits for the first's
-    build instead of repeating minutes of it.
-    """
-    cache_dir = Path(cache_dir)
+    there (`gateway.models.cache.build_once`); return its directory."""
     name = f"tiny-qwen2-instruct-r{_INSTRUCT_RECIPE_VERSION}" if instruct else f"tiny-qwen2-r{_RECIPE_VERSION}"
     name += f"-{_LAYOUT}"
-    target = cache_dir / f"{name}-seed{seed}"
-    if (target / "config.json").is_file():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with _builders_take_turns(cache_dir):
-        if (target / "config.json").is_file():  # built by the process we waited for
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
-        try:
-            _build(tmp, seed, instruct)
-            try:
-                os.rename(tmp, target)
-            except OSError:
-                if not (target / "config.json").is_file():  # not a lost race: a real failure
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-@contextlib.contextmanager
-def _builders_take_turns(cache_dir: Path):
-    """An exclusive `flock` on the cache directory itself (no lock file to leave behind)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock: concurrent builds stay correct (atomic rename), only slower
-        yield
-        return
-    fd = os.open(cache_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
-def model_cache_dir(state_dir: Path) -> Path:
-    """Where built-in models are built: `RLPROXY_CACHE_DIR` if set (one build per machine,
-    shared by every state dir), else the state dir's `cache/`."""
-    shared = os.environ.get("RLPROXY_CACHE_DIR")
-    return Path(shared).expanduser() if shared else Path(state_dir) / "cache"
-
-
-def resolve_base_model(base_model: str, state_dir: Path) -> str:
-    """What to pass to `from_pretrained`: a built-in model's directory (built on first use)
-    for `TINY_MODEL_ID` and `TINY_INSTRUCT_MODEL_ID`, any other model id or path unchanged."""
-    if base_model in BUILT_IN_MODELS:
-        return str(ensure_tiny_model(model_cache_dir(state_dir), instruct=base_model == TINY_INSTRUCT_MODEL_ID))
-    return base_model
+    return build_once(Path(cache_dir) / f"{name}-seed{seed}", lambda tmp: _build(tmp, seed, instruct))

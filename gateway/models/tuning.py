@@ -1,5 +1,5 @@
-"""Defaults tuned per model: the built-in tiny model learns with other settings than a
-pretrained one.
+"""Defaults tuned per model: each built-in model learns with other settings than `Settings`'
+(which are for real models of a billion parameters and more).
 
 `Settings` holds the defaults for real (pretrained) models. On the built-in model, which is
 random, those learn nothing in any reasonable time: LoRA has to move its output
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from gateway.settings import BUILT_IN_MODELS, Settings
+from gateway.settings import SMOLLM2_MODEL_ID, TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID, Settings
 
 TINY_MODEL_SETTINGS = {
     "learning_rate": 1e-2,
@@ -23,12 +23,27 @@ TINY_MODEL_SETTINGS = {
     "lora_alpha": 16,
     "groups_per_step": 4,
 }
-"""What `rlproxy serve`, `rlproxy train` and `rlproxy demo` use on either built-in model."""
+"""What `rlproxy serve`, `rlproxy train` and `rlproxy demo` use on either tiny built-in model."""
+
+SMOLLM2_SETTINGS = {
+    "learning_rate": 1e-3,
+    "beta": 0.2,
+    "lora_rank": 8,
+    "lora_alpha": 16,
+    "groups_per_step": 4,
+}
+"""SmolLM2-135M-Instruct's: measured on the demo's tasks (docs/training.md, "Reward hacking")."""
+
+MODEL_SETTINGS = {
+    TINY_MODEL_ID: TINY_MODEL_SETTINGS,
+    TINY_INSTRUCT_MODEL_ID: TINY_MODEL_SETTINGS,
+    SMOLLM2_MODEL_ID: SMOLLM2_SETTINGS,
+}
 
 
 def tuned_defaults(base_model: str) -> dict:
     """The defaults that differ from `Settings`' for this base model."""
-    return dict(TINY_MODEL_SETTINGS) if base_model in BUILT_IN_MODELS else {}
+    return dict(MODEL_SETTINGS.get(base_model, {}))
 
 
 def for_model(settings: Settings) -> Settings:

@@ -62,17 +62,18 @@ class PeftBackend(TrainingBackend):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # per-load bars would drown the step log
 
-        from gateway.models.tiny import resolve_base_model
+        from gateway.models.registry import resolve_base_model
+        from gateway.models.templates import load_tokenizer
 
         self._device = resolve_device(settings.device)
         source = resolve_base_model(settings.base_model, settings.state_dir)
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(source)
+            self._tokenizer = load_tokenizer(source, settings.chat_template)  # the template the gateway renders with
             base = AutoModelForCausalLM.from_pretrained(source, dtype=model_dtype(self._device))
         except OSError as exc:
             raise ConfigError(

@@ -165,7 +165,7 @@ class VLLMEngine(Engine):
         model_path = settings.base_model
         if settings.base_model in BUILT_IN_MODELS:
             # vLLM serves the built model's directory under the built-in name the gateway uses.
-            from gateway.models.tiny import resolve_base_model
+            from gateway.models.registry import resolve_base_model
 
             model_path, served_name = resolve_base_model(settings.base_model, settings.state_dir), settings.base_model
         gpu = None if cpu else vllm_gpu_for(settings.device, settings.gpu_mode)
