@@ -62,6 +62,7 @@ def build_engine(settings: Settings) -> Engine:
         device=settings.device,
         max_batch_size=settings.max_batch_size,
         default_max_tokens=settings.default_max_tokens,
+        chat_template=settings.chat_template,
     )
 
 

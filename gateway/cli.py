@@ -36,6 +36,7 @@ SERVICE = (
 ENGINE = (
     "engine",
     "base_model",
+    "chat_template",
     "model_name",
     "upstream_url",
     "upstream_api_key",
@@ -122,7 +123,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     from gateway.models.tuning import for_model
 
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return for_model(Settings(**given))
+    return _checked(for_model(Settings(**given)))
+
+
+def _checked(settings: Settings) -> Settings:
+    """What is wrong with the settings that only reading a file shows, found at start."""
+    from gateway.models.templates import check_chat_template
+
+    check_chat_template(settings.chat_template)
+    return settings
 
 
 def _configure_logging(settings: Settings) -> None:
@@ -210,6 +219,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         where=where,
         base_model=settings.base_model,
         state_dir=settings.state_dir,
+        chat_template=settings.chat_template,
     )
     what = "sessions" if args.format == "rlproxy" else "samples"
     print(f"exported {result.rows} {what} ({result.sessions} sessions matched) to {args.output}", file=sys.stderr)
@@ -238,7 +248,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     options = options_from_args(args)
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    summary = run_demo(demo_settings(given, options.out, options.task, options.warm_start is not None), options)
+    settings = _checked(demo_settings(given, options.out, options.task, options.warm_start is not None))
+    summary = run_demo(settings, options)
     print(report(summary))
     return 0
 
@@ -261,12 +272,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "export": (
         "write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples",
         cmd_export,
-        ((("state_dir", "store", "base_model"), "store"),),
+        ((("state_dir", "store", "base_model", "chat_template"), "store"),),
     ),
     "export-model": (
         "write a trained step as a PEFT adapter or a merged model, with a model card",
         cmd_export_model,
-        ((("state_dir", "store"), "store"),),
+        ((("state_dir", "store", "chat_template"), "store"),),
     ),
     "demo": (
         "watch it learn: gateway, trainer and a toy agent on the built-in tiny model (CPU, minutes)",

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import ConfigError, InvalidRequest, NotFound
+from gateway.models.templates import ORIGINAL
 from gateway.redact import masked
 from gateway.settings import Settings
 from trainer import checkpoints as ckpts
@@ -134,7 +135,7 @@ def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = Fals
     out = Path(out)
     _prepare_out(out)
     if merged:
-        write_merged(checkpoint.path, base_model, settings.state_dir, out)
+        write_merged(checkpoint.path, base_model, settings.state_dir, out, _template_for(settings, trained_with))
     else:
         write_adapter(checkpoint.path, base_model, out)
     (out / SETTINGS_FILE).write_text(json.dumps(trained_with, indent=2, sort_keys=True))
@@ -146,6 +147,20 @@ def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = Fals
         out, settings, name=name, step=checkpoint.step, base_model=base_model, trained_with=trained_with, merged=merged
     )
     return ModelExport(name, checkpoint.step, out, merged, checkpoint.path)
+
+
+def _template_for(settings: Settings, trained_with: dict) -> str | None:
+    """The `--chat-template` given, else the one the step was trained with (its tokenizer is the
+    merged model's): a missing one is refused, not silently replaced by the base's own."""
+    if settings.chat_template or not trained_with.get("chat_template"):
+        return settings.chat_template
+    trained = str(trained_with["chat_template"])
+    if trained != ORIGINAL and not Path(trained).expanduser().is_file():
+        raise ConfigError(
+            f"the step was trained with --chat-template {trained}, which is not on this machine: give the "
+            "template file as --chat-template FILE (or 'original' for the base model's own)"
+        )
+    return trained
 
 
 def write_adapter(checkpoint: Path, base_model: str, out: Path) -> None:
@@ -187,16 +202,20 @@ def untie_if_adapted(model, adapter_config: dict) -> bool:
     return True
 
 
-def write_merged(checkpoint: Path, base_model: str, state_dir: Path, out: Path) -> None:
-    """The base with the adapter merged, in the base's own dtype, with its tokenizer."""
+def write_merged(
+    checkpoint: Path, base_model: str, state_dir: Path, out: Path, chat_template: str | None = None
+) -> None:
+    """The base with the adapter merged, in the base's own dtype, with its tokenizer carrying the
+    chat template in force (`--chat-template`)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from gateway.models.registry import resolve_base_model
+    from gateway.models.templates import load_tokenizer
 
     source = resolve_base_model(base_model, state_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = load_tokenizer(source, chat_template)
         base = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
     except OSError as exc:
         raise ConfigError(

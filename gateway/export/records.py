@@ -56,10 +56,11 @@ def export_trajectories(
     where: SessionFilter | None = None,
     base_model: str | None = None,
     state_dir: Path | None = None,
+    chat_template: str | None = None,
 ) -> ExportResult:
     """Write the sessions `where` selects from the store at `db_path` to `output` (a path,
     or "-" for stdout) in format `fmt`. `base_model` renders calls recorded without token
-    ids (the `openai` engine) for the sample formats."""
+    ids (the `openai` engine) for the sample formats, with `chat_template` (`--chat-template`) if given."""
     if fmt not in FORMATS:
         raise InvalidRequest(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "parquet" and output == "-":
@@ -78,7 +79,7 @@ def export_trajectories(
             return ExportResult(len(sessions), len(sessions))
         from gateway.settings import TINY_MODEL_ID
 
-        render = LazyRenderer(base_model or TINY_MODEL_ID, state_dir)
+        render = LazyRenderer(base_model or TINY_MODEL_ID, state_dir, chat_template)
         samples = exported_samples(store, sessions, render, state_dir / "models")
         if fmt == "openai":
             rows = _write_openai(samples, output)

@@ -51,20 +51,20 @@ class LazyRenderer:
     first call recorded without token ids (the `openai` engine); exports of sessions the
     local or vLLM engine answered never load a tokenizer."""
 
-    def __init__(self, base_model: str, state_dir: Path):
+    def __init__(self, base_model: str, state_dir: Path, chat_template: str | None = None):
         self.base_model = base_model
         self.state_dir = state_dir
+        self.chat_template = chat_template  # --chat-template: the one the trainer rendered with
         self._render = None
 
     def __call__(self, request: dict, response: dict):
         if self._render is None:
-            from transformers import AutoTokenizer
-
             from gateway.models.registry import resolve_base_model
+            from gateway.models.templates import load_tokenizer
             from trainer.render import ChatTemplateRenderer
 
             path = resolve_base_model(self.base_model, self.state_dir)
-            self._render = ChatTemplateRenderer(AutoTokenizer.from_pretrained(path))
+            self._render = ChatTemplateRenderer(load_tokenizer(path, self.chat_template))
         return self._render(request, response)
 
 

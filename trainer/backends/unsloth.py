@@ -177,9 +177,12 @@ class UnslothBackend(TrainingBackend):
                 f"one as --base-model (e.g. unsloth/...-bnb-4bit), not '{settings.base_model}', or drop "
                 "--load-in-4bit to train 16-bit LoRA on the model vLLM serves"
             )
+        from gateway.models.registry import resolve_base_model
+
+        source = resolve_base_model(settings.base_model, settings.state_dir)  # a built-in: its directory
         try:
             model, self._tokenizer = FastLanguageModel.from_pretrained(
-                model_name=settings.base_model,
+                model_name=source,
                 max_seq_length=settings.max_tokens_per_row,
                 load_in_4bit=four_bit,
                 load_in_16bit=not four_bit,  # 16-bit LoRA: the weights vLLM serves
@@ -189,6 +192,9 @@ class UnslothBackend(TrainingBackend):
             )
         except OSError as exc:
             raise ConfigError(f"cannot load base model '{settings.base_model}' with Unsloth: {exc}") from exc
+        from gateway.models.templates import use_template
+
+        use_template(self._tokenizer, settings.chat_template, source)  # what vLLM renders with
         # Same seed, same fresh adapter on every machine (A random, B zero).
         self.model: Any = FastLanguageModel.get_peft_model(  # Unsloth's patched PeftModel (untyped)
             model,

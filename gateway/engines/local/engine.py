@@ -55,6 +55,7 @@ class LocalEngine(Engine):
         default_max_tokens: int = 256,
         dtype: str | None = None,
         threads: int | None = None,
+        chat_template: str | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -68,6 +69,7 @@ class LocalEngine(Engine):
         # small to split (on a busy 2-core machine 2 threads made the tiny model's steps 10x slower),
         # torch's default otherwise.
         self.threads = threads
+        self.chat_template = chat_template  # --chat-template: a Jinja file, 'original', None for the model's own
         self.loaded: LocalModel | None = None  # the model, its tokenizer and adapters, once started
         self.tokenizer = None
         self._unloading: set[str] = set()
@@ -91,7 +93,12 @@ class LocalEngine(Engine):
             return
         try:
             loaded = await asyncio.to_thread(
-                LocalModel.load, self.model_path, device=self.device, dtype=self.dtype, threads=self.threads
+                LocalModel.load,
+                self.model_path,
+                device=self.device,
+                dtype=self.dtype,
+                threads=self.threads,
+                chat_template=self.chat_template,
             )
         except RLProxyError:
             raise

@@ -82,11 +82,26 @@ from gateway.engines.vllm.wire import (
     vllm_body,
 )
 from gateway.errors import ConfigError, UpstreamError, UpstreamTimeout
+from gateway.models.templates import read_template, template_path
 from gateway.redact import redact
 from gateway.settings import BUILT_IN_MODELS, Settings
 from gateway.store.private import private_state_dir
 
 log = logging.getLogger("rlproxy.engines.vllm")
+_ATTACHED_TEMPLATE = (
+    "--chat-template %s: rlproxy does not start the vLLM at --vllm-url; start it with vLLM's own "
+    "--chat-template FILE (the same template), or it renders chats otherwise than the trainer does"
+)
+
+
+def _template_file(settings: Settings, model_path: str) -> str | None:
+    """The `--chat-template` file for the vLLM rlproxy starts (`original` on a built-in model: the
+    one it shipped with), read now so that a broken one fails at start, not as vLLM's first 400."""
+    template = template_path(settings.chat_template, model_path)
+    if template is None:
+        return None
+    read_template(template)
+    return str(template.resolve())
 
 
 def _options(settings: Settings) -> dict:
@@ -148,6 +163,8 @@ class VLLMEngine(Engine):
                     f"--vllm-url must start with http://, https:// or unix: (a socket), got '{settings.vllm_url}'"
                 )
             key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
+            if settings.chat_template:
+                log.warning(_ATTACHED_TEMPLATE, settings.chat_template)
             return cls(settings.base_model, url=url, api_key=key, **_options(settings))
         if settings.vllm_api_key:
             raise ConfigError(
@@ -196,6 +213,7 @@ class VLLMEngine(Engine):
             python=settings.vllm_python,
             served_name=served_name,
             cpu=cpu,
+            chat_template=_template_file(settings, model_path),
         )
         env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu, cpu=cpu, api_key=key)
         process = VLLMProcess(

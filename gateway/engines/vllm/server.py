@@ -89,6 +89,7 @@ def vllm_command(
     python: str | None = None,
     served_name: str | None = None,
     cpu: bool = False,
+    chat_template: str | None = None,
 ) -> list[str]:
     """The `vllm serve` command line; `extra_args` (from `--vllm-arg`) go last so they can override
     (vLLM's parser keeps the last value); a memory share the user gives replaces ours.
@@ -100,7 +101,8 @@ def vllm_command(
     (vLLM's CPU build): float32 weights, as the trainer's CPU forward has them; vLLM would
     otherwise downcast a float32 model to bfloat16, and the behaviour logprobs it records would
     differ from the trainer's by bfloat16's rounding. `socket`: listen there (`--uds`), else on
-    127.0.0.1:`port`."""
+    127.0.0.1:`port`. `chat_template`: the file of rlproxy's `--chat-template`, so that vLLM renders
+    what the trainer does."""
     head = [python, "-m", VLLM_SERVER_MODULE, "--model", base_model] if python else [*launcher, "serve", base_model]
     cmd = [
         *head,
@@ -118,6 +120,8 @@ def vllm_command(
     ]
     if not has_flag(extra_args, "--scheduling-policy"):
         cmd += ["--scheduling-policy", "priority"]
+    if chat_template and not has_flag(extra_args, "--chat-template"):
+        cmd += ["--chat-template", chat_template]
     # Tool calls come back as `tool_calls`, parsed by vLLM itself (Qwen2.5's and the built-in
     # models' <tool_call> JSON is the hermes format); --vllm-arg may name another parser.
     if not has_flag(extra_args, "--tool-call-parser"):
