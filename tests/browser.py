@@ -1,5 +1,6 @@
 """Real programs from Debian for the tests: a headless Chromium (`chromium`, driven by
-Playwright) for the dashboard and the cross-site tests, nginx for the deploy balancer.
+Playwright) for the dashboard and the cross-site tests, nginx for the deploy balancer, and a
+word list (`wamerican`) for the demo's dictionary-word share.
 
 Playwright's own browser download needs the internet; Debian's packages do not. When one is
 missing and we are root with apt (a fresh machine of this project's kind, and CI), it is
@@ -21,6 +22,10 @@ def _find(names: tuple[str, ...], override_env: str) -> str | None:
     if override and Path(override).exists():
         return override
     for name in names:
+        if name.startswith("/"):  # a data file, not a program
+            if Path(name).is_file():
+                return name
+            continue
         found = shutil.which(name) or (f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists() else None)
         if found:
             return found
@@ -53,3 +58,9 @@ def find_or_install_chromium() -> tuple[str | None, str]:
 
 def find_or_install_nginx() -> tuple[str | None, str]:
     return find_or_install("nginx", ("nginx",), "RLPROXY_NGINX")
+
+
+def find_or_install_word_list() -> tuple[str | None, str]:
+    from gateway.demo.words import DICTIONARY
+
+    return find_or_install("wamerican", (str(DICTIONARY),), "RLPROXY_WORD_LIST")

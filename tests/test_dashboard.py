@@ -258,6 +258,27 @@ def test_overview_curve_has_one_point_per_step(dashboard, browser):
         page.close()
 
 
+def test_the_kl_to_the_base_is_shown_at_every_step(dashboard, browser):
+    """Issue 39: the demo trains with no KL penalty (beta 0) and the KL to the base is measured at
+    every step all the same: in the JSON the dashboard reads, its curve and the curve data's column."""
+    kl = {s["step"]: s["metrics"]["kl"] for s in api(dashboard, "/v1/dashboard")["steps"] if s["step"] > 0}
+    assert list(kl) == list(range(1, STEPS + 1)) and all(isinstance(v, float) and v >= 0 for v in kl.values())
+    assert kl[STEPS] > 0  # step 1 moved the adapter off the base
+    listed = {s["step"]: s["metrics"].get("kl") for s in api(dashboard, "/v1/training/steps")["data"]}
+    assert {step: listed[step] for step in kl} == kl
+    page = sign_in(browser, dashboard)
+    try:
+        page.wait_until("window.rlproxy?.charts?.kl !== undefined")
+        xs, ys = page.page.evaluate("window.rlproxy.charts.kl.data")
+        assert {x: y for x, y in zip(xs, ys, strict=True) if y is not None} == pytest.approx(kl)
+        headers = page.page.locator("#curve-data thead th").all_text_contents()  # the table is folded
+        cells = page.page.locator(f"#curve-data tbody tr:nth-child({STEPS + 1}) td").all_text_contents()
+        assert float(cells[headers.index("KL")]) == pytest.approx(kl[STEPS], rel=1e-2)
+        assert page.errors == []
+    finally:
+        page.close()
+
+
 def test_steps_page_lists_every_step_with_its_groups(dashboard, browser):
     page = sign_in(browser, dashboard)
     try:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.demo.words import DICTIONARY, dictionary_share
 from gateway.store.sqlite import SQLiteStore
+from tests.browser import find_or_install_word_list
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,6 +84,18 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
     assert summary["task"] == "shout"  # the default task; every task writes the same keys
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step 2" in (out / "trainer.log").read_text()
+    # What was learned, read: three replies under each step's line, one line each, and more in summary.json
+    lines = result.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("step   0: reward"))
+    shown = [line.strip() for line in lines[at + 1 : at + 4]]
+    assert all(line[0] in "'\"" and len(line) <= 60 for line in shown), shown
+    assert {"0", "1"} <= set(summary["samples_by_step"])
+    assert all(1 <= len(replies) <= 8 for replies in summary["samples_by_step"].values())
+    assert len(summary["final_samples"]) == 4  # the held-out set: 1 group x 4 rollouts, one reply each
+    assert summary["english"] == dictionary_share(summary["final_samples"])
+    assert summary["english_by_step"] == {
+        step: dictionary_share(replies) for step, replies in summary["samples_by_step"].items()
+    }
     # The held-out set: the same tasks for the baseline and the final score (the first and the
     # last val group), one per val rollout
     with sqlite3.connect(out / "state" / "rlproxy.db") as db:
@@ -93,6 +107,24 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
         for group in (groups[0], groups[-1])
     ]
     assert len(groups) == 2 and prompts[0] == prompts[1]
+
+
+def test_dictionary_share_by_hand():
+    """The hack's measure (issue 39): words are runs of 3+ ASCII letters, looked up ignoring case."""
+    words = ["hello", "world", "the", "cat", "sat", "mat"]
+    texts = ["HELLO world, hello!", "LADERMARKEL xy", None, "the CAT sat on\nthe mat"]
+    # 9 words (xy and on are too short): all but LADERMARKEL found; 6 distinct among the 8 found
+    assert dictionary_share(texts, words) == {"share": 8 / 9, "distinct_share": 6 / 8, "words": 9}
+    assert dictionary_share(["LADERMARKEL ZORP"], words) == {"share": 0.0, "distinct_share": None, "words": 2}
+    assert dictionary_share(["!!", ""], words)["share"] is None
+
+
+def test_dictionary_share_reads_debians_word_list():
+    found, why = find_or_install_word_list()
+    if found != str(DICTIONARY):
+        pytest.skip(why or f"RLPROXY_WORD_LIST is not {DICTIONARY}, the list the demo reads")
+    english = dictionary_share(["THE CAPITAL OF FRANCE IS PARIS", "LADERMARKEL BRONTISH"])
+    assert english == {"share": 4 / 6, "distinct_share": 1.0, "words": 6}
 
 
 def test_demo_refuses_a_state_dir_with_checkpoints(tmp_path):

@@ -261,3 +261,52 @@ def test_a_non_finite_gradient_norm_is_refused_like_a_non_finite_loss(tmp_path, 
         assert all(worker.store.get_group(g["id"])["trained_step"] is None for g in plan.groups)
     finally:
         worker.close()
+
+
+# ------------------------------------------------------------------ the KL to the base, at every step
+
+
+@torch.no_grad()
+def completion_logprobs(model, call: dict) -> torch.Tensor:
+    """log p of each completion token of a recorded call, given everything before it."""
+    prompt, completion = call["prompt_ids"], call["completion_ids"][0]
+    logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + completion])).logits[0].float(), dim=-1)
+    return torch.stack([logp[len(prompt) + i - 1, token] for i, token in enumerate(completion)])
+
+
+def test_the_kl_to_the_base_is_reported_at_every_step_with_beta_0(tmp_path):
+    """Issue 39: with no KL penalty the KL is still measured (the drift a gamed reward shows): the
+    k3 mean over the step's trained tokens, of the adapter the step starts from against the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from gateway.models.registry import resolve_base_model
+
+    settings = trainer_settings(tmp_path, beta=0.0, lora_dropout=0.0)
+    record_groups(settings, {"g1": [1.0, 0.0], "g2": [0.0, 1.0]})
+    worker = started(settings)
+    try:
+        first = worker.train_once(worker.groups_to_train())
+        record_groups(settings, {"g3": [1.0, 0.0, 0.5], "g4": [0.0, 1.0]})
+        second = worker.train_once(worker.groups_to_train())
+        store, root = worker.store, worker.root
+        assert first is not None and second is not None
+        # The fresh adapter is the base (LoRA's B starts at zero): no distance yet.
+        assert first["kl"] == pytest.approx(0.0, abs=1e-7)
+        # By hand with transformers: the base alone, and step 1's saved adapter on a base of its own.
+        path = resolve_base_model(settings.base_model, settings.state_dir)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        policy = PeftModel.from_pretrained(fresh, root / "0001").eval()
+        k3 = []
+        for group, n in (("g3", 3), ("g4", 2)):
+            for i in range(n):
+                (call,) = store.session_calls(f"{group}-s{i}")
+                d = completion_logprobs(base, call) - completion_logprobs(policy, call)
+                k3.append(torch.exp(d) - d - 1)
+        expected = float(torch.cat(k3).mean())
+        assert expected > 1e-4  # step 1 moved the adapter away from the base
+        assert second["kl"] == pytest.approx(expected, rel=1e-3)
+        assert [s["metrics"]["kl"] for s in store.steps("agent") if s["step"]] == [first["kl"], second["kl"]]
+    finally:
+        worker.close()

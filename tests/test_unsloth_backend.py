@@ -23,6 +23,7 @@ from trainer.backends import get_backend
 from trainer.backends.base import ADAPTER_FILES, LORA_TARGET_MODULES, OPTIMIZER_FILE
 from trainer.backends.unsloth import chunked_token_logprobs, segment_lengths
 from trainer.packing import pack
+from trainer.step import train_step
 from trainer.types import Sample
 
 VOCAB, HIDDEN = 50, 16
@@ -260,6 +261,25 @@ def test_train_save_in_peft_format_and_load(tmp_path, unsloth_standin):
     assert not torch.allclose(fresh.token_logprobs(row).detach(), trained)
     fresh.load(out)
     torch.testing.assert_close(fresh.token_logprobs(row).detach(), trained)
+
+
+def test_a_step_reports_the_kl_to_the_base_with_beta_0(tmp_path, unsloth_standin):
+    """Issue 39: the KL to the base is measured at every step, through Unsloth's forward too (the
+    stand-in's adapter starts non-zero, so the first step already has a distance to report)."""
+    run = settings(tmp_path, lora_dropout=0.0, beta=0.0)
+    backend = get_backend("unsloth")(run)
+    trained = sample([3, 4, 5, 6, 7], 2)
+    (row,) = pack([trained], max_tokens_per_row=64)
+    ids = row.input_ids_T
+    with torch.no_grad():  # by hand: full log softmax of the adapted model and of a fresh base
+        os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "0"
+        policy = torch.log_softmax(backend.model(input_ids=ids[None]).logits[0].float(), -1)
+        base = torch.log_softmax(TinyUnslothLM()(input_ids=ids[None]).logits[0].float(), -1)
+        os.environ["UNSLOTH_RETURN_HIDDEN_STATES"] = "1"
+    d = torch.stack([base[t - 1, ids[t]] - policy[t - 1, ids[t]] for t in (2, 3, 4)])
+    expected = float((torch.exp(d) - d - 1).mean())
+    assert expected > 0
+    assert train_step(backend, [trained], run)["kl"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_without_a_gpu_the_error_is_clear_and_unsloth_is_not_touched(tmp_path, monkeypatch):

@@ -54,12 +54,13 @@ def train_step(
     """Train on `samples` for `settings.epochs_per_step` passes, one optimizer step per
     pass. `token_budget` is dr_grpo's fixed divisor when `--max-tokens-norm` is unset.
 
-    Returns metrics: loss, policy_loss, kl (None when beta is 0: the reference forward is
-    skipped), clip_fraction, ratio_mean, the sampler/trainer mismatch
+    Returns metrics: loss, policy_loss, kl (the k3 KL to the base model, mean per trained
+    token, whatever beta is), clip_fraction, ratio_mean, the sampler/trainer mismatch
     (mismatch_logprob_abs, tis_weight_mean, tis_capped_fraction,
     behaviour_unknown_fraction; means over passes), grad_norm (last pass), tokens,
-    loss_tokens, samples, rows, old_policy_seconds, train_seconds. Raises `NonFiniteStep`
-    (with the weights restored) when a loss or gradient norm is not finite."""
+    loss_tokens, samples, rows, old_policy_seconds, reference_seconds (the base model's
+    forward), train_seconds. Raises `NonFiniteStep` (with the weights restored) when a loss
+    or gradient norm is not finite."""
     if not samples:
         raise ValueError("train_step needs at least one sample")
     started = time.perf_counter()
@@ -69,10 +70,11 @@ def train_step(
     device = backend.device
     import torch
 
-    # The reference model does not change during the step: one forward per row.
-    refs: list[torch.Tensor | None] = (
-        [backend.reference_logprobs(row) for row in rows] if config.beta > 0 else [None] * len(rows)
-    )
+    # The reference model does not change during the step: one forward per row. Run with
+    # beta = 0 too: the KL to the base is how drift (a reward being gamed) shows on the dashboard.
+    ref_started = time.perf_counter()
+    refs = [backend.reference_logprobs(row) for row in rows]
+    ref_seconds = time.perf_counter() - ref_started
     reuse_first_pass = settings.epochs_per_step == 1 and settings.lora_dropout == 0
     old_started = time.perf_counter()
     olds: list[torch.Tensor | None] = [None] * len(rows)
@@ -122,8 +124,6 @@ def train_step(
 
     passes = settings.epochs_per_step
     out: dict[str, float | None] = {key: value / passes for key, value in totals.items()}
-    if config.beta == 0:
-        out["kl"] = None
     out.update(
         grad_norm=grad_norm,
         tokens=sum(len(s.token_ids) for s in samples),
@@ -131,6 +131,7 @@ def train_step(
         samples=len(samples),
         rows=len(rows),
         old_policy_seconds=old_seconds,
+        reference_seconds=ref_seconds,
         train_seconds=time.perf_counter() - started,
     )
     return out

@@ -35,6 +35,10 @@ class Record:
     # mean |log pi_old - log mu| over the tokens step N sampled, as the trainer measured it when it
     # trained step N + 1 on them: how far the engine's behaviour logprobs are from the trainer's
     mismatch_by_step: dict[int, float] = field(default_factory=dict)
+    # the replies of the train rollouts each step sampled (by the step that answered each call),
+    # and of the last val evaluation, in the held-out set's order: what was learned, seen
+    replies_by_step: dict[int, list[str]] = field(default_factory=dict)
+    final_replies: list[str] = field(default_factory=list)
     groups_skipped: int = 0
     stopped_because: str = ""
     baseline_at: float | None = None  # time.monotonic() when each val evaluation ended
@@ -44,6 +48,20 @@ class Record:
 def episode_scores(result) -> tuple[float, float]:
     """(training reward, score) of a task's episode: it returns one number, or the two."""
     return (float(result), float(result)) if isinstance(result, (int, float)) else tuple(map(float, result))
+
+
+def spread(items: list, n: int) -> list:
+    """Up to `n` of `items`, evenly spaced (not the first group's alone), in their order."""
+    if len(items) <= n:
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
+def sample_lines(replies: list[str], n: int = 3, width: int = 60) -> list[str]:
+    """A few replies for the console, one line each: repr shows a newline as \\n, and a long
+    reply is cut to `width` characters."""
+    lines = [repr(text) for text in spread(replies, n)]
+    return [line if len(line) <= width else line[: width - 1] + "…" for line in lines]
 
 
 def steps_bar(desc: str, steps: int, baseline: float | None, progress: bool):
@@ -84,7 +102,9 @@ class Agent:
         # a group's shared task nearly the same way 16 times, so 8 groups would score ~8 games),
         # drawn once, so the baseline and the final score are measured on the same tasks.
         val_rng = random.Random(f"val-{settings.seed}")
-        self.val_specs = [task.sample(val_rng) for _ in range(options.eval_groups * options.rollouts)]
+        count = options.eval_groups * options.rollouts
+        held_out = getattr(task, "held_out", None)
+        self.val_specs = held_out(count) if held_out else [task.sample(val_rng) for _ in range(count)]
         self.record = Record()
         self.pending: list[str] = []  # train groups closed but not yet trained or skipped
         self.perfect_in_a_row = 0  # train groups in a row where every rollout got the full reward, across steps
@@ -114,10 +134,16 @@ class Agent:
                 return
             await asyncio.sleep(0.1)
 
-    def chat_in(self, headers: dict[str, str], steps: list[int], rng: random.Random | None = None):
+    def chat_in(
+        self,
+        headers: dict[str, str],
+        steps: list[int],
+        rng: random.Random | None = None,
+        replies: list[tuple[int | None, str]] | None = None,
+    ):
         """The task's `chat` for one session: a chat completion with these identity headers,
         sampled at temperature 1 with a seed from `rng`; the step that answered each call goes
-        into `steps`."""
+        into `steps`, and (that step, the reply's text) into `replies` when given."""
         seeds = rng or self.rng
 
         async def chat(messages: list[dict]) -> str | None:
@@ -132,17 +158,22 @@ class Agent:
             step = raw.headers.get("x-model-step")
             if step is not None:
                 steps.append(int(step))
-            return raw.parse().choices[0].message.content
+            content = raw.parse().choices[0].message.content
+            if replies is not None:
+                replies.append((None if step is None else int(step), content or ""))
+            return content
 
         return chat
 
-    async def rollout(self, group_id: str, index: int, spec, split: str) -> tuple[float, float, int | None]:
+    async def rollout(self, group_id: str, index: int, spec, split: str) -> tuple[float, float, int | None, list[str]]:
         """One session: the task's episode, each of its model calls a chat completion in this
         session; its reward posted. Returns (score, training reward, the oldest step that
-        answered)."""
+        answered, the replies); a train rollout's replies are kept by the step that answered."""
         session_id = f"{group_id}-r{index}"
         steps: list[int] = []
-        chat = self.chat_in({"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split}, steps)
+        replies: list[tuple[int | None, str]] = []
+        headers = {"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split}
+        chat = self.chat_in(headers, steps, replies=replies)
         result = await self.task.episode(spec, chat)
         reward, score = episode_scores(result)
         posted = reward if split == "train" else score  # val is never trained: it gets the score itself
@@ -151,9 +182,15 @@ class Agent:
                 f"/v1/sessions/{session_id}/reward", json={"reward": posted, "metrics": {"score": score}}
             )
         ).raise_for_status()
-        return score, reward, min(steps, default=None)
+        if split == "train":
+            for step, text in replies:
+                if step is not None:
+                    self.record.replies_by_step.setdefault(step, []).append(text)
+        return score, reward, min(steps, default=None), [text for _, text in replies]
 
-    async def group(self, split: str, specs: list | None = None) -> tuple[str, list[tuple[float, float, int | None]]]:
+    async def group(
+        self, split: str, specs: list | None = None
+    ) -> tuple[str, list[tuple[float, float, int | None, list[str]]]]:
         """`rollouts` rollouts in parallel, then the group is closed (ready). A train group's
         rollouts share one task (GRPO compares them); `specs` gives each rollout its own."""
         self._groups += 1
@@ -164,14 +201,16 @@ class Agent:
         return group_id, list(results)
 
     async def evaluate(self) -> tuple[float, int | None]:
-        """Mean score over the held-out set (val sessions, never trained on), and the step that answered."""
+        """Mean score over the held-out set (val sessions, never trained on), and the step that
+        answered; its replies go to `record.final_replies` (the last evaluation's stay)."""
         n = self.options.rollouts
         groups = await asyncio.gather(
             *(self.group("val", self.val_specs[i : i + n]) for i in range(0, len(self.val_specs), n))
         )
         results = [result for _, rollouts in groups for result in rollouts]
-        answered_by = [step for _, _, step in results if step is not None]
-        return sum(score for score, _, _ in results) / len(results), max(answered_by, default=None)
+        answered_by = [step for _, _, step, _ in results if step is not None]
+        self.record.final_replies = [text for *_, replies in results for text in replies]
+        return sum(score for score, *_ in results) / len(results), max(answered_by, default=None)
 
     async def wait_for_step(self, step: int, what: str) -> None:
         while True:
@@ -209,10 +248,10 @@ class Agent:
                 await asyncio.sleep(0.05)
                 continue
             for group_id, results in await asyncio.gather(*(self.group("train") for _ in range(missing))):
-                for score, _, sampled_by in results:
+                for score, _, sampled_by, _ in results:
                     if sampled_by is not None:
                         self.record.rewards_by_step.setdefault(sampled_by, []).append(score)
-                rewards = [reward for _, reward, _ in results]  # what the trainer sees
+                rewards = [reward for _, reward, *_ in results]  # what the trainer sees
                 if max(rewards) - min(rewards) > 1e-6:
                     self.pending.append(group_id)
                 else:  # no spread: the trainer skips it (nothing to learn), so another takes its place
@@ -245,6 +284,8 @@ async def drive(
                         + ("" if mismatch is None else f", mismatch {mismatch:.1e}")
                         + ")"
                     )
+                    for line in sample_lines(record.replies_by_step.get(step, [])):
+                        bar.write(f"           {line}")
                 if stop is not None:
                     record.stopped_because = stop
                     break

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from gateway.demo import load_task
-from gateway.demo.agent import Agent, Record, episode_scores, steps_bar
+from gateway.demo.agent import Agent, Record, episode_scores, sample_lines, steps_bar
 from gateway.demo.options import LIVE_ARRIVAL_RATES, DemoOptions
 from gateway.demo.processes import Trainer
 from gateway.errors import RLProxyError
@@ -85,12 +85,16 @@ class LiveStream:
         """One live session: the task's episode with no group, then (maybe, later) its reward."""
         agent, record = self.agent, self.agent.record
         steps: list[int] = []
-        chat = agent.chat_in({"X-Session-Id": session_id}, steps, self.rng)  # no X-Group-Id: live traffic
+        replies: list[tuple[int | None, str]] = []
+        chat = agent.chat_in({"X-Session-Id": session_id}, steps, self.rng, replies)  # no X-Group-Id: live traffic
         result = await agent.task.episode(agent.task.sample(self.rng), chat)
         reward, score = episode_scores(result)
         self.stats.sessions += 1
         if steps:
             record.rewards_by_step.setdefault(min(steps), []).append(score)
+        for step, text in replies:
+            if step is not None:
+                record.replies_by_step.setdefault(step, []).append(text)
         if self.options.live != "rewards" or self.rng.random() < self.options.unrewarded_share:
             self.stats.unrewarded += 1
             return
@@ -205,6 +209,8 @@ async def drive_live(
             if scores:
                 mean = sum(scores) / len(scores)
                 bar.write(f"step {done:3d}: reward {mean:.2f}  ({len(scores)} live sessions)")
+                for line in sample_lines(record.replies_by_step.get(done, [])):
+                    bar.write(f"           {line}")
                 bar.set_postfix_str(f"reward {mean:.2f} (step {done})")
             bar.update(min(newest - first, options.steps) - bar.n)
 

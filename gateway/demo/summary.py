@@ -6,13 +6,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gateway.demo import load_task
-from gateway.demo.agent import Record
+from gateway.demo.agent import Record, spread
 from gateway.demo.live import LiveStats
 from gateway.demo.options import DemoOptions
+from gateway.demo.words import dictionary_share
 from gateway.settings import Settings
 
 AIM_BASELINE_AT_MOST = 0.3
 AIM_FINAL_AT_LEAST = 0.8
+SAMPLES_PER_STEP = 8
 
 
 def seconds_to_aim(record: Record, demo_started: float | None) -> float | None:
@@ -38,6 +40,7 @@ def summarize(
 ) -> dict:
     task = load_task(options.task)
     by_step = {str(step): sum(r) / len(r) for step, r in sorted(record.rewards_by_step.items())}
+    samples = {str(step): spread(r, SAMPLES_PER_STEP) for step, r in sorted(record.replies_by_step.items())}
     # A warm start's baseline is the distilled model's score: only the final score is the aim then.
     reached = (
         record.baseline_reward is not None
@@ -54,6 +57,12 @@ def summarize(
         "reward_by_step": by_step,
         "rollouts_by_step": {str(step): len(r) for step, r in sorted(record.rewards_by_step.items())},
         "mismatch_by_step": {str(step): m for step, m in sorted(record.mismatch_by_step.items())},
+        # what was learned, read: replies of each step's train rollouts and of the final val set,
+        # and how much of them is dictionary English (a gamed reward rises while it falls)
+        "samples_by_step": samples,
+        "final_samples": record.final_replies,
+        "english": dictionary_share(record.final_replies),
+        "english_by_step": {step: dictionary_share(texts) for step, texts in samples.items()},
         "groups_skipped": record.groups_skipped,
         "stopped_because": record.stopped_because,
         "engine": settings.engine,

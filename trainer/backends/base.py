@@ -13,7 +13,7 @@ Life of a backend in the worker:
     for each step:
         backend.zero_grad()
         for row in rows:
-            ref_T = backend.reference_logprobs(row)      # beta > 0 only: adapter disabled, no grad
+            ref_T = backend.reference_logprobs(row)      # adapter disabled, no grad: the KL to the base
             logprobs_T = backend.token_logprobs(row)     # adapter on, with grad
             loss(logprobs_T, ...).backward()
         backend.optimizer_step()                         # clip to max_grad_norm, AdamW step
@@ -152,7 +152,8 @@ class TrainingBackend(ABC):
     @abstractmethod
     def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
         """Like `token_logprobs`, under the base model (adapter disabled) and without
-        gradients: the reference of the KL penalty (only asked for when beta > 0)."""
+        gradients: the reference of the KL to the base, asked for at every step (reported
+        whatever beta is; in the loss when beta > 0)."""
 
     # -- optimisation
     def init_optimizer(self) -> None:

@@ -30,6 +30,8 @@ function fmt(x, digits = 3) {
   if (x === null || x === undefined || Number.isNaN(x)) return "–";
   if (typeof x !== "number") return String(x);
   if (Number.isInteger(x)) return x.toLocaleString();
+  // A KL to the base or a sampler mismatch lives well below 0.001: three decimals would say 0.
+  if (Math.abs(x) < 0.001) return x.toExponential(digits - 1);
   return Math.abs(x) >= 1000 ? x.toFixed(0) : x.toFixed(digits);
 }
 
