@@ -25,3 +25,16 @@ def test_the_start_log_names_the_settings_tuning_chose(caplog):
         f"serve settings (tuned for {TINY_INSTRUCT_MODEL_ID}: groups_per_step, lora_alpha, lora_rank):"
     )
     assert "'learning_rate': 0.0003" in line
+
+
+def test_smollm2_has_its_own_tuning_in_serve_and_in_the_demo(tmp_path):
+    from gateway.demo.options import demo_settings
+    from gateway.models.tuning import SMOLLM2_SETTINGS, TINY_MODEL_SETTINGS
+
+    served = for_model(Settings(base_model="smollm2", beta=0.0))
+    assert served.beta == 0.0  # the flag that turns the guard off wins
+    assert served.learning_rate == SMOLLM2_SETTINGS["learning_rate"] != TINY_MODEL_SETTINGS["learning_rate"]
+    demo = demo_settings({"base_model": "smollm2"}, tmp_path, task="json")
+    assert (demo.learning_rate, demo.beta) == (SMOLLM2_SETTINGS["learning_rate"], SMOLLM2_SETTINGS["beta"])
+    tiny = demo_settings({}, tmp_path, task="shout")
+    assert (tiny.learning_rate, tiny.beta) == (TINY_MODEL_SETTINGS["learning_rate"], 0.0)

@@ -1,21 +1,30 @@
 """Demo task JSON (`rlproxy demo --base-model smollm2 --task json`): a format skill on top of
 knowledge the model already has.
 
-Each episode asks the plural of an English noun and wants the answer as the JSON object
-`{"answer": "..."}` and nothing else. Why this question, measured on SmolLM2-135M-Instruct
-(greedy, by hand): asked in plain words it names the plural of 12 nouns of 12 (irregular ones
-included: children, mice, teeth), the opposite of 14 adjectives of 16, the capital of 28
-countries of 40, the sum of two digits 6 times of 12; asked for JSON it returns valid JSON
-with the right value for none of them (it wraps it in a code fence, adds a "description",
-or answers in a sentence). Plurals are the knowledge it is surest of, so what RL has to
-teach is the format, and the reward says whether the knowledge survived it.
+Each episode asks the plural of an English noun, in a chat where the assistant has already
+answered one question (the capital of France) as the JSON object `{"answer": "Paris"}`: the
+reply wanted is `{"answer": "<plural>"}` and nothing else. Why this, measured on
+SmolLM2-135M-Instruct:
 
-The reward is strict, because a lenient one is gamed (capitals as JSON drifted into
-trailing junk after the object when trailing text was tolerated, see the issue): 1 for a
+- greedy and in plain words it names the plural of 12 nouns of 12 (children, mice, teeth
+  included), the opposite of 14 adjectives of 16, the capital of 28 countries of 40, the sum
+  of two digits 6 times of 12: plurals are what it is surest of;
+- asked for JSON in the user's words or the system message alone, 0-1 replies of 64 sampled
+  at temperature 1 held a JSON object: nothing for RL to start from. With an answered
+  example of the *same* question in the chat, 53 of 64 did and 30 were exactly right (a
+  baseline too high to show learning); with the capital example, 32 of 64 held a JSON
+  object, 5 with the right plural and 4 exactly right: a baseline near 0.2 with signal in
+  every group;
+- sampled at temperature 1 its plurals are often wrong ("carrotines", "crops"): what RL
+  sharpens is the format and the answer it gives greedily.
+
+The reward is graded and strict at the top, because a lenient one is gamed (capitals as
+JSON drifted into trailing junk after the object when trailing text was tolerated): 1 for a
 reply that is exactly one JSON object whose only key is "answer" and whose value is the
-plural; 0.25 for any other reply that is valid JSON; 0 for anything else, a code fence or a
-truncated object included. The nouns are split once: `held_out` (the val set, never trained
-on) and the rest, which `sample` draws from.
+plural; 0.5 for a reply that holds such an answer in a JSON object amid anything else
+(prose, a code fence, other keys); 0.25 for a reply that holds any other JSON object; 0
+otherwise. The nouns are split once: `held_out` (the val set, never trained on) and the
+rest, which `sample` draws from.
 """
 
 from __future__ import annotations
@@ -25,15 +34,20 @@ import random
 
 NAME = "json"
 DESCRIPTION = (
-    'give the plural of a noun as the JSON object {"answer": ...}; reward 1 for exactly that with the '
-    "right plural, 0.25 for other valid JSON, 0 otherwise"
+    'give the plural of a noun as the JSON object {"answer": ...}; reward 1 for exactly that, 0.5 for the '
+    "right plural in JSON amid other text, 0.25 for any other JSON object, 0 otherwise"
 )
 
 OPTIONS = {"rollouts": 8, "max_tokens": 16, "steps": 40, "seconds": 900.0, "eval_groups": 8}
 SETTINGS = {"default_max_tokens": 16, "max_tokens_per_row": 2048}
 
-SYSTEM = "You are a helpful assistant. You reply with one JSON object and nothing else."
-WRONG_VALUE = 0.25
+SYSTEM = "You reply with one JSON object and nothing else."
+EXAMPLE = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": '{"answer": "Paris"}'},
+]
+RIGHT_AMID_OTHER_TEXT = 0.5
+OTHER_JSON = 0.25
 
 # (singular, plural): regular, -es, -ies, -ves, irregular and unchanged plurals.
 NOUNS = (
@@ -92,8 +106,8 @@ TRAIN_NOUNS, VAL_NOUNS = _split()
 
 def messages_for(noun: str) -> list[dict]:
     """The chat a rollout sends: a fixed system message and the question."""
-    question = f'What is the plural of "{noun}"? Reply in JSON: {{"answer": "..."}}'
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    question = f'What is the plural of "{noun}"?'
+    return [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": question}]
 
 
 def sample(rng: random.Random) -> tuple[str, str]:
@@ -113,11 +127,35 @@ async def episode(spec: tuple[str, str], chat) -> float:
 
 
 def reward(reply: str | None, plural: str) -> float:
-    """1 for exactly `{"answer": plural}` (case and surrounding whitespace aside), WRONG_VALUE
-    for other valid JSON, 0 otherwise."""
+    """1 for exactly `{"answer": plural}` (case and surrounding whitespace aside), less for a JSON
+    object amid other text (see the module's doc), 0 without one."""
+    reply = reply or ""
     try:
-        value = json.loads(reply or "")
+        whole = json.loads(reply)
     except ValueError:
-        return 0.0
-    right = isinstance(value, dict) and list(value) == ["answer"] and isinstance(value["answer"], str)
-    return 1.0 if right and value["answer"].strip().lower() == plural else WRONG_VALUE
+        whole = None
+    if isinstance(whole, dict) and list(whole) == ["answer"] and _is(whole["answer"], plural):
+        return 1.0
+    objects = list(_json_objects(reply))
+    if any(_is(value.get("answer"), plural) for value in objects):
+        return RIGHT_AMID_OTHER_TEXT
+    return OTHER_JSON if objects else 0.0
+
+
+def _is(value, plural: str) -> bool:
+    return isinstance(value, str) and value.strip().lower() == plural
+
+
+def _json_objects(text: str):
+    """Every JSON object that starts at a `{` of `text` and parses whole from there."""
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start != -1:
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except ValueError:
+            start = text.find("{", start + 1)
+            continue
+        if isinstance(value, dict):
+            yield value
+        start = text.find("{", end)
