@@ -50,9 +50,9 @@ def build_engine(settings: Settings) -> Engine:
 
         return OpenAIEngine.from_settings(settings)
     if settings.engine == "vllm":
-        from gateway.engines.vllm.engine import VLLMEngine
+        from gateway.engines.vllm.build import build_vllm
 
-        return VLLMEngine.from_settings(settings)
+        return build_vllm(settings)
     from gateway.engines.local.engine import LocalEngine
     from gateway.models.registry import resolve_base_model
 

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from gateway.errors import RLProxyError
 from gateway.models.tuning import log_settings
-from gateway.settings import KEEP_ALIVE_SECONDS, PromotionSettings, Settings
+from gateway.settings import KEEP_ALIVE_SECONDS, PromotionSettings, ReplicaSettings, Settings
 
 SERVICE = (
     "host",
@@ -46,6 +46,7 @@ ENGINE = (
     "default_max_tokens",
     "device",
     "vllm_url",
+    *ReplicaSettings.model_fields,
     "vllm_api_key",
     "vllm_port",
     "vllm_python",
@@ -184,9 +185,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gateway.colocate import needs_gpu_lease, wait_for_vllm
 
     if needs_gpu_lease(settings):  # vLLM profiles the whole GPU while it starts: load nothing before
-        from gateway.engines.vllm.server import vllm_address
+        from gateway.engines.vllm.server import vllm_addresses
 
-        wait_for_vllm(vllm_address(settings))
+        for address in vllm_addresses(settings):
+            wait_for_vllm(address)
     stop = threading.Event()
 
     def request_stop(signum, frame) -> None:

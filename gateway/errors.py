@@ -83,6 +83,11 @@ class EngineUnavailable(RLProxyError):
     error_type = "engine_unavailable"
 
 
+class EngineUnreached(EngineUnavailable):
+    """The engine answered not one byte of this request (down, refused, dropped before answering):
+    a replica set sends it to another replica instead of failing it."""
+
+
 class ConfigError(RLProxyError):
     """Bad settings or a missing optional dependency; raised at start-up."""
 

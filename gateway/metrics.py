@@ -64,6 +64,13 @@ class Metrics:
         self.shadow_in_flight = Gauge(
             "rlproxy_shadow_in_flight", "live calls being shadowed right now", registry=self.registry
         )
+        # vLLM replicas (gateway/engines/vllm/replicas.py), by replica index.
+        by_replica = {"labelnames": ["replica"], "registry": self.registry}
+        self.replica_up = Gauge("rlproxy_vllm_replica_up", "1 while the replica serves", **by_replica)
+        self.replica_in_flight = Gauge("rlproxy_vllm_replica_in_flight", "calls inside the replica", **by_replica)
+        self.replica_calls = Counter("rlproxy_vllm_replica_calls", "calls the replica answered", **by_replica)
+        self._replica_calls_seen: dict[str, int] = {}
+        self.replica_step = Gauge("rlproxy_vllm_replica_step", "the step of NAME it serves (-1: none)", **by_replica)
         self._request_counters: dict[tuple[str, bool], Counter] = {}  # `labels()` resolved once per pair
 
     def observe_call(self, status: str, stream: bool, latency_ms: float, untrainable: str | None = None) -> None:
@@ -90,6 +97,7 @@ class Metrics:
         if shadows is not None:
             self.shadow_in_flight.set(shadows.in_flight)
         self._promotion(services)
+        self._replicas(services)
         self.held.set(services.gate.held)
         self.in_flight.set(services.gate.in_flight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -103,3 +111,12 @@ class Metrics:
         for decision, count in (canary.decisions if canary is not None else {}).items():
             self.decisions.labels(decision=decision).inc(count - self._decisions_seen.get(decision, 0))
             self._decisions_seen[decision] = count
+
+    def _replicas(self, services) -> None:
+        for replica in services.engine.replicas(services.settings.model_name, services.registry.current) or []:
+            label = str(replica["replica"])
+            self.replica_up.labels(replica=label).set(1 if replica["state"] == "ready" else 0)
+            self.replica_in_flight.labels(replica=label).set(replica["in_flight"])
+            self.replica_calls.labels(replica=label).inc(replica["calls"] - self._replica_calls_seen.get(label, 0))
+            self._replica_calls_seen[label] = replica["calls"]
+            self.replica_step.labels(replica=label).set(-1 if replica["step"] is None else replica["step"])

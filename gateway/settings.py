@@ -7,12 +7,13 @@ A copy is saved next to every checkpoint (secrets excluded).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, masked
 
@@ -108,8 +109,37 @@ class PromotionSettings(BaseModel):
     )
 
 
+class ReplicaSettings(BaseModel):
+    """Several vLLM replicas behind one gateway (gateway/engines/vllm/replicas.py) and which devices
+    each process gets (gateway/devices.py): flags of `Settings`, in a class of their own for its size."""
+
+    vllm_replicas: int = Field(
+        1, ge=1, le=64, description="vLLM servers rlproxy starts (each its own process, socket or port, and log)"
+    )
+    vllm_devices: str | None = Field(
+        None,
+        description="the GPUs of each vLLM rlproxy starts, replicas split by ';' (0,1;2,3: two replicas of two "
+        "GPUs); default: the GPU --gpu-mode picks, for one replica",
+    )
+    trainer_devices: str | None = Field(
+        None, description="the GPUs of the trainer rlproxy starts (0 or 2,3); checked against --vllm-devices"
+    )
+    routing: Literal["affinity", "least-loaded", "round-robin"] = Field(
+        "affinity",
+        description="how calls pick a vLLM replica: affinity keeps a session on one (its prompt prefix is cached "
+        "there) within a load bound; least-loaded and round-robin ignore the session",
+    )
+
+
+def _urls(value: object) -> object:
+    """--vllm-url, repeatable; RLPROXY_VLLM_URL holds one URL or a JSON list of them."""
+    if isinstance(value, str):
+        return json.loads(value) if value.lstrip().startswith("[") else [value]
+    return value
+
+
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
-class Settings(BaseSettings, PromotionSettings):
+class Settings(BaseSettings, PromotionSettings, ReplicaSettings):
     model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
 
     # -- service
@@ -166,10 +196,10 @@ class Settings(BaseSettings, PromotionSettings):
     device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")
 
     # -- vllm engine
-    vllm_url: str | None = Field(
-        None,
+    vllm_url: Annotated[list[str], NoDecode, BeforeValidator(_urls)] = Field(
+        default_factory=list,
         description="attach to a running vLLM server instead of starting one: http(s)://HOST:PORT, or "
-        "unix:PATH for one started with --uds PATH",
+        "unix:PATH for one started with --uds PATH (repeatable: several replicas of one model)",
     )
     vllm_api_key: SecretStr | None = Field(
         None, description="the key of the vLLM at --vllm-url, if it has one (sent as a bearer, never stored)"

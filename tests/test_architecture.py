@@ -20,7 +20,7 @@ PACKAGES = ("gateway", "trainer", "sdk")
 
 # Bottom to top; a module may import its own layer and the ones below (ARCHITECTURE.md).
 GATEWAY_LAYERS = [
-    ["gateway.errors", "gateway.settings", "gateway.children", "gateway.redact", "gateway.tasks"],
+    ["gateway.errors", "gateway.settings", "gateway.children", "gateway.redact", "gateway.tasks", "gateway.devices"],
     ["gateway.store", "gateway.models", "gateway.protocols", "gateway.http", "gateway.metrics"],
     ["gateway.engines", "gateway.promotion", "gateway.adapters", "gateway.tracing", "gateway.colocate"],
     ["gateway.chat", "gateway.ruler", "gateway.shadow"],

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 
 from gateway.app import create_app
-from gateway.engines.vllm.engine import VLLMEngine
+from gateway.engines.vllm.build import vllm_engine
 from gateway.promotion.canary import share_of
 from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
@@ -28,7 +28,7 @@ SHARE = 0.4
 @contextlib.contextmanager
 def vllm_gateway(settings) -> Iterator[tuple[httpx.Client, SQLiteStore, str]]:
     """A gateway managing the fake vLLM; yields an HTTP client, the store and vLLM's URL."""
-    engine = VLLMEngine.from_settings(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
+    engine = vllm_engine(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
     engine.supervisor.health_interval = 0.1
     store = SQLiteStore(settings.db_path)
     with ThreadServer(create_app(settings, engine=engine, store=store)) as server:

@@ -17,7 +17,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.cli import main
-from gateway.engines.vllm.engine import VLLMEngine
+from gateway.engines.vllm.build import vllm_engine
 from gateway.models.templates import hermes_template, load_tokenizer
 from gateway.protocols.toolcalls import parse_tool_calls
 from gateway.settings import SMOLLM2_MODEL_ID, Settings
@@ -73,9 +73,9 @@ def test_the_trainer_renders_with_the_chat_template_given(tmp_path, template_fil
 
 def test_the_managed_vllm_is_started_with_the_chat_template_given(tmp_path, template_file):
     settings = Settings(state_dir=tmp_path, engine="vllm", chat_template=str(template_file))
-    command = VLLMEngine.from_settings(settings).process.command
+    command = vllm_engine(settings).process.command
     assert command[command.index("--chat-template") + 1] == str(template_file.resolve())
-    plain = VLLMEngine.from_settings(Settings(state_dir=tmp_path, engine="vllm")).process.command
+    plain = vllm_engine(Settings(state_dir=tmp_path, engine="vllm")).process.command
     assert "--chat-template" not in plain  # the model's own, from its directory
 
 
@@ -243,7 +243,7 @@ def test_smollm2_own_template_drops_tools():
 
 def test_vllm_serves_smollm2_with_its_hermes_template_or_the_original_one(tmp_path):
     smollm2 = Settings(state_dir=tmp_path, engine="vllm", base_model=SMOLLM2_MODEL_ID)
-    assert "--chat-template" not in VLLMEngine.from_settings(smollm2).process.command  # its directory's: hermes
+    assert "--chat-template" not in vllm_engine(smollm2).process.command  # its directory's: hermes
     original = smollm2.model_copy(update={"chat_template": "original"})
-    command = VLLMEngine.from_settings(original).process.command
+    command = vllm_engine(original).process.command
     assert command[command.index("--chat-template") + 1] == str(smollm2_dir() / "original_chat_template.jinja")

@@ -21,7 +21,7 @@ import torch
 
 from gateway.demo import shout as demo_task
 from gateway.engines.base import EngineRequest
-from gateway.engines.vllm.engine import VLLMEngine
+from gateway.engines.vllm.build import vllm_engine
 from gateway.settings import Settings
 from tests.helpers import free_port
 from tests.helpers_real_vllm import vllm_python
@@ -56,7 +56,7 @@ async def learn(state_dir, *, shuffle_rewards: bool, seed: int = 0) -> tuple[flo
     )
     torch.manual_seed(seed)
     backend = PeftBackend(settings)
-    engine = VLLMEngine.from_settings(settings, startup_timeout=600)
+    engine = vllm_engine(settings, startup_timeout=600)
     rng, shuffler = random.Random(seed), random.Random(seed + 1)
     calls = 0
 

@@ -26,7 +26,7 @@ import psutil
 
 from gateway.app import create_app
 from gateway.colocate import wait_for_vllm
-from gateway.engines.vllm.engine import VLLMEngine
+from gateway.engines.vllm.build import vllm_engine
 from gateway.engines.vllm.server import vllm_address
 from tests.fake_upstream import FakeUpstream
 from tests.fake_vllm import FakeState, create_fake_vllm, require_key
@@ -124,7 +124,7 @@ def test_the_managed_vllm_listens_on_a_socket_in_the_state_dir_and_on_no_port(tm
 
 async def test_a_state_dir_too_deep_for_a_socket_path_links_to_a_private_directory_of_its_own(tmp_path):
     settings = vllm_settings(tmp_path / ("d" * 60) / ("e" * 60))
-    engine = VLLMEngine.from_settings(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
+    engine = vllm_engine(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
     await engine.start()
     try:
         link = settings.state_dir / "vllm.sock"
@@ -140,7 +140,7 @@ async def test_a_state_dir_too_deep_for_a_socket_path_links_to_a_private_directo
 
 async def test_a_managed_vllm_asked_for_a_port_needs_the_key_made_at_its_start(tmp_path):
     settings = vllm_settings(tmp_path, vllm_port=free_port())
-    engine = VLLMEngine.from_settings(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
+    engine = vllm_engine(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
     await engine.start()
     try:
         adapter = make_adapter(tmp_path / "adapters", "agent@1")

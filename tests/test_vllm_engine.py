@@ -21,6 +21,7 @@ import torch
 from gateway.app import create_app
 from gateway.colocate import activate_step
 from gateway.engines.base import EngineRequest
+from gateway.engines.vllm.build import vllm_engine
 from gateway.engines.vllm.engine import VLLMEngine
 from gateway.engines.vllm.probes import check_logprobs_mode
 from gateway.engines.vllm.server import max_lora_rank_for, vllm_command, vllm_environment, vllm_gpu_for
@@ -233,13 +234,13 @@ def test_vllm_serve_command_and_environment():
 
 def test_from_settings(tmp_path):
     # a built-in model: vLLM serves its built directory under the built-in name
-    built_in = VLLMEngine.from_settings(vllm_settings(tmp_path, base_model="rlproxy/tiny-qwen2", vllm_port=8124))
+    built_in = vllm_engine(vllm_settings(tmp_path, base_model="rlproxy/tiny-qwen2", vllm_port=8124))
     command = built_in.process.command
     assert command[command.index("serve") + 1] == resolve_base_model("rlproxy/tiny-qwen2", tmp_path / "state")
     assert command[command.index("--served-model-name") + 1] == "rlproxy/tiny-qwen2"
-    attached = VLLMEngine.from_settings(vllm_settings(tmp_path, vllm_url="http://127.0.0.1:9/v1"))
+    attached = vllm_engine(vllm_settings(tmp_path, vllm_url="http://127.0.0.1:9/v1"))
     assert not attached.managed and attached.url == "http://127.0.0.1:9"
-    managed = VLLMEngine.from_settings(
+    managed = vllm_engine(
         vllm_settings(tmp_path, vllm_port=8123, vllm_arg=["--enforce-eager"], gpu_mode="colocated", device="cuda:0")
     )
     assert managed.managed and managed.url == "http://127.0.0.1:8123"
@@ -503,7 +504,7 @@ def _answers(client, model: str) -> str | None:
 
 def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
     settings = vllm_settings(tmp_path, vllm_arg=["--gpu-memory-utilization=0.5"])
-    engine = VLLMEngine.from_settings(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
+    engine = vllm_engine(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
     engine.supervisor.health_interval = 0.1
     with Gateway(engine, settings, SQLiteStore(settings.db_path)) as gw:
         first = fake_state(engine.url)
@@ -577,12 +578,12 @@ def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
 async def test_managed_vllm_that_cannot_start_says_why(tmp_path):
     settings = vllm_settings(tmp_path)
     dies = [sys.executable, "-c", "print('torch.OutOfMemoryError: CUDA out of memory'); raise SystemExit(3)"]
-    engine = VLLMEngine.from_settings(settings, launcher=dies, startup_timeout=60)
+    engine = vllm_engine(settings, launcher=dies, startup_timeout=60)
     with pytest.raises(EngineUnavailable) as info:
         await engine.start()
     assert "exited with code 3" in info.value.message and "CUDA out of memory" in info.value.message
     await engine.close()
-    missing = VLLMEngine.from_settings(settings, launcher=["vllm-not-installed-here"])
+    missing = vllm_engine(settings, launcher=["vllm-not-installed-here"])
     with pytest.raises(ConfigError, match=r"rlproxy\[gpu\]"):
         await missing.start()
     await missing.close()
@@ -614,7 +615,7 @@ async def test_managed_vllm_command_line_and_environment_through_path(tmp_path, 
         vllm_arg=vllm_arg,
         base_model="Qwen/Qwen2.5-7B-Instruct",
     )
-    engine = VLLMEngine.from_settings(settings, startup_timeout=60)
+    engine = vllm_engine(settings, startup_timeout=60)
     await engine.start()
     try:
         state = await asyncio.to_thread(fake_state, engine.url)

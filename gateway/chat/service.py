@@ -105,7 +105,12 @@ class ChatService:
         try:
             async with self.gate.passage(), self.registry.use(request.model, canary_key(identity)) as target:
                 completion = await self.engine.complete(
-                    EngineRequest(body=engine_body(request, raw, target), adapter=target.adapter, request_id=request_id)
+                    EngineRequest(
+                        body=engine_body(request, raw, target),
+                        adapter=target.adapter,
+                        request_id=request_id,
+                        session=identity.session_id,
+                    )
                 )
             if client_left is not None and client_left():
                 raise ClientGone()
@@ -204,7 +209,7 @@ class ChatService:
             async with self.gate.passage(), self.registry.hold(resolved):
                 body = engine_body(request, raw, target)
                 async for item in self.engine.stream(
-                    EngineRequest(body=body, adapter=target.adapter, request_id=request_id)
+                    EngineRequest(body=body, adapter=target.adapter, request_id=request_id, session=identity.session_id)
                 ):
                     if isinstance(item, StreamEnd):
                         tokens = item.tokens

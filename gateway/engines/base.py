@@ -48,6 +48,9 @@ class EngineRequest:
     # while no other request is in it and sets it aside when one arrives (it continues later
     # from its tokens so far); vLLM schedules it at a lower priority than live calls.
     background: bool = False
+    # What the call is routed by where an engine has several replicas (gateway/engines/vllm/routing.py):
+    # its session, whose prompt prefix the replica that answered it before has cached. None: any.
+    session: str | None = None
 
 
 @dataclass
@@ -112,6 +115,11 @@ class Engine(ABC):
 
     def health(self) -> str | None:
         """None while the engine can serve; otherwise why not (shown by `/healthz`)."""
+        return None
+
+    def replicas(self, model: str, current: int | None) -> list[dict] | None:
+        """Each replica's state, load and step (the newest step of `model` it holds, `current` where
+        it has it), for /healthz, /metrics and the dashboard; None: the engine has no replicas."""
         return None
 
     async def list_models(self) -> list[str]:

@@ -36,13 +36,20 @@ _PATH = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@/%?-]*$")
 class ConnectError(OSError):
     """No connection to the upstream could be made (refused, unresolvable, unreachable)."""
 
+    answered = False
+
 
 class ConnectionDropped(OSError):
-    """The connection broke before the response was complete."""
+    """The connection broke before the response was complete; `answered`: whether any byte of
+    the response had come (if not, the request may be sent elsewhere)."""
+
+    answered = True
 
 
 class ProtocolError(OSError):
     """The upstream's bytes are not a valid HTTP/1.1 response."""
+
+    answered = True
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,9 @@ class _Connection(asyncio.Protocol):
             self.on_message_complete()  # a body framed by the connection closing
             return
         reason = f": {exc}" if exc else ""
-        self._fail(ConnectionDropped(f"the upstream closed the connection before the response was complete{reason}"))
+        dropped = ConnectionDropped(f"the upstream closed the connection before the response was complete{reason}")
+        dropped.answered = self.got_bytes
+        self._fail(dropped)
 
     # -- httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:

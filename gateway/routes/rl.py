@@ -128,6 +128,9 @@ async def healthz(request: Request) -> Response:
     }
     if services.settings.promote != "always":  # the promotion's state: serving, undecided, paused
         body.update(promotion_state(store, services.settings))
+    replicas = services.engine.replicas(services.settings.model_name, services.registry.current)
+    if replicas is not None:
+        body["replicas"] = replicas
     engine_down = services.engine.health()
     waiting = loading(services.registry)
     if not store.health.degraded and engine_down is None and waiting is None:

@@ -156,6 +156,7 @@ class ShadowSampler:
                     adapter=target.adapter,
                     request_id="shadow-" + uuid.uuid4().hex,
                     background=True,  # set aside (local) or behind live calls (vLLM priority)
+                    session=live.session_id,  # the replica that holds the live call's prompt, within the load bound
                 )
                 completion = await self._unless_stale(live, chat.engine.complete(request))
             finally:

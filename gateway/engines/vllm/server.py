@@ -233,25 +233,31 @@ def socket_of(url: str) -> str | None:
     return path
 
 
-def vllm_address(settings: Settings) -> str:
-    """Where the vLLM of `settings` answers: the attached URL, the managed one's port, or its socket."""
+def vllm_address(settings: Settings, replica: int = 0) -> str:
+    """Where replica `replica` of `settings` answers: its attached URL, the managed one's port, or its socket."""
     if settings.vllm_url:
-        return settings.vllm_url.rstrip("/").removesuffix("/v1")
+        return settings.vllm_url[replica].rstrip("/").removesuffix("/v1")
     if settings.vllm_port:
-        return f"http://127.0.0.1:{settings.vllm_port}"
-    return socket_url(Path(settings.state_dir).absolute() / SOCKET_NAME)
+        return f"http://127.0.0.1:{settings.vllm_port + replica}"
+    return socket_url(Path(settings.state_dir).absolute() / (f"vllm-{replica}.sock" if replica else SOCKET_NAME))
+
+
+def vllm_addresses(settings: Settings) -> list[str]:
+    """Where every replica of `settings` answers."""
+    count = len(settings.vllm_url) or settings.vllm_replicas
+    return [vllm_address(settings, replica) for replica in range(count)]
 
 
 class ManagedSocket:
     """The managed vLLM's socket: `path`, where it binds, and `link`, the name in the state dir
     that points at it when the state dir is too deep to bind in (else None)."""
 
-    def __init__(self, state_dir: Path | str):
-        wanted = Path(state_dir).absolute() / SOCKET_NAME
+    def __init__(self, state_dir: Path | str, name: str = SOCKET_NAME):
+        wanted = Path(state_dir).absolute() / name
         self.path, self.link = wanted, None
         if len(os.fsencode(wanted)) > MAX_SOCKET_PATH:
             # Too long to bind: a private directory of its own instead (mkdtemp makes it 0700).
-            self.path, self.link = Path(tempfile.mkdtemp(prefix="rlproxy-vllm-")) / SOCKET_NAME, wanted
+            self.path, self.link = Path(tempfile.mkdtemp(prefix="rlproxy-vllm-")) / name, wanted
 
     def prepare(self) -> None:
         """Before each start: a socket file left by a vLLM that died would stop the next binding."""

