@@ -113,7 +113,7 @@ class Metrics:
             self._decisions_seen[decision] = count
 
     def _replicas(self, services) -> None:
-        for replica in services.engine.replicas(services.settings.model_name, services.registry.current) or []:
+        for replica in services.engine.replica_states(services.settings.model_name, services.registry.current) or []:
             label = str(replica["replica"])
             self.replica_up.labels(replica=label).set(1 if replica["state"] == "ready" else 0)
             self.replica_in_flight.labels(replica=label).set(replica["in_flight"])

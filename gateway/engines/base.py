@@ -117,7 +117,7 @@ class Engine(ABC):
         """None while the engine can serve; otherwise why not (shown by `/healthz`)."""
         return None
 
-    def replicas(self, model: str, current: int | None) -> list[dict] | None:
+    def replica_states(self, model: str, current: int | None) -> list[dict] | None:
         """Each replica's state, load and step (the newest step of `model` it holds, `current` where
         it has it), for /healthz, /metrics and the dashboard; None: the engine has no replicas."""
         return None

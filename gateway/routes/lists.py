@@ -95,7 +95,8 @@ async def list_groups(
 @router.get("/v1/dashboard", summary="Serving state, calls per minute, reward curves and step metrics")
 async def dashboard(request: Request) -> Response:
     """What the dashboard's first page shows, in one request: `model`, `engine`, `step`
-    (serving now), `calls_per_minute` (last 60 minutes), `reward_curve` (per step and
+    (serving now), `replicas` (each vLLM replica's state, load and step; null with one engine),
+    `calls_per_minute` (last 60 minutes), `reward_curve` (per step and
     split: n, mean, std, min, max of the rollouts that step sampled), `steps` (each
     training step's metrics) and `live_traffic` (groups per origin, total and trained, the
     sessions a stale reward left untrained, and this gateway's `shadow_samples` counts)."""
@@ -109,6 +110,7 @@ async def dashboard(request: Request) -> Response:
             "base_model": services.settings.base_model,
             "engine": services.engine.kind,
             "step": services.registry.current,
+            "replicas": services.engine.replica_states(model, services.registry.current),
             "counts": counts,
             "live_traffic": {**live_traffic(counts), "shadow_samples": _shadow_counts(services)},
             "calls_per_minute": services.store.calls_per_minute(time.time()),

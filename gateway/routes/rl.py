@@ -128,7 +128,7 @@ async def healthz(request: Request) -> Response:
     }
     if services.settings.promote != "always":  # the promotion's state: serving, undecided, paused
         body.update(promotion_state(store, services.settings))
-    replicas = services.engine.replicas(services.settings.model_name, services.registry.current)
+    replicas = services.engine.replica_states(services.settings.model_name, services.registry.current)
     if replicas is not None:
         body["replicas"] = replicas
     engine_down = services.engine.health()

@@ -99,7 +99,7 @@ class VLLMReplicas(Engine):
             return None
         return "; ".join(f"{r.name}: {r.engine.health()}" for r in self.replicas)
 
-    def replicas(self, model: str, current: int | None) -> list[dict]:
+    def replica_states(self, model: str, current: int | None) -> list[dict]:
         states = [r.status() for r in self.replicas]
         for state in states:
             prefix = model + "@"

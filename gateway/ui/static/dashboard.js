@@ -132,9 +132,10 @@ async function overview() {
   const metricsNode = el("div", { class: "metrics", id: "metric-charts" });
   const dataTable = el("details", { id: "curve-data" }, el("summary", { text: "Curve data" }));
   const liveNode = el("div", { class: "panel live", id: "live-traffic" });
+  const replicasNode = el("div", { id: "replicas" });
   const note = el("p", { class: "muted", text: "Reward of the rollouts each step's policy sampled (a session counts for "
     + "the step that answered its first call); val rollouts are never trained on. Updates every 5 s." });
-  content.replaceChildren(top, el("div", { class: "grid" }, rewardNode, callsNode), note,
+  content.replaceChildren(top, replicasNode, el("div", { class: "grid" }, rewardNode, callsNode), note,
     el("h2", { text: "Live traffic" }), liveNode,
     el("h2", { text: "Training metrics" }), metricsNode, dataTable);
 
@@ -146,6 +147,7 @@ async function overview() {
       card("sessions", fmt(d.counts.sessions)), card("groups", fmt(d.counts.groups)),
       card("steps", fmt(d.steps.length)));
     liveTraffic(liveNode, d.live_traffic);
+    replicas(replicasNode, d.replicas);
     const steps = Array.from(new Set([...d.steps.map((s) => s.step), ...d.reward_curve.map((r) => r.step)]))
       .sort((a, b) => a - b);
     const train = curveBySplit(d.reward_curve, "train", steps);
@@ -184,6 +186,21 @@ async function overview() {
   }
   await refresh();
   setInterval(() => refresh().catch((e) => status(`update failed: ${e.message}`, true)), POLL_MS);
+}
+
+function replicas(node, list) {
+  // vLLM replicas (--vllm-replicas, several --vllm-url): state, calls in flight and answered, the step
+  // each serves, and an adapter it failed to load (it takes no call for that one until a retry loads it).
+  if (!list) { node.replaceChildren(); return; }
+  const t = table([
+    { label: "replica", value: (r) => r.replica, num: true }, { label: "state", value: (r) => r.state },
+    { label: "in flight", value: (r) => r.in_flight, num: true }, { label: "calls", value: (r) => r.calls, num: true },
+    { label: "step", value: (r) => (r.step === null ? "base" : r.step), num: true },
+    { label: "why not serving", value: (r) => [r.reason, ...Object.entries(r.failed_adapters)
+      .map(([name, why]) => `${name}: ${why}`)].filter(Boolean).join("; ") },
+  ], list);
+  t.id = "replicas-table";
+  node.replaceChildren(el("h2", { text: "vLLM replicas" }), el("div", { class: "panel" }, t));
 }
 
 const ORIGINS = ["harness", "live", "shadow"];
