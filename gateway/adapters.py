@@ -167,8 +167,9 @@ class AdapterRegistry:
             await self._unload_idle()
         return True
 
-    async def _load(self, step: int, raw_path: str) -> bool:
+    async def _load(self, step: int, raw_path: str, on_demand: bool = False) -> bool:
         adapter = f"{self.name}@{step}"
+        load = self.engine.load_adapter_on_demand if on_demand else self.engine.load_adapter
         try:
             # Where the files travel in the store (PostgreSQL), fetched here first; else the path as recorded.
             fetch = self.store.fetch_step_files
@@ -176,7 +177,7 @@ class AdapterRegistry:
             path = checked_adapter_path(raw_path, self.settings.models_dir)
             started = time.perf_counter()
             try:
-                await self.engine.load_adapter(adapter, path)
+                await load(adapter, path)
             except Conflict:
                 # Already in the engine under this name (loaded by another path): same files.
                 log.info("adapter %s was already loaded in the engine", adapter)
@@ -225,10 +226,11 @@ class AdapterRegistry:
             self._last_resolved.pop(step, None)
             log.info("unloaded %s", adapter)
 
-    async def ensure(self, requested: str) -> None:
+    async def ensure(self, requested: str, everywhere: bool = False) -> None:
         """Make `NAME@N` servable: load step N on demand if it has a step row and is not
         loaded (bounded by `keep_adapters`: the least recently used idle step goes). 404
-        with the steps there are when there is no step N. Other names: nothing to do."""
+        with the steps there are when there is no step N. Other names: nothing to do.
+        Engine replicas load it where a call for it goes, or on every one (`everywhere`)."""
         step = self._pinned_step(requested)
         if step is None or step in self.loaded:
             return
@@ -240,7 +242,7 @@ class AdapterRegistry:
                 code="model_not_found",
             )
         async with self._lock:
-            if step not in self.loaded and not await self._load(step, rows[step]["path"]):
+            if step not in self.loaded and not await self._load(step, rows[step]["path"], not everywhere):
                 raise EngineUnavailable(
                     f"loading step {step} of '{self.name}' failed ({self.load_errors.get(step)}); try again"
                 )

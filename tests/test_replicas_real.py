@@ -217,3 +217,19 @@ def test_killing_a_replica_fails_no_call_that_had_not_started_and_a_restarted_on
     restarted = log[log.rindex("Starting vLLM server") :]
     loaded = restarted.index("Loaded new LoRA adapter: name 'agent@2'")
     assert loaded < restarted.index("Received request")  # the step was in before the first call came
+
+
+def test_a_step_asked_for_by_name_loads_only_on_the_replica_its_session_routes_to(pair):
+    path = pair.state / "models" / "agent" / "checkpoints" / "0003"
+    write_adapter(pair.base_dir, path, seed=4)
+    pair.store.insert_step("agent", 3, str(path.resolve()), {"loss": 0.0}, [], state="candidate")  # never NAME
+    pinned = [pair.chat("pinned", model="agent@3") for _ in range(2)]
+    assert {r.headers["x-model-step"] for r in pinned} == {"3"}
+    received = pair.received(*(r.headers["x-request-id"] for r in pinned))
+    ((replica, lora),) = set.union(*(received[r.headers["x-request-id"]] for r in pinned))
+    assert lora == "agent@3"
+    loaded = [
+        "Loaded new LoRA adapter: name 'agent@3'" in (pair.state / name).read_text(errors="replace")
+        for name in ("vllm.log", "vllm-1.log")
+    ]
+    assert loaded == [replica == 0, replica == 1]  # one LoRA slot taken, on the replica that served it

@@ -113,6 +113,11 @@ class Engine(ABC):
     async def unload_adapter(self, name: str) -> None:
         raise NotImplementedError(f"the {self.kind} engine does not serve adapters")
 
+    async def load_adapter_on_demand(self, name: str, path: Path) -> None:
+        """A step asked for by name (`NAME@N`), not served as NAME: engine replicas load it only
+        where a call for it goes; one engine loads it as any other."""
+        await self.load_adapter(name, path)
+
     def health(self) -> str | None:
         """None while the engine can serve; otherwise why not (shown by `/healthz`)."""
         return None

@@ -116,7 +116,7 @@ class Canary:
             return
         row = max(candidates, key=lambda r: r["step"])
         if row["step"] not in self.registry.loaded:
-            await self.registry.ensure(f"{self.name}@{row['step']}")
+            await self.registry.ensure(f"{self.name}@{row['step']}", everywhere=True)  # its share spans replicas
         self.step = row["step"]
         if serving is None:
             return

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd
+from gateway.engines.vllm.adapters import refuse_unservable_targets
 from gateway.engines.vllm.engine import VLLMEngine
 from gateway.engines.vllm.routing import Router
 from gateway.errors import ConfigError, EngineUnavailable, EngineUnreached, RLProxyError
@@ -195,6 +196,15 @@ class VLLMReplicas(Engine):
                 log.warning("%s left rotation for %s: %s (retried)", replica.name, name, result)
         if errors and not any(r.serves(name) for r in self.replicas):
             raise errors[0]
+
+    async def load_adapter_on_demand(self, name: str, path: Path) -> None:
+        """Known to every replica, loaded by none yet: a replica's first call for it gets vLLM's 404,
+        loads it there (`VLLMAdapters.reload_missing`) and is sent again, so a step pinned by a few
+        sessions takes a LoRA slot only on the replicas those sessions route to."""
+        path = Path(path).resolve()
+        refuse_unservable_targets(name, path)
+        for replica in self.replicas:
+            replica.engine.adapters.paths[name] = path
 
     async def unload_adapter(self, name: str) -> None:
         results = await asyncio.gather(*(r.engine.unload_adapter(name) for r in self.replicas), return_exceptions=True)
