@@ -128,10 +128,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def _checked(settings: Settings) -> Settings:
-    """What is wrong with the settings that only reading a file shows, found at start."""
+    """What is wrong with the settings that only reading a file shows, found at start; and the
+    replica and device flags against each other, whatever the engine (gateway/devices.py)."""
+    from gateway.devices import check_flags, trainer_devices
     from gateway.models.templates import check_chat_template
 
     check_chat_template(settings.chat_template)
+    check_flags(settings)
+    trainer_devices(settings)
     return settings
 
 
@@ -174,15 +178,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import os
     import signal
     import threading
 
-    from trainer.worker import run_worker
+    from gateway.devices import trainer_environment
 
     settings = settings_from_args(args)
     _configure_logging(settings)
     log_settings(settings, logging.getLogger("rlproxy.trainer"), "train")
+    # --trainer-devices run by hand: CUDA reads CUDA_VISIBLE_DEVICES once, when torch first uses it,
+    # so it is set before the trainer (and torch) is imported.
+    trainer_environment(settings, os.environ)
     from gateway.colocate import needs_gpu_lease, wait_for_vllm
+    from trainer.worker import run_worker
 
     if needs_gpu_lease(settings):  # vLLM profiles the whole GPU while it starts: load nothing before
         from gateway.engines.vllm.server import vllm_addresses

@@ -13,6 +13,8 @@ cannot work is refused with its reason instead of failing minutes later as an ou
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 from gateway.errors import ConfigError
 from gateway.settings import Settings
 
@@ -97,7 +99,22 @@ def trainer_devices(settings: Settings) -> str | None:
     groups = parse_devices(settings.trainer_devices, "--trainer-devices")
     if len(groups) != 1:
         raise ConfigError(f"--trainer-devices '{settings.trainer_devices}' is one group of GPUs: 0 or 0,1, no ';'")
+    index = settings.device.partition(":")[2]
+    if settings.device.startswith("cuda") and index.isdigit() and int(index) >= len(groups[0]):
+        # The trainer numbers the GPUs it sees from 0: --device cuda:1 with one GPU fails at its first step.
+        raise ConfigError(
+            f"--device {settings.device} with --trainer-devices '{settings.trainer_devices}': the trainer sees its "
+            f"{len(groups[0])} GPU(s) as cuda:0 to cuda:{len(groups[0]) - 1}; use --device cuda"
+        )
     return visible(groups[0])
+
+
+def trainer_environment(settings: Settings, env: MutableMapping[str, str]) -> None:
+    """Put the trainer's GPUs (--trainer-devices) in `env` as its `CUDA_VISIBLE_DEVICES`, whatever the
+    gateway sees (as each replica gets its own); `env` unchanged without --trainer-devices."""
+    devices = trainer_devices(settings)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
 
 
 def check_trainer(settings: Settings, vllm_gpus: set[int]) -> None:

@@ -122,7 +122,9 @@ class ReplicaSettings(BaseModel):
         "GPUs); default: the GPU --gpu-mode picks, for one replica",
     )
     trainer_devices: str | None = Field(
-        None, description="the GPUs of the trainer rlproxy starts (0 or 2,3); checked against --vllm-devices"
+        None,
+        description="the trainer's GPUs (0 or 2,3), its CUDA_VISIBLE_DEVICES whether the gateway starts it or "
+        "`rlproxy train` runs by hand; checked against --vllm-devices",
     )
     routing: Literal["affinity", "least-loaded", "round-robin"] = Field(
         "affinity",

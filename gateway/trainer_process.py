@@ -10,6 +10,7 @@ import sys
 from subprocess import Popen
 
 from gateway.children import die_with_parent
+from gateway.devices import trainer_environment
 from gateway.settings import Settings
 
 # A store URL may hold a password.
@@ -48,16 +49,23 @@ def start_trainer(args: argparse.Namespace, settings: Settings) -> Popen | None:
             "served (calls are still recorded; train them with `rlproxy train` for another engine)"
         )
         return None
+    cmd, env = trainer_command(args, settings)
+    log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
+    return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+
+
+def trainer_command(args: argparse.Namespace, settings: Settings) -> tuple[list[str], dict[str, str]]:
+    """The trainer child's command line and environment."""
     cmd = [sys.executable, "-m", "gateway.cli", "train", *settings_argv(args)]
     env = dict(os.environ)
+    trainer_environment(settings, env)  # --trainer-devices: its GPUs, not the gateway's
     if settings.store:
         env["RLPROXY_STORE"] = settings.store  # by environment, not argv: its password stays private
     if settings.device == "cpu":
         # The local engine computes on the same cores: OpenMP threads of two processes
         # competing for every core slow both down many times over, so the trainer takes half.
         env.setdefault("RLPROXY_TORCH_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-    log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
-    return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+    return cmd, env
 
 
 def stop_trainer(proc: Popen | None, timeout: float = 30.0) -> None:

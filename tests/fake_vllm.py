@@ -29,7 +29,7 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING alone (loading then needs `--enable-lora`).
 
 Made for tests: every completion's text names the model that answered (`[agent@1] ...`), so a
 test sees which adapter served it; `/fake/state` shows the event log (load, unload, sleep,
-wake_up, chat with the `priority` it was sent at — and any chat that arrived while asleep), argv and
+wake_up, chat with the `priority` and `request_id` it was sent with — and any chat that arrived while asleep), argv and
 the vLLM env vars;
 `POST /fake/script` sets a per-token delay, a parser that holds text back (chunks with an
 empty delta that carry only token ids), or a crash after N chunks (the process exits, as a
@@ -270,7 +270,12 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
         body = await request.json()
         model = body.get("model") or state.base_model
         state.event(
-            "chat", model=model, stream=bool(body.get("stream")), asleep=state.asleep, priority=body.get("priority")
+            "chat",
+            model=model,
+            stream=bool(body.get("stream")),
+            asleep=state.asleep,
+            priority=body.get("priority"),
+            request_id=body.get("request_id"),  # vLLM logs the call under it (chatcmpl-ID)
         )
         if state.asleep:
             with state.lock:

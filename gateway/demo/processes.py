@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gateway.children import die_with_parent
+from gateway.devices import trainer_environment
 from gateway.errors import RLProxyError
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 
@@ -89,6 +90,7 @@ class Trainer:
     def __init__(self, settings: Settings, log_path: Path, threads: int, extra: list[str] | None = None):
         self.log_path = log_path
         env = {**os.environ, "RLPROXY_TORCH_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+        trainer_environment(settings, env)  # --trainer-devices: its GPUs, not the demo's
         # Its log is a file the user reads afterwards: one line per step is worth having.
         cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_flags(settings), "--log-level", "info"]
         cmd += extra or []  # `train`'s own flags (the warm start's --objective sft ...)

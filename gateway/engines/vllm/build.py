@@ -107,7 +107,9 @@ def vllm_engine(
     gpu = devices if devices is not None or cpu else vllm_gpu_for(settings.device, settings.gpu_mode)
     share = None
     if colocated and not has_flag(settings.vllm_arg, "--gpu-memory-utilization"):
-        share = default_memory_share(settings.base_model, os.environ.get("CUDA_VISIBLE_DEVICES", gpu))
+        # Sized on the replica's own card (--vllm-devices), else on the one the user's environment names.
+        card = devices if devices is not None else os.environ.get("CUDA_VISIBLE_DEVICES", gpu)
+        share = default_memory_share(settings.base_model, card)
     # A socket in the private state dir; asked for a port (--vllm-port), loopback with a key
     # made now, since every local user can reach a port.
     port = settings.vllm_port + replica if settings.vllm_port else None
