@@ -52,6 +52,12 @@ def replica_devices(settings: Settings, *, cpu: bool) -> list[str | None]:
                 f"--vllm-replicas {replicas} on GPUs needs --vllm-devices to say which GPUs each replica gets "
                 f"(e.g. {';'.join(map(str, range(replicas)))}): two vLLMs on one GPU each take most of its memory"
             )
+        if settings.trainer_devices is not None and settings.trainer != "off" and not cpu and not settings.vllm_url:
+            # vLLM's default pick counts from the trainer's --device, which --trainer-devices renumbers.
+            raise ConfigError(
+                f"--trainer-devices {settings.trainer_devices} with the vLLM rlproxy starts needs --vllm-devices "
+                "too, so that the two are checked together (e.g. --vllm-devices 0 --trainer-devices 1)"
+            )
         return [None] * replicas
     if cpu:
         raise ConfigError(

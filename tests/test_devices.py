@@ -208,3 +208,14 @@ def test_train_run_by_hand_takes_its_gpus_before_the_trainer_starts(tmp_path, mo
     )
     assert main(["train", "--state-dir", str(tmp_path), "--trainer-devices", "3", "--device", "cuda"]) == 0
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_trainer_devices_without_vllm_devices_is_refused_where_rlproxy_starts_vllm_on_gpus(tmp_path, monkeypatch):
+    from gateway.devices import replica_devices
+    from gateway.errors import ConfigError
+    from gateway.settings import Settings
+
+    settings = Settings(engine="vllm", state_dir=tmp_path, gpu_mode="dedicated", device="cuda", trainer_devices="1")
+    with pytest.raises(ConfigError, match="needs --vllm-devices too"):
+        replica_devices(settings, cpu=False)
+    assert replica_devices(settings, cpu=True) == [None]  # the CPU build takes no GPU
