@@ -4,6 +4,7 @@ replica its own CUDA_VISIBLE_DEVICES, socket or port and log, and the trainer it
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -165,6 +166,11 @@ def test_cpu_replicas_are_processes_of_their_own_on_no_gpu(tmp_path, monkeypatch
     assert [r.engine.process.log_path.name for r in engine.replicas] == ["vllm.log", "vllm-1.log", "vllm-2.log"]
     assert len({r.engine.url for r in engine.replicas}) == 3
     assert not any("CUDA_VISIBLE_DEVICES" in r.engine.process.env for r in engine.replicas)
+    # vLLM's `auto` binding would pin all three to one core: each gets its share of this process's cores.
+    binds = [{int(c) for c in r.engine.process.env["VLLM_CPU_OMP_THREADS_BIND"].split(",")} for r in engine.replicas]
+    cores = set(os.sched_getaffinity(0))
+    assert set.union(*binds) == cores and all(bind <= cores for bind in binds)
+    assert len(cores) < 2 or binds[1].isdisjoint(binds[2])  # two replicas never share their only core
 
 
 # ---------------------------------------------------------------------------- the trainer's GPUs

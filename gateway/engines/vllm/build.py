@@ -57,7 +57,9 @@ def build_vllm(settings: Settings, *, launcher: list[str] | None = None, startup
     else:
         groups = replica_devices(settings, cpu=is_cpu_build(settings.vllm_python))
         engines = [
-            vllm_engine(settings, launcher=launcher, startup_timeout=startup_timeout, replica=i, devices=devices)
+            vllm_engine(
+                settings, launcher=launcher, startup_timeout=startup_timeout, replica=i, devices=devices, of=len(groups)
+            )
             for i, devices in enumerate(groups)
         ]
     if len(engines) == 1:
@@ -72,6 +74,7 @@ def vllm_engine(
     startup_timeout: float = 1800.0,
     replica: int = 0,
     devices: str | None = None,
+    of: int = 1,
 ) -> VLLMEngine:
     """The vLLM of `settings`, or its replica number `replica` (the `replica`-th --vllm-url, or
     the `replica`-th vLLM rlproxy starts, on GPUs `devices`: None picks as for one replica)."""
@@ -141,6 +144,8 @@ def vllm_engine(
     env = vllm_environment(sleep_mode=colocated, cuda_visible_devices=gpu, cpu=cpu, api_key=key)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices  # --vllm-devices: each replica its own, whatever the parent sees
+    if cpu and of > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores_of(replica, of)
     process = VLLMProcess(
         command,
         env,
@@ -152,3 +157,12 @@ def vllm_engine(
     engine = VLLMEngine(settings.base_model, process=process, api_key=key, **_options(settings))
     engine.can_sleep = colocated  # started with sleep mode, or not
     return engine
+
+
+def cpu_cores_of(replica: int, replicas: int) -> str:
+    """The cores the CPU build's replica `replica` of `replicas` computes on: an equal share of those
+    this process may use. vLLM's own `auto` binding pins every replica's workers to the same core,
+    where one starves the other (bench/replicas.py measured it)."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = cores[replica * len(cores) // replicas : (replica + 1) * len(cores) // replicas]
+    return ",".join(map(str, share or cores))
