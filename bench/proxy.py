@@ -392,9 +392,12 @@ async def run_cell(
     body: bytes = BODY,
     protocol=_Connection,
     also_pgids: tuple[int, ...] = (),
+    cpu_of=None,
 ) -> CellResult:
     """`protocol`: a factory of `_Connection`s (a subclass may read the bodies); `also_pgids`: more
-    process groups whose CPU during the measured seconds goes into `also_cpu_seconds`."""
+    process groups whose CPU during the measured seconds goes into `also_cpu_seconds`; `cpu_of`,
+    what reads a group's CPU seconds (default `group_cpu_seconds`)."""
+    cpu_of = cpu_of or group_cpu_seconds
     loop = asyncio.get_running_loop()
     connections = [(await loop.create_connection(protocol, "127.0.0.1", port))[1] for _ in range(concurrency)]
     latencies: list[float] = []
@@ -417,13 +420,13 @@ async def run_cell(
         warm_until = time.perf_counter() + warmup
         await asyncio.gather(*(worker(i, c, warm_until) for i, c in enumerate(connections)))
         measuring = True
-        cpu_before = group_cpu_seconds(pgid) if pgid else None
-        also_before = {g: group_cpu_seconds(g) for g in also_pgids}
+        cpu_before = cpu_of(pgid) if pgid else None
+        also_before = {g: cpu_of(g) for g in also_pgids}
         began = time.perf_counter()
         await asyncio.gather(*(worker(i, c, began + seconds) for i, c in enumerate(connections)))
         elapsed = time.perf_counter() - began
-        cpu = group_cpu_seconds(pgid) - cpu_before if pgid else None
-        also = {g: group_cpu_seconds(g) - before for g, before in also_before.items()}
+        cpu = cpu_of(pgid) - cpu_before if pgid else None
+        also = {g: cpu_of(g) - before for g, before in also_before.items()}
     finally:
         for conn in connections:
             conn.transport.close()

@@ -19,8 +19,21 @@ Cores: vLLM (its API server, engine core and OpenMP threads: VLLM_CPU_OMP_THREAD
 its own core(s), the gateway on another, the load generator on a third; with 2 cores the
 load generator shares the gateway's core (the layout is printed).
 
+`--replicas 2`: a second vLLM process started the same way (on the same core(s)), and the
+gateway attached to both (`--vllm-url` twice: its VLLMReplicas path, `--routing`); the direct
+target stays on the first.
+
+The gateway's CPU is read per thread from /proc (schedstat, nanoseconds), its idle CPU per
+second (no calls: health polls, the adapter watcher...) measured apart, before and after the
+cells, and each cell's per-call figure given raw and net of that idle rate over the cell's
+seconds. `--profile S`: S more seconds of rlproxy at c=1 with yappi on in the gateway (the
+gateway then runs under bench/yappi_gateway.py; yappi stays off until then), its top costs
+printed. `--floor`: a third target, bench/relay_floor.py (uvicorn and the gateway's HTTP client
+relaying to vLLM, nothing else), measured as the gateway is: what any relay on this stack costs.
+
     python bench/vllm.py             # 3 runs x 3 s per cell, concurrency 1 and 16
     python bench/vllm.py --quick     # 1 run x 1 s per cell
+    python bench/vllm.py --replicas 2 --profile 30
 
 Results: a table on stdout, JSON in bench/out/vllm.json.
 """
@@ -59,6 +72,7 @@ from bench.proxy import (  # noqa: E402
     _spawn,
     _wait_http,
     free_port,
+    group_cpu_seconds,
     run_cell,
     shut_down,
     summarise,
@@ -158,7 +172,9 @@ def stop(service: Service) -> None:
         os.killpg(service.proc.pid, signal.SIGKILL)
 
 
-def start_vllm(python: str, layout: Layout, workdir: Path, services: list[Service]) -> tuple[Service, str]:
+def start_vllm(
+    python: str, layout: Layout, workdir: Path, services: list[Service], index: int = 0
+) -> tuple[Service, str]:
     from gateway.engines.vllm.server import is_cpu_build, vllm_command, vllm_environment
     from gateway.models.registry import resolve_base_model
 
@@ -172,10 +188,10 @@ def start_vllm(python: str, layout: Layout, workdir: Path, services: list[Servic
     env = vllm_environment(sleep_mode=False, cpu=cpu)
     if cpu and layout.pinned:
         env["VLLM_CPU_OMP_THREADS_BIND"] = _cores(layout.vllm)
-    log = workdir / "vllm.log"
+    log = workdir / ("vllm.log" if index == 0 else f"vllm-{index}.log")
     _pin(layout.vllm, layout)
     proc = _spawn(cmd, log, env=env)
-    service = Service("direct", proc, port, "/v1/chat/completions", log)
+    service = Service("direct" if index == 0 else f"vllm-{index}", proc, port, "/v1/chat/completions", log)
     services.append(service)  # stopped on the way out even if it never comes up
     print(
         f"starting vLLM ({'CPU build' if cpu else 'GPU build'}) on port {port}: {' '.join(cmd)}",
@@ -186,16 +202,25 @@ def start_vllm(python: str, layout: Layout, workdir: Path, services: list[Servic
     return service, model_dir
 
 
-def start_rlproxy(vllm: Service, layout: Layout, workdir: Path, services: list[Service]) -> tuple[Service, Path]:
+def start_rlproxy(
+    vllms: list[Service],
+    layout: Layout,
+    workdir: Path,
+    services: list[Service],
+    routing: str = "affinity",
+    yappi_out: Path | None = None,
+) -> tuple[Service, Path]:
+    """`yappi_out`: started under bench/yappi_gateway.py, yappi idle until `profile_gateway`."""
     port = free_port()
     state_dir = workdir / "rlproxy-state"
     log = workdir / "rlproxy.log"
     _pin(layout.gateway, layout)
+    program = ["-m", "gateway.cli"] if yappi_out is None else [str(ROOT / "bench" / "yappi_gateway.py")]
+    env = {"RLPROXY_API_KEY": API_KEY} | ({"RLPROXY_BENCH_YAPPI": str(yappi_out)} if yappi_out else {})
     proc = _spawn(
         [
             sys.executable,
-            "-m",
-            "gateway.cli",
+            *program,
             "serve",
             "--host",
             "127.0.0.1",
@@ -203,8 +228,8 @@ def start_rlproxy(vllm: Service, layout: Layout, workdir: Path, services: list[S
             str(port),
             "--engine",
             "vllm",
-            "--vllm-url",
-            f"http://127.0.0.1:{vllm.port}",
+            *(arg for vllm in vllms for arg in ("--vllm-url", f"http://127.0.0.1:{vllm.port}")),
+            *(("--routing", routing) if len(vllms) > 1 else ()),
             "--state-dir",
             str(state_dir),
             "--trainer",
@@ -213,12 +238,25 @@ def start_rlproxy(vllm: Service, layout: Layout, workdir: Path, services: list[S
             "warning",
         ],
         log,
-        env={"RLPROXY_API_KEY": API_KEY},
+        env=env,
     )  # environment, not argv: keys stay out of `ps`
     service = Service("rlproxy", proc, port, "/v1/chat/completions", log)
     services.append(service)
     _wait_http(service, "/healthz", timeout=300)
     return service, state_dir / "rlproxy.db"
+
+
+def start_relay(vllm: Service, layout: Layout, workdir: Path, services: list[Service]) -> Service:
+    """bench/relay_floor.py on the gateway's core: what a relay that does nothing of rlproxy's costs."""
+    port = free_port()
+    log = workdir / "relay.log"
+    _pin(layout.gateway, layout)
+    cmd = [sys.executable, str(ROOT / "bench" / "relay_floor.py"), "--port", str(port)]
+    proc = _spawn([*cmd, "--upstream", f"http://127.0.0.1:{vllm.port}"], log)
+    service = Service("relay", proc, port, "/v1/chat/completions", log)
+    services.append(service)
+    _wait_http(service, "/health", timeout=60)
+    return service
 
 
 # ---------------------------------------------------------------- load
@@ -246,6 +284,7 @@ class _Counting(_Connection):
 class VRow(Row):
     vllm_cpu_ms_per_request: float | None = None
     gateway_cpu_ms_per_request: float | None = None
+    gateway_net_cpu_ms_per_request: float | None = None  # less the gateway's idle CPU over the same seconds
     completion_tokens: list[int] | None = None  # min, median, max over every reply of the cells
     rps_vs_direct: float | None = None
     # vLLM's engine steps per finished request, and generated tokens per step (its mean batch), over
@@ -255,8 +294,16 @@ class VRow(Row):
 
 
 def measure(
-    service: Service, concurrency: int, seconds: float, warmup: float, tag: str, vllm_pgid: int, gateway_pgid: int
+    service: Service,
+    concurrency: int,
+    seconds: float,
+    warmup: float,
+    tag: str,
+    vllm_pgids: list[int],
+    gateway_pgid: int,
 ) -> tuple[CellResult, list[int]]:
+    """One cell; its `cpu_seconds` are every vLLM's together, `also_cpu_seconds[gateway_pgid]`
+    the gateway's (per thread, `thread_cpu_seconds`)."""
     tokens: list[int] = []
     cell = asyncio.run(
         run_cell(
@@ -266,12 +313,15 @@ def measure(
             seconds,
             warmup,
             tag,
-            pgid=vllm_pgid,
+            pgid=vllm_pgids[0],
             body=service.body,
             protocol=lambda: _Counting(tokens),
-            also_pgids=(gateway_pgid,),
+            also_pgids=(gateway_pgid, *vllm_pgids[1:]),
+            cpu_of=lambda g: thread_cpu_seconds(g) if g == gateway_pgid else group_cpu_seconds(g),
         )
     )
+    for pgid in vllm_pgids[1:]:
+        cell.cpu_seconds = (cell.cpu_seconds or 0.0) + cell.also_cpu_seconds.pop(pgid)
     return cell, tokens
 
 
@@ -315,14 +365,17 @@ async def paired(direct: Service, through: Service, seconds: float, warmup: floa
 _METRICS = ("vllm:iteration_tokens_total_count", "vllm:generation_tokens_total", "vllm:request_success_total")
 
 
-def engine_counters(port: int) -> dict[str, float]:
-    """vLLM's own counters (`GET /metrics`, summed over labels): engine steps, generated tokens,
-    finished requests. Their change over a cell says how vLLM batched it."""
+def engine_counters(ports: list[int]) -> dict[str, float]:
+    """vLLM's own counters (`GET /metrics`, summed over labels and replicas): engine steps,
+    generated tokens, finished requests. Their change over a cell says how vLLM batched it."""
     import httpx
 
     totals = dict.fromkeys(_METRICS, 0.0)
-    with contextlib.suppress(httpx.HTTPError):
-        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+    for port in ports:
+        text = ""
+        with contextlib.suppress(httpx.HTTPError):
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        for line in text.splitlines():
             name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
             if name in totals:
                 with contextlib.suppress(ValueError, IndexError):
@@ -344,27 +397,121 @@ def _ms_per_request(cpu: float, cell: CellResult) -> float | None:
     return 1000 * cpu / cell.requests if cell.requests else None
 
 
+# ---------------------------------------------------------------- the gateway's own CPU
+
+
+def thread_cpu_seconds(pgid: int) -> float:
+    """CPU time of every live thread of a process group, from each thread's schedstat
+    (nanoseconds). /proc/PID/stat counts in clock ticks (10 ms): a 3 s cell at c=1 is ~40 calls,
+    where one tick more or less is 0.25 ms a call. Threads that exited are not counted (the
+    gateway's are long-lived: the event loop, the store writer, the executor's workers)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for task in (entry / "task").iterdir():
+                total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def idle_cpu_ms_per_s(pgid: int, seconds: float) -> float:
+    """What the gateway burns with no call at all (its health polls of each vLLM, the adapter
+    watcher, the retry loop of the replica set): spread over the calls of a c=1 cell it looks
+    like per-call work, and is not."""
+    before, began = thread_cpu_seconds(pgid), time.perf_counter()
+    time.sleep(seconds)
+    return (thread_cpu_seconds(pgid) - before) * 1000 / (time.perf_counter() - began)
+
+
+def net_ms_per_request(cpu: float, cell: CellResult, idle_ms_per_s: float) -> float | None:
+    """(CPU under load - the idle rate over the same seconds) / calls."""
+    return (1000 * cpu - idle_ms_per_s * cell.seconds) / cell.requests if cell.requests else None
+
+
+def profile_gateway(through: Service, gateway_pid: int, seconds: float, out: Path) -> list[str]:
+    """`seconds` of rlproxy at c=1 with yappi on in the gateway (bench/yappi_gateway.py: CPU clock,
+    every thread); the top costs per call, self and inclusive, as lines to print. yappi's own
+    overhead inflates functions that make many small calls; the ranking is what to read."""
+    done = Path(str(out) + ".done")
+    done.unlink(missing_ok=True)
+    os.kill(gateway_pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    cell = asyncio.run(run_cell(through.port, through.path, 1, seconds, 0.0, "profile", body=through.body))
+    os.kill(gateway_pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 60
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not done.exists():
+        return ["yappi wrote no stats: see the gateway's log"]
+    return summarise_profile(out, cell.requests)
+
+
+def summarise_profile(path: Path, calls: int, top: int = 15) -> list[str]:
+    """yappi's pstats -> the functions with the most CPU per call, self and inclusive, and the
+    CPU by module (self time summed over each file: where the time went, coarse but robust)."""
+    import pstats
+
+    stats = pstats.Stats(str(path)).stats
+    total = sum(entry[2] for entry in stats.values())
+    if not calls or not total:
+        return ["no calls or no samples in the profile"]
+
+    def name(where: tuple) -> str:
+        file, line, func = where
+        return f"{func} ({_short(file)})"
+
+    lines = [f"{1000 * total / calls:.3f} ms of CPU a call under yappi, {calls} calls (yappi's overhead included)"]
+    for title, column in (("self", 2), ("inclusive", 3)):
+        lines.append(f"top {top} by {title} CPU (ms a call):")
+        ranked = sorted(stats.items(), key=lambda kv: -kv[1][column])[:top]
+        lines += [f"  {1000 * entry[column] / calls:7.3f}  {name(where)}" for where, entry in ranked]
+    modules: dict[str, float] = {}
+    for (file, _, _), entry in stats.items():
+        module = "C builtins (sqlite3, pydantic-core, sockets...)" if file in ("~", "builtins") else _short(file)
+        modules[module] = modules.get(module, 0.0) + entry[2]
+    lines.append(f"by module, self CPU (ms a call, % of {1000 * total / calls:.3f}):")
+    for module, spent in sorted(modules.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {1000 * spent / calls:7.3f}  {100 * spent / total:5.1f}%  {module}")
+    return lines
+
+
+def _short(file: str) -> str:
+    """gateway/... as it is; a library by its package name."""
+    if "site-packages/" in file:
+        return file.split("site-packages/", 1)[1].split("/", 1)[0]
+    if file.startswith(str(ROOT)):
+        return file[len(str(ROOT)) + 1 :]
+    return "stdlib " + Path(file).name if file.startswith("/") else file
+
+
 def print_table(rows: list[VRow], concurrencies: list[int]) -> None:
     print(
         f"\n{'target':<8} {'conc':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
-        f"{'vLLM cpu':>9} {'gw cpu':>7} {'tok/req':>8} {'steps/req':>9} {'tok/step':>8} {'errors':>6}"
+        f"{'vLLM cpu':>9} {'gw cpu':>7} {'gw net':>7} {'tok/req':>8} {'steps/req':>9} {'tok/step':>8} {'errors':>6}"
     )
     for row in rows:
         added = "" if row.added_p50_ms is None else f"{row.added_p50_ms:+.3f}"
         vcpu = "" if row.vllm_cpu_ms_per_request is None else f"{row.vllm_cpu_ms_per_request:.2f}"
         gcpu = "" if row.gateway_cpu_ms_per_request is None else f"{row.gateway_cpu_ms_per_request:.2f}"
+        gnet = "" if row.gateway_net_cpu_ms_per_request is None else f"{row.gateway_net_cpu_ms_per_request:.2f}"
         low, mid, high = row.completion_tokens or (0, 0, 0)
         tok = f"{mid}" if low == high else f"{low}-{high}"
         steps = "" if row.steps_per_request is None else f"{row.steps_per_request:.1f}"
         batch = "" if row.tokens_per_step is None else f"{row.tokens_per_step:.2f}"
         print(
             f"{row.target:<8} {row.concurrency:>4} {row.rps:>8.1f} {row.p50_ms:>8.3f} {row.p99_ms:>8.3f} "
-            f"{added:>8} {vcpu:>9} {gcpu:>7} {tok:>8} {steps:>9} {batch:>8} {row.errors:>6}"
+            f"{added:>8} {vcpu:>9} {gcpu:>7} {gnet:>7} {tok:>8} {steps:>9} {batch:>8} {row.errors:>6}"
         )
     print(
-        "(vLLM cpu, gw cpu: ms of CPU per answered request used by vLLM's process group and by the "
-        "gateway's; tok/req: completion tokens per reply, min-max; steps/req, tok/step: vLLM's engine "
-        "steps per finished request and tokens generated per step, from its /metrics)"
+        "(vLLM cpu, gw cpu: ms of CPU per answered request used by vLLM's process groups and by the "
+        "gateway's; gw net: the gateway's less its idle CPU per second over the same seconds; tok/req: "
+        "completion tokens per reply, min-max; steps/req, tok/step: vLLM's engine steps per finished "
+        "request and tokens generated per step, from its /metrics)"
     )
     by = {(r.target, r.concurrency): r for r in rows}
     print()
@@ -388,20 +535,29 @@ def print_targets(rows: list[VRow], pairs: list[dict]) -> list[dict]:
             f"(median over runs of the median pair difference)"
         )
         checks.append((f"p50 added at c=1 <= 1 ms (paired): {added:.3f} ms", added <= 1.0))
+    net = by[("rlproxy", 1)].gateway_net_cpu_ms_per_request if ("rlproxy", 1) in by else None
+    if net is not None:
+        checks.append((f"the gateway's CPU per call at c=1, net of idle, <= 0.5 ms: {net:.3f} ms", net <= 0.5))
+    floor = by[("relay", 1)].gateway_net_cpu_ms_per_request if ("relay", 1) in by else None
+    if net is not None and floor is not None:
+        print(
+            f"\nat c=1 a bare relay (uvicorn + the gateway's HTTP client, nothing else) costs {floor:.3f} ms of CPU "
+            f"a call net of its idle: rlproxy's own work is the other {net - floor:.3f} ms"
+        )
     for text, met in checks:
         print(f"  [{'met' if met else 'MISSED'}] {text}")
     # How far apart vLLM's own runs are: a difference between the targets smaller than this is noise.
     for c in sorted({r.concurrency for r in rows}):
         spread = [
             f"{name} " + ", ".join(f"{run['rps']:g}" for run in by[(name, c)].runs)
-            for name in ("direct", "rlproxy")
+            for name in ("direct", "rlproxy", "relay")
             if (name, c) in by
         ]
         print(f"  req/s per run at c={c}: {'; '.join(spread)}")
     if ("rlproxy", 1) in by and by[("rlproxy", 1)].gateway_cpu_ms_per_request is not None:
         print(
-            f"  the gateway's CPU per call at c=1 (its work on each call's path, plus its idle /health "
-            f"polling of vLLM): {by[('rlproxy', 1)].gateway_cpu_ms_per_request:.2f} ms"
+            f"  the gateway's CPU per call at c=1: {by[('rlproxy', 1)].gateway_cpu_ms_per_request:.3f} ms raw "
+            f"(its idle polling included), {by[('rlproxy', 1)].gateway_net_cpu_ms_per_request:.3f} ms net of it"
         )
     return [{"target": text, "met": met} for text, met in checks]
 
@@ -423,12 +579,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm-python", default=DEFAULT_VLLM_PYTHON, help="the python of the environment vLLM is installed in"
     )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="vLLM processes the gateway is attached to (its replica set from 2)"
+    )
+    parser.add_argument("--routing", default="affinity", help="the gateway's --routing with --replicas 2 or more")
+    parser.add_argument("--idle-seconds", type=float, default=None, help="idle CPU window, before and after the cells")
+    parser.add_argument(
+        "--profile", type=float, default=0.0, metavar="S", help="then S s of rlproxy at c=1 under yappi: top costs"
+    )
+    parser.add_argument(
+        "--floor", action="store_true", help="a third target: a bare relay (bench/relay_floor.py) to vLLM"
+    )
     args = parser.parse_args(argv)
     runs = args.runs or (1 if args.quick else 3)
     seconds = args.seconds or (1.0 if args.quick else 3.0)
     warmup = 0.5 if args.quick else 1.0
+    idle_seconds = args.idle_seconds or (5.0 if args.quick else 10.0)
     if not Path(args.vllm_python).exists():
         parser.error(f"no python at {args.vllm_python}: run `bash deploy/install-vllm-cpu.sh` or give --vllm-python")
+    if args.profile:
+        try:
+            import yappi  # noqa: F401 - the gateway imports it on the signal: checked here, before anything starts
+        except ImportError:
+            parser.error("--profile needs yappi in this python: pip install yappi")
     try:
         import uvloop
 
@@ -446,7 +619,13 @@ def main(argv: list[str] | None = None) -> int:
     finished = False
     try:
         vllm, model_dir = start_vllm(args.vllm_python, layout, workdir, services)
-        rlproxy, db_path = start_rlproxy(vllm, layout, workdir, services)
+        more = (start_vllm(args.vllm_python, layout, workdir, services, i)[0] for i in range(1, args.replicas))
+        vllms = [vllm, *more]
+        vllm_pgids = [v.proc.pid for v in vllms]
+        ports = [v.port for v in vllms]
+        yappi_out = OUT / "vllm-profile.pstat" if args.profile else None
+        rlproxy, db_path = start_rlproxy(vllms, layout, workdir, services, args.routing, yappi_out)
+        relay = start_relay(vllm, layout, workdir, services) if args.floor else None
         _pin(layout.loadgen, layout)
         # Compact JSON, as rlproxy's orjson writes the upstream body: the same bytes to vLLM either way.
         direct = Service(
@@ -461,22 +640,25 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(client, separators=(",", ":")).encode(),
         )
         targets = {"direct": direct, "rlproxy": through}
+        # Whose CPU each target's `gw cpu` is: the gateway's (for direct, its idle work), or the relay's.
+        proxy_pid = {"direct": rlproxy.proc.pid, "rlproxy": rlproxy.proc.pid}
+        if relay is not None:
+            # The upstream body as is: the relay forwards bytes, so vLLM sees what rlproxy sends it.
+            targets["relay"] = Service("relay", relay.proc, relay.port, relay.path, relay.log, direct.body)
+            proxy_pid["relay"] = relay.proc.pid
         import httpx
 
         version = httpx.get(f"http://127.0.0.1:{vllm.port}/version", timeout=10).json().get("version")
         for service in targets.values():
             warm_up(service, calls=10 if args.quick else 30)
             measure(
-                service, max(args.concurrency), 0.5, warmup, f"warm-{service.name}", vllm.proc.pid, rlproxy.proc.pid
+                service, max(args.concurrency), 0.5, warmup, f"warm-{service.name}", vllm_pgids, proxy_pid[service.name]
             )  # the largest batch once before measuring
-        # What the gateway burns with no call at all (its /health polling of vLLM, its adapter
-        # watcher): spread over the calls of a c=1 cell it looks like per-call work, and is not.
-        from bench.proxy import group_cpu_seconds
-
-        idle_before = group_cpu_seconds(rlproxy.proc.pid)
-        time.sleep(5)
-        gateway_idle_ms_per_s = (group_cpu_seconds(rlproxy.proc.pid) - idle_before) * 1000 / 5
-        print(f"vLLM {version}; cores: {layout.describe()}", file=sys.stderr)
+        idle_first = idle_cpu_ms_per_s(rlproxy.proc.pid, idle_seconds)
+        print(f"the gateway idle: {idle_first:.2f} ms of CPU per second", file=sys.stderr)
+        relay_idle = idle_cpu_ms_per_s(relay.proc.pid, idle_seconds) if relay is not None else 0.0
+        idle_of = {"direct": idle_first, "rlproxy": idle_first, "relay": relay_idle}
+        print(f"vLLM {version} x {len(vllms)}; cores: {layout.describe()}", file=sys.stderr)
         print(
             f"{runs} run(s) x {seconds:g} s per cell (after {warmup:g} s warm-up), concurrency "
             f"{args.concurrency}; cpus: {os.cpu_count()}",
@@ -485,35 +667,36 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()[0]
         cells: dict[tuple[str, int], list[CellResult]] = {}
         tokens: dict[tuple[str, int], list[int]] = {}
-        gateway_cpu: dict[tuple[str, int], list[float | None]] = {}
+        gateway_cpu: dict[tuple[str, int], list[tuple[float, CellResult]]] = {}
         engine: dict[tuple[str, int], list[dict]] = {}
         for run in range(runs):
             # Runs interleave targets, so a noisy neighbour hits both alike; which goes first alternates.
             order = list(targets.items()) if run % 2 == 0 else list(reversed(targets.items()))
             for name, service in order:
                 for concurrency in args.concurrency:
-                    before = engine_counters(vllm.port)
+                    before = engine_counters(ports)
                     cell, seen = measure(
                         service,
                         concurrency,
                         seconds,
                         warmup,
                         f"{name}{run}c{concurrency}",
-                        vllm.proc.pid,
-                        rlproxy.proc.pid,
+                        vllm_pgids,
+                        proxy_pid[name],
                     )
                     key = (name, concurrency)
-                    engine.setdefault(key, []).append(batching(before, engine_counters(vllm.port)))
+                    engine.setdefault(key, []).append(batching(before, engine_counters(ports)))
                     cells.setdefault(key, []).append(cell)
                     tokens.setdefault(key, []).extend(seen)
-                    gateway_cpu.setdefault(key, []).append(
-                        _ms_per_request(cell.also_cpu_seconds[rlproxy.proc.pid], cell)
-                    )
+                    gw_cpu = cell.also_cpu_seconds[proxy_pid[name]]
+                    gateway_cpu.setdefault(key, []).append((gw_cpu, cell))
                     print(
                         f"  run {run + 1}/{runs} {name:<8} c={concurrency:<3} {cell.rps:8.1f} req/s "
                         f"p50 {cell.percentile(0.5):8.3f} ms  vLLM cpu {cell.cpu_ms_per_request or 0:.2f} ms/req "
-                        f"gw cpu {gateway_cpu[key][-1] or 0:.2f} ms/req  tokens {min(seen, default=0)}-"
-                        f"{max(seen, default=0)}  steps/req {engine[key][-1]['steps_per_request'] or 0:.1f}  "
+                        f"gw cpu {_ms_per_request(gw_cpu, cell) or 0:.3f} ms/req "
+                        f"(net {net_ms_per_request(gw_cpu, cell, idle_of[name]) or 0:.3f})  "
+                        f"tokens {min(seen, default=0)}-{max(seen, default=0)}  "
+                        f"steps/req {engine[key][-1]['steps_per_request'] or 0:.1f}  "
                         f"errors {cell.errors}",
                         file=sys.stderr,
                         flush=True,
@@ -528,13 +711,21 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         load_after = os.getloadavg()[0]
+        idle_last = idle_cpu_ms_per_s(rlproxy.proc.pid, idle_seconds)
+        gateway_idle_ms_per_s = (idle_first + idle_last) / 2
+        idle_of.update(direct=gateway_idle_ms_per_s, rlproxy=gateway_idle_ms_per_s)
+        profile = profile_gateway(through, rlproxy.proc.pid, args.profile, yappi_out) if yappi_out else []
 
         rows: list[VRow] = []
         for name in targets:
             for c in args.concurrency:
                 row = summarise(name, c, cells[(name, c)])
                 seen = sorted(tokens[(name, c)])
-                gw = [v for v in gateway_cpu[(name, c)] if v is not None]
+                measured = gateway_cpu[(name, c)]
+                gw = [v for v in (_ms_per_request(cpu, cell) for cpu, cell in measured) if v is not None]
+                net = [
+                    v for v in (net_ms_per_request(cpu, cell, idle_of[name]) for cpu, cell in measured) if v is not None
+                ]
                 per_step = {
                     k: [e[k] for e in engine[(name, c)] if e[k] is not None]
                     for k in ("steps_per_request", "tokens_per_step")
@@ -544,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
                         **asdict(row),
                         vllm_cpu_ms_per_request=row.cpu_ms_per_request,
                         gateway_cpu_ms_per_request=statistics.median(gw) if gw else None,
+                        gateway_net_cpu_ms_per_request=statistics.median(net) if net else None,
                         completion_tokens=[seen[0], seen[len(seen) // 2], seen[-1]] if seen else None,
                         **{k: statistics.median(v) if v else None for k, v in per_step.items()},
                     )
@@ -559,7 +751,15 @@ def main(argv: list[str] | None = None) -> int:
             recorded = db.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
 
         print(f"\nvLLM {version} ({args.vllm_python}), model {MODEL} ({model_dir})")
-        print(f"cores: {layout.describe()}")
+        print(
+            f"cores: {layout.describe()}"
+            + (
+                f"\nreplicas: {len(vllms)} vLLM processes (ports {', '.join(map(str, ports))}), the gateway attached "
+                f"to each (--routing {args.routing}); direct hits the first"
+                if len(vllms) > 1
+                else ""
+            )
+        )
         print(
             f"{runs} run(s) x {seconds:g} s per cell, medians over runs; every request max_tokens = "
             f"min_tokens = {args.max_tokens}"
@@ -567,8 +767,16 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows, args.concurrency)
         print(f"rlproxy recorded {recorded} calls (>= the {answered} measured; warm-ups are recorded too)")
         print(f"load average (1 min) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} cpus")
-        print(f"the gateway idle (no calls): {gateway_idle_ms_per_s:.2f} ms of CPU per second")
+        print(
+            f"the gateway idle (no calls): {gateway_idle_ms_per_s:.2f} ms of CPU per second "
+            f"({idle_first:.2f} before the cells, {idle_last:.2f} after, {idle_seconds:g} s each)"
+        )
+        if relay is not None:
+            print(f"the bare relay idle: {relay_idle:.2f} ms of CPU per second")
         checks = print_targets(rows, pairs)
+        if profile:
+            print(f"\nprofile: rlproxy at c=1 for {args.profile:g} s under yappi ({yappi_out})")
+            print("\n".join(profile))
         result = {
             "runs": runs,
             "seconds": seconds,
@@ -585,6 +793,11 @@ def main(argv: list[str] | None = None) -> int:
             "targets": checks,
             "paired_c1": pairs,
             "gateway_idle_cpu_ms_per_s": gateway_idle_ms_per_s,
+            "gateway_idle_cpu_ms_per_s_before_after": [idle_first, idle_last],
+            "relay_idle_cpu_ms_per_s": relay_idle if relay is not None else None,
+            "replicas": len(vllms),
+            "routing": args.routing if len(vllms) > 1 else None,
+            "profile": profile,
             "recorded_calls": recorded,
             "measured_rlproxy_calls": answered,
         }

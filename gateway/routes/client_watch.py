@@ -23,9 +23,12 @@ from gateway.errors import ClientGone
 
 T = TypeVar("T")
 
-WATCH_AFTER_SECONDS = 0.1
+WATCH_AFTER_SECONDS = 1.0
 """How long a call runs before a task watches its client: cancelling a generation this much
-later than the client left costs little, and most calls never need the task."""
+later than the client left costs little, and most calls never need the task. A second, not
+less: a timer that fires while the gateway waits on vLLM wakes an idle process, and at c=1 on
+the vLLM path (16-token replies of 80-250 ms on a CPU vLLM) that wake-up and the task cost
+0.2-0.3 ms of CPU a call, of 1.5-2 ms in all (bench/README.md, "The router's own cost")."""
 
 
 def disconnected_now(receive: Receive) -> bool:
