@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from gateway.errors import RLProxyError
 from gateway.models.tuning import log_settings
-from gateway.settings import KEEP_ALIVE_SECONDS, PromotionSettings, ReplicaSettings, Settings
+from gateway.settings import KEEP_ALIVE_SECONDS, PromotionSettings, Settings
+from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
 SERVICE = (
     "host",
@@ -88,6 +89,7 @@ TRAINER = (
     "max_tokens_per_row",
     "epochs_per_step",
     "max_grad_norm",
+    *TrainingScaleSettings.model_fields,
     "seed",
     "keep_adapters",
     "poll_interval",

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, SecretSt
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, masked
+from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
 TINY_INSTRUCT_MODEL_ID = "rlproxy/tiny-qwen2-instruct"
@@ -109,30 +110,6 @@ class PromotionSettings(BaseModel):
     )
 
 
-class ReplicaSettings(BaseModel):
-    """Several vLLM replicas behind one gateway (gateway/engines/vllm/replicas.py) and which devices
-    each process gets (gateway/devices.py): flags of `Settings`, in a class of their own for its size."""
-
-    vllm_replicas: int = Field(
-        1, ge=1, le=64, description="vLLM servers rlproxy starts (each its own process, socket or port, and log)"
-    )
-    vllm_devices: str | None = Field(
-        None,
-        description="the GPUs of each vLLM rlproxy starts, replicas split by ';' (0,1;2,3: two replicas of two "
-        "GPUs); default: the GPU --gpu-mode picks, for one replica",
-    )
-    trainer_devices: str | None = Field(
-        None,
-        description="the trainer's GPUs (0 or 2,3), its CUDA_VISIBLE_DEVICES whether the gateway starts it or "
-        "`rlproxy train` runs by hand; checked against --vllm-devices",
-    )
-    routing: Literal["affinity", "least-loaded", "round-robin"] = Field(
-        "affinity",
-        description="how calls pick a vLLM replica: affinity keeps a session on one (its prompt prefix is cached "
-        "there) within a load bound; least-loaded and round-robin ignore the session",
-    )
-
-
 def _urls(value: object) -> object:
     """--vllm-url, repeatable; RLPROXY_VLLM_URL holds one URL or a JSON list of them."""
     if isinstance(value, str):
@@ -141,7 +118,7 @@ def _urls(value: object) -> object:
 
 
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
-class Settings(BaseSettings, PromotionSettings, ReplicaSettings):
+class Settings(BaseSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings):
     model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
 
     # -- service

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from gateway.errors import RLProxyError
 from gateway.settings import Settings
 from trainer.backends.base import TrainingBackend
+from trainer.distributed.share import rank_rows, sync, team_metrics
 from trainer.losses import compute_loss
-from trainer.packing import pack
 from trainer.types import LossConfig, LossNorm, Sample
 
 
@@ -59,60 +59,88 @@ def train_step(
     (mismatch_logprob_abs, tis_weight_mean, tis_capped_fraction,
     behaviour_unknown_fraction; means over passes), grad_norm (last pass), tokens,
     loss_tokens, samples, rows, old_policy_seconds, reference_seconds (the base model's
-    forward), train_seconds. Raises `NonFiniteStep` (with the weights restored) when a loss
-    or gradient norm is not finite."""
+    forward), train_seconds, and under a team (`trainer.distributed`) the ranks' figures
+    (`team_metrics`). Raises `NonFiniteStep` (with the weights restored) when a loss or
+    gradient norm is not finite, on every rank of a team alike.
+
+    Under a team every rank calls this with the whole batch (rank 0 announces it): each trains
+    its rows (`trainer.distributed.split`) against the batch's own normalisers, so the reduced
+    gradient is the one process's."""
     if not samples:
         raise ValueError("train_step needs at least one sample")
+    if backend.team is None:
+        return _train_step(backend, samples, settings, token_budget)
+    with backend.team.command("grpo", list(samples), token_budget):
+        return _train_step(backend, samples, settings, token_budget)
+
+
+def _train_step(
+    backend: TrainingBackend, samples: Sequence[Sample], settings: Settings, token_budget: int | None
+) -> dict[str, float | None]:
+    team = backend.team
     started = time.perf_counter()
     config = loss_config(settings, token_budget)
-    rows = pack(samples, settings.max_tokens_per_row)
+    rows, padding = rank_rows(backend, samples, settings.max_tokens_per_row)
     norm = LossNorm.from_samples(samples)
     device = backend.device
     import torch
 
+    passes_of_rows = rows + padding
     # The reference model does not change during the step: one forward per row. Run with
     # beta = 0 too: the KL to the base is how drift (a reward being gamed) shows on the dashboard.
     ref_started = time.perf_counter()
-    refs = [backend.reference_logprobs(row) for row in rows]
+    refs = [backend.reference_logprobs(row) for row in passes_of_rows]
     ref_seconds = time.perf_counter() - ref_started
     reuse_first_pass = settings.epochs_per_step == 1 and settings.lora_dropout == 0
     old_started = time.perf_counter()
-    olds: list[torch.Tensor | None] = [None] * len(rows)
+    olds: list[torch.Tensor | None] = [None] * len(passes_of_rows)
     if not reuse_first_pass:
         with torch.no_grad():
-            olds = [backend.token_logprobs(row).detach() for row in rows]
+            olds = [backend.token_logprobs(row).detach() for row in passes_of_rows]
     old_seconds = time.perf_counter() - old_started
 
     # A later pass that fails must not leave the earlier passes' updates behind.
     snapshot = backend.snapshot() if settings.epochs_per_step > 1 else None
     totals: dict[str, float] = {}
     grad_norm = 0.0
+    scale = backend.replication.loss_scale if backend.replication is not None else 1.0
     try:
         for _ in range(settings.epochs_per_step):
             backend.zero_grad()
-            for index, (row, ref_T) in enumerate(zip(rows, refs, strict=False)):
-                logprobs_T = backend.token_logprobs(row)
-                old_T = olds[index]
-                if old_T is None:
-                    old_T = olds[index] = logprobs_T.detach()
-                loss, metrics = compute_loss(
-                    logprobs=logprobs_T,
-                    old_logprobs=old_T,
-                    behaviour_logprobs=row.old_logprobs_T.to(device),
-                    advantages=row.advantages_T.to(device),
-                    loss_mask=row.loss_mask_T.to(device),
-                    segment_ids=row.segment_ids_T.to(device),
-                    trajectory_tokens=row.trajectory_tokens_T.to(device),
-                    config=config,
-                    ref_logprobs=ref_T,
-                    norm=norm,
-                    weights=row.weights_T.to(device),
-                )
-                if not math.isfinite(metrics["loss"]):
-                    raise NonFiniteStep(f"the loss of row {index} is {metrics['loss']}")
-                loss.backward()
+            not_finite: str | None = None
+            for index, (row, ref_T) in enumerate(zip(passes_of_rows, refs, strict=True)):
+                with sync(backend, last=index == len(passes_of_rows) - 1):
+                    logprobs_T = backend.token_logprobs(row)
+                    if index >= len(
+                        rows
+                    ):  # a padding pass that keeps this rank in step with the others; trains nothing
+                        (logprobs_T.sum() * 0.0).backward()
+                        continue
+                    old_T = olds[index]
+                    if old_T is None:
+                        old_T = olds[index] = logprobs_T.detach()
+                    loss, metrics = compute_loss(
+                        logprobs=logprobs_T,
+                        old_logprobs=old_T,
+                        behaviour_logprobs=row.old_logprobs_T.to(device),
+                        advantages=row.advantages_T.to(device),
+                        loss_mask=row.loss_mask_T.to(device),
+                        segment_ids=row.segment_ids_T.to(device),
+                        trajectory_tokens=row.trajectory_tokens_T.to(device),
+                        config=config,
+                        ref_logprobs=ref_T,
+                        norm=norm,
+                        weights=row.weights_T.to(device),
+                    )
+                    if not math.isfinite(metrics["loss"]):
+                        not_finite = not_finite or f"the loss of row {index} is {metrics['loss']}"
+                        if team is None:
+                            raise NonFiniteStep(not_finite)
+                    (loss * scale if scale != 1.0 else loss).backward()  # the ranks' average is the batch's sum
                 for key, value in metrics.items():  # each row's share: they add up to the batch's
                     totals[key] = totals.get(key, 0.0) + value
+            if team is not None and team.any(not_finite is not None):  # every rank stops, or none
+                raise NonFiniteStep(not_finite or "a loss on another training rank is not finite")
             grad_norm = backend.optimizer_step(require_finite=True)
             if not math.isfinite(grad_norm):
                 raise NonFiniteStep(f"the gradient norm is {grad_norm}")
@@ -123,15 +151,20 @@ def train_step(
         raise
 
     passes = settings.epochs_per_step
+    if team is not None:
+        keys = team.union(totals)
+        totals = dict(zip(keys, team.sum([totals.get(key, 0.0) for key in keys]), strict=True))
     out: dict[str, float | None] = {key: value / passes for key, value in totals.items()}
     out.update(
         grad_norm=grad_norm,
         tokens=sum(len(s.token_ids) for s in samples),
         loss_tokens=norm.num_loss_tokens,
         samples=len(samples),
-        rows=len(rows),
+        rows=len(rows) if team is None else int(team.sum([float(len(rows))])[0]),
         old_policy_seconds=old_seconds,
         reference_seconds=ref_seconds,
         train_seconds=time.perf_counter() - started,
     )
+    if team is not None:
+        out.update(team_metrics(team, rows, out["train_seconds"] or 0.0))
     return out

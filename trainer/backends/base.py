@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # torch stays out of import time for code that only needs the
     from peft import PeftModel
 
     from gateway.settings import Settings
+    from trainer.distributed.team import Team
+    from trainer.distributed.wrap import Replication
     from trainer.packing import PackedRow
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -51,18 +53,64 @@ _RUN_SETTINGS = ("lr", "weight_decay")
 
 
 def save_peft_checkpoint(
-    model: PeftModel, optimizer: torch.optim.Optimizer, directory: Path, **save_options: Any
+    model: PeftModel,
+    optimizer: torch.optim.Optimizer,
+    directory: Path,
+    *,
+    full: dict | None = None,
+    **save_options: Any,
 ) -> None:
     """The adapter in PEFT format plus the optimizer state, checked: a library version
-    that names its files otherwise must not pass silently."""
+    that names its files otherwise must not pass silently. `full`: the state several ranks
+    gathered (`trainer.distributed.wrap.Replication.full_state`), written as one process writes its own."""
     import torch
 
     directory = Path(directory)
+    optimizer_state = optimizer.state_dict()
+    if full is not None:
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        save_options["state_dict"] = dict(zip(names, full["params"], strict=True))
+        optimizer_state = full["optimizer"]
     model.save_pretrained(str(directory), **save_options)
     missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
     if missing:
         raise RuntimeError(f"save_pretrained did not write {', '.join(missing)} in {directory}")
-    torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    torch.save(optimizer_state, directory / OPTIMIZER_FILE)
+
+
+def read_full_checkpoint(model: PeftModel, optimizer: torch.optim.Optimizer, directory: Path) -> dict:
+    """A `save_peft_checkpoint` directory as the whole state `Replication.set_full_state` puts back
+    on every rank: the trained parameters in `model.parameters()` order, the optimizer state with
+    this run's learning rate and weight decay. Read by rank 0 alone."""
+    import torch
+    from safetensors.torch import load_file
+
+    from gateway.errors import ConfigError
+
+    directory = Path(directory)
+    weights = load_file(directory / ADAPTER_FILES[1], device="cpu")
+    adapter = getattr(model, "active_adapter", "default")
+    params = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        key = name.replace(f".{adapter}.", ".")  # peft's file names leave the adapter's name out
+        if key not in weights:
+            raise ConfigError(
+                f"checkpoint {directory} does not fit this adapter (no weights for {key}); it was trained "
+                "with other LoRA settings or another base model"
+            )
+        params.append(weights.pop(key))
+    if weights:
+        raise ConfigError(
+            f"checkpoint {directory} does not fit this adapter (unexpected weights such as {next(iter(weights))}); "
+            "it was trained with other LoRA settings or another base model"
+        )
+    saved = None
+    optimizer_file = directory / OPTIMIZER_FILE
+    if optimizer_file.is_file():
+        saved = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+    return {"params": params, "optimizer": saved}
 
 
 def load_peft_checkpoint(
@@ -116,9 +164,27 @@ class TrainingBackend(ABC):
     """The base model with the adapter attached (set by the subclass before `init_optimizer`)."""
     optimizer: torch.optim.Optimizer
     _params: list[torch.nn.Parameter]
+    team: Team | None = None
+    """The ranks this backend trains with (`attach_team`); None: one process."""
+    replication: Replication | None = None
+    _snapshots_taken = 0
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+
+    def attach_team(self, team: Team) -> None:
+        """Train with the other ranks of `team` (every rank calls this once, after construction):
+        the model wrapped for DDP or FSDP2, the optimizer made again over the wrapped parameters."""
+        from trainer.distributed.wrap import Replication
+
+        self.team = team
+        self.replication = Replication(self.model, team)
+        self._new_optimizer()
+
+    @property
+    def forward_model(self) -> torch.nn.Module:
+        """What the trained (gradient) forwards call: the DDP wrapper under a team, else the model."""
+        return self.replication.forward_model if self.replication is not None else self.model
 
     # -- what the model is
     @property
@@ -159,7 +225,13 @@ class TrainingBackend(ABC):
     def init_optimizer(self) -> None:
         """AdamW at `learning_rate` and `weight_decay` (0 by default, as in TRL and
         transformers; torch's own default is 0.01) over `self.model`'s trainable (LoRA)
-        parameters; call it once the adapter is attached. The methods below work on what it sets."""
+        parameters; call it once the adapter is attached. The methods below work on what it sets.
+        Under a team every rank starts a fresh optimizer too."""
+        if self.team is not None:
+            self.team.announce("init_optimizer")
+        self._new_optimizer()
+
+    def _new_optimizer(self) -> None:
         import torch
 
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -180,7 +252,9 @@ class TrainingBackend(ABC):
 
         import torch
 
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
+        full_tensor = getattr(norm, "full_tensor", None)  # sharded gradients: the norm over every rank's shards
+        grad_norm = float(full_tensor() if full_tensor is not None else norm)
         if not require_finite or math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,32 +262,45 @@ class TrainingBackend(ABC):
 
     def snapshot(self) -> dict:
         """A copy of the adapter weights and the optimizer state, for `restore`. Kept in host
-        memory: on a GPU shared with a sleeping vLLM every megabyte of device memory counts."""
-        import torch
+        memory: on a GPU shared with a sleeping vLLM every megabyte of device memory counts.
+        Under a team each rank copies what it holds (its shards under FSDP2)."""
+        from trainer.distributed.wrap import _local
 
-        def to_host(value: object) -> object:
-            if isinstance(value, torch.Tensor):
-                return value.detach().to("cpu", copy=True)
-            if isinstance(value, dict):
-                return {k: to_host(v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [to_host(v) for v in value]
-            return value
+        number = self._snapshots_taken = self._snapshots_taken + 1
+        if self.team is not None:
+            self.team.announce("snapshot", number)
 
-        return {"params": [to_host(p) for p in self._params], "optimizer": to_host(self.optimizer.state_dict())}
+        def host(value: torch.Tensor) -> torch.Tensor:
+            return _local(value).detach().to("cpu", copy=True)
+
+        return {
+            "id": number,  # the other ranks keep theirs under the same number
+            "params": [host(p) for p in self._params],
+            "optimizer": [{k: host(v) for k, v in self.optimizer.state.get(p, {}).items()} for p in self._params],
+        }
 
     def restore(self, snapshot: dict) -> None:
-        """Put back what `snapshot` copied: a step that failed half-way leaves no trace."""
+        """Put back what `snapshot` copied: a step that failed half-way leaves no trace. Under a team
+        every rank puts back its own copy of the same number."""
         import torch
 
+        from trainer.distributed.wrap import _local
+
+        if self.team is not None:
+            self.team.announce("restore", snapshot["id"])
         with torch.no_grad():
-            for param, saved in zip(self._params, snapshot["params"], strict=False):
-                param.copy_(saved)
-        self.optimizer.load_state_dict(snapshot["optimizer"])
+            for param, saved, state in zip(self._params, snapshot["params"], snapshot["optimizer"], strict=True):
+                _local(param).copy_(saved)
+                if not state:
+                    self.optimizer.state.pop(param, None)  # the step that made the moments is undone
+                    continue
+                current = self.optimizer.state[param]
+                for key, value in state.items():
+                    _local(current[key]).copy_(value)
 
     # -- files
     @abstractmethod
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path | None) -> None:
         """Write the adapter in PEFT format (`ADAPTER_FILES`) and the optimizer state
         (`OPTIMIZER_FILE`) into an existing, empty `directory`. Atomicity is the
         caller's job (`trainer.checkpoints` writes to a temporary directory)."""
@@ -222,6 +309,12 @@ class TrainingBackend(ABC):
     def load(self, directory: Path) -> None:
         """Restore the adapter weights and, when `OPTIMIZER_FILE` is there, the optimizer
         state from a directory `save` wrote."""
+
+    def load_full(self, full: dict) -> None:
+        """Every rank of a team: the whole state rank 0 read (`read_full_checkpoint`), each keeping its part."""
+        if self.replication is None:
+            raise RuntimeError("load_full is for the ranks of a team")
+        self.replication.set_full_state(self._params, self.optimizer, full["params"], full["optimizer"])
 
     # -- introspection
     def trainable_parameters(self) -> int:

@@ -20,6 +20,7 @@ from trainer.backends.base import (
     LORA_TARGET_MODULES,
     TrainingBackend,
     load_peft_checkpoint,
+    read_full_checkpoint,
     save_peft_checkpoint,
 )
 from trainer.packing import PackedRow, token_logprobs
@@ -110,7 +111,7 @@ class PeftBackend(TrainingBackend):
 
     # -- forward passes
     def token_logprobs(self, row: PackedRow) -> torch.Tensor:
-        return token_logprobs(self.model, row)
+        return token_logprobs(self.forward_model, row)
 
     @torch.no_grad()
     def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
@@ -118,12 +119,29 @@ class PeftBackend(TrainingBackend):
             return token_logprobs(self.model, row)
 
     # -- files
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path | None) -> None:
+        """Under a team every rank calls this (gathering is a collective); rank 0 writes `directory`."""
+        full = None
+        if self.team is not None:
+            self.team.announce("save")
+            assert self.replication is not None
+            full = self.replication.full_state(self._params, self.optimizer)
+            if full is None:
+                return
+        if directory is None:
+            raise ValueError("save needs a directory on rank 0")
         # Only the LoRA weights: the base embeddings are never trained (peft would otherwise copy
         # the tiny model's tied embedding matrix into every checkpoint).
         save_peft_checkpoint(
-            self.model, self.optimizer, directory, safe_serialization=True, save_embedding_layers=False
+            self.model, self.optimizer, directory, full=full, safe_serialization=True, save_embedding_layers=False
         )
 
     def load(self, directory: Path) -> None:
-        load_peft_checkpoint(self.model, self.optimizer, directory, self._device)
+        if self.team is None:
+            load_peft_checkpoint(self.model, self.optimizer, directory, self._device)
+            return
+        full = read_full_checkpoint(self.model, self.optimizer, directory)  # rank 0 reads, every rank loads
+        if full["optimizer"] is None:
+            log.warning("checkpoint %s has no optimizer state: the optimizer restarts from zero", directory)
+        self.team.announce("load", full)
+        self.load_full(full)

@@ -256,7 +256,9 @@ class UnslothBackend(TrainingBackend):
             return self.token_logprobs(row)
 
     # -- files
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path | None) -> None:
+        if directory is None:  # only the ranks of a team save without a directory; Unsloth trains alone
+            raise ValueError("the unsloth backend saves into a directory")
         # PEFT format, what vLLM loads; without the embedding layers (Unsloth would otherwise add the
         # full embed/head matrices when it resized or touched them: GBs that vLLM's LoRA loader rejects)
         save_peft_checkpoint(self.model, self.optimizer, directory, save_embedding_layers=False)

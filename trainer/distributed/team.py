@@ -1,0 +1,227 @@
+"""The trainer's ranks as one team: the process group, the device of each rank, the collectives.
+
+Ranks are started by torchrun's launcher (`rlproxy train --nproc N` runs it on this machine;
+`torchrun --nnodes M ...` across machines), which sets RANK, WORLD_SIZE, LOCAL_RANK and the
+rendezvous in the environment. Rank 0 leads: it alone talks to the store and writes checkpoints,
+and it announces each collective step of the run (`announce`) so the other ranks, which wait in
+`receive`, run the same one at the same time (`trainer.follower`).
+
+Commands and scalars travel over a gloo group (CPU tensors) whatever the backend: on CUDA the
+gradients go over NCCL, the small control messages stay off the GPU streams.
+
+A collective that fails (a rank died, its connection dropped, nothing came within
+`--dist-timeout`) raises `TeamBroken` with the reason: the team cannot take another step together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from gateway.errors import ConfigError, RLProxyError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from gateway.settings import Settings
+
+log = logging.getLogger("rlproxy.trainer")
+
+
+class TeamBroken(RLProxyError):
+    """A rank of the training team is gone or out of step: the run ends on every rank."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+def world_size_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """WORLD_SIZE as torchrun set it; 1 when this process was not started by it."""
+    try:
+        return max(1, int(environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={environ.get('WORLD_SIZE')!r} is not a number of processes") from None
+
+
+@dataclass
+class Team:
+    """This process's place in the team and the collectives the trainer uses."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    shard: str
+    """"none" (DDP: every rank holds the whole model) or "full" (FSDP2)."""
+    control: ProcessGroup | None = None
+    """gloo group for commands and scalars (None: the default group is gloo)."""
+    collective_seconds: float = field(default=0.0)
+    """Seconds spent waiting in the gradient all-reduce since the last `take_collective_seconds`."""
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    _depth: int = field(default=0)
+    """Commands under way: what a command does inside is not announced again (every rank does it)."""
+
+    # -- commands (rank 0 -> every rank)
+    def announce(self, name: str, *args: Any) -> None:
+        """Rank 0: tell the other ranks which collective step comes next (no-op elsewhere, and
+        inside a command, whose every rank reaches the same calls by itself)."""
+        if self.is_leader and self._depth == 0:
+            self._broadcast([name, args])
+
+    @contextlib.contextmanager
+    def command(self, name: str, *args: Any) -> Iterator[None]:
+        """Announce `name` (rank 0) and run the block as that command on this rank."""
+        self.announce(name, *args)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def receive(self) -> tuple[str, tuple]:
+        """Another rank: wait for rank 0's next command."""
+        name, args = self._broadcast([None, None])
+        return name, tuple(args)
+
+    def _broadcast(self, message: list) -> list:
+        import torch.distributed as dist
+
+        with self.collective("waiting for rank 0's next command" if not self.is_leader else "sending a command"):
+            dist.broadcast_object_list(message, src=0, group=self.control)
+        return message
+
+    # -- scalars (every rank)
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over the ranks (float64)."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64)
+        with self.collective("summing metrics"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.control)
+        return tensor.tolist()
+
+    def max(self, value: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.float64)
+        with self.collective("agreeing on a maximum"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control)
+        return float(tensor.item())
+
+    def gather(self, value: float) -> list[float]:
+        """Every rank's `value`, in rank order, on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        out = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world_size)]
+        with self.collective("gathering per-rank figures"):
+            dist.all_gather(out, torch.tensor([value], dtype=torch.float64), group=self.control)
+        return [float(t.item()) for t in out]
+
+    def union(self, keys: object) -> list[str]:
+        """The sorted union of every rank's `keys` (a rank with no rows has no metrics of its own)."""
+        import torch.distributed as dist
+
+        out: list[list[str]] = [[] for _ in range(self.world_size)]
+        with self.collective("gathering metric names"):
+            dist.all_gather_object(out, sorted(keys), group=self.control)  # type: ignore[call-overload]
+        return sorted({key for rank_keys in out for key in rank_keys})
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is true on at least one rank."""
+        return self.max(1.0 if flag else 0.0) > 0
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Turn a failed collective into `TeamBroken`, naming what the team was doing."""
+        try:
+            yield
+        except TeamBroken:
+            raise
+        except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses: a peer gone, a time-out
+            raise TeamBroken(
+                f"training rank {self.rank} of {self.world_size}: the team broke while {what} ({exc}); "
+                "a rank died or stalled past --dist-timeout. The step is not recorded; restart the trainer"
+            ) from exc
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the seconds spent in the block as gradient communication (`take_collective_seconds`)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.collective_seconds += time.perf_counter() - started
+
+    def take_collective_seconds(self) -> float:
+        seconds, self.collective_seconds = self.collective_seconds, 0.0
+        return seconds
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def device_for_rank(settings: Settings, local_rank: int) -> str:
+    """The device a rank trains on: `--device cuda` gives rank r the r-th visible GPU."""
+    import torch
+
+    if not settings.device.startswith("cuda"):
+        return settings.device
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise ConfigError(
+            f"training rank {local_rank} needs a GPU of its own, but {visible} are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give --trainer-devices "
+            "as many GPUs as --nproc, or fewer processes"
+        )
+    return f"cuda:{local_rank}"
+
+
+def join(settings: Settings) -> Team | None:
+    """Join the team torchrun started this process in (None when it runs alone). Sets the rank's
+    device in `settings.device` terms and its share of the CPU threads."""
+    world = world_size_from_env()
+    if world <= 1:
+        return None
+    if settings.backend == "unsloth":
+        raise ConfigError("--backend unsloth trains in one process: leave out --nproc (or use --backend peft)")
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = torch.device(device_for_rank(settings, local_rank))
+    if device.type == "cpu":
+        # Each rank its share of this machine's cores: N ranks each spinning one thread per core
+        # run many times slower than N ranks of cores/N threads.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    else:
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=settings.dist_timeout)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    log.info(
+        "trainer rank %d of %d (pid %d) on %s, %s, shard %s", rank, world, os.getpid(), device, backend, settings.shard
+    )
+    return Team(
+        rank=rank, world_size=world, local_rank=local_rank, device=device, shard=settings.shard, control=control
+    )
