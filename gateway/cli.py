@@ -188,10 +188,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     _configure_logging(settings)
-    log_settings(settings, logging.getLogger("rlproxy.trainer"), "train")
     # --trainer-devices run by hand: CUDA reads CUDA_VISIBLE_DEVICES once, when torch first uses it,
     # so it is set before the trainer (and torch) is imported.
     trainer_environment(settings, os.environ)
+    if settings.nproc > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks, which train
+        from trainer.distributed.launch import launch
+
+        return launch(args.argv, settings.nproc)
+    if os.environ.get("RANK", "0") == "0":
+        log_settings(settings, logging.getLogger("rlproxy.trainer"), "train")
     from gateway.colocate import needs_gpu_lease, wait_for_vllm
     from trainer.worker import run_worker
 
@@ -362,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `train --nproc N` starts its ranks with them
     _, handler, _ = COMMANDS[args.command]
     try:
         return handler(args) or 0

@@ -13,6 +13,7 @@ cannot work is refused with its reason instead of failing minutes later as an ou
 
 from __future__ import annotations
 
+import os
 from collections.abc import MutableMapping
 
 from gateway.errors import ConfigError
@@ -96,6 +97,23 @@ def check_flags(settings: Settings) -> None:
         last = settings.vllm_port + settings.vllm_replicas - 1
         if last > 65535:
             raise ConfigError(f"--vllm-port {settings.vllm_port} leaves no room for {settings.vllm_replicas} ports")
+    check_ranks(settings)
+
+
+def check_ranks(settings: Settings) -> None:
+    """--nproc (or, under torchrun, its WORLD_SIZE) against the backend and --shard."""
+    world = os.environ.get("WORLD_SIZE", "")
+    ranks = int(world) if world.isdigit() else settings.nproc
+    if ranks > 1 and settings.backend == "unsloth":
+        raise ConfigError(
+            f"--backend unsloth trains in one process, not {ranks}: leave out --nproc (or use --backend peft, "
+            "which runs on several with DDP or --shard full)"
+        )
+    if ranks == 1 and settings.shard == "full":
+        raise ConfigError(
+            "--shard full splits the model's weights across training processes, and there is one: give "
+            "--nproc N (one device each), or leave out --shard"
+        )
 
 
 def trainer_devices(settings: Settings) -> str | None:
@@ -111,6 +129,11 @@ def trainer_devices(settings: Settings) -> str | None:
         raise ConfigError(
             f"--device {settings.device} with --trainer-devices '{settings.trainer_devices}': the trainer sees its "
             f"{len(groups[0])} GPU(s) as cuda:0 to cuda:{len(groups[0]) - 1}; use --device cuda"
+        )
+    if settings.device.startswith("cuda") and settings.nproc > len(groups[0]):
+        raise ConfigError(
+            f"--nproc {settings.nproc} with --trainer-devices '{settings.trainer_devices}': each training process "
+            f"needs a GPU of its own, and {len(groups[0])} are given; name {settings.nproc} GPUs or start fewer"
         )
     return visible(groups[0])
 

@@ -14,17 +14,35 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from trainer.publish import _test_pause as test_pause
 from trainer.sft.step import sft_loss, sft_step
 from trainer.step import NonFiniteStep, train_step
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
     from trainer.backends.base import TrainingBackend
+    from trainer.distributed.team import Team
 
 log = logging.getLogger("rlproxy.trainer")
 
 KEPT_SNAPSHOTS = 4
 """Snapshots a follower keeps (rank 0 nests at most two: the step's and its passes')."""
+
+
+def run_follower(settings: Settings, team: Team) -> int:
+    """A rank other than 0, from start to end: the backend loaded, wrapped with the team's, then
+    rank 0's commands followed. Returns the number of steps trained."""
+    import torch
+
+    from trainer.backends import get_backend
+
+    torch.manual_seed(settings.seed)
+    backend = get_backend(settings.backend)(settings)
+    try:
+        backend.attach_team(team)
+        return follow(backend, settings)
+    finally:
+        team.close()
 
 
 def follow(backend: TrainingBackend, settings: Settings) -> int:
@@ -42,6 +60,7 @@ def follow(backend: TrainingBackend, settings: Settings) -> int:
         if name == "idle":
             continue
         if name in ("grpo", "sft"):
+            test_pause("follower", steps)
             try:
                 if name == "grpo":
                     train_step(backend, args[0], settings, token_budget=args[1])

@@ -342,8 +342,9 @@ def _test_pause(phase: str, step: int) -> None:
     """Test hook: `RLPROXY_TEST_PAUSE_AT=train,record` makes the worker announce the phase
     on stderr and sleep (`RLPROXY_TEST_PAUSE_SECONDS`, default 60) so a test can kill it
     there. `train`: after the update, before the checkpoint; `record`: after the
-    checkpoint, before the step row. Unset in normal runs."""
+    checkpoint, before the step row; `follower`: a rank other than 0 as its step begins (rank 0
+    waits for it inside the step). Unset in normal runs."""
     phases = os.environ.get("RLPROXY_TEST_PAUSE_AT", "")
     if phase in phases.split(","):
-        print(f"rlproxy-test-pause: {phase} step {step}", file=sys.stderr, flush=True)
+        print(f"rlproxy-test-pause: {phase} step {step} (pid {os.getpid()})", file=sys.stderr, flush=True)
         time.sleep(float(os.environ.get("RLPROXY_TEST_PAUSE_SECONDS", "60")))

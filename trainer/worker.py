@@ -54,6 +54,7 @@ from gateway.store import SessionFilter, Store
 from gateway.store.open import open_store
 from trainer import checkpoints as ckpts
 from trainer.attempts import Attempts
+from trainer.distributed.team import Team, TeamBroken
 from trainer.lock import take_lock
 from trainer.publish import gpu_lease, log_step, plan_step, train_and_record
 from trainer.render import ChatTemplateRenderer
@@ -72,8 +73,11 @@ class TrainerWorker:
     model), `resume` (checkpoints reconciled with the store), `selection` (the groups of a
     step), `publish` (train, checkpoint, record), `attempts` (failed steps)."""
 
-    def __init__(self, settings: Settings, store: Store | None = None, objective: str = "grpo") -> None:
+    def __init__(
+        self, settings: Settings, store: Store | None = None, objective: str = "grpo", team: Team | None = None
+    ) -> None:
         self.settings = settings
+        self.team = team  # several ranks (`trainer.distributed`): this worker is rank 0, the others follow
         self.objective = objective  # "grpo", or "sft" (`trainer.sft.run`)
         self.model = settings.model_name
         self._own_store = store is None
@@ -104,12 +108,14 @@ class TrainerWorker:
 
         torch.manual_seed(self.settings.seed)
         threads = os.environ.get("RLPROXY_TORCH_THREADS")
-        if threads:
+        if threads and self.team is None:  # a rank's share was set when it joined
             # Beside a local engine on the same cores, two processes each spinning one
             # OpenMP thread per core make both many times slower: `serve` gives each half.
             torch.set_num_threads(int(threads))
         started = time.perf_counter()
-        backend = self.backend = get_backend(self.settings.backend)(self.settings)
+        backend = self.backend = get_backend(self.settings.backend)(rank_settings(self.settings, self.team))
+        if self.team is not None:
+            backend.attach_team(self.team)
         self.render = ChatTemplateRenderer(backend.tokenizer)
         log.info(
             "trainer: %s on %s, %d LoRA parameters, loaded in %.1f s",
@@ -128,6 +134,11 @@ class TrainerWorker:
         return self.backend
 
     def close(self) -> None:
+        if self.team is not None:
+            with contextlib.suppress(TeamBroken):
+                self.team.announce("stop")  # the other ranks end their run with this one's
+            self.team.close()
+            self.team = None
         self.reporter.close()
         if self._own_store:
             asyncio.run(self.store.close())  # no writer task: this only closes the connections
@@ -155,7 +166,7 @@ class TrainerWorker:
             log.info("trainer: %s", reason)
         self._held_for = reason
         if reason is not None:
-            stop_event.wait(self.settings.poll_interval)
+            self._pause(stop_event)
             return True
         self.weights_step = go_on_from_serving(self.store, self.model, self.root, self.weights_step, self._load)
         return False
@@ -199,6 +210,12 @@ class TrainerWorker:
         self.token_budget = None
 
     # ------------------------------------------------------------------ loop
+
+    def _pause(self, stop_event: threading.Event) -> None:
+        """Wait a poll interval; the other ranks, waiting for the next step, hear that rank 0 is alive."""
+        stop_event.wait(self.settings.poll_interval)
+        if self.team is not None:
+            self.team.announce("idle")
 
     def groups_to_train(self) -> list[dict] | None:
         """The groups of the next step, or None while there are too few. Ready groups
@@ -255,6 +272,12 @@ class TrainerWorker:
                 )
                 if lease is not None and metrics is not None:
                     lease.step = plan.step  # the gateway loads NAME@step when it takes the GPU back
+        except TeamBroken as exc:
+            # A rank is gone: the claim is given back with the attempt counted (as when one process
+            # dies mid-step), and the run ends; a restart trains these groups again.
+            with contextlib.suppress(StoreUnavailable):
+                self.store.release_step(trained, error=exc.message)
+            raise
         except (EngineUnavailable, ConfigError, StoreUnavailable):
             # Not the batch's fault: give the attempt back; the run loop waits for the engine or
             # the store (a store that cannot take this either is reconciled by `_resume`).
@@ -298,17 +321,17 @@ class TrainerWorker:
                     continue
                 groups = self.groups_to_train()
                 if groups is None:
-                    stop_event.wait(self.settings.poll_interval)
+                    self._pause(stop_event)
                     continue
                 trained = self.train_once(groups)
             except EngineUnavailable as exc:  # the gateway did not lend the GPU: try again later
                 log.warning("step %d postponed: %s", self.next_step, exc.message)
-                stop_event.wait(self.settings.poll_interval)
+                self._pause(stop_event)
                 continue
             except StoreUnavailable as exc:  # full disk, lock, ...: wait for it, as the gateway does
                 log.warning("step %d waits for the store: %s", self.next_step, exc.message)
                 store_failed = True
-                stop_event.wait(self.settings.poll_interval)
+                self._pause(stop_event)
                 continue
             if trained is not None:
                 done += 1
@@ -324,7 +347,14 @@ def run_worker(
     """Start a worker (resuming from the newest checkpoint) and train until stopped or
     `max_steps` steps are done: GRPO on ready groups, or with `sft` a supervised run over the
     sessions it selects (`trainer.sft.run`). Returns the number of steps trained."""
-    worker = TrainerWorker(settings, objective="sft" if sft is not None else "grpo")
+    from trainer.distributed.team import join
+
+    team = join(settings)  # None alone; under torchrun this process's rank
+    if team is not None and not team.is_leader:
+        from trainer.follower import run_follower
+
+        return run_follower(rank_settings(settings, team), team)
+    worker = TrainerWorker(settings, objective="sft" if sft is not None else "grpo", team=team)
     try:
         worker.start()
         if sft is not None:
@@ -341,6 +371,11 @@ def run_worker(
         return worker.run(stop_event, max_steps)
     finally:
         worker.close()
+
+
+def rank_settings(settings: Settings, team: Team | None) -> Settings:
+    """The settings a rank's backend loads with: its own device (cuda:LOCAL_RANK under a team)."""
+    return settings if team is None else settings.model_copy(update={"device": str(team.device)})
 
 
 @dataclass(frozen=True)

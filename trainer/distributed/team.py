@@ -212,7 +212,9 @@ def join(settings: Settings) -> Team | None:
     if device.type == "cpu":
         # Each rank its share of this machine's cores: N ranks each spinning one thread per core
         # run many times slower than N ranks of cores/N threads.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        budget = os.environ.get("RLPROXY_TORCH_THREADS", "")  # the share `serve` or the demo gives the trainer
+        cores = int(budget) if budget.isdigit() else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_world))
     else:
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=settings.dist_timeout)

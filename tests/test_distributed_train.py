@@ -1,0 +1,132 @@
+"""`rlproxy train --nproc 2`: two ranks (torchrun's launcher, gloo on CPU) train the step one process
+trains, write the same step rows and checkpoints, resume with another number of processes, and end
+the run cleanly when a rank dies mid-step: the claim is given back with the attempt counted, and a
+restart trains the groups.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers_trainer import Recorder, trainer_settings
+
+FLAGS = [
+    "--groups-per-step", "2", "--lora-rank", "4", "--lora-alpha", "8", "--learning-rate", "1e-3",
+    "--max-tokens-per-row", "256", "--poll-interval", "0.05",
+]  # fmt: skip
+
+
+def fill(state_dir: Path, names: tuple[str, ...]) -> None:
+    """Closed, rewarded groups of uneven sizes, recorded as the local engine records them."""
+    recorder = Recorder(trainer_settings(state_dir))
+    try:
+        for index, name in enumerate(names):
+            recorder.group(name, [1.0, 0.0, 0.5, 0.2, 0.9][: 3 + index % 3])
+    finally:
+        recorder.close()
+
+
+def train(state_dir: Path, *extra: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "train", "--state-dir", str(state_dir), *FLAGS, *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def checkpoint(state_dir: Path, step: int) -> Path:
+    return state_dir / "models" / "agent" / "checkpoints" / f"{step:04d}"
+
+
+def assert_same_adapter(got: Path, want: Path) -> None:
+    got_weights, want_weights = (
+        load_file(got / "adapter_model.safetensors"),
+        load_file(want / "adapter_model.safetensors"),
+    )
+    assert got_weights.keys() == want_weights.keys()
+    for key in want_weights:
+        torch.testing.assert_close(got_weights[key], want_weights[key], atol=1e-5, rtol=0, msg=key)
+
+
+def rows(state_dir: Path, sql: str) -> list[tuple]:
+    with sqlite3.connect(state_dir / "rlproxy.db") as conn:
+        return conn.execute(sql).fetchall()
+
+
+def test_two_processes_train_the_step_one_process_trains_and_either_resumes_the_other(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for state_dir in (one, two):
+        fill(state_dir, ("alpha", "beta"))
+
+    alone = train(one, "--max-steps", "1")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    together = train(two, "--max-steps", "1", "--nproc", "2")
+    assert together.returncode == 0, together.stderr[-3000:]
+    assert "trainer rank 1 of 2" in together.stderr
+
+    assert_same_adapter(checkpoint(two, 1), checkpoint(one, 1))
+    steps = rows(two, "SELECT step, json_extract(metrics, '$.ranks') FROM steps ORDER BY step")
+    assert steps == [(0, None), (1, 2.0)]  # one row per step, the one trained by two ranks
+    assert rows(one, "SELECT step FROM steps ORDER BY step") == [(0,), (1,)]
+    assert sorted(os.listdir(checkpoint(two, 1))) == sorted(os.listdir(checkpoint(one, 1)))
+
+    # The next step, on the other number of processes each: the files are the same, so are the steps.
+    for state_dir in (one, two):
+        fill(state_dir, ("gamma", "delta"))
+    assert train(one, "--max-steps", "1", "--nproc", "2").returncode == 0
+    assert train(two, "--max-steps", "1").returncode == 0
+    assert_same_adapter(checkpoint(two, 2), checkpoint(one, 2))
+
+
+def test_a_rank_killed_mid_step_ends_the_run_and_a_restart_continues(tmp_path):
+    state_dir = tmp_path / "state"
+    fill(state_dir, ("alpha", "beta"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "train", "--state-dir", str(state_dir), *FLAGS, "--nproc", "2"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RLPROXY_TEST_PAUSE_AT": "follower", "RLPROXY_TEST_PAUSE_SECONDS": "300"},
+    )
+    try:
+        log = []
+        assert proc.stderr is not None
+        for line in proc.stderr:  # rank 1 pauses as its first step begins; rank 0 waits for it inside the step
+            log.append(line)
+            if line.startswith("rlproxy-test-pause: follower"):
+                os.kill(int(line.rsplit("pid ", 1)[1].rstrip(")\n")), signal.SIGKILL)
+                break
+        else:
+            pytest.fail("rank 1 never reached its step:\n" + "".join(log[-40:]))
+        log.append(proc.stderr.read())
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "".join(log)
+    assert code != 0
+    assert "the team broke" in output  # rank 0's reason
+    assert "rank 1 exit code -9" in output  # the launcher's summary
+    claimed, attempts, error = rows(
+        state_dir, "SELECT COUNT(claimed_step), SUM(attempts), MAX(last_error) FROM groups"
+    )[0]
+    assert claimed == 0  # given back ...
+    assert attempts == 2  # ... with the attempt counted, one per group
+    assert "the team broke" in error
+    assert rows(state_dir, "SELECT COUNT(*) FROM steps WHERE step > 0") == [(0,)]
+
+    again = train(state_dir, "--max-steps", "1", "--nproc", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert rows(state_dir, "SELECT step FROM steps ORDER BY step") == [(0,), (1,)]
+    assert rows(state_dir, "SELECT COUNT(*) FROM groups WHERE trained_step = 1") == [(2,)]
