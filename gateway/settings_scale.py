@@ -49,6 +49,11 @@ class TrainingScaleSettings(BaseModel):
         description="with several training processes: none (DDP, every rank holds the whole model) or full "
         "(FSDP2: the base model's weights split across ranks, for models that do not fit one device)",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in the backward pass instead of keeping them "
+        "(--backend peft; unsloth always does): much less memory for long rows, about a third more compute",
+    )
     dist_timeout: float = Field(
         900.0,
         gt=0,

@@ -106,6 +106,39 @@ def test_train_refuses_trainer_devices_it_cannot_use(tmp_path, capsys, monkeypat
     assert "rlproxy train: --trainer-devices '0,0' names a GPU twice in one group" in capsys.readouterr().err
 
 
+TRAINER_REFUSED = {
+    "unsloth on several processes": (
+        ["--backend", "unsloth", "--nproc", "2"],
+        "--backend unsloth trains in one process, not 2: leave out --nproc",
+    ),
+    "a shard of one": (["--shard", "full"], "--shard full splits the model's weights across training processes"),
+    "more ranks than GPUs": (
+        ["--device", "cuda", "--trainer-devices", "0", "--nproc", "2"],
+        "--nproc 2 with --trainer-devices '0': each training process needs a GPU of its own, and 1 are given",
+    ),
+}
+
+
+@pytest.mark.parametrize("flags, reason", TRAINER_REFUSED.values(), ids=TRAINER_REFUSED.keys())
+def test_train_refuses_ranks_it_cannot_run(flags, reason, tmp_path, capsys, monkeypatch, signals_kept):
+    import trainer.worker
+
+    def started(*args, **kwargs):
+        raise AssertionError("the trainer started")
+
+    monkeypatch.setattr(trainer.worker, "run_worker", started)
+    monkeypatch.setattr("trainer.distributed.launch.launch", started)
+    assert main(["train", "--state-dir", str(tmp_path), *flags]) == 2
+    assert f"rlproxy train: {reason}" in capsys.readouterr().err
+
+
+def test_serve_refuses_them_too_before_it_starts_anything(tmp_path, capsys):
+    assert (
+        main(["serve", "--state-dir", str(tmp_path / "state"), "--port", "0", "--shard", "full", "--nproc", "1"]) == 2
+    )
+    assert "rlproxy serve: --shard full splits the model's weights" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- good layouts
 
 

@@ -37,10 +37,12 @@ SCENARIOS = {
     "ddp-dr_grpo": dict(shard="none", loss_type="dr_grpo", max_tokens_norm=40),
     "full-dapo-beta": dict(shard="full", loss_type="dapo", beta=0.1),
     "full-grpo-two-passes": dict(shard="full", loss_type="grpo", epochs_per_step=2),
+    "full-grpo-checkpointing": dict(shard="full", loss_type="grpo", gradient_checkpointing=True),
     "ddp-sft": dict(shard="none", objective="sft"),
     "full-sft": dict(shard="full", objective="sft"),
     "full-resume": dict(shard="full", loss_type="grpo", resume=True),
     "ddp-not-finite": dict(shard="none", loss_type="grpo", poison=True),
+    "full-not-finite": dict(shard="full", loss_type="grpo", poison=True),
 }
 
 
@@ -173,7 +175,7 @@ def two_ranks(tmp_path_factory):
     return alone, together
 
 
-@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != "ddp-not-finite"])
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if not SCENARIOS[s].get("poison")])
 def test_two_ranks_write_the_adapter_one_process_writes(two_ranks, scenario):
     alone, together = two_ranks
     assert not (together / scenario / "refused.txt").exists()
@@ -187,12 +189,11 @@ def test_the_step_trained_something(two_ranks):
     assert any(key.endswith("lora_B.weight") and value.abs().max() > 1e-4 for key, value in trained.items())
 
 
-def test_a_loss_not_finite_on_one_rank_stops_the_step_on_both(two_ranks):
+@pytest.mark.parametrize("scenario", ["ddp-not-finite", "full-not-finite"])
+def test_a_loss_not_finite_on_one_rank_stops_the_step_on_both(two_ranks, scenario):
     alone, together = two_ranks
-    assert (
-        "not finite" in (together / "ddp-not-finite" / "refused.txt").read_text()
-        or "nan" in (together / "ddp-not-finite" / "refused.txt").read_text()
-    )
-    weights = load_file(together / "ddp-not-finite" / ADAPTER_FILES[1])
+    reason = (together / scenario / "refused.txt").read_text()
+    assert "not finite" in reason  # rank 0's own loss was finite: rank 1's stopped the step on both
+    weights = load_file(together / scenario / ADAPTER_FILES[1])
     assert all(value.abs().max() == 0 for key, value in weights.items() if key.endswith("lora_B.weight"))
-    assert_same_checkpoint(together / "ddp-not-finite", alone / "ddp-not-finite")
+    assert_same_checkpoint(together / scenario, alone / scenario)

@@ -32,6 +32,27 @@ if TYPE_CHECKING:  # peft and transformers are imported when the backend is buil
 log = logging.getLogger("rlproxy.trainer")
 
 
+def check_memory(settings: Settings, source: str, device: torch.device) -> None:
+    """Refuse at start, with the numbers, a model that cannot train on this GPU (`trainer.distributed.memory`);
+    an architecture the estimate does not know trains unchecked."""
+    import os
+
+    from transformers import AutoConfig
+
+    from trainer.distributed.memory import ModelShape, check_fits
+
+    if settings.load_in_4bit:
+        return  # the estimate counts 16-bit weights
+    try:
+        shape = ModelShape.from_config(AutoConfig.from_pretrained(source).to_dict())
+    except ValueError as exc:
+        log.warning("no memory check before loading: %s", exc)
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    total = torch.cuda.get_device_properties(device).total_memory
+    check_fits(shape, settings, world, total, checkpointing=settings.gradient_checkpointing)
+
+
 def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -73,6 +94,8 @@ class PeftBackend(TrainingBackend):
 
         self._device = resolve_device(settings.device)
         source = resolve_base_model(settings.base_model, settings.state_dir)
+        if self._device.type == "cuda":
+            check_memory(settings, source, self._device)
         try:
             self._tokenizer = load_tokenizer(source, settings.chat_template)  # the template the gateway renders with
             base = AutoModelForCausalLM.from_pretrained(source, dtype=model_dtype(self._device))
@@ -97,6 +120,9 @@ class PeftBackend(TrainingBackend):
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             torch.manual_seed(settings.seed)
             self.model: PeftModel = get_peft_model(base, config)
+        if settings.gradient_checkpointing:
+            # Non-reentrant: it works under DDP and FSDP2 and needs no input that requires grad.
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.init_optimizer()
 
