@@ -205,4 +205,6 @@ def test_deploy_readme_has_the_table_the_code_makes():
         16,
         4096,
     )
-    assert memory_table() in (ROOT / "deploy" / "README.md").read_text()
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    assert memory_table() in readme
+    assert memory_table(checkpointing=True) in readme

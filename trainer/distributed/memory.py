@@ -264,11 +264,12 @@ def check_fits(
     shape: ModelShape, settings: Settings, world: int, device_bytes: int, *, checkpointing: bool = False
 ) -> Footprint:
     """The footprint of one of `world` ranks training `settings` on `shape`, or a ConfigError with the
-    numbers and what would fit (--shard full, more processes, shorter rows) when over `device_bytes`."""
+    numbers and what would fit (gradient checkpointing, --shard full, more processes, shorter rows) when over
+    `device_bytes`."""
     rank, T, shard = settings.lora_rank, settings.max_tokens_per_row, settings.shard
 
-    def need(n: int = world, s: Literal["none", "full"] = shard, t: int = T) -> int:
-        return footprint(shape, rank=rank, tokens_per_row=t, world=n, shard=s, checkpointing=checkpointing).total
+    def need(n: int = world, s: Literal["none", "full"] = shard, t: int = T, c: bool = checkpointing) -> int:
+        return footprint(shape, rank=rank, tokens_per_row=t, world=n, shard=s, checkpointing=c).total
 
     found = footprint(shape, rank=rank, tokens_per_row=T, world=world, shard=shard, checkpointing=checkpointing)
     if found.total <= device_bytes:
@@ -276,6 +277,8 @@ def check_fits(
     nprocs = [n for n in (world, *_NPROC_TRIED) if n > 1 and (n > world or shard == "none")]
     lengths = [t for t in (T >> k for k in range(1, 12)) if t >= _SHORTEST_ROW]
     fixes = []
+    if not checkpointing and need(c=True) <= device_bytes:
+        fixes.append(f"--gradient-checkpointing: ~{need(c=True) / GIB:.1f} GiB")
     sharded = [n for n in nprocs if need(n, "full") <= device_bytes]
     if sharded:
         n = sharded[0]
@@ -343,3 +346,5 @@ def memory_table(rank: int = 16, tokens_per_row: int = 4096, checkpointing: bool
 
 if __name__ == "__main__":
     print(memory_table())
+    print()
+    print(memory_table(checkpointing=True))
