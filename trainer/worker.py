@@ -350,6 +350,13 @@ def run_worker(
     from trainer.distributed.team import join
 
     team = join(settings)  # None alone; under torchrun this process's rank
+    if team is not None:
+        # A built-in model is built once per machine: its first rank builds it, the others load it.
+        if team.local_rank == 0:
+            from gateway.models.registry import resolve_base_model
+
+            resolve_base_model(settings.base_model, settings.state_dir)
+        team.sum([0.0])  # every rank waits here for the builds
     if team is not None and not team.is_leader:
         from trainer.follower import run_follower
 
