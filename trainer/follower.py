@@ -32,15 +32,10 @@ KEPT_SNAPSHOTS = 4
 def run_follower(settings: Settings, team: Team) -> int:
     """A rank other than 0, from start to end: the backend loaded, wrapped with the team's, then
     rank 0's commands followed. Returns the number of steps trained."""
-    import torch
+    from trainer.backends import load_backend
 
-    from trainer.backends import get_backend
-
-    torch.manual_seed(settings.seed)
-    backend = get_backend(settings.backend)(settings)
     try:
-        backend.attach_team(team)
-        return follow(backend, settings)
+        return follow(load_backend(settings, team), settings)
     finally:
         team.close()
 

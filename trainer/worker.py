@@ -41,9 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -102,28 +100,10 @@ class TrainerWorker:
         """Take the lock, load the backend, resume from the newest checkpoint (or create
         step 0)."""
         self._lock_file = take_lock(self.root, self.model)
-        import torch
+        from trainer.backends import load_backend
 
-        from trainer.backends import get_backend
-
-        torch.manual_seed(self.settings.seed)
-        threads = os.environ.get("RLPROXY_TORCH_THREADS")
-        if threads and self.team is None:  # a rank's share was set when it joined
-            # Beside a local engine on the same cores, two processes each spinning one
-            # OpenMP thread per core make both many times slower: `serve` gives each half.
-            torch.set_num_threads(int(threads))
-        started = time.perf_counter()
-        backend = self.backend = get_backend(self.settings.backend)(rank_settings(self.settings, self.team))
-        if self.team is not None:
-            backend.attach_team(self.team)
+        backend = self.backend = load_backend(rank_settings(self.settings, self.team), self.team)
         self.render = ChatTemplateRenderer(backend.tokenizer)
-        log.info(
-            "trainer: %s on %s, %d LoRA parameters, loaded in %.1f s",
-            self.settings.base_model,
-            backend.device,
-            backend.trainable_parameters(),
-            time.perf_counter() - started,
-        )
         self._resume()
 
     @property

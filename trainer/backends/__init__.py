@@ -7,12 +7,19 @@ for what one implements.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+import time
 from typing import TYPE_CHECKING
 
 from gateway.errors import ConfigError
 
 if TYPE_CHECKING:
+    from gateway.settings import Settings
     from trainer.backends.base import TrainingBackend
+    from trainer.distributed.team import Team
+
+log = logging.getLogger("rlproxy.trainer")
 
 # name -> "module:Class"; the module is imported by get_backend, never at import time.
 BACKENDS: dict[str, str] = {
@@ -38,3 +45,29 @@ def get_backend(name: str) -> type[TrainingBackend]:
             f"(install rlproxy's extras, e.g. pip install 'rlproxy[train]' or 'rlproxy[gpu]')"
         ) from exc
     return getattr(module, class_name)
+
+
+def load_backend(settings: Settings, team: Team | None = None) -> TrainingBackend:
+    """`settings.backend` loaded (seeded: a fresh adapter is the same on every run and every rank),
+    on `team`'s ranks when given."""
+    import torch
+
+    torch.manual_seed(settings.seed)
+    threads = os.environ.get("RLPROXY_TORCH_THREADS")
+    if threads and team is None:  # a rank's share was set when it joined
+        # Beside a local engine on the same cores, two processes each spinning one
+        # OpenMP thread per core make both many times slower: `serve` gives each half.
+        torch.set_num_threads(int(threads))
+    started = time.perf_counter()
+    backend = get_backend(settings.backend)(settings)
+    if team is not None:
+        backend.attach_team(team)
+    if team is None or team.is_leader:
+        log.info(
+            "trainer: %s on %s, %d LoRA parameters, loaded in %.1f s",
+            settings.base_model,
+            backend.device,
+            backend.trainable_parameters(),
+            time.perf_counter() - started,
+        )
+    return backend
