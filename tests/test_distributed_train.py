@@ -1,4 +1,4 @@
-"""`rlproxy train --nproc 2`: two ranks (torchrun's launcher, gloo on CPU) train the step one process
+"""`rlproxy train --nproc 2`: two ranks (gloo on CPU, the rendezvous on loopback) train the step one process
 trains, write the same step rows and checkpoints, resume with another number of processes, and end
 the run cleanly when a rank dies mid-step: the claim is given back with the attempt counted, and a
 restart trains the groups.
@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -89,6 +90,12 @@ def test_two_processes_train_the_step_one_process_trains_and_either_resumes_the_
     assert_same_adapter(checkpoint(two, 2), checkpoint(one, 2))
 
 
+def listening_addresses(launcher_pid: int) -> list[str]:
+    """The addresses the launcher and its ranks listen on (TCP)."""
+    tree = [psutil.Process(launcher_pid), *psutil.Process(launcher_pid).children(recursive=True)]
+    return [c.laddr.ip for p in tree for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+
+
 def test_a_rank_killed_mid_step_ends_the_run_and_a_restart_continues(tmp_path):
     state_dir = tmp_path / "state"
     fill(state_dir, ("alpha", "beta"))
@@ -104,6 +111,7 @@ def test_a_rank_killed_mid_step_ends_the_run_and_a_restart_continues(tmp_path):
         for line in proc.stderr:  # rank 1 pauses as its first step begins; rank 0 waits for it inside the step
             log.append(line)
             if line.startswith("rlproxy-test-pause: follower"):
+                listening = listening_addresses(proc.pid)
                 os.kill(int(line.rsplit("pid ", 1)[1].rstrip(")\n")), signal.SIGKILL)
                 break
         else:
@@ -115,6 +123,8 @@ def test_a_rank_killed_mid_step_ends_the_run_and_a_restart_continues(tmp_path):
             proc.kill()
             proc.wait()
     output = "".join(log)
+    # The rendezvous store and gloo's sockets: on loopback only, none reachable from another machine.
+    assert listening and all(host == "127.0.0.1" for host in listening), listening
     assert code != 0
     assert "the team broke" in output  # rank 0's reason
     assert "rank 1 exit code -9" in output  # the launcher's summary

@@ -5,7 +5,7 @@ announces what comes next (`Team.announce`), and every other rank runs the same 
 its own copy or shard of the model. "idle" keeps the others from timing out while rank 0
 waits for groups; "stop" ends the run. A step that rank 0 refuses as non-finite is refused on
 every rank alike (`NonFiniteStep`, agreed inside the step): the follower goes on to the next
-command. Anything else that fails here ends this rank, and torchrun's launcher then stops the team.
+command. Anything else that fails here ends this rank, and the launcher (ours, or torchrun's) then stops the team.
 """
 
 from __future__ import annotations

@@ -1,21 +1,39 @@
-"""`rlproxy train --nproc N`: the N ranks started by torchrun's own launcher on this machine.
+"""`rlproxy train --nproc N`: N ranks of the same `rlproxy train` command on this machine.
 
-The launcher (`torch.distributed.run`, what the `torchrun` command runs) starts N copies of the
-same `rlproxy train` command with RANK, WORLD_SIZE and the rendezvous in their environment, so a
-rank runs exactly what it would under `torchrun --nnodes M` across machines. It watches them:
-when one exits with an error it stops the others and reports which rank failed and why. The
-rendezvous and gloo's sockets stay on the loopback interface.
+Each rank gets what torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), so it runs exactly what it runs under `torchrun --nnodes M` across
+machines. On one machine nothing listens beyond loopback: the launcher binds the rendezvous
+socket to 127.0.0.1 and hands it to rank 0's `TCPStore` (`RLPROXY_STORE_FD`; the others connect
+to it: `RLPROXY_LOOPBACK_STORE`), where torchrun's
+agent would listen on every interface (its store answers anyone who can reach the port), and
+gloo's sockets are kept on `lo`.
+
+The launcher watches the ranks as torchrun's agent does: when one exits with an error it stops
+the others (SIGTERM, then SIGKILL after `STOP_GRACE_SECONDS`) and reports each rank's exit. A
+SIGTERM or SIGINT to the launcher goes on to the ranks: rank 0 finishes its step and tells the
+others to stop.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 
+from gateway.children import die_with_parent
 from gateway.errors import RLProxyError
 
 log = logging.getLogger("rlproxy.trainer")
+
+STORE_FD_ENV = "RLPROXY_STORE_FD"
+"""Rank 0's inherited listening socket for the rendezvous store (set by `launch` only)."""
+
+STOP_GRACE_SECONDS = 30.0
+"""How long stopped ranks get to end their step before they are killed (torchrun's default too)."""
 
 
 class RanksFailed(RLProxyError):
@@ -25,42 +43,84 @@ class RanksFailed(RLProxyError):
     error_type = "server_error"
 
 
-def _free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"exit code {code} ({signal.Signals(-code).name})"
+    return f"exit code {code}"
 
 
 def launch(argv: list[str], nproc: int) -> int:
     """Run `python -m gateway.cli <argv>` on `nproc` ranks; 0 when every rank ended well."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    # gloo picks the interface the host name resolves to; one machine's ranks meet on loopback.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    args = get_args_parser().parse_args(
-        [
-            "--nnodes=1",
-            f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{_free_loopback_port()}",
-            "--max-restarts=0",
-            "--monitor-interval=0.5",
-            "-m",
-            "gateway.cli",
-        ]
-    )
-    args.training_script_args = list(argv)  # set, not parsed: torchrun's parser would read them as its own
-    log.info("starting %d training ranks (torch.distributed, rendezvous on 127.0.0.1)", nproc)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(max(64, nproc))
+    port = listener.getsockname()[1]
+    base = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "RLPROXY_LOOPBACK_STORE": "1",
+    }
+    log.info("starting %d training ranks (torch.distributed, rendezvous on 127.0.0.1:%d)", nproc, port)
+    procs: list[subprocess.Popen] = []
     try:
-        run(args)
-    except ChildFailedError as exc:
-        failures = "; ".join(
-            f"rank {rank} exit code {failure.exitcode}" + (f" ({failure.message})" if failure.message else "")
-            for rank, failure in sorted(exc.failures.items())
-        )
-        raise RanksFailed(
-            f"training rank(s) failed and the launcher stopped the others: {failures}. See the ranks' log "
-            "above; a restart continues from the last step"
-        ) from None
-    return 0
+        for rank in range(nproc):
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            fds: tuple[int, ...] = ()
+            if rank == 0:
+                env[STORE_FD_ENV] = str(listener.fileno())
+                fds = (listener.fileno(),)
+            cmd = [sys.executable, "-m", "gateway.cli", *argv]
+            procs.append(subprocess.Popen(cmd, env=env, pass_fds=fds, preexec_fn=die_with_parent))
+    finally:
+        listener.close()  # rank 0 holds its own copy
+    return _watch(procs)
+
+
+def _watch(procs: list[subprocess.Popen]) -> int:
+    stopping: list[float] = []  # when the ranks were asked to stop
+    first_failed: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if stopping:  # a second signal: at once
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            return
+        stopping.append(time.monotonic())
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while any(proc.poll() is None for proc in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed and not stopping:
+                first_failed.append(procs.index(failed[0]))
+                stopping.append(time.monotonic())
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.terminate()
+            if stopping and time.monotonic() - stopping[0] > STOP_GRACE_SECONDS:
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.kill()
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    codes = [proc.returncode for proc in procs]
+    if all(code == 0 for code in codes):
+        return 0
+    summary = "; ".join(f"rank {rank} {_exit(code)}" for rank, code in enumerate(codes))
+    raise RanksFailed(
+        f"training ranks ended with errors ({summary})"
+        + (f"; rank {first_failed[0]} failed first and the launcher stopped the others" if first_failed else "")
+        + ". See the ranks' log above; a restart continues from the last step"
+    )

@@ -1,6 +1,6 @@
 """The trainer's ranks as one team: the process group, the device of each rank, the collectives.
 
-Ranks are started by torchrun's launcher (`rlproxy train --nproc N` runs it on this machine;
+Ranks are started by `rlproxy train --nproc N` on this machine (`trainer.distributed.launch`;
 `torchrun --nnodes M ...` across machines), which sets RANK, WORLD_SIZE, LOCAL_RANK and the
 rendezvous in the environment. Rank 0 leads: it alone talks to the store and writes checkpoints,
 and it announces each collective step of the run (`announce`) so the other ranks, which wait in
@@ -219,7 +219,14 @@ def join(settings: Settings) -> Team | None:
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=settings.dist_timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    if os.environ.get("RLPROXY_LOOPBACK_STORE"):  # `rlproxy train --nproc`: the store listens on loopback only
+        store_fd = os.environ.get("RLPROXY_STORE_FD")  # rank 0's: the socket the launcher bound
+        fd = int(store_fd) if rank == 0 and store_fd else None
+        port = int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, master_listen_fd=fd)
+        options.update(store=store, rank=rank, world_size=world)
+    dist.init_process_group(backend, timeout=timeout, **options)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     log.info(
         "trainer rank %d of %d (pid %d) on %s, %s, shard %s", rank, world, os.getpid(), device, backend, settings.shard
