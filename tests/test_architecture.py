@@ -20,7 +20,15 @@ PACKAGES = ("gateway", "trainer", "sdk")
 
 # Bottom to top; a module may import its own layer and the ones below (ARCHITECTURE.md).
 GATEWAY_LAYERS = [
-    ["gateway.errors", "gateway.settings", "gateway.settings_scale", "gateway.children", "gateway.redact", "gateway.tasks", "gateway.devices"],
+    [
+        "gateway.errors",
+        "gateway.settings",
+        "gateway.settings_scale",
+        "gateway.children",
+        "gateway.redact",
+        "gateway.tasks",
+        "gateway.devices",
+    ],
     ["gateway.store", "gateway.models", "gateway.protocols", "gateway.http", "gateway.metrics"],
     ["gateway.engines", "gateway.promotion", "gateway.adapters", "gateway.tracing", "gateway.colocate"],
     ["gateway.chat", "gateway.ruler", "gateway.shadow"],
@@ -36,7 +44,14 @@ TRAINER_LAYERS = [
     ["trainer.lock", "trainer.attempts", "trainer.selection", "trainer.resume", "trainer.publish", "trainer.sft"],
     ["trainer.worker", "trainer.follower"],
 ]
-TRAINER_MAY_USE = ["gateway.errors", "gateway.settings", "gateway.store", "gateway.models", "gateway.colocate"]
+TRAINER_MAY_USE = [
+    "gateway.errors",
+    "gateway.settings",
+    "gateway.children",
+    "gateway.store",
+    "gateway.models",
+    "gateway.colocate",
+]
 GATEWAY_MAY_USE_TRAINER = ["gateway.cli", "gateway.demo", "gateway.export", "gateway.trainer_process"]
 
 MAX_MODULE_LINES = 400
