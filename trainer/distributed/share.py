@@ -52,17 +52,20 @@ def sync(backend: TrainingBackend, last: bool) -> Iterator[None]:
     if backend.replication is None:
         yield
         return
-    with backend.replication.sync(last), backend.team.timed() if last and backend.team else contextlib.nullcontext():
+    timed = backend.team.timed("sync_backward") if last and backend.team else contextlib.nullcontext()
+    with backend.replication.sync(last), timed:
         yield
 
 
 def team_metrics(team: Team, rows: Sequence[PackedRow], seconds: float) -> dict[str, float]:
     """The job's and each rank's throughput: tokens/s of the whole step, the slowest and fastest
-    rank's, the share of the step the ranks spent waiting for the slowest (stragglers), and the
-    seconds of the synced backward pass that carries the gradient reduction."""
+    rank's, the share of the step the ranks spent waiting for the slowest (stragglers), the seconds
+    of the backward passes that reduce the gradients (the slowest rank's) and, under DDP, of the
+    gradient all-reduce itself (0 under FSDP2, whose reduce-scatters run inside those passes)."""
     tokens = team.gather(float(sum(len(row.input_ids_T) for row in rows)))
     took = team.gather(seconds)
-    synced = team.gather(team.take_collective_seconds())
+    synced = team.gather(team.take_seconds("sync_backward"))
+    reduced = team.gather(team.take_seconds("allreduce"))
     rates = [n / max(s, 1e-9) for n, s in zip(tokens, took, strict=True)]
     slowest = max(took)
     return {
@@ -72,4 +75,5 @@ def team_metrics(team: Team, rows: Sequence[PackedRow], seconds: float) -> dict[
         "rank_tokens_per_second_max": max(rates),
         "straggler_share": 1.0 - (sum(took) / len(took)) / max(slowest, 1e-9),
         "sync_seconds": max(synced),
+        "allreduce_seconds": max(reduced),
     }

@@ -62,15 +62,16 @@ class Team:
     """"none" (DDP: every rank holds the whole model) or "full" (FSDP2)."""
     control: ProcessGroup | None = None
     """gloo group for commands and scalars (None: the default group is gloo)."""
-    collective_seconds: float = field(default=0.0)
-    """Seconds spent waiting in the gradient all-reduce since the last `take_collective_seconds`."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds counted since the last `take_seconds`: "sync_backward" (the backward passes that reduce
+    the gradients, their compute included) and, under DDP, "allreduce" (each gradient all-reduce from
+    its launch to its end, from DDP's communication hook)."""
+    _depth: int = field(default=0)
+    """Commands under way: what a command does inside is not announced again (every rank does it)."""
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
-
-    _depth: int = field(default=0)
-    """Commands under way: what a command does inside is not announced again (every rank does it)."""
 
     # -- commands (rank 0 -> every rank)
     def announce(self, name: str, *args: Any) -> None:
@@ -158,17 +159,19 @@ class Team:
             ) from exc
 
     @contextlib.contextmanager
-    def timed(self) -> Iterator[None]:
-        """Count the seconds spent in the block as gradient communication (`take_collective_seconds`)."""
+    def timed(self, what: str) -> Iterator[None]:
+        """Count the seconds spent in the block under `what` (`take_seconds`)."""
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.collective_seconds += time.perf_counter() - started
+            self.count(what, time.perf_counter() - started)
 
-    def take_collective_seconds(self) -> float:
-        seconds, self.collective_seconds = self.collective_seconds, 0.0
-        return seconds
+    def count(self, what: str, seconds: float) -> None:
+        self.seconds[what] = self.seconds.get(what, 0.0) + seconds
+
+    def take_seconds(self, what: str) -> float:
+        return self.seconds.pop(what, 0.0)
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -49,6 +49,21 @@ def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(value, mesh, param.placements, src_data_rank=None)  # type: ignore[attr-defined]
 
 
+def _timed_allreduce(team: Team, bucket: Any) -> Any:
+    """DDP's own all-reduce (the average over the ranks), its seconds counted on `team`."""
+    import time
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    started = time.perf_counter()
+
+    def done(future: Any) -> Any:
+        team.count("allreduce", time.perf_counter() - started)
+        return future.value()
+
+    return allreduce_hook(None, bucket).then(done)  # type: ignore[arg-type]
+
+
 class Replication:
     """One model on every rank of `team`: `forward_model` runs the trained forwards, `sync` says
     when gradients are reduced."""
@@ -64,6 +79,8 @@ class Replication:
             device_ids = [team.device.index] if team.device.type == "cuda" else None
             # Buffers (rotary tables) are the same on every rank: no broadcast before each forward.
             self.forward_model = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+            # A lambda: DDP checks a hook's annotations against its own types, and this module's are strings.
+            self.forward_model.register_comm_hook(team, lambda state, bucket: _timed_allreduce(state, bucket))
 
     @staticmethod
     def _fully_shard(model: torch.nn.Module, team: Team) -> torch.nn.Module:
