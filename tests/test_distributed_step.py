@@ -197,3 +197,51 @@ def test_a_loss_not_finite_on_one_rank_stops_the_step_on_both(two_ranks, scenari
     weights = load_file(together / scenario / ADAPTER_FILES[1])
     assert all(value.abs().max() == 0 for key, value in weights.items() if key.endswith("lora_B.weight"))
     assert_same_checkpoint(together / scenario, alone / scenario)
+
+
+def failing_rank_main(rank: int, port: int, state_dir: str, out: str) -> None:
+    """Rank 0's forward fails (say, out of memory) inside a step; rank 1 is inside it too."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    from gateway.models.registry import resolve_base_model
+    from trainer.backends.peft import PeftBackend
+    from trainer.distributed.team import TeamBroken, join
+    from trainer.follower import follow
+    from trainer.step import train_step
+
+    settings = settings_for(Path(state_dir), "ddp-grpo")
+    resolve_base_model(settings.base_model, settings.state_dir)  # built before the ranks meet, as run_worker does
+    team = join(settings)
+    assert team is not None
+    backend = PeftBackend(settings)
+    backend.attach_team(team)
+    try:
+        if rank == 0:
+
+            def out_of_memory(row):
+                raise RuntimeError("CUDA out of memory (a stand-in)")
+
+            backend.token_logprobs = out_of_memory
+            train_step(backend, batch(), settings)
+        else:
+            follow(backend, settings)
+    except TeamBroken as exc:
+        Path(out, f"rank{rank}.txt").write_text(exc.message)
+    os._exit(0)  # rank 0 leaves the team as a failed rank's process does; rank 1 then hears it is gone
+
+
+def test_a_step_that_fails_on_one_rank_ends_the_run_on_every_rank(tmp_path):
+    """Not a hang until --dist-timeout: the failing rank says why, the other hears the team broke."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    procs = [context.Process(target=failing_rank_main, args=(r, port, str(tmp_path), str(tmp_path))) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    failed = (tmp_path / "rank0.txt").read_text()
+    assert "the team broke during a grpo step (RuntimeError: CUDA out of memory (a stand-in))" in failed
+    heard = (tmp_path / "rank1.txt").read_text()
+    assert "training rank 1 of 2: the team broke during a grpo step" in heard  # gloo's reason follows, as it came

@@ -70,7 +70,7 @@ def train_step(
         raise ValueError("train_step needs at least one sample")
     if backend.team is None:
         return _train_step(backend, samples, settings, token_budget)
-    with backend.team.command("grpo", list(samples), token_budget):
+    with backend.team.command("grpo", list(samples), token_budget, agreed=(NonFiniteStep,)):
         return _train_step(backend, samples, settings, token_budget)
 
 

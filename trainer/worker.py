@@ -327,16 +327,16 @@ def run_worker(
     """Start a worker (resuming from the newest checkpoint) and train until stopped or
     `max_steps` steps are done: GRPO on ready groups, or with `sft` a supervised run over the
     sessions it selects (`trainer.sft.run`). Returns the number of steps trained."""
-    from trainer.distributed.team import join
+    from trainer.distributed.team import join, world_size_from_env
 
+    if world_size_from_env() > 1:
+        # A built-in model is built before the ranks meet: once torch.distributed is up, transformers'
+        # save_pretrained writes nothing on a rank other than 0, and a build there would be left
+        # without its weights. The ranks of a machine take turns (`gateway.models.cache`).
+        from gateway.models.registry import resolve_base_model
+
+        resolve_base_model(settings.base_model, settings.state_dir)
     team = join(settings)  # None alone; under torchrun this process's rank
-    if team is not None:
-        # A built-in model is built once per machine: its first rank builds it, the others load it.
-        if team.local_rank == 0:
-            from gateway.models.registry import resolve_base_model
-
-            resolve_base_model(settings.base_model, settings.state_dir)
-        team.sum([0.0])  # every rank waits here for the builds
     if team is not None and not team.is_leader:
         from trainer.follower import run_follower
 

@@ -81,12 +81,24 @@ class Team:
             self._broadcast([name, args])
 
     @contextlib.contextmanager
-    def command(self, name: str, *args: Any) -> Iterator[None]:
-        """Announce `name` (rank 0) and run the block as that command on this rank."""
+    def command(self, name: str, *args: Any, agreed: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+        """Announce `name` (rank 0) and run the block as that command on this rank. An exception
+        the ranks did not all raise together (`agreed` lists those they do) leaves the others inside
+        the command's collectives: it becomes `TeamBroken`, which ends the run."""
         self.announce(name, *args)
         self._depth += 1
+        passed_on: tuple[type[Exception], ...] = (TeamBroken, *agreed)
         try:
             yield
+        except passed_on:
+            raise
+        except Exception as exc:
+            first_line = (str(exc).strip().splitlines() or [""])[0][:500]
+            raise TeamBroken(
+                f"training rank {self.rank} of {self.world_size}: the team broke during a {name} step "
+                f"({type(exc).__name__}: {first_line}): this rank failed, or another one left the team. The step "
+                "is not recorded; the run ends on every rank"
+            ) from exc
         finally:
             self._depth -= 1
 

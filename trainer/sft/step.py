@@ -32,7 +32,7 @@ def sft_step(backend: TrainingBackend, samples: Sequence[Sample], settings: Sett
         raise ValueError("sft_step needs at least one sample")
     if backend.team is None:
         return _sft_step(backend, samples, settings)
-    with backend.team.command("sft", list(samples)):
+    with backend.team.command("sft", list(samples), agreed=(NonFiniteStep,)):
         return _sft_step(backend, samples, settings)
 
 
