@@ -140,3 +140,32 @@ def test_a_rank_killed_mid_step_ends_the_run_and_a_restart_continues(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert rows(state_dir, "SELECT step FROM steps ORDER BY step") == [(0,), (1,)]
     assert rows(state_dir, "SELECT COUNT(*) FROM groups WHERE trained_step = 1") == [(2,)]
+
+
+def test_under_torchrun_each_rank_joins_the_run_torchrun_started(tmp_path):
+    """The many-machine recipe (deploy/README.md) on one machine: torchrun sets the ranks, no --nproc."""
+    state_dir = tmp_path / "state"
+    fill(state_dir, ("alpha", "beta"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "gateway.cli", "train"]
+    done = subprocess.run(
+        [*cmd, "--state-dir", str(state_dir), *FLAGS, "--max-steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trainer rank 1 of 2" in done.stderr
+    assert rows(state_dir, "SELECT step, json_extract(metrics, '$.ranks') FROM steps ORDER BY step") == [
+        (0, None),
+        (1, 2.0),
+    ]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
