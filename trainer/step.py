@@ -26,6 +26,7 @@ from gateway.settings import Settings
 from trainer.backends.base import TrainingBackend
 from trainer.distributed.share import rank_rows, sync, team_metrics
 from trainer.losses import compute_loss
+from trainer.packing import PackedRow, pack
 from trainer.types import LossConfig, LossNorm, Sample
 
 
@@ -80,7 +81,11 @@ def _train_step(
     team = backend.team
     started = time.perf_counter()
     config = loss_config(settings, token_budget)
-    rows, padding = rank_rows(backend, samples, settings.max_tokens_per_row)
+    padding: list[PackedRow] = []
+    if team is None:  # one process: the batch packed as always
+        rows = pack(samples, settings.max_tokens_per_row)
+    else:
+        rows, padding = rank_rows(backend, samples, settings.max_tokens_per_row)
     norm = LossNorm.from_samples(samples)
     device = backend.device
     import torch
