@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from gateway.settings import Settings
+from tests.helpers import free_port
 from trainer.backends.base import ADAPTER_FILES, OPTIMIZER_FILE
 from trainer.types import Sample
 
@@ -126,12 +126,6 @@ def rank_main(rank: int, port: int, state_dir: str, results: str, start_from: st
         else:
             follow(backend, settings)
     team.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_same_checkpoint(got: Path, want: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import free_port
 from tests.helpers_trainer import Recorder, trainer_settings
 
 FLAGS = [
@@ -161,11 +162,3 @@ def test_under_torchrun_each_rank_joins_the_run_torchrun_started(tmp_path):
         (0, None),
         (1, 2.0),
     ]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
