@@ -80,6 +80,7 @@ TRAINER = (
     "epsilon_high",
     "delta",
     "beta",
+    "reward_kl",
     "tis_cap",
     "max_tokens_norm",
     "scale_rewards",

@@ -117,6 +117,13 @@ def _urls(value: object) -> object:
     return value
 
 
+REWARD_KL_HELP = (
+    "subtract this times each trajectory's KL to the base model (log mu - log pi_ref summed over its "
+    "trained tokens) from its reward before the group's advantages: a guard against a gamed reward that "
+    "holds however small the group's reward differences become; 0 turns it off"
+)
+
+
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
 class Settings(BaseSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings):
     model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
@@ -274,6 +281,7 @@ class Settings(BaseSettings, PromotionSettings, ReplicaSettings, TrainingScaleSe
     epsilon: float = Field(0.2, gt=0, description="lower clip range of the ratio")
     epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon)")
     beta: float = Field(0.0, ge=0, description="weight of the k3 KL against the base model")
+    reward_kl: float = Field(0.0, ge=0, description=REWARD_KL_HELP)
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
     tis_cap: float = Field(
         2.0,

@@ -38,7 +38,7 @@ GATEWAY_LAYERS = [
 ]
 TRAINER_LAYERS = [
     ["trainer.types", "trainer.retries", "trainer.reporting"],
-    ["trainer.advantages", "trainer.data", "trainer.render", "trainer.packing", "trainer.losses"],
+    ["trainer.advantages", "trainer.data", "trainer.render", "trainer.packing", "trainer.losses", "trainer.reward_kl"],
     ["trainer.backends", "trainer.checkpoints", "trainer.distributed"],
     ["trainer.step"],
     ["trainer.lock", "trainer.attempts", "trainer.selection", "trainer.resume", "trainer.publish", "trainer.sft"],

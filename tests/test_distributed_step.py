@@ -4,9 +4,10 @@ Two real ranks (torch.distributed, gloo, CPU) train the tiny model: rank 0 drive
 worker does (train, save), rank 1 follows its announcements (`trainer.follower`). The same step on
 one process, in this test's process, is the reference: the adapter and the AdamW moments each rank
 pair writes must equal it to 1e-5, for DDP and for FSDP2 (`--shard full`), for grpo, dr_grpo and dapo
-(whose normalisers count the whole batch, not a rank's share), with beta > 0 under FSDP2, for an SFT
-step, after loading a checkpoint one process wrote, and for a step whose loss is not finite on one
-rank only (refused on both, nothing changed).
+(whose normalisers count the whole batch, not a rank's share), with beta > 0 under FSDP2, with
+--reward-kl (each rank's KL sums added before the rewards are shaped), for an SFT step, after loading
+a checkpoint one process wrote, and for a step whose loss is not finite on one rank only (refused on
+both, nothing changed).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ SCENARIOS = {
     "ddp-grpo": dict(shard="none", loss_type="grpo"),
     "ddp-dr_grpo": dict(shard="none", loss_type="dr_grpo", max_tokens_norm=40),
     "full-dapo-beta": dict(shard="full", loss_type="dapo", beta=0.1),
+    "ddp-reward-kl": dict(shard="none", loss_type="grpo", reward_kl=0.05),
     "full-grpo-two-passes": dict(shard="full", loss_type="grpo", epochs_per_step=2),
     "full-grpo-checkpointing": dict(shard="full", loss_type="grpo", gradient_checkpointing=True),
     "ddp-sft": dict(shard="none", objective="sft"),
@@ -44,6 +46,9 @@ SCENARIOS = {
     "ddp-not-finite": dict(shard="none", loss_type="grpo", poison=True),
     "full-not-finite": dict(shard="full", loss_type="grpo", poison=True),
 }
+
+
+REWARDS = {"t0": 1.0, "t1": 0.0, "t2": 0.5, "t3": 0.25, "t4": 0.75}  # what --reward-kl shapes
 
 
 def batch() -> list[Sample]:
@@ -64,6 +69,7 @@ def batch() -> list[Sample]:
                 advantage=advantage,
                 trajectory_id=trajectory,
                 group_id=f"g{i % 2}",
+                reward=REWARDS[trajectory],
             )
         )
     return samples

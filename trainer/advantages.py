@@ -102,3 +102,32 @@ def compute_advantages(
             continue
         advantages[group_id] = group_advantages(rewards_G, scale_rewards, eps, batch_std)
     return advantages, skipped
+
+
+def kl_shaped_advantages(
+    rewards: Mapping[str, Mapping[str, float]],
+    kls: Mapping[str, float],
+    coef: float,
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+) -> dict[str, float]:
+    """Advantages from each trajectory's reward less `coef` times its KL to the base model.
+
+    `rewards`: group id -> trajectory id -> reward; `kls`: trajectory id -> its KL (summed over
+    its trained tokens). This is the KL penalty of RLHF's PPO (InstructGPT's r - beta KL, verl's
+    `use_kl_in_reward`), put in the reward *before* the group is centred and scaled. A KL term
+    in the loss instead (`--beta`) is weighed against advantages that the group's std has
+    already scaled to unit size, however small the reward differences behind them, so late in a
+    run it loses to ever finer reward differences; here the trade is fixed in the reward's own
+    units. Scaled as `group_advantages` does; "batch" divides by the std of every shaped reward
+    given. Returns trajectory id -> advantage.
+    """
+    _check_scale(scale_rewards)
+    shaped = {gid: [reward - coef * kls[tid] for tid, reward in by_id.items()] for gid, by_id in rewards.items()}
+    batch_std = None
+    if scale_rewards == "batch":
+        batch_std = _population_std([r for rewards_G in shaped.values() for r in rewards_G])
+    out: dict[str, float] = {}
+    for gid, by_id in rewards.items():
+        out.update(zip(by_id, group_advantages(shaped[gid], scale_rewards, eps, batch_std), strict=True))
+    return out

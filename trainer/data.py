@@ -314,10 +314,11 @@ def build_batch(
         trained.append(gid)
         sessions[gid] = []
         for (session, samples), advantage in zip(staying[gid], advantages_G, strict=True):
-            out += [dataclasses.replace(sample, advantage=advantage) for sample in samples]
+            reward = float(session["reward"])
+            out += [dataclasses.replace(sample, advantage=advantage, reward=reward) for sample in samples]
             sessions[gid].append(session["id"])
             advantages[session["id"]] = advantage
-            rewards.append(float(session["reward"]))
+            rewards.append(reward)
             greedy += len(greedy_calls(calls_by_session.get(session["id"], [])))
     if greedy:
         log.info("%d greedy call(s) not trained (%s); their turns stay as context", greedy, GREEDY)

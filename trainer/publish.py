@@ -252,7 +252,9 @@ def _train_checkpoint_record(
     from trainer.step import train_step
 
     step, trained_groups = plan.step, plan.trained_groups
-    metrics = train_step(backend, plan.samples, settings, token_budget=token_budget)
+    # With --reward-kl the step shapes rewards once it has scored the base: what each session
+    # trained with is the advantage it returns, not the one the plan was made with.
+    metrics = train_step(backend, plan.samples, settings, token_budget=token_budget, advantages_out=plan.advantages)
     rewards = plan.rewards  # the sessions trained only: never a val session, nor one that left its group
     metrics.update(
         reward_mean=sum(rewards) / len(rewards),

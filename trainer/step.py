@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from gateway.errors import RLProxyError
 from gateway.settings import Settings
+from trainer import reward_kl
 from trainer.backends.base import TrainingBackend
 from trainer.distributed.share import rank_rows, sync, team_metrics
 from trainer.losses import compute_loss
@@ -50,7 +51,12 @@ def loss_config(settings: Settings, token_budget: int | None = None) -> LossConf
 
 
 def train_step(
-    backend: TrainingBackend, samples: Sequence[Sample], settings: Settings, *, token_budget: int | None = None
+    backend: TrainingBackend,
+    samples: Sequence[Sample],
+    settings: Settings,
+    *,
+    token_budget: int | None = None,
+    advantages_out: dict[str, float] | None = None,
 ) -> dict[str, float | None]:
     """Train on `samples` for `settings.epochs_per_step` passes, one optimizer step per
     pass. `token_budget` is dr_grpo's fixed divisor when `--max-tokens-norm` is unset.
@@ -60,7 +66,9 @@ def train_step(
     (mismatch_logprob_abs, tis_weight_mean, tis_capped_fraction,
     behaviour_unknown_fraction; means over passes), grad_norm (last pass), tokens,
     loss_tokens, samples, rows, old_policy_seconds, reference_seconds (the base model's
-    forward), train_seconds, and under a team (`trainer.distributed`) the ranks' figures
+    forward), train_seconds, with `--reward-kl` reward_kl_mean and reward_kl_max (a
+    trajectory's KL to the base, summed over its tokens; `advantages_out`, when given, gets the
+    advantage each trajectory trained with), and under a team (`trainer.distributed`) the ranks' figures
     (`team_metrics`). Raises `NonFiniteStep` (with the weights restored) when a loss or
     gradient norm is not finite, on every rank of a team alike.
 
@@ -70,13 +78,17 @@ def train_step(
     if not samples:
         raise ValueError("train_step needs at least one sample")
     if backend.team is None:
-        return _train_step(backend, samples, settings, token_budget)
+        return _train_step(backend, samples, settings, token_budget, advantages_out)
     with backend.team.command("grpo", list(samples), token_budget, agreed=(NonFiniteStep,)):
-        return _train_step(backend, samples, settings, token_budget)
+        return _train_step(backend, samples, settings, token_budget, advantages_out)
 
 
 def _train_step(
-    backend: TrainingBackend, samples: Sequence[Sample], settings: Settings, token_budget: int | None
+    backend: TrainingBackend,
+    samples: Sequence[Sample],
+    settings: Settings,
+    token_budget: int | None,
+    advantages_out: dict[str, float] | None,
 ) -> dict[str, float | None]:
     team = backend.team
     started = time.perf_counter()
@@ -96,6 +108,11 @@ def _train_step(
     ref_started = time.perf_counter()
     refs = [backend.reference_logprobs(row) for row in passes_of_rows]
     ref_seconds = time.perf_counter() - ref_started
+    shaped: dict[str, float] = {}  # trajectory id -> the advantage it trains with, under --reward-kl
+    trajectory_kls: dict[str, float] = {}
+    if settings.reward_kl > 0:
+        rows, shaped, trajectory_kls = _shape_rewards(backend, samples, rows, refs[: len(rows)], settings)
+        passes_of_rows = rows + padding
     reuse_first_pass = settings.epochs_per_step == 1 and settings.lora_dropout == 0
     old_started = time.perf_counter()
     olds: list[torch.Tensor | None] = [None] * len(passes_of_rows)
@@ -170,6 +187,31 @@ def _train_step(
         reference_seconds=ref_seconds,
         train_seconds=time.perf_counter() - started,
     )
+    if trajectory_kls:
+        kls = list(trajectory_kls.values())
+        out.update(reward_kl_mean=sum(kls) / len(kls), reward_kl_max=max(kls))
+        if advantages_out is not None:
+            advantages_out.update(shaped)
     if team is not None:
         out.update(team_metrics(team, rows, out["train_seconds"] or 0.0))
     return out
+
+
+def _shape_rewards(
+    backend: TrainingBackend,
+    samples: Sequence[Sample],
+    rows: list[PackedRow],
+    refs: Sequence,
+    settings: Settings,
+) -> tuple[list[PackedRow], dict[str, float], dict[str, float]]:
+    """`--reward-kl`: the rows with advantages from rewards less the KL to the base
+    (`trainer.reward_kl`), the advantage and the KL of each trajectory. Under a team each rank
+    sums its own rows and the sums are added, so every rank shapes the whole batch alike."""
+    kls = reward_kl.sample_kls(rows, refs, len(samples))
+    if backend.team is not None:
+        kls = backend.team.sum(kls)
+    why = reward_kl.finite(kls)
+    if why is not None:
+        raise NonFiniteStep(why)
+    per_sample, advantages, trajectory_kls = reward_kl.shape(samples, kls, settings.reward_kl, settings.scale_rewards)
+    return reward_kl.with_advantages(rows, per_sample), advantages, trajectory_kls

@@ -54,6 +54,10 @@ class Sample:
     loss aggregates): below 1 on a turn that also trains in another group, so that its
     occurrences weigh 1 in all (`trainer.publish`). None means 1.0 everywhere."""
 
+    reward: float | None = None
+    """The trajectory's reward, which `advantage` was computed from: `--reward-kl` shapes it with
+    the trajectory's KL to the base once the step has scored the base (`trainer.reward_kl`)."""
+
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if n == 0:
