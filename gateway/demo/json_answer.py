@@ -39,7 +39,10 @@ DESCRIPTION = (
 )
 
 OPTIONS = {"rollouts": 8, "max_tokens": 16, "steps": 40, "seconds": 900.0, "eval_groups": 8}
-SETTINGS = {"default_max_tokens": 16, "max_tokens_per_row": 2048}
+# Rows of 256 tokens (four rollouts each): on a CPU one long packed row costs quadratic attention
+# over tokens that never see each other (bench/README.md, smollm2.py: 2.38x the bare loop's CPU for
+# one 1,888-token row, 1.53x for rows of 256).
+SETTINGS = {"default_max_tokens": 16, "max_tokens_per_row": 256}
 
 SYSTEM = "You reply with one JSON object and nothing else."
 EXAMPLE = [
