@@ -349,11 +349,11 @@ def model_available(name: str) -> str | None:
     """None when the model can be loaded here; else why not (the smollm2 conversion needs its wheel)."""
     if name != "smollm2":
         return None
-    from gateway.models.cache import model_cache_dir
+    from gateway.models.cache import user_cache_dir
     from gateway.models.smollm2 import ensure_smollm2
 
     try:
-        ensure_smollm2(model_cache_dir(OUT))
+        ensure_smollm2(user_cache_dir())
     except Exception as exc:  # offline without the wheel: pip's download fails
         return f"{type(exc).__name__}: {exc}"
     return None

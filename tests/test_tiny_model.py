@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gateway.models import tiny as tiny_model
 from gateway.models.registry import resolve_base_model
 from gateway.models.tiny import TINY_MODEL_ID, ensure_tiny_model
+from gateway.settings import SMOLLM2_MODEL_ID
 
 TOOLS = [
     {
@@ -98,6 +99,25 @@ def test_resolve_base_model(tmp_path, monkeypatch):
     assert AutoTokenizer.from_pretrained(path).eos_token == "<|im_end|>"
     assert resolve_base_model("Qwen/Qwen2.5-0.5B-Instruct", tmp_path) == "Qwen/Qwen2.5-0.5B-Instruct"
     assert resolve_base_model("/some/local/dir", tmp_path) == "/some/local/dir"
+
+
+def test_smollm2_is_converted_once_per_user_outside_every_state_dir(tmp_path, monkeypatch):
+    """Issue 39: 517 MB converted once per machine, not again under each state dir or demo --out."""
+    from gateway.models import smollm2
+
+    asked: list[Path] = []
+    monkeypatch.setattr(smollm2, "ensure_smollm2", lambda cache_dir: asked.append(cache_dir) or cache_dir / "m")
+    monkeypatch.delenv("RLPROXY_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    resolve_base_model(SMOLLM2_MODEL_ID, tmp_path / "state-a")
+    resolve_base_model(SMOLLM2_MODEL_ID, tmp_path / "state-b")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    resolve_base_model(SMOLLM2_MODEL_ID, tmp_path / "state-c")
+    monkeypatch.setenv("RLPROXY_CACHE_DIR", str(tmp_path / "shared"))
+    resolve_base_model(SMOLLM2_MODEL_ID, tmp_path / "state-d")
+    xdg = tmp_path / "xdg" / "rlproxy"
+    assert asked == [xdg, xdg, tmp_path / "home" / ".cache" / "rlproxy", tmp_path / "shared"]
 
 
 def test_chat_template_renders_qwen_style(tokenizer):

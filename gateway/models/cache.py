@@ -17,10 +17,21 @@ from pathlib import Path
 
 
 def model_cache_dir(state_dir: Path) -> Path:
-    """Where built-in models are built: `RLPROXY_CACHE_DIR` if set (one build per machine,
-    shared by every state dir), else the state dir's `cache/`."""
+    """Where the tiny built-in models are built: `RLPROXY_CACHE_DIR` if set (one build per
+    machine, shared by every state dir), else the state dir's `cache/` (they take seconds and a
+    few MB, so a state dir stays whole on its own)."""
     shared = os.environ.get("RLPROXY_CACHE_DIR")
     return Path(shared).expanduser() if shared else Path(state_dir) / "cache"
+
+
+def user_cache_dir() -> Path:
+    """Where a large built-in model is converted, once per user and machine whatever the state
+    dir (`smollm2`: a 93 MB download and 517 MB converted): `RLPROXY_CACHE_DIR` if set, else
+    `$XDG_CACHE_HOME/rlproxy`, else `~/.cache/rlproxy`, as pip and Hugging Face keep theirs."""
+    shared = os.environ.get("RLPROXY_CACHE_DIR")
+    if shared:
+        return Path(shared).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "rlproxy"
 
 
 def build_once(target: Path, build: Callable[[Path], None]) -> Path:

@@ -1,11 +1,12 @@
 """Which directory a `--base-model` loads from: a built-in model's (made on first use in the
-model cache), any other Hugging Face id or path unchanged."""
+model cache: the tiny ones under the state dir, `smollm2` in the user's cache), any other Hugging
+Face id or path unchanged."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.models.cache import model_cache_dir
+from gateway.models.cache import model_cache_dir, user_cache_dir
 from gateway.settings import SMOLLM2_MODEL_ID, TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID
 
 
@@ -20,5 +21,5 @@ def resolve_base_model(base_model: str, state_dir: Path) -> str:
     if base_model == SMOLLM2_MODEL_ID:
         from gateway.models.smollm2 import ensure_smollm2
 
-        return str(ensure_smollm2(model_cache_dir(state_dir)))
+        return str(ensure_smollm2(user_cache_dir()))
     return base_model
