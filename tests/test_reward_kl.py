@@ -120,7 +120,7 @@ def test_the_step_trains_each_token_with_its_trajectorys_kl_shaped_advantage(tmp
         assert metrics["reward_kl_max"] == pytest.approx(max(kl.values()), abs=1e-4)
         assert metrics["reward_kl_mean"] == pytest.approx(sum(kl.values()) / len(kl), abs=1e-4)
         # Every trained token went into the loss with its own trajectory's shaped advantage.
-        plan_order = [s for s in ("g1-s0", "g1-s1", "g1-s2", "g2-s0", "g2-s1")]
+        plan_order = ["g1-s0", "g1-s1", "g1-s2", "g2-s0", "g2-s1"]  # the samples in the order packed
         trained = {}
         for segments, advantages in seen:
             for segment in segments.unique().tolist():
