@@ -81,6 +81,7 @@ TRAINER = (
     "delta",
     "beta",
     "reward_kl",
+    "kl_estimator",
     "tis_cap",
     "max_tokens_norm",
     "scale_rewards",

@@ -117,6 +117,11 @@ def _urls(value: object) -> object:
     return value
 
 
+KL_ESTIMATOR_HELP = (
+    "the --beta term per token: k3 (TRL's); low_var_kl, k3 clamped at 10 (verl's), so that one sampled token "
+    "the base prefers cannot outweigh the batch; or k2, 0.5 (log pi - log ref)^2, whose gradient is the "
+    "reverse KL's (docs/training.md, Reward hacking)"
+)
 REWARD_KL_HELP = (
     "subtract this times each trajectory's KL to the base model (log mu - log pi_ref summed over its "
     "trained tokens) from its reward before the group's advantages: a guard against a gamed reward that "
@@ -280,7 +285,8 @@ class Settings(BaseSettings, PromotionSettings, ReplicaSettings, TrainingScaleSe
     loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field("grpo", description="policy loss")
     epsilon: float = Field(0.2, gt=0, description="lower clip range of the ratio")
     epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon)")
-    beta: float = Field(0.0, ge=0, description="weight of the k3 KL against the base model")
+    beta: float = Field(0.0, ge=0, description="weight of the KL against the base model (--kl-estimator)")
+    kl_estimator: Literal["k3", "low_var_kl", "k2"] = Field("k3", description=KL_ESTIMATOR_HELP)
     reward_kl: float = Field(0.0, ge=0, description=REWARD_KL_HELP)
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
     tis_cap: float = Field(

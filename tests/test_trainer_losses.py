@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from trainer.losses import LOSSES, compute_loss, k3_kl
+from trainer.losses import LOSSES, compute_loss, k3_kl, kl_penalty
 from trainer.types import LOSS_TYPES, LossConfig, LossNorm
 
 NAN = float("nan")
@@ -200,6 +200,62 @@ def test_k3_kl_value_and_beta():
     # gradient is the KL's alone.
     assert grad["b"] == pytest.approx(beta * (1 - math.exp(ref["b"] - LOGP["b"])) / 6, abs=1e-7)
     assert grad["a"] == pytest.approx((-1.19 + beta * (1 - math.exp(-0.5))) / 6, abs=1e-6)
+
+
+def test_k2_penalty_hand_example():
+    # k2 = 0.5 (logp - ref)^2, d/dlogp = logp - ref; the reported kl stays k3's.
+    ref = {"a": -1.5, "b": -0.5, "f": -1.0, "c": -0.3, "d": -1.0, "e": -0.9}
+    k2 = {k: 0.5 * (LOGP[k] - ref[k]) ** 2 for k in ref}
+    k3 = {k: math.exp(ref[k] - LOGP[k]) - (ref[k] - LOGP[k]) - 1 for k in ref}
+    beta = 0.1
+    loss, grad, _, m = run(LossConfig("grpo", epsilon=0.2, beta=beta, kl_estimator="k2"), ref=ref)
+    policy = ((-1.19 - 1.2 - 0.5) / 3 + (0.405 + 0.4 + 0.75) / 3) / 2
+    kl_term = ((k2["a"] + k2["b"] + k2["f"]) / 3 + (k2["c"] + k2["d"] + k2["e"]) / 3) / 2
+    assert loss == pytest.approx(policy + beta * kl_term, abs=1e-6)
+    assert m["kl"] == pytest.approx(sum(k3.values()) / 6, abs=1e-6)
+    assert grad["a"] == pytest.approx((-1.19 + beta * (-1.0 + 1.5)) / 6, abs=1e-6)
+    # f: policy ratio 0.5 < 1 - eps with A > 0, so PPO's min keeps the unclipped -rA term
+    assert grad["f"] == pytest.approx((-0.5 + beta * (-2.0 + 1.0)) / 6, abs=1e-6)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        LossConfig("grpo", beta=0.1, kl_estimator="k1")
+
+
+@pytest.mark.parametrize(("estimator", "direction"), [("k2", "reverse"), ("k3", "forward")])
+def test_kl_penalty_expected_gradient_is_a_kl_gradient(estimator, direction):
+    # On tokens drawn from pi, the penalty's expected gradient is sum_x pi(x) grad k(x) (pi
+    # held fixed as the sampling weight). Reference: autograd on the closed-form KL of two
+    # categoricals, KL(pi || ref) for k2 (Schulman 2020; Tang & Munos 2025) and KL(ref || pi)
+    # for k3.
+    torch.manual_seed(0)
+    logits = torch.randn(7, requires_grad=True)
+    log_ref = torch.log_softmax(torch.randn(7), -1)
+    log_pi = torch.log_softmax(logits, -1)
+    expected = (log_pi.exp().detach() * kl_penalty(estimator, log_pi, log_ref)).sum()
+    (via_penalty,) = torch.autograd.grad(expected, logits, retain_graph=True)
+    pi, ref = log_pi.exp(), log_ref.exp()
+    closed_form = (pi * (log_pi - log_ref)).sum() if direction == "reverse" else (ref * (log_ref - log_pi)).sum()
+    (via_kl,) = torch.autograd.grad(closed_form, logits, retain_graph=True)
+    assert torch.allclose(via_penalty, via_kl, atol=1e-6)
+    other = "k3" if estimator == "k2" else "k2"
+    (via_other,) = torch.autograd.grad((pi.detach() * kl_penalty(other, log_pi, log_ref)).sum(), logits)
+    assert not torch.allclose(via_other, via_kl, atol=1e-3)  # the two estimators differ here
+
+
+def test_low_var_kl_is_k3_clamped_at_ten():
+    # A token like the json collapse's: pi 0.004, pi_ref 0.92 (pi_ref / pi = 230). k3 = 230 - ln 230 - 1
+    # = 223.56 with gradient 1 - 230 = -229 in log pi; clamped at 10 (verl's low_var_kl), no pull.
+    # A token within the clamp keeps k3's value and gradient: pi 0.5, pi_ref 0.8.
+    logp = torch.tensor([math.log(0.004), math.log(0.5)], requires_grad=True)
+    ref = torch.tensor([math.log(0.92), math.log(0.8)])
+    k3 = kl_penalty("k3", logp, ref)
+    assert k3[0].item() == pytest.approx(230 - math.log(230) - 1, rel=1e-5)
+    (k3_grad,) = torch.autograd.grad(k3.sum(), logp)
+    assert k3_grad[0].item() == pytest.approx(1 - 230, rel=1e-5)
+    low = kl_penalty("low_var_kl", logp, ref)
+    assert low[0].item() == 10.0
+    assert low[1].item() == pytest.approx(1.6 - math.log(1.6) - 1, abs=1e-6)
+    (low_grad,) = torch.autograd.grad(low.sum(), logp)
+    assert low_grad.tolist() == pytest.approx([0.0, 1 - 1.6], abs=1e-6)
 
 
 def test_beta_without_ref_logprobs_is_an_error():

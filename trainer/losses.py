@@ -190,6 +190,37 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def k2_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k2 estimate (Schulman 2020): 0.5 (logp - ref)^2.
+
+    Why it is offered beside k3: as a loss on tokens sampled from the policy, its expected
+    gradient, sum_x pi (log pi - log ref) grad log pi, is the gradient of KL(pi || ref), while
+    k3's, sum_x (pi - ref) grad log pi, is the gradient of KL(ref || pi). k3's per-token
+    gradient, 1 - ref/pi, is at most 1 on a token the base finds unlikely (where a reward
+    hack goes) and unbounded on a token the policy has learnt to avoid but the base prefers;
+    k2's, log pi - log ref, grows with the log ratio both ways."""
+    d = logprobs - ref_logprobs
+    return 0.5 * d * d
+
+
+LOW_VAR_KL_CLAMP = 10.0
+"""low_var_kl's ceiling on a token's k3, verl's and slime's: beyond it (pi_ref / pi above ~12.9)
+the token adds no KL gradient."""
+
+
+def kl_penalty(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """The per-token KL term `--kl-estimator` names (`trainer.types.KL_ESTIMATORS`).
+
+    low_var_kl is k3 clamped at `LOW_VAR_KL_CLAMP`. Why: k3's gradient in log pi, 1 - pi_ref/pi,
+    is unbounded on a token the policy has learnt to avoid and the base prefers; sampled once
+    (pi_ref/pi = 230: a json reply going back to the base's `{"plural": ...}`), its KL term
+    alone outweighed the batch's policy gradient and the next steps collapsed."""
+    if estimator == "k2":
+        return k2_kl(logprobs, ref_logprobs)
+    k3 = k3_kl(logprobs, ref_logprobs)
+    return k3.clamp(max=LOW_VAR_KL_CLAMP) if estimator == "low_var_kl" else k3
+
+
 def loss_norm(
     loss_mask: torch.Tensor, trajectory_tokens: torch.Tensor, behaviour_logprobs: torch.Tensor | None = None
 ) -> LossNorm:
@@ -228,9 +259,10 @@ def compute_loss(
     tensors are the whole batch. With a chunk, the returned loss is that chunk's share:
     the shares sum to the batch loss, so call backward on each and the gradients add up.
 
-    The k3 KL to the reference (base) model, times `beta`, is added to each token's loss
-    before aggregation (as TRL does); `ref_logprobs` is needed only when beta > 0 (given
-    with beta = 0, the KL is only reported). `weights`: each token's loss weight (None: 1).
+    The KL to the reference (base) model (`config.kl_estimator`: k3 as TRL, or k2), times
+    `beta`, is added to each token's loss before aggregation; `ref_logprobs` is needed only
+    when beta > 0 (given with beta = 0, the KL is only reported). The reported kl is k3's
+    whatever the estimator, so that runs compare on one scale. `weights`: each token's loss weight (None: 1).
     Metrics (detached floats, additive over chunks): loss, policy_loss (the loss without
     the KL), kl (mean per trained token), clip_fraction (trained tokens whose gradient
     clipping removed or, for cispo, whose weight was capped), ratio_mean, and with
@@ -276,9 +308,11 @@ def compute_loss(
     loss_N = policy_N
     kl_N = None
     if ref_logprobs is not None:
-        kl_N = k3_kl(logprobs_N, ref_logprobs[mask].float())
+        ref_N = ref_logprobs[mask].float()
+        kl_N = k3_kl(logprobs_N, ref_N)
     if config.beta > 0 and kl_N is not None:  # beta > 0 without ref_logprobs raised above
-        loss_N = policy_N + config.beta * kl_N
+        penalty_N = kl_penalty(config.kl_estimator, logprobs_N, ref_N)
+        loss_N = policy_N + config.beta * penalty_N
     if weights is not None:
         weight_N = weights[mask].float()
         loss_N, policy_N = loss_N * weight_N, policy_N * weight_N

@@ -44,6 +44,7 @@ def loss_config(settings: Settings, token_budget: int | None = None) -> LossConf
         epsilon=settings.epsilon,
         epsilon_high=settings.epsilon_high,
         beta=settings.beta,
+        kl_estimator=settings.kl_estimator,
         tis_cap=settings.tis_cap,
         delta=settings.delta,
         max_tokens_norm=settings.max_tokens_norm or token_budget,

@@ -10,6 +10,9 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
 """The names `trainer.losses.LOSSES` is keyed by; here so that a config is checked
 without importing torch."""
 
+KL_ESTIMATORS = ("k3", "low_var_kl", "k2")
+"""The KL penalties `trainer.losses.kl_penalty` computes: per token, from log pi and log ref."""
+
 CISPO_CAP = 5.0
 """cispo's ratio cap when `--epsilon-high` is not given: TRL's recommended value (its
 `GRPOConfig.epsilon_high` under cispo is ScaleRL's eps_max, recommended 5.0)."""
@@ -130,8 +133,14 @@ class LossConfig:
     cispo: the cap of the ratio itself (TRL's eps_max), `CISPO_CAP` when None."""
 
     beta: float = 0.0
-    """Weight of the k3 KL penalty against the base model; 0 turns it off (and then no
+    """Weight of the KL penalty against the base model; 0 turns it off (and then no
     reference logprobs are needed)."""
+
+    kl_estimator: str = "k3"
+    """What the beta term puts in each token's loss (`trainer.types.KL_ESTIMATORS`): k3
+    (TRL's, Schulman 2020); low_var_kl, k3 clamped at 10 (verl's and slime's); or k2,
+    0.5 (log pi - log ref)^2, whose gradient on tokens sampled from the policy is the
+    reverse KL's (k3's is the forward KL's)."""
 
     max_tokens_norm: int | None = None
     """dr_grpo only: the fixed token budget a trajectory's token-loss sum is divided by
@@ -158,6 +167,8 @@ class LossConfig:
             raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
         if not self.beta >= 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
         if self.max_tokens_norm is not None and self.max_tokens_norm <= 0:
             raise ValueError(f"max_tokens_norm must be a positive int, got {self.max_tokens_norm}")
         if not self.tis_cap >= 0:
