@@ -51,6 +51,8 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
         "1",
         "--max-tokens",
         "4",
+        "--eval-temperature",
+        "0",
         "--seed",
         "1",
     )
@@ -107,6 +109,13 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
         for group in (groups[0], groups[-1])
     ]
     assert len(groups) == 2 and prompts[0] == prompts[1]
+    # --eval-temperature 0: the held-out set is played greedily, training rollouts sample at 1
+    with sqlite3.connect(out / "state" / "rlproxy.db") as db:
+        sessions = db.execute("SELECT id, split FROM sessions WHERE group_id LIKE 'demo-%'").fetchall()
+    temperatures = {
+        (split, call["request"]["temperature"]) for session, split in sessions for call in store.session_calls(session)
+    }
+    assert temperatures == {("val", 0.0), ("train", 1.0)}
 
 
 def test_dictionary_share_by_hand():

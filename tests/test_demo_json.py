@@ -42,3 +42,18 @@ def test_the_prompt_shows_the_format_once_on_another_question():
     messages = json_task.messages_for("mouse")
     assert messages[-1] == {"role": "user", "content": 'What is the plural of "mouse"?'}
     assert messages[-2] == {"role": "assistant", "content": '{"answer": "Paris"}'}
+
+
+def test_the_val_set_is_played_greedily_unless_told_otherwise():
+    from gateway.cli import build_parser
+    from gateway.demo.options import options_from_args
+    from gateway.errors import ConfigError
+
+    def options(*argv: str):
+        return options_from_args(build_parser().parse_args(["demo", *argv]))
+
+    assert options("--task", "json").eval_temperature == 0.0
+    assert options("--task", "json", "--eval-temperature", "1").eval_temperature == 1.0
+    assert options("--task", "shout").eval_temperature == 1.0  # the other tasks keep sampling
+    with pytest.raises(ConfigError, match=r"--eval-temperature must be in \[0, 2\]"):
+        options("--eval-temperature", "-1")

@@ -140,9 +140,10 @@ class Agent:
         steps: list[int],
         rng: random.Random | None = None,
         replies: list[tuple[int | None, str]] | None = None,
+        temperature: float = 1.0,
     ):
         """The task's `chat` for one session: a chat completion with these identity headers,
-        sampled at temperature 1 with a seed from `rng`; the step that answered each call goes
+        sampled at `temperature` with a seed from `rng`; the step that answered each call goes
         into `steps`, and (that step, the reply's text) into `replies` when given."""
         seeds = rng or self.rng
 
@@ -151,7 +152,7 @@ class Agent:
                 model=self.model,
                 messages=messages,
                 max_tokens=self.options.max_tokens,
-                temperature=1.0,
+                temperature=temperature,
                 seed=seeds.getrandbits(31),
                 extra_headers=headers,
             )
@@ -173,7 +174,8 @@ class Agent:
         steps: list[int] = []
         replies: list[tuple[int | None, str]] = []
         headers = {"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Split": split}
-        chat = self.chat_in(headers, steps, replies=replies)
+        temperature = self.options.eval_temperature if split == "val" else 1.0
+        chat = self.chat_in(headers, steps, replies=replies, temperature=temperature)
         result = await self.task.episode(spec, chat)
         reward, score = episode_scores(result)
         posted = reward if split == "train" else score  # val is never trained: it gets the score itself

@@ -36,6 +36,7 @@ class DemoOptions:
     seconds: float = 300.0  # budget: no new round starts after this
     max_tokens: int = 6  # reply length: short replies keep a round well under a second
     eval_groups: int = 4  # the held-out set: eval_groups x rollouts tasks, one per val rollout
+    eval_temperature: float = 1.0  # the held-out set's sampling temperature (0: greedy); training samples at 1
     converge_after: int = 8  # train groups in a row where every rollout earns the full reward end the run
     warm_start: str | None = None  # "sft": distil the task's teacher before GRPO (`gateway.demo.warm_start`)
     teacher_games: int = 256  # --warm-start: the teacher's recorded games
@@ -47,7 +48,7 @@ class DemoOptions:
     shuffle_rewards: bool = False  # --live rewards, a control: each session is posted another recent session's score
 
 
-_TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups", "converge_after")
+_TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups", "eval_temperature", "converge_after")
 _LIVE_OPTIONS = ("live", "arrival_rate", "reward_delay", "unrewarded_share", "shuffle_rewards")
 LIVE_ARRIVAL_RATES = {"rewards": 32.0, "shadows": 4.0}
 """--live's default sessions per second, on 2 CPU cores: with rewards, 40 sessions make a step's
@@ -100,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the held-out set, in groups of --rollouts tasks (one task per val rollout), played "
         f"for the baseline and the final score (default: the task's, else "
         f"{defaults.eval_groups})",
+    )
+    group.add_argument(
+        "--eval-temperature",
+        type=float,
+        default=None,
+        help=f"the temperature the held-out set is played at, 0 for greedy; training rollouts sample "
+        f"at 1 (default: the task's, else {defaults.eval_temperature:g})",
     )
     group.add_argument(
         "--converge-after",
@@ -200,6 +208,8 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
             )
     if options.seconds <= 0:
         raise ConfigError("--seconds must be positive")
+    if not 0 <= options.eval_temperature <= 2:
+        raise ConfigError("--eval-temperature must be in [0, 2] (0: greedy), as the OpenAI API's temperature")
     return options
 
 
