@@ -36,5 +36,6 @@ def test_smollm2_has_its_own_tuning_in_serve_and_in_the_demo(tmp_path):
     assert served.learning_rate == SMOLLM2_SETTINGS["learning_rate"] != TINY_MODEL_SETTINGS["learning_rate"]
     demo = demo_settings({"base_model": "smollm2"}, tmp_path, task="json")
     assert (demo.learning_rate, demo.beta) == (SMOLLM2_SETTINGS["learning_rate"], SMOLLM2_SETTINGS["beta"])
+    assert demo.kl_estimator == "low_var_kl" != Settings().kl_estimator  # k3 clamped: json's collapses
     tiny = demo_settings({}, tmp_path, task="shout")
     assert (tiny.learning_rate, tiny.beta) == (TINY_MODEL_SETTINGS["learning_rate"], 0.0)

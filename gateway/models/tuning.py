@@ -28,6 +28,7 @@ TINY_MODEL_SETTINGS = {
 SMOLLM2_SETTINGS = {
     "learning_rate": 1e-3,
     "beta": 0.2,
+    "kl_estimator": "low_var_kl",
     "lora_rank": 8,
     "lora_alpha": 16,
     "groups_per_step": 4,
