@@ -208,8 +208,11 @@ LOW_VAR_KL_CLAMP = 10.0
 the token adds no KL gradient."""
 
 
-def kl_penalty(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """The per-token KL term `--kl-estimator` names (`trainer.types.KL_ESTIMATORS`).
+def kl_penalty(
+    estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, k3: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The per-token KL term `--kl-estimator` names (`trainer.types.KL_ESTIMATORS`); `k3`, when
+    the caller has it already (the reported KL), is not computed again.
 
     low_var_kl is k3 clamped at `LOW_VAR_KL_CLAMP`. Why: k3's gradient in log pi, 1 - pi_ref/pi,
     is unbounded on a token the policy has learnt to avoid and the base prefers; sampled once
@@ -217,7 +220,8 @@ def kl_penalty(estimator: str, logprobs: torch.Tensor, ref_logprobs: torch.Tenso
     alone outweighed the batch's policy gradient and the next steps collapsed."""
     if estimator == "k2":
         return k2_kl(logprobs, ref_logprobs)
-    k3 = k3_kl(logprobs, ref_logprobs)
+    if k3 is None:
+        k3 = k3_kl(logprobs, ref_logprobs)
     return k3.clamp(max=LOW_VAR_KL_CLAMP) if estimator == "low_var_kl" else k3
 
 
@@ -311,7 +315,7 @@ def compute_loss(
         ref_N = ref_logprobs[mask].float()
         kl_N = k3_kl(logprobs_N, ref_N)
     if config.beta > 0 and kl_N is not None:  # beta > 0 without ref_logprobs raised above
-        penalty_N = kl_penalty(config.kl_estimator, logprobs_N, ref_N)
+        penalty_N = kl_penalty(config.kl_estimator, logprobs_N, ref_N, k3=kl_N)
         loss_N = policy_N + config.beta * penalty_N
     if weights is not None:
         weight_N = weights[mask].float()
