@@ -4,7 +4,7 @@ output directory, then one table from their summary.json files.
     python bench/smollm2_demo.py json                 # --task json, seeds 0-2, local engine
     python bench/smollm2_demo.py json-vllm            # --task json, seed 0, the CPU vLLM
     python bench/smollm2_demo.py shout                # SHOUT with smollm2's defaults (guarded), seeds 0-2
-    python bench/smollm2_demo.py shout-unguarded      # SHOUT with --beta 0: the hack
+    python bench/smollm2_demo.py shout-unguarded      # SHOUT with --beta 0 --reward-kl 0: the hack
     python bench/smollm2_demo.py --table              # only the table, from the runs already there
 
 Each run is a whole demo (minutes on 2 cores: run them on a quiet machine, one at a time, as
@@ -43,7 +43,7 @@ RUNS = {
     "shout": {"seeds": (0, 1, 2), "args": SHOUT},
     "shout-unguarded": {
         "seeds": (0, 1, 2),
-        "args": ["--task", "shout", "--steps", "30", "--seconds", "900", "--beta", "0"],
+        "args": [*SHOUT, "--beta", "0", "--reward-kl", "0"],
     },
 }
 

@@ -31,11 +31,12 @@ def test_smollm2_has_its_own_tuning_in_serve_and_in_the_demo(tmp_path):
     from gateway.demo.options import demo_settings
     from gateway.models.tuning import SMOLLM2_SETTINGS, TINY_MODEL_SETTINGS
 
-    served = for_model(Settings(base_model="smollm2", beta=0.0))
-    assert served.beta == 0.0  # the flag that turns the guard off wins
+    served = for_model(Settings(base_model="smollm2", beta=0.0, reward_kl=0.0))
+    assert (served.beta, served.reward_kl) == (0.0, 0.0)  # the flags that turn the guard off win
     assert served.learning_rate == SMOLLM2_SETTINGS["learning_rate"] != TINY_MODEL_SETTINGS["learning_rate"]
     demo = demo_settings({"base_model": "smollm2"}, tmp_path, task="json")
     assert (demo.learning_rate, demo.beta) == (SMOLLM2_SETTINGS["learning_rate"], SMOLLM2_SETTINGS["beta"])
     assert demo.kl_estimator == "low_var_kl" != Settings().kl_estimator  # k3 clamped: json's collapses
+    assert demo.reward_kl == 0.1 != Settings().reward_kl  # what holds SHOUT's words under the clamp
     tiny = demo_settings({}, tmp_path, task="shout")
-    assert (tiny.learning_rate, tiny.beta) == (TINY_MODEL_SETTINGS["learning_rate"], 0.0)
+    assert (tiny.learning_rate, tiny.beta, tiny.reward_kl) == (TINY_MODEL_SETTINGS["learning_rate"], 0.0, 0.0)
