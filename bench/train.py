@@ -134,7 +134,15 @@ def build_samples(specs: list[dict], old_logprobs: list[list[float]]):
         adv = advantages.get(f"g{i // GROUP_SIZE}", [0.0] * GROUP_SIZE)[i % GROUP_SIZE]
         old = [math.nan] * len(p) + [lp + n for lp, n in zip(old_logprobs[i], spec["noise"], strict=False)]
         samples.append(
-            Sample(tuple(p + c), (False,) * len(p) + (True,) * len(c), tuple(old), adv, f"t{i}", f"g{i // GROUP_SIZE}")
+            Sample(
+                tuple(p + c),
+                (False,) * len(p) + (True,) * len(c),
+                tuple(old),
+                adv,
+                f"t{i}",
+                f"g{i // GROUP_SIZE}",
+                reward=spec["reward"],  # --reward-kl (smollm2's default) takes the KL off it
+            )
         )
     return samples
 
