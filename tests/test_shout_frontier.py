@@ -1,0 +1,32 @@
+"""bench/shout_frontier.py's bound, on a hand-computed example: the most English any guard that
+reweights the base by a non-decreasing function of the reward can reach at a capitals share."""
+
+from bench.shout_frontier import best_english_at, weighted
+
+# (capitals share, words, English words) of three kinds of reply, ten of each
+LOWER = (0.0, 4, 4)  # "well hello there friend"
+CAPS_ENGLISH = (0.8, 2, 2)  # "HELLO THERE"
+CAPS_GIBBERISH = (1.0, 1, 0)  # "LADERMARKEL"
+COUNTS = [LOWER] * 10 + [CAPS_ENGLISH] * 10 + [CAPS_GIBBERISH] * 10
+
+
+def test_weighted_shares_count_words_not_replies():
+    shares = weighted(COUNTS, [1.0] * 30)
+    assert shares["caps"] == 0.6
+    assert shares["english"] == 6 / 7  # (4 + 2 + 0) English words of (4 + 2 + 1)
+    assert shares["ess"] == 30
+
+
+def test_best_at_caps_mixes_the_base_with_its_capital_replies():
+    # The thresholds' policies: everything (caps 0.6, 7/3 words, 2 English a reply), the two
+    # capital kinds (0.9, 1.5, 1.0), the gibberish alone (1.0, 1, 0). Keeping only the English
+    # capitals would need a weight that falls with the reward. At caps 0.7 the best is a third
+    # on the capital kinds and two thirds on everything: (1/3 + 4/3) / (1/2 + 14/9) = 30/37.
+    best = best_english_at(COUNTS, 0.7, min_samples=1)
+    assert abs(best["english"] - 30 / 37) < 1e-12
+    assert best["thresholds"] == [0.0, 0.05]
+    assert abs(best["mass_on_higher"] - 1 / 3) < 1e-12
+
+
+def test_no_policy_reaches_a_share_above_every_reply():
+    assert best_english_at([LOWER] * 10, 0.7, min_samples=1)["english"] is None
