@@ -234,14 +234,15 @@ class LangfuseTracer:
         attributes = {"session_id": record.session_id, "trace_name": "rlproxy session", "tags": [record.split]}
         if record.group_id:
             attributes["metadata"] = {"group_id": record.group_id}
-        # The SDK takes no start time, so the span starts now; ending it `latency` later
-        # makes Langfuse show the latency the gateway measured.
-        started_ns = time.time_ns()
         with propagate_attributes(**attributes):
             generation = self._langfuse.start_observation(
                 trace_context={"trace_id": self._trace_id(record.session_id)}, as_type="generation", **fields
             )
-        generation.end(end_time=started_ns + int(record.latency_ms * 1e6))
+        # The SDK takes no start time: the span started inside that call. Ending it `latency`
+        # after a clock read taken once it returned makes Langfuse show the latency the gateway
+        # measured, and never an end before the start (a clock read before the call did that
+        # whenever the SDK took longer than a fast call's latency).
+        generation.end(end_time=time.time_ns() + max(int(record.latency_ms * 1e6), 1))
 
     def _send_reward(self, session_id: str, reward: float, metrics: dict[str, float]) -> None:
         self._langfuse.create_score(

@@ -130,8 +130,8 @@ def test_no_tracer_without_the_three_variables(monkeypatch, caplog):
     assert SECRET not in caplog.text
 
 
-def test_a_call_becomes_a_generation_with_model_step_usage_and_latency():
-    record = CallRecord(
+def _call(latency_ms: float) -> CallRecord:
+    return CallRecord(
         id="req_1",
         session_id="s1",
         group_id="g1",
@@ -142,14 +142,17 @@ def test_a_call_becomes_a_generation_with_model_step_usage_and_latency():
         engine="local",
         stream=False,
         status="ok",
-        latency_ms=12.5,
+        latency_ms=latency_ms,
         request={"model": "agent", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7},
         response={
             "choices": [{"message": {"role": "assistant", "content": "hello"}}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
         },
     )
-    fields = generation_fields(record)
+
+
+def test_a_call_becomes_a_generation_with_model_step_usage_and_latency():
+    fields = generation_fields(_call(12.5))
     assert fields["input"] == [{"role": "user", "content": "hi"}]
     assert fields["output"] == {"role": "assistant", "content": "hello"}
     assert fields["model"] == "agent@3"
@@ -157,6 +160,36 @@ def test_a_call_becomes_a_generation_with_model_step_usage_and_latency():
     assert fields["usage_details"] == {"input": 3, "output": 2, "total": 5}
     assert fields["metadata"]["step"] == 3 and fields["metadata"]["latency_ms"] == 12.5
     assert "level" not in fields
+
+
+def test_a_generation_ends_its_latency_after_it_starts_however_slow_the_sdk():
+    class Generation:
+        def __init__(self) -> None:
+            self.start_ns = time.time_ns()
+            self.end_ns: int | None = None
+
+        def end(self, end_time: int) -> None:
+            self.end_ns = end_time
+
+    class SlowSDK:
+        """Langfuse's client as the tracer uses it, taking 5 ms to start an observation (the
+        real one takes ~1 ms) and starting the span at its own clock, as the real one does."""
+
+        generations: list[Generation] = []
+
+        def create_trace_id(self, seed: str) -> str:
+            return seed
+
+        def start_observation(self, **fields) -> Generation:
+            time.sleep(0.005)
+            self.generations.append(Generation())
+            return self.generations[-1]
+
+    tracer = LangfuseTracer(public_key="pk-lf-x", secret_key=SECRET, host="http://127.0.0.1:9")
+    tracer._langfuse = SlowSDK()
+    tracer._send_call(_call(0.4))
+    generation = SlowSDK.generations[0]
+    assert generation.end_ns - generation.start_ns >= 400_000  # the measured 0.4 ms, not less, never negative
 
 
 # ---------------------------------------------------------------- end to end
