@@ -202,7 +202,10 @@ def test_killing_a_replica_fails_no_call_that_had_not_started_and_a_restarted_on
         for future in futures:
             future.result()
     failures = [outcome for _, outcome in outcomes if isinstance(outcome, BaseException)]
-    assert not failures, failures[:3]
+    # vLLM writes a reply's headers and its body apart, so a kill can fall between them: that
+    # call had started (a byte came back) and is the 503 that says so. No other call may fail.
+    not_started = [failure for failure in failures if "after its answer had begun" not in str(failure)]
+    assert not not_started, not_started[:3]
     received = pair.received(*(rid for _, rid in outcomes if isinstance(rid, str)))
     after = [(s, received[rid]) for s, rid in outcomes[killed:] if isinstance(rid, str) and home[s] == 1]
     moved = {s for s, served in after if (0, "agent@2") in served}

@@ -541,7 +541,8 @@ def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
 
         # a crash before any byte of a non-stream answer: 503 too, and back again
         script_fake(engine.url, crash_after_chunks=0)
-        assert "went away" in _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
+        message = _expect_503(lambda: gw.client.chat.completions.create(model="agent", messages=MESSAGES))
+        assert "went away before answering" in message
         wait_until(lambda: _answers(gw.client, "agent"), what="vLLM restarted again")
     assert not engine.process.running  # the gateway stopped vLLM on the way out
     assert "rlproxy starts: " in (tmp_path / "state" / "vllm.log").read_text()

@@ -162,8 +162,9 @@ class VLLMSupervisor:
         if self._monitor is not None:  # do not wait for the next health tick
             asyncio.get_running_loop().create_task(self._recover_quietly())
         error = EngineUnavailable if answered else EngineUnreached
+        when = "while answering, after its answer had begun" if answered else "before answering"
         return error(
-            f"vLLM at {url} went away while answering ({reason}); "
+            f"vLLM at {url} went away {when} ({reason}); "
             + ("rlproxy is restarting it" if self.managed else "waiting for it to come back")
             + " - retry in a moment"
         )
