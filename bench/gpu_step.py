@@ -55,7 +55,7 @@ SMOLLM2_CONFIG = json.loads("""{
   "unk_token_id": 0, "use_cache": true, "vocab_size": 49152
 }""")
 MODELS = ("tiny", "smollm2-random")
-SAMPLES, GROUP_SIZE, COMPLETION_TOKENS, RANK = 32, 4, 16, 16
+SAMPLES, COMPLETION_TOKENS, RANK = 32, 16, 16  # groups of 4: bench/train.py's GROUP_SIZE
 MIN_COSINE = {"float32": 0.9999}  # a 16-bit base: 0.95
 
 
@@ -108,28 +108,17 @@ def lora(backend) -> list:
 
 def make_samples(backend, seed: int = 0) -> list:
     """The batch, its behaviour logprobs scored by `backend` (the CPU reference, its LoRA drawn)."""
-    import torch
-
-    from trainer.advantages import compute_advantages
-    from trainer.types import Sample
+    from bench.train import build_samples, sample_logprobs
 
     rng, vocab = random.Random(seed), backend.model.get_input_embeddings().weight.shape[0]
     specs = []
     for _ in range(SAMPLES):
         prompt = rng.randint(41, 45)
         ids = [rng.randrange(3, vocab) for _ in range(prompt + COMPLETION_TOKENS)]
-        specs.append((ids, prompt, rng.random(), [rng.gauss(0.0, 0.05) for _ in range(COMPLETION_TOKENS)]))
-    groups = {f"g{i // GROUP_SIZE}": [s[2] for s in specs[i : i + GROUP_SIZE]] for i in range(0, SAMPLES, GROUP_SIZE)}
-    advantages, _ = compute_advantages(groups, backend.settings.scale_rewards)
-    samples = []
-    with torch.no_grad():
-        for i, (ids, prompt, reward, noise) in enumerate(specs):
-            logp_TV = torch.log_softmax(backend.model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
-            behaviour = [float(logp_TV[t - 1, ids[t]]) + e for t, e in zip(range(prompt, len(ids)), noise, strict=True)]
-            group, mask = f"g{i // GROUP_SIZE}", (False,) * prompt + (True,) * COMPLETION_TOKENS
-            old, advantage = (math.nan,) * prompt + tuple(behaviour), advantages[group][i % GROUP_SIZE]
-            samples.append(Sample(tuple(ids), mask, old, advantage, f"t{i}", group, reward=reward))
-    return samples
+        reward = rng.random()
+        noise = [rng.gauss(0.0, 0.05) for _ in range(COMPLETION_TOKENS)]
+        specs.append({"prompt": ids[:prompt], "completion": ids[prompt:], "reward": reward, "noise": noise})
+    return build_samples(specs, sample_logprobs(backend.model, specs))
 
 
 def step(backend, samples, capture: bool = True) -> dict:
