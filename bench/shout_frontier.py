@@ -47,10 +47,13 @@ ROOT = Path(__file__).resolve().parent.parent
 AIM_CAPS, AIM_ENGLISH = 0.7, 0.6
 VAL_REPLIES = 32  # the demo's final evaluation: 4 groups of 8
 BETAS = (1.0, 0.5, 0.3, 0.25, 0.2, 0.17, 0.15, 0.1, 0.05)
+SHARPENINGS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0)  # alpha in pi_ref^alpha exp(r/beta)
 
 
-def sample_base(samples: int, max_tokens: int, system: str, seed: int) -> list[str]:
-    """`samples` replies to each SHOUT prompt from the base model, full distribution at T=1."""
+def sample_base(samples: int, max_tokens: int, system: str, seed: int) -> tuple[list[str], list[float]]:
+    """`samples` replies to each SHOUT prompt from the base model, full distribution at T=1, and
+    each reply's log-probability under the base (its sampled tokens', up to and with the end of
+    turn: the log pi_ref(y) a KL penalty weighs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -67,6 +70,7 @@ def sample_base(samples: int, max_tokens: int, system: str, seed: int) -> list[s
     per_batch = 8
     batch = tokenizer(prompts * per_batch, return_tensors="pt", padding=True)
     replies: list[str] = []
+    logprobs: list[float] = []
     for round_ in range(math.ceil(samples / per_batch)):
         torch.manual_seed(seed * 100_000 + round_)
         with torch.no_grad():
@@ -78,11 +82,19 @@ def sample_base(samples: int, max_tokens: int, system: str, seed: int) -> list[s
                 top_k=0,
                 top_p=1.0,
                 pad_token_id=tokenizer.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        replies += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        tokens = out.sequences[:, batch["input_ids"].shape[1] :]
+        replies += tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        token_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+        ended = (tokens == tokenizer.eos_token_id).long().cumsum(-1)
+        # a reply's tokens are those before its end of turn, and the end of turn itself
+        in_reply = (ended == 0) | ((ended == 1) & (tokens == tokenizer.eos_token_id))
+        logprobs += (token_logprobs * in_reply).sum(-1).tolist()
         print(f"\rsampled {len(replies)}/{samples * len(prompts)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    return replies
+    return replies, logprobs
 
 
 def reply_counts(replies: list[str], dictionary: frozenset[str]) -> list[tuple[float, int, int]]:
@@ -173,6 +185,31 @@ def mix_weights(counts, thresholds: list[float], mass_on_higher: float) -> list[
     ]
 
 
+def sharpened_tilt(counts, logprobs: list[float], alpha: float, beta: float) -> list[float]:
+    """Weights on the base's samples for pi(y) ~ pi_ref(y)^alpha exp(r(y)/beta): the optimum of
+    reward - beta KL(pi || pi_ref) + (alpha - 1) beta E[log pi_ref] (a bonus for replies the
+    base finds likely, or equally an entropy penalty). Unlike the guards above it reweights by
+    the base's likelihood as well as the reward, so the bound on them does not hold for it."""
+    logs = [(alpha - 1) * lp + c[0] / beta for c, lp in zip(counts, logprobs, strict=True)]
+    top = max(logs)
+    return [math.exp(x - top) + 1e-300 for x in logs]
+
+
+def beta_at_caps(counts, logprobs: list[float], alpha: float, caps: float) -> float | None:
+    """The beta at which `sharpened_tilt(alpha, beta)` has capitals share `caps` (bisection on
+    log beta: the share falls as beta grows); None where no beta in [0.01, 10] reaches it."""
+    lo, hi = math.log(0.01), math.log(10.0)
+    if weighted(counts, sharpened_tilt(counts, logprobs, alpha, math.exp(lo)))["caps"] < caps:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if weighted(counts, sharpened_tilt(counts, logprobs, alpha, math.exp(mid)))["caps"] >= caps:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(lo)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=512, help="replies per prompt (8 prompts)")
@@ -187,17 +224,21 @@ def main() -> None:
     out = ROOT / "bench" / "out" / f"shout_frontier-{args.max_tokens}tok-seed{args.seed}.json"
     setup = {"max_tokens": args.max_tokens, "system": args.system, "samples": args.samples, "seed": args.seed}
     earlier = json.loads(out.read_text()) if out.is_file() else {}
-    if not args.resample and earlier.get("setup") == setup:
-        replies = earlier["replies"]
+    if not args.resample and earlier.get("setup") == setup and "logprobs" in earlier:
+        replies, logprobs = earlier["replies"], earlier["logprobs"]
     else:
         import torch
 
         torch.set_num_threads(2)
-        replies = sample_base(args.samples, args.max_tokens, args.system, args.seed)
+        replies, logprobs = sample_base(args.samples, args.max_tokens, args.system, args.seed)
     counts = reply_counts(replies, dictionary)
     policies = {"base": [1.0] * len(counts)}
     for beta in BETAS:
         policies[f"exp tilt, beta {beta}"] = [math.exp((c[0] - 1) / beta) for c in counts]
+    for alpha in SHARPENINGS:
+        beta = beta_at_caps(counts, logprobs, alpha, AIM_CAPS)
+        if beta is not None:
+            policies[f"base^{alpha:g} tilt, beta {beta:.3f}"] = sharpened_tilt(counts, logprobs, alpha, beta)
     for threshold in (0.5, 0.6, 0.7):
         policies[f"base, caps >= {threshold}"] = [1.0 if c[0] >= threshold else 1e-12 for c in counts]
     best = best_english_at(counts, AIM_CAPS)
@@ -227,7 +268,11 @@ def main() -> None:
         f"three seeds {likeliest['val_pass'] ** 3:.3f}"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"setup": setup, "rows": rows, "best_at_aim": best, "replies": replies}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"setup": setup, "rows": rows, "best_at_aim": best, "replies": replies, "logprobs": logprobs}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

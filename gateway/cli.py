@@ -81,6 +81,7 @@ TRAINER = (
     "delta",
     "beta",
     "reward_kl",
+    "reward_kl_sharpen",
     "kl_estimator",
     "tis_cap",
     "max_tokens_norm",

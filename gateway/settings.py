@@ -127,6 +127,12 @@ REWARD_KL_HELP = (
     "trained tokens) from its reward before the group's advantages: a guard against a gamed reward that "
     "holds however small the group's reward differences become; 0 turns it off"
 )
+REWARD_KL_SHARPEN_HELP = (
+    "with --reward-kl, take the KL to the base sharpened to pi_ref^A (log mu - A log pi_ref summed over the "
+    "trajectory's trained tokens): above 1 it also favours the replies the base itself finds likelier, which "
+    "keeps a real model's replies in its own language while a reward pulls them (docs/training.md, Reward "
+    "hacking); 1 is the plain KL"
+)
 
 
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
@@ -288,6 +294,7 @@ class Settings(BaseSettings, PromotionSettings, ReplicaSettings, TrainingScaleSe
     beta: float = Field(0.0, ge=0, description="weight of the KL against the base model (--kl-estimator)")
     kl_estimator: Literal["k3", "low_var_kl", "k2"] = Field("k3", description=KL_ESTIMATOR_HELP)
     reward_kl: float = Field(0.0, ge=0, description=REWARD_KL_HELP)
+    reward_kl_sharpen: float = Field(1.0, ge=1.0, le=4.0, description=REWARD_KL_SHARPEN_HELP)
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
     tis_cap: float = Field(
         2.0,

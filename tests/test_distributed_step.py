@@ -5,9 +5,9 @@ worker does (train, save), rank 1 follows its announcements (`trainer.follower`)
 one process, in this test's process, is the reference: the adapter and the AdamW moments each rank
 pair writes must equal it to 1e-5, for DDP and for FSDP2 (`--shard full`), for grpo, dr_grpo and dapo
 (whose normalisers count the whole batch, not a rank's share), with beta > 0 under FSDP2, with
---reward-kl (each rank's KL sums added before the rewards are shaped), for an SFT step, after loading
-a checkpoint one process wrote, and for a step whose loss is not finite on one rank only (refused on
-both, nothing changed).
+--reward-kl sharpened (each rank's KL and log pi_ref sums added before the rewards are shaped), for
+an SFT step, after loading a checkpoint one process wrote, and for a step whose loss is not finite
+on one rank only (refused on both, nothing changed).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ SCENARIOS = {
     "ddp-grpo": dict(shard="none", loss_type="grpo"),
     "ddp-dr_grpo": dict(shard="none", loss_type="dr_grpo", max_tokens_norm=40),
     "full-dapo-beta": dict(shard="full", loss_type="dapo", beta=0.1),
-    "ddp-reward-kl": dict(shard="none", loss_type="grpo", reward_kl=0.05),
+    "ddp-reward-kl": dict(shard="none", loss_type="grpo", reward_kl=0.05, reward_kl_sharpen=1.5),
     "full-grpo-two-passes": dict(shard="full", loss_type="grpo", epochs_per_step=2),
     "full-grpo-checkpointing": dict(shard="full", loss_type="grpo", gradient_checkpointing=True),
     "ddp-sft": dict(shard="none", objective="sft"),

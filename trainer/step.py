@@ -208,11 +208,14 @@ def _shape_rewards(
     """`--reward-kl`: the rows with advantages from rewards less the KL to the base
     (`trainer.reward_kl`), the advantage and the KL of each trajectory. Under a team each rank
     sums its own rows and the sums are added, so every rank shapes the whole batch alike."""
-    kls = reward_kl.sample_kls(rows, refs, len(samples))
+    kls, ref_logprobs = reward_kl.sample_sums(rows, refs, len(samples))
     if backend.team is not None:
-        kls = backend.team.sum(kls)
-    why = reward_kl.finite(kls)
+        both = backend.team.sum(kls + ref_logprobs)
+        kls, ref_logprobs = both[: len(kls)], both[len(kls) :]
+    why = reward_kl.finite(kls, ref_logprobs)
     if why is not None:
         raise NonFiniteStep(why)
-    per_sample, advantages, trajectory_kls = reward_kl.shape(samples, kls, settings.reward_kl, settings.scale_rewards)
+    per_sample, advantages, trajectory_kls = reward_kl.shape(
+        samples, kls, settings.reward_kl, settings.scale_rewards, ref_logprobs, settings.reward_kl_sharpen
+    )
     return reward_kl.with_advantages(rows, per_sample), advantages, trajectory_kls
