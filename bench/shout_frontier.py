@@ -13,7 +13,12 @@ function of the reward. So the base's own samples say what any of them can reach
   there passes on one seed; **pass 3 seeds**, its cube, the issue's seeds 0-2;
 - **best at caps 0.7**: the most English that any reweighting by a non-decreasing function of
   the reward reaches while its capitals share is 0.7, the issue's bar (every guard above is such
-  a reweighting: none favours a reply for a lower reward).
+  a reweighting: none favours a reply for a lower reward);
+- **base^A tilt, beta**: pi_ref^A exp(r/beta), the optimum of `--reward-kl` with
+  `--reward-kl-sharpen A` (a KL to the base sharpened to pi_ref^A), with beta chosen so that its
+  capitals share is 0.7, then 0.8. It also weighs each reply by the base's own likelihood (the
+  log-probability of its sampled tokens, recorded as it is sampled), so the bound above does not
+  hold for it.
 
 Samples: smollm2 at temperature 1 with no top-k or top-p (as the demo samples), SHOUT's system
 message and 8 prompts, `--max-tokens` (the task's 6) tokens, `--samples` per prompt; the template
@@ -47,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 AIM_CAPS, AIM_ENGLISH = 0.7, 0.6
 VAL_REPLIES = 32  # the demo's final evaluation: 4 groups of 8
 BETAS = (1.0, 0.5, 0.3, 0.25, 0.2, 0.17, 0.15, 0.1, 0.05)
-SHARPENINGS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0)  # alpha in pi_ref^alpha exp(r/beta)
+SHARPENINGS = (1.0, 1.1, 1.2, 1.3, 1.5)  # alpha in pi_ref^alpha exp(r/beta), at capitals 0.7 and 0.8
 
 
 def sample_base(samples: int, max_tokens: int, system: str, seed: int) -> tuple[list[str], list[float]]:
@@ -235,10 +240,11 @@ def main() -> None:
     policies = {"base": [1.0] * len(counts)}
     for beta in BETAS:
         policies[f"exp tilt, beta {beta}"] = [math.exp((c[0] - 1) / beta) for c in counts]
-    for alpha in SHARPENINGS:
-        beta = beta_at_caps(counts, logprobs, alpha, AIM_CAPS)
-        if beta is not None:
-            policies[f"base^{alpha:g} tilt, beta {beta:.3f}"] = sharpened_tilt(counts, logprobs, alpha, beta)
+    for caps in (AIM_CAPS, 0.8):
+        for alpha in SHARPENINGS:
+            beta = beta_at_caps(counts, logprobs, alpha, caps)
+            if beta is not None:
+                policies[f"base^{alpha:g} tilt, beta {beta:.3f}"] = sharpened_tilt(counts, logprobs, alpha, beta)
     for threshold in (0.5, 0.6, 0.7):
         policies[f"base, caps >= {threshold}"] = [1.0 if c[0] >= threshold else 1e-12 for c in counts]
     best = best_english_at(counts, AIM_CAPS)
