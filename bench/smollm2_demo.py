@@ -85,8 +85,20 @@ def row(path: Path) -> dict | None:
         "val T": (summary.get("demo") or {}).get("eval_temperature", 1.0),
         "english": english.get("share"),
         "distinct": english.get("distinct_share"),
+        "guard": guard(summary.get("settings") or {}),
         "aim": verdict(path.name, summary, english),
     }
+
+
+def guard(settings: dict) -> str:
+    """The KL guard a run trained under: beta, reward-kl and its sharpening ("-" for none)."""
+    beta, reward_kl, sharpen = (settings.get(k) for k in ("beta", "reward_kl", "reward_kl_sharpen"))
+    parts = [
+        f"b{beta:g}" if beta else "",
+        f"r{reward_kl:g}" if reward_kl else "",
+        f"^{sharpen:g}" if reward_kl and sharpen and sharpen != 1 else "",
+    ]
+    return "/".join(p for p in parts if p) or "-"
 
 
 def verdict(name: str, summary: dict, english: dict) -> str:
@@ -106,10 +118,11 @@ def table(rows: list[dict]) -> str:
     def cell(value) -> str:
         return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
-    columns = ("run", "engine", "val T", "baseline", "final", "step", "seconds", "english", "distinct", "aim")
-    lines = ["  ".join(f"{c:>16}" if i == 0 else f"{c:>9}" for i, c in enumerate(columns))]
+    columns = ("run", "engine", "val T", "baseline", "final", "step", "seconds", "english", "distinct", "guard", "aim")
+    widths = {"run": 16, "guard": 14}
+    lines = ["  ".join(f"{c:>{widths.get(c, 9)}}" for c in columns)]
     for r in rows:
-        lines.append("  ".join(f"{cell(r[c]):>16}" if i == 0 else f"{cell(r[c]):>9}" for i, c in enumerate(columns)))
+        lines.append("  ".join(f"{cell(r[c]):>{widths.get(c, 9)}}" for c in columns))
     return "\n".join(lines)
 
 
@@ -118,8 +131,10 @@ def main() -> int:
     parser.add_argument("runs", nargs="*", help=f"which runs: {', '.join(RUNS)} (none: only the table)")
     parser.add_argument("--table", action="store_true", help="print the table of the runs already done")
     parser.add_argument("--seeds", type=int, nargs="+", help="only these seeds")
-    args, extra = parser.parse_known_args()
-    extra = [a for a in extra if a != "--"]
+    argv = sys.argv[1:]
+    # what follows `--` goes to every demo (argparse would take it for more runs)
+    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser.parse_args(own)
     unknown = [name for name in args.runs if name not in RUNS]
     if unknown:
         parser.error(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}")
