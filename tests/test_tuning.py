@@ -38,5 +38,8 @@ def test_smollm2_has_its_own_tuning_in_serve_and_in_the_demo(tmp_path):
     assert (demo.learning_rate, demo.beta) == (SMOLLM2_SETTINGS["learning_rate"], SMOLLM2_SETTINGS["beta"])
     assert demo.kl_estimator == "low_var_kl" != Settings().kl_estimator  # k3 clamped: json's collapses
     assert demo.reward_kl == 0.1 != Settings().reward_kl  # what holds SHOUT's words under the clamp
+    assert demo.reward_kl_sharpen == 1.2 != Settings().reward_kl_sharpen  # and keeps its capitals words
+    assert for_model(Settings(base_model="smollm2", reward_kl_sharpen=1.0)).reward_kl_sharpen == 1.0
     tiny = demo_settings({}, tmp_path, task="shout")
     assert (tiny.learning_rate, tiny.beta, tiny.reward_kl) == (TINY_MODEL_SETTINGS["learning_rate"], 0.0, 0.0)
+    assert tiny.reward_kl_sharpen == 1.0

@@ -32,6 +32,10 @@ SMOLLM2_SETTINGS = {
     # the clamp that keeps json from collapsing also lets SHOUT's capitals turn to gibberish
     # (English 0.19); a trajectory's KL taken off its reward holds them (0.47-0.78)
     "reward_kl": 0.1,
+    # but any KL to the base itself keeps only as many of the capital replies English as the base
+    # writes (0.57-0.59: bench/shout_frontier.py); one to the base sharpened to pi_ref^1.2 also
+    # favours the capital replies the base finds likely, which are its words
+    "reward_kl_sharpen": 1.2,
     "lora_rank": 8,
     "lora_alpha": 16,
     "groups_per_step": 4,
