@@ -39,6 +39,8 @@ Everything a CPU vLLM can show is tested against the real one (tests/test_vllm_r
 stand-in stays for what it cannot: sleep mode, GPU memory, scripted crashes at a chosen chunk.
 
 Run as a process with vLLM's CLI shape: `python tests/fake_vllm.py serve MODEL --port P ...`.
+`--answer-delay S` (not vLLM's) holds each non-streamed answer S seconds, as a generating vLLM
+would be busy (bench/router_cost.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class FakeState:
     events: list[dict] = field(default_factory=list)
     chats_while_asleep: int = 0
     token_delay: float = 0.0
+    answer_delay: float = 0.0  # a non-streamed answer's wait, as a vLLM generating it would (benches)
     parser_holds: bool = False
     crash_after_chunks: int | None = None
     # A proxy in front of vLLM that quotes the request's Authorization header in its errors.
@@ -339,6 +342,8 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
             )
         if state.crash_after_chunks is not None:
             _crash(state)
+        if state.answer_delay:
+            await asyncio.sleep(state.answer_delay)
         out_choices = []
         for i, tokens in enumerate(choices):
             out_choices.append(
@@ -586,6 +591,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     serve.add_argument("--quantization", default=None)
+    serve.add_argument(
+        "--answer-delay", type=float, default=0.0, help="not vLLM's: seconds each non-streamed answer waits"
+    )
     args, _unknown = serve.parse_known_args(argv[1:]) if argv and argv[0] == "serve" else parser.parse_known_args(argv)
     env_names = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES")
     state = FakeState(
@@ -598,6 +606,7 @@ def main(argv: list[str] | None = None) -> None:
         generation_config=args.generation_config,
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         exit_on_crash=True,
+        answer_delay=args.answer_delay,
         argv=argv,
         env={name: os.environ.get(name) for name in env_names},
     )
