@@ -46,6 +46,7 @@ from bench.proxy import OUT, ROOT, CellResult, Service, _spawn, _wait_http, free
 from bench.vllm import (  # noqa: E402
     MODEL,
     Layout,
+    _interrupt,
     _pin,
     client_body,
     idle_cpu_ms_per_s,
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-floor", action="store_true", help="leave out the bare relay")
     args = parser.parse_args(argv)
     layout = layout_for(args.layout or ("own" if len(os.sched_getaffinity(0)) >= 4 else "shared"))
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)  # like Ctrl-C: `finally` stops every process
     try:
         import uvloop
 
