@@ -62,7 +62,7 @@ def layout_for(name: str) -> Layout:
     if name == "own":
         if len(cores) < 4:
             raise SystemExit(f"--layout own needs 4 cores, this process has {len(cores)}: use --layout shared")
-        return Layout(cores[3:] or cores[2:], [cores[1]], [cores[2]], pinned=True)
+        return Layout(cores[3:], [cores[1]], [cores[2]], pinned=True)
     if len(cores) < 2:
         return Layout(cores, cores, cores, pinned=False)
     return Layout([cores[0]], [cores[1]], [cores[1]], pinned=True)
