@@ -205,6 +205,21 @@ class ChatService:
         yielded = False
         target: Target | None = resolved
 
+        def call_row(error: RLProxyError | None) -> CallRecord:
+            """What was streamed so far, as the call's row (`tokens` once the engine sent them)."""
+            return self.record(
+                request_id=request_id,
+                identity=identity,
+                raw=raw,
+                target=target,
+                stream=True,
+                started=started,
+                wire=wire,
+                response=accumulator.response(),
+                tokens=tokens,
+                error=error,
+            )
+
         try:
             async with self.gate.passage(), self.registry.hold(resolved):
                 body = engine_body(request, raw, target)
@@ -225,37 +240,9 @@ class ChatService:
             if not finished and error is None:
                 # The client went away (or we were cancelled): still record what was sent.
                 error = ClientGone("stream ended early: the client disconnected")
-                await asyncio.shield(
-                    self._commit(
-                        self.record(
-                            request_id=request_id,
-                            identity=identity,
-                            raw=raw,
-                            target=target,
-                            stream=True,
-                            started=started,
-                            wire=wire,
-                            response=accumulator.response(),
-                            tokens=tokens,
-                            error=error,
-                        )
-                    )
-                )
+                await asyncio.shield(self._commit(call_row(error)))
         try:
-            await self._commit(
-                self.record(
-                    request_id=request_id,
-                    identity=identity,
-                    raw=raw,
-                    target=target,
-                    stream=True,
-                    started=started,
-                    wire=wire,
-                    response=accumulator.response(),
-                    tokens=tokens,
-                    error=error,
-                )
-            )
+            await self._commit(call_row(error))
         except StoreUnavailable as store_error:
             if not yielded:
                 raise
