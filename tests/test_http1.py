@@ -174,7 +174,7 @@ def test_urls_and_paths_it_cannot_use_are_refused_at_once():
     pool = HTTP1Pool("https://api.example.com/v1", {})
     assert pool.head("GET", "/models").startswith(b"GET /v1/models HTTP/1.1\r\nHost: api.example.com\r\n")
     assert b"Host: [::1]:8080\r\n" in HTTP1Pool("http://[::1]:8080/v1", {}).head("GET", "/models")
-    for path in ("/responses/a b", "/responses/x\r\nX-Evil: 1", "responses"):
+    for path in ("/responses/a b", "/responses/x\r\nX-Evil: 1", "responses", "/responses/x\n"):
         with pytest.raises(ValueError):
             pool.head("GET", path)
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.errors import InvalidRequest
+from gateway.export.model import parse_model_ref
 from gateway.export.records import export_trajectories
 from gateway.http import middleware
 from gateway.settings import Settings
@@ -108,6 +110,27 @@ def test_session_and_group_ids_are_checked_before_use(upstream, tmp_path, sessio
         reply = httpx.post(server.url + "/v1/sessions/" + quote(session, safe="") + "/reward", json={"reward": 1.0})
         assert reply.status_code in (400, 404)
     assert sorted(os.listdir(tmp_path)) == ["state"]
+
+
+@pytest.mark.parametrize("where", ["metadata", "base url"])
+def test_an_id_ending_in_a_line_break_is_refused(upstream, tmp_path, where):
+    # `$` matches before a final "\n": ids are matched whole, so "nl-1\n" never reaches the
+    # upstream, the store or the X-Session-Id header of the answer.
+    with openai_gateway(upstream.url, tmp_path / "state") as (server, _):
+        if where == "metadata":
+            reply = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "metadata": {"session_id": "nl-1\n"}})
+        else:
+            reply = httpx.post(server.url + "/sessions/nl-1%0A/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 400 and "not valid" in reply.json()["error"]["message"]
+        reward = httpx.post(server.url + "/v1/sessions/nl-1%0A/reward", json={"reward": 1.0})
+        assert reward.status_code == 400 and "not valid" in reward.json()["error"]["message"]
+        assert httpx.get(server.url + "/v1/sessions").json()["data"] == []
+
+
+def test_a_model_name_ending_in_a_line_break_is_refused_by_export():
+    for ref in ("tiny\n", "tiny\n@1"):
+        with pytest.raises(InvalidRequest, match="is not a model name"):
+            parse_model_ref(ref)
 
 
 def test_listening_beyond_loopback_without_a_key_is_warned_about(caplog):

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest
 
-_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+# Matched whole (`fullmatch`): `$` would let a final line break through, into headers and the store.
+_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 IDENTITY_KEYS = ("session_id", "group_id", "task_id", "split")
 
 
@@ -28,7 +29,7 @@ class Identity:
 
 
 def check_id(value: str, what: str) -> str:
-    if not _ID_PATTERN.match(value):
+    if not _ID_PATTERN.fullmatch(value):
         raise InvalidRequest(
             f"{what} '{value[:64]}' is not valid: "
             "use 1-128 letters, digits or . _ : @ -, starting with a letter or digit",
@@ -53,7 +54,7 @@ def identify(headers: Mapping[str, str], body: dict) -> Identity:
     if task_id is not None:
         task_id = check_id(str(task_id), "task_id")
     client_request_id = headers.get("x-request-id")
-    if client_request_id is not None and not _ID_PATTERN.match(client_request_id):
+    if client_request_id is not None and not _ID_PATTERN.fullmatch(client_request_id):
         client_request_id = None  # a tracing aid only: an odd one is dropped, not refused
     return Identity(
         session_id=session_id,

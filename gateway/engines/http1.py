@@ -29,8 +29,9 @@ from urllib.parse import urlsplit
 import httptools
 
 # What a request path may hold (RFC 3986's path and query characters): never a space or a
-# line break, which would let a name from a request write its own request line or headers.
-_PATH = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@/%?-]*$")
+# line break, which would let a name from a request write its own request line or headers
+# (matched whole: `$` lets a final line break through).
+_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@/%?-]*")
 
 
 class ConnectError(OSError):
@@ -173,7 +174,7 @@ class HTTP1Pool:
 
     def head(self, method: str, path: str) -> bytes:
         """The request line and headers up to Content-Length, for `exchange`; build once per route."""
-        if not _PATH.match(path):
+        if not _PATH.fullmatch(path):
             raise ValueError(f"not a request path: {path!r}")
         return f"{method} {self.base_path}{path} HTTP/1.1\r\n".encode("latin-1") + self._headers
 

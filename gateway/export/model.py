@@ -35,7 +35,7 @@ from trainer.backends.base import ADAPTER_FILES
 
 log = logging.getLogger("rlproxy.export")
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SETTINGS_FILE = "training_settings.json"
 
 
@@ -52,7 +52,7 @@ def parse_model_ref(ref: str) -> tuple[str, int | None]:
     """`NAME` (newest step) or `NAME@N`; the name must be a plain model name, since it
     becomes part of a path."""
     name, sep, step = ref.partition("@")
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise InvalidRequest(f"'{name}' is not a model name (letters, digits, '.', '_', '-'): give NAME or NAME@STEP")
     if not sep:
         return name, None

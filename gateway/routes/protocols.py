@@ -38,7 +38,7 @@ from gateway.routes.openai import read_json, validation_message
 router = APIRouter()
 
 _IDENTITY_HEADERS = ("x-session-id", "x-group-id", "x-task-id", "x-split", "x-request-id")
-_UPSTREAM_ID = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+_UPSTREAM_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 
 
 def _json(data: Any, status_code: int = 200, headers: dict | None = None) -> Response:
@@ -215,7 +215,7 @@ async def get_response(response_id: str, request: Request) -> Response:
     except NotFound:
         # --upstream-protocol responses: the ids are the upstream's, so ask it (the id is
         # checked before it becomes part of a URL)
-        if relay is None or not relay.serves(responses_wire.PROTOCOL) or not _UPSTREAM_ID.match(response_id):
+        if relay is None or not relay.serves(responses_wire.PROTOCOL) or not _UPSTREAM_ID.fullmatch(response_id):
             raise
     return _json(await services.engine.relay(f"/responses/{response_id}", None))
 
