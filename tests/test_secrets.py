@@ -176,3 +176,30 @@ def test_the_log_and_settings_beside_a_checkpoint_hold_no_secret(tmp_path):
     assert "api.example/v1" in saved.read_text()
     for secret in secrets:
         assert secret not in done.stderr and secret not in saved.read_text()
+
+
+def test_a_password_in_a_vllm_url_is_shown_nowhere(tmp_path, caplog):
+    # /healthz answers without a key: the replica table and the reason a replica is down name
+    # each vLLM by its URL, and so do the log lines and the errors a call gets.
+    from gateway.app import create_app
+    from tests.helpers import ThreadServer
+    from tests.helpers_vllm import fake_vllm_thread, vllm_settings, wait_until
+
+    caplog.set_level(logging.INFO)
+    with fake_vllm_thread() as (a, _), fake_vllm_thread() as (b, _):
+        urls = [url.replace("http://", "http://rl:Vllm-pw-17@") for url in (a.url, b.url)]
+        settings = vllm_settings(tmp_path, vllm_url=urls, api_key=KEY)
+        with ThreadServer(create_app(settings)) as server:
+            b.server.should_exit = True  # replica 1 goes away: its reason names it
+            b.thread.join(timeout=60)
+            health = wait_until(
+                lambda: (
+                    (h := httpx.get(server.url + "/healthz", timeout=10).json())["replicas"][1]["state"] == "down" and h
+                ),
+                what="replica 1 seen down",
+            )
+            dashboard = httpx.get(server.url + "/v1/dashboard", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    shown = json.dumps(health) + dashboard.text + caplog.text
+    assert health["replicas"][0]["url"] == urls[0].replace("Vllm-pw-17", "***")
+    assert "does not answer" in health["replicas"][1]["reason"]
+    assert "Vllm-pw-17" not in shown

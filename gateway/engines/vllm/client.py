@@ -19,6 +19,7 @@ from gateway.engines.http1 import HTTP1Pool
 from gateway.engines.vllm.server import probe_health, socket_of
 from gateway.engines.vllm.wire import error_message, loads, maybe_json
 from gateway.errors import EngineUnavailable, UpstreamError, UpstreamTimeout
+from gateway.redact import mask_text
 
 
 class VLLMClient:
@@ -26,7 +27,10 @@ class VLLMClient:
     each answer (streams: each read); `api_key`, the vLLM's key if it has one."""
 
     def __init__(self, url: str, timeout: float, *, api_key: str | None = None):
-        self.url = url  # as messages name it
+        # As messages, /healthz and the dashboard name it: a password or key in the URL is masked
+        # (`url_secrets` holds them, for the engine to redact from vLLM's error text).
+        self.url_secrets: list[str] = []
+        self.url = mask_text(url, self.url_secrets)
         self.socket = socket_of(url)
         self.base = "http://localhost" if self.socket else url  # what request URLs start with
         self.timeout = timeout

@@ -109,7 +109,8 @@ class VLLMEngine(Engine):
         self._max_model_len: int | None = None  # from vLLM's model cards, at start
         self.timeout = timeout
         self.client = VLLMClient(self.url, timeout, api_key=api_key)
-        self._hide = [*(hide or []), api_key or ""]  # out of vLLM's error text (or a proxy's in front of it)
+        # out of vLLM's error text (or a proxy's in front of it)
+        self._hide = [*(hide or []), api_key or "", *self.client.url_secrets]
         self.adapters = VLLMAdapters(self.client)
         self.supervisor = VLLMSupervisor(
             self.client, process, self.adapters, health_interval=health_interval, max_restarts=max_restarts

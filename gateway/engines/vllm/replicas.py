@@ -53,7 +53,7 @@ class Replica:
         state = "asleep" if engine.supervisor.asleep else "ready" if engine.available else "down"
         return {
             "replica": self.index,
-            "url": engine.url,
+            "url": engine.client.url,  # its password masked
             "state": state,
             "reason": None if state != "down" else engine.supervisor.down_reason,
             "in_flight": self.in_flight,
