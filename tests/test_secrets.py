@@ -203,3 +203,53 @@ def test_a_password_in_a_vllm_url_is_shown_nowhere(tmp_path, caplog):
     assert health["replicas"][0]["url"] == urls[0].replace("Vllm-pw-17", "***")
     assert "does not answer" in health["replicas"][1]["reason"]
     assert "Vllm-pw-17" not in shown
+
+
+def test_an_upstream_error_page_reaches_the_log_only(tmp_path, caplog):
+    # DESIGN.md: the gateway never returns an upstream's raw error body; a proxy's HTML page can
+    # name hosts, paths and users. The client and the store get its size; the log, its text.
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    page = b"<html>Internal error at db-internal-7.corp:5432 user=svc_llm key=" + UPSTREAM_KEY.encode() + b"</html>"
+
+    class ErrorPage(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(500)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    caplog.set_level(logging.WARNING)
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), ErrorPage)
+    thread = threading.Thread(target=upstream.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{upstream.server_port}/v1"
+        with openai_gateway(url, tmp_path / "state", upstream_api_key=UPSTREAM_KEY) as (server, _):
+            chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+            answers = [
+                httpx.post(server.url + "/v1/chat/completions", json={**chat, "stream": stream}, timeout=30)
+                for stream in (False, True)
+            ]
+            calls = httpx.get(server.url + "/v1/sessions", timeout=30).json()["data"]
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+        thread.join(timeout=30)
+    for answer in answers:
+        assert answer.status_code == 502
+        assert f"answered 500: its {len(page)}-byte body is in the gateway's log" in answer.json()["error"]["message"]
+    assert len(calls) == 2
+    said = (
+        "".join(answer.text for answer in answers)
+        + json.dumps(calls)
+        + raw_store_bytes(tmp_path / "state").decode(errors="replace")
+    )
+    assert "db-internal-7" not in said and "svc_llm" not in said
+    assert "db-internal-7.corp:5432 user=svc_llm key=***" in caplog.text and UPSTREAM_KEY not in caplog.text

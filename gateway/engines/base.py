@@ -8,10 +8,13 @@ cannot see tokens (`openai`) return `tokens=None`; the trainer re-renders those.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gateway.redact import redact
 
 
 @dataclass
@@ -130,3 +133,16 @@ class Engine(ABC):
     async def list_models(self) -> list[str]:
         """Model ids this engine answers for besides rlproxy's own names."""
         return [self.base_model_id]
+
+
+def logged_body(where: str, payload: bytes, secrets: list[str], limit: int = 300) -> str:
+    """What the client is told of an upstream's body that is not the protocol's JSON: its size,
+    and that the log has it. An error page can name the upstream's internals (hosts, paths,
+    users), and the gateway never returns an upstream's raw body: its first `limit` characters
+    go to the log alone, redacted."""
+    text = payload.decode("utf-8", errors="replace").strip()
+    excerpt = text if len(text) <= limit else text[:limit] + "..."
+    logging.getLogger("rlproxy.engines").warning(
+        "the upstream at %s answered a body that is not the protocol's JSON: %s", where, redact(excerpt, secrets)
+    )
+    return f"its {len(payload)}-byte body is in the gateway's log"

@@ -31,7 +31,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd
+from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, logged_body
 from gateway.engines.http1 import ConnectError, HTTP1Pool
 from gateway.engines.sse import sse_data
 from gateway.errors import ConfigError, RLProxyError, UpstreamError, UpstreamTimeout
@@ -151,7 +151,8 @@ class OpenAIEngine(Engine):
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
             raise self._fail(
-                f"the upstream at {self.base_url} answered {status} with a body that is not JSON: {_excerpt(payload)}"
+                f"the upstream at {self.base_url} answered {status} with a body that is not JSON; "
+                + self._logged(payload)
             ) from None
         if not isinstance(data, dict) or "choices" not in data:
             if isinstance(data, dict) and isinstance(data.get("error"), dict):
@@ -160,7 +161,7 @@ class OpenAIEngine(Engine):
                 )
             raise self._fail(
                 f"the upstream at {self.base_url} answered {status} with JSON that is not a "
-                f"chat.completion (no 'choices'): {_excerpt(payload)}"
+                f"chat.completion (no 'choices'): {self._logged(payload)}"
             )
         return Completion(response=data, tokens=None)
 
@@ -177,7 +178,7 @@ class OpenAIEngine(Engine):
                 if resp.content_type != "text/event-stream":
                     raise self._fail(
                         f"the upstream at {self.base_url} answered a stream request with {resp.content_type or 'no'}"
-                        f" content instead of text/event-stream: {_excerpt(await resp.read())}"
+                        f" content instead of text/event-stream: {self._logged(await resp.read())}"
                     )
                 async for payload in sse_data(resp.content):
                     if payload == b"[DONE]":
@@ -187,12 +188,13 @@ class OpenAIEngine(Engine):
                         data = orjson.loads(payload)
                     except orjson.JSONDecodeError:
                         raise self._fail(
-                            f"the upstream at {self.base_url} sent a stream chunk that is not JSON: {_excerpt(payload)}"
+                            f"the upstream at {self.base_url} sent a stream chunk that is not JSON; "
+                            + self._logged(payload)
                         ) from None
                     if not isinstance(data, dict):
                         raise self._fail(
                             f"the upstream at {self.base_url} sent a stream chunk that is not a "
-                            f"JSON object: {_excerpt(payload)}"
+                            f"JSON object: {self._logged(payload)}"
                         )
                     if "error" in data and "choices" not in data:
                         error = data["error"] if isinstance(data["error"], dict) else {"message": data["error"]}
@@ -222,7 +224,7 @@ class OpenAIEngine(Engine):
         if not isinstance(data, dict):
             raise self._fail(
                 f"the upstream at {self.base_url} answered {path} with something that is not a JSON "
-                f"object: {_excerpt(payload)}"
+                f"object: {self._logged(payload)}"
             )
         return data
 
@@ -240,7 +242,7 @@ class OpenAIEngine(Engine):
                 if resp.content_type != "text/event-stream":
                     raise self._fail(
                         f"the upstream at {self.base_url} answered a stream request on {path} with "
-                        f"{resp.content_type or 'no'} content: {_excerpt(await resp.read())}"
+                        f"{resp.content_type or 'no'} content: {self._logged(await resp.read())}"
                     )
                 async for payload in sse_data(resp.content):
                     if b'"error"' in payload:  # relayed as it is: an error event may echo our key
@@ -295,6 +297,9 @@ class OpenAIEngine(Engine):
     def _status_error(self, status: int, payload: bytes) -> RLProxyError:
         return status_error(self.base_url, status, payload, self._secrets)
 
+    def _logged(self, payload: bytes) -> str:
+        return logged_body(self.base_url, payload, self._secrets)
+
 
 def status_error(where: str, status: int, payload: bytes, secrets: list[str]) -> RLProxyError:
     """The gateway's error for an upstream's error answer, `secrets` redacted from all of it."""
@@ -310,7 +315,8 @@ def status_error(where: str, status: int, payload: bytes, secrets: list[str]) ->
     def text(value: object) -> str | None:
         return None if value is None else redact(str(value), secrets)
 
-    message = redact(str(error.get("message") or error.get("detail") or _excerpt(payload) or "no message"), secrets)
+    message = str(error.get("message") or error.get("detail") or "")
+    message = redact(message, secrets) if message else logged_body(where, payload, secrets) if payload else "no message"
     if status in (401, 403):
         refused = f"the upstream at {where} refused rlproxy's upstream key ({status})"
         return UpstreamError(redact(f"{refused}: {message}; check --upstream-api-key", secrets))
@@ -319,8 +325,3 @@ def status_error(where: str, status: int, payload: bytes, secrets: list[str]) ->
             status, message, text(error.get("type")), text(error.get("param")), text(error.get("code"))
         )
     return UpstreamError(redact(f"the upstream at {where} answered {status}: {message}", secrets))
-
-
-def _excerpt(payload: bytes, limit: int = 300) -> str:
-    text = payload.decode("utf-8", errors="replace").strip()
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -51,7 +51,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord
+from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, TokenRecord, logged_body
 from gateway.engines.sse import sse_data
 from gateway.engines.vllm.adapters import VLLMAdapters
 from gateway.engines.vllm.client import VLLMClient
@@ -65,12 +65,13 @@ from gateway.engines.vllm.wire import (
     StreamSplitter,
     error_message,
     loads,
+    maybe_json,
     sampling_in_force,
     split_completion,
     status_error,
     vllm_body,
 )
-from gateway.errors import ConfigError, UpstreamError, UpstreamTimeout
+from gateway.errors import ConfigError, RLProxyError, UpstreamError, UpstreamTimeout
 from gateway.redact import redact
 
 log = logging.getLogger("rlproxy.engines.vllm")
@@ -157,6 +158,13 @@ class VLLMEngine(Engine):
     def _target(self, request: EngineRequest) -> str:
         return request.adapter or self._vllm_base
 
+    def _answer_error(self, status: int, payload: bytes, request: EngineRequest) -> RLProxyError:
+        """vLLM's error answer as the gateway's error (`status_error`); a body that is not JSON
+        goes to the log only, redacted, as the openai engine does (`logged_body`)."""
+        if maybe_json(payload) is None:
+            logged_body(self.client.url, payload, self._hide)
+        return _redacted(self._hide, status_error(status, payload, self._target(request)))
+
     async def complete(self, request: EngineRequest) -> Completion:
         self.supervisor.check_ready()
         ask = ClientAsk.of(request.body)
@@ -180,7 +188,7 @@ class VLLMEngine(Engine):
                 continue
             break
         if status >= 400:
-            raise _redacted(self._hide, status_error(status, payload, self._target(request)))
+            raise self._answer_error(status, payload, request)
         data = loads(payload, "a chat completion")
         response, tokens = split_completion(data, ask, sampling)
         self._warn_if_no_tokens(tokens)
@@ -207,11 +215,11 @@ class VLLMEngine(Engine):
                     resp.release()
                     if await self._reload_missing(request.adapter):
                         continue
-                    raise _redacted(self._hide, status_error(404, payload, self._target(request)))
+                    raise self._answer_error(404, payload, request)
                 break
             try:
                 if resp.status >= 400:
-                    raise _redacted(self._hide, status_error(resp.status, await resp.read(), self._target(request)))
+                    raise self._answer_error(resp.status, await resp.read(), request)
                 async for payload in sse_data(resp.content):
                     if payload == b"[DONE]":
                         finished = True

@@ -277,7 +277,9 @@ def error_message(data: object) -> str:
 def status_error(status: int, payload: bytes, target: str) -> RLProxyError:
     """vLLM's error answer to a chat request for `target` (the adapter or base model name)."""
     body = maybe_json(payload)
-    message = error_message(body) or payload[:300].decode(errors="replace")
+    # A body that is not vLLM's JSON (a proxy's error page, say) is not repeated to the client:
+    # the engine logs it (`VLLMEngine._answer_error`).
+    message = error_message(body) or f"its {len(payload)}-byte body is in the gateway's log"
     if status == 404:
         return UpstreamError(f"vLLM does not serve '{target}': {message}")
     if status < 500:
