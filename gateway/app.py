@@ -18,6 +18,7 @@ from gateway.http.browsers import BrowserGuardMiddleware, JsonWritesMiddleware
 from gateway.http.errors import install_error_handlers
 from gateway.http.limits import BodyLimitMiddleware, Limits
 from gateway.http.middleware import BearerAuthMiddleware, RequestIdMiddleware
+from gateway.http.security import cors_middleware, refuse_if_exposed
 from gateway.metrics import Metrics
 from gateway.settings import Settings
 from gateway.store import Store
@@ -93,6 +94,7 @@ class GatewayApp(FastAPI):
 def create_app(
     settings: Settings, *, engine: Engine | None = None, store: Store | None = None, tracer: Any = None
 ) -> FastAPI:
+    refuse_if_exposed(settings)  # before anything is started or written
     private_state_dir(settings.state_dir)  # before the engine writes its model or socket there
     engine = engine or build_engine(settings)
     store = store or open_store(settings)
@@ -203,11 +205,9 @@ def create_app(
     app.include_router(list_routes.router)
     ui.install(app)  # the dashboard's pages; its cookie login is DashboardAuthMiddleware's
 
-    from gateway.http.security import cors_middleware, warn_if_exposed
     from gateway.openapi import install_openapi
 
     install_openapi(app)
-    warn_if_exposed(settings)
     # The same stack, innermost first, in front of FastAPI's routes and the chat fast path:
     # body limit, JSON writes only, bearer key, CORS (only with --cors-origin), Host and Origin
     # (gateway/http/browsers.py), request id.

@@ -27,6 +27,7 @@ SERVICE = (
     "store",
     "store_sync",
     "api_key",
+    "insecure_no_api_key",
     "log_level",
     "max_body_mb",
     "max_messages",

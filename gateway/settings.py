@@ -135,8 +135,29 @@ REWARD_KL_SHARPEN_HELP = (
 )
 
 
+class AccessSettings(BaseModel):
+    """Who may reach the gateway beyond its key (gateway/http/browsers.py, gateway/http/security.py):
+    flags of `Settings`, in a class of their own for its size."""
+
+    insecure_no_api_key: bool = Field(
+        False,
+        description="serve beyond loopback (--host 0.0.0.0) with no --api-key: anyone who reaches the port can "
+        "use the model, post rewards and read every recorded call; only where a network of your own keeps "
+        "everyone else out (refused at start otherwise)",
+    )
+    cors_origin: list[str] = Field(
+        default_factory=list, description="origin allowed to call from a browser (repeatable; CORS is off unless given)"
+    )
+    allowed_host: list[str] = Field(
+        default_factory=list,
+        description="a name the gateway is reached by (the Host header; repeatable; *.example.com for "
+        "subdomains). Without --api-key only loopback names are answered (no DNS rebinding); with a key "
+        "Host is checked only when this is given",
+    )
+
+
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
-class Settings(BaseSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings):
+class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings):
     model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
 
     # -- service
@@ -161,15 +182,6 @@ class Settings(BaseSettings, PromotionSettings, ReplicaSettings, TrainingScaleSe
     max_body_mb: float = Field(32.0, gt=0, description="largest request body in MB; larger ones get 413")
     max_messages: int = Field(2048, ge=1, description="most messages in one chat request")
     max_n: int = Field(128, ge=1, le=128, description="most choices (n) in one chat request")
-    cors_origin: list[str] = Field(
-        default_factory=list, description="origin allowed to call from a browser (repeatable; CORS is off unless given)"
-    )
-    allowed_host: list[str] = Field(
-        default_factory=list,
-        description="a name the gateway is reached by (the Host header; repeatable; *.example.com for "
-        "subdomains). Without --api-key only loopback names are answered (no DNS rebinding); with a key "
-        "Host is checked only when this is given",
-    )
 
     # -- engine
     engine: Literal["local", "openai", "vllm"] = Field("local", description="what produces completions")

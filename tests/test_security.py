@@ -1,6 +1,6 @@
 """Security review, as tests: the bearer key is compared in constant time and never stored,
 logged, exported or echoed; ids and names from requests never become paths; listening beyond
-loopback without a key is warned about; CORS is off unless asked for."""
+loopback without a key is refused unless asked for on purpose; CORS is off unless asked for."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.errors import InvalidRequest
+from gateway.errors import ConfigError, InvalidRequest
 from gateway.export.model import parse_model_ref
 from gateway.export.records import export_trajectories
 from gateway.http import middleware
@@ -133,25 +133,54 @@ def test_a_model_name_ending_in_a_line_break_is_refused_by_export():
             parse_model_ref(ref)
 
 
-def test_listening_beyond_loopback_without_a_key_is_warned_about(caplog):
+def test_listening_beyond_loopback_without_a_key_is_refused_unless_said_on_purpose(caplog, tmp_path):
+    # The Host check stops browsers, not a client that sends `Host: localhost`: beyond loopback
+    # a keyless gateway serves anyone, so it starts only with --insecure-no-api-key, warned about.
     class Engine:  # never started: create_app only wires it
         kind, supports_adapters = "openai", False
 
     caplog.set_level(logging.WARNING, logger="rlproxy")
-    warnings = []
-    for host, key in (
-        ("0.0.0.0", None),
-        ("::", None),
-        ("10.1.2.3", None),
-        ("0.0.0.0", KEY),
-        ("127.0.0.1", None),
-        ("localhost", None),
-        ("::1", None),
+    outcomes = []
+    for case, (host, key, on_purpose) in enumerate(
+        (
+            ("0.0.0.0", None, False),
+            ("::", None, False),
+            ("10.1.2.3", None, False),
+            ("0.0.0.0", None, True),
+            ("0.0.0.0", KEY, False),
+            ("127.0.0.1", None, False),
+            ("localhost", None, False),
+            ("::1", None, False),
+        )
     ):
         caplog.clear()
-        create_app(Settings(engine="openai", host=host, api_key=key), engine=Engine(), store=SQLiteStore(memory=True))
-        warnings.append(any("no API key" in r.getMessage() and "--api-key" in r.getMessage() for r in caplog.records))
-    assert warnings == [True, True, True, False, False, False, False]
+        settings = Settings(
+            engine="openai", host=host, api_key=key, insecure_no_api_key=on_purpose, state_dir=tmp_path / str(case)
+        )
+        try:
+            create_app(settings, engine=Engine(), store=SQLiteStore(memory=True))
+        except ConfigError as refused:
+            assert "--api-key" in str(refused) and "--insecure-no-api-key" in str(refused)
+            outcomes.append("refused")
+            continue
+        warned = any("no API key" in r.getMessage() for r in caplog.records)
+        outcomes.append("warned" if warned else "started")
+    assert outcomes == ["refused", "refused", "refused", "warned", "started", "started", "started", "started"]
+    assert sorted(os.listdir(tmp_path)) == ["3", "4", "5", "6", "7"]  # refused before the state dir is made
+
+
+def test_serve_says_why_it_refuses_to_listen_beyond_loopback_without_a_key(tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RLPROXY_API_KEY"}
+    args = ["serve", "--host", "0.0.0.0", "--port", "0", "--state-dir", str(tmp_path), "--trainer", "off"]
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode != 0
+    assert "refusing to start" in done.stderr and "--insecure-no-api-key" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_cors_is_off_unless_asked_for(upstream, tmp_path):

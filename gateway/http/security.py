@@ -1,5 +1,5 @@
 """Security defaults that are not a middleware of their own: CORS only when asked for, and a
-warning when the gateway listens beyond loopback with no key.
+refusal to start when the gateway would listen beyond loopback with no key.
 
 (The bearer-key check, constant time, is `gateway.http.middleware.BearerAuthMiddleware`; ids and
 names from requests are checked by `gateway.chat.identity.check_id` before they reach the store.)
@@ -12,6 +12,7 @@ import logging
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
+from gateway.errors import ConfigError
 from gateway.http.browsers import is_loopback_name
 
 log = logging.getLogger("rlproxy")
@@ -38,12 +39,21 @@ def is_loopback(host: str) -> bool:
     return host == "" or is_loopback_name(host.strip("[]").lower())
 
 
-def warn_if_exposed(settings) -> None:
-    """`--host 0.0.0.0` (or any address beyond loopback) without `--api-key` serves anyone
-    who can reach the port: say so at start-up."""
-    if settings.api_key is None and not is_loopback(settings.host):
-        log.warning(
-            "listening on %s with no API key: anyone who can reach this port can use the model, post rewards "
-            "and read every recorded call. Set --api-key (or RLPROXY_API_KEY), or listen on 127.0.0.1.",
-            settings.host,
+def refuse_if_exposed(settings) -> None:
+    """`--host 0.0.0.0` (or any address beyond loopback) without `--api-key` would serve anyone
+    who can reach the port (the Host check stops browsers, not a client that sends
+    `Host: localhost`): refused at start, unless `--insecure-no-api-key` says a network of
+    the operator's own keeps everyone else out, and then warned about."""
+    if settings.api_key is not None or is_loopback(settings.host):
+        return
+    exposed = (
+        f"listening on {settings.host} with no API key: anyone who can reach this port can use the model, "
+        "post rewards and read every recorded call"
+    )
+    if not settings.insecure_no_api_key:
+        raise ConfigError(
+            f"refusing to start: {exposed}. Set --api-key (or RLPROXY_API_KEY; make one with "
+            "`openssl rand -hex 24`), listen on 127.0.0.1, or, where a network of your own keeps everyone "
+            "else out, pass --insecure-no-api-key"
         )
+    log.warning("%s (--insecure-no-api-key).", exposed)
