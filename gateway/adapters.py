@@ -96,6 +96,7 @@ class AdapterRegistry:
         self.settings = settings
         self.name = settings.model_name
         self.loaded: dict[int, str] = {}  # step -> adapter name
+        self.on_demand: set[int] = set()  # loaded only where calls for NAME@N went (`Engine.partial_loads`)
         self.current: int | None = None  # step the alias NAME points at
         self.in_flight: dict[int, int] = {}  # step -> requests using it
         self.load_errors: dict[int, str] = {}  # step -> why its last load failed (cleared on success)
@@ -144,7 +145,7 @@ class AdapterRegistry:
             newest = sorted(rows, key=lambda row: row["step"])[-self.settings.keep_adapters :]
             for row in newest:
                 step = row["step"]
-                if step in self.loaded or row.get("state") in NOT_SERVED:
+                if self.loaded_everywhere(step) or row.get("state") in NOT_SERVED:
                     continue
                 if self.current is not None and step < self.current and self.loaded:
                     continue  # older than what serves now: not worth loading after the fact
@@ -161,7 +162,7 @@ class AdapterRegistry:
             log.warning("step %s of %s has no step row; nothing to load", step, self.name)
             return False
         async with self._lock:
-            if step not in self.loaded and not await self._load(step, rows[0]["path"]):
+            if not self.loaded_everywhere(step) and not await self._load(step, rows[0]["path"]):
                 return False
             self._point_alias_at(step, rows[0].get("state"))
             await self._unload_idle()
@@ -195,6 +196,10 @@ class AdapterRegistry:
             return False
         self.load_errors.pop(step, None)
         self.loaded[step] = adapter
+        if on_demand and self.engine.partial_loads:
+            self.on_demand.add(step)
+        else:
+            self.on_demand.discard(step)
         self._last_resolved[step] = time.monotonic()  # a fresh load is a use: LRU keeps it
         log.info("loaded %s in %.2f s", adapter, time.perf_counter() - started)
         return True
@@ -215,6 +220,7 @@ class AdapterRegistry:
             if now - self._last_resolved.get(step, float("-inf")) < _UNLOAD_GRACE_SECONDS:
                 continue
             adapter = self.loaded.pop(step)  # new requests for NAME@step now get a 404
+            self.on_demand.discard(step)
             try:
                 await self.engine.unload_adapter(adapter)
             except NotFound:
@@ -232,7 +238,7 @@ class AdapterRegistry:
         with the steps there are when there is no step N. Other names: nothing to do.
         Engine replicas load it where a call for it goes, or on every one (`everywhere`)."""
         step = self._pinned_step(requested)
-        if step is None or step in self.loaded:
+        if step is None or (self.loaded_everywhere(step) if everywhere else step in self.loaded):
             return
         rows = {row["step"]: row for row in await asyncio.to_thread(self.store.steps, self.name)}
         if step not in rows:
@@ -242,13 +248,18 @@ class AdapterRegistry:
                 code="model_not_found",
             )
         async with self._lock:
-            if step not in self.loaded and not await self._load(step, rows[step]["path"], not everywhere):
+            loaded = self.loaded_everywhere(step) if everywhere else step in self.loaded
+            if not loaded and not await self._load(step, rows[step]["path"], not everywhere):
                 raise EngineUnavailable(
                     f"loading step {step} of '{self.name}' failed ({self.load_errors.get(step)}); try again"
                 )
             self._last_resolved[step] = time.monotonic()
             await self._unload_idle()
         log.info("loaded %s on demand", requested)
+
+    def loaded_everywhere(self, step: int) -> bool:
+        """Loaded, and not only where calls for it went: fit to serve as NAME (or a canary's share)."""
+        return step in self.loaded and step not in self.on_demand
 
     def _pinned_step(self, requested: str) -> int | None:
         if not self.engine.supports_adapters or not requested.startswith(self.name + "@"):

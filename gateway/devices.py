@@ -148,7 +148,16 @@ def trainer_environment(settings: Settings, env: MutableMapping[str, str]) -> No
 
 def check_trainer(settings: Settings, vllm_gpus: set[int]) -> None:
     """The trainer's GPUs against the replicas': apart when dedicated, shared when colocated."""
-    if settings.trainer_devices is None or settings.trainer == "off":
+    if settings.trainer == "off":
+        return
+    if settings.trainer_devices is None:
+        if settings.device.startswith("cuda"):
+            # The trainer would take --device in the gateway's own numbering, which may be a replica's GPU.
+            raise ConfigError(
+                f"--vllm-devices '{settings.vllm_devices}' with the trainer on --device {settings.device} needs "
+                "--trainer-devices too, so that the two are checked together (e.g. --vllm-devices '0;1' "
+                "--trainer-devices 2 dedicated, or --trainer-devices 0 colocated)"
+            )
         return
     trainer_devices(settings)
     mine = set(parse_devices(settings.trainer_devices, "--trainer-devices")[0])

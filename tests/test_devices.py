@@ -40,6 +40,10 @@ REFUSED = {
         [*VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1", "--trainer-devices", "2", "--gpu-mode", "colocated"],
         "--gpu-mode colocated, but the trainer's GPUs (2) are none of the replicas' (0;1): there is nothing to share",
     ),
+    "a GPU trainer with no devices of its own": (
+        [*VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1", "--device", "cuda", "--gpu-mode", "dedicated"],
+        "--vllm-devices '0;1' with the trainer on --device cuda needs --trainer-devices too",
+    ),
     "replicas beside attached URLs": (
         [*NOWHERE, "--vllm-replicas", "2"],
         "--vllm-replicas and --vllm-devices are for the vLLMs rlproxy starts; attach to running replicas with one "

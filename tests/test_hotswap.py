@@ -177,6 +177,31 @@ async def test_a_pinned_step_in_use_is_not_unloaded_to_make_room(fake):
     assert sorted(registry.loaded) == [1, 3]
 
 
+async def test_a_step_first_loaded_by_name_on_part_of_the_engine_is_loaded_everywhere_before_it_serves(fake):
+    # Engine replicas load NAME@N only where its calls go (`partial_loads`): were the registry to
+    # take that load for the step's, NAME would move to a step some replicas do not have.
+    settings, store, _, registry = fake
+
+    class Replicas(FakeEngine):
+        partial_loads = True
+
+        async def load_adapter_on_demand(self, name: str, path: Path) -> None:
+            self.log.append(("on demand", name))
+
+    engine = registry.engine = Replicas()
+    publish_fake(settings, store, 0)
+    await registry.refresh()
+    publish_fake(settings, store, 1)
+    await registry.ensure("agent@1")  # a client pins the new step before the poll sees it
+    assert engine.log == [("load", "agent@0"), ("on demand", "agent@1")]
+    assert 1 in registry.loaded and not registry.loaded_everywhere(1) and registry.current == 0
+    await registry.refresh()
+    assert engine.log[-1] == ("load", "agent@1") and registry.loaded_everywhere(1)
+    assert registry.current == 1
+    await registry.ensure("agent@1", everywhere=True)  # loaded everywhere now: nothing more to do
+    assert engine.log.count(("load", "agent@1")) == 1
+
+
 def test_step_ranges_in_messages():
     assert adapters_module._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert adapters_module._ranges([4]) == "4"

@@ -20,8 +20,11 @@ import pytest
 
 from gateway.app import create_app
 from gateway.colocate import gpu_for_training
+from gateway.engines.vllm.adapters import VLLMAdapters
 from gateway.engines.vllm.build import build_vllm
 from gateway.engines.vllm.replicas import VLLMReplicas
+from gateway.engines.vllm.routing import rendezvous
+from gateway.errors import EngineUnavailable
 from gateway.settings import Settings
 from gateway.store.sqlite import SQLiteStore
 from tests.fake_vllm import FakeState, create_fake_vllm
@@ -233,6 +236,74 @@ def test_a_replica_that_fails_a_step_leaves_rotation_for_it_until_it_loads_it(at
     assert all(text.startswith("[agent@1]") for _, text in back.values())
 
 
+def _on(replica: int) -> str:
+    """A session whose home is `replica` (rendezvous over the pair's names)."""
+    return next(s for s in (f"home-{i}" for i in range(100)) if rendezvous(s, ["replica-0", "replica-1"])[0] == replica)
+
+
+def test_a_step_first_pinned_by_name_is_loaded_on_every_replica_before_it_serves(attached, fakes):
+    attached.train_step(1)
+    wait_until(lambda: [r["step"] for r in attached.health()["replicas"]] == [1, 1], what="step 1 on both")
+    path = make_adapter(attached.settings.checkpoints_dir(), "0002")
+    attached.store.insert_step("agent", 2, str(path), {}, [], state="candidate")  # not NAME's: none loads it
+    reply = attached.http.post(
+        "/v1/chat/completions", json={**_body("x"), "model": "agent@2"}, headers={"X-Session-Id": _on(0)}
+    )
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"].startswith("[agent@2]")
+    assert "agent@2" in fakes.states[0].loaded and "agent@2" not in fakes.states[1].loaded  # where its call went
+    assert [r["adapters"] for r in attached.health()["replicas"]] == [["agent@1", "agent@2"], ["agent@1"]]
+
+    promoted = attached.http.post("/v1/training/steps/2/promote", json={"model": "agent"})
+    assert promoted.status_code == 200, promoted.text
+    assert "agent@2" in fakes.states[1].loaded  # loaded there before NAME moved, not at a call's 404
+    assert [r["step"] for r in attached.health()["replicas"]] == [2, 2]
+    before = len([e for e in fakes.states[1].snapshot()["events"] if e["kind"] == "chat"])
+    _, text = attached.chat(_on(1))
+    assert text.startswith("[agent@2]")
+    chats = [e for e in fakes.states[1].snapshot()["events"] if e["kind"] == "chat"][before:]
+    assert [e["model"] for e in chats] == ["agent@2"]  # answered at once: no 404 and reload first
+
+
+def test_a_replica_that_cannot_load_a_step_on_a_call_sends_the_call_to_the_other(attached, fakes):
+    attached.train_step(1)
+    wait_until(lambda: [r["step"] for r in attached.health()["replicas"]] == [1, 1], what="step 1 on both")
+    fakes.states[1].loaded.clear()  # replica 1 restarted behind the gateway's back,
+    fakes.states[1].max_lora_rank = 8  # now refusing the rank-16 adapter
+    for stream in (False, True):
+        # as before replica 1 first failed it (after that it is out of rotation for agent@1)
+        attached.engine.replicas[1].engine.adapters.failed.clear()
+        request_id, text = attached.chat(_on(1), stream=stream)
+        assert text.startswith("[agent@1]")
+        # replica 1 answered 404 and could not load it, so nothing had been answered: sent on to replica 0
+        answered = [
+            {e["request_id"] for e in state.snapshot()["events"] if e["kind"] == "chat"} for state in fakes.states
+        ]
+        assert request_id in answered[0] and request_id in answered[1]
+    failed = attached.health()["replicas"][1]["failed_adapters"]
+    assert "LoRA rank 16 is greater than max_lora_rank 8" in failed["agent@1"]
+
+
+async def test_a_step_named_while_a_replica_reloads_is_loaded_before_it_is_ready(tmp_path):
+    # A replica that came back re-loads its adapters (`reload_all`) before it is ready; a step named
+    # meanwhile is recorded, not loaded (the replica is not ready): the reload must take it too.
+    first, second = make_adapter(tmp_path, "0001"), make_adapter(tmp_path, "0002")
+
+    class Client:
+        url = "http://vllm"
+        posted: list[str] = []
+
+        async def post(self, route: str, body: dict) -> tuple[int, bytes]:
+            self.posted.append(body["lora_name"])
+            if body["lora_name"] == "agent@1":
+                await adapters.load("agent@2", second, ready=False, asleep=False)
+            return 200, b"{}"
+
+    adapters = VLLMAdapters(Client())  # type: ignore[arg-type]
+    adapters.paths["agent@1"] = first
+    await adapters.reload_all(asleep=False)
+    assert Client.posted == ["agent@1", "agent@2"] and adapters.holds() == {"agent@1", "agent@2"}
+
+
 # ---------------------------------------------------------------------------- sleep and wake (GPU stand-in)
 
 
@@ -278,3 +349,28 @@ def test_colocated_training_sleeps_and_wakes_every_replica_and_loads_the_step_on
         "vllm-1.log",
         "vllm.log",
     ]
+
+
+def test_replicas_that_cannot_all_sleep_wake_again_and_serve_while_the_trainer_waits(fakes, tmp_path):
+    # The lease covers every replica: with one down, the trainer cannot have its GPU. Those that
+    # slept must wake again, or they would stay asleep in rotation and every call to them fail.
+    fakes.reset()
+    settings = vllm_settings(tmp_path, vllm_url=fakes.urls, gpu_mode="colocated")
+    try:
+        with gateway(settings, health_interval=0.2) as gw:
+            fakes.stop(1)
+            wait_until(lambda: gw.health()["replicas"][1]["state"] == "down", what="replica 1 seen down")
+            trainer_store = SQLiteStore(settings.db_path)
+            with pytest.raises(EngineUnavailable, match="did not lend the GPU"):
+                with gpu_for_training(trainer_store, "agent", timeout=3):
+                    pass
+            asyncio.run(trainer_store.close())
+            wait_until(lambda: not fakes.states[0].asleep, what="replica 0 awake again")
+            kinds = [e["kind"] for e in fakes.states[0].snapshot()["events"] if e["kind"] in ("sleep", "wake_up")]
+            assert kinds and kinds[0] == "sleep" and kinds[-1] == "wake_up"  # it did sleep, and woke each time
+            assert gw.health()["replicas"][0]["state"] == "ready"
+            calls = [gw.chat(session) for session in SESSIONS]  # replica 1's sessions too, on replica 0
+            assert set(fakes.answered_by([rid for rid, _ in calls]).values()) == {0}
+            assert fakes.states[0].chats_while_asleep == 0
+    finally:
+        fakes.reset()

@@ -84,6 +84,9 @@ class Engine(ABC):
 
     kind: str = "base"
     supports_adapters: bool = False
+    # Whether `load_adapter_on_demand` may leave a step loaded in only part of the engine (some
+    # replicas): such a step is loaded again with `load_adapter` before it serves as NAME.
+    partial_loads: bool = False
 
     @property
     def context_length(self) -> int | None:

@@ -115,7 +115,7 @@ class Canary:
                 await self._watch(serving, {r["step"]: r for r in rows})
             return
         row = max(candidates, key=lambda r: r["step"])
-        if row["step"] not in self.registry.loaded:
+        if not self.registry.loaded_everywhere(row["step"]):
             await self.registry.ensure(f"{self.name}@{row['step']}", everywhere=True)  # its share spans replicas
         self.step = row["step"]
         if serving is None:

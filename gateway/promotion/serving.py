@@ -33,7 +33,7 @@ async def follow_serving_step(registry: AdapterRegistry, rows: list[dict]) -> No
     if row["step"] in registry.load_errors and row["step"] > (registry.current or -1):
         return  # its load failed in this refresh's loop, which retries it next poll
     if row["step"] != registry.current and (
-        row["step"] in registry.loaded or await registry._load(row["step"], row["path"])
+        registry.loaded_everywhere(row["step"]) or await registry._load(row["step"], row["path"])
     ):
         log.info("%s now serves step %d (was %s): the serving step", registry.name, row["step"], registry.current)
         registry.current = row["step"]

@@ -35,11 +35,24 @@ class VLLMAdapters:
         self.paths: dict[str, Path] = {}  # name -> path: what must be loaded (re-loaded after a restart)
         self.pending: set[str] = set()  # adapters asked for while asleep
         self.failed: dict[str, str] = {}  # name -> why its last load failed (a replica set routes around it)
+        # Known, not loaded: a replica set's step asked for by name loads where a call for it goes.
+        self.on_demand: set[str] = set()
+
+    def expect(self, name: str, path: Path) -> None:
+        """Know `name` without loading it: the first call for it here loads it (`reload_missing`)."""
+        if name not in self.paths:
+            self.on_demand.add(name)
+        self.paths[name] = path
+
+    def holds(self) -> set[str]:
+        """The adapters this vLLM has loaded, as far as the gateway knows."""
+        return set(self.paths) - set(self.failed) - self.on_demand - self.pending
 
     async def load(self, name: str, path: Path, *, ready: bool, asleep: bool) -> None:
         path = Path(path).resolve()
         refuse_unservable_targets(name, path)
         self.paths[name] = path
+        self.on_demand.discard(name)  # wanted here now, not only where a call for it goes
         if not ready:
             log.info("vLLM is down; adapter %s will be loaded when it is back", name)
             return
@@ -52,6 +65,7 @@ class VLLMAdapters:
     async def unload(self, name: str, *, ready: bool) -> None:
         self.paths.pop(name, None)
         self.failed.pop(name, None)
+        self.on_demand.discard(name)
         if name in self.pending:  # asked for while asleep and never loaded
             self.pending.discard(name)
             return
@@ -68,30 +82,44 @@ class VLLMAdapters:
         message = error_message(maybe_json(payload)) or payload.decode(errors="replace")
         if status == 400 and "already been loaded" in message:
             self.failed.pop(name, None)
+            self.on_demand.discard(name)
             return  # idempotent: a re-load after a restart race
         if status != 200:
             self.failed[name] = load_error(name, path, status, message)
             raise UpstreamError(self.failed[name])
         self.failed.pop(name, None)
+        self.on_demand.discard(name)
         log.info("vLLM at %s loaded adapter %s from %s", self.client.url, name, path)
 
     async def reload_all(self, *, asleep: bool) -> None:
-        """After a restart: load every adapter again (a sleeping vLLM gets them on wake-up)."""
+        """After a restart: load every adapter again (a sleeping vLLM gets them on wake-up), those
+        known on demand only when a call asks. Until no new one came meanwhile: a step named while
+        this ran is loaded too before the vLLM is ready. One that fails is `failed` (a replica set
+        routes around it and retries it)."""
         if asleep:
             # Its LoRA slots are unmapped at sleep level 1: never load into a sleeping vLLM.
-            self.pending.update(self.paths)
+            self.pending.update(set(self.paths) - self.on_demand)
             return
-        for name, path in list(self.paths.items()):
-            try:
-                await self.post_load(name, path)
-            except RLProxyError as exc:
-                log.error("could not re-load adapter %s after a vLLM restart: %s", name, exc.message)
+        tried: set[str] = set()
+        while todo := [name for name in self.paths if name not in tried and name not in self.on_demand]:
+            for name in todo:
+                tried.add(name)
+                if name not in self.paths:  # unloaded meanwhile
+                    continue
+                try:
+                    await self.post_load(name, self.paths[name])
+                except RLProxyError as exc:
+                    self.failed.setdefault(name, exc.message)
+                    log.error("could not re-load adapter %s after a vLLM restart: %s", name, exc.message)
 
     async def reload_missing(self, adapter: str | None, *, asleep: bool) -> bool:
         """vLLM said 404 for an adapter we loaded: it restarted behind our back. Load it again."""
         if adapter is None or adapter not in self.paths or asleep:
             return False
-        log.warning("vLLM no longer knows adapter %s (restarted?); loading it again", adapter)
+        if adapter in self.on_demand:
+            log.info("loading %s into the vLLM at %s for its first call there", adapter, self.client.url)
+        else:
+            log.warning("vLLM no longer knows adapter %s (restarted?); loading it again", adapter)
         try:
             await self.post_load(adapter, self.paths[adapter])
         except RLProxyError:
@@ -104,10 +132,18 @@ class VLLMAdapters:
         return pending
 
     async def load_named(self, names: set[str]) -> None:
-        """Load these, in name order, where they are still wanted."""
+        """Load these, in name order, where they are still wanted; each is tried (one that fails is
+        `failed`), then the first failure is raised."""
+        errors: list[RLProxyError] = []
         for name in sorted(names):
             if name in self.paths:
-                await self.post_load(name, self.paths[name])
+                try:
+                    await self.post_load(name, self.paths[name])
+                except RLProxyError as exc:
+                    self.failed.setdefault(name, exc.message)
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def refuse_unservable_targets(name: str, path: Path) -> None:

@@ -71,7 +71,7 @@ from gateway.engines.vllm.wire import (
     status_error,
     vllm_body,
 )
-from gateway.errors import ConfigError, RLProxyError, UpstreamError, UpstreamTimeout
+from gateway.errors import ConfigError, EngineUnreached, RLProxyError, UpstreamError, UpstreamTimeout
 from gateway.redact import redact
 
 log = logging.getLogger("rlproxy.engines.vllm")
@@ -251,7 +251,16 @@ class VLLMEngine(Engine):
             )
 
     async def _reload_missing(self, adapter: str | None) -> bool:
-        return await self.adapters.reload_missing(adapter, asleep=self.supervisor.asleep)
+        """vLLM said 404 for `adapter`: load it (it restarted behind our back, or the step was known
+        on demand) and say whether to send the call again. One that will not load is
+        `EngineUnreached`, with the reason: nothing of the call was answered, so a replica set
+        sends it to another replica."""
+        if await self.adapters.reload_missing(adapter, asleep=self.supervisor.asleep):
+            return True
+        if adapter is not None and adapter in self.adapters.failed:
+            why = self.adapters.failed[adapter]
+            raise EngineUnreached(redact(f"vLLM at {self.client.url} could not load {adapter}: {why}", self._hide))
+        return False
 
     # ---------------------------------------------------------------- adapters
 

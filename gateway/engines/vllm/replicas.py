@@ -45,8 +45,14 @@ class Replica:
         self.calls = 0
 
     def serves(self, adapter: str | None) -> bool:
-        """Ready, and holding `adapter` (None: the base model), as far as the gateway knows."""
-        return self.engine.available and (adapter is None or adapter not in self.engine.adapters.failed)
+        """Ready and awake, and holding `adapter` (None: the base model) or able to load it on its
+        first call, as far as the gateway knows."""
+        engine = self.engine
+        return (
+            engine.available
+            and not engine.supervisor.asleep
+            and (adapter is None or adapter not in engine.adapters.failed)
+        )
 
     def status(self) -> dict:
         engine = self.engine
@@ -58,7 +64,7 @@ class Replica:
             "reason": None if state != "down" else engine.supervisor.down_reason,
             "in_flight": self.in_flight,
             "calls": self.calls,
-            "adapters": sorted(set(engine.adapters.paths) - set(engine.adapters.failed)),
+            "adapters": sorted(engine.adapters.holds()),
             "failed_adapters": dict(engine.adapters.failed),
         }
 
@@ -68,6 +74,7 @@ class VLLMReplicas(Engine):
 
     kind = "vllm"
     supports_adapters = True
+    partial_loads = True
 
     def __init__(self, engines: list[VLLMEngine], *, routing: str = "affinity", retry_interval: float = 2.0):
         if len(engines) < 2:
@@ -204,7 +211,7 @@ class VLLMReplicas(Engine):
         path = Path(path).resolve()
         refuse_unservable_targets(name, path)
         for replica in self.replicas:
-            replica.engine.adapters.paths[name] = path
+            replica.engine.adapters.expect(name, path)
 
     async def unload_adapter(self, name: str) -> None:
         results = await asyncio.gather(*(r.engine.unload_adapter(name) for r in self.replicas), return_exceptions=True)
@@ -226,20 +233,40 @@ class VLLMReplicas(Engine):
                         raise
                     except Exception as exc:  # noqa: BLE001 - still failing: stays out of rotation for it
                         log.debug("%s still cannot load %s: %s", replica.name, name, exc)
+                        continue
+                    if name not in adapters.paths:  # unloaded while it loaded: do not keep its LoRA slot
+                        await _quietly(replica.engine.unload_adapter(name), f"{replica.name} unloading {name}")
                     else:
                         log.info("%s loaded %s and is back in rotation for it", replica.name, name)
 
     # ---------------------------------------------------------------- sleep (colocated GPU)
 
     async def sleep(self, level: int = 1) -> None:
-        """Every replica frees its GPU: the lease covers them all."""
-        await _all(r.engine.sleep(level) for r in self.replicas)
+        """Every replica frees its GPU: the lease covers them all. If one cannot, those that slept
+        wake again before the error is raised, so that the replicas serve on while the trainer waits
+        (a replica asleep would take no call, and nothing would wake it)."""
+        results = await asyncio.gather(*(r.engine.sleep(level) for r in self.replicas), return_exceptions=True)
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:
+            slept = [
+                r for r, result in zip(self.replicas, results, strict=True) if not isinstance(result, BaseException)
+            ]
+            await asyncio.gather(*(_quietly(r.engine.wake_up(), f"{r.name} waking up") for r in slept))
+            raise errors[0]
 
     async def wake_up(self) -> None:
         await _all(r.engine.wake_up() for r in self.replicas)
 
     async def is_sleeping(self) -> bool:
         return all([await r.engine.is_sleeping() for r in self.replicas])
+
+
+async def _quietly(call, what: str) -> None:
+    """Await `call`; a failure is logged, not raised (undoing a step of something that failed)."""
+    try:
+        await call
+    except Exception as exc:  # noqa: BLE001 - logged: the caller is already handling a failure
+        log.warning("%s failed: %s", what, exc)
 
 
 async def _all(calls) -> None:
