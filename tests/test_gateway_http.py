@@ -428,9 +428,12 @@ def test_rewards_are_taken_while_the_group_is_open_and_refused_once_a_step_claim
         (b'{"reward": Infinity}', "finite"),
         (b'{"reward": -Infinity}', "finite"),
         (b'{"reward": 1e999}', "finite"),
-        (b'{"reward": "NaN"}', "finite"),
-        (b'{"reward": "inf"}', "finite"),
+        (b'{"reward": "NaN"}', "valid number"),  # a string is not a number, whatever it reads
+        (b'{"reward": "inf"}', "valid number"),
+        (b'{"reward": "1.0"}', "valid number"),
+        (b'{"reward": true}', "valid number"),
         (b'{"reward": "high"}', "valid number"),
+        (b'{"reward": 1e200}', "beyond +-1e+06"),  # its group's variance would overflow in the trainer
         (b'{"reward": 1, "metrics": {"m": "NaN"}}', "finite"),
         (b'{"reward": 1, "metrics": {"m": "lots"}}', "valid number"),
         (b"{}", "reward"),

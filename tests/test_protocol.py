@@ -38,10 +38,15 @@ def test_invalid_requests_say_what_to_fix(overrides, says):
         request(**overrides)
 
 
-@pytest.mark.parametrize("reward", [float("nan"), float("inf"), "high"])
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), "high", "1.0", True, 1e200, -2e6])
 def test_reward_must_be_a_finite_number(reward):
     with pytest.raises(ValidationError):
         RewardRequest.model_validate({"reward": reward})
+
+
+@pytest.mark.parametrize("reward", [0, 1, -1.5, 1e6, -1e6])
+def test_a_reward_is_any_number_within_bounds(reward):
+    assert RewardRequest.model_validate({"reward": reward}).reward == reward
 
 
 def test_identity_from_headers_then_metadata_then_minted():

@@ -63,3 +63,12 @@ def test_bad_input_fails_with_a_message():
         compute_advantages({"g": [0.0, float("nan")]})
     with pytest.raises(ValueError, match="no rewards"):
         group_advantages([])
+
+
+def test_huge_rewards_scale_to_the_same_advantages_without_overflow():
+    # (x - m) ** 2 overflows a float from |x - m| ~ 1e154; the advantages are scale-free: a group
+    # of [1e200, 0] is a group of [1, 0] (by hand: mean 0.5e200, std 0.5e200, advantages +-1).
+    assert group_advantages([1e200, 0.0], "group", eps=EPS) == pytest.approx([1.0, -1.0], abs=1e-12)
+    assert group_advantages([-3e160, 3e160, 0.0], "group", eps=EPS) == pytest.approx(
+        [-math.sqrt(1.5), math.sqrt(1.5), 0.0], abs=1e-12
+    )

@@ -132,6 +132,29 @@ def test_a_failing_batch_is_bisected_and_only_the_group_at_fault_is_set_aside(wo
     assert any(ok for _, ok in results[2:])
 
 
+def test_a_group_its_step_cannot_even_plan_is_set_aside_and_the_trainer_goes_on(worker, monkeypatch):
+    # Planning (advantages, samples) failing on a group's data killed the trainer process, and
+    # every restart with it, its groups claimed for good. It is now a failed attempt like any other.
+    groups = worker.groups_to_train()
+    bad, good = sorted(g["id"] for g in groups)
+    real = worker_module.plan_step
+
+    def overflows_with_bad(store, settings, render, groups, step):
+        if bad in {g["id"] for g in groups}:
+            raise OverflowError("(34, 'Numerical result out of range')")
+        return real(store, settings, render, groups, step)
+
+    monkeypatch.setattr(worker_module, "plan_step", overflows_with_bad)
+    assert worker.train_once(groups) is None
+    assert worker.store.get_group(bad)["last_error"].startswith("OverflowError")
+    results = []
+    while (next_groups := worker.groups_to_train()) is not None and len(results) < 10:
+        results.append(([g["id"] for g in next_groups], worker.train_once(next_groups) is not None))
+    assert results[:2] == [([bad], False), ([good], True)]
+    assert worker.store.get_group(good)["trained_step"] == 1
+    assert worker.store.get_group(bad)["failed"].startswith("training failed")
+
+
 def test_a_trainer_that_dies_mid_step_counts_the_attempt(tmp_path):
     # The claim counts the attempt before training: a process killed in the step (out of host
     # memory) leaves the count in the store and the restart gives the claim back. One death is

@@ -28,8 +28,12 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _population_std(xs: Sequence[float]) -> float:
+    # Deviations scaled by the largest first: (x - m) ** 2 overflows a float from |x - m| ~ 1e154.
     m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+    largest = max(abs(x - m) for x in xs)
+    if largest == 0.0:
+        return 0.0
+    return largest * math.sqrt(sum(((x - m) / largest) ** 2 for x in xs) / len(xs))
 
 
 def _check_rewards(rewards_G: Sequence[float], what: str) -> None:

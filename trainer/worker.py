@@ -227,7 +227,15 @@ class TrainerWorker:
         if not claimed:
             return None
         groups = [self.store.get_group(gid) for gid in claimed]  # the rewards as the claim froze them
-        plan = plan_step(self.store, self.settings, self.render, groups, self.next_step)
+        try:
+            plan = plan_step(self.store, self.settings, self.render, groups, self.next_step)
+        except (EngineUnavailable, ConfigError, StoreUnavailable):
+            with contextlib.suppress(StoreUnavailable):
+                self.store.release_step(claimed)
+            raise
+        except Exception as exc:  # a group its planning cannot take: bisected and set aside as a step's would be
+            self.attempts.failed(claimed, exc, self.next_step)
+            return None
         self.skipped_since_step += plan.skipped
         trained = list(plan.trained_groups)
         if set(claimed) - set(trained):

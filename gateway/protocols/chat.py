@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
 
 
 class _Open(BaseModel):
@@ -125,11 +125,13 @@ class ChatCompletionRequest(_Open):
 MAX_METRICS = 64  # a session keeps as many, rewards merged (MAX_SESSION_METRICS in gateway/store/rows.py)
 MAX_METRIC_NAME_CHARS = 128
 MAX_RUBRIC_CHARS = 32 * 1024
+# GRPO uses only a reward's place within its group; beyond this a group's variance overflows a float.
+MAX_ABS_REWARD = 1e6
 
 
 class RewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: float
+    reward: StrictFloat  # a number: true or "1.0" is a client's bug, not a reward
     metrics: dict[str, float] = Field(default_factory=dict, max_length=MAX_METRICS)
 
     @field_validator("reward")
@@ -137,6 +139,11 @@ class RewardRequest(BaseModel):
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
             raise ValueError("'reward' must be a finite number (not NaN or infinity)")
+        if abs(value) > MAX_ABS_REWARD:
+            raise ValueError(
+                f"'reward' {value:g} is beyond +-{MAX_ABS_REWARD:g}: training uses only how rewards in a group "
+                "compare, so scale them down (to 0..1, say)"
+            )
         return value
 
     @field_validator("metrics", mode="before")
