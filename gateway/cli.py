@@ -157,13 +157,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.trainer_process import start_trainer, stop_trainer
+    from gateway.trainer_process import start_trainer
 
     settings = settings_from_args(args)
     _configure_logging(settings)
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
     app = create_app(settings)
-    trainer = start_trainer(args, settings)
+    trainer = app.state.trainer = start_trainer(args, settings)  # /healthz shows its state
     try:
         # Keep-alive well past the clients' own 5 s (httpx, openai): with equal timeouts both
         # ends drop an idle connection at once and a request sent then fails with a ReadError.
@@ -179,7 +179,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             proxy_headers=False,
         )
     finally:
-        stop_trainer(trainer)
+        if trainer is not None:
+            trainer.stop()
     return 0
 
 

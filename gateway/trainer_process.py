@@ -7,6 +7,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 from subprocess import Popen
 
 from gateway.children import die_with_parent
@@ -35,11 +37,84 @@ def settings_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def start_trainer(args: argparse.Namespace, settings: Settings) -> Popen | None:
-    """`--trainer auto`: `rlproxy train` with the same settings as a child process in the
-    gateway's process group; None when there is nothing to train for."""
-    import subprocess
+class TrainerChild:
+    """`rlproxy train` as the gateway's child, brought back when it fails: a trainer that died (a
+    crash, out of host memory, killed) must not stop training until someone notices; one that
+    exits with 0 was asked to stop (SIGTERM to it alone) and stays stopped.
+    Restarts wait 1, 2, 4 ... 60 s (back to 1 s after a run of 10 minutes); `status()` is what
+    `/healthz` shows of it."""
 
+    STABLE_SECONDS = 600.0
+    MAX_DELAY_SECONDS = 60.0
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.cmd, self.env = cmd, env
+        self.proc: Popen | None = None
+        self.restarts = 0
+        self.last_exit: int | None = None
+        self._stopping = threading.Event()
+        self._delay = 1.0
+        self._started_at = 0.0
+        self._thread = threading.Thread(target=self._watch, name="rlproxy-trainer-watch", daemon=True)
+
+    def start(self) -> TrainerChild:
+        self._spawn()
+        self._thread.start()
+        return self
+
+    def _spawn(self) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent)
+        self._started_at = time.monotonic()
+
+    def _watch(self) -> None:
+        log = logging.getLogger("rlproxy")
+        while not self._stopping.is_set():
+            assert self.proc is not None
+            code = self.proc.wait()
+            if self._stopping.is_set():
+                return
+            self.last_exit = code
+            if code == 0:  # it was asked to stop (SIGTERM to it alone): not brought back
+                log.warning("the trainer stopped (code 0) while the gateway serves; restart the gateway to train again")
+                return
+            if time.monotonic() - self._started_at >= self.STABLE_SECONDS:
+                self._delay = 1.0
+            log.error(
+                "the trainer exited (code %s) while the gateway serves; starting it again in %.0f s "
+                "(its log lines above say why)",
+                code,
+                self._delay,
+            )
+            if self._stopping.wait(self._delay):
+                return
+            self._delay = min(self._delay * 2, self.MAX_DELAY_SECONDS)
+            self.restarts += 1
+            self._spawn()
+
+    def status(self) -> dict:
+        running = self.proc is not None and self.proc.poll() is None
+        return {
+            "state": "running"
+            if running
+            else "stopped"
+            if self._stopping.is_set() or self.last_exit == 0
+            else "restarting",
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+        }
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        stop_trainer(self.proc, timeout)
+        self._thread.join(timeout=timeout)
+        stop_trainer(self.proc, timeout)  # one the watcher started as this began
+
+
+def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild | None:
+    """`--trainer auto`: `rlproxy train` with the same settings as a child process in the
+    gateway's process group, restarted if it exits; None when there is nothing to train for."""
     log = logging.getLogger("rlproxy")
     if settings.trainer == "off":
         return None
@@ -51,7 +126,7 @@ def start_trainer(args: argparse.Namespace, settings: Settings) -> Popen | None:
         return None
     cmd, env = trainer_command(args, settings)
     log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
-    return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+    return TrainerChild(cmd, env).start()
 
 
 def trainer_command(args: argparse.Namespace, settings: Settings) -> tuple[list[str], dict[str, str]]:

@@ -154,3 +154,52 @@ def test_serve_hands_its_settings_to_the_trainer_and_starts_none_where_pointless
         off = build_parser().parse_args(["serve", "--trainer", "off"])
         assert start_trainer(off, settings_from_args(off)) is None
     assert "openai engine serves no adapters" in caplog.text
+
+
+def test_a_trainer_child_that_exits_is_started_again_and_healthz_shows_it(caplog):
+    # `serve --trainer auto`: a trainer that died (a crash, killed) used to stay dead while
+    # /healthz said ok; it is brought back, with the exit code logged and shown.
+    import sys
+    import tempfile
+    import time
+
+    import httpx
+
+    from gateway.trainer_process import TrainerChild
+
+    runs = []
+    code = "import sys, time; sys.exit(3) if len(sys.argv) < 2 else time.sleep(60)"
+    child = TrainerChild([sys.executable, "-c", code], {})
+    real_spawn = child._spawn
+
+    def spawn():  # the first run exits with 3, the next one keeps running
+        child.cmd = [sys.executable, "-c", code] + (["run"] if runs else [])
+        runs.append(1)
+        real_spawn()
+
+    child._spawn = spawn
+    with caplog.at_level("ERROR", logger="rlproxy"):
+        child.start()
+        deadline = time.monotonic() + 60
+        while child.status()["state"] != "running" or child.restarts < 1:
+            assert time.monotonic() < deadline, child.status()
+            time.sleep(0.05)
+    assert child.status() == {"state": "running", "restarts": 1, "last_exit": 3}
+    assert "the trainer exited (code 3)" in caplog.text
+    proc = child.proc
+    child.stop(timeout=10)
+    assert proc is not None and proc.poll() is not None  # stopped with the gateway,
+    time.sleep(2.5)  # past the next restart's delay (2 s): not started again
+    assert child.proc is proc and child.restarts == 1 and child.status()["state"] == "stopped"
+
+    from gateway.app import create_app
+    from gateway.settings import Settings
+    from tests.fake_upstream import FakeUpstream
+    from tests.helpers import ThreadServer
+
+    with FakeUpstream() as upstream, tempfile.TemporaryDirectory() as state:
+        app = create_app(Settings(engine="openai", upstream_url=upstream.url, state_dir=state, trainer="off"))
+        app.state.trainer = child
+        with ThreadServer(app) as server:
+            health = httpx.get(server.url + "/healthz", timeout=30)
+    assert health.status_code == 200 and health.json()["trainer"] == {"state": "stopped", "restarts": 1, "last_exit": 3}

@@ -131,6 +131,9 @@ async def healthz(request: Request) -> Response:
     replicas = services.engine.replica_states(services.settings.model_name, services.registry.current)
     if replicas is not None:
         body["replicas"] = replicas
+    trainer = getattr(request.app.state, "trainer", None)  # `serve --trainer auto`'s child; serving goes on without it
+    if trainer is not None:
+        body["trainer"] = trainer.status()
     engine_down = services.engine.health()
     waiting = loading(services.registry)
     if not store.health.degraded and engine_down is None and waiting is None:
