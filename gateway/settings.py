@@ -162,7 +162,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
 
     # -- service
     host: str = Field("127.0.0.1", description="address to listen on")
-    port: int = Field(8000, description="port to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free one)")
     state_dir: Path = Field(Path(".rlproxy"), description="where the store, checkpoints and the built-in model live")
     store_sync: Literal["normal", "full"] = Field(
         "normal",
@@ -201,7 +201,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "instead of translated to chat completions (repeatable)",
     )
     max_batch_size: int = Field(16, description="local engine: most requests generated together")
-    default_max_tokens: int = Field(256, description="completion limit when a request sets none")
+    default_max_tokens: int = Field(256, ge=1, description="completion limit when a request sets none")
     device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")
 
     # -- vllm engine

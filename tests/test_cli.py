@@ -98,3 +98,13 @@ def test_a_setting_out_of_range_is_a_clean_error_naming_the_flag(capsys, tmp_pat
     assert main(["train", "--state-dir", str(tmp_path), "--delta", "1.1"]) == 2
     err = capsys.readouterr().err
     assert "delta (1.1) must exceed 1 + epsilon_high (1.2)" in err and "Traceback" not in err
+
+
+def test_a_port_or_token_limit_that_cannot_work_is_refused(capsys, tmp_path):
+    # --port 99999 listened on 34463 (99999 - 65536); --default-max-tokens 0 gave 1-token answers.
+    from gateway.cli import main
+
+    assert main(["serve", "--state-dir", str(tmp_path), "--port", "99999"]) == 2
+    assert "--port: Input should be less than or equal to 65535" in capsys.readouterr().err
+    assert main(["serve", "--state-dir", str(tmp_path), "--default-max-tokens", "0"]) == 2
+    assert "--default-max-tokens: Input should be greater than or equal to 1" in capsys.readouterr().err

@@ -311,6 +311,23 @@ def test_bad_identity_is_a_400(client, headers, says):
         _chat(client, "hi", extra_headers=headers)
 
 
+@pytest.mark.parametrize(
+    ("metadata", "says"),
+    [
+        ({"split": 5}, "split '5' is not valid"),
+        ({"split": True}, "split 'True' is not valid"),
+        ("a string", "metadata: Input should be a valid dictionary"),
+        ([{"session_id": "s"}], "metadata: Input should be a valid dictionary"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_metadata_of_the_wrong_shape_is_a_400_not_a_500(http, path, metadata, says):
+    body = {"model": "fake-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    reply = http.post(path, json={**body, "metadata": metadata})
+    assert reply.status_code == 400, reply.text
+    assert says in reply.text
+
+
 # ---------------------------------------------------------------- rewards, sessions, groups
 
 

@@ -40,12 +40,14 @@ def check_id(value: str, what: str) -> str:
 
 def identify(headers: Mapping[str, str], body: dict) -> Identity:
     """Session, group, task and split from headers, else body `metadata`, else a fresh session id."""
-    metadata = body.get("metadata") or {}
+    metadata = body.get("metadata") or {}  # an object: the protocol's model checked it
     session_id = headers.get("x-session-id") or metadata.get("session_id")
     group_id = headers.get("x-group-id") or metadata.get("group_id")
-    split = (headers.get("x-split") or metadata.get("split") or "train").lower()
-    if split not in ("train", "val"):
-        raise InvalidRequest(f"split '{split}' is not valid: use 'train' or 'val'", param="X-Split")
+    split = headers.get("x-split") or metadata.get("split") or "train"
+    if not isinstance(split, str) or split.lower() not in ("train", "val"):
+        where = "X-Split" if headers.get("x-split") else "metadata.split"
+        raise InvalidRequest(f"split '{str(split)[:64]}' is not valid: use 'train' or 'val'", param=where)
+    split = split.lower()
     minted = not session_id
     session_id = "sess_" + uuid.uuid4().hex if minted else check_id(str(session_id), "session_id")
     if group_id is not None:
