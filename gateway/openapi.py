@@ -28,6 +28,9 @@ from gateway.protocols.chat import (
     StepDecisionRequest,
     TriggerRequest,
 )
+from gateway.protocols.completions.wire import CompletionRequest
+from gateway.protocols.messages.wire import MessagesRequest
+from gateway.protocols.responses.wire import ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
 _NUMBER = {"type": "number"}
@@ -209,6 +212,10 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, dict[str, tupl
         True,
         {"200": ("the completion (a stream of server-sent events when `stream` is true)", _JSON, "ChatCompletion")},
     ),
+    # The other protocols: their 200 as FastAPI documents it (the protocol's own object).
+    ("post", "/v1/responses"): (ResponsesRequest, True, {}),
+    ("post", "/v1/messages"): (MessagesRequest, True, {}),
+    ("post", "/v1/completions"): (CompletionRequest, True, {}),
     ("get", "/v1/models"): (None, False, {"200": ("the models served", _JSON, "ModelList")}),
     ("post", "/v1/sessions/{session_id}/reward"): (
         RewardRequest,

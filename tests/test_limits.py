@@ -48,7 +48,20 @@ def _raw_request(url: str, head: str, parts) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/sessions/s1/reward"])
+BODY_ROUTES = ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions", "/v1/sessions/s1/reward"]
+
+
+def _too_large(path: str, body: bytes) -> str:
+    """The 413's message, after checking it is in the route's protocol's error shape."""
+    answer = httpx.Response(413, content=body).json()
+    if path == "/v1/messages":  # Anthropic's shape
+        assert answer["type"] == "error" and answer["error"]["type"] == "request_too_large", answer
+    else:
+        assert answer["error"]["code"] == "request_too_large", answer
+    return answer["error"]["message"]
+
+
+@pytest.mark.parametrize("path", BODY_ROUTES)
 def test_content_length_over_the_limit_is_refused_before_reading(gateway, path):
     size = 60 * 1024 * 1024
     head = (
@@ -57,22 +70,21 @@ def test_content_length_over_the_limit_is_refused_before_reading(gateway, path):
     # Only 1 KB of the announced 60 MB is ever sent: an answer proves nothing waited for the rest.
     status, body = _raw_request(gateway.url, head, [b"{" + b" " * 1023])
     assert status == 413
-    error = httpx.Response(413, content=body).json()["error"]
-    assert error["code"] == "request_too_large"
-    assert "60.0 MB" in error["message"] and "1 MB (--max-body-mb)" in error["message"]
+    message = _too_large(path, body)
+    assert "60.0 MB" in message and "1 MB (--max-body-mb)" in message
 
 
-def test_chunked_body_is_refused_once_it_passes_the_limit(gateway):
+@pytest.mark.parametrize("path", BODY_ROUTES)
+def test_chunked_body_is_refused_once_it_passes_the_limit(gateway, path):
     head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         "Transfer-Encoding: chunked\r\n\r\n"
     )
     chunk = b" " * (256 * 1024)
     parts = [b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(12)] + [b"0\r\n\r\n"]  # 3 MB
     status, body = _raw_request(gateway.url, head, parts)
     assert status == 413
-    error = httpx.Response(413, content=body).json()["error"]
-    assert "--max-body-mb" in error["message"] and error["type"] == "invalid_request_error"
+    assert "--max-body-mb" in _too_large(path, body)
 
 
 def test_body_under_the_limit_still_works(gateway):

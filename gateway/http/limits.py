@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import InvalidRequest, RequestTooLarge
+from gateway.http.errors import error_response
 
 _MB = 1024 * 1024
 
@@ -67,10 +67,12 @@ class BodyLimitMiddleware:
                 try:
                     size = int(value)
                 except ValueError:
-                    await _send_error(send, 400, InvalidRequest("the Content-Length header is not a number"))
+                    await error_response(scope["path"], InvalidRequest("the Content-Length header is not a number"))(
+                        scope, receive, send
+                    )
                     return
-                if size > self.limit:
-                    await _send_error(send, 413, body_too_large(self.limit_mb, size), close=True)
+                if size > self.limit:  # in the route's protocol's shape; the connection closes (error_response)
+                    await error_response(scope["path"], body_too_large(self.limit_mb, size))(scope, receive, send)
                     return
                 # Within the limit, and the server will not deliver more than it says.
                 await self.app(scope, receive, send)
@@ -87,15 +89,6 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, counting_receive, send)
-
-
-async def _send_error(send: Send, status: int, error, *, close: bool = False) -> None:
-    body = orjson.dumps(error.to_openai())
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))  # the unread body must not be taken for the next request
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def check_chat_limits(request, limits: Limits, context_length: int | None) -> None:

@@ -174,7 +174,7 @@ def _stored_response(store: Any, resp_id: str) -> dict:
 
 
 @router.post("/v1/responses", summary="Create a model response (OpenAI Responses API)")
-async def create_response(body: responses_wire.ResponsesRequest, request: Request) -> Response:
+async def create_response(request: Request) -> Response:
     raw = await read_json(request)
     body = _reparsed(responses_wire.ResponsesRequest, raw)
     identity = _identity(request, raw)
@@ -224,7 +224,7 @@ async def get_response(response_id: str, request: Request) -> Response:
 
 
 @router.post("/v1/messages", summary="Create a message (Anthropic Messages API)")
-async def create_message(body: messages_wire.MessagesRequest, request: Request) -> Response:
+async def create_message(request: Request) -> Response:
     raw = await read_json(request)
     body = _reparsed(messages_wire.MessagesRequest, raw)
     identity = _identity(request, raw)
@@ -249,7 +249,7 @@ async def create_message(body: messages_wire.MessagesRequest, request: Request) 
 
 
 @router.post("/v1/completions", summary="Create a completion (legacy completions)")
-async def create_completion(body: completions_wire.CompletionRequest, request: Request) -> Response:
+async def create_completion(request: Request) -> Response:
     raw = await read_json(request)
     body = _reparsed(completions_wire.CompletionRequest, raw)
     identity = _identity(request, raw)

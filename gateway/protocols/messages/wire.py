@@ -54,7 +54,9 @@ _ERROR_TYPES = {
 
 
 def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+    # A 4xx outside the table (405, 415) is still the request's fault: invalid_request_error.
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def message_id(request_id: str) -> str:
