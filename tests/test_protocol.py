@@ -11,9 +11,17 @@ from gateway.errors import InvalidRequest
 from gateway.protocols.chat import ChatCompletionRequest, RewardRequest
 
 
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
 def request(**overrides):
     body = {"model": "agent", "messages": [{"role": "user", "content": "hi"}], **overrides}
     return ChatCompletionRequest.model_validate(body), body
+
+
+def test_a_tool_choice_naming_an_offered_tool_is_taken():
+    parsed, _ = request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}})
+    assert parsed.tool_choice == {"type": "function", "function": {"name": "weather"}}
 
 
 def test_unknown_openai_fields_pass_through():
@@ -31,6 +39,11 @@ def test_unknown_openai_fields_pass_through():
         ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
         ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "'tool_choice' names 'g', which is not in 'tools' \\(weather\\)",
+        ),
+        ({"tools": [WEATHER], "tool_choice": {"foo": 1}}, "'tool_choice' as an object is"),
     ],
 )
 def test_invalid_requests_say_what_to_fix(overrides, says):

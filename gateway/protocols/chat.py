@@ -111,6 +111,14 @@ class ChatCompletionRequest(_Open):
             raise ValueError("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', ...}")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("'tool_choice' needs 'tools'")
+        if isinstance(self.tool_choice, dict):
+            named = self.tool_choice.get("function")
+            name = named.get("name") if isinstance(named, dict) else None
+            if self.tool_choice.get("type") != "function" or not isinstance(name, str):
+                raise ValueError("'tool_choice' as an object is {'type': 'function', 'function': {'name': ...}}")
+            offered = [tool.function.name for tool in self.tools or []]
+            if name not in offered:
+                raise ValueError(f"'tool_choice' names '{name[:64]}', which is not in 'tools' ({', '.join(offered)})")
         return self
 
     def token_limit(self, default: int) -> int:
