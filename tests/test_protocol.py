@@ -10,7 +10,6 @@ from gateway.chat.stream import StreamAccumulator
 from gateway.errors import InvalidRequest
 from gateway.protocols.chat import ChatCompletionRequest, RewardRequest
 
-
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 
 
