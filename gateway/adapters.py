@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from gateway.engines.base import Engine
 from gateway.errors import Conflict, EngineUnavailable, NotFound
-from gateway.promotion.serving import NOT_SERVED, follow_serving_step, pinned_steps
+from gateway.promotion.serving import NOT_SERVED, follow_serving_step, pinned_steps, refuse_before_step_0
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.tasks import stop_task
@@ -237,7 +237,7 @@ class AdapterRegistry:
         loaded (bounded by `keep_adapters`: the least recently used idle step goes). 404
         with the steps there are when there is no step N. Other names: nothing to do.
         Engine replicas load it where a call for it goes, or on every one (`everywhere`)."""
-        step = self._pinned_step(requested)
+        step = _pinned_step(self, requested)
         if step is None or (self.loaded_everywhere(step) if everywhere else step in self.loaded):
             return
         rows = {row["step"]: row for row in await asyncio.to_thread(self.store.steps, self.name)}
@@ -260,12 +260,6 @@ class AdapterRegistry:
     def loaded_everywhere(self, step: int) -> bool:
         """Loaded, and not only where calls for it went: fit to serve as NAME (or a canary's share)."""
         return step in self.loaded and step not in self.on_demand
-
-    def _pinned_step(self, requested: str) -> int | None:
-        if not self.engine.supports_adapters or not requested.startswith(self.name + "@"):
-            return None
-        suffix = requested[len(self.name) + 1 :]
-        return int(suffix) if suffix.isdigit() else None
 
     def status(self) -> dict:
         """What the registry serves, for health checks and logs."""
@@ -341,6 +335,14 @@ class AdapterRegistry:
             self.in_flight[target.step] -= 1
 
 
+def _pinned_step(registry: AdapterRegistry, requested: str) -> int | None:
+    """N of `NAME@N`; None for any other name."""
+    if not registry.engine.supports_adapters or not requested.startswith(registry.name + "@"):
+        return None
+    suffix = requested[len(registry.name) + 1 :]
+    return int(suffix) if suffix.isdigit() else None
+
+
 def _keep(registry: AdapterRegistry) -> set[int]:
     """Steps that stay loaded: the serving one, a candidate, then the most recently used not turned down."""
     keep = pinned_steps(registry)
@@ -351,31 +353,6 @@ def _keep(registry: AdapterRegistry) -> set[int]:
             break
         keep.add(step)
     return keep
-
-
-def loading(registry: AdapterRegistry) -> str | None:
-    """What NAME waits for before it answers, or None once it answers. A run started with
-    `--init-from` has another run's adapter as its step 0: the base model is not its policy,
-    and a call it answered would be trained as if step 0 had sampled it. So NAME answers only
-    once step 0 is loaded (`/healthz` says so meanwhile); a cold run's step 0 is the untrained
-    LoRA, which equals the base model, and NAME is served by the base model until it loads."""
-    init_from = registry.settings.init_from
-    if registry.current is not None or not init_from or not registry.engine.supports_adapters:
-        return None
-    failed = registry.load_errors.get(0)
-    return f"loading step 0 of '{registry.name}' from --init-from {init_from}" + (
-        f" (the last try failed: {failed}; retrying every {registry.settings.poll_interval:g} s)" if failed else ""
-    )
-
-
-def refuse_before_step_0(registry: AdapterRegistry) -> None:
-    reason = loading(registry)
-    if reason is not None:
-        raise EngineUnavailable(
-            f"model '{registry.name}' does not answer yet: {reason}. The trainer saves it when it starts; "
-            "try again shortly (GET /healthz says ok once it serves)",
-            code="loading_step_0",
-        )
 
 
 class _Held:

@@ -119,3 +119,12 @@ class StoreFull(StoreUnavailable):
 
     status_code = 507
     error_type = "insufficient_storage"
+
+
+def other_group(session_id: str, group_id: str, named: str) -> Conflict:
+    """A call that names a group its session is not in: a session is one rollout of one group."""
+    return Conflict(
+        f"session '{session_id}' is in group '{group_id}'; this call says X-Group-Id '{named}'. Keep one group "
+        "per session (a new session id for a new rollout).",
+        param="group_id",
+    )

@@ -383,6 +383,45 @@ def test_a_call_from_another_replica_with_a_contradicting_split_is_refused_by_th
         store.record_call_sync(record("replica-b", "val"))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_naming_another_group_than_its_sessions_is_a_409(client, store, stream):
+    # The session kept its first group while the call row named the second (and a late-call
+    # check read the second's state): one rollout is in one group, as it is in one split.
+    _chat(client, "first", extra_headers={"X-Session-Id": f"moves-{stream}", "X-Group-Id": f"stays-{stream}"})
+    with pytest.raises(openai.ConflictError) as info:
+        _chat(client, "second", stream=stream, extra_headers={"X-Session-Id": f"moves-{stream}", "X-Group-Id": "other"})
+    assert f"is in group 'stays-{stream}'" in info.value.message and "one group per session" in info.value.message
+    assert [c["group_id"] for c in store.session_calls(f"moves-{stream}")] == [f"stays-{stream}"]
+
+
+def test_the_store_refuses_a_session_in_another_group_from_another_replica(store):
+    from gateway.errors import Conflict, NotFound
+    from gateway.store import CallRecord
+
+    def record(group):
+        return CallRecord(
+            id=f"replica-moves-{group}",
+            session_id="replica-moves",
+            group_id=group,
+            split="train",
+            model="m",
+            served=None,
+            step=None,
+            engine="openai",
+            stream=False,
+            status="ok",
+            request={},
+            response=None,
+            latency_ms=1.0,
+        )
+
+    store.record_call_sync(record("replica-g1"))
+    with pytest.raises(Conflict, match="one group per session"):
+        store.record_call_sync(record("replica-g2"))
+    with pytest.raises(NotFound):  # taken back with the call, not left as an empty group
+        store.get_group("replica-g2")
+
+
 def test_session_view_shows_sampling_beside_behaviour_logprobs(client, http):
     _chat(client, "sampled", temperature=0.7, top_p=0.9, extra_headers={"X-Session-Id": "sampling-view"})
     (call,) = http.get("/v1/sessions/sampling-view").json()["calls"]

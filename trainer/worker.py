@@ -227,25 +227,17 @@ class TrainerWorker:
         if not claimed:
             return None
         groups = [self.store.get_group(gid) for gid in claimed]  # the rewards as the claim froze them
+        trained = claimed  # until planned: a plan that fails (a reward that overflows) fails them all
         try:
             plan = plan_step(self.store, self.settings, self.render, groups, self.next_step)
-        except (EngineUnavailable, ConfigError, StoreUnavailable):
-            with contextlib.suppress(StoreUnavailable):
-                self.store.release_step(claimed)
-            raise
-        except Exception as exc:  # a group its planning cannot take: bisected and set aside as a step's would be
-            self.attempts.failed(claimed, exc, self.next_step)
-            return None
-        self.skipped_since_step += plan.skipped
-        trained = list(plan.trained_groups)
-        if set(claimed) - set(trained):
-            self.store.release_step(sorted(set(claimed) - set(trained)))  # skipped: no attempt of theirs
-        if not plan.samples:
-            return None
-        budget = self.settings.max_tokens_norm or self.token_budget or plan.token_budget
-
-        self._step_budget = budget
-        try:
+            self.skipped_since_step += plan.skipped
+            trained = list(plan.trained_groups)
+            if set(claimed) - set(trained):
+                self.store.release_step(sorted(set(claimed) - set(trained)))  # skipped: no attempt of theirs
+            if not plan.samples:
+                return None
+            budget = self.settings.max_tokens_norm or self.token_budget or plan.token_budget
+            self._step_budget = budget
             with gpu_lease(self.store, self.model, self.settings) as lease:
                 metrics = train_and_record(
                     self._loaded_backend,

@@ -10,7 +10,7 @@ import time
 from gateway.adapters import Target
 from gateway.chat.identity import Identity, task_key
 from gateway.engines.base import TokenRecord
-from gateway.errors import Conflict, RLProxyError
+from gateway.errors import Conflict, RLProxyError, other_group
 from gateway.protocols import Wire
 from gateway.store import CallRecord
 
@@ -90,14 +90,19 @@ def call_record(
 
 
 class SplitGuard:
-    """One split per session and per group. Remembers the split of the sessions and groups
-    this process recorded, so a call that contradicts one is refused before it is generated
-    (the store checks again in the transaction, which also covers calls to other replicas)."""
+    """One split per session and per group, one group per session. Remembers the split of the
+    sessions and groups this process recorded and each session's group, so a call that
+    contradicts one is refused before it is generated (the store checks again in the
+    transaction, which also covers calls to other replicas)."""
 
     def __init__(self) -> None:
         self._splits: dict[str, str] = {}
+        self._groups: dict[str, str] = {}  # session -> its group
 
     def check(self, identity: Identity) -> None:
+        known_group = self._groups.get(identity.session_id)
+        if identity.group_id is not None and known_group is not None and known_group != identity.group_id:
+            raise other_group(identity.session_id, known_group, identity.group_id)
         for key, what in ((f"s:{identity.session_id}", "session"), (f"g:{identity.group_id}", "group")):
             known = self._splits.get(key)
             if known is not None and known != identity.split and (what == "session" or identity.group_id):
@@ -112,6 +117,8 @@ class SplitGuard:
     def remember(self, record: CallRecord) -> None:
         if len(self._splits) > 200_000:
             self._splits.clear()
+            self._groups.clear()
         self._splits[f"s:{record.session_id}"] = record.split
         if record.group_id is not None:
             self._splits[f"g:{record.group_id}"] = record.split
+            self._groups.setdefault(record.session_id, record.group_id)

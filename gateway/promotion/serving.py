@@ -1,10 +1,12 @@
-"""Which step NAME serves: the store's serving step, followed by the adapter registry."""
+"""Which step NAME serves: the store's serving step, followed by the adapter registry; before
+an `--init-from` run's step 0 is loaded, none (`loading`)."""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
+from gateway.errors import EngineUnavailable
 from gateway.store.steps import TURNED_DOWN
 
 if TYPE_CHECKING:
@@ -38,3 +40,28 @@ async def follow_serving_step(registry: AdapterRegistry, rows: list[dict]) -> No
         log.info("%s now serves step %d (was %s): the serving step", registry.name, row["step"], registry.current)
         registry.current = row["step"]
         registry.swaps += 1
+
+
+def loading(registry: AdapterRegistry) -> str | None:
+    """What NAME waits for before it answers, or None once it answers. A run started with
+    `--init-from` has another run's adapter as its step 0: the base model is not its policy,
+    and a call it answered would be trained as if step 0 had sampled it. So NAME answers only
+    once step 0 is loaded (`/healthz` says so meanwhile); a cold run's step 0 is the untrained
+    LoRA, which equals the base model, and NAME is served by the base model until it loads."""
+    init_from = registry.settings.init_from
+    if registry.current is not None or not init_from or not registry.engine.supports_adapters:
+        return None
+    failed = registry.load_errors.get(0)
+    return f"loading step 0 of '{registry.name}' from --init-from {init_from}" + (
+        f" (the last try failed: {failed}; retrying every {registry.settings.poll_interval:g} s)" if failed else ""
+    )
+
+
+def refuse_before_step_0(registry: AdapterRegistry) -> None:
+    reason = loading(registry)
+    if reason is not None:
+        raise EngineUnavailable(
+            f"model '{registry.name}' does not answer yet: {reason}. The trainer saves it when it starts; "
+            "try again shortly (GET /healthz says ok once it serves)",
+            code="loading_step_0",
+        )

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from gateway.adapters import loading
 from gateway.chat.identity import check_id
 from gateway.errors import Forbidden, InvalidRequest, StoreUnavailable
+from gateway.promotion.serving import loading
 from gateway.protocols.chat import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
 from gateway.routes.openai import read_json, validation_message
 from gateway.settings import Settings

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.errors import Conflict, InvalidRequest, NotFound, other_group
 from gateway.store.live import LiveRule, join_live_group
 from gateway.store.locks import for_update, lock_group, lock_live_key
 
@@ -188,7 +188,8 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
             param="split",
         )
     if call.group_id is not None:
-        group_id = call.group_id
+        if group_id != call.group_id:  # the session's first group stays (COALESCE): refuse, not record it apart
+            raise other_group(call.session_id, group_id, call.group_id)
     elif group_id is not None:  # a call without a group, in a session that has one
         group_state = conn.execute(
             "SELECT split, trained_step, claimed_step FROM groups WHERE id = ?" + for_update(conn), (group_id,)
