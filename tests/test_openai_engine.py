@@ -256,3 +256,22 @@ def test_wrong_upstream_key_is_the_gateways_fault_not_the_clients(upstream, tmp_
     assert caught.value.status_code == 502
     assert "--upstream-api-key" in caught.value.body["message"]
     assert "sk-wrong" not in caught.value.body["message"]
+
+
+def test_healthz_says_when_the_upstream_is_unreachable_and_sees_it_come_back(tmp_path):
+    import httpx
+
+    port = free_port()
+    upstream = FakeUpstream(port=port).__enter__()
+    with openai_gateway(upstream.url, tmp_path / "state") as (server, _):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert httpx.get(server.url + "/healthz").json()["status"] == "ok"
+        upstream.__exit__(None, None, None)  # the upstream goes away
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+        assert failed.value.status_code == 502
+        health = httpx.get(server.url + "/healthz")
+        assert health.status_code == 503 and "cannot reach the upstream" in health.json()["reason"]
+        with FakeUpstream(port=port):  # back on its port: /healthz's own look sees it, no call needed
+            health = httpx.get(server.url + "/healthz")
+            assert health.status_code == 200 and health.json()["status"] == "ok"

@@ -128,6 +128,12 @@ class Engine(ABC):
         """None while the engine can serve; otherwise why not (shown by `/healthz`)."""
         return None
 
+    async def probe(self) -> None:
+        """Look again while `health()` says the engine cannot serve (`/healthz` calls it, so that
+        an engine that came back is seen without a call having to fail first). The vLLM and
+        local engines watch themselves: nothing to do."""
+        return None
+
     def replica_states(self, model: str, current: int | None) -> list[dict] | None:
         """Each replica's state, load and step (the newest step of `model` it holds, `current` where
         it has it), for /healthz, /metrics and the dashboard; None: the engine has no replicas."""

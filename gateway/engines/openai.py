@@ -85,6 +85,7 @@ class OpenAIEngine(Engine):
         self._session: aiohttp.ClientSession | None = None
         self._models: list[str] = []
         self._models_at = float("-inf")
+        self._down: str | None = None  # why the last try found no upstream to talk to (`health`)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OpenAIEngine:
@@ -141,9 +142,20 @@ class OpenAIEngine(Engine):
             raise self._timeout() from None
         except OSError as exc:  # ConnectError, ConnectionDropped, ProtocolError
             raise self._unreachable(exc) from None
+        self._down = None  # it answered, whatever it said
         if answer.status >= 400:
             raise self._status_error(answer.status, answer.body)
         return answer.status, answer.body
+
+    def health(self) -> str | None:
+        return self._down
+
+    async def probe(self) -> None:
+        try:
+            await self._pool.exchange(self._pool.head("GET", "/models"), None, timeout=min(self.timeout, 5.0))
+        except (TimeoutError, OSError):
+            return
+        self._down = None
 
     async def complete(self, request: EngineRequest) -> Completion:
         status, payload = await self._exchange(self._chat_head, orjson.dumps(request.body))
@@ -172,6 +184,7 @@ class OpenAIEngine(Engine):
             resp = await session.post(
                 self._chat_url, data=orjson.dumps(request.body), headers=self._headers, timeout=self._stream_timeout
             )
+            self._down = None
             try:
                 if resp.status >= 400:
                     raise self._status_error(resp.status, await resp.read())
@@ -236,6 +249,7 @@ class OpenAIEngine(Engine):
             resp = await session.post(
                 URL(self.base_url + path), data=orjson.dumps(body), headers=self._headers, timeout=self._stream_timeout
             )
+            self._down = None
             try:
                 if resp.status >= 400:
                     raise self._status_error(resp.status, await resp.read())
@@ -291,7 +305,9 @@ class OpenAIEngine(Engine):
     def _unreachable(self, exc: aiohttp.ClientError | OSError) -> UpstreamError:
         reason = str(exc) or type(exc).__name__
         if isinstance(exc, (aiohttp.ClientConnectorError, ConnectError)):
-            return self._fail(f"cannot reach the upstream at {self.base_url}: {reason}")
+            error = self._fail(f"cannot reach the upstream at {self.base_url}: {reason}")
+            self._down = error.message  # /healthz says so until it answers again
+            return error
         return self._fail(f"the connection to the upstream at {self.base_url} failed: {reason}")
 
     def _status_error(self, status: int, payload: bytes) -> RLProxyError:

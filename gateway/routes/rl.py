@@ -134,6 +134,8 @@ async def healthz(request: Request) -> Response:
     trainer = getattr(request.app.state, "trainer", None)  # `serve --trainer auto`'s child; serving goes on without it
     if trainer is not None:
         body["trainer"] = trainer.status()
+    if services.engine.health() is not None:
+        await services.engine.probe()  # back now? (as the store is probed while degraded)
     engine_down = services.engine.health()
     waiting = loading(services.registry)
     if not store.health.degraded and engine_down is None and waiting is None:
