@@ -359,28 +359,31 @@ def test_a_call_from_another_replica_with_a_contradicting_split_is_refused_by_th
     # this process's check).
 
     from gateway.errors import Conflict
+
+    store.record_call_sync(_replica_call("replica-a", "replica-g", "train"))
+    with pytest.raises(Conflict, match="one split per group"):
+        store.record_call_sync(_replica_call("replica-b", "replica-g", "val"))
+
+
+def _replica_call(session: str, group: str, split: str):
+    """A call row as another gateway replica records it (its checks never ran in this process)."""
     from gateway.store import CallRecord
 
-    def record(session, split):
-        return CallRecord(
-            id=f"{session}-{split}",
-            session_id=session,
-            group_id="replica-g",
-            split=split,
-            model="m",
-            served=None,
-            step=None,
-            engine="openai",
-            stream=False,
-            status="ok",
-            request={},
-            response=None,
-            latency_ms=1.0,
-        )
-
-    store.record_call_sync(record("replica-a", "train"))
-    with pytest.raises(Conflict, match="one split per group"):
-        store.record_call_sync(record("replica-b", "val"))
+    return CallRecord(
+        id=f"{session}-{group}-{split}",
+        session_id=session,
+        group_id=group,
+        split=split,
+        model="m",
+        served=None,
+        step=None,
+        engine="openai",
+        stream=False,
+        status="ok",
+        request={},
+        response=None,
+        latency_ms=1.0,
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -396,28 +399,10 @@ def test_a_call_naming_another_group_than_its_sessions_is_a_409(client, store, s
 
 def test_the_store_refuses_a_session_in_another_group_from_another_replica(store):
     from gateway.errors import Conflict, NotFound
-    from gateway.store import CallRecord
 
-    def record(group):
-        return CallRecord(
-            id=f"replica-moves-{group}",
-            session_id="replica-moves",
-            group_id=group,
-            split="train",
-            model="m",
-            served=None,
-            step=None,
-            engine="openai",
-            stream=False,
-            status="ok",
-            request={},
-            response=None,
-            latency_ms=1.0,
-        )
-
-    store.record_call_sync(record("replica-g1"))
+    store.record_call_sync(_replica_call("replica-moves", "replica-g1", "train"))
     with pytest.raises(Conflict, match="one group per session"):
-        store.record_call_sync(record("replica-g2"))
+        store.record_call_sync(_replica_call("replica-moves", "replica-g2", "train"))
     with pytest.raises(NotFound):  # taken back with the call, not left as an empty group
         store.get_group("replica-g2")
 
