@@ -397,16 +397,6 @@ def test_a_call_naming_another_group_than_its_sessions_is_a_409(client, store, s
     assert [c["group_id"] for c in store.session_calls(f"moves-{stream}")] == [f"stays-{stream}"]
 
 
-def test_the_store_refuses_a_session_in_another_group_from_another_replica(store):
-    from gateway.errors import Conflict, NotFound
-
-    store.record_call_sync(_replica_call("replica-moves", "replica-g1", "train"))
-    with pytest.raises(Conflict, match="one group per session"):
-        store.record_call_sync(_replica_call("replica-moves", "replica-g2", "train"))
-    with pytest.raises(NotFound):  # taken back with the call, not left as an empty group
-        store.get_group("replica-g2")
-
-
 def test_session_view_shows_sampling_beside_behaviour_logprobs(client, http):
     _chat(client, "sampled", temperature=0.7, top_p=0.9, extra_headers={"X-Session-Id": "sampling-view"})
     (call,) = http.get("/v1/sessions/sampling-view").json()["calls"]

@@ -226,10 +226,10 @@ async def test_skipped_and_failed_groups_are_never_ready(store):
     assert second > first  # trigger ids come from the database, in order
 
 
-async def test_the_store_refuses_a_call_whose_split_contradicts_its_session_or_group(store):
+async def test_the_store_refuses_a_call_whose_split_or_group_contradicts_its_session_or_group(store):
     """Checked in the call's own transaction (another replica's calls never went through
     this process's check), on both backends; a refused call leaves nothing behind."""
-    from gateway.errors import Conflict
+    from gateway.errors import Conflict, NotFound
     from gateway.store import CallRecord
 
     def record(i, session, group, split):
@@ -261,6 +261,11 @@ async def test_the_store_refuses_a_call_whose_split_contradicts_its_session_or_g
     await store.record_call(record(6, "sn", None, "train"))
     with pytest.raises(Conflict, match="group 'g-val' holds 'val' sessions"):
         await store.record_call(record(7, "sn", "g-val", "train"))
+    # a session keeps its first group: a call naming another is refused, and no empty group is left
+    with pytest.raises(Conflict, match="session 'sa' is in group 'g-train'; this call says X-Group-Id 'g-other'"):
+        await store.record_call(record(8, "sa", "g-other", "train"))
+    with pytest.raises(NotFound):
+        store.get_group("g-other")
     assert store.counts()["calls"] == 4
     assert [c["id"] for c in store.get_session("sa")["calls"]] == ["split-1"]
     assert [c["id"] for c in store.get_session("sn")["calls"]] == ["split-6"]
