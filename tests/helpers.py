@@ -107,3 +107,22 @@ def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> None:
             os.killpg(proc.pid, 9)
     if proc.stdout:
         proc.stdout.close()
+
+
+def call_row(call_id: str, session: str, group: str | None, split: str = "train", **fields):
+    """A call row as a gateway records it, for the store's own checks (as another replica's call,
+    which never went through this process's)."""
+    from gateway.store import CallRecord
+
+    values = dict(
+        model="m",
+        served=None,
+        step=None,
+        engine="openai",
+        stream=False,
+        status="ok",
+        request={},
+        response=None,
+        latency_ms=1.0,
+    )
+    return CallRecord(id=call_id, session_id=session, group_id=group, split=split, **{**values, **fields})

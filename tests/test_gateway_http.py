@@ -359,31 +359,11 @@ def test_a_call_from_another_replica_with_a_contradicting_split_is_refused_by_th
     # this process's check).
 
     from gateway.errors import Conflict
+    from tests.helpers import call_row
 
-    store.record_call_sync(_replica_call("replica-a", "replica-g", "train"))
+    store.record_call_sync(call_row("replica-a-1", "replica-a", "replica-g", "train"))
     with pytest.raises(Conflict, match="one split per group"):
-        store.record_call_sync(_replica_call("replica-b", "replica-g", "val"))
-
-
-def _replica_call(session: str, group: str, split: str):
-    """A call row as another gateway replica records it (its checks never ran in this process)."""
-    from gateway.store import CallRecord
-
-    return CallRecord(
-        id=f"{session}-{group}-{split}",
-        session_id=session,
-        group_id=group,
-        split=split,
-        model="m",
-        served=None,
-        step=None,
-        engine="openai",
-        stream=False,
-        status="ok",
-        request={},
-        response=None,
-        latency_ms=1.0,
-    )
+        store.record_call_sync(call_row("replica-b-1", "replica-b", "replica-g", "val"))
 
 
 @pytest.mark.parametrize("stream", [False, True])

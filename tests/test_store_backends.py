@@ -230,24 +230,10 @@ async def test_the_store_refuses_a_call_whose_split_or_group_contradicts_its_ses
     """Checked in the call's own transaction (another replica's calls never went through
     this process's check), on both backends; a refused call leaves nothing behind."""
     from gateway.errors import Conflict, NotFound
-    from gateway.store import CallRecord
+    from tests.helpers import call_row
 
     def record(i, session, group, split):
-        return CallRecord(
-            id=f"split-{i}",
-            session_id=session,
-            group_id=group,
-            split=split,
-            model="m",
-            served=None,
-            step=None,
-            engine="openai",
-            stream=False,
-            status="ok",
-            request={},
-            response=None,
-            latency_ms=1.0,
-        )
+        return call_row(f"split-{i}", session, group, split)
 
     await store.record_call(record(1, "sa", "g-train", "train"))
     await store.record_call(record(2, "sv", "g-val", "val"))
