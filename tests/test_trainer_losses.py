@@ -258,6 +258,19 @@ def test_low_var_kl_is_k3_clamped_at_ten():
     assert low_grad.tolist() == pytest.approx([0.0, 1 - 1.6], abs=1e-6)
 
 
+def test_low_var_kl_has_a_zero_not_a_nan_gradient_where_exp_would_overflow():
+    # log(pi_ref / pi) = 100 nats: exp overflows float32 (from ~88.7), and the clamp's zero gradient
+    # times an infinite exp was NaN, refusing the whole step. Bounded before exp (verl's +-20), it is
+    # the clamp's 10 with no pull, as at 230 above; and a token far the other way (pi / pi_ref = e^100)
+    # is clamped too: x - ln x - 1 for x = e^-20 is 19 > 10.
+    logp = torch.tensor([-100.0, 0.0, math.log(0.5)], requires_grad=True)
+    ref = torch.tensor([0.0, -100.0, math.log(0.8)])
+    low = kl_penalty("low_var_kl", logp, ref)
+    assert low.tolist() == pytest.approx([10.0, 10.0, 1.6 - math.log(1.6) - 1], abs=1e-6)
+    (grad,) = torch.autograd.grad(low.sum(), logp)
+    assert grad.tolist() == pytest.approx([0.0, 0.0, 1 - 1.6], abs=1e-6)
+
+
 def test_beta_without_ref_logprobs_is_an_error():
     with pytest.raises(ValueError, match="ref_logprobs"):
         run(LossConfig("grpo", beta=0.1))
@@ -377,6 +390,24 @@ def test_truncated_importance_sampling_hand_example():
     off, m_off = compute_loss(config=LossConfig("grpo", epsilon=0.2, tis_cap=0.0), **tis_batch(behaviour))
     assert off.item() == pytest.approx((-1.0 + 0.5) / 2, abs=1e-6)
     assert m_off["mismatch_logprob_abs"] == pytest.approx(m["mismatch_logprob_abs"])
+
+
+def test_truncated_importance_weights_are_against_pi_old_on_a_later_pass():
+    # A later pass (pi != pi_old: the grpo hand example's ratios) with mu != pi_old: the weight is
+    # min(pi_old / mu, 2), fixed for the step, times the clipped surrogate at r = pi / pi_old.
+    # A weight taken against the current pi (r * pi_old / mu) would give other numbers.
+    delta = {"a": 0.5, "b": 1.0, "f": -0.5, "c": NAN, "d": 0.0, "e": 0.2}  # log(pi_old / mu)
+    w = {k: 1.0 if math.isnan(v) else min(math.exp(v), 2.0) for k, v in delta.items()}
+    t = batch()
+    old = {k: LOGP[k] - math.log(RATIO[k]) for k in LOGP}
+    t["behaviour_logprobs"] = torch.tensor([NAN if k == "P" else old[k] - delta[k] for k in ORDER])
+    loss, _ = compute_loss(config=LossConfig("grpo", epsilon=0.2, tis_cap=2.0), **t)
+    loss.backward()
+    per_token = {k: ppo_token(RATIO[k], ADV[k], 0.8, 1.2) for k in LOGP}
+    expected = sum(w[k] * per_token[k][0] for k in LOGP) / 3 / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    grad = {k: t["logprobs"].grad[i].item() for i, k in enumerate(ORDER) if k != "P"}
+    assert grad == pytest.approx({k: w[k] * per_token[k][1] / 6 for k in LOGP}, abs=1e-5)
 
 
 def test_gspo_takes_a_sequence_level_importance_weight():

@@ -332,3 +332,54 @@ def test_packed_loss_and_gradients_equal_unpacked(forwards, cfg):
         assert metrics == pytest.approx(want_metrics, abs=1e-5)
         for name, g in grads.items():
             torch.testing.assert_close(g, want_grads[name], atol=1e-5, rtol=0, msg=name)
+
+
+def _windowed(kind: str, impl: str) -> transformers.PreTrainedModel:
+    """A tiny model whose attention looks back 4 tokens: every layer (Mistral), or the second
+    of two (Qwen2 with `use_sliding_window`: one mask per layer type)."""
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    if kind == "mistral":
+        config = transformers.MistralConfig(**shape, sliding_window=4)
+        model_class = transformers.MistralForCausalLM
+    else:
+        config = transformers.Qwen2Config(**shape, sliding_window=4, use_sliding_window=True, max_window_layers=1)
+        assert config.layer_types == ["full_attention", "sliding_attention"]
+        model_class = transformers.Qwen2ForCausalLM
+    config._attn_implementation = impl
+    return model_class(config).float().eval()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_packed_logprobs_keep_a_sliding_window(kind, impl):
+    # A 4D mask is used as given: one without the window scored samples longer than it with
+    # attention the sampler never had. The reference is each sample alone through transformers'
+    # own mask (which applies the window).
+    model = _windowed(kind, impl)
+    rng = random.Random(0)
+    samples = [
+        Sample(
+            tuple(rng.randrange(97) for _ in range(n)),
+            tuple(t >= 2 for t in range(n)),
+            (math.nan,) * n,
+            1.0,
+            f"t{n}",
+            "g",
+        )
+        for n in (12, 9)
+    ]
+    (row,) = pack(samples, 32)
+    with torch.no_grad():
+        lp_T = token_logprobs(model, row)
+        for i in row.sample_indices:
+            alone = alone_logprobs(model, samples[i].token_ids)
+            torch.testing.assert_close(lp_T[row.segment_ids_T == i], alone, atol=1e-5, rtol=0)

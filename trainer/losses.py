@@ -204,8 +204,11 @@ def k2_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 LOW_VAR_KL_CLAMP = 10.0
-"""low_var_kl's ceiling on a token's k3, verl's and slime's: beyond it (pi_ref / pi above ~12.9)
-the token adds no KL gradient."""
+"""low_var_kl's ceiling on a token's k3, verl's and slime's: beyond it (pi_ref / pi above ~13.6,
+or pi / pi_ref above ~6e4: x - ln x - 1 = 10) the token adds no KL gradient."""
+LOW_VAR_KL_LOG_RATIO = 20.0
+"""low_var_kl's bound on log(pi_ref / pi) before exp, verl's: exp overflows float32 from ~88.7, and
+the clamp's zero gradient times an infinite exp is a NaN gradient, not zero."""
 
 
 def kl_penalty(
@@ -220,9 +223,10 @@ def kl_penalty(
     alone outweighed the batch's policy gradient and the next steps collapsed."""
     if estimator == "k2":
         return k2_kl(logprobs, ref_logprobs)
-    if k3 is None:
-        k3 = k3_kl(logprobs, ref_logprobs)
-    return k3.clamp(max=LOW_VAR_KL_CLAMP) if estimator == "low_var_kl" else k3
+    if estimator == "low_var_kl":
+        d = (ref_logprobs - logprobs).clamp(-LOW_VAR_KL_LOG_RATIO, LOW_VAR_KL_LOG_RATIO)
+        return (torch.exp(d) - d - 1.0).clamp(max=LOW_VAR_KL_CLAMP)
+    return k3_kl(logprobs, ref_logprobs) if k3 is None else k3
 
 
 def loss_norm(

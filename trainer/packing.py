@@ -184,9 +184,12 @@ def padded_batch(samples: Sequence[Sample], pad_token_id: int = 0) -> PaddedBatc
     return PaddedBatch(input_ids, attention, position, segment, loss_mask, old, adv, ttok, temp, weights)
 
 
-def attention_mask_4d(segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def attention_mask_4d(
+    segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.float32, window: int | None = None
+) -> torch.Tensor:
     """Causal, block-diagonal mask [1, 1, T, T] for one packed row, in the additive form
-    (0 = attend, dtype's min = blocked).
+    (0 = attend, dtype's min = blocked); with `window`, a query sees only the keys less than
+    `window` positions back (transformers' `sliding_window_overlay`).
 
     transformers passes a 4D mask through unchanged (`masking_utils`: "If the mask is
     already 4D, simply return as-is"); eager attention adds it to the scores and SDPA
@@ -197,12 +200,34 @@ def attention_mask_4d(segment_ids_T: torch.Tensor, dtype: torch.dtype = torch.fl
     T = segment_ids_T.shape[-1]
     same_segment_TT = segment_ids_T[:, None] == segment_ids_T[None, :]
     causal_TT = torch.ones(T, T, dtype=torch.bool, device=segment_ids_T.device).tril()
+    if window is not None:
+        causal_TT = causal_TT.triu(-(window - 1))  # q - k < window
     allowed_TT = (same_segment_TT & causal_TT & (segment_ids_T[None, :] >= 0)) | torch.eye(
         T, dtype=torch.bool, device=segment_ids_T.device
     )
     mask_TT = torch.zeros(T, T, dtype=dtype, device=segment_ids_T.device)
     mask_TT.masked_fill_(~allowed_TT, torch.finfo(dtype).min)
     return mask_TT[None, None]
+
+
+def packed_attention_mask(
+    config: object, segment_ids_T: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What a model with `config` takes as the attention mask of one packed row. A 4D mask is
+    used as given, so a sliding window the mask leaves out is no window at all: the trainer
+    would score a long sample with attention the sampler never had. Every layer windowed
+    (Mistral: `sliding_window`, no `layer_types`): the windowed mask; some layers (Qwen2 with
+    `use_sliding_window`, Gemma 3: `layer_types`): one mask per layer type, as those models
+    take it."""
+    full = attention_mask_4d(segment_ids_T, dtype)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return full
+    windowed = attention_mask_4d(segment_ids_T, dtype, window=window)
+    if layer_types is None or set(layer_types) == {"sliding_attention"}:
+        return windowed
+    return {"full_attention": full, "sliding_attention": windowed}
 
 
 def selective_log_softmax(
@@ -243,7 +268,7 @@ def token_logprobs(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
     logits_TV = model(
         input_ids=ids_T[None],
         position_ids=row.position_ids_T.to(p.device)[None],
-        attention_mask=attention_mask_4d(row.segment_ids_T.to(p.device), dtype=p.dtype),
+        attention_mask=packed_attention_mask(getattr(model, "config", None), row.segment_ids_T.to(p.device), p.dtype),
         use_cache=False,
     ).logits[0]
     # logits at t-1 predict token t, at the temperature token t was sampled with.
