@@ -108,3 +108,14 @@ def test_a_port_or_token_limit_that_cannot_work_is_refused(capsys, tmp_path):
     assert "--port: Input should be less than or equal to 65535" in capsys.readouterr().err
     assert main(["serve", "--state-dir", str(tmp_path), "--default-max-tokens", "0"]) == 2
     assert "--default-max-tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_a_base_model_path_that_does_not_exist_is_one_clear_line(capsys, tmp_path):
+    # It went on to from_pretrained, which took the path for a Hugging Face id: ~130 lines of
+    # tracebacks ending in "Repo id must be in the form 'repo_name'".
+    from gateway.cli import main
+
+    missing = tmp_path / "no-such-model"
+    assert main(["serve", "--state-dir", str(tmp_path / "state"), "--base-model", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--base-model '{missing}' is not a directory" in err and "Traceback" not in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gateway.errors import ConfigError
 from gateway.models.cache import model_cache_dir, user_cache_dir
 from gateway.settings import SMOLLM2_MODEL_ID, TINY_INSTRUCT_MODEL_ID, TINY_MODEL_ID
 
@@ -22,4 +23,14 @@ def resolve_base_model(base_model: str, state_dir: Path) -> str:
         from gateway.models.smollm2 import ensure_smollm2
 
         return str(ensure_smollm2(user_cache_dir()))
-    return base_model
+    if _names_a_path(base_model) and not Path(base_model).expanduser().is_dir():
+        raise ConfigError(
+            f"--base-model '{base_model}' is not a directory: give a model directory (config.json and the "
+            "weights, as from_pretrained reads them), a Hugging Face id (org/name), or a built-in model"
+        )
+    return str(Path(base_model).expanduser()) if base_model.startswith("~") else base_model
+
+
+def _names_a_path(base_model: str) -> bool:
+    """A path, not a Hugging Face id (`org/name`: one slash, no leading dot, slash or tilde)."""
+    return base_model.startswith(("/", ".", "~")) or base_model.count("/") > 1
