@@ -235,7 +235,7 @@ def table(title: str, rows: list[dict], columns: list, verdict: bool = False) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:1, ... or cpu (CPU against CPU: a smoke test)")
     parser.add_argument("--runs", type=int, default=5, help="timed steps on the device after the compared one")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))

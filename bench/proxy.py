@@ -577,7 +577,7 @@ def profile_gateway(pid: int, port: int, path: str, concurrency: int, seconds: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 run of 1 s per cell; LiteLLM only if installed")
     parser.add_argument("--runs", type=int, default=None, help="runs per cell (default 3; --quick 1)")
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per run (default 3)")

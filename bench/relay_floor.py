@@ -49,7 +49,7 @@ def relay_app(upstream: str):
 def main() -> None:
     import uvicorn
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="the vLLM's base URL")
     args = parser.parse_args()

@@ -110,7 +110,7 @@ def measure(service: Service, pid: int, concurrency: int, seconds: float, tag: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layout", choices=("own", "shared"), default=None, help="default: own with 4+ cores")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per run and cell")

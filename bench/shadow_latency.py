@@ -184,7 +184,7 @@ def measure(urls: dict[str, str], rates: list[float], runs: int, seconds: float)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, nargs="+", default=[4.0], help="live calls per second (Poisson)")
     parser.add_argument("--seconds", type=float, default=20.0, help="one measured window")
     parser.add_argument("--runs", type=int, default=3, help="windows per config and rate")

@@ -542,7 +542,7 @@ def _interrupt(signum, frame):  # SIGTERM like Ctrl-C: unwind through `finally`,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 run per cell, 16-token replies: a smoke check")
     parser.add_argument("--only", choices=["sampling", "train"], help="one half of the bench")
     parser.add_argument("--runs", type=int, default=None, help="runs per cell (default 3; --quick 1)")

@@ -285,7 +285,7 @@ class Gateway:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=600.0, help="how long to run")
     parser.add_argument("--sessions", type=int, default=200, help="concurrent streaming sessions")
     parser.add_argument("--calls", type=int, default=3, help="calls per session (rollout)")

@@ -457,7 +457,7 @@ def run_child(python: str, variant: str, args, model_dir: Path) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
     parser.add_argument("--samples", type=int, default=32, help="rollouts in the batch (groups of 4)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per variant (median reported)")

@@ -41,7 +41,7 @@ def fmt(value: float | None, digits: int = 0) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("/tmp/rlproxy-bench-warm-start"))
     parser.add_argument(

@@ -102,7 +102,13 @@ TRAINER = (
 )
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], title: str) -> None:
+def _add_settings_flags(
+    parser: argparse.ArgumentParser, names: tuple[str, ...], title: str, told: dict[str, str] | None = None
+) -> None:
+    """One flag per setting in `names`; `told`: a command's own help for some (the demo's)."""
+    from gateway.models.tuning import MODEL_SETTINGS
+
+    tuned = set().union(*MODEL_SETTINGS.values())
     group = parser.add_argument_group(title)
     for name in names:
         field = Settings.model_fields[name]
@@ -112,7 +118,10 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...],
         args = typing.get_args(annotation)
         default = field.default if field.default_factory is None else field.default_factory()
         shown = "***" if "key" in name and default else default
-        help_text = f"{field.description} (env RLPROXY_{name.upper()}; default: {shown})"
+        per_model = "; the built-in models have their own: docs/training.md" if name in tuned else ""
+        help_text = f"{field.description} (env RLPROXY_{name.upper()}; default: {shown}{per_model})"
+        if told and name in told:
+            help_text = told[name]
         kwargs: dict = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if origin is Literal:
             kwargs["choices"] = list(args)
@@ -315,10 +324,16 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
 }
 
 
+DEMO_HELP = {
+    "state_dir": "where the demo's store, checkpoints and model live (default: OUT/state)",
+    "seed": "seeds the trainer, the agent's prompts, the val set and sampling: another seed, another run (default: 0)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: `--store` must never be read as an abbreviation of `--store-sync`.
     parser = argparse.ArgumentParser(
-        prog="rlproxy", description=__doc__.splitlines()[0].strip("`: "), allow_abbrev=False
+        prog="rlproxy", description="an OpenAI-compatible gateway that trains the model it serves", allow_abbrev=False
     )
     from gateway.export.selection import add_selection_flags
 
@@ -326,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, _, groups) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         for names, title in groups:
-            _add_settings_flags(command, names, title)
+            _add_settings_flags(command, names, title, DEMO_HELP if name == "demo" else None)
         if name == "export":
             command.add_argument("--output", "-o", default="-", help="file to write, or - for stdout")
             command.add_argument(

@@ -118,7 +118,7 @@ def openai_ask(client, model: str, max_tokens: int) -> Callable[[list[dict]], st
 
 def main(argv: list[str] | None = None) -> list[list[float]]:
     """Play the groups; returns each group's rewards (for tests and scripts)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://localhost:8000/v1", help="rlproxy's /v1 URL")
     parser.add_argument("--api-key", default=None, help="rlproxy's --api-key, if it has one")
     parser.add_argument("--model", default="agent", help="served name: agent, agent@N, or the base model's id")

@@ -52,7 +52,7 @@ def mean_reward(player, games: int, max_moves: int, target_tile: int) -> tuple[f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--games", type=int, default=500)
     args = parser.parse_args()
     print("| player | --max-moves | --target-tile | mean reward | mean moves |")

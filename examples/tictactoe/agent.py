@@ -59,7 +59,7 @@ def play(client, model: str, opponent: random.Random, max_tokens: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://localhost:8000/v1", help="rlproxy's /v1 URL")
     parser.add_argument("--api-key", default=None, help="rlproxy's --api-key, if it has one")
     parser.add_argument("--model", default="agent", help="served name: agent, agent@N, or the base model's id")
