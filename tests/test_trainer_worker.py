@@ -203,3 +203,26 @@ def test_a_trainer_child_that_exits_is_started_again_and_healthz_shows_it(caplog
         with ThreadServer(app) as server:
             health = httpx.get(server.url + "/healthz", timeout=30)
     assert health.status_code == 200 and health.json()["trainer"] == {"state": "stopped", "restarts": 1, "last_exit": 3}
+
+
+def test_a_group_of_one_is_skipped_for_its_size_not_for_its_rewards(tmp_path):
+    # One session has no spread either, but "every rollout scored the same" misled: it was one.
+    import asyncio
+
+    from trainer.data import too_few
+    from trainer.selection import without_spread
+
+    settings = trainer_settings(tmp_path)
+    recorder = Recorder(settings)
+    recorder.group("lone", [1.0])
+    recorder.group("flat", [0.5, 0.5])
+    recorder.close()
+    store = SQLiteStore(settings.db_path)
+    try:
+        keep, skipped = without_spread(store, store.ready_groups("agent"))
+        assert keep == [] and skipped == 2
+        assert store.get_group("lone")["skipped"] == too_few(1, 1)
+        assert store.get_group("lone")["skipped"].startswith("too few sessions to compare: 1 of its 1")
+        assert store.get_group("flat")["skipped"] == NO_SPREAD
+    finally:
+        asyncio.run(store.close())

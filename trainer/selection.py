@@ -17,7 +17,7 @@ import socket
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.steps import chain_distance
-from trainer.data import NO_SPREAD, sampling_step, spread_groups
+from trainer.data import NO_SPREAD, sampling_step, spread_groups, too_few, trained_sessions
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -33,7 +33,12 @@ def without_spread(store: Store, ready: list[dict]) -> tuple[list[dict], int]:
     keep, drop = spread_groups([store.get_group(g["id"]) for g in ready])
     if not drop:
         return keep, 0
-    skipped = store.skip_if_unchanged(drop, NO_SPREAD)
+    skipped: list[str] = []
+    for group in drop:  # a group of one has no spread either, but the reason to give is its size
+        sessions = len(trained_sessions(group))
+        if sessions < 2:
+            skipped += store.skip_if_unchanged([group], too_few(sessions, len(group["sessions"])))
+    skipped += store.skip_if_unchanged([g for g in drop if len(trained_sessions(g)) >= 2], NO_SPREAD)
     if skipped:
         log.info("skipped %d group(s) with no reward spread", len(skipped))
     if len(skipped) < len(drop):
