@@ -102,10 +102,7 @@ TRAINER = (
 )
 
 
-def _add_settings_flags(
-    parser: argparse.ArgumentParser, names: tuple[str, ...], title: str, told: dict[str, str] | None = None
-) -> None:
-    """One flag per setting in `names`; `told`: a command's own help for some (the demo's)."""
+def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], title: str) -> None:
     from gateway.models.tuning import MODEL_SETTINGS
 
     tuned = set().union(*MODEL_SETTINGS.values())
@@ -120,8 +117,6 @@ def _add_settings_flags(
         shown = "***" if "key" in name and default else default
         per_model = "; the built-in models have their own: docs/training.md" if name in tuned else ""
         help_text = f"{field.description} (env RLPROXY_{name.upper()}; default: {shown}{per_model})"
-        if told and name in told:
-            help_text = told[name]
         kwargs: dict = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if origin is Literal:
             kwargs["choices"] = list(args)
@@ -324,12 +319,6 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
 }
 
 
-DEMO_HELP = {
-    "state_dir": "where the demo's store, checkpoints and model live (default: OUT/state)",
-    "seed": "seeds the trainer, the agent's prompts, the val set and sampling: another seed, another run (default: 0)",
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: `--store` must never be read as an abbreviation of `--store-sync`.
     parser = argparse.ArgumentParser(
@@ -341,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, _, groups) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         for names, title in groups:
-            _add_settings_flags(command, names, title, DEMO_HELP if name == "demo" else None)
+            _add_settings_flags(command, names, title)
         if name == "export":
             command.add_argument("--output", "-o", default="-", help="file to write, or - for stdout")
             command.add_argument(
@@ -363,9 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
                 help="write the base model with the adapter merged in, instead of the adapter",
             )
         if name == "demo":
-            from gateway.demo.options import add_arguments
+            from gateway.demo.options import SETTINGS_HELP, add_arguments
 
             add_arguments(command)
+            for action in command._actions:  # the settings flags that mean more in a demo
+                action.help = SETTINGS_HELP.get(action.dest, action.help)
         if name == "train":
             command.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
             sft = command.add_argument_group("objective")

@@ -57,6 +57,13 @@ shadows, each call brings 7 more completions, and shadows wait for an engine wit
 in it (they yield to live load), so the stream leaves it quiet most of the time."""
 
 
+# The settings flags that mean more in a demo than in `serve` (cli.py shows these instead).
+SETTINGS_HELP = {
+    "state_dir": "where the demo's store, checkpoints and model live (default: OUT/state)",
+    "seed": "seeds the trainer, the agent's prompts, the val set and sampling: another seed, another run (default: 0)",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's own flags (the settings flags are added by the CLI)."""
     defaults = DemoOptions()

@@ -85,7 +85,7 @@ class OpenAIEngine(Engine):
         self._session: aiohttp.ClientSession | None = None
         self._models: list[str] = []
         self._models_at = float("-inf")
-        self._down: str | None = None  # why the last try found no upstream to talk to (`health`)
+        self.failures = UpstreamFailures(self.base_url, self._secrets)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OpenAIEngine:
@@ -139,41 +139,41 @@ class OpenAIEngine(Engine):
         try:
             answer = await self._pool.exchange(head, data, timeout=timeout or self.timeout)
         except TimeoutError:
-            raise self._timeout() from None
+            raise self.failures.timed_out(self.timeout) from None
         except OSError as exc:  # ConnectError, ConnectionDropped, ProtocolError
-            raise self._unreachable(exc) from None
-        self._down = None  # it answered, whatever it said
+            raise self.failures.unreachable(exc) from None
+        self.failures.down = None  # it answered, whatever it said
         if answer.status >= 400:
-            raise self._status_error(answer.status, answer.body)
+            raise self.failures.status(answer.status, answer.body)
         return answer.status, answer.body
 
     def health(self) -> str | None:
-        return self._down
+        return self.failures.down
 
     async def probe(self) -> None:
         try:
             await self._pool.exchange(self._pool.head("GET", "/models"), None, timeout=min(self.timeout, 5.0))
         except (TimeoutError, OSError):
             return
-        self._down = None
+        self.failures.down = None
 
     async def complete(self, request: EngineRequest) -> Completion:
         status, payload = await self._exchange(self._chat_head, orjson.dumps(request.body))
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            raise self._fail(
+            raise self.failures.fail(
                 f"the upstream at {self.base_url} answered {status} with a body that is not JSON; "
-                + self._logged(payload)
+                + self.failures.logged(payload)
             ) from None
         if not isinstance(data, dict) or "choices" not in data:
             if isinstance(data, dict) and isinstance(data.get("error"), dict):
-                raise self._fail(
+                raise self.failures.fail(
                     f"the upstream at {self.base_url} answered with an error: {data['error'].get('message')}"
                 )
-            raise self._fail(
+            raise self.failures.fail(
                 f"the upstream at {self.base_url} answered {status} with JSON that is not a "
-                f"chat.completion (no 'choices'): {self._logged(payload)}"
+                f"chat.completion (no 'choices'): {self.failures.logged(payload)}"
             )
         return Completion(response=data, tokens=None)
 
@@ -184,14 +184,14 @@ class OpenAIEngine(Engine):
             resp = await session.post(
                 self._chat_url, data=orjson.dumps(request.body), headers=self._headers, timeout=self._stream_timeout
             )
-            self._down = None
+            self.failures.down = None
             try:
                 if resp.status >= 400:
-                    raise self._status_error(resp.status, await resp.read())
+                    raise self.failures.status(resp.status, await resp.read())
                 if resp.content_type != "text/event-stream":
-                    raise self._fail(
+                    raise self.failures.fail(
                         f"the upstream at {self.base_url} answered a stream request with {resp.content_type or 'no'}"
-                        f" content instead of text/event-stream: {self._logged(await resp.read())}"
+                        f" content instead of text/event-stream: {self.failures.logged(await resp.read())}"
                     )
                 async for payload in sse_data(resp.content):
                     if payload == b"[DONE]":
@@ -200,27 +200,29 @@ class OpenAIEngine(Engine):
                     try:
                         data = orjson.loads(payload)
                     except orjson.JSONDecodeError:
-                        raise self._fail(
+                        raise self.failures.fail(
                             f"the upstream at {self.base_url} sent a stream chunk that is not JSON; "
-                            + self._logged(payload)
+                            + self.failures.logged(payload)
                         ) from None
                     if not isinstance(data, dict):
-                        raise self._fail(
+                        raise self.failures.fail(
                             f"the upstream at {self.base_url} sent a stream chunk that is not a "
-                            f"JSON object: {self._logged(payload)}"
+                            f"JSON object: {self.failures.logged(payload)}"
                         )
                     if "error" in data and "choices" not in data:
                         error = data["error"] if isinstance(data["error"], dict) else {"message": data["error"]}
-                        raise self._fail(f"the upstream at {self.base_url} failed mid-stream: {error.get('message')}")
+                        raise self.failures.fail(
+                            f"the upstream at {self.base_url} failed mid-stream: {error.get('message')}"
+                        )
                     yield StreamChunk(data=data, raw=payload)
             finally:
                 resp.release()
         except asyncio.TimeoutError:
-            raise self._timeout() from None
+            raise self.failures.timed_out(self.timeout) from None
         except aiohttp.ClientError as exc:
-            raise self._unreachable(exc) from None
+            raise self.failures.unreachable(exc) from None
         if not finished:
-            raise self._fail(f"the upstream at {self.base_url} closed the stream before sending [DONE]")
+            raise self.failures.fail(f"the upstream at {self.base_url} closed the stream before sending [DONE]")
         yield StreamEnd(tokens=None)
 
     # ---------------------------------------------------------------- other protocols, relayed as they are
@@ -235,9 +237,9 @@ class OpenAIEngine(Engine):
         except orjson.JSONDecodeError:
             data = None
         if not isinstance(data, dict):
-            raise self._fail(
+            raise self.failures.fail(
                 f"the upstream at {self.base_url} answered {path} with something that is not a JSON "
-                f"object: {self._logged(payload)}"
+                f"object: {self.failures.logged(payload)}"
             )
         return data
 
@@ -249,14 +251,14 @@ class OpenAIEngine(Engine):
             resp = await session.post(
                 URL(self.base_url + path), data=orjson.dumps(body), headers=self._headers, timeout=self._stream_timeout
             )
-            self._down = None
+            self.failures.down = None
             try:
                 if resp.status >= 400:
-                    raise self._status_error(resp.status, await resp.read())
+                    raise self.failures.status(resp.status, await resp.read())
                 if resp.content_type != "text/event-stream":
-                    raise self._fail(
+                    raise self.failures.fail(
                         f"the upstream at {self.base_url} answered a stream request on {path} with "
-                        f"{resp.content_type or 'no'} content: {self._logged(await resp.read())}"
+                        f"{resp.content_type or 'no'} content: {self.failures.logged(await resp.read())}"
                     )
                 async for payload in sse_data(resp.content):
                     if b'"error"' in payload:  # relayed as it is: an error event may echo our key
@@ -265,9 +267,9 @@ class OpenAIEngine(Engine):
             finally:
                 resp.release()
         except asyncio.TimeoutError:
-            raise self._timeout() from None
+            raise self.failures.timed_out(self.timeout) from None
         except aiohttp.ClientError as exc:
-            raise self._unreachable(exc) from None
+            raise self.failures.unreachable(exc) from None
 
     # ---------------------------------------------------------------- models
 
@@ -289,32 +291,38 @@ class OpenAIEngine(Engine):
         self._models, self._models_at = models, now
         return models
 
-    # ---------------------------------------------------------------- errors
 
-    def _fail(self, message: str, kind: type[UpstreamError] = UpstreamError) -> UpstreamError:
-        """An error whose message holds none of the configured secrets."""
-        return kind(redact(message, self._secrets))
+class UpstreamFailures:
+    """The upstream's failures as the gateway's errors, none holding a configured secret, and
+    `down`: why the last try reached no upstream at all (what `/healthz` says until it answers)."""
 
-    def _timeout(self) -> UpstreamError:
-        return self._fail(
-            f"the upstream at {self.base_url} did not answer within {self.timeout:g} s "
+    def __init__(self, base_url: str, secrets: list[str]) -> None:
+        self.base_url, self.secrets = base_url, secrets
+        self.down: str | None = None
+
+    def fail(self, message: str, kind: type[UpstreamError] = UpstreamError) -> UpstreamError:
+        return kind(redact(message, self.secrets))
+
+    def timed_out(self, timeout: float) -> UpstreamError:
+        return self.fail(
+            f"the upstream at {self.base_url} did not answer within {timeout:g} s "
             "(raise --upstream-timeout if it is just slow)",
             UpstreamTimeout,
         )
 
-    def _unreachable(self, exc: aiohttp.ClientError | OSError) -> UpstreamError:
+    def unreachable(self, exc: aiohttp.ClientError | OSError) -> UpstreamError:
         reason = str(exc) or type(exc).__name__
         if isinstance(exc, (aiohttp.ClientConnectorError, ConnectError)):
-            error = self._fail(f"cannot reach the upstream at {self.base_url}: {reason}")
-            self._down = error.message  # /healthz says so until it answers again
+            error = self.fail(f"cannot reach the upstream at {self.base_url}: {reason}")
+            self.down = error.message
             return error
-        return self._fail(f"the connection to the upstream at {self.base_url} failed: {reason}")
+        return self.fail(f"the connection to the upstream at {self.base_url} failed: {reason}")
 
-    def _status_error(self, status: int, payload: bytes) -> RLProxyError:
-        return status_error(self.base_url, status, payload, self._secrets)
+    def status(self, status: int, payload: bytes) -> RLProxyError:
+        return status_error(self.base_url, status, payload, self.secrets)
 
-    def _logged(self, payload: bytes) -> str:
-        return logged_body(self.base_url, payload, self._secrets)
+    def logged(self, payload: bytes) -> str:
+        return logged_body(self.base_url, payload, self.secrets)
 
 
 def status_error(where: str, status: int, payload: bytes, secrets: list[str]) -> RLProxyError:
