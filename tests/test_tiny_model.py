@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gateway.errors import ConfigError
 from gateway.models import tiny as tiny_model
 from gateway.models.registry import resolve_base_model
 from gateway.models.tiny import TINY_MODEL_ID, ensure_tiny_model
@@ -98,7 +99,9 @@ def test_resolve_base_model(tmp_path, monkeypatch):
     assert Path(resolve_base_model(TINY_MODEL_ID, tmp_path / "other-state")).parent == tmp_path / "shared"
     assert AutoTokenizer.from_pretrained(path).eos_token == "<|im_end|>"
     assert resolve_base_model("Qwen/Qwen2.5-0.5B-Instruct", tmp_path) == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert resolve_base_model("/some/local/dir", tmp_path) == "/some/local/dir"
+    assert resolve_base_model(str(tmp_path), tmp_path) == str(tmp_path)  # a local directory, as it is
+    with pytest.raises(ConfigError, match="--base-model '/some/local/dir' is not a directory"):
+        resolve_base_model("/some/local/dir", tmp_path)  # not an id from_pretrained would fetch
 
 
 def test_smollm2_is_converted_once_per_user_outside_every_state_dir(tmp_path, monkeypatch):

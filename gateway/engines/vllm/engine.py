@@ -117,6 +117,7 @@ class VLLMEngine(Engine):
             self.client, process, self.adapters, health_interval=health_interval, max_restarts=max_restarts
         )
         self._warned_no_tokens = False
+        self.in_a_set = False  # one of `VLLMReplicas`: a call it cannot start goes to another
         # Whether /sleep and /wake_up exist: managed, whether it was started in sleep mode;
         # attached, what `GET /is_sleeping` answers at start (a CPU build never sleeps).
         self.can_sleep = False
@@ -252,12 +253,12 @@ class VLLMEngine(Engine):
 
     async def _reload_missing(self, adapter: str | None) -> bool:
         """vLLM said 404 for `adapter`: load it (it restarted behind our back, or the step was known
-        on demand) and say whether to send the call again. One that will not load is
-        `EngineUnreached`, with the reason: nothing of the call was answered, so a replica set
-        sends it to another replica."""
+        on demand) and say whether to send the call again. In a replica set, one that will not
+        load is `EngineUnreached`, with the reason: nothing of the call was answered, so the set
+        sends it to another replica (alone, vLLM's 404 stands: `status_error`)."""
         if await self.adapters.reload_missing(adapter, asleep=self.supervisor.asleep):
             return True
-        if adapter is not None and adapter in self.adapters.failed:
+        if self.in_a_set and adapter is not None and adapter in self.adapters.failed:
             why = self.adapters.failed[adapter]
             raise EngineUnreached(redact(f"vLLM at {self.client.url} could not load {adapter}: {why}", self._hide))
         return False

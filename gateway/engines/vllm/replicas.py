@@ -80,6 +80,8 @@ class VLLMReplicas(Engine):
         if len(engines) < 2:
             raise ConfigError("a replica set needs two vLLMs or more")
         self.replicas = [Replica(i, engine) for i, engine in enumerate(engines)]
+        for engine in engines:
+            engine.in_a_set = True
         self.router = Router(routing, [r.name for r in self.replicas])
         self.retry_interval = retry_interval
         self._retry: asyncio.Task | None = None
