@@ -40,17 +40,20 @@ SHAPES = [
 ADVANTAGE = {"t0": 1.2, "t1": -0.7, "t2": 0.4, "t3": -1.1, "t4": 0.9, "t5": -0.3, "t6": 0.0}
 
 
+TINY_SHAPE = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
 def tiny_qwen2(impl: str, seed: int = 0) -> transformers.Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = transformers.Qwen2Config(**TINY_SHAPE)
     config._attn_implementation = impl
     model = transformers.Qwen2ForCausalLM(config).float()
     assert model.config._attn_implementation == impl
@@ -338,20 +341,11 @@ def _windowed(kind: str, impl: str) -> transformers.PreTrainedModel:
     """A tiny model whose attention looks back 4 tokens: every layer (Mistral), or the second
     of two (Qwen2 with `use_sliding_window`: one mask per layer type)."""
     torch.manual_seed(0)
-    shape = dict(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
     if kind == "mistral":
-        config = transformers.MistralConfig(**shape, sliding_window=4)
+        config = transformers.MistralConfig(**TINY_SHAPE, sliding_window=4)
         model_class = transformers.MistralForCausalLM
     else:
-        config = transformers.Qwen2Config(**shape, sliding_window=4, use_sliding_window=True, max_window_layers=1)
+        config = transformers.Qwen2Config(**TINY_SHAPE, sliding_window=4, use_sliding_window=True, max_window_layers=1)
         assert config.layer_types == ["full_attention", "sliding_attention"]
         model_class = transformers.Qwen2ForCausalLM
     config._attn_implementation = impl
