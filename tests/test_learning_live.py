@@ -131,7 +131,9 @@ def _check_stream(summary: dict, db: sqlite3.Connection, mode: str) -> dict:
 
 
 def test_live_rewards_learn_shout(tmp_path):
-    summary, db = _live_demo(tmp_path, "--live", "rewards", "--steps", "25")
+    # It stops once converged (steps 15-16 here); the step cap only bounds the rare slow run (one
+    # CI run under load ended at step 25 on 0.875), so it is roomy rather than tight.
+    summary, db = _live_demo(tmp_path, "--live", "rewards", "--steps", "40")
     live = _check_stream(summary, db, "rewards")
     assert summary["final_reward"] >= LEARNED, summary["reward_by_step"]
     assert live["rewarded"] > 0 and live["rewarded"] + live["unrewarded"] <= live["sessions"]
