@@ -17,7 +17,7 @@ import httpx
 from sdk.errors import APIConnectionError, RLProxySDKError, raise_for_response
 from sdk.group import AsyncGroup, Group
 from sdk.session import AsyncSession, Session
-from sdk.types import Score, new_id
+from sdk.types import Score, new_id, path_id
 
 DEFAULT_URL = "http://localhost:8000/v1"
 DEFAULT_TIMEOUT = 60.0
@@ -65,6 +65,14 @@ class _ClientBase:
 
     def __repr__(self) -> str:  # never shows the key
         return f"{type(self).__name__}({self.api_base!r})"
+
+    @staticmethod
+    def _session_path(session_id: str, route: str = "") -> str:
+        return f"/sessions/{path_id(session_id, 'session_id')}{route}"
+
+    @staticmethod
+    def _group_path(group_id: str, route: str = "") -> str:
+        return f"/groups/{path_id(group_id, 'group_id')}{route}"
 
     @staticmethod
     def _reward_body(value: float, metrics: dict[str, float] | None) -> dict:
@@ -147,20 +155,20 @@ class RLProxy(_ClientBase):
         return response.json()
 
     def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
-        return self._request("POST", f"/sessions/{session_id}/reward", self._reward_body(value, metrics))
+        return self._request("POST", self._session_path(session_id, "/reward"), self._reward_body(value, metrics))
 
     def get_session(self, session_id: str) -> dict:
-        return self._request("GET", f"/sessions/{session_id}")
+        return self._request("GET", self._session_path(session_id))
 
     def discard(self, session_id: str, reason: str | None = None) -> dict:
         """Leave a session (a failed rollout) out of its group: no reward needed, never trained."""
-        return self._request("POST", f"/sessions/{session_id}/discard", self._discard_body(reason))
+        return self._request("POST", self._session_path(session_id, "/discard"), self._discard_body(reason))
 
     def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
-        return self._request("POST", f"/groups/{group_id}/close", {"expected_sessions": expected_sessions})
+        return self._request("POST", self._group_path(group_id, "/close"), {"expected_sessions": expected_sessions})
 
     def get_group(self, group_id: str) -> dict:
-        return self._request("GET", f"/groups/{group_id}")
+        return self._request("GET", self._group_path(group_id))
 
     def ruler(
         self,
@@ -172,7 +180,10 @@ class RLProxy(_ClientBase):
         timeout: float = RULER_TIMEOUT,
     ) -> list[Score]:
         body = self._request(
-            "POST", f"/groups/{group_id}/ruler", self._ruler_body(judge_model, rubric, judge_api_base), timeout=timeout
+            "POST",
+            self._group_path(group_id, "/ruler"),
+            self._ruler_body(judge_model, rubric, judge_api_base),
+            timeout=timeout,
         )
         return scores_from(body)
 
@@ -238,19 +249,21 @@ class AsyncRLProxy(_ClientBase):
         return response.json()
 
     async def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
-        return await self._request("POST", f"/sessions/{session_id}/reward", self._reward_body(value, metrics))
+        return await self._request("POST", self._session_path(session_id, "/reward"), self._reward_body(value, metrics))
 
     async def get_session(self, session_id: str) -> dict:
-        return await self._request("GET", f"/sessions/{session_id}")
+        return await self._request("GET", self._session_path(session_id))
 
     async def discard(self, session_id: str, reason: str | None = None) -> dict:
-        return await self._request("POST", f"/sessions/{session_id}/discard", self._discard_body(reason))
+        return await self._request("POST", self._session_path(session_id, "/discard"), self._discard_body(reason))
 
     async def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
-        return await self._request("POST", f"/groups/{group_id}/close", {"expected_sessions": expected_sessions})
+        return await self._request(
+            "POST", self._group_path(group_id, "/close"), {"expected_sessions": expected_sessions}
+        )
 
     async def get_group(self, group_id: str) -> dict:
-        return await self._request("GET", f"/groups/{group_id}")
+        return await self._request("GET", self._group_path(group_id))
 
     async def ruler(
         self,
@@ -262,7 +275,10 @@ class AsyncRLProxy(_ClientBase):
         timeout: float = RULER_TIMEOUT,
     ) -> list[Score]:
         body = await self._request(
-            "POST", f"/groups/{group_id}/ruler", self._ruler_body(judge_model, rubric, judge_api_base), timeout=timeout
+            "POST",
+            self._group_path(group_id, "/ruler"),
+            self._ruler_body(judge_model, rubric, judge_api_base),
+            timeout=timeout,
         )
         return scores_from(body)
 

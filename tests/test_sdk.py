@@ -276,6 +276,29 @@ def test_gateway_errors_are_typed_and_carry_its_message(proxy, gateway):
     assert info.value.status_code == 400 and "turns" in info.value.message
 
 
+def test_an_id_names_only_itself_never_another_session_or_route(proxy):
+    """Ids come from the agent's world (a ticket number, a user's name): one holding `#`, `?`
+    or `/` reaches the gateway whole, or is refused, and never reads or writes something else."""
+    group = proxy.group()  # left open: the `..` id below must not close it
+    session = group.run(lambda s: _ask(s, f"attempt {s.index}") and None, n=1).sessions[0]
+
+    with pytest.raises(BadRequestError) as info:  # not session `session.id`'s trajectory
+        proxy.get_session(f"{session.id}#2")
+    assert info.value.param == "session_id" and f"'{session.id}#2' is not valid" in info.value.message
+    with pytest.raises(BadRequestError):
+        proxy.reward(f"{session.id}?page=2", 1.0)
+    with pytest.raises(BadRequestError):
+        proxy.get_group(f"{group.id} ")
+    with pytest.raises(ValueError, match="session_id '../groups/"):  # would close the group
+        proxy.discard(f"../groups/{group.id}/close?")
+    with pytest.raises(ValueError, match="group_id 'a/b' is not valid"):
+        proxy.close_group("a/b")
+
+    assert proxy.get_group(group.id)["closed"] is False
+    assert session.get()["discarded"] is False and session.get()["reward"] is None
+    group.close()
+
+
 def test_a_failed_judgement_is_a_server_error(proxy, judge_port):
     with proxy.group() as group:
         group.run(lambda s: _ask(s, f"attempt {s.index}") and None, n=2)
