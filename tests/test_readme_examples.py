@@ -67,6 +67,7 @@ def served(tmp_path_factory):
         }
         args = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(state_dir)]
         args += ["--judge-model", "openai/o3"]  # as the README says to start it for its RULER example
+        args += ["--live-group-size", "8"]  # and for live groups
         with gateway_process(args, env=env) as (_, url):
             yield url, judge
 
@@ -109,6 +110,20 @@ def test_sdk_example_runs(served, tmp_path):
     url, _ = served
     out = _run(_example("group.run(rollout, n=8"), url, tmp_path)
     assert out.startswith("8 rollouts, 0 failed, rewards [")
+
+
+def test_live_traffic_example_runs_and_its_reward_answers_as_shown(served, tmp_path):
+    url, _ = served
+    (code,) = [block for block in code_blocks(examples_file(), "python") if "X-Task-Id" in block]
+    assert code.count("http://localhost:8000/v1") == 1
+    # A newcomer's shell has no OPENAI_API_KEY: the client must not need one to reach the gateway.
+    _run(code.replace("http://localhost:8000/v1", url + "/v1"), url, tmp_path, openai_key=False)
+    (curl,) = [block for block in code_blocks(examples_file(), "bash") if "ticket-1234/reward" in block]
+    assert "curl --json '{\"reward\": 1.0}' localhost:8000/v1/sessions/ticket-1234/reward" in curl
+    answer = httpx.post(f"{url}/v1/sessions/ticket-1234/reward", json={"reward": 1.0}).json()
+    assert answer["session_id"] == "ticket-1234" and answer["reward"] == 1.0 and answer["trainable"] is True
+    assert answer["group_id"].startswith("live-")
+    assert httpx.get(f"{url}/v1/sessions/ticket-1234").json()["task_key"] == "refund-request"
 
 
 def test_ruler_example_runs(served, tmp_path):
