@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from sdk.errors import APIConnectionError, RLProxySDKError, raise_for_response
+from sdk.errors import APIConnectionError, RLProxySDKError, json_body
 from sdk.group import AsyncGroup, Group
 from sdk.session import AsyncSession, Session
 from sdk.types import Score, new_id, path_id
@@ -151,8 +151,7 @@ class RLProxy(_ClientBase):
             )
         except httpx.HTTPError as exc:
             raise APIConnectionError(f"could not reach the gateway at {self.api_base}: {exc}") from exc
-        raise_for_response(response)
-        return response.json()
+        return json_body(response, self.api_base)
 
     def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
         return self._request("POST", self._session_path(session_id, "/reward"), self._reward_body(value, metrics))
@@ -245,8 +244,7 @@ class AsyncRLProxy(_ClientBase):
             )
         except httpx.HTTPError as exc:
             raise APIConnectionError(f"could not reach the gateway at {self.api_base}: {exc}") from exc
-        raise_for_response(response)
-        return response.json()
+        return json_body(response, self.api_base)
 
     async def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
         return await self._request("POST", self._session_path(session_id, "/reward"), self._reward_body(value, metrics))

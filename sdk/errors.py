@@ -114,3 +114,21 @@ def raise_for_response(response: httpx.Response) -> None:
     except ValueError:
         body = None
     raise error_for(response.status_code, body, response.text[:500])
+
+
+def json_body(response: httpx.Response, api_base: str) -> Any:
+    """A success's JSON, or the typed error for a failure. A success that is not JSON (a login
+    proxy's HTML page, another server at that URL) is an error too, naming the URL to check:
+    the bare JSONDecodeError said nothing of where the answer came from."""
+    raise_for_response(response)
+    try:
+        return response.json()
+    except ValueError:
+        kind = response.headers.get("content-type") or "no Content-Type"
+        raise RLProxyAPIError(
+            f"{response.request.method} {response.request.url} answered {response.status_code} with {kind}, "
+            f"not JSON: check that {api_base} (base_url, or $RLPROXY_URL) is the URL of an rlproxy gateway",
+            status_code=response.status_code,
+            type="invalid_response",
+            body=response.text[:500],
+        ) from None

@@ -327,6 +327,30 @@ def test_wrong_key_and_no_gateway(upstream, tmp_path):
             client.get_group("anything")
 
 
+def test_a_server_that_is_not_the_gateway_is_named_in_the_error():
+    # A login proxy's page, or another server at that URL: it was a bare JSONDecodeError.
+    def login_page(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, html="<html><form>Sign in</form></html>")
+
+    base = "http://gateway.example/v1"
+    with RLProxy(base, http_client=httpx.Client(transport=httpx.MockTransport(login_page))) as client:
+        with pytest.raises(RLProxyAPIError) as info:
+            client.reward("sess-1", 1.0)
+    message = str(info.value)
+    assert "POST http://gateway.example/v1/sessions/sess-1/reward answered 200 with text/html" in message
+    assert f"check that {base} (base_url, or $RLPROXY_URL) is the URL of an rlproxy gateway" in message
+    assert info.value.type == "invalid_response" and "Sign in" in info.value.body
+
+    async def asynchronously() -> None:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(login_page))
+        async with AsyncRLProxy(base, http_client=http) as client:
+            with pytest.raises(RLProxyAPIError, match="is the URL of an rlproxy gateway"):
+                await client.get_group("grp-1")
+        await http.aclose()
+
+    asyncio.run(asynchronously())
+
+
 # ---------------------------------------------------------------- asyncio flows
 
 
