@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from sdk.errors import APIConnectionError, RLProxySDKError, json_body
-from sdk.group import AsyncGroup, Group
+from sdk.group import AsyncGroup, Group, _GroupBase
 from sdk.session import AsyncSession, Session
 from sdk.types import Score, new_id, path_id
 
@@ -125,18 +125,20 @@ class RLProxy(_ClientBase):
     def session(
         self,
         group: str | Any | None = None,
-        split: str = "train",
+        split: str | None = None,
         session_id: str | None = None,
         *,
         task_id: str | None = None,
     ) -> Session:
-        """A new session (one rollout); `group` is a group id or a `Group`.
+        """A new session (one rollout); `group` is a group id or a `Group` (as `group.session()`:
+        the group's split, and leaving its `with` block closes it); `split` defaults to "train".
 
         Live traffic has no group: give `task_id` instead (sent as `X-Task-Id`) and the
         gateway puts the session, once rewarded, into a group of the same task's sessions
         (`rlproxy serve --live-group-size K`)."""
-        group_id = getattr(group, "id", group)
-        return Session(self, session_id or new_id("sess"), group_id, split, task_id)
+        if isinstance(group, _GroupBase):
+            return group._new_session(Session, session_id, split, task_id)
+        return Session(self, session_id or new_id("sess"), group, split or "train", task_id)
 
     def group(self, id: str | None = None, split: str = "train") -> Group:
         """A group of sessions GRPO compares (the rollouts of one task)."""
@@ -226,13 +228,14 @@ class AsyncRLProxy(_ClientBase):
     def session(
         self,
         group: str | Any | None = None,
-        split: str = "train",
+        split: str | None = None,
         session_id: str | None = None,
         *,
         task_id: str | None = None,
     ) -> AsyncSession:
-        group_id = getattr(group, "id", group)
-        return AsyncSession(self, session_id or new_id("sess"), group_id, split, task_id)
+        if isinstance(group, _GroupBase):
+            return group._new_session(AsyncSession, session_id, split, task_id)
+        return AsyncSession(self, session_id or new_id("sess"), group, split or "train", task_id)
 
     def group(self, id: str | None = None, split: str = "train") -> AsyncGroup:
         return AsyncGroup(self, id or new_id("grp"), split)

@@ -129,10 +129,17 @@ class _GroupBase:
         self._n_sessions = 0
         self._lock = threading.Lock()
 
-    def _new_session(self, cls: type, session_id: str | None) -> Any:
+    def _new_session(
+        self, cls: type, session_id: str | None, split: str | None = None, task_id: str | None = None
+    ) -> Any:
+        if split is not None and split != self.split:  # the gateway would refuse its first call (409)
+            raise ValueError(
+                f"split '{split}' is not the split of group {self.id!r} ('{self.split}'): a group holds one split, "
+                "so make a group of its own for the other"
+            )
         with self._lock:
-            self._n_sessions += 1
-        return cls(self.proxy, session_id or new_id("sess"), self.id, self.split)
+            self._n_sessions += 1  # so that leaving the group's `with` block closes it
+        return cls(self.proxy, session_id or new_id("sess"), self.id, self.split, task_id)
 
     def _close_on_exit(self, exc_type: type | None) -> bool:
         # Nothing to close if no session was started here (the gateway never saw the group).

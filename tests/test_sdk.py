@@ -198,6 +198,22 @@ def test_sessions_and_headers_for_any_client(proxy, gateway):
     assert recorded["split"] == "val" and recorded["group_id"] == "g-headers" and recorded["reward"] == 0.5
 
 
+def test_a_session_made_by_the_proxy_for_a_group_object_is_one_of_the_group(proxy, gateway):
+    """`proxy.session(group=group)` (docs/agents.md) as `group.session()`: the group's split (a
+    train session in a val group was refused with 409 at its first call), and the group closes
+    when its block ends (it stayed open, so it never trained)."""
+    with proxy.group(split="val") as group:
+        session = proxy.session(group=group)
+        assert session.split == "val" and session.group_id == group.id
+        assert _ask(session, "val attempt") == "val attempt"
+        session.reward(1.0)
+    recorded = proxy.get_group(group.id)
+    assert recorded["split"] == "val" and recorded["closed"] is True and recorded["ready"] is True
+    with pytest.raises(ValueError, match="split 'train' is not the split of group"):
+        proxy.session(group=group, split="train")
+    assert proxy.session(group="by-id").split == "train"  # a group id alone: the default split
+
+
 def test_a_session_with_a_task_id_instead_of_a_group(upstream, tmp_path):
     """Live traffic: sessions opened with `task_id` carry X-Task-Id, are recorded under that task
     key, and once rewarded the gateway gathers them into a live group of that task."""
