@@ -17,6 +17,7 @@ import pytest
 
 from gateway.store import CallRecord, LiveRule
 from gateway.store.sqlite import SQLiteStore
+from gateway.ui.auth import cookie_name
 from tests.browser import find_or_install_chromium
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import gateway_process
@@ -203,13 +204,14 @@ def test_without_the_key_the_pages_and_their_json_are_refused(dashboard, browser
         assert "does not match" in page.page.inner_text("body")
         assert "wrong-key-123" not in page.page.content()
         # The cookie never authorizes a write: a posted reward still needs the bearer key.
-        token = httpx.post(dashboard + "/ui/login", data={"key": KEY, "next": "/ui"}).cookies.get("rlproxy_ui")
+        cookie = cookie_name(KEY)
+        token = httpx.post(dashboard + "/ui/login", data={"key": KEY, "next": "/ui"}).cookies.get(cookie)
         assert token and KEY not in token
         response = httpx.post(
-            dashboard + "/v1/sessions/tool-session/reward", json={"reward": 0.0}, cookies={"rlproxy_ui": token}
+            dashboard + "/v1/sessions/tool-session/reward", json={"reward": 0.0}, cookies={cookie: token}
         )
         assert response.status_code == 401
-        assert httpx.get(dashboard + "/v1/sessions", cookies={"rlproxy_ui": token}).status_code == 200
+        assert httpx.get(dashboard + "/v1/sessions", cookies={cookie: token}).status_code == 200
     finally:
         page.close()
 

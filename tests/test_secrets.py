@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from gateway.redact import redact
 from gateway.settings import Settings
+from gateway.ui.auth import cookie_name
 from tests.fake_upstream import FakeUpstream
 from tests.helpers_upstream import openai_gateway, raw_store_bytes
 
@@ -70,7 +71,7 @@ def test_a_key_in_the_dashboard_url_signs_nobody_in(upstream, tmp_path):
         assert page.status_code == 401 and "set-cookie" not in page.headers
         assert KEY not in page.text  # the login form's next page drops it
         signed_in = httpx.post(f"{server.url}/ui/login", data={"key": KEY, "next": "/ui"})
-        assert signed_in.status_code == 303 and "rlproxy_ui" in signed_in.cookies
+        assert signed_in.status_code == 303 and cookie_name(KEY) in signed_in.cookies
 
 
 # ---------------------------------------------------------------- item 6: upstream text redacted

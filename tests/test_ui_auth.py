@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.testclient import TestClient
 
-from gateway.ui.auth import COOKIE, DashboardAuthMiddleware, cookie_token
+from gateway.ui.auth import DashboardAuthMiddleware, cookie_name, cookie_token
 
 KEY = "ui-auth-key-6c1e0f3a9d"
 
@@ -28,10 +28,10 @@ def test_login_sets_a_cookie_that_is_not_the_key():
 
 def test_cookie_reads_but_never_writes():
     c = client()
-    c.cookies.set(COOKIE, cookie_token(KEY))
+    c.cookies.set(cookie_name(KEY), cookie_token(KEY))
     assert c.get("/ui").status_code == 200 and c.get("/v1/sessions").status_code == 200
     assert c.post("/v1/sessions/s/reward").status_code == 401
-    c.cookies.set(COOKIE, cookie_token("another-key"))
+    c.cookies.set(cookie_name(KEY), cookie_token("another-key"))
     assert c.get("/ui").status_code == 401
 
 

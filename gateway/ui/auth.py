@@ -30,6 +30,13 @@ def cookie_token(api_key: str) -> str:
     return hmac.new(api_key.encode(), b"rlproxy dashboard session v1", hashlib.sha256).hexdigest()
 
 
+def cookie_name(api_key: str) -> str:
+    """`rlproxy_ui_` and the token's first 8 hex digits. A browser keeps one cookie per name and
+    host whatever the port (RFC 6265, 8.5): with one name for every gateway, signing in to a
+    second one on the same host (another port, another key) signed the browser out of the first."""
+    return f"{COOKIE}_{cookie_token(api_key)[:8]}"
+
+
 def _cookies(scope: Scope) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, value in scope["headers"]:
@@ -72,6 +79,7 @@ class DashboardAuthMiddleware(BearerAuthMiddleware):
         super().__init__(app, api_key, open_paths, admin_key)
         self._key = api_key.encode()
         self._token = cookie_token(api_key).encode()
+        self._cookie = cookie_name(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,7 +92,7 @@ class DashboardAuthMiddleware(BearerAuthMiddleware):
         if path == LOGIN_PATH:
             await self._login(scope, receive, send)
             return
-        if method in _READ_METHODS and hmac.compare_digest(_cookies(scope).get(COOKIE, "").encode(), self._token):
+        if method in _READ_METHODS and hmac.compare_digest(_cookies(scope).get(self._cookie, "").encode(), self._token):
             await self.app(scope, receive, send)
             return
         if path == "/ui" or path.startswith("/ui/"):
@@ -124,7 +132,7 @@ class DashboardAuthMiddleware(BearerAuthMiddleware):
 
     async def _signed_in(self, scope: Scope, send: Send, target: str) -> None:
         secure = "; Secure" if scope.get("scheme") == "https" else ""
-        cookie = f"{COOKIE}={self._token.decode()}; Path=/; HttpOnly; SameSite=Strict{secure}"
+        cookie = f"{self._cookie}={self._token.decode()}; Path=/; HttpOnly; SameSite=Strict{secure}"
         await send(
             {
                 "type": "http.response.start",
