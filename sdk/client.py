@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from numbers import Real
 from typing import Any
 
 import httpx
@@ -76,7 +77,13 @@ class _ClientBase:
 
     @staticmethod
     def _reward_body(value: float, metrics: dict[str, float] | None) -> dict:
-        return {"reward": float(value), "metrics": dict(metrics or {})}
+        # numpy's numbers (np.int64(3), np.float32(0.5)) are numbers but not JSON's: sent
+        # as floats, else the request never left (TypeError: ... is not JSON serializable).
+        # Anything else goes as it is, for the gateway to say what is wrong with it.
+        as_sent = {
+            k: float(v) if isinstance(v, Real) and not isinstance(v, bool) else v for k, v in (metrics or {}).items()
+        }
+        return {"reward": float(value), "metrics": as_sent}
 
     @staticmethod
     def _discard_body(reason: str | None) -> dict:

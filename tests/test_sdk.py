@@ -292,6 +292,14 @@ def test_gateway_errors_are_typed_and_carry_its_message(proxy, gateway):
     assert info.value.status_code == 400 and "turns" in info.value.message
 
 
+def test_a_reward_and_metrics_computed_with_numpy_are_posted(proxy):
+    np = pytest.importorskip("numpy")
+    session = proxy.session()
+    _ask(session, "scored with numpy")
+    answer = session.reward(np.float32(0.5), metrics={"steps": np.int64(3), "score": np.float32(0.25), "ok": 1})
+    assert answer["reward"] == 0.5 and answer["metrics"] == {"steps": 3.0, "score": 0.25, "ok": 1.0}
+
+
 def test_an_id_names_only_itself_never_another_session_or_route(proxy):
     """Ids come from the agent's world (a ticket number, a user's name): one holding `#`, `?`
     or `/` reaches the gateway whole, or is refused, and never reads or writes something else."""
