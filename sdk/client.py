@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from sdk.errors import APIConnectionError, RLProxySDKError, json_body
+from sdk.errors import RLProxySDKError, connection_error, json_body
 from sdk.group import AsyncGroup, Group, _GroupBase
 from sdk.session import AsyncSession, Session
 from sdk.types import Score, new_id, path_id
@@ -154,12 +154,13 @@ class RLProxy(_ClientBase):
     # -- the HTTP routes
 
     def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
+        timeout = timeout or self.timeout
         try:
             response = self._http.request(
-                method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout or self.timeout
+                method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise APIConnectionError(f"could not reach the gateway at {self.api_base}: {exc}") from exc
+            raise connection_error(exc, self.api_base, method, path, timeout) from exc
         return json_body(response, self.api_base)
 
     def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
@@ -248,12 +249,13 @@ class AsyncRLProxy(_ClientBase):
         return AsyncGroup(self, id or new_id("grp"), split)
 
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
+        timeout = timeout or self.timeout
         try:
             response = await self._http.request(
-                method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout or self.timeout
+                method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise APIConnectionError(f"could not reach the gateway at {self.api_base}: {exc}") from exc
+            raise connection_error(exc, self.api_base, method, path, timeout) from exc
         return json_body(response, self.api_base)
 
     async def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:

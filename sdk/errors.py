@@ -20,6 +20,17 @@ class APIConnectionError(RLProxySDKError):
     """The gateway could not be reached (refused, DNS, timeout); there is no response."""
 
 
+def connection_error(exc: httpx.HTTPError, api_base: str, method: str, path: str, timeout: float) -> APIConnectionError:
+    """What went wrong on the way: a gateway that was reached but did not answer in time is not
+    one that could not be reached, and what it was asked may have taken effect."""
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return APIConnectionError(
+            f"{method} {api_base}{path}: no answer within {timeout:g} s; the request may still have taken effect "
+            "(get_session / get_group show what was recorded). Give a longer timeout= if the gateway is busy"
+        )
+    return APIConnectionError(f"could not reach the gateway at {api_base} ({method} {path}): {exc}")
+
+
 class RLProxyAPIError(RLProxySDKError):
     """The gateway answered with an error status."""
 

@@ -351,6 +351,28 @@ def test_wrong_key_and_no_gateway(upstream, tmp_path):
             client.get_group("anything")
 
 
+def test_a_gateway_too_slow_to_answer_is_not_one_that_could_not_be_reached():
+    # It said "could not reach the gateway at ...: timed out", of a reward the gateway may have stored.
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    with RLProxy(
+        "http://gateway.example", timeout=2.5, http_client=httpx.Client(transport=httpx.MockTransport(slow))
+    ) as p:
+        with pytest.raises(APIConnectionError) as info:
+            p.reward("sess-1", 1.0)
+    message = str(info.value)
+    assert message.startswith("POST http://gateway.example/v1/sessions/sess-1/reward: no answer within 2.5 s")
+    assert "may still have taken effect" in message and "could not reach" not in message
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    with RLProxy("http://gateway.example", http_client=httpx.Client(transport=httpx.MockTransport(refused))) as p:
+        with pytest.raises(APIConnectionError, match=r"could not reach the gateway at http://gateway.example/v1 "):
+            p.get_group("grp-1")
+
+
 def test_a_server_that_is_not_the_gateway_is_named_in_the_error():
     # A login proxy's page, or another server at that URL: it was a bare JSONDecodeError.
     def login_page(request: httpx.Request) -> httpx.Response:
