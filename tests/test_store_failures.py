@@ -6,12 +6,14 @@ the gateway recovers by itself, without a restart, once the cause is gone."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import httpx
@@ -293,6 +295,58 @@ def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(
     assert [s["step"] for s in steps] == [0, 1] and sorted(steps[1]["groups"]) == ["g1", "g2"]
     assert {store.get_group(g)["trained_step"] for g in ("g1", "g2")} == {1}
     assert sorted(p.name for p in settings.checkpoints_dir().iterdir() if p.is_dir()) == ["0000", "0001"]
+
+
+class _StallingStore(SQLiteStore):
+    """Reads that hang, then fail, as they do with PostgreSQL gone (the pool waits for a
+    connection until its timeout, 30 s): while `stall` is set each read waits for `release`,
+    then raises a disk I/O error."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.stall, self.stalled, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
+        if self.stall.is_set():
+            self.stalled.set()
+            self.release.wait(60)
+            failure = sqlite3.OperationalError("disk I/O error")
+            self._raise_failure(failure)  # as the store's own reads do: StoreUnavailable, noted in its health
+            raise failure
+        return super()._query(sql, params)
+
+
+def test_a_read_the_store_does_not_answer_holds_up_no_other_request(upstream, tmp_path):
+    # The routes read the store on the event loop: one GET /v1/sessions (or a dashboard poll,
+    # a /metrics scrape) with PostgreSQL gone froze every request, chat and /healthz too, until
+    # the pool gave up; and /metrics then failed, hiding rlproxy_store_degraded.
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = _StallingStore(settings.db_path)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        assert _chat(url).status_code == 200
+        store.stall.set()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            listing = pool.submit(httpx.get, url + "/v1/sessions", timeout=120)
+            assert store.stalled.wait(60)
+            try:  # while that read hangs, the gateway serves
+                assert httpx.get(url + "/healthz", timeout=30).status_code == 200
+                assert _chat(url, "meanwhile").status_code == 200
+            finally:
+                store.release.set()
+            reply = listing.result()
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "store_unavailable"
+
+        scrape = httpx.get(url + "/metrics")  # reads still fail: the scrape says so
+        assert scrape.status_code == 200, scrape.text
+        assert _metric(url, "rlproxy_store_degraded ") == 1
+        assert _metric(url, 'rlproxy_store_errors_total{cause="unavailable"}') >= 1
+
+        store.stall.clear()  # the store is back
+        _assert_healthy(url)
+        assert httpx.get(url + "/v1/sessions").status_code == 200
+        assert _metric(url, "rlproxy_store_degraded ") == 0
 
 
 # ---------------------------------------------------------------- PostgreSQL
