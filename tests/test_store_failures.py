@@ -396,3 +396,49 @@ def test_postgres_gone_read_only_answers_503_and_recovers_by_itself(upstream, tm
         assert reply.status_code == 200, reply.text
         acknowledged.add(reply.headers["x-request-id"])
         assert acknowledged <= _recorded(store)
+
+
+def test_a_checkpoint_disk_that_is_full_sets_no_group_aside_and_the_step_lands_once_it_has_room(tmp_path):
+    # A checkpoint write failing (ENOSPC) counted as the batch's fault: bisected, retried, and
+    # after the attempt limit every group was set aside as failed for good, rewards and all.
+    import errno
+    import threading
+
+    from tests.helpers_trainer import Recorder, trainer_settings
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path)
+    recorder = Recorder(settings)
+    recorder.group("g1", [1.0, 0.0])
+    recorder.group("g2", [0.0, 1.0])
+    recorder.close()
+    worker = TrainerWorker(settings)
+    worker.start()
+    backend, real_save, full = worker.backend, worker.backend.save, {"saves": 8}
+
+    def save(directory):
+        if full["saves"] > 0:
+            full["saves"] -= 1
+            (directory / "adapter_model.safetensors").write_bytes(b"half")  # the disk filled up half-way
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        real_save(directory)
+
+    backend.save = save
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
+                break
+            stop.wait(0.1)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        worker.close()
+    store = SQLiteStore(settings.db_path)
+    assert full["saves"] == 0
+    groups = [store.get_group(g) for g in ("g1", "g2")]
+    assert [(g["failed"], g["trained_step"]) for g in groups] == [(None, 1), (None, 1)]
+    assert sorted(store.steps("agent")[1]["groups"]) == ["g1", "g2"]
+    assert sorted(p.name for p in settings.checkpoints_dir().iterdir()) == [".worker.lock", "0000", "0001"]
