@@ -6,6 +6,7 @@ the gateway recovers by itself, without a restart, once the cause is gone."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import os
@@ -165,6 +166,33 @@ def test_store_locked_by_another_process_answers_503_and_recovers(upstream, tmp_
             holder.communicate("\n", timeout=30)
         _assert_healthy(url)
         assert _chat(url).status_code == 200
+
+
+def test_a_store_that_cannot_be_opened_is_one_line_naming_the_file_and_the_cause(tmp_path, capsys):
+    # A damaged file, or one another process keeps locked, ended every command (serve, train,
+    # export) in a sqlite3 traceback.
+    from gateway.cli import main
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "rlproxy.db").write_bytes(b"not a database, " * 512)
+    assert main(["export", "--state-dir", str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot open the store {damaged / 'rlproxy.db'}: the store file is damaged" in err
+    assert "Restore it from a backup" in err and "Traceback" not in err
+
+    path = tmp_path / "locked.db"
+    asyncio.run(SQLiteStore(path).close())  # a store, as a gateway left it
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreUnavailable) as refused:
+            SQLiteStore(path, busy_timeout=0.2)
+        assert refused.value.cause == "locked" and "another process" in refused.value.message
+    finally:
+        holder.communicate("\n", timeout=30)
 
 
 def test_classify_names_each_cause():

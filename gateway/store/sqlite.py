@@ -41,6 +41,18 @@ class SQLiteStore(Store):
         busy_timeout: float = 30.0,
     ):
         super().__init__(busy_timeout)
+        try:
+            self._open(path, memory, synchronous, busy_timeout)
+        except sqlite3.Error as exc:
+            # A damaged file, one locked by another process, a read-only or full disk: the cause
+            # and what to do, as the commands' one line, not a traceback.
+            failure = classify(exc, busy_timeout)
+            if failure is None:
+                raise
+            raise type(failure)(f"cannot open the store {path}: {failure.message}", cause=failure.cause) from exc
+        self.checkpoints = 0  # WAL checkpoints the writer thread ran
+
+    def _open(self, path: Path | str | None, memory: bool, synchronous: str, busy_timeout: float) -> None:
         if memory:
             # One shared in-memory database, reachable from the writer thread too.
             uri = f"file:rlproxy-{id(self)}?mode=memory&cache=shared"
@@ -67,7 +79,6 @@ class SQLiteStore(Store):
         self._read_lock = threading.Lock()
         self._conn.executescript(sqlite_schema.SCHEMA)
         sqlite_schema.add_missing_columns(self._conn)
-        self.checkpoints = 0  # WAL checkpoints the writer thread ran
 
     def _close_connections(self) -> None:
         # Under the locks: a read still running in a worker thread (a poll that outlived the
