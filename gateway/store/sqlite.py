@@ -12,6 +12,8 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -194,13 +196,28 @@ class SQLiteStore(Store):
 
     def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
         with self._read_lock:
+            return self._read(sql, params)
+
+    def _read(self, sql: str, params: tuple | dict = ()) -> list[dict]:
+        try:
+            cursor = self._read_conn.execute(sql, params)
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
+        except sqlite3.Error as exc:
+            self._raise_failure(exc)
+            raise
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[Callable[[str, tuple], list[dict]]]:
+        """Reads in one read transaction (WAL: its snapshot is taken at the first read)."""
+        with self._read_lock:
+            conn = self._read_conn
+            _rollback(conn)
+            conn.execute("BEGIN")
             try:
-                cursor = self._read_conn.execute(sql, params)
-                names = [d[0] for d in cursor.description]
-                return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
-            except sqlite3.Error as exc:
-                self._raise_failure(exc)
-                raise
+                yield self._read
+            finally:
+                _rollback(conn)
 
     def ready_groups(self, model: str, split: str = "train", limit: int | None = None) -> list[dict]:
         sql = sqlite_schema.READY_GROUPS + (f" LIMIT {int(limit)}" if limit else "")
