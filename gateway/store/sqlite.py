@@ -209,9 +209,13 @@ class SQLiteStore(Store):
 
     @contextmanager
     def _snapshot(self) -> Iterator[Callable[[str, tuple], list[dict]]]:
-        """Reads in one read transaction (WAL: its snapshot is taken at the first read)."""
+        """Reads in one read transaction (WAL: its snapshot is taken at the first read). Not in
+        memory (tests): shared-cache locks are per table, and a writer would fail, not wait."""
         with self._read_lock:
             conn = self._read_conn
+            if self._loop_conn is None:  # memory
+                yield self._read
+                return
             _rollback(conn)
             conn.execute("BEGIN")
             try:
