@@ -125,7 +125,8 @@ def test_a_base_model_path_that_does_not_exist_is_one_clear_line(capsys, tmp_pat
 def test_export_refuses_what_it_cannot_read_or_write_in_one_line(capsys, tmp_path):
     # --output a directory (or under a file) ended in an IsADirectoryError traceback after the
     # export ran; `--store sqlite:///` of a missing file created an empty store and exported
-    # "0 sessions"; `--min-reward nan` and `--since inf` selected nothing without a word.
+    # "0 sessions"; `--min-reward nan` and `--since inf` selected nothing without a word; an
+    # --output naming the store file wrote the export over it.
     from gateway.cli import main
     from gateway.store.sqlite import SQLiteStore
 
@@ -139,6 +140,11 @@ def test_export_refuses_what_it_cannot_read_or_write_in_one_line(capsys, tmp_pat
     assert "it is a directory" in capsys.readouterr().err
     assert main([*state, "--output", str(tmp_path / "rlproxy.db" / "out.jsonl")]) == 2
     assert "a folder on its path is a file" in capsys.readouterr().err
+
+    for store_file in ("rlproxy.db", "rlproxy.db-wal"):  # written over, the store was gone for good
+        assert main([*state, "--output", str(tmp_path / store_file)]) == 2
+        assert "is the store itself" in capsys.readouterr().err
+    assert store.get_session("s1")["n_calls"] == 1
 
     missing = tmp_path / "elsewhere" / "rlproxy.db"
     assert main(["export", "--store", f"sqlite:///{missing}"]) == 2

@@ -25,7 +25,7 @@ from gateway.export.openai_format import conversation
 from gateway.export.samples import ExportedSample, LazyRenderer, exported_samples
 from gateway.export.selection import close_store, open_store, select_sessions
 from gateway.store import SessionFilter
-from gateway.store.open import is_postgres_url
+from gateway.store.open import SQLITE_SCHEME, is_postgres_url
 
 FORMATS = ("rlproxy", "openai", "parquet")
 
@@ -54,6 +54,18 @@ def check_output(path: str) -> None:
         raise ConfigError(
             f"cannot write --output {path}: {exc.strerror or exc}; give a file path (or - for stdout)"
         ) from None
+
+
+def _not_the_store(output: str, db_path: Path | str) -> None:
+    """Refuse an --output that is the SQLite store itself (or its WAL): writing the export
+    over it destroyed every recorded call and reward."""
+    text = str(db_path)
+    if output == "-" or is_postgres_url(text):
+        return
+    database = Path(text.removeprefix(SQLITE_SCHEME)).resolve()
+    target = Path(output).resolve()
+    if target in {database, *(database.with_name(database.name + end) for end in ("-wal", "-shm", "-journal"))}:
+        raise ConfigError(f"--output {output} is the store itself: give another file (or - for stdout)")
 
 
 @contextmanager
@@ -93,6 +105,7 @@ def export_trajectories(
         raise InvalidRequest("exporting from --store postgresql://... needs the --state-dir the trainer wrote to")
     state_dir = Path(state_dir) if state_dir is not None else Path(db_path).parent
     check_output(output)
+    _not_the_store(output, db_path)
     store = open_store(db_path)
     try:
         sessions = list(select_sessions(store, where))
