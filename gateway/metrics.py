@@ -84,7 +84,9 @@ class Metrics:
         counter.inc()
         self.latency.observe(latency_ms / 1000.0)
 
-    def render(self, services) -> tuple[bytes, str]:
+    def render(self, services, steps: tuple[int | None, int | None] | None = None) -> tuple[bytes, str]:
+        """The text exposition; `steps`: the store's (serving, candidate) steps of NAME, read by the
+        caller off the event loop (None: the store did not answer, the gauges keep their values)."""
         self.store_commits.set(services.store.commits)
         health = services.store.health
         for cause, count in list(health.errors.items()):  # the store counts; the counter follows
@@ -96,17 +98,17 @@ class Metrics:
         shadows = services.extras.get("shadow")
         if shadows is not None:
             self.shadow_in_flight.set(shadows.in_flight)
-        self._promotion(services)
+        self._promotion(services, steps)
         self._replicas(services)
         self.held.set(services.gate.held)
         self.in_flight.set(services.gate.in_flight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def _promotion(self, services) -> None:
-        model = services.settings.model_name
-        serving, candidate = services.store.serving_step(model), services.store.undecided_step(model)
-        self.serving_step.set(-1 if serving is None else serving)
-        self.candidate_step.set(-1 if candidate is None else candidate)
+    def _promotion(self, services, steps: tuple[int | None, int | None] | None) -> None:
+        if steps is not None:
+            serving, candidate = steps
+            self.serving_step.set(-1 if serving is None else serving)
+            self.candidate_step.set(-1 if candidate is None else candidate)
         canary = services.registry.canary
         for decision, count in (canary.decisions if canary is not None else {}).items():
             self.decisions.labels(decision=decision).inc(count - self._decisions_seen.get(decision, 0))

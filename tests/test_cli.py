@@ -7,6 +7,7 @@ import pytest
 
 from gateway.cli import build_parser, settings_from_args
 from gateway.settings import Settings
+from tests.helpers import call_row
 
 
 def help_text(command: str) -> str:
@@ -147,3 +148,42 @@ def test_a_base_model_path_that_does_not_exist_is_one_clear_line(capsys, tmp_pat
     assert main(["serve", "--state-dir", str(tmp_path / "state"), "--base-model", str(missing)]) == 2
     err = capsys.readouterr().err
     assert f"--base-model '{missing}' is not a directory" in err and "Traceback" not in err
+
+
+def test_export_refuses_what_it_cannot_read_or_write_in_one_line(capsys, tmp_path):
+    # --output a directory (or under a file) ended in an IsADirectoryError traceback after the
+    # export ran; `--store sqlite:///` of a missing file created an empty store and exported
+    # "0 sessions"; `--min-reward nan` and `--since inf` selected nothing without a word; an
+    # --output naming the store file wrote the export over it.
+    from gateway.cli import main
+    from gateway.store.sqlite import SQLiteStore
+
+    store = SQLiteStore(tmp_path / "rlproxy.db")
+    store.record_call_sync(call_row("r1", "s1", "g"))
+    state = ["export", "--state-dir", str(tmp_path)]
+
+    assert main([*state, "--output", str(tmp_path)]) == 2
+    assert f"cannot write --output {tmp_path}: it is a directory" in capsys.readouterr().err
+    assert main([*state, "--format", "parquet", "--output", str(tmp_path)]) == 2
+    assert "it is a directory" in capsys.readouterr().err
+    assert main([*state, "--output", str(tmp_path / "rlproxy.db" / "out.jsonl")]) == 2
+    assert "a folder on its path is a file" in capsys.readouterr().err
+
+    for store_file in ("rlproxy.db", "rlproxy.db-wal"):  # written over, the store was gone for good
+        assert main([*state, "--output", str(tmp_path / store_file)]) == 2
+        assert "is the store itself" in capsys.readouterr().err
+    assert store.get_session("s1")["n_calls"] == 1
+
+    missing = tmp_path / "elsewhere" / "rlproxy.db"
+    assert main(["export", "--store", f"sqlite:///{missing}"]) == 2
+    assert "no store at" in capsys.readouterr().err and not missing.parent.exists()
+
+    for flag, value in (("--min-reward", "nan"), ("--since", "inf"), ("--until", "nan")):
+        with pytest.raises(SystemExit) as exited:
+            main([*state, flag, value])
+        assert exited.value.code == 2
+        assert f"argument {flag}: '{value}' is not a finite number" in capsys.readouterr().err
+
+    out = tmp_path / "new" / "out.jsonl"  # a file in a folder that is not there yet: made
+    assert main([*state, "--output", str(out), "--since", "2020-01-01"]) == 0
+    assert len(out.read_text().splitlines()) == 1

@@ -183,6 +183,27 @@ def test_bad_references_say_what_to_pass(trained, tmp_path):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
+def test_an_export_stopped_half_way_leaves_nothing_that_looks_like_a_model(trained, tmp_path, monkeypatch):
+    # The files were written straight into --out: an export killed before its card (a merge
+    # takes minutes) left the adapter files there, loadable, and the next run was refused.
+    from gateway.export import card
+    from gateway.export.model import export_model
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "agent-1"
+    monkeypatch.setattr(card, "write_card", killed)
+    with pytest.raises(KeyboardInterrupt):
+        export_model(trained, "agent@1", out)
+    assert list(tmp_path.iterdir()) == []
+
+    monkeypatch.undo()
+    export_model(trained, "agent@1", out)
+    assert {"adapter_model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
+    assert [p.name for p in tmp_path.iterdir()] == ["agent-1"]
+
+
 def test_a_step_recorded_in_postgres_exports_on_a_machine_without_its_checkpoint(trained, tmp_path, postgres_db):
     """`--store postgresql://`: the step's files come from the store (checksums verified),
     not from a state dir this machine never had."""

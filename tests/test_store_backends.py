@@ -257,3 +257,26 @@ async def test_the_store_refuses_a_call_whose_split_or_group_contradicts_its_ses
     assert [c["id"] for c in store.get_session("sa")["calls"]] == ["split-1"]
     assert [c["id"] for c in store.get_session("sn")["calls"]] == ["split-6"]
     assert [s["id"] for s in store.get_group("g-train")["sessions"]] == ["sa"]
+
+
+async def test_a_session_read_while_its_next_call_lands_agrees_with_itself(store, monkeypatch):
+    # The session row and its calls were two reads: a call committed in between (a gateway
+    # recording while GET /v1/sessions/{id} or `rlproxy export` reads) gave n_calls 1 and 2 calls.
+    from gateway.store import reads
+
+    other = open_store(store.path)  # another gateway (or this one's writer) recording meanwhile
+    other.record_call_sync(call(1, "s1", "g"))
+    real = reads.session_row
+
+    def and_then_a_call_lands(query, session_id):
+        row = real(query, session_id)
+        other.record_call_sync(call(2, "s1", "g"))
+        return row
+
+    monkeypatch.setattr(reads, "session_row", and_then_a_call_lands)
+    session = store.get_session("s1")
+    assert session["n_calls"] == len(session["calls"]) == 1
+    monkeypatch.undo()
+    session = store.get_session("s1")
+    assert session["n_calls"] == 2 and [c["id"] for c in session["calls"]] == ["req1", "req2"]
+    await other.close()

@@ -6,12 +6,15 @@ the gateway recovers by itself, without a restart, once the cause is gone."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import httpx
@@ -165,6 +168,33 @@ def test_store_locked_by_another_process_answers_503_and_recovers(upstream, tmp_
         assert _chat(url).status_code == 200
 
 
+def test_a_store_that_cannot_be_opened_is_one_line_naming_the_file_and_the_cause(tmp_path, capsys):
+    # A damaged file, or one another process keeps locked, ended every command (serve, train,
+    # export) in a sqlite3 traceback.
+    from gateway.cli import main
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "rlproxy.db").write_bytes(b"not a database, " * 512)
+    assert main(["export", "--state-dir", str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot open the store {damaged / 'rlproxy.db'}: the store file is damaged" in err
+    assert "Restore it from a backup" in err and "Traceback" not in err
+
+    path = tmp_path / "locked.db"
+    asyncio.run(SQLiteStore(path).close())  # a store, as a gateway left it
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreUnavailable) as refused:
+            SQLiteStore(path, busy_timeout=0.2)
+        assert refused.value.cause == "locked" and "another process" in refused.value.message
+    finally:
+        holder.communicate("\n", timeout=30)
+
+
 def test_classify_names_each_cause():
     def error(code: int, text: str) -> sqlite3.OperationalError:
         exc = sqlite3.OperationalError(text)
@@ -295,6 +325,58 @@ def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(
     assert sorted(p.name for p in settings.checkpoints_dir().iterdir() if p.is_dir()) == ["0000", "0001"]
 
 
+class _StallingStore(SQLiteStore):
+    """Reads that hang, then fail, as they do with PostgreSQL gone (the pool waits for a
+    connection until its timeout, 30 s): while `stall` is set each read waits for `release`,
+    then raises a disk I/O error."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.stall, self.stalled, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
+        if self.stall.is_set():
+            self.stalled.set()
+            self.release.wait(60)
+            failure = sqlite3.OperationalError("disk I/O error")
+            self._raise_failure(failure)  # as the store's own reads do: StoreUnavailable, noted in its health
+            raise failure
+        return super()._query(sql, params)
+
+
+def test_a_read_the_store_does_not_answer_holds_up_no_other_request(upstream, tmp_path):
+    # The routes read the store on the event loop: one GET /v1/sessions (or a dashboard poll,
+    # a /metrics scrape) with PostgreSQL gone froze every request, chat and /healthz too, until
+    # the pool gave up; and /metrics then failed, hiding rlproxy_store_degraded.
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = _StallingStore(settings.db_path)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        assert _chat(url).status_code == 200
+        store.stall.set()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            listing = pool.submit(httpx.get, url + "/v1/sessions", timeout=120)
+            assert store.stalled.wait(60)
+            try:  # while that read hangs, the gateway serves
+                assert httpx.get(url + "/healthz", timeout=30).status_code == 200
+                assert _chat(url, "meanwhile").status_code == 200
+            finally:
+                store.release.set()
+            reply = listing.result()
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "store_unavailable"
+
+        scrape = httpx.get(url + "/metrics")  # reads still fail: the scrape says so
+        assert scrape.status_code == 200, scrape.text
+        assert _metric(url, "rlproxy_store_degraded ") == 1
+        assert _metric(url, 'rlproxy_store_errors_total{cause="unavailable"}') >= 1
+
+        store.stall.clear()  # the store is back
+        _assert_healthy(url)
+        assert httpx.get(url + "/v1/sessions").status_code == 200
+        assert _metric(url, "rlproxy_store_degraded ") == 0
+
+
 # ---------------------------------------------------------------- PostgreSQL
 
 
@@ -342,3 +424,49 @@ def test_postgres_gone_read_only_answers_503_and_recovers_by_itself(upstream, tm
         assert reply.status_code == 200, reply.text
         acknowledged.add(reply.headers["x-request-id"])
         assert acknowledged <= _recorded(store)
+
+
+def test_a_checkpoint_disk_that_is_full_sets_no_group_aside_and_the_step_lands_once_it_has_room(tmp_path):
+    # A checkpoint write failing (ENOSPC) counted as the batch's fault: bisected, retried, and
+    # after the attempt limit every group was set aside as failed for good, rewards and all.
+    import errno
+    import threading
+
+    from tests.helpers_trainer import Recorder, trainer_settings
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path)
+    recorder = Recorder(settings)
+    recorder.group("g1", [1.0, 0.0])
+    recorder.group("g2", [0.0, 1.0])
+    recorder.close()
+    worker = TrainerWorker(settings)
+    worker.start()
+    backend, real_save, full = worker.backend, worker.backend.save, {"saves": 8}
+
+    def save(directory):
+        if full["saves"] > 0:
+            full["saves"] -= 1
+            (directory / "adapter_model.safetensors").write_bytes(b"half")  # the disk filled up half-way
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        real_save(directory)
+
+    backend.save = save
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
+                break
+            stop.wait(0.1)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        worker.close()
+    store = SQLiteStore(settings.db_path)
+    assert full["saves"] == 0
+    groups = [store.get_group(g) for g in ("g1", "g2")]
+    assert [(g["failed"], g["trained_step"]) for g in groups] == [(None, 1), (None, 1)]
+    assert sorted(store.steps("agent")[1]["groups"]) == ["g1", "g2"]
+    assert sorted(p.name for p in settings.checkpoints_dir().iterdir()) == [".worker.lock", "0000", "0001"]

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from gateway.errors import StoreFull
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer import publish
 from trainer import worker as worker_module
@@ -318,6 +319,10 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_weights_as_they_were(wor
         raise OSError(28, "No space left on device")
 
     worker._save = disk_full
-    assert worker.train_once(worker.groups_to_train()) is None
+    groups = worker.groups_to_train()
+    with pytest.raises(StoreFull):  # the disk's fault: the run loop waits for it, as for the store
+        worker.train_once(groups)
     assert all((a == b).all() for a, b in zip(before, lora_weights(worker), strict=False))
-    assert worker.attempts.since_step == 1 and [s["step"] for s in worker.store.steps("agent")] == [0]
+    assert worker.attempts.since_step == 0 and [s["step"] for s in worker.store.steps("agent")] == [0]
+    # Not counted against the groups: a full disk must not bring them nearer to being set aside.
+    assert [worker.store.get_group(g["id"])["attempts"] for g in groups] == [0] * len(groups)

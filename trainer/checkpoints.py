@@ -13,6 +13,7 @@ directories are removed when the worker starts.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.errors import StoreFull, StoreUnavailable
 from trainer.backends.base import ADAPTER_FILES
 
 log = logging.getLogger("rlproxy.trainer")
@@ -161,6 +163,19 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Checkpoint(step, final)
+
+
+def unwritable(exc: OSError) -> StoreUnavailable:
+    """A checkpoint write that failed for the disk's sake (full, read-only, gone), said as the
+    store's failure: the worker gives the step's attempt back and waits, as it does for the
+    database, rather than count it against the groups (which sets them aside for good)."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    fix = "Free space on that disk" if full else "Make the state dir writable by the trainer"
+    return (StoreFull if full else StoreUnavailable)(
+        f"cannot write a checkpoint under the state dir ({exc.strerror or exc}: {exc.filename}). {fix}; "
+        "training goes on by itself once that is fixed, no restart needed.",
+        cause="full" if full else "unavailable",
+    )
 
 
 def discard(checkpoint: Checkpoint) -> None:

@@ -271,7 +271,12 @@ def _train_checkpoint_record(
     if _discarded_meanwhile(store, plan.sessions, step):
         return None
     metrics["seconds"] = time.perf_counter() - plan.started
-    checkpoint = save(step, metrics=metrics, groups=trained_groups, advantages=plan.advantages, left_out=plan.left_out)
+    try:
+        checkpoint = save(
+            step, metrics=metrics, groups=trained_groups, advantages=plan.advantages, left_out=plan.left_out
+        )
+    except OSError as exc:  # the disk's fault, not the batch's: the worker waits for it (trainer.worker)
+        raise ckpts.unwritable(exc) from exc
     _test_pause("record", step)
     try:
         store.insert_step(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -121,10 +122,17 @@ def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Ch
     raise NotFound(f"model '{name}' has no checkpoint for step {step} in {root} (steps: {steps})")
 
 
-def _prepare_out(out: Path) -> None:
+def _prepare_out(out: Path) -> Path:
+    """The hidden sibling of `out` the files are written into, renamed to `out` once all are
+    there: an export killed half-way (a merge takes minutes) leaves no directory that looks
+    like a model to load, nor one that blocks the export from running again."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not empty: choose a new --out directory")
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    return work
 
 
 def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = False) -> ModelExport:
@@ -133,19 +141,31 @@ def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = Fals
     trained_with = masked(checkpoint.settings())  # one saved before every form was masked may hold secrets
     base_model = trained_with.get("base_model", settings.base_model)
     out = Path(out)
-    _prepare_out(out)
-    if merged:
-        write_merged(checkpoint.path, base_model, settings.state_dir, out, _template_for(settings, trained_with))
-    else:
-        write_adapter(checkpoint.path, base_model, out)
-    (out / SETTINGS_FILE).write_text(json.dumps(trained_with, indent=2, sort_keys=True))
-    shutil.copyfile(checkpoint.path / ckpts.STATE_FILE, out / ckpts.STATE_FILE)
+    work = _prepare_out(out)
+    try:
+        if merged:
+            write_merged(checkpoint.path, base_model, settings.state_dir, work, _template_for(settings, trained_with))
+        else:
+            write_adapter(checkpoint.path, base_model, work)
+        (work / SETTINGS_FILE).write_text(json.dumps(trained_with, indent=2, sort_keys=True))
+        shutil.copyfile(checkpoint.path / ckpts.STATE_FILE, work / ckpts.STATE_FILE)
+        from gateway.export.card import write_card
 
-    from gateway.export.card import write_card
-
-    write_card(
-        out, settings, name=name, step=checkpoint.step, base_model=base_model, trained_with=trained_with, merged=merged
-    )
+        write_card(
+            work,
+            settings,
+            name=name,
+            step=checkpoint.step,
+            base_model=base_model,
+            trained_with=trained_with,
+            merged=merged,
+        )
+        if out.is_dir():
+            out.rmdir()  # empty (checked above): the rename takes its place
+        os.rename(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     return ModelExport(name, checkpoint.step, out, merged, checkpoint.path)
 
 

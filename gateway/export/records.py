@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import sys
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from gateway.export.openai_format import conversation
 from gateway.export.samples import ExportedSample, LazyRenderer, exported_samples
 from gateway.export.selection import close_store, open_store, select_sessions
 from gateway.store import SessionFilter
-from gateway.store.open import is_postgres_url
+from gateway.store.open import SQLITE_SCHEME, is_postgres_url
 
 FORMATS = ("rlproxy", "openai", "parquet")
 
@@ -37,14 +38,48 @@ class ExportResult:
     """Lines or rows written: sessions (rlproxy) or samples (openai, parquet)."""
 
 
+def check_output(path: str) -> None:
+    """Refuse an --output that cannot be written as a file before any work is done (a
+    directory, a parent that is a file): a clear line, not a traceback after the export ran."""
+    if path == "-":
+        return
+    target = Path(path)
+    try:
+        if target.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"cannot write --output {path}: a folder on its path is a file") from None
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write --output {path}: {exc.strerror or exc}; give a file path (or - for stdout)"
+        ) from None
+
+
+def _not_the_store(output: str, db_path: Path | str) -> None:
+    """Refuse an --output that is the SQLite store itself (or its WAL): writing the export
+    over it destroyed every recorded call and reward."""
+    text = str(db_path)
+    if output == "-" or is_postgres_url(text):
+        return
+    database = Path(text.removeprefix(SQLITE_SCHEME)).resolve()
+    target = Path(output).resolve()
+    if target in {database, *(database.with_name(database.name + end) for end in ("-wal", "-shm", "-journal"))}:
+        raise ConfigError(f"--output {output} is the store itself: give another file (or - for stdout)")
+
+
 @contextmanager
 def _output(path: str) -> Iterator[IO[bytes]]:
     if path == "-":
         yield sys.stdout.buffer
         sys.stdout.buffer.flush()
         return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as out:
+    check_output(path)
+    try:
+        out = open(path, "wb")
+    except OSError as exc:
+        raise ConfigError(f"cannot write --output {path}: {exc.strerror or exc}") from None
+    with out:
         yield out
 
 
@@ -69,6 +104,8 @@ def export_trajectories(
     if state_dir is None and is_postgres_url(str(db_path)):
         raise InvalidRequest("exporting from --store postgresql://... needs the --state-dir the trainer wrote to")
     state_dir = Path(state_dir) if state_dir is not None else Path(db_path).parent
+    check_output(output)
+    _not_the_store(output, db_path)
     store = open_store(db_path)
     try:
         sessions = list(select_sessions(store, where))
@@ -162,6 +199,6 @@ def _write_parquet(samples: Iterator[ExportedSample], output: str) -> int:
         raise ConfigError("--format parquet needs pyarrow: pip install 'rlproxy[export]'") from None
     schema = parquet_schema()
     rows = [_row(item) for item in samples]
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    check_output(output)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), output)
     return len(rows)

@@ -11,18 +11,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
 from gateway.errors import NotFound
 from gateway.store import SessionFilter, Store
+from gateway.store.open import SQLITE_SCHEME, is_postgres_url
 from gateway.store.open import open_store as open_backend
 from trainer.data import answered_since
 
 
 def store_exists(target: Path | str) -> bool:
-    """A store URL (`--store`: its backend says whether it is one), or an SQLite file that is there."""
-    return "://" in str(target) or Path(target).is_file()
+    """A PostgreSQL URL (`--store`: its server says whether it is one), or an SQLite file that is
+    there (`sqlite:///PATH` too: opening a missing one would create an empty store and export nothing)."""
+    text = str(target)
+    if is_postgres_url(text):
+        return True
+    if text.startswith(SQLITE_SCHEME):
+        text = text[len(SQLITE_SCHEME) :]
+    elif "://" in text:
+        return True  # `open_store` names the kinds it takes
+    return Path(text).is_file()
 
 
 def open_store(target: Path | str) -> Store:
@@ -56,7 +66,7 @@ def add_selection_flags(command: argparse.ArgumentParser, title: str) -> None:
     group = command.add_argument_group(title)
     group.add_argument("--split", choices=["train", "val"], default=None, help="only this split")
     group.add_argument("--rewarded", action="store_true", help="only sessions with a reward")
-    group.add_argument("--min-reward", type=float, default=None, help="only sessions rewarded at least this")
+    group.add_argument("--min-reward", type=_finite, default=None, help="only sessions rewarded at least this")
     group.add_argument(
         "--since-step",
         type=int,
@@ -78,12 +88,26 @@ def add_selection_flags(command: argparse.ArgumentParser, title: str) -> None:
     group.add_argument("--until", type=_moment, default=None, metavar="TIME", help="only sessions started before TIME")
 
 
+def _finite(text: str) -> float:
+    """A number on the command line; nan and inf are refused (every comparison with nan is
+    false: `--min-reward nan` selected nothing, and said nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def _moment(text: str) -> float:
     """A time on the command line: Unix seconds, or ISO 8601 (UTC when it names no zone)."""
     try:
-        return float(text)
+        float(text)
     except ValueError:
         pass
+    else:
+        return _finite(text)
     try:
         moment = dt.datetime.fromisoformat(text)
     except ValueError:

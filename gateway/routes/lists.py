@@ -3,6 +3,7 @@ one-request overview (serving state, calls per minute, reward curves, step metri
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Literal
 
@@ -54,7 +55,7 @@ async def list_sessions(
         since=since,
         until=until,
     )
-    return json_response(store.list_sessions(f))
+    return json_response(await asyncio.to_thread(store.list_sessions, f))
 
 
 @router.get("/v1/groups", summary="List groups, newest first, paged and filtered")
@@ -89,7 +90,7 @@ async def list_groups(
         since=since,
         until=until,
     )
-    return json_response(store.list_groups(f))
+    return json_response(await asyncio.to_thread(store.list_groups, f))
 
 
 @router.get("/v1/dashboard", summary="Serving state, calls per minute, reward curves and step metrics")
@@ -102,8 +103,7 @@ async def dashboard(request: Request) -> Response:
     sessions a stale reward left untrained, and this gateway's `shadow_samples` counts)."""
     services = request.app.state.services
     model = services.settings.model_name
-    steps = services.store.steps(model)
-    counts = services.store.counts()
+    steps, counts, per_minute, curve = await asyncio.to_thread(_dashboard_reads, services.store, model)
     return json_response(
         {
             "model": model,
@@ -113,14 +113,20 @@ async def dashboard(request: Request) -> Response:
             "replicas": services.engine.replica_states(model, services.registry.current),
             "counts": counts,
             "live_traffic": {**live_traffic(counts), "shadow_samples": _shadow_counts(services)},
-            "calls_per_minute": services.store.calls_per_minute(time.time()),
-            "reward_curve": services.store.reward_curve(model),
+            "calls_per_minute": per_minute,
+            "reward_curve": curve,
             "steps": [
                 {"step": s["step"], "created_at": s["created_at"], "metrics": s["metrics"], "groups": s["groups"]}
                 for s in steps
             ],
         }
     )
+
+
+def _dashboard_reads(store, model: str) -> tuple[list[dict], dict, list[dict], list[dict]]:
+    """The dashboard's store reads, run in a worker thread: a store that does not answer
+    (PostgreSQL gone, until its pool gives up) must not hold up every other request."""
+    return store.steps(model), store.counts(), store.calls_per_minute(time.time()), store.reward_curve(model)
 
 
 def _shadow_counts(services) -> dict | None:
@@ -169,9 +175,9 @@ async def session_tokens(session_id: str, request: Request) -> Response:
     says which session holds the live call it shadows (`shadow_of_session`, None if that call
     is not recorded)."""
     services = request.app.state.services
-    session = services.store.get_session(check_id(session_id, "session_id"))
-    shadowed = services.store.get_call(session["shadow_of"]) if session.get("shadow_of") else None
-    group = services.store.get_group(session["group_id"]) if session.get("group_id") else None
+    session, shadowed, group = await asyncio.to_thread(
+        _session_reads, services.store, check_id(session_id, "session_id")
+    )
     trained_step = group.get("trained_step") if group else None
     tokenizer = getattr(services.engine, "tokenizer", None)
     calls = []
@@ -234,6 +240,14 @@ def _first_choice(values, n: int) -> list | None:
         return None
     first = values[0] if isinstance(values[0], list) else values
     return first if len(first) == n else None
+
+
+def _session_reads(store, session_id: str) -> tuple[dict, dict | None, dict | None]:
+    """The session, the live call it shadows and its group (in a worker thread, as `_dashboard_reads`)."""
+    session = store.get_session(session_id)
+    shadowed = store.get_call(session["shadow_of"]) if session.get("shadow_of") else None
+    group = store.get_group(session["group_id"]) if session.get("group_id") else None
+    return session, shadowed, group
 
 
 def _token_texts(tokenizer, ids: list[int]) -> list[str] | None:

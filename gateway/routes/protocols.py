@@ -8,6 +8,7 @@ back. Errors leave in each protocol's own shape (`gateway.http.errors.error_resp
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 from collections.abc import AsyncIterator, Callable
@@ -180,7 +181,9 @@ async def create_response(request: Request) -> Response:
     identity = _identity(request, raw)
     history = None
     if body.previous_response_id:
-        previous = _stored_response(request.app.state.services.store, body.previous_response_id)
+        previous = await asyncio.to_thread(
+            _stored_response, request.app.state.services.store, body.previous_response_id
+        )
         history = responses_translate.history_of(previous["request"], previous["wire_request"], previous["response"])
         if identity.minted:  # a conversation continued by id stays in its session
             identity = dataclasses.replace(
@@ -211,7 +214,7 @@ async def get_response(response_id: str, request: Request) -> Response:
     services = request.app.state.services
     relay = services.extras.get("passthrough")
     try:
-        return _json(_stored_response(services.store, response_id)["wire_response"])
+        return _json((await asyncio.to_thread(_stored_response, services.store, response_id))["wire_response"])
     except NotFound:
         # --upstream-protocol responses: the ids are the upstream's, so ask it (the id is
         # checked before it becomes part of a URL)

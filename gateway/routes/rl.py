@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import TypeVar
 
@@ -74,7 +75,7 @@ async def discard_session(session_id: str, request: Request) -> Response:
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> Response:
     store = request.app.state.services.store
-    return json_response(store.get_session(check_id(session_id, "session_id")))
+    return json_response(await asyncio.to_thread(store.get_session, check_id(session_id, "session_id")))
 
 
 @router.post("/v1/groups/{group_id}/close")
@@ -82,19 +83,20 @@ async def close_group(group_id: str, request: Request) -> Response:
     services = request.app.state.services
     body = await parse(request, GroupCloseRequest, allow_empty=True)
     await services.store.close_group(check_id(group_id, "group_id"), body.expected_sessions)
-    return json_response(services.store.get_group(group_id))
+    return json_response(await asyncio.to_thread(services.store.get_group, group_id))
 
 
 @router.get("/v1/groups/{group_id}")
 async def get_group(group_id: str, request: Request) -> Response:
     store = request.app.state.services.store
-    return json_response(store.get_group(check_id(group_id, "group_id")))
+    return json_response(await asyncio.to_thread(store.get_group, check_id(group_id, "group_id")))
 
 
 @router.get("/v1/training/steps")
 async def training_steps(request: Request) -> Response:
     services = request.app.state.services
-    return json_response({"object": "list", "data": services.store.steps(services.settings.model_name)})
+    steps = await asyncio.to_thread(services.store.steps, services.settings.model_name)
+    return json_response({"object": "list", "data": steps})
 
 
 @router.post("/v1/training/trigger")
@@ -127,7 +129,10 @@ async def healthz(request: Request) -> Response:
         "step": services.registry.current,
     }
     if services.settings.promote != "always":  # the promotion's state: serving, undecided, paused
-        body.update(promotion_state(store, services.settings))
+        try:
+            body.update(await asyncio.to_thread(promotion_state, store, services.settings))
+        except StoreUnavailable:  # noted in store.health: the answer below is `degraded` with the cause
+            pass
     replicas = services.engine.replica_states(services.settings.model_name, services.registry.current)
     if replicas is not None:
         body["replicas"] = replicas
@@ -163,5 +168,12 @@ def promotion_state(store: Store, settings: Settings) -> dict:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     services = request.app.state.services
-    body, content_type = services.metrics.render(services)
+    model = services.settings.model_name
+    try:  # in a worker thread: a store that does not answer must not hold up the event loop
+        steps = await asyncio.to_thread(
+            lambda: (services.store.serving_step(model), services.store.undecided_step(model))
+        )
+    except StoreUnavailable:  # the scrape still answers: rlproxy_store_degraded says why the steps are old
+        steps = None
+    body, content_type = services.metrics.render(services, steps)
     return Response(body, media_type=content_type)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,12 @@ class Store(StepRows, ABC):
     @abstractmethod
     def _close_connections(self) -> None:
         """Release the backend's connections (the writer has stopped)."""
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[Callable[[str, tuple], list[dict]]]:
+        """A read function whose reads all see the database as of one moment (several
+        statements that must agree: a session and its calls while calls land)."""
+        yield self._query
 
     def _write_now(self, op: Op) -> Outcome | None:
         """`op` committed at once on the event loop, or None to queue it for the writer."""
@@ -216,12 +223,18 @@ class Store(StepRows, ABC):
     # ------------------------------------------------------------ reads
 
     def get_session(self, session_id: str) -> dict:
-        session = reads.session_row(self._query, session_id)
-        session["calls"] = self.session_calls(session_id)
+        # One snapshot: read apart, a call landing in between made `n_calls` disagree with `calls`
+        # (GET /v1/sessions/{id}, `rlproxy export` of a session in flight).
+        with self._snapshot() as query:
+            session = reads.session_row(query, session_id)
+            session["calls"] = self._session_calls(query, session_id)
         return session
 
     def session_calls(self, session_id: str) -> list[dict]:
-        found = self._query("SELECT * FROM calls WHERE session_id = ? ORDER BY created_at, rowid", (session_id,))
+        return self._session_calls(self._query, session_id)
+
+    def _session_calls(self, query: Callable[[str, tuple], list[dict]], session_id: str) -> list[dict]:
+        found = query("SELECT * FROM calls WHERE session_id = ? ORDER BY created_at, rowid", (session_id,))
         return [rows.decode_call(row) for row in found]
 
     def get_call(self, call_id: str) -> dict | None:

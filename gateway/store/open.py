@@ -16,6 +16,7 @@ from gateway.store.private import private_state_dir
 from gateway.store.sqlite import SQLiteStore
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+SQLITE_SCHEME = "sqlite:///"  # then the file's path
 
 
 def is_postgres_url(value: str | None) -> bool:
@@ -39,8 +40,8 @@ def open_store(target: Any) -> Store:
                 f"--store postgresql://... needs the PostgreSQL extra: pip install 'rlproxy[postgres]' ({exc})"
             ) from None
         return PostgresStore(text)
-    if text.startswith("sqlite:///"):
-        text = text[len("sqlite:///") :]
+    if text.startswith(SQLITE_SCHEME):
+        text = text[len(SQLITE_SCHEME) :]
     elif "://" in text:
         raise ConfigError(f"--store must be a postgresql:// URL or an SQLite file path, not {text!r}")
     return SQLiteStore(Path(text))

@@ -22,7 +22,8 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,11 @@ def _batch(ops: list[Op], *, careful: bool) -> Callable[[_PgConn], list[Outcome]
     return body
 
 
+def _rows(cursor: _PgCursor) -> list[dict]:
+    names = [d[0] for d in cursor.description]
+    return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
+
+
 class PostgresStore(Store):
     """`PostgresStore(url)`: the store in a PostgreSQL database (created tables if missing)."""
 
@@ -240,9 +246,7 @@ class PostgresStore(Store):
     def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
         try:
             with self._pool.connection() as raw:
-                cursor = _PgConn(raw).execute(sql, params)
-                names = [d[0] for d in cursor.description]
-                return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
+                return _rows(_PgConn(raw).execute(sql, params))
         except Exception as exc:
             self._raise_failure(exc)
             raise
@@ -257,8 +261,24 @@ class PostgresStore(Store):
         await self._submit(op)
         self.health.recovered()
 
-    def session_calls(self, session_id: str) -> list[dict]:
-        rows = self._query("SELECT * FROM calls WHERE session_id = ? ORDER BY seq", (session_id,))
+    @contextmanager
+    def _snapshot(self) -> Iterator[Callable[[str, tuple], list[dict]]]:
+        """Reads in one REPEATABLE READ transaction: every statement sees the same snapshot."""
+        try:
+            with self._pool.connection() as raw, raw.transaction():
+                raw.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                conn = _PgConn(raw)
+
+                def read(sql: str, params: tuple = ()) -> list[dict]:
+                    return _rows(conn.execute(sql, params))
+
+                yield read
+        except Exception as exc:
+            self._raise_failure(exc)
+            raise
+
+    def _session_calls(self, query: Callable[[str, tuple], list[dict]], session_id: str) -> list[dict]:
+        rows = query("SELECT * FROM calls WHERE session_id = ? ORDER BY seq", (session_id,))
         for row in rows:
             row.pop("seq", None)
             for key in ("prompt_ids", "completion_ids", "completion_logprobs"):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,18 @@ class SQLiteStore(Store):
         busy_timeout: float = 30.0,
     ):
         super().__init__(busy_timeout)
+        try:
+            self._open(path, memory, synchronous, busy_timeout)
+        except sqlite3.Error as exc:
+            # A damaged file, one locked by another process, a read-only or full disk: the cause
+            # and what to do, as the commands' one line, not a traceback.
+            failure = classify(exc, busy_timeout)
+            if failure is None:
+                raise
+            raise type(failure)(f"cannot open the store {path}: {failure.message}", cause=failure.cause) from exc
+        self.checkpoints = 0  # WAL checkpoints the writer thread ran
+
+    def _open(self, path: Path | str | None, memory: bool, synchronous: str, busy_timeout: float) -> None:
         if memory:
             # One shared in-memory database, reachable from the writer thread too.
             uri = f"file:rlproxy-{id(self)}?mode=memory&cache=shared"
@@ -67,7 +81,6 @@ class SQLiteStore(Store):
         self._read_lock = threading.Lock()
         self._conn.executescript(sqlite_schema.SCHEMA)
         sqlite_schema.add_missing_columns(self._conn)
-        self.checkpoints = 0  # WAL checkpoints the writer thread ran
 
     def _close_connections(self) -> None:
         # Under the locks: a read still running in a worker thread (a poll that outlived the
@@ -183,13 +196,32 @@ class SQLiteStore(Store):
 
     def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
         with self._read_lock:
+            return self._read(sql, params)
+
+    def _read(self, sql: str, params: tuple | dict = ()) -> list[dict]:
+        try:
+            cursor = self._read_conn.execute(sql, params)
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
+        except sqlite3.Error as exc:
+            self._raise_failure(exc)
+            raise
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[Callable[[str, tuple], list[dict]]]:
+        """Reads in one read transaction (WAL: its snapshot is taken at the first read). Not in
+        memory (tests): shared-cache locks are per table, and a writer would fail, not wait."""
+        with self._read_lock:
+            conn = self._read_conn
+            if self._loop_conn is None:  # memory
+                yield self._read
+                return
+            _rollback(conn)
+            conn.execute("BEGIN")
             try:
-                cursor = self._read_conn.execute(sql, params)
-                names = [d[0] for d in cursor.description]
-                return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
-            except sqlite3.Error as exc:
-                self._raise_failure(exc)
-                raise
+                yield self._read
+            finally:
+                _rollback(conn)
 
     def ready_groups(self, model: str, split: str = "train", limit: int | None = None) -> list[dict]:
         sql = sqlite_schema.READY_GROUPS + (f" LIMIT {int(limit)}" if limit else "")
