@@ -4,6 +4,8 @@ that mixes protocols becomes training samples whose masks are checked by hand.""
 
 from __future__ import annotations
 
+import re
+
 import anthropic
 import openai
 import pytest
@@ -199,3 +201,27 @@ def test_openai_agents_sdk_on_the_local_engine(gateway, tokenizer):
     [row] = gateway[1].store.session_calls("local-agent")
     assert row["protocol"] == "responses"
     assert decoded(tokenizer, row) == (result.final_output or "").strip()
+
+
+def test_anthropic_stop_sequence_says_which_one_ended_the_message(gateway):
+    claude = anthropic.Anthropic(base_url=gateway[0].url, api_key="x", max_retries=0)
+    ask = dict(  # greedy, so the stop string picked from one answer ends the next one
+        model=TINY_MODEL_ID,
+        max_tokens=12,
+        messages=[{"role": "user", "content": "hello there"}],
+        extra_body={"temperature": 0},
+    )
+    free = "".join(b.text for b in claude.messages.create(**ask).content if b.type == "text")
+    stop = re.search(r"[A-Za-z]{2}", free[1:]).group()
+    before = free[: free.index(stop)]
+
+    stopped = claude.messages.create(**ask, stop_sequences=["never in it", stop])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(b.text for b in stopped.content if b.type == "text") == before
+    with claude.messages.stream(**ask, stop_sequences=["never in it", stop]) as events:
+        streamed = events.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(b.text for b in streamed.content if b.type == "text") == before
+
+    ended = claude.messages.create(**ask, stop_sequences=["never in it"])  # the token limit, not the stop
+    assert (ended.stop_reason, ended.stop_sequence) == ("max_tokens", None)

@@ -14,8 +14,9 @@ that asks for `logprobs` gets those same numbers (as vLLM's `processed_logprobs`
 them), not the raw model's. vLLM's `top_k`, `min_p` and `repetition_penalty` are accepted as
 extra body fields. Streaming sends content as it is decoded: text that could
 still become a stop string, an incomplete UTF-8 character or (with tools) a `<tool_call>`
-block is held back. `response_format` is accepted and ignored (no constrained decoding);
-`tool_choice` "required" or a named function is treated as "auto".
+block is held back. A choice that a stop string ended carries it as `stop_reason`, as vLLM's
+do (Anthropic's `stop_sequence` is made of it). `response_format` is accepted and ignored (no
+constrained decoding); `tool_choice` "required" or a named function is treated as "auto".
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk,
 from gateway.engines.local.jobs import BASE_ADAPTER, ChoiceResult, Control, Job
 from gateway.engines.local.model import LocalModel
 from gateway.engines.local.request import completion_room, parse_request, render_prompt, sampling_of
-from gateway.engines.local.response import LogprobEntries, assistant_message, completion_id, token_record, usage
+from gateway.engines.local.response import (
+    LogprobEntries,
+    assistant_message,
+    completion_id,
+    end_of,
+    token_record,
+    usage,
+)
 from gateway.engines.local.worker import Worker
 from gateway.errors import ConfigError, Conflict, EngineUnavailable, InvalidRequest, NotFound, RLProxyError
 from gateway.protocols.chat import ChatCompletionRequest
@@ -169,7 +177,7 @@ class LocalEngine(Engine):
                     "logprobs": {"content": self._logprobs.entries(result.completion_ids, result.logprobs, result.top)}
                     if req.logprobs
                     else None,
-                    "finish_reason": "tool_calls" if has_calls else result.finish_reason,
+                    **end_of(result, has_calls),
                 }
             )
         response = {
@@ -192,7 +200,7 @@ class LocalEngine(Engine):
             "model": req.model,
         }
 
-        def chunk(index: int, delta: dict, logprobs: list | None = None, finish_reason: str | None = None):
+        def chunk(index: int, delta: dict, logprobs: list | None = None, end: dict | None = None):
             data = {
                 **head,
                 "choices": [
@@ -200,7 +208,8 @@ class LocalEngine(Engine):
                         "index": index,
                         "delta": delta,
                         "logprobs": {"content": logprobs} if logprobs is not None else None,
-                        "finish_reason": finish_reason,
+                        "finish_reason": None,
+                        **(end or {}),
                     }
                 ],
             }
@@ -251,7 +260,7 @@ class LocalEngine(Engine):
                     index,
                     {},
                     entries if (req.logprobs and entries) else None,
-                    "tool_calls" if calls else result.finish_reason,
+                    end_of(result, bool(calls)),
                 )
         except BaseException:
             job.cancelled.set()

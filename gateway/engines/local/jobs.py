@@ -73,6 +73,7 @@ class ChoiceResult:
     logprobs: list[float]
     top: list[list[tuple[int, float]]]  # per token, (id, logprob) best first; empty lists if not asked
     finish_reason: str  # "stop" | "length"
+    stop_reason: str | None = None  # the stop string the text was cut at (vLLM's `stop_reason`)
 
 
 class Job:
@@ -127,6 +128,7 @@ class Row:
     sent: int = 0  # characters of `text` already streamed
     sent_tokens: int = 0  # tokens whose logprobs were already streamed
     finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that finished it, if one did
 
 
 @dataclass

@@ -25,6 +25,15 @@ def assistant_message(text: str, parse_tools: bool) -> tuple[dict, bool]:
     return out, bool(calls)
 
 
+def end_of(result: ChoiceResult, has_calls: bool) -> dict:
+    """A finished choice's `finish_reason`, and vLLM's `stop_reason` when a stop string ended it
+    (the string; vLLM's null is left out, as the vllm engine leaves it out)."""
+    end = {"finish_reason": "tool_calls" if has_calls else result.finish_reason}
+    if result.stop_reason is not None:
+        end["stop_reason"] = result.stop_reason
+    return end
+
+
 def completion_id(request_id: str) -> str:
     return request_id if request_id.startswith("chatcmpl-") else f"chatcmpl-{request_id or uuid.uuid4().hex}"
 

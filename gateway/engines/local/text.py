@@ -36,16 +36,17 @@ class Detokenizer:
             row.prefix, row.read = row.read, len(row.ids)
         row.offsets.append(len(row.text))
 
-    def cut_at_stop(self, row: Row) -> bool:
-        """If the text holds a stop string, cut text and tokens before it. Returns whether it did."""
+    def cut_at_stop(self, row: Row) -> str | None:
+        """If the text holds a stop string, cut text and tokens before it. Returns the stop string
+        it cut at (the earliest; the first listed of those at one place), None if none."""
         stops = row.job.sampling.stops
         longest = max(len(s) for s in stops)
         previous = row.offsets[-2] if len(row.offsets) > 1 else 0
         search_from = max(0, previous - longest + 1)
-        hits = [p for p in (row.text.find(s, search_from) for s in stops) if p >= 0]
+        hits = [(p, s) for s in stops if (p := row.text.find(s, search_from)) >= 0]
         if not hits:
-            return False
-        cut = min(hits)
+            return None
+        cut, matched = min(hits, key=lambda hit: hit[0])
         # keep the tokens whose text ends at or before the stop string
         kept = 0
         for k, offset in enumerate(row.offsets, start=1):
@@ -54,7 +55,7 @@ class Detokenizer:
         del row.ids[kept:], row.logprobs[kept:], row.top[kept:], row.offsets[kept:]
         row.text = self.decode(row.ids)
         row.sent = min(row.sent, len(row.text))
-        return True
+        return matched
 
 
 def streamable(row: Row) -> tuple[int, int]:

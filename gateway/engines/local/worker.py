@@ -239,8 +239,8 @@ class Worker:
                 row.finish_reason = "stop"
             elif track_text:
                 detok.advance(row)
-                if sampling.stops and detok.cut_at_stop(row):
-                    row.finish_reason = "stop"
+                if sampling.stops and (matched := detok.cut_at_stop(row)) is not None:
+                    row.finish_reason, row.stop_reason = "stop", matched
             if row.finish_reason is None and len(row.ids) >= sampling.max_new_tokens:
                 row.finish_reason = "length"
             if row.finish_reason is not None:
@@ -254,7 +254,13 @@ class Worker:
                     job,
                     "finish",
                     ChoiceResult(
-                        row.index, row.text, row.ids, row.logprobs, row.top or [[] for _ in row.ids], row.finish_reason
+                        row.index,
+                        row.text,
+                        row.ids,
+                        row.logprobs,
+                        row.top or [[] for _ in row.ids],
+                        row.finish_reason,
+                        row.stop_reason,
                     ),
                 )
                 continue

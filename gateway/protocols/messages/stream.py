@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from gateway.protocols.messages.translate import STOP_REASONS, usage_of
+from gateway.protocols.messages.translate import stop_of, usage_of
 from gateway.protocols.messages.wire import error_body
 
 
@@ -19,6 +19,7 @@ class MessagesStream:
         self.block = -1  # index of the open content block; -1 before the first
         self.open_kind: str | None = None  # "text" or the chat tool-call index as "tool:N"
         self.finish_reason: str | None = None
+        self.stop_reason: object = None  # the engine's: the stop string that ended choice 0, if one did
         self.usage: dict | None = None
 
     @staticmethod
@@ -84,14 +85,17 @@ class MessagesStream:
                     )
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+                self.stop_reason = choice.get("stop_reason")
         return events
 
     def finish(self) -> list[tuple[str, bytes]]:
         events = self._close()
-        stop_reason = STOP_REASONS.get(self.finish_reason or "stop", "end_turn")
+        stop_reason, stop_sequence = stop_of(self.finish_reason, self.stop_reason, self.request)
         events.append(
             self._event(
-                "message_delta", delta={"stop_reason": stop_reason, "stop_sequence": None}, usage=usage_of(self.usage)
+                "message_delta",
+                delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                usage=usage_of(self.usage),
             )
         )
         events.append(self._event("message_stop"))

@@ -136,6 +136,16 @@ def arguments_of(text: str) -> dict:
     return value if isinstance(value, dict) else {"_value": value}
 
 
+def stop_of(finish_reason: str | None, stop_reason: object, request: dict) -> tuple[str, str | None]:
+    """Anthropic's `stop_reason` and `stop_sequence` for a chat choice's end. A chat choice that a
+    stop string ended says only "stop"; the engine's `stop_reason` (vLLM's, the local engine's)
+    names the string, so a client that asked for `stop_sequences` learns which one it was."""
+    if finish_reason in (None, "stop") and isinstance(stop_reason, str):
+        if stop_reason in (request.get("stop_sequences") or []):
+            return "stop_sequence", stop_reason
+    return STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
+
+
 def usage_of(usage: dict | None) -> dict:
     usage = usage or {}
     return {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}
@@ -157,13 +167,14 @@ def from_chat(chat_response: dict, request: dict, msg_id: str) -> dict:
                 "input": arguments_of(function.get("arguments", "")),
             }
         )
+    stop_reason, stop_sequence = stop_of(choice.get("finish_reason"), choice.get("stop_reason"), request)
     return {
         "id": msg_id,
         "type": "message",
         "role": "assistant",
         "model": request.get("model"),
         "content": content,
-        "stop_reason": STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
-        "stop_sequence": None,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
         "usage": usage_of(chat_response.get("usage")),
     }
