@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import anthropic
+import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -225,3 +226,46 @@ def test_anthropic_stop_sequence_says_which_one_ended_the_message(gateway):
 
     ended = claude.messages.create(**ask, stop_sequences=["never in it"])  # the token limit, not the stop
     assert (ended.stop_reason, ended.stop_sequence) == ("max_tokens", None)
+
+
+def user(content):
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.parametrize(
+    "path, body, says",
+    [
+        ("/v1/chat/completions", {"messages": user([{"type": "text", "text": 5}])}, "part 0's 'text' must be a string"),
+        ("/v1/messages", {"messages": user([{"type": "text", "text": 5}])}, "messages[0].content[0].text must be"),
+        (
+            "/v1/messages",
+            {
+                "messages": user(
+                    [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": None}]}]
+                )
+            },
+            "messages[0].content[0].content[0].text must be a string",
+        ),
+        ("/v1/messages", {"messages": user("hi"), "system": [{"type": "text", "text": 1}]}, "system[0].text must be"),
+        ("/v1/responses", {"input": user([{"type": "input_text", "text": 5}])}, "input[0].content[0].text must be"),
+        ("/v1/responses", {"input": user(7)}, "input[0].content must be a string or a list of content parts"),
+        (
+            "/v1/responses",
+            {"input": [{"type": "function_call_output", "call_id": "c1", "output": {"temp": 20}}]},
+            "input[0].output must be a string or a list of content parts, not dict",
+        ),
+        (
+            "/v1/responses",
+            {"input": "hi", "text": {"format": "json"}},
+            "text.format: Input should be a valid dictionary",
+        ),
+    ],
+)
+def test_malformed_text_is_a_400_that_says_where(gateway, path, body, says):
+    """Not a 500 from joining a number into the prompt: the client is told which value to fix."""
+    answer = httpx.post(f"{gateway[0].url}{path}", json={"model": TINY_MODEL_ID, "max_tokens": 4, **body})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert says in error["message"]
+    if path == "/v1/messages":
+        assert answer.json()["type"] == "error" and error["type"] == "invalid_request_error"

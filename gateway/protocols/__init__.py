@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.errors import InvalidRequest
+
 
 @dataclass(frozen=True)
 class Wire:
@@ -34,17 +36,36 @@ class Wire:
     to_wire: Callable[[dict], dict]  # chat.completion -> the response this protocol's client got
 
 
-def text_of(content: object) -> str:
+def text_of(content: object, where: str | None = None) -> str:
     """Text of a content value in any of the protocols' shapes: a string, or a list of parts
-    whose text is under `text` (chat `text`, Responses `input_text`/`output_text`, Anthropic `text`)."""
+    whose text is under `text` (chat `text`, Responses `input_text`/`output_text`, Anthropic `text`).
+
+    `where` (a client's request: "messages[2].content") refuses, naming the place, what is
+    neither a string nor a list of parts, and a text part whose `text` is not a string: a
+    client's mistake, to be told about (a 400), not joined into a 500."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            part.get("text", "")
-            for part in content
-            if isinstance(part, dict) and part.get("type", "text") in ("text", "input_text", "output_text")
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type", "text") not in _TEXT_PARTS:
+                continue
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                if where is None:
+                    continue
+                raise InvalidRequest(
+                    f"{where}[{j}].text must be a string, not {type(text).__name__}", param=f"{where}[{j}].text"
+                )
+            texts.append(text)
+        return "".join(texts)
+    if where is not None:
+        raise InvalidRequest(
+            f"{where} must be a string or a list of content parts, not {type(content).__name__}", param=where
         )
     return str(content)
+
+
+_TEXT_PARTS = ("text", "input_text", "output_text")

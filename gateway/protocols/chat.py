@@ -38,6 +38,16 @@ class ChatMessage(_Open):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_hold_text(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        # Other parts (images, audio) are the engine's to take or refuse; a text part's text is ours to read.
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            text = part.get("text", "")
+            if part.get("type", "text") == "text" and not isinstance(text, str):
+                raise ValueError(f"part {j}'s 'text' must be a string, not {type(text).__name__}")
+        return content
+
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
         if self.role == "tool" and not self.tool_call_id:

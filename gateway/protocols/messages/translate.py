@@ -13,16 +13,23 @@ from gateway.protocols.messages.wire import MessagesRequest
 # ------------------------------------------------------------------ request -> chat
 
 
+def _block_text(block: dict, where: str) -> str:
+    text = block.get("text", "")
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{where}.text must be a string, not {type(text).__name__}", param=f"{where}.text")
+    return text
+
+
 def _user_messages(blocks: list[dict], where: str) -> list[dict]:
     tool_messages, texts = [], []
     for j, block in enumerate(blocks):
         kind = block.get("type")
         if kind == "text":
-            texts.append(block.get("text", ""))
+            texts.append(_block_text(block, f"{where}.content[{j}]"))
         elif kind == "tool_result":
             if not block.get("tool_use_id"):
                 raise InvalidRequest(f"{where}.content[{j}]: a tool_result block needs 'tool_use_id'")
-            content = text_of(block.get("content"))
+            content = text_of(block.get("content"), f"{where}.content[{j}].content")
             if block.get("is_error"):
                 content = f"Error: {content}"
             tool_messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
@@ -42,7 +49,7 @@ def _assistant_message(blocks: list[dict], where: str) -> dict:
     for j, block in enumerate(blocks):
         kind = block.get("type")
         if kind == "text":
-            texts.append(block.get("text", ""))
+            texts.append(_block_text(block, f"{where}.content[{j}]"))
         elif kind == "tool_use":
             calls.append(
                 {
@@ -83,7 +90,7 @@ def _tool_choice(choice: dict | None) -> tuple[str | dict | None, bool | None]:
 def to_chat(request: MessagesRequest) -> dict:
     messages: list[dict] = []
     if request.system:
-        messages.append({"role": "system", "content": text_of(request.system)})
+        messages.append({"role": "system", "content": text_of(request.system, "system")})
     for i, message in enumerate(request.messages):
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         if message.role == "user":

@@ -71,7 +71,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                         "rlproxy's models read text only",
                         param=f"input[{i}].content",
                     )
-            messages.append({"role": role, "content": text_of(item.get("content"))})
+            messages.append({"role": role, "content": text_of(item.get("content"), f"input[{i}].content")})
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id") or item.get("id"),
@@ -92,7 +92,13 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 raise InvalidRequest(
                     f"input[{i}]: a function_call_output item needs 'call_id'", param=f"input[{i}].call_id"
                 )
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text_of(item.get("output"))})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": text_of(item.get("output"), f"input[{i}].output"),
+                }
+            )
         elif kind == "reasoning":
             continue
         else:
@@ -125,7 +131,7 @@ def to_chat(request: ResponsesRequest, history: list[dict] | None = None) -> dic
         body["tools"] = tools
     if (choice := _tool_choice(request.tool_choice)) is not None:
         body["tool_choice"] = choice
-    text_format = (request.text or {}).get("format") or {}
+    text_format = (request.text.format if request.text else None) or {}
     if text_format.get("type") == "json_schema":
         body["response_format"] = {
             "type": "json_schema",

@@ -21,6 +21,10 @@ class FunctionTool(_Open):
     strict: bool | None = None
 
 
+class TextConfig(_Open):
+    format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+
+
 class ResponsesRequest(_Open):
     """The request body, in the order of OpenAI's reference; unknown fields pass through."""
 
@@ -34,7 +38,7 @@ class ResponsesRequest(_Open):
     store: bool | None = None
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0, le=2)
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[FunctionTool] | None = None
     top_p: float | None = Field(default=None, gt=0, le=1)
