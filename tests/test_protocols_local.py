@@ -186,6 +186,21 @@ def test_anthropic_tool_result_reaches_the_prompt(gateway, tokenizer):
     assert decoded(tokenizer, row) == "".join(b.text for b in reply.content if b.type == "text").strip()
 
 
+def test_anthropic_prefill_is_continued_not_answered_anew(gateway, tokenizer):
+    """A last assistant message is a prefill: Anthropic's answer continues its text (an agent
+    starts a JSON answer with '{'), so the prompt ends inside that message, not in a new turn."""
+    claude = anthropic.Anthropic(base_url=f"{gateway[0].url}/sessions/local-prefill", api_key="x", max_retries=0)
+    reply = claude.messages.create(
+        model=TINY_MODEL_ID,
+        max_tokens=6,
+        messages=[{"role": "user", "content": "answer in JSON"}, {"role": "assistant", "content": '{"answer":'}],
+    )
+    [row] = gateway[1].store.session_calls("local-prefill")
+    prompt = tokenizer.decode(row["prompt_ids"])
+    assert prompt.endswith('<|im_start|>user\nanswer in JSON<|im_end|>\n<|im_start|>assistant\n{"answer":')
+    assert decoded(tokenizer, row) == "".join(b.text for b in reply.content if b.type == "text").strip()
+
+
 def test_openai_agents_sdk_on_the_local_engine(gateway, tokenizer):
     agents = pytest.importorskip("agents")
     import asyncio

@@ -196,6 +196,18 @@ def test_a_reply_cut_by_max_tokens_has_no_end_of_turn_token(tokenizer):
     assert eos not in cut.completion_ids
 
 
+def test_a_prefilled_reply_continues_the_last_assistant_message(tokenizer):
+    """An Anthropic prefill, recorded with vLLM's `continue_final_message`: the prompt ends inside
+    the prefill, and the completion is the continuation only, as the model sampled it."""
+    render = ChatTemplateRenderer(tokenizer)
+    prefill = {"role": "assistant", "content": '{"city": "'}
+    request = {"messages": [*MESSAGES_1, prefill], "continue_final_message": True, "add_generation_prompt": False}
+    turn = render(request, response({"role": "assistant", "content": 'Paris"}'}, "stop"))
+    prompt = tokenizer.apply_chat_template([*MESSAGES_1, prefill], continue_final_message=True, tokenize=False)
+    assert tokenizer.decode(list(turn.prompt_ids)) == prompt
+    assert tokenizer.decode(list(turn.completion_ids)) == 'Paris"}' + tokenizer.eos_token
+
+
 def test_error_calls_are_skipped(session):
     only_errors = [c for c in session["calls"] if c["status"] == "error"]
     assert trajectory_samples(only_errors, trajectory_id="s", group_id="g", advantage=1.0) == []

@@ -1,6 +1,7 @@
 """Calls recorded without token ids (the `openai` engine) -> turns, with the base model's chat template.
 
-The prompt is the request's messages (and tools) rendered with the generation prompt; the
+The prompt is the request's messages (and tools) rendered with the generation prompt (or, for
+a prefill, `continue_final_message`, up to the end of the last assistant message's text); the
 completion is what rendering the response's assistant message appends to it, up to and
 including the end-of-turn token the model would have sampled. No behaviour logprobs: the
 upstream's policy is unknown.
@@ -100,7 +101,13 @@ class ChatTemplateRenderer:
         reply = {**_plain_message(choices[0]["message"]), "role": "assistant"}
         tools = request.get("tools") or None
         render = self.tokenizer.apply_chat_template
-        prompt_text = render(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        if request.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
+            # A prefill (vLLM's flag): the reply continued the last assistant message's text.
+            prompt_text = render(messages, tools=tools, continue_final_message=True, tokenize=False)
+            prefill = messages.pop()
+            reply = {**reply, "content": (prefill.get("content") or "") + (reply.get("content") or "")}
+        else:
+            prompt_text = render(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         full_text = render([*messages, reply], tools=tools, tokenize=False)
         if not full_text.startswith(prompt_text):
             log.warning("chat template is not prefix-stable for a recorded call; the call is not trained on")

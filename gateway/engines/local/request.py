@@ -25,11 +25,27 @@ def parse_request(body: dict) -> ChatCompletionRequest:
 
 
 def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """Prompt token ids: the chat template over messages (+ tools), with the generation prompt."""
+    """Prompt token ids: the chat template over messages (+ tools), with the generation prompt,
+    or, with vLLM's `continue_final_message` (an Anthropic prefill), ending inside the last
+    assistant message so the completion continues it."""
     messages = [_template_message(m) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    extra = req.model_extra or {}
+    continued = extra.get("continue_final_message") is True
+    if continued and (req.messages[-1].role != "assistant" or extra.get("add_generation_prompt") is not False):
+        raise InvalidRequest(
+            "'continue_final_message' continues a last assistant message: end 'messages' with one, and set "
+            "'add_generation_prompt': false",
+            param="continue_final_message",
+        )
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=not continued,
+            continue_final_message=continued,
+            tokenize=False,
+        )
     except Exception as error:  # jinja raises its own types, templates raise exceptions by design
         raise InvalidRequest(f"the model's chat template rejected these messages: {error}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)

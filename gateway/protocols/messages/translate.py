@@ -98,6 +98,11 @@ def to_chat(request: MessagesRequest) -> dict:
         else:
             messages.append(_assistant_message(blocks, f"messages[{i}]"))
     body: dict[str, Any] = {"model": request.model, "messages": messages, "max_tokens": request.max_tokens}
+    last = messages[-1]
+    if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
+        # A prefill: Anthropic's answer continues this text. A chat template would close it and
+        # open a new turn, so the flags vLLM reads (the local engine too) continue it instead.
+        body.update(continue_final_message=True, add_generation_prompt=False)
     for name in ("temperature", "top_p", "top_k"):
         if (value := getattr(request, name)) is not None:
             body[name] = value
