@@ -284,3 +284,26 @@ def test_malformed_text_is_a_400_that_says_where(gateway, path, body, says):
     assert says in error["message"]
     if path == "/v1/messages":
         assert answer.json()["type"] == "error" and error["type"] == "invalid_request_error"
+
+
+def test_the_local_engine_refuses_what_it_would_answer_without(gateway):
+    """An image it cannot see, or a logit_bias it does not apply: answered anyway, the client
+    would get an answer to another request and not know it."""
+    oai = openai.OpenAI(base_url=f"{gateway[0].url}/v1", api_key="x", max_retries=0)
+    question = {"type": "text", "text": "what is in the picture?"}
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError) as image:
+        oai.chat.completions.create(
+            model=TINY_MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": [question, picture]}]
+        )
+    assert image.value.body["param"] == "messages[0].content[1].type"
+    assert "'image_url' is not supported by the local engine" in image.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bias:
+        oai.chat.completions.create(
+            model=TINY_MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": "hi"}], logit_bias={"42": -100}
+        )
+    assert bias.value.body["param"] == "logit_bias"
+    answer = oai.chat.completions.create(  # text parts, and an empty logit_bias, are fine
+        model=TINY_MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": [question]}], logit_bias={}
+    )
+    assert answer.choices[0].message.content is not None

@@ -2,7 +2,8 @@
 
 Runs on the event loop, before the request is queued for the worker. vLLM's `top_k`, `min_p`
 and `repetition_penalty` are accepted as extra body fields. `response_format` is accepted
-and ignored (no constrained decoding).
+and ignored (no constrained decoding); `logit_bias` and content parts other than text are
+refused (a 400), since an answer made without them would silently be to another request.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
     """Prompt token ids: the chat template over messages (+ tools), with the generation prompt,
     or, with vLLM's `continue_final_message` (an Anthropic prefill), ending inside the last
     assistant message so the completion continues it."""
+    _check_text_only(req)
     messages = [_template_message(m) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     extra = req.model_extra or {}
@@ -83,6 +85,19 @@ def sampling_of(req: ChatCompletionRequest, max_new_tokens: int) -> Sampling:
     )
 
 
+def _check_text_only(req: ChatCompletionRequest) -> None:
+    """Refuse a content part the model cannot read (an image, audio, a file): rendered without
+    it, the answer would be to another question, and the client would not know."""
+    for i, message in enumerate(req.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if part.get("type", "text") not in ("text", "refusal"):
+                raise InvalidRequest(
+                    f"messages[{i}].content[{j}]: content part '{part.get('type')}' is not supported by the local "
+                    "engine: its models read text only (send text parts)",
+                    param=f"messages[{i}].content[{j}].type",
+                )
+
+
 def _template_message(message) -> dict:
     """A protocol message as chat templates expect it (text content, arguments as objects)."""
     role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
@@ -126,6 +141,10 @@ _EXTRA_SAMPLING = (
 
 def _extra_sampling(extra: dict) -> dict:
     """top_k, min_p and repetition_penalty from the request's extra fields, checked."""
+    if extra.get("logit_bias"):  # sampled without it, the answer would ignore what the client banned
+        raise InvalidRequest(
+            "'logit_bias' is not supported by the local engine (the vllm engine takes it): drop it", param="logit_bias"
+        )
     out = {}
     for name, kind, valid, hint in _EXTRA_SAMPLING:
         value = extra.get(name)
