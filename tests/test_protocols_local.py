@@ -307,3 +307,23 @@ def test_the_local_engine_refuses_what_it_would_answer_without(gateway):
         model=TINY_MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": [question]}], logit_bias={}
     )
     assert answer.choices[0].message.content is not None
+
+
+def test_responses_logprobs_when_included(gateway):
+    """`include: ["message.output_text.logprobs"]` (and `top_logprobs`) gives each output token's
+    logprob, the one the engine sampled it with, streamed or not."""
+    oai = openai.OpenAI(base_url=f"{gateway[0].url}/sessions/local-logprobs/v1", api_key="x", max_retries=0)
+    ask = dict(model=TINY_MODEL_ID, input="hello", max_output_tokens=5, include=["message.output_text.logprobs"])
+    whole = oai.responses.create(**ask, top_logprobs=2).output[0].content[0]
+    events = list(oai.responses.create(**ask, stream=True))
+    deltas = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    plain = oai.responses.create(model=TINY_MODEL_ID, input="hello", max_output_tokens=5).output[0].content[0]
+
+    first, streamed, _ = gateway[1].store.session_calls("local-logprobs")
+    assert [entry.logprob for entry in whole.logprobs] == first["behaviour_logprobs"][0]
+    assert all(len(entry.top_logprobs) == 2 for entry in whole.logprobs)
+    assert [entry.logprob for entry in done.logprobs] == streamed["behaviour_logprobs"][0]
+    # each delta with its own tokens' (a last token without text, such as the end of turn, only in `done`)
+    assert deltas and [entry.logprob for entry in deltas] == streamed["behaviour_logprobs"][0][: len(deltas)]
+    assert plain.logprobs is None  # not asked, not sent

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 
 from gateway.protocols.responses.translate import envelope, function_call_item, message_item, usage_of
+from gateway.protocols.responses.wire import LOGPROBS
 
 
 class ResponsesStream:
@@ -19,6 +20,8 @@ class ResponsesStream:
         self.created = time.time()
         self.sequence = 0
         self.text: str | None = None  # the message item's text so far; None until it opens
+        asked = request.get("top_logprobs") or LOGPROBS in (request.get("include") or [])
+        self.logprobs: list | None = [] if asked else None  # the message's token logprobs so far, if asked
         self.calls: dict[int, dict] = {}  # chat tool-call index -> {"id", "function": {"name", "arguments"}}
         self.open_item: tuple[str, int] | None = None  # ("message", output_index) or ("call", chat index)
         self.output: list[dict] = []  # finished items
@@ -44,7 +47,7 @@ class ResponsesStream:
         kind, key = self.open_item
         index = len(self.output)
         if kind == "message":
-            item = message_item(self.resp_id, self.text or "")
+            item = message_item(self.resp_id, self.text or "", logprobs=self.logprobs)
             part = item["content"][0]
             events += [
                 self._event(
@@ -53,7 +56,7 @@ class ResponsesStream:
                     output_index=index,
                     content_index=0,
                     text=part["text"],
-                    logprobs=[],
+                    logprobs=self.logprobs or [],
                 ),
                 self._event(
                     "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
@@ -82,6 +85,9 @@ class ResponsesStream:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            entries = (choice.get("logprobs") or {}).get("content") or []
+            if self.logprobs is not None:
+                self.logprobs += entries
             if delta.get("content"):
                 if self.open_item is None or self.open_item[0] != "message":
                     events += self._close_open()
@@ -106,7 +112,7 @@ class ResponsesStream:
                         output_index=len(self.output),
                         content_index=0,
                         delta=delta["content"],
-                        logprobs=[],
+                        logprobs=entries,
                     )
                 )
             for call_delta in delta.get("tool_calls") or []:

@@ -8,7 +8,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequest
 from gateway.protocols import text_of
-from gateway.protocols.responses.wire import FunctionTool, ResponsesRequest
+from gateway.protocols.responses.wire import LOGPROBS, FunctionTool, ResponsesRequest
 
 # ------------------------------------------------------------------ request -> chat
 
@@ -127,6 +127,10 @@ def to_chat(request: ResponsesRequest, history: list[dict] | None = None) -> dic
         value = getattr(request, name)
         if value is not None:
             body[name] = value
+    if request.top_logprobs or LOGPROBS in (request.include or []):
+        body["logprobs"] = True  # each output_text part then carries its tokens' logprobs
+        if request.top_logprobs:
+            body["top_logprobs"] = request.top_logprobs
     if (tools := _tools(request.tools)) is not None:
         body["tools"] = tools
     if (choice := _tool_choice(request.tool_choice)) is not None:
@@ -200,13 +204,18 @@ def envelope(request: dict, resp_id: str, created: float, status: str) -> dict:
     }
 
 
-def message_item(resp_id: str, text: str, status: str = "completed") -> dict:
+def message_item(resp_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
+    """The assistant message item; `logprobs` (chat's `logprobs.content` entries, the same
+    shape as Responses' own) only where the client asked for them."""
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
     return {
         "type": "message",
         "id": "msg_" + resp_id.removeprefix("resp_"),
         "status": status,
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else [],
+        "content": [part] if status == "completed" else [],
     }
 
 
@@ -229,7 +238,8 @@ def from_chat(chat_response: dict, request: dict, resp_id: str) -> dict:
     response = envelope(request, resp_id, chat_response.get("created") or time.time(), "completed")
     text = text_of(message.get("content"))
     if text:
-        response["output"].append(message_item(resp_id, text))
+        logprobs = (choice.get("logprobs") or {}).get("content")
+        response["output"].append(message_item(resp_id, text, logprobs=logprobs))
     for index, call in enumerate(message.get("tool_calls") or []):
         response["output"].append(function_call_item(resp_id, index, call))
     if choice.get("finish_reason") == "length":

@@ -30,6 +30,7 @@ class ResponsesRequest(_Open):
 
     model: str
     input: str | list[dict[str, Any]] = Field(description="a string (one user message) or a list of input items")
+    include: list[str] | None = None
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     metadata: dict[str, Any] | None = None
@@ -41,8 +42,12 @@ class ResponsesRequest(_Open):
     text: TextConfig | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[FunctionTool] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     top_p: float | None = Field(default=None, gt=0, le=1)
     user: str | None = None
+
+
+LOGPROBS = "message.output_text.logprobs"  # what `include` names to get each output token's logprob
 
 
 # ------------------------------------------------------------------ ids
