@@ -327,3 +327,16 @@ def test_responses_logprobs_when_included(gateway):
     # each delta with its own tokens' (a last token without text, such as the end of turn, only in `done`)
     assert deltas and [entry.logprob for entry in deltas] == streamed["behaviour_logprobs"][0][: len(deltas)]
     assert plain.logprobs is None  # not asked, not sent
+
+
+def test_anthropic_builtin_tools_are_refused_custom_ones_taken(gateway):
+    """A server tool (web search) or a schema-less Anthropic tool type would reach the model as a
+    function with no parameters: refused, naming the tool; a custom tool is what rlproxy serves."""
+    claude = anthropic.Anthropic(base_url=gateway[0].url, api_key="x", max_retries=0)
+    ask = dict(model=TINY_MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": "what is new today?"}])
+    lookup = {"name": "lookup", "description": "look a word up", "input_schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(**ask, tools=[lookup, {"type": "web_search_20250305", "name": "web_search"}])
+    assert refused.value.body["type"] == "error"
+    assert "tools[1]: tool type 'web_search_20250305' is not supported" in refused.value.body["error"]["message"]
+    assert claude.messages.create(**ask, tools=[{**lookup, "type": "custom"}]).type == "message"

@@ -171,6 +171,18 @@ def test_messages_stream_relayed_and_accumulated(gateway):
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"b": 2}
 
 
+def test_messages_server_tools_relayed_as_they_are(gateway):
+    """Anthropic's own tool types, which rlproxy's engines refuse, reach an upstream that speaks Messages."""
+    server, services, seen = gateway
+    client = anthropic.Anthropic(base_url=server.url + "/sessions/pt-tools", api_key="x", max_retries=0)
+    search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}
+    with client.messages.stream(
+        model="fake-model", max_tokens=9, messages=[{"role": "user", "content": "news?"}], tools=[search]
+    ) as s:
+        assert s.get_final_message().content[0].text == "native anthropic"
+    assert seen[-1] == ("messages", {**seen[-1][1], "tools": [search]})
+
+
 def test_completions_relayed(gateway):
     server, services, seen = gateway
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)

@@ -111,6 +111,12 @@ async def _encode(events: AsyncIterator[bytes], encoder: _Encoder) -> AsyncItera
         await events.aclose()  # records a stream the client left early
 
 
+def _relayed(request: Request, protocol: str) -> bool:
+    """Whether an upstream that speaks `protocol` itself answers it (`--upstream-protocol`)."""
+    relay = request.app.state.services.extras.get("passthrough")
+    return relay is not None and relay.serves(protocol)
+
+
 async def _serve(
     request: Request,
     chat_body: dict,
@@ -230,6 +236,8 @@ async def get_response(response_id: str, request: Request) -> Response:
 async def create_message(request: Request) -> Response:
     raw = await read_json(request)
     body = _reparsed(messages_wire.MessagesRequest, raw)
+    if not _relayed(request, messages_wire.PROTOCOL):
+        messages_translate.refuse_builtin_tools(body)
     identity = _identity(request, raw)
     msg_id = messages_wire.message_id(request.scope["state"]["request_id"])
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequest
 from gateway.protocols import text_of
-from gateway.protocols.messages.wire import MessagesRequest
+from gateway.protocols.messages.wire import MessagesRequest, Tool
 
 # ------------------------------------------------------------------ request -> chat
 
@@ -87,6 +87,31 @@ def _tool_choice(choice: dict | None) -> tuple[str | dict | None, bool | None]:
     raise InvalidRequest("'tool_choice' must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}")
 
 
+def refuse_builtin_tools(request: MessagesRequest) -> None:
+    """Anthropic's own tool types (web_search_..., bash_..., text_editor_..., computer_...) come
+    without an input_schema a model could read, and a server tool needs Anthropic to run it:
+    refused where rlproxy's engine answers (an upstream that speaks Messages takes them), not
+    offered as a function with no parameters that the model would call blind."""
+    for i, tool in enumerate(request.tools or []):
+        kind = (tool.model_extra or {}).get("type")
+        if kind not in (None, "custom"):
+            raise InvalidRequest(
+                f"tools[{i}]: tool type '{kind}' is not supported by rlproxy's engines: only custom tools (name, "
+                "description, input_schema); run the tool in the agent and describe it as a custom tool",
+                param=f"tools[{i}].type",
+            )
+
+
+def _tools(tools: list[Tool]) -> list[dict]:
+    out = []
+    for tool in tools:
+        function = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description:
+            function["description"] = tool.description
+        out.append({"type": "function", "function": function})
+    return out
+
+
 def to_chat(request: MessagesRequest) -> dict:
     messages: list[dict] = []
     if request.system:
@@ -109,17 +134,7 @@ def to_chat(request: MessagesRequest) -> dict:
     if request.stop_sequences:
         body["stop"] = request.stop_sequences
     if request.tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "parameters": t.input_schema,
-                    **({"description": t.description} if t.description else {}),
-                },
-            }
-            for t in request.tools
-        ]
+        body["tools"] = _tools(request.tools)
     choice, parallel = _tool_choice(request.tool_choice)
     if choice is not None:
         body["tool_choice"] = choice
