@@ -340,3 +340,20 @@ def test_anthropic_builtin_tools_are_refused_custom_ones_taken(gateway):
     assert refused.value.body["type"] == "error"
     assert "tools[1]: tool type 'web_search_20250305' is not supported" in refused.value.body["error"]["message"]
     assert claude.messages.create(**ask, tools=[{**lookup, "type": "custom"}]).type == "message"
+
+
+def test_anthropic_takes_more_stop_sequences_than_openai(gateway):
+    """Anthropic's stop_sequences have no limit of 4 (OpenAI's `stop` has, and keeps it)."""
+    claude = anthropic.Anthropic(base_url=gateway[0].url, api_key="x", max_retries=0)
+    ask = dict(model=TINY_MODEL_ID, max_tokens=12, messages=[{"role": "user", "content": "hello there"}])
+    greedy = {"temperature": 0}
+    free = "".join(b.text for b in claude.messages.create(**ask, extra_body=greedy).content if b.type == "text")
+    stop = re.search(r"[A-Za-z]{2}", free[1:]).group()
+    stops = [f"never {i}" for i in range(7)] + [stop]
+    stopped = claude.messages.create(**ask, extra_body=greedy, stop_sequences=stops)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    with pytest.raises(anthropic.BadRequestError, match="stop_sequences"):
+        claude.messages.create(**ask, stop_sequences=[f"s{i}" for i in range(65)])
+    oai = openai.OpenAI(base_url=f"{gateway[0].url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="at most 4"):
+        oai.chat.completions.create(model=TINY_MODEL_ID, max_tokens=2, messages=ask["messages"], stop=stops[:5])

@@ -8,7 +8,7 @@ Free of torch and engine imports. Unknown OpenAI fields pass through
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
 
@@ -80,7 +80,16 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+# OpenAI's limit on `stop`, kept where clients speak OpenAI's chat; the engines take more (vLLM
+# has no limit, the local engine looks for each at every token), and Anthropic's stop_sequences
+# have no limit of 4, so the chat form a protocol is translated into takes up to MAX_STOPS.
+OPENAI_MAX_STOPS = 4
+MAX_STOPS = 64
+
+
 class ChatCompletionRequest(_Open):
+    max_stops: ClassVar[int] = OPENAI_MAX_STOPS
+
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -109,8 +118,8 @@ class ChatCompletionRequest(_Open):
         if value is None:
             return None
         stops = [value] if isinstance(value, str) else value
-        if len(stops) > 4:
-            raise ValueError("'stop' takes at most 4 sequences")
+        if len(stops) > cls.max_stops:
+            raise ValueError(f"'stop' takes at most {cls.max_stops} sequences")
         return stops
 
     @model_validator(mode="after")
@@ -133,6 +142,13 @@ class ChatCompletionRequest(_Open):
 
     def token_limit(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
+
+
+class EngineChatRequest(ChatCompletionRequest):
+    """The chat form as the gateway hands it on: another protocol's request translated (its
+    limits are its own), or the body an engine takes. Up to MAX_STOPS stop strings."""
+
+    max_stops: ClassVar[int] = MAX_STOPS
 
 
 # ---------------------------------------------------------------- rlproxy's own

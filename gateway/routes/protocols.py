@@ -23,7 +23,7 @@ from gateway.chat.identity import Identity, identify
 from gateway.errors import ClientGone, InvalidRequest, NotFound
 from gateway.http.limits import check_prompt_list
 from gateway.protocols import Wire
-from gateway.protocols.chat import ChatCompletionRequest
+from gateway.protocols.chat import ChatCompletionRequest, EngineChatRequest
 from gateway.protocols.completions import stream as completions_stream
 from gateway.protocols.completions import translate as completions_translate
 from gateway.protocols.completions import wire as completions_wire
@@ -69,7 +69,7 @@ def _reparsed(model: type[BaseModel], raw: dict) -> Any:
 
 def _chat_request(body: dict) -> ChatCompletionRequest:
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return EngineChatRequest.model_validate(body)  # the translated form: the protocol's own limits held
     except ValidationError as exc:
         raise InvalidRequest(validation_message(exc)) from None
 

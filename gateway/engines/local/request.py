@@ -15,12 +15,12 @@ from pydantic import ValidationError
 
 from gateway.engines.local.jobs import Sampling
 from gateway.errors import InvalidRequest
-from gateway.protocols.chat import ChatCompletionRequest
+from gateway.protocols.chat import ChatCompletionRequest, EngineChatRequest
 
 
 def parse_request(body: dict) -> ChatCompletionRequest:
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return EngineChatRequest.model_validate(body)
     except ValidationError as error:
         raise InvalidRequest(_validation_message(error)) from None
 

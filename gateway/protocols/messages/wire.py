@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.protocols.chat import MAX_STOPS
+
 PROTOCOL = "messages"
 
 
@@ -31,7 +33,7 @@ class MessagesRequest(_Open):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     metadata: dict[str, Any] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOPS)
     stream: bool = False
     system: str | list[dict[str, Any]] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
