@@ -118,6 +118,9 @@ def test_manual_promote_reject_resume_and_the_admin_key_through_http(tmp_path):
         assert again.status_code == 409, "a step is decided once"
         other = client.post("/v1/training/steps/1/promote", headers=ADMIN, json={"model": "other"})
         assert other.status_code == 404
+        for step in (-1, 2**64):  # no such step, whatever the store's integers hold
+            unknown = client.post(f"/v1/training/steps/{step}/reject", headers=ADMIN, json=decide)
+            assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "step", unknown.text
 
         for step in (2, 3):  # two rejections in a row (--max-rejections 2) pause training
             publisher.publish(step)

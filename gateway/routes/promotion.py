@@ -19,6 +19,7 @@ from gateway.protocols.chat import StepDecisionRequest
 from gateway.routes.rl import json_response, parse, require_admin
 
 router = APIRouter()
+MAX_STEP = 2**63 - 1  # the largest integer SQLite and Postgres (BIGINT) store
 log = logging.getLogger("rlproxy.promotion")
 
 
@@ -32,6 +33,8 @@ async def _decide(request: Request, step: int, to_state: str) -> Response:
             param="model",
             code="model_not_found",
         )
+    if not 0 <= step <= MAX_STEP:  # past what the store's integers hold: no such step, not an overflow (500)
+        raise NotFound(f"model '{body.model}' has no step {step}", param="step")
     decision = {"by": "api", "reason": body.reason}
     result = await asyncio.to_thread(services.store.decide_step, body.model, step, to_state, decision)
     log.info("step %d of %s %s through the API: %s", step, body.model, to_state, body.reason or "no reason given")
