@@ -357,3 +357,51 @@ def test_anthropic_takes_more_stop_sequences_than_openai(gateway):
     oai = openai.OpenAI(base_url=f"{gateway[0].url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="at most 4"):
         oai.chat.completions.create(model=TINY_MODEL_ID, max_tokens=2, messages=ask["messages"], stop=stops[:5])
+
+
+PNG = "iVBORw0KGgo="
+
+
+@pytest.mark.parametrize(
+    "path, body, says",
+    [
+        (
+            "/v1/messages",
+            {
+                "messages": [
+                    {"role": "user", "content": "take a screenshot"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": "t1",
+                                "content": [{"type": "image", "source": {"type": "base64", "data": PNG}}],
+                            }
+                        ],
+                    },
+                ]
+            },
+            "messages[2].content[0].content[0]: content part 'image' is not supported",
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c1",
+                        "output": [{"type": "input_image", "image_url": PNG}],
+                    },
+                ]
+            },
+            "input[1].output[0]: content part 'input_image' is not supported",
+        ),
+    ],
+)
+def test_an_image_in_a_tool_result_is_refused_not_dropped(gateway, path, body, says):
+    """The model would answer about a tool result it never saw: a 400, as for an image in a user message."""
+    answer = httpx.post(f"{gateway[0].url}{path}", json={"model": TINY_MODEL_ID, "max_tokens": 4, **body})
+    assert answer.status_code == 400 and says in answer.json()["error"]["message"]

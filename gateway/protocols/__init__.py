@@ -41,8 +41,10 @@ def text_of(content: object, where: str | None = None) -> str:
     whose text is under `text` (chat `text`, Responses `input_text`/`output_text`, Anthropic `text`).
 
     `where` (a client's request: "messages[2].content") refuses, naming the place, what is
-    neither a string nor a list of parts, and a text part whose `text` is not a string: a
-    client's mistake, to be told about (a 400), not joined into a 500."""
+    neither a string nor a list of parts, a text part whose `text` is not a string (a client's
+    mistake, to be told about in a 400, not joined into a 500), and a part that is not text (an
+    image, a document): rlproxy's models read text only, and an answer made without it would
+    silently be to another question."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -50,7 +52,17 @@ def text_of(content: object, where: str | None = None) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type", "text") not in _TEXT_PARTS:
+            if not isinstance(part, dict):
+                if where is not None:
+                    raise InvalidRequest(f"{where}[{j}] must be a content part (an object)", param=f"{where}[{j}]")
+                continue
+            kind = part.get("type", "text")
+            if kind not in _TEXT_PARTS:
+                if where is not None and kind != "refusal":
+                    raise InvalidRequest(
+                        f"{where}[{j}]: content part '{kind}' is not supported: rlproxy's models read text only",
+                        param=f"{where}[{j}].type",
+                    )
                 continue
             text = part.get("text", "")
             if not isinstance(text, str):
