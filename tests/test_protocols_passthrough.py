@@ -158,6 +158,22 @@ def test_responses_relayed_and_recorded_in_chat_form(gateway):
     assert message["content"] == "native hi" and message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
 
 
+def test_responses_continued_by_the_upstreams_id(gateway):
+    """Relayed, response ids are the upstream's, so `previous_response_id` is the upstream's to
+    serve (docs/serving.md): passed on as it is, not looked up in the store (a 404)."""
+    server, services, seen = gateway
+    client = openai.OpenAI(base_url=server.url + "/sessions/pt-chain/v1", api_key="x", max_retries=0)
+    first = client.responses.create(model="fake-model", input="hi")
+    second = client.responses.create(model="fake-model", input="more", previous_response_id=first.id)
+    assert second.output_text == "native hi"
+    assert seen[-1] == ("responses", {"model": "fake-model", "input": "more", "previous_response_id": first.id})
+    rows = services.store.session_calls("pt-chain")
+    assert [row["request"]["messages"] for row in rows] == [  # the chat form holds the new input only
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "more"}],
+    ]
+
+
 def test_messages_stream_relayed_and_accumulated(gateway):
     server, services, _ = gateway
     client = anthropic.Anthropic(base_url=server.url + "/sessions/pt-2", api_key="x", max_retries=0)

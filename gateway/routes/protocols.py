@@ -186,7 +186,8 @@ async def create_response(request: Request) -> Response:
     body = _reparsed(responses_wire.ResponsesRequest, raw)
     identity = _identity(request, raw)
     history = None
-    if body.previous_response_id:
+    # Relayed (--upstream-protocol responses), response ids are the upstream's: it serves the chain.
+    if body.previous_response_id and not _relayed(request, responses_wire.PROTOCOL):
         previous = await asyncio.to_thread(
             _stored_response, request.app.state.services.store, body.previous_response_id
         )
