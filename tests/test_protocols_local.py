@@ -238,6 +238,8 @@ def test_anthropic_stop_sequence_says_which_one_ended_the_message(gateway):
         streamed = events.get_final_message()
     assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
     assert "".join(b.text for b in streamed.content if b.type == "text") == before
+    recorded = gateway[1].store.get_call("req_" + streamed.id.removeprefix("msg_"))["wire_response"]
+    assert (recorded["stop_reason"], recorded["stop_sequence"]) == ("stop_sequence", stop)  # what the client got
 
     ended = claude.messages.create(**ask, stop_sequences=["never in it"])  # the token limit, not the stop
     assert (ended.stop_reason, ended.stop_sequence) == ("max_tokens", None)

@@ -55,6 +55,8 @@ class StreamAccumulator:
                 choice.setdefault("logprobs", {"content": []})["content"].extend(delta_choice["logprobs"]["content"])
             if delta_choice.get("finish_reason"):
                 choice["finish_reason"] = delta_choice["finish_reason"]
+                if delta_choice.get("stop_reason") is not None:  # vLLM's: the stop string that ended it
+                    choice["stop_reason"] = delta_choice["stop_reason"]
 
     def response(self) -> dict:
         return {
