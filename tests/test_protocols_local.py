@@ -276,6 +276,27 @@ def user(content):
             {"input": "hi", "text": {"format": "json"}},
             "text.format: Input should be a valid dictionary",
         ),
+        # a field of the client's own item named, not the chat field it becomes
+        (
+            "/v1/responses",
+            {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"city": "Paris"}}]},
+            "input[0].arguments must be a string, not dict (the arguments as JSON text",
+        ),
+        (
+            "/v1/responses",
+            {"input": [{"type": "function_call_output", "call_id": 7, "output": "20 C"}]},
+            "input[0].call_id must be a string, not int",
+        ),
+        (
+            "/v1/messages",
+            {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]},
+            "messages[0].content[0].id is missing",
+        ),
+        (
+            "/v1/messages",
+            {"messages": user([{"type": "tool_result", "tool_use_id": 7, "content": "20 C"}])},
+            "messages[0].content[0].tool_use_id must be a string, not int",
+        ),
     ],
 )
 def test_malformed_text_is_a_400_that_says_where(gateway, path, body, says):

@@ -13,11 +13,18 @@ from gateway.protocols.messages.wire import MessagesRequest, Tool
 # ------------------------------------------------------------------ request -> chat
 
 
+def _string(block: dict, name: str, where: str, default: str | None = None) -> str:
+    """A block's field that must be a string, checked here so the 400 names the block's field,
+    not the chat field it becomes."""
+    value = block.get(name, default)
+    if not isinstance(value, str):
+        what = "is missing" if value is None else f"must be a string, not {type(value).__name__}"
+        raise InvalidRequest(f"{where}.{name} {what}", param=f"{where}.{name}")
+    return value
+
+
 def _block_text(block: dict, where: str) -> str:
-    text = block.get("text", "")
-    if not isinstance(text, str):
-        raise InvalidRequest(f"{where}.text must be a string, not {type(text).__name__}", param=f"{where}.text")
-    return text
+    return _string(block, "text", where, default="")
 
 
 def _user_messages(blocks: list[dict], where: str) -> list[dict]:
@@ -29,6 +36,7 @@ def _user_messages(blocks: list[dict], where: str) -> list[dict]:
         elif kind == "tool_result":
             if not block.get("tool_use_id"):
                 raise InvalidRequest(f"{where}.content[{j}]: a tool_result block needs 'tool_use_id'")
+            _string(block, "tool_use_id", f"{where}.content[{j}]")
             content = text_of(block.get("content"), f"{where}.content[{j}].content")
             if block.get("is_error"):
                 content = f"Error: {content}"
@@ -51,11 +59,15 @@ def _assistant_message(blocks: list[dict], where: str) -> dict:
         if kind == "text":
             texts.append(_block_text(block, f"{where}.content[{j}]"))
         elif kind == "tool_use":
+            place = f"{where}.content[{j}]"
             calls.append(
                 {
-                    "id": block.get("id"),
+                    "id": _string(block, "id", place),
                     "type": "function",
-                    "function": {"name": block.get("name", ""), "arguments": json.dumps(block.get("input") or {})},
+                    "function": {
+                        "name": _string(block, "name", place),
+                        "arguments": json.dumps(block.get("input") or {}),
+                    },
                 }
             )
         elif kind in ("thinking", "redacted_thinking"):

@@ -45,6 +45,18 @@ def _tool_choice(choice: str | dict | None) -> str | dict | None:
     )
 
 
+def _strings(item: dict, i: int, fields: tuple[str, ...]) -> None:
+    """An item's fields that must be strings (`arguments` is JSON text), checked here so the
+    400 names the item's field, not the chat field it becomes."""
+    for name in fields:
+        value = item.get(name)
+        if value is not None and not isinstance(value, str):
+            hint = " (the arguments as JSON text: json.dumps them)" if name == "arguments" else ""
+            raise InvalidRequest(
+                f"input[{i}].{name} must be a string, not {type(value).__name__}{hint}", param=f"input[{i}].{name}"
+            )
+
+
 def input_messages(items: str | list[dict]) -> list[dict]:
     """Input items as chat messages. Consecutive `function_call` items (and an assistant
     message just before them) become one assistant message with `tool_calls`, as a chat
@@ -80,6 +92,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
             }
             if not call["id"]:
                 raise InvalidRequest(f"input[{i}]: a function_call item needs 'call_id'", param=f"input[{i}].call_id")
+            _strings(item, i, ("call_id", "name", "arguments"))
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -92,6 +105,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 raise InvalidRequest(
                     f"input[{i}]: a function_call_output item needs 'call_id'", param=f"input[{i}].call_id"
                 )
+            _strings(item, i, ("call_id",))
             messages.append(
                 {
                     "role": "tool",
