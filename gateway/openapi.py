@@ -85,6 +85,9 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
         "description": "server-sent events: `data: {chat.completion.chunk}` lines, then "
         "`data: [DONE]` once the call is recorded",
     },
+    "Model": _object(
+        {"id": _STRING, "object": {"const": "model"}}, {"created": {"type": "integer"}, "owned_by": _STRING}
+    ),
     "ModelList": _object(
         {
             "object": {"const": "list"},
@@ -217,6 +220,7 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, dict[str, tupl
     ("post", "/v1/messages"): (MessagesRequest, True, {}),
     ("post", "/v1/completions"): (CompletionRequest, True, {}),
     ("get", "/v1/models"): (None, False, {"200": ("the models served", _JSON, "ModelList")}),
+    ("get", "/v1/models/{model}"): (None, False, {"200": ("one of the models served", _JSON, "Model")}),
     ("post", "/v1/sessions/{session_id}/reward"): (
         RewardRequest,
         True,

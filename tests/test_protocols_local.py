@@ -428,3 +428,15 @@ def test_an_image_in_a_tool_result_is_refused_not_dropped(gateway, path, body, s
     """The model would answer about a tool result it never saw: a 400, as for an image in a user message."""
     answer = httpx.post(f"{gateway[0].url}{path}", json={"model": TINY_MODEL_ID, "max_tokens": 4, **body})
     assert answer.status_code == 400 and says in answer.json()["error"]["message"]
+
+
+def test_a_model_is_retrieved_by_its_name(gateway):
+    """OpenAI's `client.models.retrieve`: one entry of GET /v1/models, a name with '/' included."""
+    oai = openai.OpenAI(base_url=f"{gateway[0].url}/v1", api_key="x", max_retries=0)
+    listed = {model.id for model in oai.models.list()}
+    assert {TINY_MODEL_ID, "agent"} <= listed
+    for name in listed:
+        assert oai.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError) as missing:
+        oai.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found" and "agent" in missing.value.body["message"]

@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.chat.identity import identify
-from gateway.errors import ClientGone, InvalidRequest, RLProxyError
+from gateway.errors import ClientGone, InvalidRequest, NotFound, RLProxyError
 from gateway.protocols.chat import ChatCompletionRequest
 from gateway.routes.client_watch import ClientWatch
 
@@ -170,9 +170,7 @@ async def _sse_frames(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 router.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
 
 
-@router.get("/v1/models")
-async def list_models(request: Request) -> Response:
-    services = request.app.state.services
+async def _models(services) -> list[dict]:
     created = int(time.time())
     names = [*services.registry.served_names(), *await services.engine.list_models()]
     seen, data = set(), []
@@ -181,4 +179,24 @@ async def list_models(request: Request) -> Response:
             continue
         seen.add(name)
         data.append({"id": name, "object": "model", "created": created, "owned_by": "rlproxy"})
+    return data
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    data = await _models(request.app.state.services)
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> Response:
+    """One model of the list (OpenAI's `client.models.retrieve`); names may hold '/'."""
+    data = await _models(request.app.state.services)
+    for entry in data:
+        if entry["id"] == model:
+            return Response(orjson.dumps(entry), media_type="application/json")
+    raise NotFound(
+        f"model '{model[:100]}' not found; this gateway serves {', '.join(e['id'] for e in data)}",
+        param="model",
+        code="model_not_found",
+    )
