@@ -363,6 +363,24 @@ def test_responses_and_messages_routes_over_vllm(served):
         assert call["status"] == "ok" and call["completion_ids"][0] and call["behaviour_logprobs"][0]
 
 
+def test_a_messages_prefill_is_continued_by_vllm(served):
+    """The prefill flags the Messages translation sets (continue_final_message) are vLLM's own:
+    the prompt vLLM rendered, as recorded, ends inside the assistant's message, not in a new turn."""
+    from transformers import AutoTokenizer
+
+    reply = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages.create(
+        model="agent",
+        max_tokens=6,
+        messages=[{"role": "user", "content": "answer in JSON"}, {"role": "assistant", "content": '{"answer":'}],
+        extra_headers={"X-Session-Id": "prefill"},
+    )
+    assert reply.type == "message"
+    (call,) = served.store.session_calls("prefill")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_base_model("rlproxy/tiny-qwen2", served.state_dir))
+    prompt = tokenizer.decode(call["prompt_ids"])
+    assert prompt.endswith('answer in JSON<|im_end|>\n<|im_start|>assistant\n{"answer":'), prompt[-120:]
+
+
 def test_attach_to_a_running_vllm(served, tmp_path):
     args = [
         "--engine",
