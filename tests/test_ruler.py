@@ -383,6 +383,27 @@ def test_an_unreachable_judge_is_reported_without_its_key(gateway, judge_env, ju
     assert JUDGE_KEY.encode() not in raw_store_bytes(state_dir)
 
 
+def test_a_judge_that_never_finishes_its_answer_fails_the_judgement_in_time(
+    gateway, judge_env, judge_port, monkeypatch
+):
+    """A judge that keeps the connection busy (a space now and then, never the JSON) fails the
+    judgement once JUDGE_TIMEOUT has passed, and the group can be judged again."""
+    server, _, _ = gateway
+    _run_group(server, "g-stalled", ["Answer 391", "Answer 12"])
+    monkeypatch.setattr("gateway.ruler.judges.JUDGE_TIMEOUT", 2.0)
+    with FakeJudge(port=judge_port, stall=True) as judge:
+        response = _ruler(server, "g-stalled", judge_model="openai/j", judge_api_base=judge.url)
+    assert response.status_code == 502, response.text
+    assert "the judge 'openai/j' did not answer within 2 s" in response.json()["error"]["message"]
+    group = _group(server, "g-stalled")
+    assert group["ruler_status"] == "failed" and "did not answer within 2 s" in group["ruler_error"]
+
+    with FakeJudge(port=judge_port) as judge:  # not "being judged already": it can be judged again
+        again = _ruler(server, "g-stalled", judge_model="openai/j", judge_api_base=judge.url)
+    assert again.status_code == 200, again.text
+    assert _group(server, "g-stalled")["ruler_status"] == "scored"
+
+
 def test_a_group_is_judged_once_at_a_time_and_shows_running(gateway, judge_env, judge_port):
     server, _, _ = gateway
     _run_group(server, "g-busy", ["Answer 391", "Answer 12"])
