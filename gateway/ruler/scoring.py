@@ -314,12 +314,33 @@ async def judge(trajectories: list[Trajectory], call: JudgeCall, rubric: str | N
     ]
 
 
+STOPPED = "the gateway stopped before the judge answered; POST /v1/groups/{group_id}/ruler again"
+
+
 class RulerService:
     """Judges a stored group and records the outcome; one judgement per group at a time."""
 
     def __init__(self, services: Any):
         self.services = services
         self._running: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(
+        self, group_id: str, judge_model: str, rubric: str | None = None, judge_api_base: str | None = None
+    ) -> asyncio.Task:
+        """`score_group` as a task of its own, which a client that hangs up does not cancel and
+        `stop` does."""
+        task = asyncio.ensure_future(self.score_group(group_id, judge_model, rubric, judge_api_base))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        """The gateway is stopping: cancel the judgements still waiting for their judge (each
+        marks its group failed, saying so) while the store can still record it."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def trajectories(self, group_id: str) -> list[Trajectory]:
         store = self.services.store
@@ -348,6 +369,9 @@ class RulerService:
                 await store.record_judgement(group_id, judge_model, scores)
             except JudgeError as exc:
                 await store.set_ruler_status(group_id, "failed", exc.message)
+                raise
+            except asyncio.CancelledError:  # shutting down: else the group shows "running" for ever
+                await asyncio.shield(store.set_ruler_status(group_id, "failed", STOPPED.format(group_id=group_id)))
                 raise
             except Exception as exc:  # anything else must not leave the group "running" forever
                 message = f"the judgement failed: {type(exc).__name__}: {redact(str(exc))[:500]}"
