@@ -433,6 +433,19 @@ def test_a_group_is_judged_once_at_a_time_and_shows_running(gateway, judge_env, 
     assert first["response"].status_code == 200
 
 
+def test_a_group_whose_sessions_were_all_discarded_is_refused_not_a_judge_error(gateway, judge_env, judge_port):
+    server, _, _ = gateway
+    for session_id in _run_group(server, "g-discarded", ["Answer 391", "Answer 12"]):
+        httpx.post(f"{server.url}/v1/sessions/{session_id}/discard", json={"reason": "crashed"}).raise_for_status()
+    with FakeJudge(port=judge_port) as judge:
+        response = _ruler(server, "g-discarded", judge_model="openai/j", judge_api_base=judge.url)
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert error["message"] == "group 'g-discarded' has no sessions to judge: all 2 were discarded"
+    assert error["param"] == "group_id" and judge.requests == []
+    assert _group(server, "g-discarded")["ruler_status"] is None  # no judgement was tried
+
+
 def test_bad_requests_are_refused(gateway):
     server, _, _ = gateway
     missing = _ruler(server, "no-such-group", judge_model="openai/j")

@@ -350,6 +350,13 @@ class RulerService:
         )
         if frozen is not None:
             raise Conflict(f"RULER cannot score it: {frozen}", param="group_id")
+        if not group["sessions"]:  # the client's to fix, not the judge's: nothing is sent
+            discarded = len(group["discarded_sessions"])
+            raise Conflict(
+                f"group '{group_id}' has no sessions to judge"
+                + (f": all {discarded} were discarded" if discarded else ""),
+                param="group_id",
+            )
         return [trajectory_from_calls(s["id"], store.session_calls(s["id"])) for s in group["sessions"]]
 
     async def score_group(
