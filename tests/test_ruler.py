@@ -303,6 +303,24 @@ def test_a_group_is_judged_scores_become_rewards_and_it_closes(gateway, judge_en
     assert JUDGE_KEY.encode() not in raw_store_bytes(state_dir)
 
 
+def test_judging_a_group_again_keeps_only_a_posted_reward_as_independent(gateway, judge_env, judge_port):
+    server, _, _ = gateway
+    sessions = _run_group(server, "g-twice", ["Answer 391", "Answer 12"])
+    httpx.post(f"{server.url}/v1/sessions/{sessions[1]}/reward", json={"reward": 0.3}).raise_for_status()
+
+    def scores(first: float, second: float) -> str:
+        entries = [{"trajectory_id": i, "explanation": "", "score": v} for i, v in (("1", first), ("2", second))]
+        return json.dumps({"scores": entries})
+
+    with FakeJudge(port=judge_port, answers=[scores(0.9, 0.1), scores(0.2, 0.8)]) as judge:
+        for _ in range(2):
+            assert _ruler(server, "g-twice", judge_model="openai/j", judge_api_base=judge.url).status_code == 200
+    by_id = {s["id"]: s for s in _group(server, "g-twice")["sessions"]}
+    assert by_id[sessions[0]]["reward"] == 0.2
+    assert by_id[sessions[0]]["metrics"] == {"ruler_score": 0.2}  # the first judge's 0.9 was nobody's reward
+    assert by_id[sessions[1]]["metrics"] == {"independent_reward": 0.3, "ruler_score": 0.8}
+
+
 def test_a_custom_rubric_reaches_the_judge(gateway, judge_env, judge_port):
     server, _, _ = gateway
     _run_group(server, "g-rubric", ["Answer 391", "Answer 390"])
