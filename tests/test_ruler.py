@@ -464,6 +464,30 @@ def test_a_group_whose_sessions_were_all_discarded_is_refused_not_a_judge_error(
     assert _group(server, "g-discarded")["ruler_status"] is None  # no judgement was tried
 
 
+def test_a_group_a_step_took_while_the_judge_thought_is_a_conflict_not_a_judge_error(gateway, judge_env, judge_port):
+    server, services, _ = gateway
+    sessions = _run_group(server, "g-taken", ["Answer 391", "Answer 12"])
+    for value, session_id in enumerate(sessions):  # rewarded and closed: ready for the trainer
+        httpx.post(f"{server.url}/v1/sessions/{session_id}/reward", json={"reward": value}).raise_for_status()
+    httpx.post(f"{server.url}/v1/groups/g-taken/close", json={}).raise_for_status()
+    asked = threading.Event()
+
+    def answer_once_a_step_took_it(body: dict) -> str:
+        asked.set()
+        assert services.store.claim_for_step(["g-taken"], 1) == ["g-taken"]
+        return good_answer(body)
+
+    with FakeJudge(port=judge_port, answers=[answer_once_a_step_took_it]) as judge:
+        response = _ruler(server, "g-taken", judge_model="openai/j", judge_api_base=judge.url)
+    assert asked.is_set()
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert error["type"] == "conflict_error" and "is being trained (step 1)" in error["message"]
+    group = _group(server, "g-taken")
+    assert group["ruler_status"] == "failed" and group["ruler_error"] == error["message"]
+    assert [s["reward"] for s in group["sessions"]] == [0, 1]  # the rewards the step took
+
+
 def test_bad_requests_are_refused(gateway):
     server, _, _ = gateway
     missing = _ruler(server, "no-such-group", judge_model="openai/j")

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.errors import Conflict
+from gateway.errors import Conflict, RLProxyError
 from gateway.ruler.judges import JudgeCall, JudgeError, judge_for, redact
 from gateway.store.rows import frozen_group_reason
 
@@ -374,7 +374,7 @@ class RulerService:
             try:
                 scores = await judge(trajectories, call, rubric)
                 await store.record_judgement(group_id, judge_model, scores)
-            except JudgeError as exc:
+            except RLProxyError as exc:  # the judge's failure, or ours with its own status (409: a step took it)
                 await store.set_ruler_status(group_id, "failed", exc.message)
                 raise
             except asyncio.CancelledError:  # shutting down: else the group shows "running" for ever
