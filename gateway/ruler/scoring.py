@@ -16,6 +16,7 @@ and stores the result.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -378,7 +379,8 @@ class RulerService:
                 await store.set_ruler_status(group_id, "failed", exc.message)
                 raise
             except asyncio.CancelledError:  # shutting down: else the group shows "running" for ever
-                await asyncio.shield(store.set_ruler_status(group_id, "failed", STOPPED.format(group_id=group_id)))
+                with contextlib.suppress(Exception):  # a store that cannot write must not hide the cancel
+                    await asyncio.shield(store.set_ruler_status(group_id, "failed", STOPPED.format(group_id=group_id)))
                 raise
             except Exception as exc:  # anything else must not leave the group "running" forever
                 message = f"the judgement failed: {type(exc).__name__}: {redact(str(exc))[:500]}"
