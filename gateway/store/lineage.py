@@ -15,13 +15,11 @@ def lineage(conn: Any, model: str) -> dict[int, int | None]:
 
 
 def training_step(conn: Any, model: str) -> int:
-    """The step training goes on from: the serving step (the newest promoted; under `--promote
-    always` every step is, so the newest), or the newest step when none was promoted."""
+    """The step training goes on from, as `trainer.selection.without_stale` takes it: the serving
+    step (the newest promoted; under `--promote always` every step is, so the newest), or 0, the
+    base model, while none was promoted."""
     row = conn.execute("SELECT MAX(step) FROM steps WHERE model = ? AND state = 'promoted'", (model,)).fetchone()
-    if row is not None and row[0] is not None:
-        return int(row[0])
-    row = conn.execute("SELECT MAX(step) FROM steps WHERE model = ?", (model,)).fetchone()
-    return int(row[0] or 0) if row is not None else 0
+    return int(row[0]) if row is not None and row[0] is not None else 0
 
 
 def chain_distance(parents: dict[int, int | None], current: int, sampled_by: int | None) -> int:
