@@ -174,6 +174,8 @@ def create_app(
         finally:
             if "shadow" in services.extras:
                 await services.extras["shadow"].stop()
+            if "ruler" in services.extras:  # judgements whose client left: marked failed, not "running"
+                await services.extras["ruler"].stop()
             if colocator is not None:
                 await colocator.close()
             if registry.canary is not None:

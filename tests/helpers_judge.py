@@ -11,6 +11,7 @@ and the judge that `port`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from tests.helpers import ThreadServer
@@ -59,12 +60,24 @@ def judge_url(port: int) -> str:
     return f"http://127.0.0.1:{port}/v1"
 
 
+async def _endless_spaces():
+    while True:  # ends when the client hangs up (Starlette cancels a stream on disconnect)
+        yield b" "
+        await asyncio.sleep(0.2)
+
+
 class FakeJudge:
     def __init__(
-        self, answers: list[str | Callable[[dict], str]] | None = None, status: int = 200, port: int | None = None
+        self,
+        answers: list[str | Callable[[dict], str]] | None = None,
+        status: int = 200,
+        port: int | None = None,
+        stall: bool = False,
     ):
         self.port = port
         self.answers = list(answers or [])
+        # `stall`: answer 200 and then a space every 0.2 s, never the JSON (a stalled proxy).
+        self.stall = stall
         # A non-200 status makes every answer an OpenAI-shaped error that quotes the key it got,
         # as some providers do, so tests can check the gateway does not pass it on.
         self.status = status
@@ -89,6 +102,8 @@ class FakeJudge:
     async def _chat(self, request: Request) -> JSONResponse:
         body = await request.json()
         self.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+        if self.stall:
+            return StreamingResponse(_endless_spaces(), media_type="application/json")
         if self.status != 200:
             key = request.headers.get("authorization", "").removeprefix("Bearer ")
             return JSONResponse(

@@ -181,7 +181,7 @@ def test_a_reward_after_the_session_went_stale_is_stored_marked_and_never_traine
         _step(store, step)
     old = asyncio.run(store.set_reward("old", 1.0, {}, rule))
     assert old["trainable"] is False
-    assert old["reason"].startswith("stale: answered by step 1, the newest step is 3 (--live-max-staleness 1)")
+    assert old["reason"].startswith("stale: answered by step 1, training goes on from step 3 (--live-max-staleness 1)")
     stored = store.get_session("old")
     assert stored["reward"] == 1.0 and stored["group_id"] is None and stored["untrained_reason"] == old["reason"]
     fresh = asyncio.run(store.set_reward("fresh", 0.0, {}, rule))
@@ -205,3 +205,21 @@ def test_a_member_that_went_stale_while_its_group_filled_leaves_it(store):
     group = store.get_group(first["group_id"])
     assert [s["id"] for s in group["sessions"]] == ["late"] and not group["closed"]
     assert store.get_session("early")["untrained_reason"].startswith("stale: answered by step 0")
+
+
+def test_rejected_candidates_do_not_make_the_serving_steps_sessions_stale(store):
+    """Under --promote canary|manual a rejected candidate is not where training goes on from:
+    a session the serving step answered joins a live group however many were turned down, as
+    the trainer would train it (staleness along the parent chain, as trainer.selection counts)."""
+    rule = LiveRule(group_size=2, max_staleness=2)
+    _step(store, 0)
+    _step(store, 1)
+    for step in (2, 3, 4):  # three candidates trained from step 1, each rejected: step 1 still serves
+        store.insert_step("agent", step, f"/nowhere/{step}", {}, [], state="candidate")
+        store.decide_step("agent", step, "rejected", {"by": "operator"})
+    _call(store, "served-by-1", step=1)
+    _call(store, "served-by-0", step=0)
+    answer = asyncio.run(store.set_reward("served-by-1", 1.0, {}, rule))
+    assert answer["trainable"] is True, answer
+    assert asyncio.run(store.set_reward("served-by-0", 0.0, {}, rule))["group_id"] == answer["group_id"]
+    assert [g["id"] for g in store.ready_groups("agent")] == [answer["group_id"]]

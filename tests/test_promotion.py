@@ -18,8 +18,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.settings import Settings
+from gateway.store.lineage import chain_distance
 from gateway.store.sqlite import SQLiteStore
-from gateway.store.steps import chain_distance
 from tests.helpers import ThreadServer
 from tests.test_hotswap import save_adapter
 

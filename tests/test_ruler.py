@@ -303,6 +303,24 @@ def test_a_group_is_judged_scores_become_rewards_and_it_closes(gateway, judge_en
     assert JUDGE_KEY.encode() not in raw_store_bytes(state_dir)
 
 
+def test_judging_a_group_again_keeps_only_a_posted_reward_as_independent(gateway, judge_env, judge_port):
+    server, _, _ = gateway
+    sessions = _run_group(server, "g-twice", ["Answer 391", "Answer 12"])
+    httpx.post(f"{server.url}/v1/sessions/{sessions[1]}/reward", json={"reward": 0.3}).raise_for_status()
+
+    def scores(first: float, second: float) -> str:
+        entries = [{"trajectory_id": i, "explanation": "", "score": v} for i, v in (("1", first), ("2", second))]
+        return json.dumps({"scores": entries})
+
+    with FakeJudge(port=judge_port, answers=[scores(0.9, 0.1), scores(0.2, 0.8)]) as judge:
+        for _ in range(2):
+            assert _ruler(server, "g-twice", judge_model="openai/j", judge_api_base=judge.url).status_code == 200
+    by_id = {s["id"]: s for s in _group(server, "g-twice")["sessions"]}
+    assert by_id[sessions[0]]["reward"] == 0.2
+    assert by_id[sessions[0]]["metrics"] == {"ruler_score": 0.2}  # the first judge's 0.9 was nobody's reward
+    assert by_id[sessions[1]]["metrics"] == {"independent_reward": 0.3, "ruler_score": 0.8}
+
+
 def test_a_custom_rubric_reaches_the_judge(gateway, judge_env, judge_port):
     server, _, _ = gateway
     _run_group(server, "g-rubric", ["Answer 391", "Answer 390"])
@@ -383,6 +401,27 @@ def test_an_unreachable_judge_is_reported_without_its_key(gateway, judge_env, ju
     assert JUDGE_KEY.encode() not in raw_store_bytes(state_dir)
 
 
+def test_a_judge_that_never_finishes_its_answer_fails_the_judgement_in_time(
+    gateway, judge_env, judge_port, monkeypatch
+):
+    """A judge that keeps the connection busy (a space now and then, never the JSON) fails the
+    judgement once JUDGE_TIMEOUT has passed, and the group can be judged again."""
+    server, _, _ = gateway
+    _run_group(server, "g-stalled", ["Answer 391", "Answer 12"])
+    monkeypatch.setattr("gateway.ruler.judges.JUDGE_TIMEOUT", 2.0)
+    with FakeJudge(port=judge_port, stall=True) as judge:
+        response = _ruler(server, "g-stalled", judge_model="openai/j", judge_api_base=judge.url)
+    assert response.status_code == 502, response.text
+    assert "the judge 'openai/j' did not answer within 2 s" in response.json()["error"]["message"]
+    group = _group(server, "g-stalled")
+    assert group["ruler_status"] == "failed" and "did not answer within 2 s" in group["ruler_error"]
+
+    with FakeJudge(port=judge_port) as judge:  # not "being judged already": it can be judged again
+        again = _ruler(server, "g-stalled", judge_model="openai/j", judge_api_base=judge.url)
+    assert again.status_code == 200, again.text
+    assert _group(server, "g-stalled")["ruler_status"] == "scored"
+
+
 def test_a_group_is_judged_once_at_a_time_and_shows_running(gateway, judge_env, judge_port):
     server, _, _ = gateway
     _run_group(server, "g-busy", ["Answer 391", "Answer 12"])
@@ -410,6 +449,43 @@ def test_a_group_is_judged_once_at_a_time_and_shows_running(gateway, judge_env, 
             release.set()
             worker.join(60)
     assert first["response"].status_code == 200
+
+
+def test_a_group_whose_sessions_were_all_discarded_is_refused_not_a_judge_error(gateway, judge_env, judge_port):
+    server, _, _ = gateway
+    for session_id in _run_group(server, "g-discarded", ["Answer 391", "Answer 12"]):
+        httpx.post(f"{server.url}/v1/sessions/{session_id}/discard", json={"reason": "crashed"}).raise_for_status()
+    with FakeJudge(port=judge_port) as judge:
+        response = _ruler(server, "g-discarded", judge_model="openai/j", judge_api_base=judge.url)
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert error["message"] == "group 'g-discarded' has no sessions to judge: all 2 were discarded"
+    assert error["param"] == "group_id" and judge.requests == []
+    assert _group(server, "g-discarded")["ruler_status"] is None  # no judgement was tried
+
+
+def test_a_group_a_step_took_while_the_judge_thought_is_a_conflict_not_a_judge_error(gateway, judge_env, judge_port):
+    server, services, _ = gateway
+    sessions = _run_group(server, "g-taken", ["Answer 391", "Answer 12"])
+    for value, session_id in enumerate(sessions):  # rewarded and closed: ready for the trainer
+        httpx.post(f"{server.url}/v1/sessions/{session_id}/reward", json={"reward": value}).raise_for_status()
+    httpx.post(f"{server.url}/v1/groups/g-taken/close", json={}).raise_for_status()
+    asked = threading.Event()
+
+    def answer_once_a_step_took_it(body: dict) -> str:
+        asked.set()
+        assert services.store.claim_for_step(["g-taken"], 1) == ["g-taken"]
+        return good_answer(body)
+
+    with FakeJudge(port=judge_port, answers=[answer_once_a_step_took_it]) as judge:
+        response = _ruler(server, "g-taken", judge_model="openai/j", judge_api_base=judge.url)
+    assert asked.is_set()
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert error["type"] == "conflict_error" and "is being trained (step 1)" in error["message"]
+    group = _group(server, "g-taken")
+    assert group["ruler_status"] == "failed" and group["ruler_error"] == error["message"]
+    assert [s["reward"] for s in group["sessions"]] == [0, 1]  # the rewards the step took
 
 
 def test_bad_requests_are_refused(gateway):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -22,7 +23,7 @@ from gateway.shadow.calls import shadow_body, why_not_shadowed
 from gateway.shadow.sampler import ShadowSampler
 from gateway.store import CallRecord
 from tests.helpers import ThreadServer
-from tests.helpers_judge import FakeJudge, shown_ids
+from tests.helpers_judge import FakeJudge, good_answer, shown_ids
 
 K = 3
 MESSAGES = [{"role": "system", "content": "Be loud."}, {"role": "user", "content": "Shout!"}]
@@ -134,6 +135,36 @@ def test_two_live_sessions_shadows_stay_apart(gateway):
     for session_id, call_id in (("apart-1", first), ("apart-2", second)):
         calls = httpx.get(f"{gateway.url}/v1/sessions/{session_id}").json()["calls"]
         assert [c["id"] for c in calls] == [call_id]
+
+
+def test_a_gateway_stopped_while_its_judge_thinks_leaves_the_group_failed_not_running(tmp_path):
+    """A shadow group whose judgement the shutdown cuts short says so, after a restart too: not
+    a "running" that nothing runs any more."""
+    asked, release = threading.Event(), threading.Event()
+
+    def slow_answer(body: dict) -> str:
+        asked.set()
+        release.wait(60)
+        return good_answer(body)
+
+    with FakeJudge(answers=[slow_answer]) as judge:
+        settings = Settings(
+            state_dir=tmp_path,
+            trainer="off",
+            default_max_tokens=6,
+            shadow_samples=K,
+            shadow_judge_model="openai/judge",
+            shadow_judge_api_base=judge.url,
+        )
+        with ThreadServer(create_app(settings)) as server:
+            call_id, _ = ask(server, "stopped-1", temperature=1.0)
+            assert asked.wait(60)
+            assert httpx.get(f"{server.url}/v1/groups/shadow-{call_id}").json()["ruler_status"] == "running"
+        release.set()
+        with ThreadServer(create_app(settings)) as server:
+            group = httpx.get(f"{server.url}/v1/groups/shadow-{call_id}").json()
+    assert group["ruler_status"] == "failed"
+    assert group["ruler_error"].startswith("the gateway stopped before the judge answered")
 
 
 def test_the_openai_engine_refuses_the_shadow_flags_at_start(tmp_path):

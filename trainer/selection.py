@@ -16,7 +16,7 @@ import socket
 
 from gateway.settings import Settings
 from gateway.store import Store
-from gateway.store.steps import chain_distance
+from gateway.store.lineage import chain_distance
 from trainer.data import NO_SPREAD, sampling_step, spread_groups, too_few, trained_sessions
 
 log = logging.getLogger("rlproxy.trainer")

@@ -35,9 +35,7 @@ async def ruler(group_id: str, request: Request) -> Response:
     services = request.app.state.services
     body = await parse(request, RulerRequest)
     service: RulerService = services.extras.setdefault("ruler", RulerService(services))
-    task = asyncio.ensure_future(
-        service.score_group(check_id(group_id, "group_id"), body.judge_model, body.rubric, body.judge_api_base)
-    )
+    task = service.start(check_id(group_id, "group_id"), body.judge_model, body.rubric, body.judge_api_base)
     task.add_done_callback(_retrieve)
     scores = await asyncio.shield(task)
     return json_response(

@@ -80,18 +80,20 @@ async def _litellm() -> Any:
 
 
 def litellm_judge(
-    model: str, api_base: str | None = None, timeout: float = JUDGE_TIMEOUT, api_key: str | None = None
+    model: str, api_base: str | None = None, timeout: float | None = None, api_key: str | None = None
 ) -> JudgeCall:
     """A judge reached through litellm: a provider id (`openai/o3`, `anthropic/...`) with its key
-    from the environment, or any OpenAI-compatible server at `api_base` with `api_key`."""
+    from the environment, or any OpenAI-compatible server at `api_base` with `api_key`.
+    `timeout` (JUDGE_TIMEOUT by default) bounds the whole call, retries included."""
 
     async def call(messages: list[dict], response_format: dict) -> str | None:
+        limit = timeout or JUDGE_TIMEOUT
         litellm = await _litellm()
         kwargs: dict[str, Any] = {
             "model": model,
             "messages": messages,
             "response_format": response_format,
-            "timeout": timeout,
+            "timeout": limit,
             "caching": False,
             "drop_params": True,
         }
@@ -104,7 +106,13 @@ def litellm_judge(
             # insists on one.
             kwargs["api_key"] = api_key or "EMPTY"
         try:
-            response = await litellm.acompletion(**kwargs)
+            # litellm's timeout bounds each read of the answer, not the call: a judge that sends
+            # a byte now and then (a stalled proxy, an endless body) would keep the group
+            # "running" and its shadow slot taken for ever. The deadline is the whole call's.
+            response = await asyncio.wait_for(litellm.acompletion(**kwargs), limit)
+        except asyncio.TimeoutError:
+            log.warning("RULER: the judge '%s' did not answer within %.0f s", model, limit)
+            raise JudgeError(f"the judge '{model}' did not answer within {limit:.0f} s") from None
         except Exception as exc:  # litellm raises its own zoo; the caller wants one kind
             raise _failed(model, exc, api_key) from None
         if not response.choices:
@@ -114,11 +122,12 @@ def litellm_judge(
     return call
 
 
-def engine_judge(services: Any, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
+def engine_judge(services: Any, timeout: float | None = None) -> JudgeCall:
     """The gateway's own served model as judge; its calls are not recorded (no training on them)."""
     from gateway.engines.base import EngineRequest
 
     async def call(messages: list[dict], response_format: dict) -> str | None:
+        limit = timeout or JUDGE_TIMEOUT
         registry, engine = services.registry, services.engine
         name = services.settings.model_name if engine.supports_adapters else engine.base_model_id
         try:
@@ -130,9 +139,9 @@ def engine_judge(services: Any, timeout: float = JUDGE_TIMEOUT) -> JudgeCall:
                     "max_tokens": services.settings.default_max_tokens * 4,
                 }
                 request = EngineRequest(body=body, adapter=target.adapter, request_id="ruler_" + uuid.uuid4().hex)
-                completion = await asyncio.wait_for(engine.complete(request), timeout)
+                completion = await asyncio.wait_for(engine.complete(request), limit)
         except asyncio.TimeoutError:
-            raise JudgeError(f"the judge '{SELF_JUDGE}' did not answer within {timeout:.0f} s") from None
+            raise JudgeError(f"the judge '{SELF_JUDGE}' did not answer within {limit:.0f} s") from None
         except Exception as exc:
             raise _failed(SELF_JUDGE, exc) from None
         choices = completion.response.get("choices") or []

@@ -16,6 +16,7 @@ and stores the result.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -24,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.errors import Conflict
+from gateway.errors import Conflict, RLProxyError
 from gateway.ruler.judges import JudgeCall, JudgeError, judge_for, redact
 from gateway.store.rows import frozen_group_reason
 
@@ -314,12 +315,33 @@ async def judge(trajectories: list[Trajectory], call: JudgeCall, rubric: str | N
     ]
 
 
+STOPPED = "the gateway stopped before the judge answered; POST /v1/groups/{group_id}/ruler again"
+
+
 class RulerService:
     """Judges a stored group and records the outcome; one judgement per group at a time."""
 
     def __init__(self, services: Any):
         self.services = services
         self._running: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(
+        self, group_id: str, judge_model: str, rubric: str | None = None, judge_api_base: str | None = None
+    ) -> asyncio.Task:
+        """`score_group` as a task of its own, which a client that hangs up does not cancel and
+        `stop` does."""
+        task = asyncio.ensure_future(self.score_group(group_id, judge_model, rubric, judge_api_base))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        """The gateway is stopping: cancel the judgements still waiting for their judge (each
+        marks its group failed, saying so) while the store can still record it."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def trajectories(self, group_id: str) -> list[Trajectory]:
         store = self.services.store
@@ -329,6 +351,13 @@ class RulerService:
         )
         if frozen is not None:
             raise Conflict(f"RULER cannot score it: {frozen}", param="group_id")
+        if not group["sessions"]:  # the client's to fix, not the judge's: nothing is sent
+            discarded = len(group["discarded_sessions"])
+            raise Conflict(
+                f"group '{group_id}' has no sessions to judge"
+                + (f": all {discarded} were discarded" if discarded else ""),
+                param="group_id",
+            )
         return [trajectory_from_calls(s["id"], store.session_calls(s["id"])) for s in group["sessions"]]
 
     async def score_group(
@@ -346,8 +375,12 @@ class RulerService:
             try:
                 scores = await judge(trajectories, call, rubric)
                 await store.record_judgement(group_id, judge_model, scores)
-            except JudgeError as exc:
+            except RLProxyError as exc:  # the judge's failure, or ours with its own status (409: a step took it)
                 await store.set_ruler_status(group_id, "failed", exc.message)
+                raise
+            except asyncio.CancelledError:  # shutting down: else the group shows "running" for ever
+                with contextlib.suppress(Exception):  # a store that cannot write must not hide the cancel
+                    await asyncio.shield(store.set_ruler_status(group_id, "failed", STOPPED.format(group_id=group_id)))
                 raise
             except Exception as exc:  # anything else must not leave the group "running" forever
                 message = f"the judgement failed: {type(exc).__name__}: {redact(str(exc))[:500]}"

@@ -6,7 +6,8 @@ its reward comes later, or never. A session without `X-Group-Id` is recorded und
 (`X-Task-Id`, or one derived from its system prompt: `gateway.chat.identity.task_key`); when its
 reward arrives it joins the open live group of its key, and the group closes (ready) once it
 holds K sessions. Two keys never share a group. A session joins only while the adapter step that
-answered it is within `--live-max-staleness` steps of the newest: a later reward is stored
+answered it is within `--live-max-staleness` steps of the one training goes on from (along the
+parent chain, as the trainer counts: a rejected candidate never counts): a later reward is stored
 (the API answers 200) with `trainable: false` and the reason, and the session is never trained.
 A member that went stale while its group was filling leaves it, with the same reason. The base
 model (a call's step None) is step 0 only where step 0 is the untrained LoRA: in a run seeded with
@@ -25,6 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from gateway.store.lineage import chain_distance, lineage, training_step
 from gateway.store.locks import for_update
 
 
@@ -52,13 +54,21 @@ def seeded_from(conn: sqlite3.Connection, model: str) -> str | None:
     return json.loads(row[0] or "{}").get("init_from") if row is not None else None
 
 
-def newest_step(conn: sqlite3.Connection, model: str) -> int:
-    row = conn.execute("SELECT MAX(step) FROM steps WHERE model = ?", (model,)).fetchone()
-    return (row[0] or 0) if row is not None else 0
+@dataclass(frozen=True)
+class Policy:
+    """Where training stands, as the trainer measures staleness (`trainer.selection.without_stale`):
+    the step it goes on from and the parent chain, along which a step turned down never counts."""
+
+    step: int
+    parents: dict[int, int | None]
+
+    @classmethod
+    def read(cls, conn: sqlite3.Connection, model: str) -> Policy:
+        return cls(training_step(conn, model), lineage(conn, model))
 
 
 def stale_reason(
-    conn: sqlite3.Connection, session_id: str, newest: int, rule: LiveRule, seeded: str | None = None
+    conn: sqlite3.Connection, session_id: str, policy: Policy, rule: LiveRule, seeded: str | None = None
 ) -> str | None:
     """Why the session is too stale to train, or None. `seeded`: the run's `seeded_from`."""
     oldest, by_base_model = conn.execute(_SAMPLED_STEP, (session_id,)).fetchone()
@@ -68,10 +78,13 @@ def stale_reason(
             f"{seeded} (a gateway started with --init-from waits for it); it is kept, never trained"
         )
     sampled = 0 if by_base_model else oldest  # a cold run's step 0 is the untrained LoRA: the base model
-    if sampled is None or newest - sampled <= rule.max_staleness:
+    # Along the parent chain from the step training goes on from, not the newest step number:
+    # under --promote canary|manual a rejected candidate moves neither, and counting it made
+    # every reward of the step still serving stale after a few rejections.
+    if sampled is None or chain_distance(policy.parents, policy.step, sampled) <= rule.max_staleness:
         return None
     return (
-        f"stale: answered by step {sampled}, the newest step is {newest} (--live-max-staleness "
+        f"stale: answered by step {sampled}, training goes on from step {policy.step} (--live-max-staleness "
         f"{rule.max_staleness}): the policy has moved too far for this reward to train it; it is kept"
     )
 
@@ -100,8 +113,8 @@ def join_live_group(
     when there is none; closed once it holds `rule.group_size` sessions). Returns what the
     reward's answer adds: {"trainable": True, "group_id"} or {"trainable": False, "reason"}."""
     now = time.time()
-    newest, seeded = newest_step(conn, model), seeded_from(conn, model)
-    reason = stale_reason(conn, session_id, newest, rule, seeded)
+    policy, seeded = Policy.read(conn, model), seeded_from(conn, model)
+    reason = stale_reason(conn, session_id, policy, rule, seeded)
     if reason is not None:
         _leave(conn, session_id, reason, now)
         return {"trainable": False, "reason": reason}
@@ -109,7 +122,7 @@ def join_live_group(
     if group_id is not None:
         members = [r[0] for r in conn.execute("SELECT id FROM sessions WHERE group_id = ?", (group_id,)).fetchall()]
         for member in members:  # the policy moved on while the group was filling
-            went_stale = stale_reason(conn, member, newest, rule, seeded)
+            went_stale = stale_reason(conn, member, policy, rule, seeded)
             if went_stale is not None:
                 _leave(conn, member, went_stale, now)
     else:

@@ -184,22 +184,3 @@ class StepRows:
     def lineage(self, model: str) -> dict[int, int | None]:
         """Step -> parent step, for every step of `model`."""
         return {r["step"]: r["parent"] for r in self._query("SELECT step, parent FROM steps WHERE model = ?", (model,))}
-
-
-def chain_distance(parents: dict[int, int | None], current: int, sampled_by: int | None) -> int:
-    """Steps between `sampled_by` (None: the base model = step 0) and `current` along the parent
-    chain, so a step turned down never counts: depth(current) - depth(sampled_by), where a step's
-    depth is its parent's + 1. A row recorded before steps had parents counts as its number (the
-    steps before it were one line); a step unknown here counts as its number too."""
-
-    def depth(step: int) -> int:
-        hops, node, seen = 0, step, set()
-        while node not in seen:
-            seen.add(node)
-            parent = parents.get(node)
-            if parent is None:
-                return hops + node  # step 0, or a row without lineage: linear before it
-            node, hops = parent, hops + 1
-        return hops  # a cycle cannot be recorded; never loop on a hand-edited store
-
-    return depth(current) - depth(sampled_by or 0)

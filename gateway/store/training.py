@@ -30,7 +30,11 @@ def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[di
         if row is None:
             raise NotFound(f"session '{session_id}' not found")
         metrics = json.loads(row[1] or "{}")
-        if row[0] is not None and "independent_reward" not in metrics:
+        # The reward a client posted, kept beside the judge's; a reward that is the score an
+        # earlier judgement stored is not one (judging a group again left that judge's score
+        # as the 'independent' reward).
+        posted = row[0] is not None and row[0] != metrics.get("ruler_score")
+        if posted and "independent_reward" not in metrics:
             metrics["independent_reward"] = row[0]
         metrics["ruler_score"] = score
         conn.execute(
