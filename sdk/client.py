@@ -22,8 +22,10 @@ from sdk.types import Score, new_id, path_id
 
 DEFAULT_URL = "http://localhost:8000/v1"
 DEFAULT_TIMEOUT = 60.0
-# A judge reads a whole group and may think for minutes (o3 and friends).
-RULER_TIMEOUT = 900.0
+# A judge reads a whole group and may think for minutes (o3 and friends): the gateway gives each
+# judge call 600 s (gateway/ruler/judges.py) and a bad answer one retry, so up to 1200 s, and the
+# SDK waits a little longer than that rather than give up on a judgement that still lands.
+RULER_TIMEOUT = 1260.0
 
 
 def api_base(url: str) -> str:

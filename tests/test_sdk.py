@@ -491,3 +491,12 @@ def test_public_api_is_exported():
     ):
         assert hasattr(sdk, name), name
     assert json.dumps(sdk.__all__)
+
+
+def test_the_sdk_waits_for_a_judgement_as_long_as_the_gateway_may_take():
+    """A judge call may take JUDGE_TIMEOUT and a bad answer gets one retry: an SDK that gave up
+    sooner would report a failure for a judgement that still lands (and a repeat gets a 409)."""
+    from gateway.ruler.judges import JUDGE_TIMEOUT
+    from sdk.client import RULER_TIMEOUT
+
+    assert RULER_TIMEOUT > 2 * JUDGE_TIMEOUT
