@@ -9,9 +9,10 @@ back. Errors leave in each protocol's own shape (`gateway.http.errors.error_resp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -21,8 +22,9 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.chat.identity import Identity, identify
 from gateway.errors import ClientGone, InvalidRequest, NotFound
+from gateway.http.errors import invalid_body
 from gateway.http.limits import check_prompt_list
-from gateway.protocols import Wire
+from gateway.protocols import Wire, in_client_terms
 from gateway.protocols.chat import ChatCompletionRequest, EngineChatRequest
 from gateway.protocols.completions import stream as completions_stream
 from gateway.protocols.completions import translate as completions_translate
@@ -34,7 +36,7 @@ from gateway.protocols.responses import stream as responses_stream
 from gateway.protocols.responses import translate as responses_translate
 from gateway.protocols.responses import wire as responses_wire
 from gateway.routes.client_watch import ClientWatch
-from gateway.routes.openai import read_json, validation_message
+from gateway.routes.openai import read_json
 
 router = APIRouter()
 
@@ -64,14 +66,33 @@ def _reparsed(model: type[BaseModel], raw: dict) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise InvalidRequest(validation_message(exc)) from None
+        raise invalid_body(exc.errors(), raw) from None
+
+
+_CHAT_FIELDS = {
+    responses_wire.PROTOCOL: responses_translate.CHAT_FIELDS,
+    messages_wire.PROTOCOL: messages_translate.CHAT_FIELDS,
+    completions_wire.PROTOCOL: completions_translate.CHAT_FIELDS,
+}
+
+
+@contextlib.contextmanager
+def _client_terms(protocol: str) -> Iterator[None]:
+    """A 400 about the translated chat request names the client's fields, not chat's: a Responses
+    client sent `max_output_tokens`, and an error about `max_tokens` would send it looking for a
+    field it never wrote."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        in_client_terms(exc, _CHAT_FIELDS[protocol])
+        raise
 
 
 def _chat_request(body: dict) -> ChatCompletionRequest:
     try:
         return EngineChatRequest.model_validate(body)  # the translated form: the protocol's own limits held
     except ValidationError as exc:
-        raise InvalidRequest(validation_message(exc)) from None
+        raise invalid_body(exc.errors(), body) from None  # named in the client's terms by _client_terms
 
 
 class _Encoder:
@@ -147,18 +168,19 @@ async def _serve(
         )
     if stream:
         chat_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
-    chat_request = _chat_request(chat_body)
-    if not stream:
-        watch = ClientWatch(request.receive)
-        try:
-            response, target = await watch.run(
-                services.chat.complete(chat_request, chat_body, identity, request_id, wire, client_left=watch.left)
-            )
-        except ClientGone:
-            return Response(status_code=499)  # recorded as 499; nobody reads this
+    with _client_terms(wire.protocol):
+        chat_request = _chat_request(chat_body)
+        if not stream:
+            watch = ClientWatch(request.receive)
+            try:
+                response, target = await watch.run(
+                    services.chat.complete(chat_request, chat_body, identity, request_id, wire, client_left=watch.left)
+                )
+            except ClientGone:
+                return Response(status_code=499)  # recorded as 499; nobody reads this
 
-        return _json(to_wire(response), headers=_headers(identity.session_id, target.step))
-    events, target = await services.chat.open_stream(chat_request, chat_body, identity, request_id, wire)
+            return _json(to_wire(response), headers=_headers(identity.session_id, target.step))
+        events, target = await services.chat.open_stream(chat_request, chat_body, identity, request_id, wire)
     return StreamingResponse(
         _encode(events, encoder()),
         media_type="text/event-stream",
@@ -300,16 +322,17 @@ async def create_completion(request: Request) -> Response:
         call_id = request_id if i == 0 else f"{request_id}.{i}"
         watch = ClientWatch(request.receive)
         try:
-            response, target = await watch.run(
-                services.chat.complete(
-                    _chat_request(chat_body),
-                    chat_body,
-                    identity,
-                    call_id,
-                    Wire(completions_wire.PROTOCOL, raw, to_wire),
-                    client_left=watch.left,
+            with _client_terms(completions_wire.PROTOCOL):
+                response, target = await watch.run(
+                    services.chat.complete(
+                        _chat_request(chat_body),
+                        chat_body,
+                        identity,
+                        call_id,
+                        Wire(completions_wire.PROTOCOL, raw, to_wire),
+                        client_left=watch.left,
+                    )
                 )
-            )
         except ClientGone:
             return Response(status_code=499)  # recorded as 499; nobody reads this
         answers.append(to_wire(response))

@@ -123,6 +123,17 @@ def input_messages(items: str | list[dict]) -> list[dict]:
     return messages
 
 
+# The chat fields to_chat fills from another field of the request: an error about one names the client's.
+CHAT_FIELDS = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+    "tools": "tools",
+    "tool_choice": "tool_choice",
+}
+
+
 def to_chat(request: ResponsesRequest, history: list[dict] | None = None) -> dict:
     """The chat request body for `request`; `history` is the conversation up to and
     including the previous response's answer (instructions are not carried over, as OpenAI
