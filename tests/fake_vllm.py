@@ -388,6 +388,15 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
             }
         )
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's /tokenize with `messages`: the chat rendering's ids (the stand-in tokenizer's)."""
+        body = await request.json()
+        if body.get("model") != state.base_model:
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, 404)
+        ids = prompt_ids_for(body.get("messages") or [])
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
     @app.post("/fake/script")
     async def script(request: Request) -> JSONResponse:
         body = await request.json()

@@ -116,6 +116,11 @@ def native_upstream() -> Starlette:
             }
         )
 
+    async def count_tokens(request: Request):
+        body = await request.json()
+        seen.append(("count_tokens", body))
+        return JSONResponse({"input_tokens": 42})
+
     async def retrieve(request: Request):
         return JSONResponse({**RESPONSE, "id": request.path_params["rid"]})
 
@@ -124,6 +129,7 @@ def native_upstream() -> Starlette:
             Route("/v1/responses", responses, methods=["POST"]),
             Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
             Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
         ]
     )
@@ -185,6 +191,16 @@ def test_messages_stream_relayed_and_accumulated(gateway):
     choice = row["response"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "native anthropic"
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"b": 2}
+
+
+def test_count_tokens_asked_of_the_upstream(gateway):
+    """The upstream speaks Messages, so it counts its own tokens; nothing is recorded."""
+    server, services, seen = gateway
+    client = anthropic.Anthropic(base_url=server.url + "/sessions/pt-count", api_key="x", max_retries=0)
+    asked = {"model": "fake-model", "messages": [{"role": "user", "content": "q"}], "system": "s"}
+    assert client.messages.count_tokens(**asked).input_tokens == 42
+    assert seen[-1] == ("count_tokens", asked)
+    assert services.store.session_calls("pt-count") == []
 
 
 def test_messages_server_tools_relayed_as_they_are(gateway):

@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -710,3 +711,13 @@ def test_adapters_target_the_projections_only_so_vllm_serves_them():
     )
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert lora_targets(model) == projections  # never lm_head: what vLLM serves, whatever the engine
+
+
+def test_anthropic_count_tokens_is_vllms_tokenize(gateway):
+    """vLLM renders and counts with the chat template it serves with: the count is its /tokenize's,
+    the same the call itself then reports as its input tokens."""
+    claude = anthropic.Anthropic(base_url=gateway.server.url, api_key="x", max_retries=0)
+    asked = {"model": "agent", "messages": [{"role": "user", "content": "count me"}]}
+    count = claude.messages.count_tokens(**asked).input_tokens
+    assert count == len(prompt_ids_for(asked["messages"]))
+    assert claude.messages.create(max_tokens=2, **asked).usage.input_tokens == count

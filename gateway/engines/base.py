@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.errors import NotFound
 from gateway.redact import redact
 
 
@@ -112,6 +113,16 @@ class Engine(ABC):
     @abstractmethod
     def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         """Yield chunks as they are produced, then exactly one `StreamEnd`."""
+
+    async def count_tokens(self, body: dict) -> int:
+        """The prompt tokens a chat request renders to (the served model's chat template and
+        tokenizer, tools included): Anthropic's `count_tokens`. Nothing is generated or recorded."""
+        # A 404, as from a server without the route: clients that count (Claude Code) then estimate.
+        raise NotFound(
+            f"the {self.kind} engine cannot count tokens: it has no tokenizer of the model's (the local and "
+            "vllm engines count; an upstream that speaks Anthropic's Messages counts by --upstream-protocol messages)",
+            code="count_tokens_not_supported",
+        )
 
     async def load_adapter(self, name: str, path: Path) -> None:
         raise NotImplementedError(f"the {self.kind} engine does not serve adapters")

@@ -279,6 +279,24 @@ async def create_message(request: Request) -> Response:
     )
 
 
+@router.post("/v1/messages/count_tokens", summary="Count a message's input tokens (Anthropic Messages API)")
+async def count_message_tokens(request: Request) -> Response:
+    """The input tokens `POST /v1/messages` with this body would take: the served model's chat
+    template and tokenizer over it, tools included. Not a model call: nothing is recorded."""
+    raw = await read_json(request)
+    body = _reparsed(messages_wire.CountTokensRequest, raw)
+    services = request.app.state.services
+    if _relayed(request, messages_wire.PROTOCOL):
+        return _json(await services.extras["passthrough"].count_tokens(raw))
+    messages_translate.refuse_builtin_tools(body)
+    services.registry.resolve(body.model)  # a model this gateway does not serve is a 404, as on /v1/messages
+    chat_body = {key: value for key, value in messages_translate.to_chat(body).items() if value is not None}
+    with _client_terms(messages_wire.PROTOCOL):
+        _chat_request(chat_body)
+        count = await services.engine.count_tokens(chat_body)
+    return _json({"input_tokens": count})
+
+
 # ------------------------------------------------------------------ legacy completions
 
 

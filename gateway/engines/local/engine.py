@@ -276,7 +276,7 @@ class LocalEngine(Engine):
         adapter = request.adapter
         if adapter is not None and (adapter not in self.loaded.adapters or adapter in self._unloading):
             raise NotFound(f"adapter '{adapter}' is not loaded in the local engine", param="model")
-        prompt_ids = self.render(req)
+        prompt_ids = render_prompt(self.tokenizer, req)  # the chat template over messages (+ tools)
         limit, room = completion_room(req, prompt_ids, self._context)
         sampling = sampling_of(req, limit if limit is not None else min(self.default_max_tokens, room))
         job = Job(prompt_ids, req.n, adapter, sampling, req.seed, stream, self.device, request.background)
@@ -284,9 +284,9 @@ class LocalEngine(Engine):
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         return req, job, parse_tools
 
-    def render(self, req: ChatCompletionRequest) -> list[int]:
-        """Prompt token ids: the chat template over messages (+ tools), with the generation prompt."""
-        return render_prompt(self.tokenizer, req)
+    async def count_tokens(self, body: dict) -> int:
+        self._require_started()
+        return len(render_prompt(self.tokenizer, parse_request(body)))  # as _submit renders it
 
     def health(self) -> str | None:
         if self._thread is None:

@@ -165,6 +165,15 @@ class VLLMReplicas(Engine):
             return completion
         raise EngineUnavailable(self._none_serves(request.adapter, tried))
 
+    async def count_tokens(self, body: dict) -> int:
+        tried: list[str] = []
+        for replica in self._order(EngineRequest(body=body, adapter=None, request_id="tokenize")):
+            try:
+                return await replica.engine.count_tokens(body)
+            except EngineUnavailable as exc:  # down or unreached: any replica counts alike
+                tried.append(f"{replica.name}: {exc.message}")
+        raise EngineUnavailable(self._none_serves(None, tried))
+
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         tried: list[str] = []
         for replica in self._order(request):
