@@ -199,6 +199,7 @@ _ERRORS = {
     "401": "missing or wrong API key (when the gateway runs with --api-key)",
     "403": "sent by a web page whose Origin is neither the gateway's own nor one of --cors-origin",
     "404": "no such session, group, model or adapter (count_tokens: an engine with no tokenizer)",
+    "405": "DELETE /v1/responses/{id}: a response of this gateway is a session's training data, not deleted",
     "409": "the request conflicts with the state (e.g. discarding a trained session)",
     "413": "the body is over --max-body-mb",
     "415": "a write whose Content-Type is not application/json (an empty body included)",
@@ -222,7 +223,7 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, dict[str, tupl
     ("post", "/v1/messages/count_tokens"): (
         CountTokensRequest,
         True,
-        {"200": ("the input tokens the message would take (nothing is recorded)", _JSON, "MessageTokensCount")},
+        {"200": ("its input tokens", _JSON, "MessageTokensCount")},
     ),
     ("post", "/v1/completions"): (CompletionRequest, True, {}),
     ("get", "/v1/models"): (None, False, {"200": ("the models served", _JSON, "ModelList")}),
@@ -283,6 +284,7 @@ _ROUTE_ERRORS = {
     ("post", "/v1/chat/completions"): ("400", "401", "404", "413", "502", "503", "504", "507"),
     ("get", "/healthz"): ("413",),
     ("post", "/v1/messages/count_tokens"): ("400", "401", "404", "413", "502", "503", "504"),
+    ("delete", "/v1/responses/{response_id}"): ("401", "404", "405", "413", "502", "503", "504"),
 }
 _MODEL_CALL_ERRORS = ("400", "401", "404", "409", "413", "502", "503", "504", "507")
 for _protocol_path in ("/v1/responses", "/v1/messages", "/v1/completions"):

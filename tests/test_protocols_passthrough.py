@@ -122,12 +122,15 @@ def native_upstream() -> Starlette:
         return JSONResponse({"input_tokens": 42})
 
     async def retrieve(request: Request):
+        if request.method == "DELETE":
+            seen.append(("delete", {"id": request.path_params["rid"]}))
+            return JSONResponse({"id": request.path_params["rid"], "object": "response", "deleted": True})
         return JSONResponse({**RESPONSE, "id": request.path_params["rid"]})
 
     app = Starlette(
         routes=[
             Route("/v1/responses", responses, methods=["POST"]),
-            Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
+            Route("/v1/responses/{rid}", retrieve, methods=["GET", "DELETE"]),
             Route("/v1/messages", messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -162,6 +165,14 @@ def test_responses_relayed_and_recorded_in_chat_form(gateway):
     assert client.responses.retrieve("resp_upstream1").output_text == "native hi"  # asked of the upstream
     message = row["response"]["choices"][0]["message"]
     assert message["content"] == "native hi" and message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+
+
+def test_a_relayed_response_is_deleted_by_the_upstream(gateway):
+    """Relayed, a response is the upstream's to keep or delete (OpenAI's client sends no body)."""
+    server, _, seen = gateway
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    client.responses.delete("resp_upstream1")
+    assert seen[-1] == ("delete", {"id": "resp_upstream1"})
 
 
 def test_responses_continued_by_the_upstreams_id(gateway):

@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from gateway.chat.identity import Identity, identify
-from gateway.errors import ClientGone, InvalidRequest, NotFound
+from gateway.errors import ClientGone, InvalidRequest, MethodNotAllowed, NotFound
 from gateway.http.errors import invalid_body
 from gateway.http.limits import check_prompt_list
 from gateway.protocols import Wire, in_client_terms
@@ -250,6 +250,24 @@ async def get_response(response_id: str, request: Request) -> Response:
         if relay is None or not relay.serves(responses_wire.PROTOCOL) or not _UPSTREAM_ID.fullmatch(response_id):
             raise
     return _json(await services.engine.relay(f"/responses/{response_id}", None))
+
+
+@router.delete("/v1/responses/{response_id}", summary="Delete a stored response (an upstream's, when relayed)")
+async def delete_response(response_id: str, request: Request) -> Response:
+    """Relayed (`--upstream-protocol responses`), the response is the upstream's: it deletes it.
+    Otherwise the response is a call of a session, kept as training data: a 405 that says how
+    to keep it out of training instead (a 404 for an id that is not a response of this gateway)."""
+    services = request.app.state.services
+    relay = services.extras.get("passthrough")
+    if relay is not None and relay.serves(responses_wire.PROTOCOL) and _UPSTREAM_ID.fullmatch(response_id):
+        return _json(await services.engine.relay(f"/responses/{response_id}", None, method="DELETE"))
+    row = await asyncio.to_thread(_stored_response, services.store, response_id)
+    raise MethodNotAllowed(
+        f"response '{response_id}' is not deleted: rlproxy keeps every call as its session's training data. "
+        f"To keep it out of training, discard its session: POST /v1/sessions/{row['session_id']}/discard",
+        param="response_id",
+        code="response_not_deletable",
+    )
 
 
 # ------------------------------------------------------------------ Anthropic Messages
