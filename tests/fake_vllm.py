@@ -337,6 +337,7 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
                     want_lp,
                     top,
                     bool((body.get("stream_options") or {}).get("include_usage")),
+                    bool((body.get("stream_options") or {}).get("continuous_usage_stats")),
                 ),
                 media_type="text/event-stream",
             )
@@ -514,8 +515,15 @@ async def _stream(
     want_lp: bool,
     top: int,
     include_usage: bool,
+    continuous: bool = False,
 ):
     def sse(data: dict) -> bytes:
+        if include_usage and continuous and data.get("choices"):  # vLLM's usage so far, in every chunk
+            data["usage"] = {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": sent,
+                "total_tokens": len(prompt_ids) + sent,
+            }
         return b"data: " + json.dumps(data).encode() + b"\n\n"
 
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}

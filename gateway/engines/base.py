@@ -88,6 +88,9 @@ class Engine(ABC):
     # Whether `load_adapter_on_demand` may leave a step loaded in only part of the engine (some
     # replicas): such a step is loaded again with `load_adapter` before it serves as NAME.
     partial_loads: bool = False
+    # Whether a stream honours vLLM's `stream_options.continuous_usage_stats` (usage in every
+    # chunk, the prompt's tokens from the first): Anthropic's message_start reports them.
+    continuous_usage: bool = False
 
     @property
     def context_length(self) -> int | None:

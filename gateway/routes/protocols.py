@@ -167,7 +167,10 @@ async def _serve(
             headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"},
         )
     if stream:
-        chat_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
+        options = {"include_usage": True}
+        if wire.protocol == messages_wire.PROTOCOL and services.engine.continuous_usage:
+            options["continuous_usage_stats"] = True  # message_start reports the prompt's tokens
+        chat_body = {**chat_body, "stream": True, "stream_options": options}
     with _client_terms(wire.protocol):
         chat_request = _chat_request(chat_body)
         if not stream:

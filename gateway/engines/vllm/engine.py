@@ -87,6 +87,7 @@ def _redacted(hide: list[str], error: UpstreamError) -> UpstreamError:
 class VLLMEngine(Engine):
     kind = "vllm"
     supports_adapters = True
+    continuous_usage = True
 
     def __init__(
         self,

@@ -74,6 +74,7 @@ class VLLMReplicas(Engine):
 
     kind = "vllm"
     supports_adapters = True
+    continuous_usage = True
     partial_loads = True
 
     def __init__(self, engines: list[VLLMEngine], *, routing: str = "affinity", retry_interval: float = 2.0):
