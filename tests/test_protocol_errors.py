@@ -35,6 +35,7 @@ def url(tmp_path_factory):
         ("/v1/responses", {"input": "hi", "temperature": 9}, "temperature"),
         ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": 7}]}, "tools[0].name"),
+        ("/v1/responses", {"input": [{"role": "user"}]}, "input[0].content"),
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ],
