@@ -60,7 +60,7 @@ def test_tools_are_counted(gateway):
     ("body", "status", "says"),
     [
         ({"model": TINY_MODEL_ID}, 400, "messages: Field required"),
-        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+        ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content: Input"),
         ({"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model 'nope' not found"),
     ],

@@ -83,3 +83,14 @@ def test_anthropic_errors_name_the_field_in_the_message(url):
         claude.messages.create(model=TINY_MODEL_ID, max_tokens=2040, messages=[{"role": "user", "content": "hi " * 99}])
     assert "lower 'max_tokens'" in room.value.body["error"]["message"]
     assert "max_completion_tokens" not in room.value.body["error"]["message"]
+
+
+def test_the_message_names_the_field_as_param_does(url):
+    """Not pydantic's place (`messages.0.content.str`, a union member the client never wrote)."""
+    answer = httpx.post(f"{url}/v1/chat/completions", json={"model": TINY_MODEL_ID, "messages": [{"role": "user"}]})
+    assert answer.json()["error"]["message"].startswith("messages[0]: ")
+    bad = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": 5}]}
+    ).json()["error"]
+    assert bad["message"].startswith("messages[0].content: Input should be")
+    assert ".str" not in bad["message"] and "list[" not in bad["message"]

@@ -35,13 +35,18 @@ def error_response(path: str, exc: RLProxyError) -> Response:
     return Response(orjson.dumps(body), status_code=exc.status_code, headers=headers, media_type="application/json")
 
 
-def _validation_text(errors: list) -> str:
-    """Pydantic's validation errors as one sentence: where, and what is wrong."""
-    parts = []
+def _validation_text(errors: list, body: Any = None) -> str:
+    """Pydantic's validation errors as one sentence: where (the client's field, as in `param`,
+    when the body is at hand), and what is wrong."""
+    parts: list[str] = []
     for err in errors[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = tuple(err.get("loc", ()))
+        where = _param_of(loc, err.get("type") == "missing", body) if body is not None else None
+        where = where or ".".join(str(p) for p in loc if p != "body")
         message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
+        part = f"{where}: {message}" if where else message
+        if part not in parts:
+            parts.append(part)
     return "; ".join(parts) or "the request body is not valid"
 
 
@@ -70,7 +75,8 @@ def invalid_body(errors: list, body: Any) -> InvalidRequest:
     """A 400 for a body that failed validation, its `param` the first error's field."""
     first = errors[0] if errors else {}
     return InvalidRequest(
-        _validation_text(errors), param=_param_of(tuple(first.get("loc", ())), first.get("type") == "missing", body)
+        _validation_text(errors, body),
+        param=_param_of(tuple(first.get("loc", ())), first.get("type") == "missing", body),
     )
 
 
