@@ -48,6 +48,11 @@ class NotFound(RLProxyError):
     error_type = "not_found_error"
 
 
+class MethodNotAllowed(RLProxyError):
+    status_code = 405
+    error_type = "invalid_request_error"
+
+
 class Conflict(RLProxyError):
     status_code = 409
     error_type = "conflict_error"

@@ -29,7 +29,7 @@ from gateway.protocols.chat import (
     TriggerRequest,
 )
 from gateway.protocols.completions.wire import CompletionRequest
-from gateway.protocols.messages.wire import MessagesRequest
+from gateway.protocols.messages.wire import CountTokensRequest, MessagesRequest
 from gateway.protocols.responses.wire import ResponsesRequest
 
 _REF = "#/components/schemas/{model}"
@@ -61,6 +61,7 @@ RESPONSE_SCHEMAS: dict[str, dict] = {
     },
     # /v1/messages answers errors as Anthropic documents them
     "AnthropicError": _object({"type": {"const": "error"}, "error": _object({"type": _STRING, "message": _STRING})}),
+    "MessageTokensCount": _object({"input_tokens": {"type": "integer"}}),
     "ChatCompletion": _object(
         {
             "id": _STRING,
@@ -197,7 +198,8 @@ _ERRORS = {
     "400": "the request is not valid: the message says what to fix",
     "401": "missing or wrong API key (when the gateway runs with --api-key)",
     "403": "sent by a web page whose Origin is neither the gateway's own nor one of --cors-origin",
-    "404": "no such session, group, model or adapter",
+    "404": "no such session, group, model or adapter (count_tokens: an engine with no tokenizer)",
+    "405": "DELETE /v1/responses/{id}: a response of this gateway is a session's training data, not deleted",
     "409": "the request conflicts with the state (e.g. discarding a trained session)",
     "413": "the body is over --max-body-mb",
     "415": "a write whose Content-Type is not application/json (an empty body included)",
@@ -218,6 +220,11 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, dict[str, tupl
     # The other protocols: their 200 as FastAPI documents it (the protocol's own object).
     ("post", "/v1/responses"): (ResponsesRequest, True, {}),
     ("post", "/v1/messages"): (MessagesRequest, True, {}),
+    ("post", "/v1/messages/count_tokens"): (
+        CountTokensRequest,
+        True,
+        {"200": ("its input tokens", _JSON, "MessageTokensCount")},
+    ),
     ("post", "/v1/completions"): (CompletionRequest, True, {}),
     ("get", "/v1/models"): (None, False, {"200": ("the models served", _JSON, "ModelList")}),
     ("get", "/v1/models/{model}"): (None, False, {"200": ("one of the models served", _JSON, "Model")}),
@@ -276,6 +283,8 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, bool, dict[str, tupl
 _ROUTE_ERRORS = {
     ("post", "/v1/chat/completions"): ("400", "401", "404", "413", "502", "503", "504", "507"),
     ("get", "/healthz"): ("413",),
+    ("post", "/v1/messages/count_tokens"): ("400", "401", "404", "413", "502", "503", "504"),
+    ("delete", "/v1/responses/{response_id}"): ("401", "404", "405", "413", "502", "503", "504"),
 }
 _MODEL_CALL_ERRORS = ("400", "401", "404", "409", "413", "502", "503", "504", "507")
 for _protocol_path in ("/v1/responses", "/v1/messages", "/v1/completions"):
@@ -370,7 +379,7 @@ def build_openapi(app: FastAPI) -> dict:
                         if path == "/v1/chat/completions"
                         else _ref("ServerSentEvent")
                     }
-            error_schema = _ref("AnthropicError") if path == "/v1/messages" else _ref("Error")
+            error_schema = _ref("AnthropicError") if path.startswith("/v1/messages") else _ref("Error")
             # What the browser guard (gateway/http/browsers.py) answers in front of every route.
             edge = ("403", "415") if method == "post" else ("403",)
             for status in (*_ROUTE_ERRORS.get((method, path), _DEFAULT_ERRORS), *edge):

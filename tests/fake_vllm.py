@@ -337,6 +337,7 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
                     want_lp,
                     top,
                     bool((body.get("stream_options") or {}).get("include_usage")),
+                    bool((body.get("stream_options") or {}).get("continuous_usage_stats")),
                 ),
                 media_type="text/event-stream",
             )
@@ -387,6 +388,15 @@ def create_fake_vllm(state: FakeState) -> FastAPI:
                 "kv_transfer_params": None,
             }
         )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's /tokenize with `messages`: the chat rendering's ids (the stand-in tokenizer's)."""
+        body = await request.json()
+        if body.get("model") != state.base_model:
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist."}}, 404)
+        ids = prompt_ids_for(body.get("messages") or [])
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
 
     @app.post("/fake/script")
     async def script(request: Request) -> JSONResponse:
@@ -505,8 +515,15 @@ async def _stream(
     want_lp: bool,
     top: int,
     include_usage: bool,
+    continuous: bool = False,
 ):
     def sse(data: dict) -> bytes:
+        if include_usage and continuous and data.get("choices"):  # vLLM's usage so far, in every chunk
+            data["usage"] = {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": sent,
+                "total_tokens": len(prompt_ids) + sent,
+            }
         return b"data: " + json.dumps(data).encode() + b"\n\n"
 
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}

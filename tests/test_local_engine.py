@@ -564,8 +564,10 @@ async def test_bad_input_says_what_to_fix(engine):
     long = [{"role": "user", "content": "word " * 3000}]
     with pytest.raises(InvalidRequest, match="context is 2048 tokens.*Shorten the messages"):
         await engine.complete(request(long))
-    with pytest.raises(InvalidRequest, match="max_completion_tokens"):
+    with pytest.raises(InvalidRequest, match="lower 'max_tokens'"):  # the field the request set
         await engine.complete(request(max_tokens=5000))
+    with pytest.raises(InvalidRequest, match="lower 'max_completion_tokens'"):
+        await engine.complete(request(max_completion_tokens=5000))
     with pytest.raises(InvalidRequest, match="messages"):
         await engine.complete(EngineRequest({"model": "tiny", "messages": []}, None, "bad"))
     with pytest.raises(InvalidRequest):

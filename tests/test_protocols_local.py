@@ -440,3 +440,35 @@ def test_a_model_is_retrieved_by_its_name(gateway):
     with pytest.raises(openai.NotFoundError) as missing:
         oai.models.retrieve("no-such-model")
     assert missing.value.body["code"] == "model_not_found" and "agent" in missing.value.body["message"]
+
+
+def test_deleting_a_response_says_why_it_is_kept(gateway):
+    """OpenAI's client sends DELETE with no body: not a 415 asking for JSON. A response is a call of
+    its session, kept as training data: the 405 says so and names the session to discard instead."""
+    oai = openai.OpenAI(base_url=f"{gateway[0].url}/sessions/kept/v1", api_key="x", max_retries=0)
+    response = oai.responses.create(model=TINY_MODEL_ID, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.APIStatusError) as refused:
+        oai.responses.delete(response.id)
+    assert refused.value.status_code == 405 and refused.value.body["code"] == "response_not_deletable"
+    assert "POST /v1/sessions/kept/discard" in refused.value.body["message"]
+    assert oai.responses.retrieve(response.id).id == response.id
+    bare = httpx.delete(f"{gateway[0].url}/v1/responses/resp_unknown")  # no Content-Type at all
+    assert bare.status_code == 404 and bare.json()["error"]["param"] == "response_id"
+
+
+def test_anthropic_stream_reports_input_tokens_at_message_start(gateway):
+    """As Anthropic's API does: message_start already holds the prompt's tokens, and message_delta's
+    final usage still holds them with the output tokens."""
+    claude = anthropic.Anthropic(base_url=gateway[0].url, api_key="x", max_retries=0)
+    asked = {
+        "model": TINY_MODEL_ID,
+        "max_tokens": 4,
+        "system": "be brief",
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    whole = claude.messages.create(**asked)
+    events = list(claude.messages.create(stream=True, **asked))
+    assert events[0].type == "message_start"
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens > 0
+    final = [event for event in events if event.type == "message_delta"][-1]
+    assert final.usage.input_tokens == whole.usage.input_tokens and final.usage.output_tokens == 4

@@ -116,14 +116,23 @@ def native_upstream() -> Starlette:
             }
         )
 
+    async def count_tokens(request: Request):
+        body = await request.json()
+        seen.append(("count_tokens", body))
+        return JSONResponse({"input_tokens": 42})
+
     async def retrieve(request: Request):
+        if request.method == "DELETE":
+            seen.append(("delete", {"id": request.path_params["rid"]}))
+            return JSONResponse({"id": request.path_params["rid"], "object": "response", "deleted": True})
         return JSONResponse({**RESPONSE, "id": request.path_params["rid"]})
 
     app = Starlette(
         routes=[
             Route("/v1/responses", responses, methods=["POST"]),
-            Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
+            Route("/v1/responses/{rid}", retrieve, methods=["GET", "DELETE"]),
             Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
         ]
     )
@@ -158,6 +167,14 @@ def test_responses_relayed_and_recorded_in_chat_form(gateway):
     assert message["content"] == "native hi" and message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
 
 
+def test_a_relayed_response_is_deleted_by_the_upstream(gateway):
+    """Relayed, a response is the upstream's to keep or delete (OpenAI's client sends no body)."""
+    server, _, seen = gateway
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    client.responses.delete("resp_upstream1")
+    assert seen[-1] == ("delete", {"id": "resp_upstream1"})
+
+
 def test_responses_continued_by_the_upstreams_id(gateway):
     """Relayed, response ids are the upstream's, so `previous_response_id` is the upstream's to
     serve (docs/serving.md): passed on as it is, not looked up in the store (a 404)."""
@@ -185,6 +202,16 @@ def test_messages_stream_relayed_and_accumulated(gateway):
     choice = row["response"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "native anthropic"
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"b": 2}
+
+
+def test_count_tokens_asked_of_the_upstream(gateway):
+    """The upstream speaks Messages, so it counts its own tokens; nothing is recorded."""
+    server, services, seen = gateway
+    client = anthropic.Anthropic(base_url=server.url + "/sessions/pt-count", api_key="x", max_retries=0)
+    asked = {"model": "fake-model", "messages": [{"role": "user", "content": "q"}], "system": "s"}
+    assert client.messages.count_tokens(**asked).input_tokens == 42
+    assert seen[-1] == ("count_tokens", asked)
+    assert services.store.session_calls("pt-count") == []
 
 
 def test_messages_server_tools_relayed_as_they_are(gateway):

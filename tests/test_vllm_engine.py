@@ -13,6 +13,7 @@ import math
 import sys
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -710,3 +711,24 @@ def test_adapters_target_the_projections_only_so_vllm_serves_them():
     )
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert lora_targets(model) == projections  # never lm_head: what vLLM serves, whatever the engine
+
+
+def test_anthropic_count_tokens_is_vllms_tokenize(gateway):
+    """vLLM renders and counts with the chat template it serves with: the count is its /tokenize's,
+    the same the call itself then reports as its input tokens."""
+    claude = anthropic.Anthropic(base_url=gateway.server.url, api_key="x", max_retries=0)
+    asked = {"model": "agent", "messages": [{"role": "user", "content": "count me"}]}
+    count = claude.messages.count_tokens(**asked).input_tokens
+    assert count == len(prompt_ids_for(asked["messages"]))
+    assert claude.messages.create(max_tokens=2, **asked).usage.input_tokens == count
+
+
+def test_anthropic_stream_reports_input_tokens_at_message_start(gateway):
+    """vLLM's usage in every chunk (continuous_usage_stats) tells the prompt's tokens with the first one."""
+    claude = anthropic.Anthropic(base_url=gateway.server.url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "count me"}]
+    events = list(claude.messages.create(model="agent", max_tokens=3, messages=messages, stream=True))
+    assert events[0].type == "message_start"
+    assert events[0].message.usage.input_tokens == len(prompt_ids_for(messages))
+    final = [event for event in events if event.type == "message_delta"][-1]
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (len(prompt_ids_for(messages)), 3)

@@ -381,6 +381,19 @@ def test_a_messages_prefill_is_continued_by_vllm(served):
     assert prompt.endswith('answer in JSON<|im_end|>\n<|im_start|>assistant\n{"answer":'), prompt[-120:]
 
 
+def test_anthropic_token_counts_over_vllm(served):
+    """vLLM's /tokenize counts as the call itself does, and its usage in every chunk
+    (continuous_usage_stats) gives message_start the prompt's tokens."""
+    claude = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0)
+    asked = {"model": "agent", "system": "be brief", "messages": [{"role": "user", "content": "Say something."}]}
+    whole = claude.messages.create(max_tokens=4, **asked)
+    assert claude.messages.count_tokens(**asked).input_tokens == whole.usage.input_tokens > 0
+    events = list(claude.messages.create(max_tokens=4, stream=True, **asked))
+    assert events[0].type == "message_start" and events[0].message.usage.input_tokens == whole.usage.input_tokens
+    final = [event for event in events if event.type == "message_delta"][-1]
+    assert final.usage.input_tokens == whole.usage.input_tokens and final.usage.output_tokens >= 1
+
+
 def test_attach_to_a_running_vllm(served, tmp_path):
     args = [
         "--engine",

@@ -27,7 +27,7 @@ from gateway.engines.vllm.routing import rendezvous
 from gateway.errors import EngineUnavailable
 from gateway.settings import Settings
 from gateway.store.sqlite import SQLiteStore
-from tests.fake_vllm import FakeState, create_fake_vllm
+from tests.fake_vllm import FakeState, create_fake_vllm, prompt_ids_for
 from tests.helpers import ThreadServer
 from tests.helpers_vllm import BASE, FAKE_LAUNCHER, fake_state, make_adapter, vllm_settings, wait_until
 
@@ -374,3 +374,13 @@ def test_replicas_that_cannot_all_sleep_wake_again_and_serve_while_the_trainer_w
             assert fakes.states[0].chats_while_asleep == 0
     finally:
         fakes.reset()
+
+
+def test_count_tokens_is_answered_while_a_replica_is_down(attached, fakes):
+    """Anthropic's count_tokens asks any replica's /tokenize (each renders alike): one gone, the other counts."""
+    fakes.stop(1)
+    messages = [{"role": "user", "content": "count me"}]
+    for _ in range(3):  # whichever replica the set tries first
+        answer = attached.http.post("/v1/messages/count_tokens", json={"model": "agent", "messages": messages})
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"input_tokens": len(prompt_ids_for(messages))}

@@ -118,6 +118,12 @@ class PassThrough:
         )
         return answer, target
 
+    async def count_tokens(self, raw: dict) -> dict:
+        """Anthropic's `count_tokens`, asked of the upstream as it is: no model call, nothing recorded."""
+        target = self.chat.registry.resolve(raw["model"])
+        path = PATHS[messages_wire.PROTOCOL] + "/count_tokens"
+        return await self.chat.engine.relay(path, upstream_body(raw, target.model))
+
     async def open_stream(self, protocol: str, raw: dict, chat_body: dict, identity: Identity, request_id: str):
         await self.chat.gate.wait()
         target = self.chat.registry.resolve(raw["model"])

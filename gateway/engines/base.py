@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.errors import NotFound
 from gateway.redact import redact
 
 
@@ -87,6 +88,9 @@ class Engine(ABC):
     # Whether `load_adapter_on_demand` may leave a step loaded in only part of the engine (some
     # replicas): such a step is loaded again with `load_adapter` before it serves as NAME.
     partial_loads: bool = False
+    # Whether a stream honours vLLM's `stream_options.continuous_usage_stats` (usage in every
+    # chunk, the prompt's tokens from the first): Anthropic's message_start reports them.
+    continuous_usage: bool = False
 
     @property
     def context_length(self) -> int | None:
@@ -112,6 +116,16 @@ class Engine(ABC):
     @abstractmethod
     def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         """Yield chunks as they are produced, then exactly one `StreamEnd`."""
+
+    async def count_tokens(self, body: dict) -> int:
+        """The prompt tokens a chat request renders to (the served model's chat template and
+        tokenizer, tools included): Anthropic's `count_tokens`. Nothing is generated or recorded."""
+        # A 404, as from a server without the route: clients that count (Claude Code) then estimate.
+        raise NotFound(
+            f"the {self.kind} engine cannot count tokens: it has no tokenizer of the model's (the local and "
+            "vllm engines count; an upstream that speaks Anthropic's Messages counts by --upstream-protocol messages)",
+            code="count_tokens_not_supported",
+        )
 
     async def load_adapter(self, name: str, path: Path) -> None:
         raise NotImplementedError(f"the {self.kind} engine does not serve adapters")

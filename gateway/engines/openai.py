@@ -227,10 +227,10 @@ class OpenAIEngine(Engine):
 
     # ---------------------------------------------------------------- other protocols, relayed as they are
 
-    async def relay(self, path: str, body: dict | None) -> dict:
-        """POST `body` (GET when None) to `{upstream}{path}` in a protocol the upstream speaks
-        itself (`--upstream-protocol`); its JSON answer, errors mapped as for chat."""
-        head = self._pool.head("GET" if body is None else "POST", path)
+    async def relay(self, path: str, body: dict | None, method: str | None = None) -> dict:
+        """POST `body` (GET when None, or `method`) to `{upstream}{path}` in a protocol the upstream
+        speaks itself (`--upstream-protocol`); its JSON answer, errors mapped as for chat."""
+        head = self._pool.head(method or ("GET" if body is None else "POST"), path)
         status, payload = await self._exchange(head, None if body is None else orjson.dumps(body))
         try:
             data = orjson.loads(payload)

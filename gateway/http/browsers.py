@@ -7,7 +7,9 @@ in front of every route (the chat fast path too), keep such pages out, with a ke
 
 - `Content-Type: application/json` on every write (an empty body included): a page can send
   JSON cross-site only after a CORS preflight, which rlproxy answers only for `--cors-origin`.
-  The dashboard's login form is the one exception: it is a form, and it is same-origin.
+  The dashboard's login form is the one exception: it is a form, and it is same-origin. A
+  DELETE without a body needs none (OpenAI's client sends none): a page can send DELETE
+  cross-site only after a preflight too, whatever its headers.
   (`JsonWritesMiddleware`, inside the key check: who asks comes before what they sent.)
 - `Origin`, when a browser sends one, must be the gateway's own (the `Host` it was reached
   at) or one of `--cors-origin`: a cross-site page's `no-cors` write is refused before it runs.
@@ -87,6 +89,11 @@ def _header(scope: Scope, wanted: bytes) -> str | None:
     return None
 
 
+def _has_body(scope: Scope) -> bool:
+    length = _header(scope, b"content-length")
+    return _header(scope, b"transfer-encoding") is not None or (length is not None and length.strip() != "0")
+
+
 class _Refusing:
     """An ASGI middleware that answers `refusal(scope)`, when there is one, in the route's
     protocol's error shape instead of calling the app."""
@@ -142,6 +149,8 @@ class JsonWritesMiddleware(_Refusing):
 
     def refusal(self, scope: Scope) -> RLProxyError | None:
         if scope["method"] in _READS or scope["path"] in FORM_PATHS:
+            return None
+        if scope["method"] == "DELETE" and not _has_body(scope):
             return None
         content_type = _header(scope, b"content-type")
         if _is_json(content_type):

@@ -5,6 +5,7 @@ class names. Code inside raises `RLProxyError` subclasses and never builds an er
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -34,14 +35,49 @@ def error_response(path: str, exc: RLProxyError) -> Response:
     return Response(orjson.dumps(body), status_code=exc.status_code, headers=headers, media_type="application/json")
 
 
-def _validation_text(errors: list) -> str:
-    """FastAPI's validation errors as one sentence: where, and what is wrong."""
-    parts = []
+def _validation_text(errors: list, body: Any = None) -> str:
+    """Pydantic's validation errors as one sentence: where (the client's field, as in `param`,
+    when the body is at hand), and what is wrong."""
+    parts: list[str] = []
     for err in errors[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = tuple(err.get("loc", ()))
+        where = _param_of(loc, err.get("type") == "missing", body) if body is not None else None
+        where = where or ".".join(str(p) for p in loc if p != "body")
         message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
+        part = f"{where}: {message}" if where else message
+        if part not in parts:
+            parts.append(part)
     return "; ".join(parts) or "the request body is not valid"
+
+
+def _param_of(loc: tuple, missing: bool, body: Any) -> str | None:
+    """The field an error is about, in OpenAI's form (`messages[0].content`), walked along the
+    body the client sent: pydantic's location also names union members (`content.str`) and
+    validator wrappers, which are no field of the client's; a missing field is named too."""
+    place: list[str | int] = []
+    value = body
+    for key in loc:
+        if isinstance(value, dict) and isinstance(key, str):
+            if key not in value and not missing:
+                break
+            place.append(key)
+            value = value.get(key)
+        elif isinstance(value, list) and isinstance(key, int) and 0 <= key < len(value):
+            place.append(key)
+            value = value[key]
+        else:
+            break
+    text = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in place).lstrip(".")
+    return text or None
+
+
+def invalid_body(errors: list, body: Any) -> InvalidRequest:
+    """A 400 for a body that failed validation, its `param` the first error's field."""
+    first = errors[0] if errors else {}
+    return InvalidRequest(
+        _validation_text(errors, body),
+        param=_param_of(tuple(first.get("loc", ())), first.get("type") == "missing", body),
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -51,7 +87,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(request.url.path, InvalidRequest(_validation_text(exc.errors())))
+        errors = exc.errors()
+        loc = tuple(errors[0].get("loc", ())) if errors else ()
+        if loc[:1] == ("body",):
+            param = _param_of(loc[1:], errors[0].get("type") == "missing", exc.body)
+        else:  # a query or path parameter: its name
+            param = str(loc[1]) if len(loc) > 1 else None
+        return error_response(request.url.path, InvalidRequest(_validation_text(errors), param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

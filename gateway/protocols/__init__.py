@@ -21,7 +21,8 @@ chat form; `Wire` is what the chat service records beside it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest
@@ -81,3 +82,22 @@ def text_of(content: object, where: str | None = None) -> str:
 
 
 _TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def in_client_terms(exc: InvalidRequest, fields: Mapping[str, str]) -> InvalidRequest:
+    """`exc`, raised about the translated chat request, told in the client's own terms: a chat
+    field in `param` and in the message (quoted, or a validation error's leading place) becomes
+    the field the client sent (`max_tokens` -> `max_output_tokens`). `fields` maps a chat field
+    to the client's; the place below it (`messages[3].content`) is dropped, since a translation
+    need not keep indices (a system prompt, a Responses input item made into several messages)."""
+    if exc.param:
+        root = re.match(r"[A-Za-z_]+", exc.param)
+        if root and root.group() in fields:
+            exc.param = fields[root.group()]
+    message = exc.message
+    for chat, client in fields.items():
+        message = re.sub(rf"(^|; ){chat}(?=[.:\[])[^:;]*:", rf"\g<1>{client}:", message)
+        message = message.replace(f"'{chat}'", f"'{client}'")
+    exc.message = message
+    exc.args = (message,)
+    return exc

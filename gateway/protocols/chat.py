@@ -78,6 +78,7 @@ class ToolDefinition(_Open):
 
 class StreamOptions(_Open):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (engines with `continuous_usage`)
 
 
 # OpenAI's limit on `stop`, kept where clients speak OpenAI's chat; the engines take more (vLLM

@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.chat.identity import identify
 from gateway.errors import ClientGone, InvalidRequest, NotFound, RLProxyError
+from gateway.http.errors import invalid_body
 from gateway.protocols.chat import ChatCompletionRequest
 from gateway.routes.client_watch import ClientWatch
 
@@ -30,15 +31,6 @@ router = APIRouter()
 SSE_PING_SECONDS = 15.0  # a comment line on a quiet stream, so proxies in between do not time it out
 _IDENTITY_HEADERS = frozenset((b"x-session-id", b"x-group-id", b"x-task-id", b"x-split", b"x-request-id"))
 _JSON = (b"content-type", b"application/json")
-
-
-def validation_message(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
-        message = err.get("msg", "invalid").removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts)
 
 
 def parse_json_body(raw_bytes: bytes) -> dict:
@@ -134,7 +126,7 @@ async def _chat_completions(scope: Scope, receive: Receive, send: Send) -> None:
     try:
         chat_request = ChatCompletionRequest.model_validate(raw)
     except ValidationError as exc:
-        raise InvalidRequest(validation_message(exc)) from None
+        raise invalid_body(exc.errors(), raw) from None
     headers = {
         name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"] if name in _IDENTITY_HEADERS
     }

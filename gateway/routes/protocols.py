@@ -9,9 +9,10 @@ back. Errors leave in each protocol's own shape (`gateway.http.errors.error_resp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -20,9 +21,10 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from gateway.chat.identity import Identity, identify
-from gateway.errors import ClientGone, InvalidRequest, NotFound
+from gateway.errors import ClientGone, InvalidRequest, MethodNotAllowed, NotFound
+from gateway.http.errors import invalid_body
 from gateway.http.limits import check_prompt_list
-from gateway.protocols import Wire
+from gateway.protocols import Wire, in_client_terms
 from gateway.protocols.chat import ChatCompletionRequest, EngineChatRequest
 from gateway.protocols.completions import stream as completions_stream
 from gateway.protocols.completions import translate as completions_translate
@@ -34,7 +36,7 @@ from gateway.protocols.responses import stream as responses_stream
 from gateway.protocols.responses import translate as responses_translate
 from gateway.protocols.responses import wire as responses_wire
 from gateway.routes.client_watch import ClientWatch
-from gateway.routes.openai import read_json, validation_message
+from gateway.routes.openai import read_json
 
 router = APIRouter()
 
@@ -64,14 +66,33 @@ def _reparsed(model: type[BaseModel], raw: dict) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise InvalidRequest(validation_message(exc)) from None
+        raise invalid_body(exc.errors(), raw) from None
+
+
+_CHAT_FIELDS = {
+    responses_wire.PROTOCOL: responses_translate.CHAT_FIELDS,
+    messages_wire.PROTOCOL: messages_translate.CHAT_FIELDS,
+    completions_wire.PROTOCOL: completions_translate.CHAT_FIELDS,
+}
+
+
+@contextlib.contextmanager
+def _client_terms(protocol: str) -> Iterator[None]:
+    """A 400 about the translated chat request names the client's fields, not chat's: a Responses
+    client sent `max_output_tokens`, and an error about `max_tokens` would send it looking for a
+    field it never wrote."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        in_client_terms(exc, _CHAT_FIELDS[protocol])
+        raise
 
 
 def _chat_request(body: dict) -> ChatCompletionRequest:
     try:
         return EngineChatRequest.model_validate(body)  # the translated form: the protocol's own limits held
     except ValidationError as exc:
-        raise InvalidRequest(validation_message(exc)) from None
+        raise invalid_body(exc.errors(), body) from None  # named in the client's terms by _client_terms
 
 
 class _Encoder:
@@ -146,19 +167,23 @@ async def _serve(
             headers={**_headers(identity.session_id, target.step), "Cache-Control": "no-cache"},
         )
     if stream:
-        chat_body = {**chat_body, "stream": True, "stream_options": {"include_usage": True}}
-    chat_request = _chat_request(chat_body)
-    if not stream:
-        watch = ClientWatch(request.receive)
-        try:
-            response, target = await watch.run(
-                services.chat.complete(chat_request, chat_body, identity, request_id, wire, client_left=watch.left)
-            )
-        except ClientGone:
-            return Response(status_code=499)  # recorded as 499; nobody reads this
+        options = {"include_usage": True}
+        if wire.protocol == messages_wire.PROTOCOL and services.engine.continuous_usage:
+            options["continuous_usage_stats"] = True  # message_start reports the prompt's tokens
+        chat_body = {**chat_body, "stream": True, "stream_options": options}
+    with _client_terms(wire.protocol):
+        chat_request = _chat_request(chat_body)
+        if not stream:
+            watch = ClientWatch(request.receive)
+            try:
+                response, target = await watch.run(
+                    services.chat.complete(chat_request, chat_body, identity, request_id, wire, client_left=watch.left)
+                )
+            except ClientGone:
+                return Response(status_code=499)  # recorded as 499; nobody reads this
 
-        return _json(to_wire(response), headers=_headers(identity.session_id, target.step))
-    events, target = await services.chat.open_stream(chat_request, chat_body, identity, request_id, wire)
+            return _json(to_wire(response), headers=_headers(identity.session_id, target.step))
+        events, target = await services.chat.open_stream(chat_request, chat_body, identity, request_id, wire)
     return StreamingResponse(
         _encode(events, encoder()),
         media_type="text/event-stream",
@@ -230,6 +255,24 @@ async def get_response(response_id: str, request: Request) -> Response:
     return _json(await services.engine.relay(f"/responses/{response_id}", None))
 
 
+@router.delete("/v1/responses/{response_id}", summary="Delete a stored response (an upstream's, when relayed)")
+async def delete_response(response_id: str, request: Request) -> Response:
+    """Relayed (`--upstream-protocol responses`), the response is the upstream's: it deletes it.
+    Otherwise the response is a call of a session, kept as training data: a 405 that says how
+    to keep it out of training instead (a 404 for an id that is not a response of this gateway)."""
+    services = request.app.state.services
+    relay = services.extras.get("passthrough")
+    if relay is not None and relay.serves(responses_wire.PROTOCOL) and _UPSTREAM_ID.fullmatch(response_id):
+        return _json(await services.engine.relay(f"/responses/{response_id}", None, method="DELETE"))
+    row = await asyncio.to_thread(_stored_response, services.store, response_id)
+    raise MethodNotAllowed(
+        f"response '{response_id}' is not deleted: rlproxy keeps every call as its session's training data. "
+        f"To keep it out of training, discard its session: POST /v1/sessions/{row['session_id']}/discard",
+        param="response_id",
+        code="response_not_deletable",
+    )
+
+
 # ------------------------------------------------------------------ Anthropic Messages
 
 
@@ -255,6 +298,24 @@ async def create_message(request: Request) -> Response:
         lambda: messages_stream.MessagesStream(raw, msg_id),
         body.stream,
     )
+
+
+@router.post("/v1/messages/count_tokens", summary="Count a message's input tokens (Anthropic Messages API)")
+async def count_message_tokens(request: Request) -> Response:
+    """The input tokens `POST /v1/messages` with this body would take: the served model's chat
+    template and tokenizer over it, tools included. Not a model call: nothing is recorded."""
+    raw = await read_json(request)
+    body = _reparsed(messages_wire.CountTokensRequest, raw)
+    services = request.app.state.services
+    if _relayed(request, messages_wire.PROTOCOL):
+        return _json(await services.extras["passthrough"].count_tokens(raw))
+    messages_translate.refuse_builtin_tools(body)
+    services.registry.resolve(body.model)  # a model this gateway does not serve is a 404, as on /v1/messages
+    chat_body = {key: value for key, value in messages_translate.to_chat(body).items() if value is not None}
+    with _client_terms(messages_wire.PROTOCOL):
+        _chat_request(chat_body)
+        count = await services.engine.count_tokens(chat_body)
+    return _json({"input_tokens": count})
 
 
 # ------------------------------------------------------------------ legacy completions
@@ -300,16 +361,17 @@ async def create_completion(request: Request) -> Response:
         call_id = request_id if i == 0 else f"{request_id}.{i}"
         watch = ClientWatch(request.receive)
         try:
-            response, target = await watch.run(
-                services.chat.complete(
-                    _chat_request(chat_body),
-                    chat_body,
-                    identity,
-                    call_id,
-                    Wire(completions_wire.PROTOCOL, raw, to_wire),
-                    client_left=watch.left,
+            with _client_terms(completions_wire.PROTOCOL):
+                response, target = await watch.run(
+                    services.chat.complete(
+                        _chat_request(chat_body),
+                        chat_body,
+                        identity,
+                        call_id,
+                        Wire(completions_wire.PROTOCOL, raw, to_wire),
+                        client_left=watch.left,
+                    )
                 )
-            )
         except ClientGone:
             return Response(status_code=499)  # recorded as 499; nobody reads this
         answers.append(to_wire(response))

@@ -12,10 +12,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from gateway.chat.identity import check_id
-from gateway.errors import Forbidden, InvalidRequest, StoreUnavailable
+from gateway.errors import Forbidden, StoreUnavailable
+from gateway.http.errors import invalid_body
 from gateway.promotion.serving import loading
 from gateway.protocols.chat import DiscardRequest, GroupCloseRequest, RewardRequest, TriggerRequest
-from gateway.routes.openai import read_json, validation_message
+from gateway.routes.openai import read_json
 from gateway.settings import Settings
 from gateway.store import LiveRule, Store
 from gateway.store.steps import paused_reason
@@ -35,7 +36,7 @@ async def parse(request: Request, model: type[Body], *, allow_empty: bool = Fals
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise InvalidRequest(validation_message(exc)) from None
+        raise invalid_body(exc.errors(), raw) from None
 
 
 def require_admin(request: Request) -> None:

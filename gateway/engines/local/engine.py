@@ -34,6 +34,7 @@ from gateway.engines.local.jobs import BASE_ADAPTER, ChoiceResult, Control, Job
 from gateway.engines.local.model import LocalModel
 from gateway.engines.local.request import completion_room, parse_request, render_prompt, sampling_of
 from gateway.engines.local.response import (
+    Chunks,
     LogprobEntries,
     assistant_message,
     completion_id,
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 class LocalEngine(Engine):
     kind = "local"
     supports_adapters = True
+    continuous_usage = True
 
     def __init__(
         self,
@@ -192,31 +194,13 @@ class LocalEngine(Engine):
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         req, job, parse_tools = self._submit(request, stream=True)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head = {
             "id": completion_id(request.request_id),
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": req.model,
         }
-
-        def chunk(index: int, delta: dict, logprobs: list | None = None, end: dict | None = None):
-            data = {
-                **head,
-                "choices": [
-                    {
-                        "index": index,
-                        "delta": delta,
-                        "logprobs": {"content": logprobs} if logprobs is not None else None,
-                        "finish_reason": None,
-                        **(end or {}),
-                    }
-                ],
-            }
-            if include_usage:
-                data["usage"] = None
-            return StreamChunk(data)
-
+        chunk = Chunks(head, req.stream_options, len(job.prompt_ids))
         streamed = [""] * job.n  # raw text received per choice
         tool_streams = [ToolCallStream() for _ in range(job.n)] if parse_tools else None
         pending_logprobs: list[list] = [[] for _ in range(job.n)]
@@ -231,6 +215,7 @@ class LocalEngine(Engine):
                     raise payload
                 if kind == "delta":
                     for index, text, ids, logprobs, top in payload:
+                        chunk.produced += len(ids)
                         if req.logprobs:
                             pending_logprobs[index] += self._logprobs.entries(ids, logprobs, top)
                         streamed[index] += text
@@ -265,7 +250,7 @@ class LocalEngine(Engine):
         except BaseException:
             job.cancelled.set()
             raise
-        if include_usage:
+        if chunk.include_usage:
             yield StreamChunk({**head, "choices": [], "usage": usage(job.prompt_ids, results)})
         yield StreamEnd(token_record(job, results))
 
@@ -276,7 +261,7 @@ class LocalEngine(Engine):
         adapter = request.adapter
         if adapter is not None and (adapter not in self.loaded.adapters or adapter in self._unloading):
             raise NotFound(f"adapter '{adapter}' is not loaded in the local engine", param="model")
-        prompt_ids = self.render(req)
+        prompt_ids = render_prompt(self.tokenizer, req)  # the chat template over messages (+ tools)
         limit, room = completion_room(req, prompt_ids, self._context)
         sampling = sampling_of(req, limit if limit is not None else min(self.default_max_tokens, room))
         job = Job(prompt_ids, req.n, adapter, sampling, req.seed, stream, self.device, request.background)
@@ -284,9 +269,9 @@ class LocalEngine(Engine):
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         return req, job, parse_tools
 
-    def render(self, req: ChatCompletionRequest) -> list[int]:
-        """Prompt token ids: the chat template over messages (+ tools), with the generation prompt."""
-        return render_prompt(self.tokenizer, req)
+    async def count_tokens(self, body: dict) -> int:
+        self._require_started()
+        return len(render_prompt(self.tokenizer, parse_request(body)))  # as _submit renders it
 
     def health(self) -> str | None:
         if self._thread is None:

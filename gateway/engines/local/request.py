@@ -60,9 +60,11 @@ def completion_room(req: ChatCompletionRequest, prompt_ids: list[int], context: 
     room = context - len(prompt_ids)
     if room < 1 or (limit is not None and limit > room):
         asked = f" + {limit} completion tokens" if limit is not None else ""
+        field = "'max_completion_tokens'" if req.max_completion_tokens else "'max_tokens'"
+        lower = f" or lower {field}" if limit is not None else ""  # quoted: another protocol names its own
         raise InvalidRequest(
             f"this model's context is {context} tokens; the messages take {len(prompt_ids)} tokens{asked}. "
-            "Shorten the messages or lower max_completion_tokens / max_tokens.",
+            f"Shorten the messages{lower}.",
             param="messages",
             code="context_length_exceeded",
         )

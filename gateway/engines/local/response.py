@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from gateway.engines.base import ChoiceTokens, TokenRecord
+from gateway.engines.base import ChoiceTokens, StreamChunk, TokenRecord
 from gateway.engines.local.jobs import ChoiceResult, Job
 from gateway.protocols.toolcalls import parse_tool_calls
 
@@ -45,6 +45,30 @@ def usage(prompt_ids: list[int], results: list[ChoiceResult]) -> dict:
         "completion_tokens": completion,
         "total_tokens": len(prompt_ids) + completion,
     }
+
+
+class Chunks:
+    """A stream's chat.completion.chunk objects: the fields they share, and `usage` as the client
+    asked: none, null until the last chunk (`include_usage`), or so far in every chunk (vLLM's
+    `continuous_usage_stats`; the first then tells the prompt's tokens)."""
+
+    def __init__(self, head: dict, stream_options, prompt_tokens: int):
+        self.head = head
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.continuous = self.include_usage and stream_options.continuous_usage_stats
+        self.prompt_tokens = prompt_tokens
+        self.produced = 0  # completion tokens so far, every choice
+
+    def __call__(self, index: int, delta: dict, logprobs: list | None = None, end: dict | None = None) -> StreamChunk:
+        choice = {"index": index, "delta": delta, "logprobs": {"content": logprobs} if logprobs is not None else None}
+        data = {**self.head, "choices": [{**choice, "finish_reason": None, **(end or {})}]}
+        if self.include_usage:
+            data["usage"] = self.usage() if self.continuous else None
+        return StreamChunk(data)
+
+    def usage(self) -> dict:
+        total = self.prompt_tokens + self.produced
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.produced, "total_tokens": total}
 
 
 def token_record(job: Job, results: list[ChoiceResult]) -> TokenRecord:

@@ -87,6 +87,7 @@ def _redacted(hide: list[str], error: UpstreamError) -> UpstreamError:
 class VLLMEngine(Engine):
     kind = "vllm"
     supports_adapters = True
+    continuous_usage = True
 
     def __init__(
         self,
@@ -242,6 +243,19 @@ class VLLMEngine(Engine):
         tokens = splitter.record()
         self._warn_if_no_tokens(tokens)
         yield StreamEnd(tokens=tokens)
+
+    async def count_tokens(self, body: dict) -> int:
+        """vLLM's /tokenize renders the messages with the chat template it serves with."""
+        self.supervisor.check_ready()
+        keys = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+        ask = {"model": self._vllm_base, **{key: body[key] for key in keys if key in body}}
+        status, payload = await self.client.post("/tokenize", ask)
+        if status >= 400:
+            raise self._answer_error(status, payload, EngineRequest(body=body, adapter=None, request_id="tokenize"))
+        count = loads(payload, "a /tokenize answer").get("count")
+        if not isinstance(count, int):
+            raise UpstreamError("vLLM's /tokenize answer holds no 'count'")
+        return count
 
     def _warn_if_no_tokens(self, tokens: TokenRecord | None) -> None:
         if tokens is None and not self._warned_no_tokens:

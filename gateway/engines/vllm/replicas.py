@@ -74,6 +74,7 @@ class VLLMReplicas(Engine):
 
     kind = "vllm"
     supports_adapters = True
+    continuous_usage = True
     partial_loads = True
 
     def __init__(self, engines: list[VLLMEngine], *, routing: str = "affinity", retry_interval: float = 2.0):
@@ -164,6 +165,15 @@ class VLLMReplicas(Engine):
             replica.calls += 1
             return completion
         raise EngineUnavailable(self._none_serves(request.adapter, tried))
+
+    async def count_tokens(self, body: dict) -> int:
+        tried: list[str] = []
+        for replica in self._order(EngineRequest(body=body, adapter=None, request_id="tokenize")):
+            try:
+                return await replica.engine.count_tokens(body)
+            except EngineUnavailable as exc:  # down or unreached: any replica counts alike
+                tried.append(f"{replica.name}: {exc.message}")
+        raise EngineUnavailable(self._none_serves(None, tried))
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
         tried: list[str] = []

@@ -9,6 +9,9 @@ from typing import Any
 from gateway.protocols import text_of
 from gateway.protocols.completions.wire import CompletionRequest
 
+# The chat fields to_chat fills from another field of the request: an error about one names the client's.
+CHAT_FIELDS = {"messages": "prompt", "top_logprobs": "logprobs", "logprobs": "logprobs"}
+
 
 def to_chat(request: CompletionRequest, prompt: str) -> dict:
     body: dict[str, Any] = {"model": request.model, "messages": [{"role": "user", "content": prompt}], "n": request.n}

@@ -21,12 +21,21 @@ class MessagesStream:
         self.finish_reason: str | None = None
         self.stop_reason: object = None  # the engine's: the stop string that ended choice 0, if one did
         self.usage: dict | None = None
+        self.started = False
 
     @staticmethod
     def _event(kind: str, **fields: Any) -> tuple[str, bytes]:
         return kind, orjson.dumps({"type": kind, **fields})
 
     def start(self) -> list[tuple[str, bytes]]:
+        # message_start waits for the first chunk: from an engine with `continuous_usage` its usage
+        # holds the prompt's tokens, which Anthropic reports in message_start already.
+        return []
+
+    def _started(self) -> list[tuple[str, bytes]]:
+        if self.started:
+            return []
+        self.started = True
         message = {
             "id": self.msg_id,
             "type": "message",
@@ -35,7 +44,7 @@ class MessagesStream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": {"input_tokens": (self.usage or {}).get("prompt_tokens", 0), "output_tokens": 0},
         }
         return [self._event("message_start", message=message)]
 
@@ -52,9 +61,9 @@ class MessagesStream:
         return [self._event("content_block_stop", index=self.block)]
 
     def chunk(self, chunk: dict) -> list[tuple[str, bytes]]:
-        events: list[tuple[str, bytes]] = []
         if chunk.get("usage"):
             self.usage = chunk["usage"]
+        events = self._started()
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue
@@ -89,7 +98,7 @@ class MessagesStream:
         return events
 
     def finish(self) -> list[tuple[str, bytes]]:
-        events = self._close()
+        events = self._started() + self._close()
         stop_reason, stop_sequence = stop_of(self.finish_reason, self.stop_reason, self.request)
         events.append(
             self._event(
@@ -103,4 +112,4 @@ class MessagesStream:
 
     def error(self, error: dict) -> list[tuple[str, bytes]]:
         body = error.get("error") or {}
-        return [("error", orjson.dumps(error_body(500, body.get("message", "the stream failed"))))]
+        return self._started() + [("error", orjson.dumps(error_body(500, body.get("message", "the stream failed"))))]

@@ -124,6 +124,16 @@ def _tools(tools: list[Tool]) -> list[dict]:
     return out
 
 
+# The chat fields to_chat fills from another field of the request: an error about one names the client's.
+CHAT_FIELDS = {
+    "messages": "messages",
+    "stop": "stop_sequences",
+    "tools": "tools",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "tool_choice",
+}
+
+
 def to_chat(request: MessagesRequest) -> dict:
     messages: list[dict] = []
     if request.system:

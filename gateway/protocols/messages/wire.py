@@ -43,6 +43,12 @@ class MessagesRequest(_Open):
     top_p: float | None = Field(default=None, gt=0, le=1)
 
 
+class CountTokensRequest(MessagesRequest):
+    """`POST /v1/messages/count_tokens`: a message's body without `max_tokens` (nothing is generated)."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
 # Anthropic's error types by HTTP status (its reference's table).
 _ERROR_TYPES = {
     400: "invalid_request_error",

@@ -76,6 +76,8 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                     f"input[{i}]: role '{role}' is not one of user, assistant, system, developer",
                     param=f"input[{i}].role",
                 )
+            if item.get("content") is None:  # answered, the model would get an empty turn in its place
+                raise InvalidRequest(f"input[{i}]: a message item needs 'content'", param=f"input[{i}].content")
             for part in item.get("content") if isinstance(item.get("content"), list) else []:
                 if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text", "text", "refusal"):
                     raise InvalidRequest(
@@ -121,6 +123,17 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 param=f"input[{i}].type",
             )
     return messages
+
+
+# The chat fields to_chat fills from another field of the request: an error about one names the client's.
+CHAT_FIELDS = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+    "tools": "tools",
+    "tool_choice": "tool_choice",
+}
 
 
 def to_chat(request: ResponsesRequest, history: list[dict] | None = None) -> dict:
