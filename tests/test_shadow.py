@@ -37,16 +37,20 @@ def judge():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory, judge):
-    settings = Settings(
-        state_dir=tmp_path_factory.mktemp("state"),
+    with ThreadServer(create_app(shadow_settings(tmp_path_factory.mktemp("state"), judge.url))) as server:
+        yield server
+
+
+def shadow_settings(state_dir, judge_url: str) -> Settings:
+    """K shadow samples of each live call, judged by the fake judge at `judge_url`."""
+    return Settings(
+        state_dir=state_dir,
         trainer="off",
         default_max_tokens=6,
         shadow_samples=K,
         shadow_judge_model="openai/judge",
-        shadow_judge_api_base=judge.url,
+        shadow_judge_api_base=judge_url,
     )
-    with ThreadServer(create_app(settings)) as server:
-        yield server
 
 
 def ask(server, session_id: str, **extra):
@@ -148,14 +152,7 @@ def test_a_gateway_stopped_while_its_judge_thinks_leaves_the_group_failed_not_ru
         return good_answer(body)
 
     with FakeJudge(answers=[slow_answer]) as judge:
-        settings = Settings(
-            state_dir=tmp_path,
-            trainer="off",
-            default_max_tokens=6,
-            shadow_samples=K,
-            shadow_judge_model="openai/judge",
-            shadow_judge_api_base=judge.url,
-        )
+        settings = shadow_settings(tmp_path, judge.url)
         with ThreadServer(create_app(settings)) as server:
             call_id, _ = ask(server, "stopped-1", temperature=1.0)
             assert asked.wait(60)

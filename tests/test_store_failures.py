@@ -275,11 +275,8 @@ def test_full_tmpfs_answers_507_and_recovers_when_space_is_freed(upstream):
 # ---------------------------------------------------------------- the trainer
 
 
-def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(tmp_path):
-    """The store fails while the worker looks for groups, then again as it records a step
-    (its checkpoint saved): it waits, then records that step from its checkpoint, once."""
-    import threading
-
+def _worker_with_two_groups(tmp_path):
+    """A started trainer worker (the tiny model, CPU) and two ready groups, g1 and g2."""
     from tests.helpers_trainer import Recorder, trainer_settings
     from trainer.worker import TrainerWorker
 
@@ -290,6 +287,29 @@ def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(
     recorder.close()
     worker = TrainerWorker(settings)
     worker.start()
+    return settings, worker
+
+
+def _run_until_step_one(worker) -> None:
+    """The worker on a thread of its own until it recorded steps 0 and 1 (a hang guard bounds it)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
+                break
+            stop.wait(0.1)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        worker.close()
+
+
+def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(tmp_path):
+    """The store fails while the worker looks for groups, then again as it records a step
+    (its checkpoint saved): it waits, then records that step from its checkpoint, once."""
+    settings, worker = _worker_with_two_groups(tmp_path)
     failures = {"ready_groups": 2, "insert_step": 1}
 
     def failing(name):
@@ -305,18 +325,7 @@ def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(
 
     worker.store.ready_groups = failing("ready_groups")
     worker.store.insert_step = failing("insert_step")
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        for _ in range(600):
-            if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
-                break
-            stop.wait(0.1)
-    finally:
-        stop.set()
-        thread.join(timeout=120)
-        worker.close()
+    _run_until_step_one(worker)
     store = SQLiteStore(settings.db_path)
     assert failures == {"ready_groups": 0, "insert_step": 0}
     steps = store.steps("agent")
@@ -430,18 +439,8 @@ def test_a_checkpoint_disk_that_is_full_sets_no_group_aside_and_the_step_lands_o
     # A checkpoint write failing (ENOSPC) counted as the batch's fault: bisected, retried, and
     # after the attempt limit every group was set aside as failed for good, rewards and all.
     import errno
-    import threading
 
-    from tests.helpers_trainer import Recorder, trainer_settings
-    from trainer.worker import TrainerWorker
-
-    settings = trainer_settings(tmp_path)
-    recorder = Recorder(settings)
-    recorder.group("g1", [1.0, 0.0])
-    recorder.group("g2", [0.0, 1.0])
-    recorder.close()
-    worker = TrainerWorker(settings)
-    worker.start()
+    settings, worker = _worker_with_two_groups(tmp_path)
     backend, real_save, full = worker.backend, worker.backend.save, {"saves": 8}
 
     def save(directory):
@@ -452,18 +451,7 @@ def test_a_checkpoint_disk_that_is_full_sets_no_group_aside_and_the_step_lands_o
         real_save(directory)
 
     backend.save = save
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        for _ in range(600):
-            if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
-                break
-            stop.wait(0.1)
-    finally:
-        stop.set()
-        thread.join(timeout=120)
-        worker.close()
+    _run_until_step_one(worker)
     store = SQLiteStore(settings.db_path)
     assert full["saves"] == 0
     groups = [store.get_group(g) for g in ("g1", "g2")]
