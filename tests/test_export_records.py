@@ -239,6 +239,8 @@ def test_openai_export_is_valid_fine_tuning_data_one_line_per_trained_sample(tra
     assert len(lines) == 5
     for line in lines:
         validate_fine_tuning_line(line)
+        # Both replies of a merged session were sampled and trained: neither says weight 0.
+        assert not any("weight" in message for message in line["messages"])
     first = lines[0]
     assert [m["role"] for m in first["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
     call = first["messages"][2]["tool_calls"][0]

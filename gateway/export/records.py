@@ -131,7 +131,7 @@ def _write_openai(samples: Iterator[ExportedSample], output: str) -> int:
     rows = 0
     with _output(output) as out:
         for item in samples:
-            line = conversation(item.call.get("request") or {}, item.call.get("response") or {})
+            line = conversation(item.call.get("request") or {}, item.call.get("response") or {}, set(item.trained))
             if line is not None:
                 out.write(orjson.dumps(line) + b"\n")
                 rows += 1
