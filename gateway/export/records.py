@@ -28,6 +28,8 @@ from gateway.store import SessionFilter
 from gateway.store.open import SQLITE_SCHEME, is_postgres_url
 
 FORMATS = ("rlproxy", "openai", "parquet")
+PARQUET_BATCH_ROWS = 1024
+"""Samples held in memory before they go to the parquet file as one row group."""
 
 
 @dataclass(frozen=True)
@@ -108,12 +110,14 @@ def export_trajectories(
     _not_the_store(output, db_path)
     store = open_store(db_path)
     try:
-        sessions = list(select_sessions(store, where))
+        # One session (calls included) at a time, from the store to the file: a store of a
+        # million sessions exports in the memory of its largest one.
+        sessions = _Counted(select_sessions(store, where))
         if fmt == "rlproxy":
             with _output(output) as out:
                 for session in sessions:
                     out.write(orjson.dumps(session, default=str) + b"\n")
-            return ExportResult(len(sessions), len(sessions))
+            return ExportResult(sessions.count, sessions.count)
         from gateway.settings import TINY_MODEL_ID
 
         render = LazyRenderer(base_model or TINY_MODEL_ID, state_dir, chat_template)
@@ -122,9 +126,22 @@ def export_trajectories(
             rows = _write_openai(samples, output)
         else:
             rows = _write_parquet(samples, output)
-        return ExportResult(len(sessions), rows)
+        return ExportResult(sessions.count, rows)
     finally:
         close_store(store)
+
+
+class _Counted:
+    """The sessions of a selection, passed on one by one and counted on the way."""
+
+    def __init__(self, sessions: Iterator[dict]):
+        self._sessions = sessions
+        self.count = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        for session in self._sessions:
+            self.count += 1
+            yield session
 
 
 def _write_openai(samples: Iterator[ExportedSample], output: str) -> int:
@@ -198,7 +215,15 @@ def _write_parquet(samples: Iterator[ExportedSample], output: str) -> int:
     except ImportError:
         raise ConfigError("--format parquet needs pyarrow: pip install 'rlproxy[export]'") from None
     schema = parquet_schema()
-    rows = [_row(item) for item in samples]
     check_output(output)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), output)
-    return len(rows)
+    written = 0
+    batch: list[dict] = []
+    with pq.ParquetWriter(output, schema) as writer:  # an empty selection still writes the schema
+        for item in samples:
+            batch.append(_row(item))
+            if len(batch) == PARQUET_BATCH_ROWS:
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+                written, batch = written + len(batch), []
+        if batch:
+            writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+    return written + len(batch)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,15 +107,21 @@ def trained_replies(calls: list[dict], first: int, last: int, render: Any) -> se
     return positions
 
 
+STEPS_KEPT = 8
+"""Step batches `StepBatches` keeps rebuilt: sessions come oldest first, so those of one step
+come together, and an export of many steps holds a few steps' samples, not every one."""
+
+
 class StepBatches:
-    """The batch each step trained on, rebuilt once per step and kept."""
+    """The batch each step trained on, rebuilt when a session of it comes and kept while
+    recent (`STEPS_KEPT`)."""
 
     def __init__(self, store: Store, settings_dir: Path, render: Any):
         self.store = store
         self.render = render
         self.models_dir = Path(settings_dir)
         self._rows = {(row["model"], row["step"]): row for row in store.steps()}
-        self._cache: dict[tuple[str, int], dict[str, list[Sample]]] = {}
+        self._cache: OrderedDict[tuple[str, int], dict[str, list[Sample]]] = OrderedDict()
 
     def _settings(self, row: dict) -> dict:
         """The settings saved beside the step's checkpoint (defaults if it is gone)."""
@@ -150,6 +157,9 @@ class StepBatches:
                 for sample in batch.samples:
                     by_session.setdefault(sample.trajectory_id, []).append(sample)
             self._cache[key] = by_session
+            if len(self._cache) > STEPS_KEPT:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
         return self._cache[key]
 
 
