@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import pyarrow.parquet as pq
 import pytest
 
 from gateway.app import create_app
@@ -112,4 +113,34 @@ def test_a_prefill_and_its_continuation_are_one_assistant_message(recorded, tmp_
     assert line["messages"] == [
         {"role": "user", "content": "Say hi"},
         {"role": "assistant", "content": prefill + replies[session_id]},
+    ]
+
+
+def test_a_parquet_row_of_a_prefill_holds_the_message_the_model_produced(recorded, tmp_path):
+    # Its token ids are the prompt up to the prefill's text and the continuation: one message.
+    settings, replies = recorded
+    out = tmp_path / "prefill.parquet"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "export",
+            "--state-dir",
+            str(settings.state_dir),
+            "--format",
+            "parquet",
+            "--group",
+            "prefill",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    (row,) = pq.read_table(out).to_pylist()
+    assert json.loads(row["messages"]) == [
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "Sure, here" + replies["prefill"]},
     ]

@@ -91,11 +91,9 @@ def reply_position(request: dict) -> int:
     return n - 1 if _is_prefill(request) else n
 
 
-def conversation(request: dict, response: dict, trained: set[int] | None = None) -> dict | None:
-    """The request's messages plus choice 0's reply (and the request's tools); None when
-    the call has no reply to learn from. `trained`: the positions of the assistant messages
-    the trainer trained (`reply_position` of each trained call); the others get weight 0.
-    None: the reply alone."""
+def wire_messages(request: dict, response: dict) -> list[dict] | None:
+    """The request's messages (as recorded) plus choice 0's reply, a prefill and its continuation
+    as one message; None when the call has no reply."""
     choices = (response or {}).get("choices") or []
     if not choices or not choices[0].get("message"):
         return None
@@ -104,7 +102,18 @@ def conversation(request: dict, response: dict, trained: set[int] | None = None)
     if _is_prefill(request):
         prefill = wire.pop()
         reply = {**reply, "content": _plain(prefill.get("content")) + _plain(reply.get("content"))}
-    messages = [fine_tune_message(m) for m in [*wire, reply]]
+    return [*wire, reply]
+
+
+def conversation(request: dict, response: dict, trained: set[int] | None = None) -> dict | None:
+    """The request's messages plus choice 0's reply (and the request's tools); None when
+    the call has no reply to learn from. `trained`: the positions of the assistant messages
+    the trainer trained (`reply_position` of each trained call); the others get weight 0.
+    None: the reply alone."""
+    wire = wire_messages(request, response)
+    if wire is None:
+        return None
+    messages = [fine_tune_message(m) for m in wire]
     trained = {len(messages) - 1} if trained is None else trained
     for position, message in enumerate(messages):
         if message["role"] == "assistant" and position not in trained:

@@ -21,7 +21,7 @@ from typing import IO
 import orjson
 
 from gateway.errors import ConfigError, InvalidRequest
-from gateway.export.openai_format import conversation
+from gateway.export.openai_format import conversation, wire_messages
 from gateway.export.samples import ExportedSample, LazyRenderer, exported_samples
 from gateway.export.selection import close_store, open_store, select_sessions
 from gateway.store import SessionFilter
@@ -175,7 +175,7 @@ def parquet_schema():
             ("temperatures", pa.list_(pa.float64())),  # the temperature each token was sampled (and is scored) at
             ("prompt_ids", pa.list_(pa.int32())),  # token_ids before the first trained token
             ("completion_ids", pa.list_(pa.int32())),  # token_ids from the first trained token on
-            ("messages", pa.string()),  # JSON: the conversation (request messages + reply)
+            ("messages", pa.string()),  # JSON: request messages + reply (a prefill and its continuation: one)
             ("tools", pa.string()),  # JSON: the request's tools, or null
         ]
     )
@@ -185,8 +185,7 @@ def _row(item: ExportedSample) -> dict:
     sample, session, call = item.sample, item.session, item.call
     first = sample.loss_mask.index(True)
     request = call.get("request") or {}
-    choices = (call.get("response") or {}).get("choices") or [{}]
-    messages = [*(request.get("messages") or []), choices[0].get("message")]
+    messages = wire_messages(request, call.get("response") or {}) or list(request.get("messages") or [])
     return {
         "session_id": session["id"],
         "group_id": session.get("group_id"),
@@ -203,7 +202,7 @@ def _row(item: ExportedSample) -> dict:
         "temperatures": list(sample.temperatures) if sample.temperatures is not None else [1.0] * len(sample.token_ids),
         "prompt_ids": list(sample.token_ids[:first]),
         "completion_ids": list(sample.token_ids[first:]),
-        "messages": orjson.dumps([m for m in messages if m is not None]).decode(),
+        "messages": orjson.dumps(messages).decode(),
         "tools": orjson.dumps(request["tools"]).decode() if request.get("tools") else None,
     }
 
