@@ -73,22 +73,26 @@ class LazyRenderer:
         return self._render(request, response)
 
 
-def _same_tokens(a: Sample, b: Sample) -> bool:
-    return a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+def _ends_with(partial: Sample, sample: Sample) -> bool:
+    """Whether the calls so far, merged, reach the end of `sample`: they hold its tokens and mask
+    as their start. Equal for a sample trained whole; longer for one the trainer cut to
+    `max_tokens_per_row` (`fit_to_rows`), which the call whose reply crosses the cut ends."""
+    n = len(sample.token_ids)
+    return partial.token_ids[:n] == sample.token_ids and partial.loss_mask[:n] == sample.loss_mask
 
 
 def last_calls(calls: list[dict], samples: list[Sample], render: Any) -> list[int | None]:
     """For each sample of a session, the position in `calls` of the call that ends it: the
-    first prefix of the session's calls whose last sample is that sample (a later call either
-    extends it, which changes its tokens, or starts a new one). Quadratic in calls; sessions
-    are short."""
+    first prefix of the session's calls whose last sample reaches its end (`_ends_with`; a later
+    call either extends it or starts a new one, which does not start with it). Quadratic in
+    calls; sessions are short."""
     found: list[int | None] = [None] * len(samples)
     for k in range(len(calls)):
         partial = trajectory_samples(calls[: k + 1], trajectory_id="x", group_id="x", advantage=0.0, render=render)
         if not partial:
             continue
         for i, sample in enumerate(samples):
-            if found[i] is None and _same_tokens(partial[-1], sample):
+            if found[i] is None and _ends_with(partial[-1], sample):
                 found[i] = k
                 break
     return found
