@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlproxy", description="an OpenAI-compatible gateway that trains the model it serves", allow_abbrev=False
     )
-    from gateway.export.selection import add_selection_flags
+    from gateway.export.selection import add_selection_flags, positive_int
 
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, _, groups) in COMMANDS.items():
@@ -367,10 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                 help="grpo: reinforce on ready groups (the default); sft: fine-tune on the assistant turns "
                 "of the recorded sessions the selection flags pick (a snapshot taken when the run starts)",
             )
-            sft.add_argument("--epochs", type=int, default=1, help="sft: passes over the selection")
-            sft.add_argument(
-                "--sft-sessions-per-step", type=int, default=8, help="sft: sessions trained together in one step"
-            )
+            sft.add_argument("--epochs", type=positive_int, default=1, help="sft: passes over the selection")
+            per_step = "sft: sessions trained together in one step"
+            sft.add_argument("--sft-sessions-per-step", type=positive_int, default=8, help=per_step)
             add_selection_flags(command, "sft: which recorded sessions to distil (the filters are ANDed)")
     return parser
 

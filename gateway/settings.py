@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, masked
 from gateway.settings_access import AccessSettings, EnvList, one_or_list
+from gateway.settings_loss import LossSettings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
 TINY_MODEL_ID = "rlproxy/tiny-qwen2"
@@ -110,26 +111,8 @@ class PromotionSettings(BaseModel):
     )
 
 
-KL_ESTIMATOR_HELP = (
-    "the --beta term per token: k3 (TRL's); low_var_kl, k3 clamped at 10 (verl's), so that one sampled token "
-    "the base prefers cannot outweigh the batch; or k2, 0.5 (log pi - log ref)^2, whose gradient is the "
-    "reverse KL's (docs/training.md, Reward hacking)"
-)
-REWARD_KL_HELP = (
-    "subtract this times each trajectory's KL to the base model (log mu - log pi_ref summed over its "
-    "trained tokens) from its reward before the group's advantages: a guard against a gamed reward that "
-    "holds however small the group's reward differences become; 0 turns it off"
-)
-REWARD_KL_SHARPEN_HELP = (
-    "with --reward-kl, take the KL to the base sharpened to pi_ref^A (log mu - A log pi_ref summed over the "
-    "trajectory's trained tokens): above 1 it also favours the replies the base itself finds likelier, which "
-    "keeps a real model's replies in its own language while a reward pulls them (docs/training.md, Reward "
-    "hacking); 1 is the plain KL"
-)
-
-
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
-class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings):
+class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings, LossSettings):
     model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
 
     # -- service
@@ -274,35 +257,11 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     weight_decay: float = Field(
         0.0, ge=0, description="AdamW weight decay (0 as in TRL and transformers); applies after a restart too"
     )
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field("grpo", description="policy loss")
-    epsilon: float = Field(0.2, gt=0, description="lower clip range of the ratio")
-    epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon)")
-    beta: float = Field(0.0, ge=0, description="weight of the KL against the base model (--kl-estimator)")
-    kl_estimator: Literal["k3", "low_var_kl", "k2"] = Field("k3", description=KL_ESTIMATOR_HELP)
-    reward_kl: float = Field(0.0, ge=0, description=REWARD_KL_HELP)
-    reward_kl_sharpen: float = Field(1.0, ge=1.0, le=4.0, description=REWARD_KL_SHARPEN_HELP)
-    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="divide advantages by this std")
-    tis_cap: float = Field(
-        2.0,
-        ge=0,
-        description="truncated importance sampling: weight each token by "
-        "min(pi_old/mu, C), mu the sampler's probability; 0 turns it off",
-    )
-    delta: float | None = Field(
-        None,
-        description="dual clip: cap the ratio at delta for negative advantages "
-        "(TRL's delta; must exceed 1 + epsilon_high); default off",
-    )
-    max_tokens_norm: int | None = Field(
-        None,
-        ge=1,
-        description="dr_grpo: the fixed token budget a trajectory's "
-        "loss is divided by; default: the largest max_tokens among the run's first step's calls "
-        "(--default-max-tokens for calls that set none), fixed for the run and saved with the checkpoints",
-    )
     lora_rank: int = Field(16, ge=1, description="LoRA rank")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha")
-    lora_dropout: float = Field(0.0, ge=0, description="LoRA dropout")
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="LoRA dropout (the share of the adapter's inputs zeroed; below 1)"
+    )
     max_tokens_per_row: int = Field(4096, ge=16, description="packing: most tokens in one training row")
     epochs_per_step: int = Field(1, ge=1, description="passes over a step's data")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
@@ -340,16 +299,6 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         if self.shadow_judge_api_base and not self.shadow_judge_api_base.startswith(("http://", "https://")):
             raise ValueError(
                 f"--shadow-judge-api-base must start with http:// or https://, got {self.shadow_judge_api_base!r}"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _dual_clip_above_the_clip_range(self) -> Settings:
-        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        if self.delta is not None and not self.delta > 1.0 + high:
-            raise ValueError(
-                f"delta ({self.delta}) must exceed 1 + epsilon_high ({1.0 + high}): it caps the ratio "
-                "above the clip range; leave it unset to turn the dual clip off"
             )
         return self
 

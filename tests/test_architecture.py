@@ -24,6 +24,7 @@ GATEWAY_LAYERS = [
         "gateway.errors",
         "gateway.settings",
         "gateway.settings_scale",
+        "gateway.settings_loss",
         "gateway.settings_access",
         "gateway.children",
         "gateway.redact",

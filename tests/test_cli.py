@@ -129,6 +129,29 @@ def test_a_setting_out_of_range_is_a_clean_error_naming_the_flag(capsys, tmp_pat
     assert "delta (1.1) must exceed 1 + epsilon_high (1.2)" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        # LossConfig refused it only at the first step, which failed every group in turn and set
+        # them aside as if the data were at fault.
+        (["--epsilon-high", "-0.5"], "epsilon_high\n  Input should be greater than or equal to 0"),
+        # Dropout 1 zeroes the adapter's input: no gradient ever reaches it.
+        (["--lora-dropout", "1"], "lora_dropout\n  Input should be less than 1"),
+        # Flags the loss never reads were ignored without a word.
+        (["--loss-type", "cispo", "--delta", "3"], "--delta has nothing to cap under --loss-type cispo"),
+        (["--loss-type", "cispo", "--epsilon-high", "0"], "0 weighs every token 0 and trains nothing"),
+        (["--max-tokens-norm", "512"], "--loss-type grpo never uses it"),
+    ],
+)
+def test_training_settings_that_cannot_train_as_asked_are_refused_at_start(tmp_path, flags, reason):
+    # Read as `rlproxy train` reads them (it prints the reason and exits 2, as above); accepted,
+    # they started a trainer that found out at its first step, or never.
+    args = build_parser().parse_args(["train", "--state-dir", str(tmp_path), *flags])
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(args)
+    assert reason in str(refused.value)
+
+
 def test_a_port_or_token_limit_that_cannot_work_is_refused(capsys, tmp_path):
     # --port 99999 listened on 34463 (99999 - 65536); --default-max-tokens 0 gave 1-token answers.
     from gateway.cli import main

@@ -239,6 +239,8 @@ def test_openai_export_is_valid_fine_tuning_data_one_line_per_trained_sample(tra
     assert len(lines) == 5
     for line in lines:
         validate_fine_tuning_line(line)
+        # Both replies of a merged session were sampled and trained: neither says weight 0.
+        assert not any("weight" in message for message in line["messages"])
     first = lines[0]
     assert [m["role"] for m in first["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
     call = first["messages"][2]["tool_calls"][0]
@@ -374,3 +376,34 @@ def test_calls_recorded_without_token_ids_are_rendered_like_the_trainer_does(tmp
     line = json.loads(export(settings, tmp_path, "openai").read_text())
     validate_fine_tuning_line(line)
     assert line == {"messages": [*messages, {"role": "assistant", "content": "Hi! How can I help you?"}]}
+
+
+def test_a_sample_the_trainer_cut_to_a_row_is_exported_as_trained(tmp_path):
+    # A sample longer than --max-tokens-per-row trains on its first tokens; the export looked
+    # for the call whose tokens equal the cut sample, found none, and left the session out.
+    settings = trainer_settings(tmp_path, max_tokens_per_row=48)
+    recorder = Recorder(settings)
+    long_answer = " ".join(["word"] * 80)
+    for gid in ("long-a", "long-b"):
+        for i, reward in enumerate([1.0, 0.0]):
+            recorder.call(f"{gid}-s{i}", gid, f"Question {i}?", f"{long_answer} {i}")
+            asyncio.run(recorder.store.set_reward(f"{gid}-s{i}", reward))
+        asyncio.run(recorder.store.close_group(gid))
+    recorder.close()
+    assert run_worker(settings, max_steps=1) == 1
+
+    store = SQLiteStore(settings.db_path)
+    groups, calls = load_groups(store, ["long-a", "long-b"])
+    batch = build_batch(groups, calls, scale_rewards="group", max_tokens_per_row=48)
+    asyncio.run(store.close())
+    assert batch.cut == 4
+    rows = {r["session_id"]: r for r in pq.read_table(export(settings, tmp_path, "parquet")).to_pylist()}
+    assert len(rows) == 4
+    for sample in batch.samples:
+        row = rows[sample.trajectory_id]
+        assert tuple(row["token_ids"]) == sample.token_ids and len(row["token_ids"]) == 48
+        assert tuple(row["loss_mask"]) == sample.loss_mask and row["step"] == 1
+    lines = export(settings, tmp_path, "openai").read_text().splitlines()
+    assert len(lines) == 4
+    for line in lines:
+        validate_fine_tuning_line(json.loads(line))

@@ -224,6 +224,15 @@ def test_export_and_sft_select_the_same_sessions(teacher_store, tmp_path, capsys
     assert exited.value.code == 2 and "2026-11-25T14:00" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--epochs", "--sft-sessions-per-step"])
+def test_a_zero_count_is_refused_before_the_model_loads(tmp_path, capsys, flag):
+    # It was refused only after the trainer had loaded the model and saved a step 0 in the state dir.
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--objective", "sft", "--state-dir", str(tmp_path), flag, "0"])
+    assert exited.value.code == 2 and f"{flag}: '0' must be 1 or more" in capsys.readouterr().err
+    assert not (tmp_path / "models").exists()
+
+
 def test_sft_resumes_its_snapshot_and_grpo_goes_on_from_it_or_a_new_run_starts_from_it(tmp_path):
     settings = trainer_settings(tmp_path, model_name="student")
     recorder = Recorder(settings)

@@ -12,6 +12,12 @@ the keys the format defines for their role:
 - tool: `tool_call_id`, `content`.
 
 OpenAI's newer `developer` role is written as `system`, which fine-tuning accepts.
+
+OpenAI trains every assistant message unless it says `"weight": 0`; the trainer trains only the
+replies the model sampled. So an assistant message that is no such reply (history the client
+wrote, few-shot examples, a greedy call's reply, one trained in an earlier sample) gets weight 0,
+and a prefill (`continue_final_message`) and its continuation are one assistant message, as the
+model produced them: written as two, the model would learn to end its turn after the prefill.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ def _text(content: Any) -> Any:
             return "".join(p.get("text", "") for p in parts)
         return parts
     return str(content)
+
+
+def _plain(content: Any) -> str:
+    text = _text(content)
+    return text if isinstance(text, str) else ""
 
 
 def _tool_call(call: dict) -> dict:
@@ -65,14 +76,48 @@ def fine_tune_message(message: dict) -> dict:
     return out
 
 
-def conversation(request: dict, response: dict) -> dict | None:
-    """The request's messages plus choice 0's reply (and the request's tools); None when
-    the call has no reply to learn from."""
+def _is_prefill(request: dict) -> bool:
+    """Whether the call continued the request's last (assistant) message: vLLM's flag, which
+    the Messages route sets for Anthropic's prefill too."""
+    messages = request.get("messages") or []
+    return bool(request.get("continue_final_message")) and bool(messages) and messages[-1].get("role") == "assistant"
+
+
+def reply_position(request: dict) -> int:
+    """Where a call's reply stands in the conversation of a later call that extends it: after
+    the request's messages, or in place of the last one for a prefill (the agent sends the
+    prefill and its continuation back as one message)."""
+    n = len(request.get("messages") or [])
+    return n - 1 if _is_prefill(request) else n
+
+
+def wire_messages(request: dict, response: dict) -> list[dict] | None:
+    """The request's messages (as recorded) plus choice 0's reply, a prefill and its continuation
+    as one message; None when the call has no reply."""
     choices = (response or {}).get("choices") or []
     if not choices or not choices[0].get("message"):
         return None
-    messages = [fine_tune_message(m) for m in request.get("messages") or []]
-    messages.append(fine_tune_message({**choices[0]["message"], "role": "assistant"}))
+    wire = list(request.get("messages") or [])
+    reply = {**choices[0]["message"], "role": "assistant"}
+    if _is_prefill(request):
+        prefill = wire.pop()
+        reply = {**reply, "content": _plain(prefill.get("content")) + _plain(reply.get("content"))}
+    return [*wire, reply]
+
+
+def conversation(request: dict, response: dict, trained: set[int] | None = None) -> dict | None:
+    """The request's messages plus choice 0's reply (and the request's tools); None when
+    the call has no reply to learn from. `trained`: the positions of the assistant messages
+    the trainer trained (`reply_position` of each trained call); the others get weight 0.
+    None: the reply alone."""
+    wire = wire_messages(request, response)
+    if wire is None:
+        return None
+    messages = [fine_tune_message(m) for m in wire]
+    trained = {len(messages) - 1} if trained is None else trained
+    for position, message in enumerate(messages):
+        if message["role"] == "assistant" and position not in trained:
+            message["weight"] = 0
     out: dict = {"messages": messages}
     tools = [t for t in request.get("tools") or [] if isinstance(t, dict) and t.get("type", "function") == "function"]
     if tools:

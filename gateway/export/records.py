@@ -21,13 +21,15 @@ from typing import IO
 import orjson
 
 from gateway.errors import ConfigError, InvalidRequest
-from gateway.export.openai_format import conversation
+from gateway.export.openai_format import conversation, wire_messages
 from gateway.export.samples import ExportedSample, LazyRenderer, exported_samples
 from gateway.export.selection import close_store, open_store, select_sessions
 from gateway.store import SessionFilter
 from gateway.store.open import SQLITE_SCHEME, is_postgres_url
 
 FORMATS = ("rlproxy", "openai", "parquet")
+PARQUET_BATCH_ROWS = 1024
+"""Samples held in memory before they go to the parquet file as one row group."""
 
 
 @dataclass(frozen=True)
@@ -108,12 +110,14 @@ def export_trajectories(
     _not_the_store(output, db_path)
     store = open_store(db_path)
     try:
-        sessions = list(select_sessions(store, where))
+        # One session (calls included) at a time, from the store to the file: a store of a
+        # million sessions exports in the memory of its largest one.
+        sessions = _Counted(select_sessions(store, where))
         if fmt == "rlproxy":
             with _output(output) as out:
                 for session in sessions:
                     out.write(orjson.dumps(session, default=str) + b"\n")
-            return ExportResult(len(sessions), len(sessions))
+            return ExportResult(sessions.count, sessions.count)
         from gateway.settings import TINY_MODEL_ID
 
         render = LazyRenderer(base_model or TINY_MODEL_ID, state_dir, chat_template)
@@ -122,16 +126,29 @@ def export_trajectories(
             rows = _write_openai(samples, output)
         else:
             rows = _write_parquet(samples, output)
-        return ExportResult(len(sessions), rows)
+        return ExportResult(sessions.count, rows)
     finally:
         close_store(store)
+
+
+class _Counted:
+    """The sessions of a selection, passed on one by one and counted on the way."""
+
+    def __init__(self, sessions: Iterator[dict]):
+        self._sessions = sessions
+        self.count = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        for session in self._sessions:
+            self.count += 1
+            yield session
 
 
 def _write_openai(samples: Iterator[ExportedSample], output: str) -> int:
     rows = 0
     with _output(output) as out:
         for item in samples:
-            line = conversation(item.call.get("request") or {}, item.call.get("response") or {})
+            line = conversation(item.call.get("request") or {}, item.call.get("response") or {}, set(item.trained))
             if line is not None:
                 out.write(orjson.dumps(line) + b"\n")
                 rows += 1
@@ -158,7 +175,7 @@ def parquet_schema():
             ("temperatures", pa.list_(pa.float64())),  # the temperature each token was sampled (and is scored) at
             ("prompt_ids", pa.list_(pa.int32())),  # token_ids before the first trained token
             ("completion_ids", pa.list_(pa.int32())),  # token_ids from the first trained token on
-            ("messages", pa.string()),  # JSON: the conversation (request messages + reply)
+            ("messages", pa.string()),  # JSON: request messages + reply (a prefill and its continuation: one)
             ("tools", pa.string()),  # JSON: the request's tools, or null
         ]
     )
@@ -168,8 +185,7 @@ def _row(item: ExportedSample) -> dict:
     sample, session, call = item.sample, item.session, item.call
     first = sample.loss_mask.index(True)
     request = call.get("request") or {}
-    choices = (call.get("response") or {}).get("choices") or [{}]
-    messages = [*(request.get("messages") or []), choices[0].get("message")]
+    messages = wire_messages(request, call.get("response") or {}) or list(request.get("messages") or [])
     return {
         "session_id": session["id"],
         "group_id": session.get("group_id"),
@@ -186,7 +202,7 @@ def _row(item: ExportedSample) -> dict:
         "temperatures": list(sample.temperatures) if sample.temperatures is not None else [1.0] * len(sample.token_ids),
         "prompt_ids": list(sample.token_ids[:first]),
         "completion_ids": list(sample.token_ids[first:]),
-        "messages": orjson.dumps([m for m in messages if m is not None]).decode(),
+        "messages": orjson.dumps(messages).decode(),
         "tools": orjson.dumps(request["tools"]).decode() if request.get("tools") else None,
     }
 
@@ -198,7 +214,15 @@ def _write_parquet(samples: Iterator[ExportedSample], output: str) -> int:
     except ImportError:
         raise ConfigError("--format parquet needs pyarrow: pip install 'rlproxy[export]'") from None
     schema = parquet_schema()
-    rows = [_row(item) for item in samples]
     check_output(output)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), output)
-    return len(rows)
+    written = 0
+    batch: list[dict] = []
+    with pq.ParquetWriter(output, schema) as writer:  # an empty selection still writes the schema
+        for item in samples:
+            batch.append(_row(item))
+            if len(batch) == PARQUET_BATCH_ROWS:
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+                written, batch = written + len(batch), []
+        if batch:
+            writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+    return written + len(batch)

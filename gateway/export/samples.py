@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.export.openai_format import reply_position
 from gateway.store import Store
-from trainer.data import build_batch, trained_sessions, trajectory_samples
+from trainer.data import build_batch, call_turn, trained_sessions, trajectory_samples
+from trainer.retries import trainable_calls
 from trainer.types import Sample
 
 log = logging.getLogger("rlproxy.export")
@@ -38,6 +41,8 @@ class ExportedSample:
     """The session row (`Store.get_session`, calls included)."""
     call: dict
     """The last call merged into the sample: its request + reply is the sample's conversation."""
+    trained: frozenset[int]
+    """Positions of the conversation's assistant messages the sample trains (`trained_replies`)."""
     index: int
     """Position of the sample among its session's samples."""
     step: int | None
@@ -68,35 +73,59 @@ class LazyRenderer:
         return self._render(request, response)
 
 
-def _same_tokens(a: Sample, b: Sample) -> bool:
-    return a.token_ids == b.token_ids and a.loss_mask == b.loss_mask
+def _ends_with(partial: Sample, sample: Sample) -> bool:
+    """Whether the calls so far, merged, reach the end of `sample`: they hold its tokens and mask
+    as their start. Equal for a sample trained whole; longer for one the trainer cut to
+    `max_tokens_per_row` (`fit_to_rows`), which the call whose reply crosses the cut ends."""
+    n = len(sample.token_ids)
+    return partial.token_ids[:n] == sample.token_ids and partial.loss_mask[:n] == sample.loss_mask
 
 
-def last_calls(calls: list[dict], samples: list[Sample], render: Any) -> list[dict | None]:
-    """For each sample of a session, the call that ends it: the first prefix of the
-    session's calls whose last sample is that sample (a later call either extends it, which
-    changes its tokens, or starts a new one). Quadratic in calls; sessions are short."""
-    found: list[dict | None] = [None] * len(samples)
+def last_calls(calls: list[dict], samples: list[Sample], render: Any) -> list[int | None]:
+    """For each sample of a session, the position in `calls` of the call that ends it: the
+    first prefix of the session's calls whose last sample reaches its end (`_ends_with`; a later
+    call either extends it or starts a new one, which does not start with it). Quadratic in
+    calls; sessions are short."""
+    found: list[int | None] = [None] * len(samples)
     for k in range(len(calls)):
         partial = trajectory_samples(calls[: k + 1], trajectory_id="x", group_id="x", advantage=0.0, render=render)
         if not partial:
             continue
         for i, sample in enumerate(samples):
-            if found[i] is None and _same_tokens(partial[-1], sample):
-                found[i] = calls[k]
+            if found[i] is None and _ends_with(partial[-1], sample):
+                found[i] = k
                 break
     return found
 
 
+def trained_replies(calls: list[dict], first: int, last: int, render: Any) -> set[int]:
+    """Where the replies that a sample trains stand in its conversation (the request of
+    `calls[last]` plus its reply): those of the calls `first..last` merged into it whose
+    completion is trained (not greedy, not a retry orphan or a call left by its client).
+    The sample's other assistant messages are context the trainer never trained on."""
+    kept = {id(call) for call in trainable_calls(calls)}
+    positions = set()
+    for call in calls[first : last + 1]:
+        if id(call) in kept and (turn := call_turn(call, render)) is not None and turn.trained:
+            positions.add(reply_position(call.get("request") or {}))
+    return positions
+
+
+STEPS_KEPT = 8
+"""Step batches `StepBatches` keeps rebuilt: sessions come oldest first, so those of one step
+come together, and an export of many steps holds a few steps' samples, not every one."""
+
+
 class StepBatches:
-    """The batch each step trained on, rebuilt once per step and kept."""
+    """The batch each step trained on, rebuilt when a session of it comes and kept while
+    recent (`STEPS_KEPT`)."""
 
     def __init__(self, store: Store, settings_dir: Path, render: Any):
         self.store = store
         self.render = render
         self.models_dir = Path(settings_dir)
         self._rows = {(row["model"], row["step"]): row for row in store.steps()}
-        self._cache: dict[tuple[str, int], dict[str, list[Sample]]] = {}
+        self._cache: OrderedDict[tuple[str, int], dict[str, list[Sample]]] = OrderedDict()
 
     def _settings(self, row: dict) -> dict:
         """The settings saved beside the step's checkpoint (defaults if it is gone)."""
@@ -132,6 +161,9 @@ class StepBatches:
                 for sample in batch.samples:
                     by_session.setdefault(sample.trajectory_id, []).append(sample)
             self._cache[key] = by_session
+            if len(self._cache) > STEPS_KEPT:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
         return self._cache[key]
 
 
@@ -154,10 +186,18 @@ def exported_samples(store: Store, sessions: Iterable[dict], render: Any, models
                 calls, trajectory_id=session["id"], group_id=gid or "", advantage=0.0, render=render
             )
             step, trained = None, False
-        for index, (sample, call) in enumerate(zip(samples, last_calls(calls, samples, render), strict=False)):
-            if call is None:  # cannot happen with the trainer's merge rule; never guess a conversation
+        first = 0
+        for index, (sample, last) in enumerate(zip(samples, last_calls(calls, samples, render), strict=False)):
+            if last is None:  # cannot happen with the trainer's merge rule; never guess a conversation
                 log.warning("session %s: sample %d matches no call; left out", session["id"], index)
                 continue
             yield ExportedSample(
-                sample, session, call, index, step if trained else None, sample.advantage if trained else None
+                sample,
+                session,
+                calls[last],
+                frozenset(trained_replies(calls, first, last, render)),
+                index,
+                step if trained else None,
+                sample.advantage if trained else None,
             )
+            first = last + 1

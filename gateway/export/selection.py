@@ -100,6 +100,18 @@ def _finite(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """A count on the command line that must be 1 or more (`--epochs`, `--sft-sessions-per-step`):
+    refused as the flags are read, before the trainer loads the model and saves a step 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
 def _moment(text: str) -> float:
     """A time on the command line: Unix seconds, or ISO 8601 (UTC when it names no zone)."""
     try:
