@@ -6,8 +6,6 @@ client wrote), and write a prefill and its continuation as the one message the m
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pyarrow.parquet as pq
@@ -16,7 +14,7 @@ import pytest
 from gateway.app import create_app
 from gateway.settings import Settings
 from tests.helpers import ThreadServer
-from tests.test_export_records import validate_fine_tuning_line
+from tests.test_export_records import export, validate_fine_tuning_line
 
 
 def session(session_id: str) -> dict:
@@ -69,26 +67,7 @@ def recorded(tmp_path_factory):
 
 
 def export_openai(settings, tmp_path, session_id: str) -> list[dict]:
-    out = tmp_path / f"{session_id}.jsonl"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "export",
-            "--state-dir",
-            str(settings.state_dir),
-            "--format",
-            "openai",
-            "--group",
-            session_id,
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
+    out = export(settings, tmp_path, "openai", "--group", session_id)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     for line in lines:
         validate_fine_tuning_line(line)
@@ -119,26 +98,7 @@ def test_a_prefill_and_its_continuation_are_one_assistant_message(recorded, tmp_
 def test_a_parquet_row_of_a_prefill_holds_the_message_the_model_produced(recorded, tmp_path):
     # Its token ids are the prompt up to the prefill's text and the continuation: one message.
     settings, replies = recorded
-    out = tmp_path / "prefill.parquet"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "export",
-            "--state-dir",
-            str(settings.state_dir),
-            "--format",
-            "parquet",
-            "--group",
-            "prefill",
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
+    out = export(settings, tmp_path, "parquet", "--group", "prefill")
     (row,) = pq.read_table(out).to_pylist()
     assert json.loads(row["messages"]) == [
         {"role": "user", "content": "Say hi"},
