@@ -210,3 +210,23 @@ def test_export_refuses_what_it_cannot_read_or_write_in_one_line(capsys, tmp_pat
     out = tmp_path / "new" / "out.jsonl"  # a file in a folder that is not there yet: made
     assert main([*state, "--output", str(out), "--since", "2020-01-01"]) == 0
     assert len(out.read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["serve", "train"])
+def test_a_state_dir_that_is_a_file_is_one_clear_line(capsys, tmp_path, command):
+    # It ended in a NotADirectoryError traceback from the store's chmod of rlproxy.db, after
+    # chmod-ing the file itself to 0700; under a file, in one from mkdir.
+    from gateway.cli import main
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    upstream = ["--engine", "openai", "--upstream-url", "http://127.0.0.1:9/v1", "--trainer", "off"]
+    flags = upstream if command == "serve" else ["--max-steps", "1"]
+    assert main([command, "--state-dir", str(a_file), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"--state-dir {a_file} is a file, not a directory" in err and "Traceback" not in err
+    assert a_file.read_text() == "mine" and a_file.stat().st_mode & 0o777 != 0o700
+
+    assert main([command, "--state-dir", str(a_file / "state"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"--state-dir {a_file / 'state'} cannot be used (Not a directory)" in err and "Traceback" not in err

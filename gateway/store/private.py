@@ -14,6 +14,8 @@ import os
 import stat
 from pathlib import Path
 
+from gateway.errors import ConfigError
+
 log = logging.getLogger("rlproxy.store")
 
 PRIVATE_DIR = 0o700
@@ -24,10 +26,20 @@ DB_SUFFIXES = ("", "-wal", "-shm", "-journal")
 
 
 def private_state_dir(state_dir: Path | str) -> Path:
-    """Create the state dir 0700, or tighten an existing one and its database files."""
+    """Create the state dir 0700, or tighten an existing one and its database files. One that
+    cannot be a directory of ours (a file, under a file, read-only) is a ConfigError naming it:
+    the CLI prints that in one line, not an OSError's traceback from deep in the store."""
     path = Path(state_dir)
-    changes = [] if make_private_dir(path) else _tighten(path, PRIVATE_DIR)
-    changes += _tighten_db(path / DB_NAME)
+    if path.exists() and not path.is_dir():  # checked first: _tighten would chmod the file
+        raise ConfigError(f"--state-dir {path} is a file, not a directory: pass a directory (it is created if missing)")
+    try:
+        changes = [] if make_private_dir(path) else _tighten(path, PRIVATE_DIR)
+        changes += _tighten_db(path / DB_NAME)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(
+            f"--state-dir {path} cannot be used ({reason}): pass a directory this user can create and write"
+        ) from exc
     _say(changes)
     return path
 
