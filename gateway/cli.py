@@ -158,10 +158,8 @@ def _configure_logging(settings: Settings) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import create_app
-    from gateway.trainer_process import start_trainer
+    from gateway.trainer_process import run_gateway, start_trainer
 
     settings = settings_from_args(args)
     _configure_logging(settings)
@@ -173,8 +171,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # ends drop an idle connection at once and a request sent then fails with a ReadError.
         # No X-Forwarded-* rewriting: nothing reads the client's address, and it is one more
         # ASGI layer on every call.
-        uvicorn.run(
+        run_gateway(
             app,
+            trainer,
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,

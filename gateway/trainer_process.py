@@ -4,8 +4,10 @@ gateway's own settings and stopped with it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -127,6 +129,34 @@ def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild 
     cmd, env = trainer_command(args, settings)
     log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
     return TrainerChild(cmd, env).start()
+
+
+def run_gateway(app, trainer: TrainerChild | None, **options) -> None:
+    """`uvicorn.run(app, **options)` that stops the trainer child before the process ends.
+    uvicorn re-raises the SIGTERM that stopped it once it has shut down, and that ends the
+    process there: a `finally` after uvicorn.run never ran, so the gateway exited at once and
+    its trainer went on alone (mid-step, holding its GPU and the state dir) until
+    PR_SET_PDEATHSIG reached it. A second SIGTERM or Ctrl-C while the trainer finishes its
+    step ends the gateway at once, as it ends the trainer."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:  # the gateway has shut down; the signal is re-raised after this
+                    if trainer is not None and threading.current_thread() is threading.main_thread():
+                        signal.signal(signal.SIGINT, signal.default_int_handler)
+                        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                        trainer.stop()
+
+    server = Server(uvicorn.Config(app, **options))
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, re-raised by uvicorn: as uvicorn.run
+        server.run()
+    if not server.started:  # the port in use, say: uvicorn has logged why
+        sys.exit(3)
 
 
 def trainer_command(args: argparse.Namespace, settings: Settings) -> tuple[list[str], dict[str, str]]:
