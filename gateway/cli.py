@@ -159,11 +159,13 @@ def _configure_logging(settings: Settings) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
+    from gateway.http.listen import listen
     from gateway.trainer_process import run_gateway, start_trainer
 
     settings = settings_from_args(args)
     _configure_logging(settings)
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
+    sock = listen(settings.host, settings.port)  # a port in use: said before the engine starts
     app = create_app(settings)
     trainer = app.state.trainer = start_trainer(args, settings)  # /healthz shows its state
     try:
@@ -174,6 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_gateway(
             app,
             trainer,
+            sock,
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,

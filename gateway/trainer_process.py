@@ -131,8 +131,8 @@ def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild 
     return TrainerChild(cmd, env).start()
 
 
-def run_gateway(app, trainer: TrainerChild | None, **options) -> None:
-    """`uvicorn.run(app, **options)` that stops the trainer child before the process ends.
+def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
+    """`uvicorn.run(app, **options)` on the bound socket `sock`, that stops the trainer child before the process ends.
     uvicorn re-raises the SIGTERM that stopped it once it has shut down, and that ends the
     process there: a `finally` after uvicorn.run never ran, so the gateway exited at once and
     its trainer went on alone (mid-step, holding its GPU and the state dir) until
@@ -154,7 +154,7 @@ def run_gateway(app, trainer: TrainerChild | None, **options) -> None:
 
     server = Server(uvicorn.Config(app, **options))
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, re-raised by uvicorn: as uvicorn.run
-        server.run()
+        server.run(sockets=[sock])
     if not server.started:  # the port in use, say: uvicorn has logged why
         sys.exit(3)
 

@@ -230,3 +230,22 @@ def test_a_state_dir_that_is_a_file_is_one_clear_line(capsys, tmp_path, command)
     assert main([command, "--state-dir", str(a_file / "state"), *flags]) == 2
     err = capsys.readouterr().err
     assert f"--state-dir {a_file / 'state'} cannot be used (Not a directory)" in err and "Traceback" not in err
+
+
+def test_a_port_in_use_is_one_clear_line_before_anything_starts(capsys, tmp_path):
+    # uvicorn bound the port only after the app's startup: the engine (a managed vLLM, minutes
+    # on a GPU) and the trainer were started first, then "[Errno 98] ... address already in use".
+    import socket
+
+    from gateway.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        state = tmp_path / "state"
+        upstream = ["--engine", "openai", "--upstream-url", "http://127.0.0.1:9/v1", "--trainer", "off"]
+        assert main(["serve", "--state-dir", str(state), "--port", str(port), *upstream]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port} on 127.0.0.1 is already in use" in err and "Traceback" not in err
+    assert not state.exists()  # refused before the state dir, the store or the engine
