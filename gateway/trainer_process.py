@@ -132,12 +132,12 @@ def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild 
 
 
 def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
-    """`uvicorn.run(app, **options)` on the bound socket `sock`, that stops the trainer child before the process ends.
-    uvicorn re-raises the SIGTERM that stopped it once it has shut down, and that ends the
-    process there: a `finally` after uvicorn.run never ran, so the gateway exited at once and
-    its trainer went on alone (mid-step, holding its GPU and the state dir) until
-    PR_SET_PDEATHSIG reached it. A second SIGTERM or Ctrl-C while the trainer finishes its
-    step ends the gateway at once, as it ends the trainer."""
+    """`uvicorn.run(app, **options)` on the bound socket `sock` (gateway/http/listen.py), that
+    stops the trainer child before the process ends. uvicorn re-raises the SIGTERM that stopped
+    it once it has shut down, and that ends the process there: a `finally` after uvicorn.run
+    never ran, so the gateway exited at once and its trainer went on alone (mid-step, holding
+    its GPU and the state dir) until PR_SET_PDEATHSIG reached it. A second SIGTERM or Ctrl-C
+    while the trainer finishes its step ends the gateway at once, as it ends the trainer."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -155,7 +155,7 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
     server = Server(uvicorn.Config(app, **options))
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, re-raised by uvicorn: as uvicorn.run
         server.run(sockets=[sock])
-    if not server.started:  # the port in use, say: uvicorn has logged why
+    if not server.started:  # the app's startup failed: uvicorn has logged why
         sys.exit(3)
 
 
