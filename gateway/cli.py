@@ -161,10 +161,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.http.logs import hide_access_log_secrets
     from gateway.trainer_process import start_trainer
 
     settings = settings_from_args(args)
     _configure_logging(settings)
+    hide_access_log_secrets(settings.secrets())  # the access line (--log-level debug) holds query strings
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
     app = create_app(settings)
     trainer = app.state.trainer = start_trainer(args, settings)  # /healthz shows its state
