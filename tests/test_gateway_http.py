@@ -542,6 +542,23 @@ def test_models_and_metrics(client, http):
     assert http.get("/healthz").json()["engine"] == "openai"
 
 
+def test_metrics_count_with_counters_that_only_go_up(client, http):
+    # Prometheus' conventions: a count of events is a counter, exposed as NAME_total.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = http.get("/metrics").text
+        return {family.name: family for family in text_string_to_metric_families(text)}
+
+    before = scrape()
+    _chat(client, "commit me")
+    after = scrape()
+    assert after["rlproxy_store_commits"].type == "counter"
+    [sample] = [s for s in after["rlproxy_store_commits"].samples if s.name == "rlproxy_store_commits_total"]
+    [earlier] = [s for s in before["rlproxy_store_commits"].samples if s.name == "rlproxy_store_commits_total"]
+    assert sample.value > earlier.value
+
+
 # ---------------------------------------------------------------- auth
 
 
