@@ -6,9 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
+import pytest
 
+from gateway.settings import Settings
 from tests.helpers import gateway_process
 from tests.helpers_upstream import openai_gateway
 
@@ -53,3 +57,17 @@ def test_a_key_in_a_query_string_stays_out_of_the_access_log(upstream, tmp_path)
     assert '"GET /ui?key=*** HTTP/1.1" 401' in log
     assert '"GET /v1/models?limit=5&api_key=*** HTTP/1.1" 401' in log
     assert KEY not in log
+
+
+@pytest.mark.parametrize("level", ["warn", "trace"])
+def test_a_log_level_logging_does_not_know_is_refused_in_words(level, tmp_path):
+    # `warn` (Python's) stopped uvicorn with a KeyError, `trace` (uvicorn's) logging with a ValueError.
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--state-dir", str(tmp_path), "--log-level", level],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"'{level}' is not a log level: use one of debug, info, warning, error" in done.stderr
+    assert Settings(log_level="DEBUG").log_level == "debug"  # and --log-level DEBUG turns the access log on
