@@ -15,7 +15,9 @@ class Metrics:
             "rlproxy_chat_latency_seconds",
             "chat completion latency",
             registry=self.registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            # Up to --upstream-timeout's 600 s: a long generation (agents, reasoning) takes minutes,
+            # and a histogram ending at 60 s put every such call in +Inf, its quantiles at 60 s.
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
         # A count of events: a counter (`_total`), so rate() and resets work as Prometheus expects.
         self.store_commits = Counter(
