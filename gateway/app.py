@@ -17,6 +17,7 @@ from gateway.http import session_url
 from gateway.http.browsers import BrowserGuardMiddleware, JsonWritesMiddleware
 from gateway.http.errors import install_error_handlers
 from gateway.http.limits import BodyLimitMiddleware, Limits
+from gateway.http.logs import log_call
 from gateway.http.middleware import BearerAuthMiddleware, RequestIdMiddleware
 from gateway.http.security import cors_middleware, refuse_if_exposed
 from gateway.metrics import Metrics
@@ -110,7 +111,8 @@ def create_app(
 
         tracer = build_tracer(settings)
     observers = [
-        lambda record: metrics.observe_call(record.status, record.stream, record.latency_ms, record.untrainable)
+        lambda record: metrics.observe_call(record.status, record.stream, record.latency_ms, record.untrainable),
+        log_call,  # the session and request id of each call, in the log
     ]
     if tracer is not None:
         observers.append(tracer.on_call)

@@ -160,19 +160,20 @@ def _configure_logging(settings: Settings) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
     from gateway.http.listen import listen
+    from gateway.http.logs import hide_access_log_secrets
     from gateway.trainer_process import run_gateway, start_trainer
 
     settings = settings_from_args(args)
     _configure_logging(settings)
+    hide_access_log_secrets(settings.secrets())  # the access line (--log-level debug) holds query strings
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
     sock = listen(settings.host, settings.port)  # a port in use: said before the engine starts
     app = create_app(settings)
     trainer = app.state.trainer = start_trainer(args, settings)  # /healthz shows its state
     try:
-        # Keep-alive well past the clients' own 5 s (httpx, openai): with equal timeouts both
-        # ends drop an idle connection at once and a request sent then fails with a ReadError.
-        # No X-Forwarded-* rewriting: nothing reads the client's address, and it is one more
-        # ASGI layer on every call.
+        # Keep-alive well past the clients' own 5 s (httpx, openai): with equal timeouts both ends drop
+        # an idle connection at once and a request sent then fails with a ReadError. No X-Forwarded-*
+        # rewriting: nothing reads the client's address, and it is one more ASGI layer on every call.
         run_gateway(
             app,
             trainer,

@@ -15,11 +15,15 @@ class Metrics:
             "rlproxy_chat_latency_seconds",
             "chat completion latency",
             registry=self.registry,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            # Up to --upstream-timeout's 600 s: a long generation (agents, reasoning) takes minutes,
+            # and a histogram ending at 60 s put every such call in +Inf, its quantiles at 60 s.
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
-        self.store_commits = Gauge(
+        # A count of events: a counter (`_total`), so rate() and resets work as Prometheus expects.
+        self.store_commits = Counter(
             "rlproxy_store_commits", "transactions committed by the writer", registry=self.registry
         )
+        self._commits_seen = 0
         self.store_errors = Counter(
             "rlproxy_store_errors",
             "writes and reads the store failed, by cause (full, read_only, locked, unavailable, damaged)",
@@ -87,7 +91,9 @@ class Metrics:
     def render(self, services, steps: tuple[int | None, int | None] | None = None) -> tuple[bytes, str]:
         """The text exposition; `steps`: the store's (serving, candidate) steps of NAME, read by the
         caller off the event loop (None: the store did not answer, the gauges keep their values)."""
-        self.store_commits.set(services.store.commits)
+        commits = services.store.commits  # the store counts; the counter follows
+        self.store_commits.inc(max(0, commits - self._commits_seen))
+        self._commits_seen = max(commits, self._commits_seen)
         health = services.store.health
         for cause, count in list(health.errors.items()):  # the store counts; the counter follows
             self.store_errors.labels(cause=cause).inc(count - self._store_errors_seen.get(cause, 0))

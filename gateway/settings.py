@@ -61,6 +61,17 @@ def _long_enough(key: SecretStr | None) -> SecretStr | None:
     return key
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_level(level: str) -> str:
+    # Checked here, not where logging is set up: Python's logging and uvicorn know different
+    # names (`warn`, `trace`), and a name either lacks stopped the gateway with a traceback.
+    if level.lower() not in LOG_LEVELS:
+        raise ValueError(f"'{level}' is not a log level: use one of {', '.join(LOG_LEVELS)}")
+    return level.lower()
+
+
 def _judge_urls(bases: list[str]) -> list[str]:
     if not all(base.startswith(("http://", "https://")) for base in bases):
         raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
@@ -133,7 +144,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     api_key: Annotated[SecretStr | None, AfterValidator(_long_enough)] = Field(
         None, description=f"bearer key required on every route but /healthz ({MIN_API_KEY_LENGTH} characters or more)"
     )
-    log_level: str = Field("info", description="debug, info, warning or error")
+    log_level: Annotated[str, AfterValidator(_log_level)] = Field("info", description="debug, info, warning or error")
     max_body_mb: float = Field(32.0, gt=0, description="largest request body in MB; larger ones get 413")
     max_messages: int = Field(2048, ge=1, description="most messages in one chat request")
     max_n: int = Field(128, ge=1, le=128, description="most choices (n) in one chat request")

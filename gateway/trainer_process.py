@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -15,18 +16,26 @@ from subprocess import Popen
 
 from gateway.children import die_with_parent
 from gateway.devices import trainer_environment
+from gateway.redact import hidden_in
 from gateway.settings import Settings
 
 # A store URL may hold a password.
 _SECRET_SETTINGS = ("api_key", "admin_key", "upstream_api_key", "vllm_api_key", "store")
 
 
+def _holds_secret(name: str, value: object) -> bool:
+    """A value with a secret inside: `--vllm-url http://u:PASSWORD@h`, `--vllm-arg=--hf-token=T`,
+    `--judge-api-base https://h/v1?key=K`."""
+    return bool(hidden_in({name: value}))
+
+
 def settings_argv(args: argparse.Namespace) -> list[str]:
     """The settings flags given on this command line, to hand on to a child command
-    (secrets left out: the trainer needs none, and argv is visible to every user)."""
+    (secrets left out: the trainer needs none, and argv is visible to every user, and to
+    trackers: wandb records a run's command line; `secret_settings_env` hands on the rest)."""
     argv: list[str] = []
     for name, value in vars(args).items():
-        if name not in Settings.model_fields or name in _SECRET_SETTINGS:
+        if name not in Settings.model_fields or name in _SECRET_SETTINGS or _holds_secret(name, value):
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -37,6 +46,16 @@ def settings_argv(args: argparse.Namespace) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def secret_settings_env(args: argparse.Namespace) -> dict[str, str]:
+    """The settings flags `settings_argv` leaves out for a secret inside them, as the child's
+    RLPROXY_* variables (lists as JSON, as Settings reads them): private to the child."""
+    return {
+        "RLPROXY_" + name.upper(): json.dumps(value) if isinstance(value, list) else str(value)
+        for name, value in vars(args).items()
+        if name in Settings.model_fields and name not in _SECRET_SETTINGS and _holds_secret(name, value)
+    }
 
 
 class TrainerChild:
@@ -162,7 +181,7 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
 def trainer_command(args: argparse.Namespace, settings: Settings) -> tuple[list[str], dict[str, str]]:
     """The trainer child's command line and environment."""
     cmd = [sys.executable, "-m", "gateway.cli", "train", *settings_argv(args)]
-    env = dict(os.environ)
+    env = {**os.environ, **secret_settings_env(args)}
     trainer_environment(settings, env)  # --trainer-devices: its GPUs, not the gateway's
     if settings.store:
         env["RLPROXY_STORE"] = settings.store  # by environment, not argv: its password stays private

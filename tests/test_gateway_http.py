@@ -10,6 +10,7 @@ import logging
 import httpx
 import openai
 import pytest
+from prometheus_client import generate_latest
 
 from tests.helpers_upstream import openai_gateway, raw_store_bytes
 
@@ -540,6 +541,34 @@ def test_models_and_metrics(client, http):
     assert 'rlproxy_chat_requests_total{status="ok",stream="false"}' in reply.text
     assert "rlproxy_store_commits" in reply.text
     assert http.get("/healthz").json()["engine"] == "openai"
+
+
+def test_metrics_count_with_counters_that_only_go_up(client, http):
+    # Prometheus' conventions: a count of events is a counter, exposed as NAME_total.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = http.get("/metrics").text
+        return {family.name: family for family in text_string_to_metric_families(text)}
+
+    before = scrape()
+    _chat(client, "commit me")
+    after = scrape()
+    assert after["rlproxy_store_commits"].type == "counter"
+    [sample] = [s for s in after["rlproxy_store_commits"].samples if s.name == "rlproxy_store_commits_total"]
+    [earlier] = [s for s in before["rlproxy_store_commits"].samples if s.name == "rlproxy_store_commits_total"]
+    assert sample.value > earlier.value
+
+
+def test_call_latency_buckets_reach_the_upstream_timeout():
+    # A call of minutes (long generations; --upstream-timeout is 600 s) lands in a bucket of its own.
+    from gateway.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.observe_call("ok", True, latency_ms=250_000.0)
+    text = generate_latest(metrics.registry).decode()
+    assert 'rlproxy_chat_latency_seconds_bucket{le="120.0"} 0.0' in text
+    assert 'rlproxy_chat_latency_seconds_bucket{le="300.0"} 1.0' in text
 
 
 # ---------------------------------------------------------------- auth

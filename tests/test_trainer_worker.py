@@ -156,6 +156,43 @@ def test_serve_hands_its_settings_to_the_trainer_and_starts_none_where_pointless
     assert "openai engine serves no adapters" in caplog.text
 
 
+def test_a_secret_inside_a_setting_reaches_the_trainer_by_environment_not_argv(monkeypatch, tmp_path):
+    # argv is visible to every user (`ps`), and wandb records it with the run (--report-to).
+    from gateway.cli import build_parser, settings_from_args
+    from gateway.trainer_process import trainer_command
+
+    serve = build_parser().parse_args(
+        [
+            "serve",
+            "--state-dir",
+            str(tmp_path),
+            "--vllm-url",
+            "http://rl:Vllm-pw-17@127.0.0.1:9",
+            "--vllm-url",
+            "http://127.0.0.1:10",
+            "--vllm-arg=--hf-token=Hf-secret-11",
+            "--judge-model",
+            "judge",
+            "--judge-api-base",
+            "https://judge.example/v1?key=Judge-q-3",
+            "--beta",
+            "0.05",
+        ]
+    )
+    cmd, env = trainer_command(serve, settings_from_args(serve))
+    assert not any(secret in " ".join(cmd) for secret in ("Vllm-pw-17", "Hf-secret-11", "Judge-q-3"))
+    assert "--beta" in cmd and "--judge-model=judge" in cmd  # the rest still on the command line
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    train = build_parser().parse_args(cmd[cmd.index("train") :])
+    child, parent = settings_from_args(train), settings_from_args(serve)
+    assert (child.vllm_url, child.vllm_arg, child.judge_api_base) == (
+        parent.vllm_url,
+        parent.vllm_arg,
+        parent.judge_api_base,
+    )
+
+
 def test_a_trainer_child_that_exits_is_started_again_and_healthz_shows_it(caplog):
     # `serve --trainer auto`: a trainer that died (a crash, killed) used to stay dead while
     # /healthz said ok; it is brought back, with the exit code logged and shown.
