@@ -275,3 +275,18 @@ def test_healthz_says_when_the_upstream_is_unreachable_and_sees_it_come_back(tmp
         with FakeUpstream(port=port):  # back on its port: /healthz's own look sees it, no call needed
             health = httpx.get(server.url + "/healthz")
             assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_a_stream_chunk_longer_than_aiohttps_line_limit_is_relayed_and_recorded(client, gateway):
+    # One event of 600 kB (an upstream that sends a whole answer, or a long tool call's
+    # arguments, in one chunk): past the 512 KiB aiohttp's readline allows.
+    word = "y" * 600_000
+    stream = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": word}],
+        stream=True,
+        extra_headers={"X-Session-Id": "long-chunk"},
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == word
+    (call,) = _calls(gateway, "long-chunk")
+    assert call["status"] == "ok" and call["response"]["choices"][0]["message"]["content"] == word
