@@ -12,6 +12,7 @@ class RLProxyError(Exception):
 
     status_code = 500
     error_type = "server_error"
+    headers: tuple[tuple[str, str], ...] = ()  # sent with the error's response (an upstream's Retry-After)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)

@@ -290,3 +290,21 @@ def test_a_stream_chunk_longer_than_aiohttps_line_limit_is_relayed_and_recorded(
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == word
     (call,) = _calls(gateway, "long-chunk")
     assert call["status"] == "ok" and call["response"]["choices"][0]["message"]["content"] == word
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_rate_limit_comes_back_as_429_with_its_retry_after(client, gateway, stream):
+    # OpenAI's SDKs wait for Retry-After before they retry a 429: without it they retry at once.
+    with pytest.raises(openai.RateLimitError) as caught:
+        result = client.chat.completions.create(
+            model="fake-model",
+            messages=[{"role": "user", "content": "too fast [[status=429]]"}],
+            stream=stream,
+            extra_headers={"X-Session-Id": f"rate-limited-{stream}"},
+        )
+        if stream:
+            list(result)
+    assert caught.value.status_code == 429
+    assert caught.value.response.headers["Retry-After"] == "7"
+    (call,) = _calls(gateway, f"rate-limited-{stream}")
+    assert call["status"] == "error" and call["http_status"] == 429

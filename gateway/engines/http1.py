@@ -58,6 +58,7 @@ class Answer:
     status: int
     content_type: str  # media type only, lower case ("application/json")
     body: bytes
+    retry_after: str | None = None  # an error answer's Retry-After, for the client to honour
 
 
 class _Connection(asyncio.Protocol):
@@ -75,6 +76,7 @@ class _Connection(asyncio.Protocol):
         """Get ready for the next response; the future settles when it is complete."""
         self.parser = httptools.HttpResponseParser(self)
         self.content_type = ""
+        self.retry_after: str | None = None
         self.framed = False  # Content-Length or chunked: else the body ends when the connection does
         self.headers_done = False
         self.body: list[bytes] = []
@@ -126,6 +128,8 @@ class _Connection(asyncio.Protocol):
         name = name.lower()
         if name == b"content-type":
             self.content_type = value.decode("latin-1").split(";", 1)[0].strip().lower()
+        elif name == b"retry-after":
+            self.retry_after = value.decode("latin-1")
         elif name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
             self.framed = True
 
@@ -137,7 +141,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if self.finished is not None and not self.finished.done():
-            self.finished.set_result(Answer(self.parser.get_status_code(), self.content_type, b"".join(self.body)))
+            self.finished.set_result(
+                Answer(self.parser.get_status_code(), self.content_type, b"".join(self.body), self.retry_after)
+            )
         if not self.parser.should_keep_alive():
             self.closed = True
 

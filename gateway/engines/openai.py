@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 
@@ -43,6 +44,8 @@ log = logging.getLogger("rlproxy.engines.openai")
 # Connections kept to the upstream for streams: above the concurrency a gateway process is run at.
 POOL_SIZE = 512
 MODELS_CACHE_SECONDS = 30.0
+# Retry-After as HTTP defines it, seconds or a date: only that is passed on to the client.
+_RETRY_AFTER = re.compile(r"[0-9]{1,10}|[A-Za-z]{3}, [0-9]{2} [A-Za-z]{3} [0-9]{4} [0-9:]{8} GMT")
 
 
 class UpstreamRejected(RLProxyError):
@@ -144,7 +147,7 @@ class OpenAIEngine(Engine):
             raise self.failures.unreachable(exc) from None
         self.failures.down = None  # it answered, whatever it said
         if answer.status >= 400:
-            raise self.failures.status(answer.status, answer.body)
+            raise self.failures.status(answer.status, answer.body, answer.retry_after)
         return answer.status, answer.body
 
     def health(self) -> str | None:
@@ -187,7 +190,7 @@ class OpenAIEngine(Engine):
             self.failures.down = None
             try:
                 if resp.status >= 400:
-                    raise self.failures.status(resp.status, await resp.read())
+                    raise self.failures.status(resp.status, await resp.read(), resp.headers.get("Retry-After"))
                 if resp.content_type != "text/event-stream":
                     raise self.failures.fail(
                         f"the upstream at {self.base_url} answered a stream request with {resp.content_type or 'no'}"
@@ -254,7 +257,7 @@ class OpenAIEngine(Engine):
             self.failures.down = None
             try:
                 if resp.status >= 400:
-                    raise self.failures.status(resp.status, await resp.read())
+                    raise self.failures.status(resp.status, await resp.read(), resp.headers.get("Retry-After"))
                 if resp.content_type != "text/event-stream":
                     raise self.failures.fail(
                         f"the upstream at {self.base_url} answered a stream request on {path} with "
@@ -318,15 +321,19 @@ class UpstreamFailures:
             return error
         return self.fail(f"the connection to the upstream at {self.base_url} failed: {reason}")
 
-    def status(self, status: int, payload: bytes) -> RLProxyError:
-        return status_error(self.base_url, status, payload, self.secrets)
+    def status(self, status: int, payload: bytes, retry_after: str | None = None) -> RLProxyError:
+        return status_error(self.base_url, status, payload, self.secrets, retry_after)
 
     def logged(self, payload: bytes) -> str:
         return logged_body(self.base_url, payload, self.secrets)
 
 
-def status_error(where: str, status: int, payload: bytes, secrets: list[str]) -> RLProxyError:
-    """The gateway's error for an upstream's error answer, `secrets` redacted from all of it."""
+def status_error(
+    where: str, status: int, payload: bytes, secrets: list[str], retry_after: str | None = None
+) -> RLProxyError:
+    """The gateway's error for an upstream's error answer, `secrets` redacted from all of it; a
+    4xx the client can act on keeps the upstream's `Retry-After` (a 429 above all: the client's
+    SDK waits that long before it retries, rather than at once)."""
     error: dict = {}
     try:
         body = orjson.loads(payload)
@@ -345,7 +352,10 @@ def status_error(where: str, status: int, payload: bytes, secrets: list[str]) ->
         refused = f"the upstream at {where} refused rlproxy's upstream key ({status})"
         return UpstreamError(redact(f"{refused}: {message}; check --upstream-api-key", secrets))
     if status < 500:
-        return UpstreamRejected(
+        rejected = UpstreamRejected(
             status, message, text(error.get("type")), text(error.get("param")), text(error.get("code"))
         )
+        if retry_after and _RETRY_AFTER.fullmatch(retry_after.strip()):
+            rejected.headers = (("Retry-After", retry_after.strip()),)
+        return rejected
     return UpstreamError(redact(f"the upstream at {where} answered {status}: {message}", secrets))

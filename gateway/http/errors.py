@@ -27,7 +27,9 @@ def error_response(path: str, exc: RLProxyError) -> Response:
     """`exc` in the shape the route's protocol documents: Anthropic's for /v1/messages,
     OpenAI's everywhere else."""
     # 413: the rest of the body is still coming; close rather than read it all.
-    headers = {"Connection": "close"} if exc.status_code == 413 else None
+    headers = dict(exc.headers)
+    if exc.status_code == 413:
+        headers["Connection"] = "close"
     if is_anthropic_path(path):
         body = messages_wire.error_body(exc.status_code, exc.message)
     else:

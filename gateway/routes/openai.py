@@ -95,8 +95,10 @@ class ChatCompletionsEndpoint:
         except RLProxyError as exc:
             if not started:
                 # 413: the rest of the body is still coming; close rather than read it all.
-                close = [(b"connection", b"close")] if exc.status_code == 413 else None
-                await _send_json(send, exc.status_code, exc.to_openai(), close)
+                extra = [(name.lower().encode(), value.encode()) for name, value in exc.headers]
+                if exc.status_code == 413:
+                    extra.append((b"connection", b"close"))
+                await _send_json(send, exc.status_code, exc.to_openai(), extra)
         except Exception:
             log.exception("unexpected error on POST /v1/chat/completions")
             if not started:
