@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 
+import httpx
 import openai
 import pytest
 
@@ -308,3 +310,15 @@ def test_an_upstream_rate_limit_comes_back_as_429_with_its_retry_after(client, g
     assert caught.value.response.headers["Retry-After"] == "7"
     (call,) = _calls(gateway, f"rate-limited-{stream}")
     assert call["status"] == "error" and call["http_status"] == 429
+
+
+def test_a_stream_that_fails_midway_ends_at_its_error_event_without_done(gateway):
+    # `[DONE]` says the answer is complete: after an upstream failure it is not.
+    server, _, _ = gateway
+    body = {"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "x [[stream_error]]"}]}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "no-done"})
+    events = [line.removeprefix("data: ") for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["type"] == "upstream_error"
+    (call,) = _calls(gateway, "no-done")
+    assert call["status"] == "error" and call["http_status"] == 502

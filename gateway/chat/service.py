@@ -253,5 +253,9 @@ class ChatService:
         if error is not None:
             if not yielded:
                 raise error  # nothing sent yet: open_stream turns it into an HTTP error
+            # The error event ends the stream, with no `[DONE]` after it: a client that reads
+            # `[DONE]` as "the answer is complete" must not take a cut-off answer for a whole one
+            # (the other protocols' streams end at their error event too).
             yield orjson.dumps(error.to_openai())
+            return
         yield b"[DONE]"
