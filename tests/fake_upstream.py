@@ -11,6 +11,7 @@ gateway forwards bodies, not headers, so the body is what reaches us):
     [[delay=1.5]]       wait that many seconds before answering
     [[malformed]]       answer 200 with a body that is not JSON
     [[stream_error]]    stream: one chunk, then an error event
+    [[bad_chunk]]       stream: one chunk, then one that is JSON but no chat.completion.chunk
     [[truncate]]        stream: one chunk, then drop the connection (no [DONE])
     [[hold]]            stream: one chunk, then wait for `release()` before the rest
     [[tool_call]]       answer with a call to the request's first tool (in words after a tool result)
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import httptools
 import orjson
 
-_MAGIC = re.compile(rb"\[\[(status|delay|malformed|stream_error|truncate|hold|tool_call)(?:=([0-9.]+))?\]\]")
+_MAGIC = re.compile(rb"\[\[(status|delay|malformed|stream_error|bad_chunk|truncate|hold|tool_call)(?:=([0-9.]+))?\]\]")
 _REASONS = {
     200: b"OK",
     400: b"Bad Request",
@@ -370,6 +371,11 @@ class FakeUpstream:
             conn._event(chunk(i, {"role": "assistant", "content": ""}))
         if "stream_error" in script:
             conn._event(orjson.dumps({"error": {"message": "scripted mid-stream failure", "type": "server_error"}}))
+            conn._end_stream(close)
+            return
+        if "bad_chunk" in script:  # JSON, but not a chat.completion.chunk's shape
+            conn._event(orjson.dumps({**base, "choices": [{"index": 0, "delta": "oops"}]}))
+            conn._event(b"[DONE]")
             conn._end_stream(close)
             return
         if "truncate" in script:

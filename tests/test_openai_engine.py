@@ -322,3 +322,16 @@ def test_a_stream_that_fails_midway_ends_at_its_error_event_without_done(gateway
     assert json.loads(events[-1])["error"]["type"] == "upstream_error"
     (call,) = _calls(gateway, "no-done")
     assert call["status"] == "error" and call["http_status"] == 502
+
+
+def test_a_stream_chunk_of_the_wrong_shape_is_a_502_error_event_and_recorded(client, gateway):
+    stream = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "odd [[bad_chunk]]"}],
+        stream=True,
+        extra_headers={"X-Session-Id": "bad-chunk"},
+    )
+    with pytest.raises(openai.APIError, match="not a chat.completion.chunk"):
+        list(stream)
+    (call,) = _calls(gateway, "bad-chunk")
+    assert call["status"] == "error" and call["http_status"] == 502  # not 499: the client did not leave

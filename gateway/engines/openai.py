@@ -217,6 +217,11 @@ class OpenAIEngine(Engine):
                         raise self.failures.fail(
                             f"the upstream at {self.base_url} failed mid-stream: {error.get('message')}"
                         )
+                    if not _chunk_shaped(data):
+                        raise self.failures.fail(
+                            f"the upstream at {self.base_url} sent a stream chunk that is not a "
+                            f"chat.completion.chunk: {self.failures.logged(payload)}"
+                        )
                     yield StreamChunk(data=data, raw=payload)
             finally:
                 resp.release()
@@ -293,6 +298,34 @@ class OpenAIEngine(Engine):
             log.warning("cannot list the upstream's models: %s", type(exc).__name__)
         self._models, self._models_at = models, now
         return models
+
+
+def _chunk_shaped(data: dict) -> bool:
+    """Whether `data` has the shape the stream's record is rebuilt from (`StreamAccumulator`):
+    `choices` a list of objects with an int `index`, a `delta` object, text `content` and
+    tool calls that are objects. Anything else crashed that rebuild mid-stream, which broke the
+    client's stream with no error event and recorded the call as the client's leaving."""
+    choices = data.get("choices")
+    if choices is None:
+        return True  # a usage-only chunk may leave them out
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict) or not isinstance(choice.get("index", 0), int):
+            return False
+        delta = choice.get("delta") or {}
+        if not isinstance(delta, dict) or not isinstance(delta.get("content") or "", str):
+            return False
+        calls = delta.get("tool_calls") or []
+        if not isinstance(calls, list):
+            return False
+        for call in calls:
+            function = call.get("function") or {} if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(call.get("index", 0), int):
+                return False
+            if not all(isinstance(function.get(key) or "", str) for key in ("name", "arguments")):
+                return False
+    return True
 
 
 class UpstreamFailures:
