@@ -335,3 +335,25 @@ def test_a_stream_chunk_of_the_wrong_shape_is_a_502_error_event_and_recorded(cli
         list(stream)
     (call,) = _calls(gateway, "bad-chunk")
     assert call["status"] == "error" and call["http_status"] == 502  # not 499: the client did not leave
+
+
+def test_an_unexpected_error_midway_is_recorded_as_500_not_as_the_client_leaving(client, gateway, monkeypatch):
+    _, services, _ = gateway
+    relay = services.engine.stream
+
+    async def breaks_after_one_chunk(request):
+        async for item in relay(request):
+            yield item
+            raise RuntimeError("a bug")
+
+    monkeypatch.setattr(services.engine, "stream", breaks_after_one_chunk)
+    stream = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "hello there"}],
+        stream=True,
+        extra_headers={"X-Session-Id": "gateway-bug"},
+    )
+    with pytest.raises(openai.APIError, match="internal error"):
+        list(stream)
+    (call,) = _calls(gateway, "gateway-bug")
+    assert call["status"] == "error" and call["http_status"] == 500

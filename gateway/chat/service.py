@@ -236,6 +236,11 @@ class ChatService:
             finished = True
         except RLProxyError as exc:
             error = exc
+        except Exception:
+            # A bug, not the client's leaving: recorded as the 500 it is, and the client is told
+            # in an error event rather than by a connection cut without one.
+            log.exception("unexpected error in a chat stream")
+            error = RLProxyError("internal error; see the gateway log")
         finally:
             if not finished and error is None:
                 # The client went away (or we were cancelled): still record what was sent.
