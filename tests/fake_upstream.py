@@ -93,6 +93,7 @@ class _Connection(asyncio.Protocol):
         self.upstream = upstream
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
+        self.served = 0  # requests read on this connection
         self._reset()
 
     def _reset(self) -> None:
@@ -129,6 +130,10 @@ class _Connection(asyncio.Protocol):
         keep_alive = self.parser.should_keep_alive()
         raw_body, headers = bytes(self.body), self.headers
         self._reset()
+        self.served += 1
+        if self.upstream.drop_reused and self.served > 1 and self.transport is not None:
+            self.transport.close()  # as if its idle timeout closed it as the request came
+            return
         body = None
         if raw_body:
             try:
@@ -186,10 +191,14 @@ class FakeUpstream:
         host: str = "127.0.0.1",
         port: int = 0,
         echo_key: bool = False,
+        drop_reused: bool = False,
     ):
         self.api_key = api_key  # when set, requests without `Authorization: Bearer <api_key>` get a 401
         self.echo_key = echo_key  # a careless upstream: that 401 repeats the Authorization it got
         self.record = record
+        # A server whose keep-alive timeout closes each connection just as its next request
+        # arrives: every request but a connection's first is dropped unanswered.
+        self.drop_reused = drop_reused
         self.requests: list[ReceivedRequest] = []
         self.host, self.port = host, port
         self._ids = itertools.count(1)

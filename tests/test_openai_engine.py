@@ -357,3 +357,21 @@ def test_an_unexpected_error_midway_is_recorded_as_500_not_as_the_client_leaving
         list(stream)
     (call,) = _calls(gateway, "gateway-bug")
     assert call["status"] == "error" and call["http_status"] == 500
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_keep_alive_connection_the_upstream_closed_is_not_the_next_calls_failure(tmp_path, stream):
+    # The upstream closes each idle connection just as the next request comes on it (its
+    # keep-alive timeout won the race): that request never reached it, so it is sent again.
+    with (
+        FakeUpstream(drop_reused=True) as upstream,
+        openai_gateway(upstream.url, tmp_path) as (server, _),
+    ):
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=CLIENT_KEY, max_retries=0)
+        for turn in range(3):
+            reply = client.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": f"turn {turn}"}], stream=stream
+            )
+            chunks = list(reply) if stream else None
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) if stream else None
+            assert (text if stream else reply.choices[0].message.content) == f"turn {turn}"

@@ -33,7 +33,7 @@ from yarl import URL
 
 from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd
 from gateway.engines.http1 import HTTP1Pool
-from gateway.engines.sse import sse_data
+from gateway.engines.sse import post_stream, sse_data, stream_session
 from gateway.engines.upstream_failures import UpstreamFailures
 from gateway.errors import ConfigError
 from gateway.redact import mask_text, redact
@@ -105,11 +105,7 @@ class OpenAIEngine(Engine):
 
     async def start(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=POOL_SIZE, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
-            # No cookie jar: cookies from the upstream must not leak between clients.
-            self._session = aiohttp.ClientSession(
-                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",)
-            )
+            self._session = stream_session(POOL_SIZE)
 
     async def close(self) -> None:
         await self._pool.close()
@@ -170,11 +166,10 @@ class OpenAIEngine(Engine):
         return Completion(response=data, tokens=None)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
-        session = await self._client()
         finished = False
         try:
-            resp = await session.post(
-                self._chat_url, data=orjson.dumps(request.body), headers=self._headers, timeout=self._stream_timeout
+            resp = await post_stream(
+                await self._client(), self._chat_url, orjson.dumps(request.body), self._headers, self._stream_timeout
             )
             self.failures.down = None
             try:
@@ -243,10 +238,9 @@ class OpenAIEngine(Engine):
     async def relay_stream(self, path: str, body: dict) -> AsyncIterator[bytes]:
         """The `data` payloads of the upstream's event stream for `path` (`[DONE]` too, where
         the protocol sends one); each protocol's payloads name their event in `type`."""
-        session = await self._client()
         try:
-            resp = await session.post(
-                URL(self.base_url + path), data=orjson.dumps(body), headers=self._headers, timeout=self._stream_timeout
+            resp = await post_stream(
+                await self._client(), URL(self.base_url + path), orjson.dumps(body), self._headers, self._stream_timeout
             )
             self.failures.down = None
             try:
