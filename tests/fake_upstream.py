@@ -14,6 +14,7 @@ gateway forwards bodies, not headers, so the body is what reaches us):
     [[bad_chunk]]       stream: one chunk, then one that is JSON but no chat.completion.chunk
     [[truncate]]        stream: one chunk, then drop the connection (no [DONE])
     [[hold]]            stream: one chunk, then wait for `release()` before the rest
+    [[reasoning]]       stream: think aloud first, in `reasoning_content` deltas (as vLLM's reasoning parsers)
     [[tool_call]]       answer with a call to the request's first tool (in words after a tool result)
 
 In-process: `with FakeUpstream() as upstream:` (a thread with its own loop);
@@ -37,7 +38,9 @@ from dataclasses import dataclass
 import httptools
 import orjson
 
-_MAGIC = re.compile(rb"\[\[(status|delay|malformed|stream_error|bad_chunk|truncate|hold|tool_call)(?:=([0-9.]+))?\]\]")
+_MAGIC = re.compile(
+    rb"\[\[(status|delay|malformed|stream_error|bad_chunk|truncate|hold|tool_call|reasoning)(?:=([0-9.]+))?\]\]"
+)
 _REASONS = {
     200: b"OK",
     400: b"Bad Request",
@@ -415,6 +418,9 @@ class FakeUpstream:
                 )
                 conn._event(chunk(i, {}, "tool_calls"))
                 continue
+            if "reasoning" in script:
+                for piece in ("Let me ", "think."):
+                    conn._event(chunk(i, {"reasoning_content": piece}))
             for piece in re.findall(r"\S+\s*|\s+", content):
                 conn._event(chunk(i, {"content": piece}))
             conn._event(chunk(i, {}, "stop"))

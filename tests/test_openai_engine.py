@@ -375,3 +375,19 @@ def test_a_keep_alive_connection_the_upstream_closed_is_not_the_next_calls_failu
             chunks = list(reply) if stream else None
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) if stream else None
             assert (text if stream else reply.choices[0].message.content) == f"turn {turn}"
+
+
+def test_a_streamed_reasoning_models_thinking_is_recorded_as_unstreamed(client, gateway):
+    # vLLM's reasoning parsers stream the thinking in `reasoning_content` deltas; the
+    # unstreamed message keeps it, and so must the streamed call's record.
+    stream = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "answer [[reasoning]]"}],
+        stream=True,
+        extra_headers={"X-Session-Id": "thinking"},
+    )
+    list(stream)
+    (call,) = _calls(gateway, "thinking")
+    message = call["response"]["choices"][0]["message"]
+    assert message["reasoning_content"] == "Let me think."
+    assert message["content"] == "answer [[reasoning]]"

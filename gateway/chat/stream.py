@@ -16,6 +16,12 @@ async def prepend_first(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterat
         await rest.aclose()  # a client that left mid-stream still gets its call recorded, now
 
 
+# A delta's text, in pieces to join: the answer, a reasoning model's thinking (vLLM's and
+# DeepSeek's `reasoning_content`, newer vLLM's `reasoning`) and a refusal. The unstreamed
+# message keeps them all, so the streamed call's record must too.
+_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
+
+
 class StreamAccumulator:
     """Rebuilds the chat.completion a stream amounts to, for the record."""
 
@@ -36,8 +42,10 @@ class StreamAccumulator:
             )
             delta = delta_choice.get("delta") or {}
             message = choice["message"]
-            if delta.get("content"):
-                message["content"] = (message["content"] or "") + delta["content"]
+            for field in _TEXT_FIELDS:
+                piece = delta.get(field)
+                if piece and isinstance(piece, str):
+                    message[field] = (message.get(field) or "") + piece
             for call_delta in delta.get("tool_calls") or []:
                 calls = message.setdefault("tool_calls", [])
                 position = call_delta.get("index", len(calls))
