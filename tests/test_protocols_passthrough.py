@@ -92,9 +92,14 @@ def native_upstream() -> Starlette:
         body = await request.json()
         seen.append(("messages", body))
 
+        garbled = body["messages"][-1]["content"] == "garbled"
+
         async def events():
             for event in MESSAGE_EVENTS:
                 yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+                if garbled:  # an upstream that breaks: half an event, and no more
+                    yield b'event: content_block_start\ndata: {"type": "content_block_st\n\n'
+                    return
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -253,3 +258,15 @@ def test_a_relayed_call_whose_client_left_is_recorded_as_499(gateway, monkeypatc
     row = first_call(services.store, session, 20)
     assert row is not None and row["http_status"] == 499 and row["protocol"] == "completions"
     assert row["status"] == "error" and "disconnected" in row["error"]
+
+
+def test_a_relayed_stream_event_that_is_not_json_is_a_502_error_event_and_recorded(gateway):
+    server, services, _ = gateway
+    client = anthropic.Anthropic(base_url=server.url + "/sessions/pt-garbled", api_key="x", max_retries=0)
+    with pytest.raises(anthropic.APIError, match="not a JSON object"):
+        with client.messages.stream(
+            model="fake-model", max_tokens=9, messages=[{"role": "user", "content": "garbled"}]
+        ) as s:
+            s.get_final_message()
+    [row] = services.store.session_calls("pt-garbled")
+    assert row["status"] == "error" and row["http_status"] == 502  # not 499: the client did not leave

@@ -12,6 +12,7 @@ last event (or `[DONE]`) is held until the call row is committed, as for chat.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from types import ModuleType
@@ -29,6 +30,8 @@ from gateway.protocols.messages import relay as messages_relay
 from gateway.protocols.messages import wire as messages_wire
 from gateway.protocols.responses import relay as responses_relay
 from gateway.protocols.responses import wire as responses_wire
+
+log = logging.getLogger("rlproxy.chat")
 
 PATHS = {
     responses_wire.PROTOCOL: "/responses",
@@ -142,7 +145,7 @@ class PassThrough:
                 async for payload in self.chat.engine.relay_stream(PATHS[protocol], upstream_body(raw, target.model)):
                     kind = None
                     if payload != b"[DONE]":
-                        event = orjson.loads(payload)
+                        event = _event(payload, PATHS[protocol])
                         kind = event.get("type") if protocol != completions_wire.PROTOCOL else None
                         accumulator.add(event)
                     if held is not None:
@@ -153,6 +156,9 @@ class PassThrough:
                 raise UpstreamError(f"the upstream's {PATHS[protocol]} stream ended without an event")
         except RLProxyError as exc:
             error = exc
+        except Exception:  # a bug, not the client's leaving: a 500, recorded and told as one
+            log.exception("unexpected error in a relayed stream")
+            error = RLProxyError("internal error; see the gateway log")
         finally:
             if not finished and error is None:  # the client left: still record what was sent
                 gone = ClientGone("stream ended early: the client disconnected")
@@ -199,3 +205,17 @@ class PassThrough:
             return
         if held is not None:
             yield held
+
+
+def _event(payload: bytes, path: str) -> dict:
+    """One relayed event's JSON object; anything else is the upstream's fault, a 502 (it broke
+    the stream with no error event, recorded as the client's leaving, when it went unchecked)."""
+    try:
+        event = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        event = None
+    if not isinstance(event, dict):
+        raise UpstreamError(
+            f"the upstream's {path} stream sent an event that is not a JSON object ({len(payload)} bytes)"
+        )
+    return event
