@@ -57,6 +57,10 @@ def scenario(tmp_path, promote: str) -> Settings:
         canary_share=SHARE,
         canary_min_sessions=2 * ROLLOUTS,
         canary_margin=0.3,
+        # No watch after a promotion: "good" here only means not penalised, and a real step may
+        # score a little below step 0 (within the margin it was promoted by), which the watch,
+        # with no margin, then rolls back (seen once in CI). tests/test_canary.py tests the watch.
+        watch_sessions=0,
         max_staleness=20,
         groups_per_step=1,
         lora_rank=4,
