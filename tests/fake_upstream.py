@@ -160,7 +160,7 @@ class _Connection(asyncio.Protocol):
             content_type,
             len(body),
         )
-        if status == 429:  # as OpenAI's rate limit says when to come back
+        if status in (429, 503):  # as OpenAI's rate limit (and an overloaded server) says when to come back
             head += b"retry-after: 7\r\n"
         self.transport.write(head + (b"connection: close\r\n\r\n" if close else b"\r\n") + body)
         if close:

@@ -312,6 +312,22 @@ def test_an_upstream_rate_limit_comes_back_as_429_with_its_retry_after(client, g
     assert call["status"] == "error" and call["http_status"] == 429
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_overloaded_upstream_is_a_502_that_keeps_its_retry_after(client, gateway, stream):
+    # An upstream's 503 says when it will take calls again; the SDK retries a 502 and waits that long.
+    with pytest.raises(openai.InternalServerError) as caught:
+        result = client.with_options(max_retries=0).chat.completions.create(
+            model="fake-model",
+            messages=[{"role": "user", "content": "busy [[status=503]]"}],
+            stream=stream,
+            extra_headers={"X-Session-Id": f"overloaded-{stream}"},
+        )
+        if stream:
+            list(result)
+    assert caught.value.status_code == 502
+    assert caught.value.response.headers["Retry-After"] == "7"
+
+
 def test_a_stream_that_fails_midway_ends_at_its_error_event_without_done(gateway):
     # `[DONE]` says the answer is complete: after an upstream failure it is not.
     server, _, _ = gateway

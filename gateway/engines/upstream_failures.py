@@ -64,9 +64,10 @@ class UpstreamFailures:
 def status_error(
     where: str, status: int, payload: bytes, secrets: list[str], retry_after: str | None = None
 ) -> RLProxyError:
-    """The gateway's error for an upstream's error answer, `secrets` redacted from all of it; a
-    4xx the client can act on keeps the upstream's `Retry-After` (a 429 above all: the client's
-    SDK waits that long before it retries, rather than at once)."""
+    """The gateway's error for an upstream's error answer, `secrets` redacted from all of it. The
+    upstream's `Retry-After` is kept on a 4xx the client can act on (a 429 above all: the client's
+    SDK waits that long before it retries, rather than at once) and on a 5xx (an overloaded
+    upstream's 503 says when it will take calls again; without it the SDK's retries come sooner)."""
     error: dict = {}
     try:
         body = orjson.loads(payload)
@@ -88,7 +89,14 @@ def status_error(
         rejected = UpstreamRejected(
             status, message, text(error.get("type")), text(error.get("param")), text(error.get("code"))
         )
-        if retry_after and _RETRY_AFTER.fullmatch(retry_after.strip()):
-            rejected.headers = (("Retry-After", retry_after.strip()),)
+        rejected.headers = _kept_retry_after(retry_after)
         return rejected
-    return UpstreamError(redact(f"the upstream at {where} answered {status}: {message}", secrets))
+    failed = UpstreamError(redact(f"the upstream at {where} answered {status}: {message}", secrets))
+    failed.headers = _kept_retry_after(retry_after)
+    return failed
+
+
+def _kept_retry_after(retry_after: str | None) -> tuple[tuple[str, str], ...]:
+    if retry_after and _RETRY_AFTER.fullmatch(retry_after.strip()):
+        return (("Retry-After", retry_after.strip()),)
+    return ()
