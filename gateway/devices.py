@@ -123,6 +123,12 @@ def trainer_devices(settings: Settings) -> str | None:
     groups = parse_devices(settings.trainer_devices, "--trainer-devices")
     if len(groups) != 1:
         raise ConfigError(f"--trainer-devices '{settings.trainer_devices}' is one group of GPUs: 0 or 0,1, no ';'")
+    if not settings.device.startswith("cuda"):
+        # --device is cpu unless told: without this the trainer would run on the CPU beside idle GPUs.
+        raise ConfigError(
+            f"--trainer-devices '{settings.trainer_devices}' names GPUs for the trainer, but it runs on "
+            f"--device {settings.device}: add --device cuda (or leave out --trainer-devices)"
+        )
     index = settings.device.partition(":")[2]
     if settings.device.startswith("cuda") and index.isdigit() and int(index) >= len(groups[0]):
         # The trainer numbers the GPUs it sees from 0: --device cuda:1 with one GPU fails at its first step.

@@ -33,11 +33,35 @@ REFUSED = {
         "--vllm-devices '0;1' gives 2 replica(s) GPUs but --vllm-replicas is 3",
     ),
     "dedicated trainer on a replica's GPU": (
-        [*VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1", "--trainer-devices", "1", "--gpu-mode", "dedicated"],
+        [
+            *VLLM,
+            "--vllm-replicas",
+            "2",
+            "--vllm-devices",
+            "0;1",
+            "--trainer-devices",
+            "1",
+            "--gpu-mode",
+            "dedicated",
+            "--device",
+            "cuda",
+        ],
         "--gpu-mode dedicated with GPU(s) 1 in both --trainer-devices and --vllm-devices",
     ),
     "colocated trainer sharing nothing": (
-        [*VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1", "--trainer-devices", "2", "--gpu-mode", "colocated"],
+        [
+            *VLLM,
+            "--vllm-replicas",
+            "2",
+            "--vllm-devices",
+            "0;1",
+            "--trainer-devices",
+            "2",
+            "--gpu-mode",
+            "colocated",
+            "--device",
+            "cuda",
+        ],
         "--gpu-mode colocated, but the trainer's GPUs (2) are none of the replicas' (0;1): there is nothing to share",
     ),
     "a GPU trainer with no devices of its own": (
@@ -61,6 +85,10 @@ REFUSED = {
     "trainer on no GPU": (
         [*NOWHERE, "--trainer-devices", "gpu0"],
         "--trainer-devices 'gpu0' is not a list of GPU indices",
+    ),
+    "GPUs for a trainer on the CPU": (
+        [*NOWHERE, "--trainer-devices", "2,3"],
+        "--trainer-devices '2,3' names GPUs for the trainer, but it runs on --device cpu: add --device cuda",
     ),
     "trainer device beyond its GPUs": (
         [*NOWHERE, "--device", "cuda:1", "--trainer-devices", "1"],
@@ -155,7 +183,13 @@ def _replicas(settings: Settings) -> VLLMReplicas:
 def test_each_managed_replica_gets_its_own_gpus_socket_and_log(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # what the gateway sees is not what a replica gets
     settings = vllm_settings(
-        tmp_path, vllm_replicas=2, vllm_devices="0,1;2,3", trainer="auto", trainer_devices="4", gpu_mode="dedicated"
+        tmp_path,
+        vllm_replicas=2,
+        vllm_devices="0,1;2,3",
+        trainer="auto",
+        trainer_devices="4",
+        gpu_mode="dedicated",
+        device="cuda",
     )
     engine = _replicas(settings)
     state = tmp_path / "state"
@@ -184,7 +218,13 @@ def test_colocated_replicas_sleep_and_each_is_sized_on_its_own_card(tmp_path, mo
     monkeypatch.setenv("PATH", f"{bin_dir}:{Path('/usr/bin')}:{Path('/bin')}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     settings = vllm_settings(
-        tmp_path, vllm_replicas=2, vllm_devices="0;1", trainer="auto", trainer_devices="0,1", gpu_mode="colocated"
+        tmp_path,
+        vllm_replicas=2,
+        vllm_devices="0;1",
+        trainer="auto",
+        trainer_devices="0,1",
+        gpu_mode="colocated",
+        device="cuda",
     )
     engine = _replicas(settings)
     assert engine.can_sleep
