@@ -86,6 +86,11 @@ REFUSED = {
         [*NOWHERE, "--trainer-devices", "gpu0"],
         "--trainer-devices 'gpu0' is not a list of GPU indices",
     ),
+    "a GPU shared with a trainer on the CPU": (
+        [*VLLM, "--gpu-mode", "colocated", "--trainer", "auto"],
+        "--gpu-mode colocated shares a GPU between vLLM and the trainer, but the trainer runs on --device cpu: "
+        "add --device cuda",
+    ),
     "GPUs for a trainer on the CPU": (
         [*NOWHERE, "--trainer-devices", "2,3"],
         "--trainer-devices '2,3' names GPUs for the trainer, but it runs on --device cpu: add --device cuda",

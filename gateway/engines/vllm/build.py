@@ -100,6 +100,12 @@ def vllm_engine(
             "the trainer trains beside serving"
         )
         colocated = False
+    if colocated and settings.trainer != "off" and not settings.device.startswith("cuda"):
+        # vLLM would sleep through every step to free a GPU for a trainer that uses none.
+        raise ConfigError(
+            f"--gpu-mode colocated shares a GPU between vLLM and the trainer, but the trainer runs on --device "
+            f"{settings.device}: add --device cuda (or --gpu-mode dedicated to train on the CPU while vLLM serves)"
+        )
     served_name = None
     model_path = settings.base_model
     if settings.base_model in BUILT_IN_MODELS:
