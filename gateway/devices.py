@@ -109,6 +109,12 @@ def check_ranks(settings: Settings) -> None:
             f"--backend unsloth trains in one process, not {ranks}: leave out --nproc (or use --backend peft, "
             "which runs on several with DDP or --shard full)"
         )
+    if settings.backend == "unsloth" and not settings.device.startswith("cuda"):
+        # Found here, at start: a trainer child refused by its backend would be restarted again and again.
+        raise ConfigError(
+            f"--backend unsloth trains on a GPU, and the trainer is on --device {settings.device}: add --device "
+            "cuda (or use --backend peft, which trains on the CPU too)"
+        )
     if ranks == 1 and settings.shard == "full":
         raise ConfigError(
             "--shard full splits the model's weights across training processes, and there is one: give "

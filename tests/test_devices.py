@@ -91,6 +91,10 @@ REFUSED = {
         "--gpu-mode colocated shares a GPU between vLLM and the trainer, but the trainer runs on --device cpu: "
         "add --device cuda",
     ),
+    "unsloth on the CPU": (
+        ["--backend", "unsloth"],
+        "--backend unsloth trains on a GPU, and the trainer is on --device cpu: add --device cuda",
+    ),
     "GPUs for a trainer on the CPU": (
         [*NOWHERE, "--trainer-devices", "2,3"],
         "--trainer-devices '2,3' names GPUs for the trainer, but it runs on --device cpu: add --device cuda",
