@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import ConfigError
+from gateway.redact import mask_text
 from gateway.store import files as store_files
 from gateway.store import postgres_schema
 from gateway.store.base import Store
@@ -93,8 +94,9 @@ class _PgConn:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """The URL without its password, for messages and logs: libpq takes one in the user-info
+    (`user:PW@host`) and as a query parameter (`?password=PW`); both are masked."""
+    return mask_text(url)
 
 
 def _is_retryable(exc: BaseException) -> bool:
