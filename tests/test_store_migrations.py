@@ -119,3 +119,15 @@ async def test_postgres_newer_than_the_code_is_refused(postgres_db):
         conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (store_pg_schema.VERSION + 1,))
     with pytest.raises(ConfigError, match="newer than this rlproxy"):
         PostgresStore(postgres_db)
+
+
+async def test_postgres_with_columns_of_a_newer_rlproxy_is_refused(postgres_db, monkeypatch):
+    # A newer rlproxy adds a column (as most releases do): SQLite's user_version counts it and
+    # older code refuses the file; PostgreSQL recorded no such count and older code went on.
+    newer = (*store_schema._ADDED_COLUMNS, ("sessions", "from_the_future", "TEXT"))
+    with monkeypatch.context() as later:
+        later.setattr(store_schema, "_ADDED_COLUMNS", newer)
+        later.setattr(store_schema, "SCHEMA_VERSION", 1 + len(newer))
+        PostgresStore(postgres_db).close_sync()
+    with pytest.raises(ConfigError, match="newer than this rlproxy"):
+        PostgresStore(postgres_db)

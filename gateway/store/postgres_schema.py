@@ -5,8 +5,9 @@ PostgreSQL types, plus `calls.seq`: the order of a session's calls, handed out b
 so replicas' clocks never decide it). Each later version is a list of statements; `migrate`
 runs the missing ones in order, in one transaction under an advisory lock, so gateways and
 trainers starting together migrate once. Columns the SQLite schema gains later
-(`sqlite_schema._ADDED_COLUMNS`) are added here too, so both backends hold the same rows.
-A database newer than this code is refused: running old code on it could lose columns' data.
+(`sqlite_schema._ADDED_COLUMNS`) are added here too, so both backends hold the same rows, and
+counted in `schema_columns` as SQLite counts them. A database newer than this code (in either
+count) is refused: running old code on it could lose columns' data.
 """
 
 from __future__ import annotations
@@ -135,7 +136,16 @@ CREATE TABLE IF NOT EXISTS store_probe (
     created_at DOUBLE PRECISION NOT NULL
 );
 """
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3}
+# Version 4: the columns added since (`sqlite_schema._ADDED_COLUMNS`, which have no version of
+# their own here) counted as SQLite's `user_version` counts them, so that a database a newer
+# rlproxy added columns to is refused here too, not written without them.
+_V4 = """
+CREATE TABLE IF NOT EXISTS schema_columns (
+    version INTEGER PRIMARY KEY,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+"""
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4}
 VERSION = max(MIGRATIONS)
 
 READY_GROUPS = """
@@ -181,9 +191,17 @@ def migrate(conn: Any) -> int:
         for version in range(current + 1, VERSION + 1):
             conn.execute(MIGRATIONS[version])
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version,))
+        columns = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_columns").fetchone()[0]
+        if columns > sqlite_schema.SCHEMA_VERSION:
+            raise ConfigError(
+                f"the store's columns are version {columns}, newer than this rlproxy's "
+                f"({sqlite_schema.SCHEMA_VERSION}): upgrade rlproxy on this machine"
+            )
         # Columns the SQLite schema gained (both backends hold the same rows).
         for table, column, definition in sqlite_schema._ADDED_COLUMNS:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {_pg_type(definition)}")
         for statement in sqlite_schema.ADDED_INDEXES:
             conn.execute(statement)
+        if columns < sqlite_schema.SCHEMA_VERSION:
+            conn.execute("INSERT INTO schema_columns (version) VALUES (%s)", (sqlite_schema.SCHEMA_VERSION,))
     return current
