@@ -233,6 +233,20 @@ def small_tmpfs(size_mb: int):
         mount_point.rmdir()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_state_dir_on_a_read_only_disk_is_one_line_naming_the_file(capsys):
+    # An existing state dir with no store yet, on a read-only disk (or a directory of another
+    # user's): `serve` and `train` ended in an OSError traceback from creating the file.
+    from gateway.cli import main
+
+    with small_tmpfs(1) as disk:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        assert main(["train", "--state-dir", str(disk), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot create the store {disk / 'rlproxy.db'} (Read-only file system)" in err, err
+    assert "Traceback" not in err
+
+
 def _fill(directory: Path) -> Path:
     filler = directory / "filler"
     # Unbuffered: a buffered file would try its unwritten rest again on close, and fail there.
