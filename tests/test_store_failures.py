@@ -196,6 +196,26 @@ def test_a_store_that_cannot_be_opened_is_one_line_naming_the_file_and_the_cause
         holder.communicate("\n", timeout=30)
 
 
+def test_a_store_that_cannot_be_opened_says_to_run_the_command_again(tmp_path):
+    # The command stops there: the message promised it would recover by itself, no restart needed.
+    asyncio.run(SQLiteStore(tmp_path / "rlproxy.db").close())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "rlproxy.db")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreUnavailable) as refused:
+            SQLiteStore(tmp_path / "rlproxy.db", busy_timeout=0.2)
+    finally:
+        holder.communicate("\n", timeout=30)
+    message = refused.value.message
+    assert "another process" in message and "run the command again" in message
+    assert "recovers by itself" not in message and "no restart needed" not in message
+
+
 def test_classify_names_each_cause():
     def error(code: int, text: str) -> sqlite3.OperationalError:
         exc = sqlite3.OperationalError(text)
