@@ -3,6 +3,7 @@ rlproxy's first release (SQLite: commit 73c84b3's schema, kept in tests/golden; 
 version 1) opens with today's code, keeps every row, gains the later columns and tables, and
 takes new writes; a database newer than the code is refused."""
 
+import sqlite3
 from pathlib import Path
 
 import psycopg
@@ -131,3 +132,18 @@ async def test_postgres_with_columns_of_a_newer_rlproxy_is_refused(postgres_db, 
         PostgresStore(postgres_db).close_sync()
     with pytest.raises(ConfigError, match="newer than this rlproxy"):
         PostgresStore(postgres_db)
+
+
+async def test_postgres_has_every_index_sqlite_has(postgres_db, tmp_path):
+    # The paged lists (keyset on created_at and id) and the calls per minute read through
+    # SQLite's sessions_created, groups_created and calls_created; PostgreSQL had none of
+    # them, so every page sorted the whole table and every dashboard poll scanned all calls.
+    await SQLiteStore(tmp_path / "rlproxy.db").close()
+    with sqlite3.connect(tmp_path / "rlproxy.db") as conn:
+        named = conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
+        sqlite_indexes = {r[0] for r in named}
+    PostgresStore(postgres_db).close_sync()
+    with psycopg.connect(postgres_db) as conn:
+        pg_indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'public'")}
+    assert {"sessions_created", "groups_created", "calls_created"} <= sqlite_indexes
+    assert sqlite_indexes <= pg_indexes, sqlite_indexes - pg_indexes

@@ -145,7 +145,15 @@ CREATE TABLE IF NOT EXISTS schema_columns (
     applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 """
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4}
+# Version 5: the indexes SQLite's schema has had from the start for the paged lists (keyset on
+# created_at and id, newest first) and the calls per minute: without them each page of
+# GET /v1/sessions or /v1/groups sorted the whole table, and each dashboard poll scanned every call.
+_V5 = """
+CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at, id);
+CREATE INDEX IF NOT EXISTS groups_created ON groups (created_at, id);
+CREATE INDEX IF NOT EXISTS calls_created ON calls (created_at);
+"""
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5}
 VERSION = max(MIGRATIONS)
 
 READY_GROUPS = """
