@@ -147,3 +147,39 @@ async def test_postgres_has_every_index_sqlite_has(postgres_db, tmp_path):
         pg_indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'public'")}
     assert {"sessions_created", "groups_created", "calls_created"} <= sqlite_indexes
     assert sqlite_indexes <= pg_indexes, sqlite_indexes - pg_indexes
+
+
+def test_postgres_a_role_that_may_not_change_the_schema_runs_on_a_migrated_database(postgres_db):
+    # Least privilege: the tables' owner migrates, the gateways and trainers log in as a role that
+    # only reads and writes rows. That role could not start at all (CREATE TABLE IF NOT EXISTS
+    # needs the right to create, even when the table is there), in a psycopg traceback.
+    import re
+    import uuid
+
+    role = "app_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(postgres_db, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'app-secret'")
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")  # PostgreSQL 15's default, on any version
+        conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        conn.execute(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}")
+    as_app = re.sub(r"://[^/@]*@", f"://{role}:app-secret@", postgres_db, count=1)
+    if "@" not in as_app:
+        as_app = as_app.replace("://", f"://{role}:app-secret@", 1)
+    try:
+        with pytest.raises(ConfigError, match="start rlproxy once with the role that owns the tables"):
+            PostgresStore(as_app)  # an empty database: the owner has to migrate it first
+        PostgresStore(postgres_db).close_sync()  # the owner migrates
+        with psycopg.connect(postgres_db, autocommit=True) as conn:
+            conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+            conn.execute(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        store = PostgresStore(as_app)
+        try:
+            store.record_call_sync(call(1, "s-app", group="g"))
+            assert [c["id"] for c in store.get_session("s-app")["calls"]] == ["req1"]
+            assert store.schema_version() == store_pg_schema.VERSION
+        finally:
+            store.close_sync()
+    finally:
+        with psycopg.connect(postgres_db, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")

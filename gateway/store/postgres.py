@@ -186,8 +186,12 @@ class PostgresStore(Store):
         self._pool.reconnect_timeout = RECONNECT_GIVE_UP  # not at start: that waits `timeout` for the server
         self._write_lock = threading.Lock()  # group commits of this process, one at a time
         self._read_lock = threading.Lock()
-        with self._pool.connection() as conn:
-            postgres_schema.migrate(conn)
+        try:
+            with self._pool.connection() as conn:
+                postgres_schema.migrate(conn)
+        except BaseException:
+            self._pool.close()  # refused (a newer schema, no rights): no pool left connected behind
+            raise
         # Every write is a round trip to the server: none is made on the event loop (the base
         # class's `_write_now` queues them all for the writer thread).
         self.retries = 0  # batches rerun after a deadlock with another replica
