@@ -144,7 +144,7 @@ def store(request, tmp_path):
         asyncio.run(pg.close())
 
 
-def _call(store: Store, session_id: str, step: int | None, engine: str = "local") -> None:
+def _call(store: Store, session_id: str, step: int | None, engine: str = "local", model: str = "agent") -> None:
     store.record_call_sync(
         CallRecord(
             id=f"{session_id}-c",
@@ -152,7 +152,7 @@ def _call(store: Store, session_id: str, step: int | None, engine: str = "local"
             group_id=None,
             task_key="key",
             split="train",
-            model="agent",
+            model=model,
             served=None if step is None else f"agent@{step}",
             step=step,
             engine=engine,
@@ -170,6 +170,19 @@ def _call(store: Store, session_id: str, step: int | None, engine: str = "local"
 
 def _step(store: Store, step: int) -> None:
     store.insert_step("agent", step, f"/nowhere/{step}", {}, [])
+
+
+def test_a_live_session_under_a_long_model_name_joins_its_group_on_either_backend(store):
+    # The model name is the request's (an upstream's model id, of any length): on PostgreSQL the
+    # open-live-group index held it, and past its ~2.7 kB entry limit the reward was a 500.
+    rule = LiveRule(group_size=2, max_staleness=1)
+    model = "".join(hashlib.sha256(str(i).encode()).hexdigest() for i in range(150))  # 9,600 that do not compress
+    for session_id in ("long-a", "long-b"):
+        _call(store, session_id, step=None, engine="openai", model=model)
+    first = asyncio.run(store.set_reward("long-a", 0.0, {}, rule))
+    second = asyncio.run(store.set_reward("long-b", 1.0, {}, rule))
+    assert first["trainable"] and second["trainable"] and first["group_id"] == second["group_id"]
+    assert [g["id"] for g in store.ready_groups(model)] == [first["group_id"]]
 
 
 def test_a_reward_after_the_session_went_stale_is_stored_marked_and_never_trained(store):

@@ -62,3 +62,20 @@ def test_an_unreachable_store_is_a_clean_error_without_the_password(tmp_path):
     with pytest.raises(ConfigError) as caught:
         PostgresStore(f"postgresql://user:hunter2@127.0.0.1:{port}/db?connect_timeout=1", timeout=2)
     assert "cannot connect" in caught.value.message and "hunter2" not in caught.value.message
+
+
+def test_a_password_given_as_a_query_parameter_is_kept_out_of_the_error_too(tmp_path):
+    # libpq reads `?password=...` as well as `user:password@`: the message once showed it.
+    import socket
+
+    import pytest
+
+    from gateway.errors import ConfigError
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConfigError) as caught:
+        PostgresStore(f"postgresql://user@127.0.0.1:{port}/db?password=hunter2&connect_timeout=1", timeout=2)
+    message = caught.value.message
+    assert "cannot connect" in message and "hunter2" not in message and "password=***" in message

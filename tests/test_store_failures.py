@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -195,6 +196,26 @@ def test_a_store_that_cannot_be_opened_is_one_line_naming_the_file_and_the_cause
         holder.communicate("\n", timeout=30)
 
 
+def test_a_store_that_cannot_be_opened_says_to_run_the_command_again(tmp_path):
+    # The command stops there: the message promised it would recover by itself, no restart needed.
+    asyncio.run(SQLiteStore(tmp_path / "rlproxy.db").close())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "rlproxy.db")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreUnavailable) as refused:
+            SQLiteStore(tmp_path / "rlproxy.db", busy_timeout=0.2)
+    finally:
+        holder.communicate("\n", timeout=30)
+    message = refused.value.message
+    assert "another process" in message and "run the command again" in message
+    assert "recovers by itself" not in message and "no restart needed" not in message
+
+
 def test_classify_names_each_cause():
     def error(code: int, text: str) -> sqlite3.OperationalError:
         exc = sqlite3.OperationalError(text)
@@ -230,6 +251,20 @@ def small_tmpfs(size_mb: int):
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
         mount_point.rmdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_state_dir_on_a_read_only_disk_is_one_line_naming_the_file(capsys):
+    # An existing state dir with no store yet, on a read-only disk (or a directory of another
+    # user's): `serve` and `train` ended in an OSError traceback from creating the file.
+    from gateway.cli import main
+
+    with small_tmpfs(1) as disk:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        assert main(["train", "--state-dir", str(disk), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot create the store {disk / 'rlproxy.db'} (Read-only file system)" in err, err
+    assert "Traceback" not in err
 
 
 def _fill(directory: Path) -> Path:
@@ -428,6 +463,52 @@ def test_postgres_gone_read_only_answers_503_and_recovers_by_itself(upstream, tm
 
         admin(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
         drop_connections()  # the read-only setting sticks to open sessions: new ones see it gone
+        _assert_healthy(url)
+        reply = _chat(url)
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        assert acknowledged <= _recorded(store)
+
+
+def test_postgres_gone_answers_503_promptly_and_recovers_by_itself(upstream, tmp_path, postgres_url, postgres_db):
+    """The database stops taking connections (a restart, a failover under way): once a call has
+    found it gone, calls and /healthz answer 503 as a client or a balancer's health check with a
+    10 s timeout sees it, not after the pool's whole wait each, in turn (they hung for a minute);
+    once it takes connections again the gateway recovers by itself and lost nothing acknowledged."""
+    import re
+
+    import psycopg
+
+    from gateway.store.postgres import PostgresStore
+
+    name = re.match(r"postgres(?:ql)?://[^/]*/([^?]*)", postgres_db).group(1)
+
+    def admin(sql: str) -> None:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(sql)
+
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = PostgresStore(postgres_db, timeout=15)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        acknowledged = {_chat(url).headers["x-request-id"]}
+
+        admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        admin(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
+        first = _chat(url)  # finds the server gone (after the pool's wait for a connection)
+        assert first.status_code == 503 and first.json()["error"]["code"] == "store_unavailable", first.text
+        for _ in range(3):
+            health = httpx.get(url + "/healthz", timeout=10)
+            assert health.status_code == 503 and health.json()["status"] == "degraded"
+            body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+            reply = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "s2"}, timeout=10)
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "store_unavailable", reply.text
+
+        admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        for _ in range(120):  # the pool reconnects by itself
+            if httpx.get(url + "/healthz", timeout=10).status_code == 200:
+                break
+            time.sleep(0.5)
         _assert_healthy(url)
         reply = _chat(url)
         assert reply.status_code == 200, reply.text

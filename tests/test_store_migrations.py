@@ -3,6 +3,7 @@ rlproxy's first release (SQLite: commit 73c84b3's schema, kept in tests/golden; 
 version 1) opens with today's code, keeps every row, gains the later columns and tables, and
 takes new writes; a database newer than the code is refused."""
 
+import sqlite3
 from pathlib import Path
 
 import psycopg
@@ -119,3 +120,66 @@ async def test_postgres_newer_than_the_code_is_refused(postgres_db):
         conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (store_pg_schema.VERSION + 1,))
     with pytest.raises(ConfigError, match="newer than this rlproxy"):
         PostgresStore(postgres_db)
+
+
+async def test_postgres_with_columns_of_a_newer_rlproxy_is_refused(postgres_db, monkeypatch):
+    # A newer rlproxy adds a column (as most releases do): SQLite's user_version counts it and
+    # older code refuses the file; PostgreSQL recorded no such count and older code went on.
+    newer = (*store_schema._ADDED_COLUMNS, ("sessions", "from_the_future", "TEXT"))
+    with monkeypatch.context() as later:
+        later.setattr(store_schema, "_ADDED_COLUMNS", newer)
+        later.setattr(store_schema, "SCHEMA_VERSION", 1 + len(newer))
+        PostgresStore(postgres_db).close_sync()
+    with pytest.raises(ConfigError, match="newer than this rlproxy"):
+        PostgresStore(postgres_db)
+
+
+async def test_postgres_has_every_index_sqlite_has(postgres_db, tmp_path):
+    # The paged lists (keyset on created_at and id) and the calls per minute read through
+    # SQLite's sessions_created, groups_created and calls_created; PostgreSQL had none of
+    # them, so every page sorted the whole table and every dashboard poll scanned all calls.
+    await SQLiteStore(tmp_path / "rlproxy.db").close()
+    with sqlite3.connect(tmp_path / "rlproxy.db") as conn:
+        named = conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
+        sqlite_indexes = {r[0] for r in named}
+    PostgresStore(postgres_db).close_sync()
+    with psycopg.connect(postgres_db) as conn:
+        pg_indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'public'")}
+    assert {"sessions_created", "groups_created", "calls_created"} <= sqlite_indexes
+    assert sqlite_indexes <= pg_indexes, sqlite_indexes - pg_indexes
+
+
+def test_postgres_a_role_that_may_not_change_the_schema_runs_on_a_migrated_database(postgres_db):
+    # Least privilege: the tables' owner migrates, the gateways and trainers log in as a role that
+    # only reads and writes rows. That role could not start at all (CREATE TABLE IF NOT EXISTS
+    # needs the right to create, even when the table is there), in a psycopg traceback.
+    import re
+    import uuid
+
+    role = "app_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(postgres_db, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'app-secret'")
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")  # PostgreSQL 15's default, on any version
+        conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+        conn.execute(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}")
+    as_app = re.sub(r"://[^/@]*@", f"://{role}:app-secret@", postgres_db, count=1)
+    if "@" not in as_app:
+        as_app = as_app.replace("://", f"://{role}:app-secret@", 1)
+    try:
+        with pytest.raises(ConfigError, match="start rlproxy once with the role that owns the tables"):
+            PostgresStore(as_app)  # an empty database: the owner has to migrate it first
+        PostgresStore(postgres_db).close_sync()  # the owner migrates
+        with psycopg.connect(postgres_db, autocommit=True) as conn:
+            conn.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}")
+            conn.execute(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        store = PostgresStore(as_app)
+        try:
+            store.record_call_sync(call(1, "s-app", group="g"))
+            assert [c["id"] for c in store.get_session("s-app")["calls"]] == ["req1"]
+            assert store.schema_version() == store_pg_schema.VERSION
+        finally:
+            store.close_sync()
+    finally:
+        with psycopg.connect(postgres_db, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")

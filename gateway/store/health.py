@@ -19,6 +19,14 @@ from gateway.errors import StoreFull, StoreUnavailable
 log = logging.getLogger("rlproxy.store")
 
 _RECOVERS = "the gateway recovers by itself once that is fixed, no restart needed"
+
+
+def at_start(message: str) -> str:
+    """A failure's message as said when the store could not be opened: the command stops there,
+    so it does not recover by itself; it has to be run again."""
+    return message.replace(f"; {_RECOVERS}.", "; then run the command again.")
+
+
 # SQLite's primary result codes (the low byte of the extended code).
 _FULL, _READONLY, _BUSY, _LOCKED, _IOERR, _CANTOPEN, _CORRUPT, _PROTOCOL, _NOTADB = 13, 8, 5, 6, 10, 14, 11, 15, 26
 

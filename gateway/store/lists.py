@@ -194,9 +194,13 @@ def reward_curve(query: Query, model: str) -> list[dict]:
 def calls_per_minute(query: Query, now: float, minutes: int = 60) -> list[dict]:
     """Calls per minute over the last `minutes` (oldest first; minutes with none included)."""
     start = math.floor(now / 60) * 60 - (minutes - 1) * 60
+    # The minute's index, floored in both dialects: CAST(x AS INTEGER) truncates in SQLite but
+    # rounds in PostgreSQL (59.9 s into a minute counted in the next), so a cast above x is
+    # taken one down (x >= 0 here, where truncating is flooring).
     rows = query(
-        "SELECT CAST((created_at - ?) / 60 AS INTEGER) AS bucket, COUNT(*) AS n FROM calls"
-        " WHERE created_at >= ? GROUP BY bucket",
+        "SELECT bucket, COUNT(*) AS n FROM (SELECT CAST(x AS INTEGER) - CASE WHEN CAST(x AS INTEGER) > x"
+        " THEN 1 ELSE 0 END AS bucket FROM (SELECT (created_at - ?) / 60 AS x FROM calls WHERE created_at >= ?) t)"
+        " b GROUP BY bucket",
         (start, start),
     )
     counts = {row["bucket"]: row["n"] for row in rows}

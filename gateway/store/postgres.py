@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import ConfigError
+from gateway.redact import mask_text
 from gateway.store import files as store_files
 from gateway.store import postgres_schema
 from gateway.store.base import Store
@@ -41,6 +42,14 @@ BATCH_LOCK_WAIT = "100ms"
 """The longest a batch of several ops waits for a lock before each op runs alone instead: its
 locks are held in the order the ops came, so two replicas' batches can wait on each other, and
 PostgreSQL would take `deadlock_timeout` (1 s by default) to notice."""
+DEGRADED_WAIT = 2.0
+"""The longest a connection is waited for while the store is degraded, not the pool's `timeout`:
+with the server gone, each batch (each probe) waited 30 s in turn, so calls and /healthz hung
+for a minute or more before their 503."""
+RECONNECT_GIVE_UP = 10.0
+"""When the pool drops an attempt to reconnect: its retries wait 1, 2, 4 ... s (up to 5 min by
+default), so after a long outage the next try came minutes after PostgreSQL was back. Given up,
+the next request starts a fresh attempt at once: the store recovers within seconds."""
 
 
 class _PgCursor:
@@ -93,8 +102,9 @@ class _PgConn:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """The URL without its password, for messages and logs: libpq takes one in the user-info
+    (`user:PW@host`) and as a query parameter (`?password=PW`); both are masked."""
+    return mask_text(url)
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -173,16 +183,25 @@ class PostgresStore(Store):
                 f"cannot connect to the store at {redact(url)} within {timeout:.0f} s: check --store "
                 "(host, port, database, user, password) and that PostgreSQL is running"
             ) from None
+        self._pool.reconnect_timeout = RECONNECT_GIVE_UP  # not at start: that waits `timeout` for the server
         self._write_lock = threading.Lock()  # group commits of this process, one at a time
         self._read_lock = threading.Lock()
-        with self._pool.connection() as conn:
-            postgres_schema.migrate(conn)
+        try:
+            with self._pool.connection() as conn:
+                postgres_schema.migrate(conn)
+        except BaseException:
+            self._pool.close()  # refused (a newer schema, no rights): no pool left connected behind
+            raise
         # Every write is a round trip to the server: none is made on the event loop (the base
         # class's `_write_now` queues them all for the writer thread).
         self.retries = 0  # batches rerun after a deadlock with another replica
 
     def _close_connections(self) -> None:
         self._pool.close()
+
+    def _connection(self) -> Any:
+        """A pooled connection (a context manager); waited for briefly while the store is degraded."""
+        return self._pool.connection(timeout=DEGRADED_WAIT if self.health.degraded else None)
 
     def close_sync(self) -> None:
         self._pool.close()
@@ -194,7 +213,7 @@ class PostgresStore(Store):
         PostgreSQL picked it as a deadlock victim: nothing of it was committed."""
         try:
             for attempt in range(attempts):
-                with self._pool.connection() as raw:
+                with self._connection() as raw:
                     try:
                         with raw.transaction():
                             return body(_PgConn(raw))
@@ -245,7 +264,7 @@ class PostgresStore(Store):
 
     def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
         try:
-            with self._pool.connection() as raw:
+            with self._connection() as raw:
                 return _rows(_PgConn(raw).execute(sql, params))
         except Exception as exc:
             self._raise_failure(exc)
@@ -265,7 +284,7 @@ class PostgresStore(Store):
     def _snapshot(self) -> Iterator[Callable[[str, tuple], list[dict]]]:
         """Reads in one REPEATABLE READ transaction: every statement sees the same snapshot."""
         try:
-            with self._pool.connection() as raw, raw.transaction():
+            with self._connection() as raw, raw.transaction():
                 raw.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 conn = _PgConn(raw)
 

@@ -5,8 +5,9 @@ PostgreSQL types, plus `calls.seq`: the order of a session's calls, handed out b
 so replicas' clocks never decide it). Each later version is a list of statements; `migrate`
 runs the missing ones in order, in one transaction under an advisory lock, so gateways and
 trainers starting together migrate once. Columns the SQLite schema gains later
-(`sqlite_schema._ADDED_COLUMNS`) are added here too, so both backends hold the same rows.
-A database newer than this code is refused: running old code on it could lose columns' data.
+(`sqlite_schema._ADDED_COLUMNS`) are added here too, so both backends hold the same rows, and
+counted in `schema_columns` as SQLite counts them. A database newer than this code (in either
+count) is refused: running old code on it could lose columns' data.
 """
 
 from __future__ import annotations
@@ -135,7 +136,24 @@ CREATE TABLE IF NOT EXISTS store_probe (
     created_at DOUBLE PRECISION NOT NULL
 );
 """
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3}
+# Version 4: the columns added since (`sqlite_schema._ADDED_COLUMNS`, which have no version of
+# their own here) counted as SQLite's `user_version` counts them, so that a database a newer
+# rlproxy added columns to is refused here too, not written without them.
+_V4 = """
+CREATE TABLE IF NOT EXISTS schema_columns (
+    version INTEGER PRIMARY KEY,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+"""
+# Version 5: the indexes SQLite's schema has had from the start for the paged lists (keyset on
+# created_at and id, newest first) and the calls per minute: without them each page of
+# GET /v1/sessions or /v1/groups sorted the whole table, and each dashboard poll scanned every call.
+_V5 = """
+CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at, id);
+CREATE INDEX IF NOT EXISTS groups_created ON groups (created_at, id);
+CREATE INDEX IF NOT EXISTS calls_created ON calls (created_at);
+"""
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5}
 VERSION = max(MIGRATIONS)
 
 READY_GROUPS = """
@@ -154,6 +172,7 @@ ORDER BY created_at
 """
 
 _LOCK_KEY = 0x726C7078  # "rlpx": one advisory lock for schema changes
+_INSUFFICIENT_PRIVILEGE = "42501"
 
 
 def _pg_type(definition: str) -> str:
@@ -162,7 +181,52 @@ def _pg_type(definition: str) -> str:
 
 def migrate(conn: Any) -> int:
     """Bring the database to `VERSION` (created from nothing, or from any earlier version).
-    Returns the version it started at (0: empty)."""
+    Returns the version it started at (0: empty). A database user that may not change the
+    schema (a least-privilege role, not the tables' owner) runs on a database already migrated:
+    `CREATE TABLE IF NOT EXISTS` and `ALTER TABLE ... IF NOT EXISTS` need the rights even when
+    there is nothing to do, which stopped such a role from starting at all."""
+    try:
+        return _migrate(conn)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) != _INSUFFICIENT_PRIVILEGE:
+            raise
+        current, columns = _versions(conn)
+        _refuse_newer(current, columns)
+        if current == VERSION and columns == sqlite_schema.SCHEMA_VERSION:
+            return current
+        reason = str(exc).strip().splitlines()[0]
+        raise ConfigError(
+            f"the store's schema needs migrating (version {current} of {VERSION}) and this database user "
+            f"may not change it ({reason}): start rlproxy once with the role that owns the tables, then "
+            "with this one"
+        ) from None
+
+
+def _versions(conn: Any) -> tuple[int, int]:
+    """The recorded schema and columns versions (0 where none is recorded), read only."""
+
+    def latest(table: str) -> int:
+        if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
+            return 0
+        return int(conn.execute(f"SELECT COALESCE(MAX(version), 0) FROM {table}").fetchone()[0])
+
+    return latest("schema_version"), latest("schema_columns")
+
+
+def _refuse_newer(current: int, columns: int) -> None:
+    if current > VERSION:
+        raise ConfigError(
+            f"the store's schema is version {current}, newer than this rlproxy's "
+            f"({VERSION}): upgrade rlproxy on this machine"
+        )
+    if columns > sqlite_schema.SCHEMA_VERSION:
+        raise ConfigError(
+            f"the store's columns are version {columns}, newer than this rlproxy's "
+            f"({sqlite_schema.SCHEMA_VERSION}): upgrade rlproxy on this machine"
+        )
+
+
+def _migrate(conn: Any) -> int:
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
         conn.execute(
@@ -173,17 +237,17 @@ def migrate(conn: Any) -> int:
         if current == 0 and conn.execute("SELECT to_regclass('calls')").fetchone()[0] is not None:
             current = 1  # tables made before versions were recorded: the first release
             conn.execute("INSERT INTO schema_version (version) VALUES (1)")
-        if current > VERSION:
-            raise ConfigError(
-                f"the store's schema is version {current}, newer than this rlproxy's "
-                f"({VERSION}): upgrade rlproxy on this machine"
-            )
+        _refuse_newer(current, 0)
         for version in range(current + 1, VERSION + 1):
             conn.execute(MIGRATIONS[version])
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version,))
+        columns = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_columns").fetchone()[0]
+        _refuse_newer(current, columns)
         # Columns the SQLite schema gained (both backends hold the same rows).
         for table, column, definition in sqlite_schema._ADDED_COLUMNS:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {_pg_type(definition)}")
         for statement in sqlite_schema.ADDED_INDEXES:
             conn.execute(statement)
+        if columns < sqlite_schema.SCHEMA_VERSION:
+            conn.execute("INSERT INTO schema_columns (version) VALUES (%s)", (sqlite_schema.SCHEMA_VERSION,))
     return current

@@ -46,14 +46,19 @@ def private_state_dir(state_dir: Path | str) -> Path:
 
 def private_db_file(path: Path | str) -> None:
     """The SQLite file 0600 before SQLite opens it (its -wal and -shm then get the same mode);
-    an existing one, and its -wal and -shm, tightened."""
+    an existing one, and its -wal and -shm, tightened. One that cannot be created: ConfigError."""
     path = Path(path)
-    make_private_dir(path.parent)
     try:
+        make_private_dir(path.parent)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, PRIVATE_FILE)
     except FileExistsError:
         _say(_tighten_db(path))
         return
+    except OSError as exc:  # a directory not ours, a read-only disk: one line, not a traceback
+        raise ConfigError(
+            f"cannot create the store {path} ({exc.strerror or exc}): make {path.parent} writable by "
+            "this user (and its disk mounted read-write), or pass another --state-dir"
+        ) from exc
     os.fchmod(fd, PRIVATE_FILE)
     os.close(fd)
 

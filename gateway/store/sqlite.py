@@ -21,7 +21,7 @@ import sqlite_utils
 
 from gateway.store import sqlite_schema
 from gateway.store.base import Store
-from gateway.store.health import classify
+from gateway.store.health import at_start, classify
 from gateway.store.private import private_db_file
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -51,7 +51,8 @@ class SQLiteStore(Store):
             failure = classify(exc, busy_timeout)
             if failure is None:
                 raise
-            raise type(failure)(f"cannot open the store {path}: {failure.message}", cause=failure.cause) from exc
+            message = f"cannot open the store {path}: {at_start(failure.message)}"
+            raise type(failure)(message, cause=failure.cause) from exc
         self.checkpoints = 0  # WAL checkpoints the writer thread ran
 
     def _open(self, path: Path | str | None, memory: bool, synchronous: str, busy_timeout: float) -> None:

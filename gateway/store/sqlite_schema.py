@@ -161,9 +161,12 @@ _ADDED_COLUMNS = (
 
 # Indexes on added columns: made after them, in both backends.
 ADDED_INDEXES = (
-    # The open live group of a task key, looked up on every reward of an ungrouped session.
-    "CREATE INDEX IF NOT EXISTS groups_open_live ON groups (model, split, task_key)"
-    " WHERE origin = 'live' AND closed = 0",
+    # The open live group of a task key, looked up on every reward of an ungrouped session. Not
+    # on `model`: that is the request's model name, of any length, and a PostgreSQL index entry
+    # holds about 2.7 kB at most (a longer one failed the reward with a 500); a task key is an
+    # id or a hash, and one key has an open group per model at most, so the model filters few rows.
+    "DROP INDEX IF EXISTS groups_open_live",
+    "CREATE INDEX IF NOT EXISTS groups_open_live_key ON groups (split, task_key) WHERE origin = 'live' AND closed = 0",
 )
 
 # The schema's version (`PRAGMA user_version`): 1 is the first release, each added column one more.
