@@ -346,6 +346,23 @@ async def test_stop_string_cuts_text_and_tokens(engine):
         assert tok.decode(got_ids, skip_special_tokens=True) == got_text
 
 
+async def test_a_stop_string_that_begins_inside_a_token_run_leaves_no_broken_character(engine):
+    """🎉 is three byte-level tokens: cut before it, none of its bytes stay (no U+FFFD)."""
+    tok = engine.tokenizer
+    script = tok.encode("Hi 😀 there 🎉 ok", add_special_tokens=False) + [tok.eos_token_id]
+    assert len(tok.encode("🎉", add_special_tokens=False)) > 1
+    for stream in (False, True):
+        with Script(engine, script):
+            if stream:
+                chunks, end, _ = await collect(engine, request(stream=True, max_tokens=40, stop=["🎉"]))
+                text, ids = stream_text(chunks), end.tokens.choices[0].completion_ids
+            else:
+                result = await engine.complete(request(max_tokens=40, stop=["🎉"]))
+                text, ids = result.response["choices"][0]["message"]["content"], result.tokens.choices[0].completion_ids
+        assert text == "Hi 😀 there "
+        assert tok.decode(ids) == text  # the record holds no stray bytes of the emoji either
+
+
 # ---------------------------------------------------------------- streaming
 
 

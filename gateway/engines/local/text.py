@@ -52,8 +52,16 @@ class Detokenizer:
         for k, offset in enumerate(row.offsets, start=1):
             if offset <= cut:
                 kept = k
+        # Tokens that added no text are bytes of a character still incomplete after them: at
+        # the end of what is kept, the first bytes of one the stop string begins with (an
+        # emoji, a CJK character spread over byte-level tokens). Kept, they decode to U+FFFD.
+        row.text = self.decode(row.ids[:kept])
+        while (
+            kept and row.text.endswith("\ufffd") and row.offsets[kept - 1] == (row.offsets[kept - 2] if kept > 1 else 0)
+        ):
+            kept -= 1
+            row.text = self.decode(row.ids[:kept])
         del row.ids[kept:], row.logprobs[kept:], row.top[kept:], row.offsets[kept:]
-        row.text = self.decode(row.ids)
         row.sent = min(row.sent, len(row.text))
         return matched
 
