@@ -354,8 +354,15 @@ async def test_a_stop_string_that_begins_inside_a_token_run_leaves_no_broken_cha
     for stream in (False, True):
         with Script(engine, script):
             if stream:
-                chunks, end, _ = await collect(engine, request(stream=True, max_tokens=40, stop=["🎉"]))
+                chunks, end, _ = await collect(engine, request(stream=True, max_tokens=40, stop=["🎉"], logprobs=True))
                 text, ids = stream_text(chunks), end.tokens.choices[0].completion_ids
+                streamed = [
+                    e["logprob"]
+                    for c in chunks
+                    if c["choices"][0]["logprobs"]
+                    for e in c["choices"][0]["logprobs"]["content"]
+                ]
+                assert streamed == end.tokens.choices[0].logprobs  # one entry per recorded token
             else:
                 result = await engine.complete(request(max_tokens=40, stop=["🎉"]))
                 text, ids = result.response["choices"][0]["message"]["content"], result.tokens.choices[0].completion_ids

@@ -75,10 +75,13 @@ def streamable(row: Row) -> tuple[int, int]:
     if not stops:
         return limit, len(row.ids)
     limit = min(limit, len(row.text) - (max(len(s) for s in stops) - 1))
-    chars = count = 0
+    chars = count = previous = 0
     for k, offset in enumerate(row.offsets, start=1):
-        if offset <= limit:
-            chars, count = max(chars, offset), k
+        # a token that added no text may hold the first bytes of a stop string's character,
+        # which a cut takes out (`cut_at_stop`): its logprob goes with the next token that adds text
+        if previous < offset <= limit:
+            chars, count = offset, k
+        previous = offset
     return chars, count
 
 
