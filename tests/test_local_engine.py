@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from gateway.engines.base import EngineRequest, StreamChunk, StreamEnd
 from gateway.engines.local.engine import LocalEngine
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound, UpstreamError
 from gateway.models.tiny import ensure_tiny_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
@@ -468,6 +468,31 @@ async def test_tool_calls_streamed(engine):
 
 
 # ---------------------------------------------------------------- batching
+
+
+async def test_a_request_whose_prefill_fails_gets_an_error_and_the_batch_goes_on(engine):
+    """Its prefill failing (out of memory on a long prompt, simulated), a request is answered with
+    the error instead of waiting forever, and one already generating is not disturbed."""
+    word = engine.tokenizer.encode(" word", add_special_tokens=False)[0]
+    with Script(engine, [word]):  # no eos: it runs until closed
+        running = engine.stream(request(stream=True, max_tokens=1500))
+        await running.__anext__()
+        while not engine.worker.batch.rows:
+            await asyncio.sleep(0.001)
+
+        def out_of_memory(module, args):
+            if args[0].shape[1] > 1:  # a prefill; a decode step feeds one token per row
+                raise RuntimeError("CUDA out of memory")
+
+        hook = engine.loaded.model.get_input_embeddings().register_forward_pre_hook(out_of_memory)
+        try:
+            with pytest.raises(UpstreamError, match="CUDA out of memory"):
+                await asyncio.wait_for(engine.complete(request(max_tokens=4)), 60)
+        finally:
+            hook.remove()
+        assert len(engine.worker.batch.rows) == 1  # still generating
+        await running.aclose()
+    assert len((await engine.complete(request(max_tokens=4))).tokens.choices[0].completion_ids) == 4
 
 
 async def test_concurrent_requests_are_batched(engine):

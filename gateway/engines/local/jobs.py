@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.errors import InvalidRequest, RLProxyError
 from gateway.settings import is_greedy
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
@@ -140,6 +141,20 @@ class Control:
     path: Path | None
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+
+    def run(self, model) -> None:
+        """Load or unload on the worker's `LocalModel`, between steps; tell the caller how it went."""
+        try:
+            if self.kind == "load":
+                model.load_adapter(self.name, self.path)
+            else:
+                model.unload_adapter(self.name)
+        except RLProxyError as error:
+            self.resolve(error)
+        except Exception as error:
+            self.resolve(InvalidRequest(f"cannot {self.kind} adapter '{self.name}': {error}"))
+        else:
+            self.resolve(None)
 
     def resolve(self, error: BaseException | None) -> None:
         def _set() -> None:
