@@ -467,6 +467,29 @@ async def test_tool_calls_streamed(engine):
     assert end.tokens.choices[0].completion_ids == script
 
 
+async def test_parallel_tool_calls_false_answers_with_the_first_call_only(engine):
+    """As vLLM does (and Anthropic's `disable_parallel_tool_use` asks): the client gets one call;
+    the record keeps what the model wrote."""
+    tok = engine.tokenizer
+    two = TOOL_TEXT + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    script = tok.encode(two, add_special_tokens=False) + [tok.eos_token_id]
+    with Script(engine, script):
+        both = await engine.complete(request(tools=TOOLS, max_tokens=80))
+    assert len(both.response["choices"][0]["message"]["tool_calls"]) == 2
+    with Script(engine, script):
+        result = await engine.complete(request(tools=TOOLS, max_tokens=80, parallel_tool_calls=False))
+    (call,) = result.response["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert result.response["choices"][0]["finish_reason"] == "tool_calls"
+    assert result.tokens.choices[0].completion_ids == script
+    with Script(engine, script):
+        chunks, _, _ = await collect(
+            engine, request(tools=TOOLS, max_tokens=80, stream=True, parallel_tool_calls=False)
+        )
+    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["arguments"]) for c in calls] == [(0, '{"city": "Paris"}')]
+
+
 # ---------------------------------------------------------------- batching
 
 

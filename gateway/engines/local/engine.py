@@ -17,6 +17,8 @@ still become a stop string, an incomplete UTF-8 character or (with tools) a `<to
 block is held back. A choice that a stop string ended carries it as `stop_reason`, as vLLM's
 do (Anthropic's `stop_sequence` is made of it). `response_format` is accepted and ignored (no
 constrained decoding); `tool_choice` "required" or a named function is treated as "auto".
+With `parallel_tool_calls` false a choice answers with its first tool call only, as vLLM's do
+(the record keeps what the model wrote).
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ class LocalEngine(Engine):
             raise
         choices = []
         for result in results:
-            message, has_calls = assistant_message(result.text, parse_tools)
+            message, has_calls = assistant_message(result.text, parse_tools, req.parallel_tool_calls is not False)
             choices.append(
                 {
                     "index": result.index,
@@ -231,6 +233,7 @@ class LocalEngine(Engine):
                 calls: list[dict] = []
                 if tool_streams:
                     content, calls = tool_streams[index].finish(result.text)
+                    calls = calls if req.parallel_tool_calls is not False else calls[:1]
                 else:
                     if not result.text.startswith(streamed[index]):
                         log.warning("stream of %s diverged from its final text", request.request_id)

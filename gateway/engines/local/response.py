@@ -14,11 +14,12 @@ from gateway.engines.local.jobs import ChoiceResult, Job
 from gateway.protocols.toolcalls import parse_tool_calls
 
 
-def assistant_message(text: str, parse_tools: bool) -> tuple[dict, bool]:
+def assistant_message(text: str, parse_tools: bool, parallel: bool = True) -> tuple[dict, bool]:
     """The assistant message for a choice's text, and whether it holds tool calls."""
     if not parse_tools:
         return {"role": "assistant", "content": text}, False
     content, calls = parse_tool_calls(text)
+    calls = calls if parallel else calls[:1]
     out: dict = {"role": "assistant", "content": content}
     if calls:
         out["tool_calls"] = calls
