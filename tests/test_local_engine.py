@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -516,6 +517,30 @@ async def test_a_request_whose_prefill_fails_gets_an_error_and_the_batch_goes_on
         assert len(engine.worker.batch.rows) == 1  # still generating
         await running.aclose()
     assert len((await engine.complete(request(max_tokens=4))).tokens.choices[0].completion_ids) == 4
+
+
+async def test_a_long_prompt_is_tokenised_beside_the_event_loop_not_on_it(engine, monkeypatch):
+    """Tokenising megabytes takes seconds (8 MB: 15 s for smollm2 on a busy 2-core machine):
+    on the event loop it would stall every other call and stream of the gateway meanwhile."""
+    entered, release, released = threading.Event(), threading.Event(), []
+    encode = engine.tokenizer.encode
+
+    def slow_encode(text, **kwargs):
+        if "A VERY LONG PROMPT" in text:
+            entered.set()
+            released.append(release.wait(20))  # held until the short call below is answered
+        return encode(text, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", slow_encode)
+    long = asyncio.ensure_future(
+        engine.complete(request(messages=[{"role": "user", "content": "A VERY LONG PROMPT"}], max_tokens=2))
+    )
+    assert await asyncio.to_thread(entered.wait, 20)
+    short = await engine.complete(request(max_tokens=2))
+    release.set()
+    assert len(short.tokens.choices[0].completion_ids) == 2
+    assert len((await long).tokens.choices[0].completion_ids) == 2
+    assert released == [True]  # the short call was answered while the long prompt was being tokenised
 
 
 async def test_concurrent_requests_are_batched(engine):

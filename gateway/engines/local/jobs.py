@@ -1,6 +1,6 @@
 """What the local engine and its worker thread hand each other.
 
-`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises a request on the event loop and
+`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises a request (beside the event loop) and
 puts a `Job` (or, for an adapter load or unload, a `Control`) in the worker's inbox; the worker
 (gateway/engines/local/worker.py) runs each job as `n` `Row`s of its batch.
 

@@ -1,6 +1,7 @@
 """A chat request as the local engine takes it: validated, rendered to prompt ids, its `Sampling`.
 
-Runs on the event loop, before the request is queued for the worker. vLLM's `top_k`, `min_p`
+Runs before the request is queued for the worker (the rendering and tokenising on a thread of its
+own: a long prompt takes seconds). vLLM's `top_k`, `min_p`
 and `repetition_penalty` are accepted as extra body fields. `response_format` is accepted
 and ignored (no constrained decoding); `logit_bias` and content parts other than text are
 refused (a 400), since an answer made without them would silently be to another request.

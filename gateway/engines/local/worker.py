@@ -1,6 +1,6 @@
 """The local engine's worker: the one thread that touches the model.
 
-`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises requests on the event loop and
+`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises requests (beside the event loop) and
 puts `Job`s and `Control`s (gateway/engines/local/jobs.py) in its inbox; `Worker.run` drains
 that inbox and runs a continuous batch (gateway/engines/local/batch.py):
 
