@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from gateway.engines.base import EngineRequest, StreamChunk, StreamEnd
 from gateway.engines.local.engine import LocalEngine
+from gateway.engines.local.response import LogprobEntries
 from gateway.errors import InvalidRequest, NotFound, UpstreamError
 from gateway.models.tiny import ensure_tiny_model
 
@@ -265,6 +266,25 @@ async def test_response_logprobs_and_top_logprobs(engine):
         # The sampled token is one of the three most likely, or less likely than the third.
         assert entry["bytes"] in [t["bytes"] for t in tops] or entry["logprob"] <= tops[2]["logprob"] + 1e-6
         assert all(isinstance(t["token"], str) and isinstance(t["bytes"], list) for t in tops)
+
+
+def test_logprob_entries_of_a_sentencepiece_vocabulary_are_its_own_text_and_bytes():
+    """Llama 2, Mistral and Gemma's pieces are text (▁ a space, <0xC3> one byte by fallback), not
+    GPT-2's byte-level alphabet: their 'é' is é, UTF-8 C3 A9, not the byte E9."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    for piece in ("▁", "▁the", "▁caf", "é", "ü"):
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    ids = [vocab[piece] for piece in ("▁the", "▁caf", "é", "▁", "ü", "<0x21>")]
+    entries = LogprobEntries(tokenizer).entries(ids, [-1.0] * len(ids), [])
+    assert [e["token"] for e in entries] == [" the", " caf", "é", " ", "ü", "!"]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == tokenizer.decode(ids) == " the café ü!"
+    assert LogprobEntries(tokenizer).token_text(vocab["<0xC3>"]) == ("\ufffd", [0xC3])  # half of a character
 
 
 async def test_max_tokens_gives_length(engine):
