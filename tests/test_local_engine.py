@@ -246,7 +246,9 @@ async def test_top_k_and_repetition_penalty_shape_the_recorded_distribution(engi
         assert abs(recorded - float(expected)) < 1e-4
 
 
-@pytest.mark.parametrize("body", [{"top_k": "5"}, {"top_k": 2.5}, {"min_p": 2}, {"repetition_penalty": 0}])
+@pytest.mark.parametrize(
+    "body", [{"top_k": "5"}, {"top_k": 2.5}, {"min_p": 2}, {"repetition_penalty": 0}, {"ignore_eos": "yes"}]
+)
 async def test_bad_extra_sampling_fields_are_refused(engine, body):
     with pytest.raises(InvalidRequest) as info:
         await engine.complete(request(max_tokens=2, **body))
@@ -309,6 +311,18 @@ async def test_eos_stops_and_is_recorded(engine):
         tok.apply_chat_template(longer, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
     assert rendered[: len(result.tokens.prompt_ids) + len(script)] == result.tokens.prompt_ids + script
+
+
+async def test_ignore_eos_runs_to_max_tokens(engine):
+    """vLLM's `ignore_eos` (benchmarks send it, for replies of one length): the eos is a token
+    like any other, the choice ends at max_tokens."""
+    tok = engine.tokenizer
+    script = tok.encode("Done.", add_special_tokens=False) + [tok.eos_token_id]
+    with Script(engine, script):
+        result = await engine.complete(request(max_tokens=12, ignore_eos=True))
+    assert result.response["choices"][0]["finish_reason"] == "length"
+    assert result.tokens.choices[0].completion_ids[: len(script)] == script
+    assert len(result.tokens.choices[0].completion_ids) == 12
 
 
 async def test_penalties_change_sampling(engine):

@@ -40,6 +40,7 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's: an eos token does not end the choice, max_new_tokens does
 
     def __post_init__(self) -> None:
         if is_greedy(self.temperature):  # 1e-6 is greedy too, as on vLLM (`gateway.settings.GREEDY_BELOW`)

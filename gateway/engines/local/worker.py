@@ -237,7 +237,7 @@ class Worker:
             if sampling.top_logprobs:
                 row.top.append(top[i][: sampling.top_logprobs])
             track_text = job.stream or bool(sampling.stops)
-            if tokens[i] in eos_ids:
+            if tokens[i] in eos_ids and not sampling.ignore_eos:
                 row.finish_reason = "stop"
             elif track_text:
                 detok.advance(row)
