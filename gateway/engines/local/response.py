@@ -131,13 +131,15 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _byte_level(tokenizer) -> bool:
-    """Whether the tokenizer's pieces are GPT-2's byte-level alphabet (its decoder says so). In
-    a sentencepiece vocabulary the same characters are themselves: its "é" is é, not byte 0xE9."""
+    """Whether the tokenizer's pieces are GPT-2's byte-level alphabet (its decoder or
+    pre-tokenizer says so). In a sentencepiece vocabulary the same characters are themselves:
+    its "é" is é, not byte 0xE9."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return hasattr(tokenizer, "byte_decoder")  # a Python (slow) GPT-2 style tokenizer
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    spec = json.loads(backend.to_str())
+    parts = [spec.get("decoder") or {}, spec.get("pre_tokenizer") or {}]
+    steps = [step for part in parts for step in (part.get("decoders") or part.get("pretokenizers") or [part])]
     return any(step.get("type") == "ByteLevel" for step in steps)
 
 
