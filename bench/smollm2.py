@@ -6,8 +6,8 @@ the gateway starts and manages). Each gateway's state dir holds a step-1 adapter
 (the trainer's own `PeftBackend` at smollm2's tuned rank, lora_B drawn nonzero, saved as the
 trainer saves and recorded as a step row), so `model: "agent"` samples through the LoRA and
 `model: "smollm2"` through the base. Chat completions at temperature 1, `max_tokens` 64 and
-`ignore_eos` (vLLM's field: the gateway forwards it; the local engine ignores it, so its replies
-may end early), 1 and 16 concurrent sessions; the load generator is bench/proxy.py's (one
+`ignore_eos` (vLLM's field: the gateway forwards it; both engines apply it, so every reply is
+`max_tokens` long), 1 and 16 concurrent sessions; the load generator is bench/proxy.py's (one
 keep-alive connection per session), each slot sending requests back to back for `--seconds`
 and the wall clock running until the last reply is in. tokens/s = the completion tokens the
 replies report (`usage`) / that wall time. Targets interleave per run, the order alternating.

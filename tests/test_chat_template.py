@@ -119,6 +119,10 @@ def test_a_missing_or_broken_chat_template_is_refused_at_start(command, tmp_path
     assert main([command, *where, "--chat-template", str(broken)]) == 2
     err = capsys.readouterr().err
     assert f"rlproxy {command}: --chat-template {broken}: not a Jinja template (line 1: " in err, err
+    utf16 = tmp_path / "utf16.jinja"  # what Windows' Notepad writes when saved as "Unicode"
+    utf16.write_text("{{ messages[0].content }}", encoding="utf-16")
+    assert main([command, *where, "--chat-template", str(utf16)]) == 2
+    assert f"rlproxy {command}: --chat-template {utf16}: not UTF-8 text" in capsys.readouterr().err
     assert not (tmp_path / "state").exists() and not (tmp_path / "out").exists()  # nothing started
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from gateway.engines.base import EngineRequest, StreamChunk, StreamEnd
 from gateway.engines.local.engine import LocalEngine
-from gateway.errors import InvalidRequest, NotFound
+from gateway.engines.local.response import LogprobEntries
+from gateway.errors import InvalidRequest, NotFound, UpstreamError
 from gateway.models.tiny import ensure_tiny_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
@@ -244,7 +246,9 @@ async def test_top_k_and_repetition_penalty_shape_the_recorded_distribution(engi
         assert abs(recorded - float(expected)) < 1e-4
 
 
-@pytest.mark.parametrize("body", [{"top_k": "5"}, {"top_k": 2.5}, {"min_p": 2}, {"repetition_penalty": 0}])
+@pytest.mark.parametrize(
+    "body", [{"top_k": "5"}, {"top_k": 2.5}, {"min_p": 2}, {"repetition_penalty": 0}, {"ignore_eos": "yes"}]
+)
 async def test_bad_extra_sampling_fields_are_refused(engine, body):
     with pytest.raises(InvalidRequest) as info:
         await engine.complete(request(max_tokens=2, **body))
@@ -264,6 +268,25 @@ async def test_response_logprobs_and_top_logprobs(engine):
         # The sampled token is one of the three most likely, or less likely than the third.
         assert entry["bytes"] in [t["bytes"] for t in tops] or entry["logprob"] <= tops[2]["logprob"] + 1e-6
         assert all(isinstance(t["token"], str) and isinstance(t["bytes"], list) for t in tops)
+
+
+def test_logprob_entries_of_a_sentencepiece_vocabulary_are_its_own_text_and_bytes():
+    """Llama 2, Mistral and Gemma's pieces are text (▁ a space, <0xC3> one byte by fallback), not
+    GPT-2's byte-level alphabet: their 'é' is é, UTF-8 C3 A9, not the byte E9."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    for piece in ("▁", "▁the", "▁caf", "é", "ü"):
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    ids = [vocab[piece] for piece in ("▁the", "▁caf", "é", "▁", "ü", "<0x21>")]
+    entries = LogprobEntries(tokenizer).entries(ids, [-1.0] * len(ids), [])
+    assert [e["token"] for e in entries] == [" the", " caf", "é", " ", "ü", "!"]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == tokenizer.decode(ids) == " the café ü!"
+    assert LogprobEntries(tokenizer).token_text(vocab["<0xC3>"]) == ("\ufffd", [0xC3])  # half of a character
 
 
 async def test_max_tokens_gives_length(engine):
@@ -288,6 +311,18 @@ async def test_eos_stops_and_is_recorded(engine):
         tok.apply_chat_template(longer, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
     assert rendered[: len(result.tokens.prompt_ids) + len(script)] == result.tokens.prompt_ids + script
+
+
+async def test_ignore_eos_runs_to_max_tokens(engine):
+    """vLLM's `ignore_eos` (benchmarks send it, for replies of one length): the eos is a token
+    like any other, the choice ends at max_tokens."""
+    tok = engine.tokenizer
+    script = tok.encode("Done.", add_special_tokens=False) + [tok.eos_token_id]
+    with Script(engine, script):
+        result = await engine.complete(request(max_tokens=12, ignore_eos=True))
+    assert result.response["choices"][0]["finish_reason"] == "length"
+    assert result.tokens.choices[0].completion_ids[: len(script)] == script
+    assert len(result.tokens.choices[0].completion_ids) == 12
 
 
 async def test_penalties_change_sampling(engine):
@@ -344,6 +379,30 @@ async def test_stop_string_cuts_text_and_tokens(engine):
         assert stop not in got_text and text[:cut].startswith(got_text)
         assert got_ids == ids[: len(got_ids)]  # the tokens actually kept
         assert tok.decode(got_ids, skip_special_tokens=True) == got_text
+
+
+async def test_a_stop_string_that_begins_inside_a_token_run_leaves_no_broken_character(engine):
+    """🎉 is three byte-level tokens: cut before it, none of its bytes stay (no U+FFFD)."""
+    tok = engine.tokenizer
+    script = tok.encode("Hi 😀 there 🎉 ok", add_special_tokens=False) + [tok.eos_token_id]
+    assert len(tok.encode("🎉", add_special_tokens=False)) > 1
+    for stream in (False, True):
+        with Script(engine, script):
+            if stream:
+                chunks, end, _ = await collect(engine, request(stream=True, max_tokens=40, stop=["🎉"], logprobs=True))
+                text, ids = stream_text(chunks), end.tokens.choices[0].completion_ids
+                streamed = [
+                    e["logprob"]
+                    for c in chunks
+                    if c["choices"][0]["logprobs"]
+                    for e in c["choices"][0]["logprobs"]["content"]
+                ]
+                assert streamed == end.tokens.choices[0].logprobs  # one entry per recorded token
+            else:
+                result = await engine.complete(request(max_tokens=40, stop=["🎉"]))
+                text, ids = result.response["choices"][0]["message"]["content"], result.tokens.choices[0].completion_ids
+        assert text == "Hi 😀 there "
+        assert tok.decode(ids) == text  # the record holds no stray bytes of the emoji either
 
 
 # ---------------------------------------------------------------- streaming
@@ -443,7 +502,79 @@ async def test_tool_calls_streamed(engine):
     assert end.tokens.choices[0].completion_ids == script
 
 
+async def test_parallel_tool_calls_false_answers_with_the_first_call_only(engine):
+    """As vLLM does (and Anthropic's `disable_parallel_tool_use` asks): the client gets one call;
+    the record keeps what the model wrote."""
+    tok = engine.tokenizer
+    two = TOOL_TEXT + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    script = tok.encode(two, add_special_tokens=False) + [tok.eos_token_id]
+    with Script(engine, script):
+        both = await engine.complete(request(tools=TOOLS, max_tokens=80))
+    assert len(both.response["choices"][0]["message"]["tool_calls"]) == 2
+    with Script(engine, script):
+        result = await engine.complete(request(tools=TOOLS, max_tokens=80, parallel_tool_calls=False))
+    (call,) = result.response["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert result.response["choices"][0]["finish_reason"] == "tool_calls"
+    assert result.tokens.choices[0].completion_ids == script
+    with Script(engine, script):
+        chunks, _, _ = await collect(
+            engine, request(tools=TOOLS, max_tokens=80, stream=True, parallel_tool_calls=False)
+        )
+    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]["arguments"]) for c in calls] == [(0, '{"city": "Paris"}')]
+
+
 # ---------------------------------------------------------------- batching
+
+
+async def test_a_request_whose_prefill_fails_gets_an_error_and_the_batch_goes_on(engine):
+    """Its prefill failing (out of memory on a long prompt, simulated), a request is answered with
+    the error instead of waiting forever, and one already generating is not disturbed."""
+    word = engine.tokenizer.encode(" word", add_special_tokens=False)[0]
+    with Script(engine, [word]):  # no eos: it runs until closed
+        running = engine.stream(request(stream=True, max_tokens=1500))
+        await running.__anext__()
+        while not engine.worker.batch.rows:
+            await asyncio.sleep(0.001)
+
+        def out_of_memory(module, args):
+            if args[0].shape[1] > 1:  # a prefill; a decode step feeds one token per row
+                raise RuntimeError("CUDA out of memory")
+
+        hook = engine.loaded.model.get_input_embeddings().register_forward_pre_hook(out_of_memory)
+        try:
+            with pytest.raises(UpstreamError, match="CUDA out of memory"):
+                await asyncio.wait_for(engine.complete(request(max_tokens=4)), 60)
+        finally:
+            hook.remove()
+        assert len(engine.worker.batch.rows) == 1  # still generating
+        await running.aclose()
+    assert len((await engine.complete(request(max_tokens=4))).tokens.choices[0].completion_ids) == 4
+
+
+async def test_a_long_prompt_is_tokenised_beside_the_event_loop_not_on_it(engine, monkeypatch):
+    """Tokenising megabytes takes seconds (8 MB: 15 s for smollm2 on a busy 2-core machine):
+    on the event loop it would stall every other call and stream of the gateway meanwhile."""
+    entered, release, released = threading.Event(), threading.Event(), []
+    encode = engine.tokenizer.encode
+
+    def slow_encode(text, **kwargs):
+        if "A VERY LONG PROMPT" in text:
+            entered.set()
+            released.append(release.wait(20))  # held until the short call below is answered
+        return encode(text, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", slow_encode)
+    long = asyncio.ensure_future(
+        engine.complete(request(messages=[{"role": "user", "content": "A VERY LONG PROMPT"}], max_tokens=2))
+    )
+    assert await asyncio.to_thread(entered.wait, 20)
+    short = await engine.complete(request(max_tokens=2))
+    release.set()
+    assert len(short.tokens.choices[0].completion_ids) == 2
+    assert len((await long).tokens.choices[0].completion_ids) == 2
+    assert released == [True]  # the short call was answered while the long prompt was being tokenised
 
 
 async def test_concurrent_requests_are_batched(engine):

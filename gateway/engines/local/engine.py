@@ -2,7 +2,7 @@
 
 `LocalEngine` is the asyncio face of the engine: it loads the model
 (gateway/engines/local/model.py), validates requests, renders them with the chat template and
-tokenises them on the event loop (gateway/engines/local/request.py), queues them for the
+tokenises them on a thread beside the event loop (gateway/engines/local/request.py), queues them for the
 worker thread (gateway/engines/local/worker.py, which owns the model and runs the continuous
 batch, the sampling and the adapter loads), and turns what the worker sends back into OpenAI
 responses, stream chunks and token records (gateway/engines/local/response.py).
@@ -17,6 +17,8 @@ still become a stop string, an incomplete UTF-8 character or (with tools) a `<to
 block is held back. A choice that a stop string ended carries it as `stop_reason`, as vLLM's
 do (Anthropic's `stop_sequence` is made of it). `response_format` is accepted and ignored (no
 constrained decoding); `tool_choice` "required" or a named function is treated as "auto".
+With `parallel_tool_calls` false a choice answers with its first tool call only, as vLLM's do
+(the record keeps what the model wrote).
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ class LocalEngine(Engine):
     # ------------------------------------------------------------ requests
 
     async def complete(self, request: EngineRequest) -> Completion:
-        req, job, parse_tools = self._submit(request, stream=False)
+        req, job, parse_tools = await self._submit(request, stream=False)
         results: list[ChoiceResult | None] = [None] * job.n
         try:
             for _ in range(job.n):
@@ -171,7 +173,7 @@ class LocalEngine(Engine):
             raise
         choices = []
         for result in results:
-            message, has_calls = assistant_message(result.text, parse_tools)
+            message, has_calls = assistant_message(result.text, parse_tools, req.parallel_tool_calls is not False)
             choices.append(
                 {
                     "index": result.index,
@@ -193,7 +195,7 @@ class LocalEngine(Engine):
         return Completion(response=response, tokens=token_record(job, results))
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[StreamChunk | StreamEnd]:
-        req, job, parse_tools = self._submit(request, stream=True)
+        req, job, parse_tools = await self._submit(request, stream=True)
         head = {
             "id": completion_id(request.request_id),
             "object": "chat.completion.chunk",
@@ -231,6 +233,7 @@ class LocalEngine(Engine):
                 calls: list[dict] = []
                 if tool_streams:
                     content, calls = tool_streams[index].finish(result.text)
+                    calls = calls if req.parallel_tool_calls is not False else calls[:1]
                 else:
                     if not result.text.startswith(streamed[index]):
                         log.warning("stream of %s diverged from its final text", request.request_id)
@@ -254,14 +257,14 @@ class LocalEngine(Engine):
             yield StreamChunk({**head, "choices": [], "usage": usage(job.prompt_ids, results)})
         yield StreamEnd(token_record(job, results))
 
-    def _submit(self, request: EngineRequest, *, stream: bool) -> tuple[ChatCompletionRequest, Job, bool]:
-        """Validate, render and tokenise on the event loop; queue the job for the worker."""
+    async def _submit(self, request: EngineRequest, *, stream: bool) -> tuple[ChatCompletionRequest, Job, bool]:
+        """Validate, render and tokenise; queue the job for the worker."""
         self._require_started()
         req = parse_request(request.body)
         adapter = request.adapter
         if adapter is not None and (adapter not in self.loaded.adapters or adapter in self._unloading):
             raise NotFound(f"adapter '{adapter}' is not loaded in the local engine", param="model")
-        prompt_ids = render_prompt(self.tokenizer, req)  # the chat template over messages (+ tools)
+        prompt_ids = await self._render(req)
         limit, room = completion_room(req, prompt_ids, self._context)
         sampling = sampling_of(req, limit if limit is not None else min(self.default_max_tokens, room))
         job = Job(prompt_ids, req.n, adapter, sampling, req.seed, stream, self.device, request.background)
@@ -271,7 +274,12 @@ class LocalEngine(Engine):
 
     async def count_tokens(self, body: dict) -> int:
         self._require_started()
-        return len(render_prompt(self.tokenizer, parse_request(body)))  # as _submit renders it
+        return len(await self._render(parse_request(body)))  # as _submit renders it
+
+    async def _render(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt's ids: the chat template over messages (+ tools), tokenised on a thread, beside
+        the event loop: megabytes of prompt take seconds (the tokenizer lets go of the GIL)."""
+        return await asyncio.to_thread(render_prompt, self.tokenizer, req)
 
     def health(self) -> str | None:
         if self._thread is None:

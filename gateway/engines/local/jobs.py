@@ -1,6 +1,6 @@
 """What the local engine and its worker thread hand each other.
 
-`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises a request on the event loop and
+`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises a request (beside the event loop) and
 puts a `Job` (or, for an adapter load or unload, a `Control`) in the worker's inbox; the worker
 (gateway/engines/local/worker.py) runs each job as `n` `Row`s of its batch.
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.errors import InvalidRequest, RLProxyError
 from gateway.settings import is_greedy
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed-adapter batch
@@ -39,6 +40,7 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's: an eos token does not end the choice, max_new_tokens does
 
     def __post_init__(self) -> None:
         if is_greedy(self.temperature):  # 1e-6 is greedy too, as on vLLM (`gateway.settings.GREEDY_BELOW`)
@@ -140,6 +142,20 @@ class Control:
     path: Path | None
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+
+    def run(self, model) -> None:
+        """Load or unload on the worker's `LocalModel`, between steps; tell the caller how it went."""
+        try:
+            if self.kind == "load":
+                model.load_adapter(self.name, self.path)
+            else:
+                model.unload_adapter(self.name)
+        except RLProxyError as error:
+            self.resolve(error)
+        except Exception as error:
+            self.resolve(InvalidRequest(f"cannot {self.kind} adapter '{self.name}': {error}"))
+        else:
+            self.resolve(None)
 
     def resolve(self, error: BaseException | None) -> None:
         def _set() -> None:

@@ -1,9 +1,12 @@
 """A chat request as the local engine takes it: validated, rendered to prompt ids, its `Sampling`.
 
-Runs on the event loop, before the request is queued for the worker. vLLM's `top_k`, `min_p`
-and `repetition_penalty` are accepted as extra body fields. `response_format` is accepted
-and ignored (no constrained decoding); `logit_bias` and content parts other than text are
-refused (a 400), since an answer made without them would silently be to another request.
+Runs before the request is queued for the worker (the rendering and tokenising on a thread of
+its own: a long prompt takes seconds). vLLM's `top_k`, `min_p`, `repetition_penalty` and
+`ignore_eos` (an eos token does not end the choice) are accepted as extra body fields.
+`response_format` is accepted and ignored (no constrained decoding); `logit_bias`, vLLM's
+`min_tokens`, `stop_token_ids`, `include_stop_str_in_output` and `use_beam_search`, and content
+parts other than text are refused (a 400), since an answer made without them would silently be
+to another request.
 """
 
 from __future__ import annotations
@@ -141,12 +144,25 @@ _EXTRA_SAMPLING = (
 )
 
 
+# Fields that change the answer and that the local engine does not apply, with their neutral
+# values: set to anything else, they are refused. Answered without them, the answer would be to
+# another request (a banned token written, a stop token run past) and the client would not know.
+_NOT_APPLIED = (
+    ("logit_bias", {}),
+    ("min_tokens", 0),  # vLLM's, as the rest
+    ("stop_token_ids", []),
+    ("include_stop_str_in_output", False),
+    ("use_beam_search", False),
+)
+
+
 def _extra_sampling(extra: dict) -> dict:
     """top_k, min_p and repetition_penalty from the request's extra fields, checked."""
-    if extra.get("logit_bias"):  # sampled without it, the answer would ignore what the client banned
-        raise InvalidRequest(
-            "'logit_bias' is not supported by the local engine (the vllm engine takes it): drop it", param="logit_bias"
-        )
+    for name, neutral in _NOT_APPLIED:
+        if extra.get(name) not in (None, neutral):
+            raise InvalidRequest(
+                f"'{name}' is not supported by the local engine (the vllm engine takes it): drop it", param=name
+            )
     out = {}
     for name, kind, valid, hint in _EXTRA_SAMPLING:
         value = extra.get(name)
@@ -158,4 +174,9 @@ def _extra_sampling(extra: dict) -> dict:
         if not valid(value):
             raise InvalidRequest(f"'{name}' must be {hint}; got {value!r}", param=name)
         out[name] = value
+    ignore_eos = extra.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise InvalidRequest(f"'ignore_eos' must be true or false; got {ignore_eos!r}", param="ignore_eos")
+    if ignore_eos:
+        out["ignore_eos"] = True
     return out

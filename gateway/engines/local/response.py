@@ -7,6 +7,8 @@ raw bytes, since a byte-level token may be part of a UTF-8 character.
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 
 from gateway.engines.base import ChoiceTokens, StreamChunk, TokenRecord
@@ -14,11 +16,12 @@ from gateway.engines.local.jobs import ChoiceResult, Job
 from gateway.protocols.toolcalls import parse_tool_calls
 
 
-def assistant_message(text: str, parse_tools: bool) -> tuple[dict, bool]:
+def assistant_message(text: str, parse_tools: bool, parallel: bool = True) -> tuple[dict, bool]:
     """The assistant message for a choice's text, and whether it holds tool calls."""
     if not parse_tools:
         return {"role": "assistant", "content": text}, False
     content, calls = parse_tool_calls(text)
+    calls = calls if parallel else calls[:1]
     out: dict = {"role": "assistant", "content": content}
     if calls:
         out["tool_calls"] = calls
@@ -90,7 +93,7 @@ class LogprobEntries:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._token_cache: dict[int, tuple[str, list[int]]] = {}
-        self._byte_decoder = _byte_decoder()
+        self._byte_decoder = _byte_decoder() if _byte_level(tokenizer) else None
 
     def entries(self, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> list[dict]:
         entries = []
@@ -109,13 +112,35 @@ class LogprobEntries:
         if cached is None:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
             added = self.tokenizer.added_tokens_decoder.get(token_id)
-            if added is None and piece is not None and all(c in self._byte_decoder for c in piece):
-                raw = bytes(self._byte_decoder[c] for c in piece)
-            else:
+            decoder = self._byte_decoder
+            if added is not None or piece is None:
                 raw = (added.content if added is not None else self.tokenizer.decode([token_id])).encode()
+            elif decoder is not None:  # byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2): a character per byte
+                in_alphabet = all(c in decoder for c in piece)
+                raw = bytes(decoder[c] for c in piece) if in_alphabet else self.tokenizer.decode([token_id]).encode()
+            elif byte := _BYTE_PIECE.fullmatch(piece):  # sentencepiece's byte fallback: <0xE9>
+                raw = bytes([int(byte[1], 16)])
+            else:  # sentencepiece (Llama 2, Mistral, Gemma): the piece is text, ▁ a space
+                raw = piece.replace("\u2581", " ").encode()
             cached = (raw.decode("utf-8", errors="replace"), list(raw))
             self._token_cache[token_id] = cached
         return cached
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's pieces are GPT-2's byte-level alphabet (its decoder or
+    pre-tokenizer says so). In a sentencepiece vocabulary the same characters are themselves:
+    its "é" is é, not byte 0xE9."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return hasattr(tokenizer, "byte_decoder")  # a Python (slow) GPT-2 style tokenizer
+    spec = json.loads(backend.to_str())
+    parts = [spec.get("decoder") or {}, spec.get("pre_tokenizer") or {}]
+    steps = [step for part in parts for step in (part.get("decoders") or part.get("pretokenizers") or [part])]
+    return any(step.get("type") == "ByteLevel" for step in steps)
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -52,8 +52,16 @@ class Detokenizer:
         for k, offset in enumerate(row.offsets, start=1):
             if offset <= cut:
                 kept = k
+        # Tokens that added no text are bytes of a character still incomplete after them: at
+        # the end of what is kept, the first bytes of one the stop string begins with (an
+        # emoji, a CJK character spread over byte-level tokens). Kept, they decode to U+FFFD.
+        row.text = self.decode(row.ids[:kept])
+        while (
+            kept and row.text.endswith("\ufffd") and row.offsets[kept - 1] == (row.offsets[kept - 2] if kept > 1 else 0)
+        ):
+            kept -= 1
+            row.text = self.decode(row.ids[:kept])
         del row.ids[kept:], row.logprobs[kept:], row.top[kept:], row.offsets[kept:]
-        row.text = self.decode(row.ids)
         row.sent = min(row.sent, len(row.text))
         return matched
 
@@ -67,10 +75,13 @@ def streamable(row: Row) -> tuple[int, int]:
     if not stops:
         return limit, len(row.ids)
     limit = min(limit, len(row.text) - (max(len(s) for s in stops) - 1))
-    chars = count = 0
+    chars = count = previous = 0
     for k, offset in enumerate(row.offsets, start=1):
-        if offset <= limit:
-            chars, count = max(chars, offset), k
+        # a token that added no text may hold the first bytes of a stop string's character,
+        # which a cut takes out (`cut_at_stop`): its logprob goes with the next token that adds text
+        if previous < offset <= limit:
+            chars, count = offset, k
+        previous = offset
     return chars, count
 
 

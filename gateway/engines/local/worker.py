@@ -1,6 +1,6 @@
 """The local engine's worker: the one thread that touches the model.
 
-`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises requests on the event loop and
+`LocalEngine` (gateway/engines/local/engine.py) renders and tokenises requests (beside the event loop) and
 puts `Job`s and `Control`s (gateway/engines/local/jobs.py) in its inbox; `Worker.run` drains
 that inbox and runs a continuous batch (gateway/engines/local/batch.py):
 
@@ -43,7 +43,7 @@ from gateway.engines.local.jobs import ChoiceResult, Control, Job, Row, deliver
 from gateway.engines.local.model import LocalModel
 from gateway.engines.local.sampling import sample
 from gateway.engines.local.text import Detokenizer, delta, streamable
-from gateway.errors import EngineUnavailable, InvalidRequest, NotFound, RLProxyError, UpstreamError
+from gateway.errors import EngineUnavailable, NotFound, RLProxyError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -139,17 +139,7 @@ class Worker:
             if control.kind == "unload" and self._in_use(control.name):
                 waiting.append(control)  # unload once no queued or running request needs it
                 continue
-            try:
-                if control.kind == "load":
-                    self.model.load_adapter(control.name, control.path)
-                else:
-                    self.model.unload_adapter(control.name)
-            except RLProxyError as error:
-                control.resolve(error)
-            except Exception as error:
-                control.resolve(InvalidRequest(f"cannot {control.kind} adapter '{control.name}': {error}"))
-            else:
-                control.resolve(None)
+            control.run(self.model)
         self.controls = waiting
 
     def _in_use(self, name: str) -> bool:
@@ -183,12 +173,24 @@ class Worker:
             new = self._take(self.background, rows)  # nothing in the foreground: background work may run
         if not new:
             return
-        new_rows, logits_RV, cache, mask_RT = prefill(self.model, new)
-        tokens_R, chosen_R, top = sample(logits_RV, new_rows, self.device)
-        keep = self._record(new_rows, tokens_R, chosen_R, top)
+        # Until they are merged, the new jobs are in no batch row: if their prefill fails (out of
+        # memory on a long prompt or a large n), `_fail_running` would not reach them and their
+        # callers would wait forever. The running batch is untouched by a failed prefill.
+        try:
+            new_rows, logits_RV, cache, mask_RT = prefill(self.model, new)
+            tokens_R, chosen_R, top = sample(logits_RV, new_rows, self.device)
+            keep = self._record(new_rows, tokens_R, chosen_R, top)
+        except Exception as error:
+            log.exception("local engine prefill failed")
+            self._fail_jobs(new, error)
+            return
         if not keep:
             return
-        self.batch.merge(new_rows, keep, cache, mask_RT, tokens_R)
+        try:
+            self.batch.merge(new_rows, keep, cache, mask_RT, tokens_R)
+        except Exception as error:  # the running batch may be half merged: the run loop fails it too
+            self._fail_jobs(new, error)
+            raise
 
     def _take(self, waiting: deque[Job], rows: int) -> list[Job]:
         """Jobs from the front of `waiting` that fit in the batch beside its `rows` rows."""
@@ -235,7 +237,7 @@ class Worker:
             if sampling.top_logprobs:
                 row.top.append(top[i][: sampling.top_logprobs])
             track_text = job.stream or bool(sampling.stops)
-            if tokens[i] in eos_ids:
+            if tokens[i] in eos_ids and not sampling.ignore_eos:
                 row.finish_reason = "stop"
             elif track_text:
                 detok.advance(row)
@@ -281,6 +283,10 @@ class Worker:
             self._post(job, "delta", items)
 
     # ------------------------------------------------------------ failure
+
+    def _fail_jobs(self, jobs: list[Job], error: Exception) -> None:
+        for job in jobs:
+            self._post(job, "error", UpstreamError(f"the local model failed while generating: {error}"))
 
     def _fail_running(self, error: RLProxyError) -> None:
         for job in {id(row.job): row.job for row in self.batch.rows}.values():
