@@ -72,10 +72,11 @@ def test_the_trainer_renders_with_the_chat_template_given(tmp_path, template_fil
 
 
 def test_the_managed_vllm_is_started_with_the_chat_template_given(tmp_path, template_file):
-    settings = Settings(state_dir=tmp_path, engine="vllm", chat_template=str(template_file))
+    # dedicated: what is checked here is the command line, not a GPU shared with a CPU trainer
+    settings = Settings(state_dir=tmp_path, engine="vllm", gpu_mode="dedicated", chat_template=str(template_file))
     command = vllm_engine(settings).process.command
     assert command[command.index("--chat-template") + 1] == str(template_file.resolve())
-    plain = vllm_engine(Settings(state_dir=tmp_path, engine="vllm")).process.command
+    plain = vllm_engine(Settings(state_dir=tmp_path, engine="vllm", gpu_mode="dedicated")).process.command
     assert "--chat-template" not in plain  # the model's own, from its directory
 
 
@@ -246,7 +247,7 @@ def test_smollm2_own_template_drops_tools():
 
 
 def test_vllm_serves_smollm2_with_its_hermes_template_or_the_original_one(tmp_path):
-    smollm2 = Settings(state_dir=tmp_path, engine="vllm", base_model=SMOLLM2_MODEL_ID)
+    smollm2 = Settings(state_dir=tmp_path, engine="vllm", gpu_mode="dedicated", base_model=SMOLLM2_MODEL_ID)
     assert "--chat-template" not in vllm_engine(smollm2).process.command  # its directory's: hermes
     original = smollm2.model_copy(update={"chat_template": "original"})
     command = vllm_engine(original).process.command
