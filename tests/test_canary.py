@@ -212,3 +212,26 @@ def test_a_candidate_still_undecided_after_max_wait_is_rejected(tmp_path):
         assert row["state"] == "rejected" and row["decision"]["candidate_sessions"] == 0
         assert row["decision"]["reason"] == "undecided after --canary-max-wait 0.5 s"
         assert session(client, "s", by_step) == ["0", "0"]
+
+
+def test_a_candidate_whose_adapter_does_not_load_is_shown_and_rejected_after_max_wait(tmp_path):
+    settings = canary_settings(tmp_path, canary_max_wait=3)
+    publisher = Publisher(settings)
+    publisher.publish(0, state="promoted")
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        broken = settings.checkpoints_dir() / "0001"  # the trainer's files, damaged on their way
+        broken.mkdir()
+        (broken / "adapter_config.json").write_text("{not json")
+        publisher.store.insert_step("agent", 1, str(broken.resolve()), {"loss": 0.0}, [], state="candidate")
+        shown = []
+        for _ in range(400):  # a hang guard: the load fails every look, only the wait can decide
+            row = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}[1]
+            if row["state"] != "candidate":
+                break
+            shown.append(client.get("/healthz").json().get("candidate_load_error"))
+            time.sleep(0.05)
+        assert row["state"] == "rejected", "the trainer waits on a candidate: one that cannot load must not stall it"
+        assert row["decision"]["reason"].startswith("undecided after --canary-max-wait 3 s: its adapter did not load")
+        assert any(error and "agent@1" in error for error in shown), "/healthz says why the candidate serves no one"
+        assert session(client, "s", by_step) == ["0", "0"]
+        assert "candidate_load_error" not in client.get("/healthz").json()

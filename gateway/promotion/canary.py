@@ -29,7 +29,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import Conflict
+from gateway.errors import Conflict, EngineUnavailable
 from gateway.promotion import rule
 from gateway.settings import Settings
 from gateway.store import Store
@@ -115,9 +115,8 @@ class Canary:
                 await self._watch(serving, {r["step"]: r for r in rows})
             return
         row = max(candidates, key=lambda r: r["step"])
-        if not self.registry.loaded_everywhere(row["step"]):
-            await self.registry.ensure(f"{self.name}@{row['step']}", everywhere=True)  # its share spans replicas
-        self.step = row["step"]
+        failed = await self._load(row["step"])
+        self.step = row["step"] if failed is None else None  # unloaded, its share stays on the incumbent
         if serving is None:
             return
         sessions = await asyncio.to_thread(self.store.step_sessions, self.name, row["created_at"], time.time())
@@ -134,9 +133,24 @@ class Canary:
             reason = {"promote": "non-inferior within the margin", "reject": "the incumbent is better"}.get(verdict, "")
         if verdict == "wait" and time.time() - row["created_at"] > self.settings.canary_max_wait:
             verdict, reason = "reject", f"undecided after --canary-max-wait {self.settings.canary_max_wait:g} s"
+            if failed is not None:
+                reason += f": its adapter did not load ({failed})"
         if verdict != "wait":
             to_state = "promoted" if verdict == "promote" else "rejected"
             await self._decide(row["step"], to_state, found, reason, incumbent=serving["step"])
+
+    async def _load(self, step: int) -> str | None:
+        """Load the candidate on every replica (its share spans them); None once loaded, else why not.
+        A load that fails is retried every look, and `--canary-max-wait` still bounds the wait: a
+        candidate whose files are broken is rejected, not waited on forever (the trainer waits on it).
+        The registry logs each distinct failure once and `/healthz` shows it (`candidate_load_error`)."""
+        if self.registry.loaded_everywhere(step):
+            return None
+        try:
+            await self.registry.ensure(f"{self.name}@{step}", everywhere=True)
+        except EngineUnavailable:
+            return self.registry.load_errors.get(step) or "the engine is unavailable"
+        return None
 
     async def _watch(self, serving: dict, rows: dict[int, dict]) -> None:
         decision = serving.get("decision") or {}

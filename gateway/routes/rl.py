@@ -132,6 +132,9 @@ async def healthz(request: Request) -> Response:
     if services.settings.promote != "always":  # the promotion's state: serving, undecided, paused
         try:
             body.update(await asyncio.to_thread(promotion_state, store, services.settings))
+            failed = services.registry.load_errors.get(body["candidate_step"])
+            if failed is not None:  # the candidate's share stays on the incumbent; --canary-max-wait rejects it
+                body["candidate_load_error"] = failed
         except StoreUnavailable:  # noted in store.health: the answer below is `degraded` with the cause
             pass
     replicas = services.engine.replica_states(services.settings.model_name, services.registry.current)
