@@ -235,3 +235,34 @@ def test_a_candidate_whose_adapter_does_not_load_is_shown_and_rejected_after_max
         assert any(error and "agent@1" in error for error in shown), "/healthz says why the candidate serves no one"
         assert session(client, "s", by_step) == ["0", "0"]
         assert "candidate_load_error" not in client.get("/healthz").json()
+
+
+def test_a_restart_long_after_the_watch_does_not_judge_the_step_by_everything_since(tmp_path):
+    manual = canary_settings(tmp_path, promote="manual")  # no canary running: the history is written as it is
+    publisher = Publisher(manual)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1)
+    with ThreadServer(create_app(manual)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for i in range(12):  # step 0's sessions during step 1's canary
+            assert session(client, f"canary-{i}", lambda step: 1.0) == ["0", "0"]
+        since = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}[1]["created_at"]
+        record = {"by": "policy", "policy": "canary", "reason": "non-inferior", "candidate_since": since}
+        publisher.store.decide_step("agent", 1, "promoted", record)  # as the canary records its promotion
+        for i in range(100):  # a hang guard: the gateway follows the store at its next poll
+            if session(client, f"swap-{i}", lambda step: 1.0)[0] == "1":
+                break
+            time.sleep(0.05)
+        for i in range(12):  # its watch (--watch-sessions 12): as good as step 0
+            assert session(client, f"watch-{i}", lambda step: 1.0) == ["1", "1"]
+        for i in range(30):  # weeks later the users' tasks got harder: nothing to do with step 1
+            session(client, f"later-{i}", lambda step: 0.5)
+    app = create_app(canary_settings(tmp_path))  # a restart (a deploy): the canary's watch is in memory
+    canary = app.state.services.registry.canary
+    with ThreadServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(400):  # a hang guard: until the canary has looked at the serving step
+            if 1 in canary._watched:
+                break
+            time.sleep(0.05)
+        rows = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}
+        assert rows[1]["state"] == "promoted", rows[1]["decision"]
+        assert session(client, "after", lambda step: 1.0) == ["1", "1"]

@@ -162,8 +162,11 @@ class Canary:
         since, at = decision["candidate_since"], decision["at"]
         before = await asyncio.to_thread(self.store.step_sessions, self.name, since, at)
         after = await asyncio.to_thread(self.store.step_sessions, self.name, at, now)
-        mine = by_key(after, serving["step"])
-        if sum(map(len, mine.values())) >= self.settings.watch_sessions:
+        # Its first --watch-sessions sessions only: a gateway restarted long after the watch ended
+        # (this set is in memory) must not judge a step by everything it has served since.
+        watched = [s for s in after if s["step"] == serving["step"]][: self.settings.watch_sessions]
+        mine = by_key(watched, serving["step"])
+        if len(watched) >= self.settings.watch_sessions:
             self._watched.add(serving["step"])
         found = rule.compare(mine, by_key(before, parent["step"]), 0.0, self.settings.canary_min_sessions)
         if found.look > self._looked.get(-serving["step"], 0):
