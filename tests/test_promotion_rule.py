@@ -66,3 +66,12 @@ def test_looking_at_every_look_keeps_wrong_promotions_under_alpha():
                 wrong += verdict == "promote"
                 break
     assert wrong / runs < rule.ALPHA
+
+
+@pytest.mark.parametrize("reward", [0.1, 0.3, 0.9])
+def test_a_candidate_equal_to_its_incumbent_on_a_converged_task_is_promoted(reward):
+    # Every session of both steps earns the same partial credit (a converged task): no spread, d = 0.
+    # The means of 12 and of 100 such rewards differ in their last bit; that is not a difference.
+    found = rule.compare({"a": [reward] * 12, "b": [1.0] * 12}, {"a": [reward] * 100, "b": [1.0] * 90}, 0.1, 6)
+    assert rule.decide(found) == "promote"
+    assert found.difference == 0.0 and found.std_error == 0.0
