@@ -75,3 +75,10 @@ def test_a_candidate_equal_to_its_incumbent_on_a_converged_task_is_promoted(rewa
     found = rule.compare({"a": [reward] * 12, "b": [1.0] * 12}, {"a": [reward] * 100, "b": [1.0] * 90}, 0.1, 6)
     assert rule.decide(found) == "promote"
     assert found.difference == 0.0 and found.std_error == 0.0
+
+
+def test_with_no_margin_a_candidate_exactly_equal_is_still_promoted():
+    # --canary-margin 0 ("never a worse step"): a candidate that earns what its incumbent earns is
+    # not worse; waiting would end in a rejection by --canary-max-wait.
+    found = rule.compare({"a": [1.0] * 6}, {"a": [1.0] * 20}, 0.0, 6)
+    assert rule.decide(found) == "promote"

@@ -3,7 +3,7 @@
 The question is one-sided twice over, with a margin `margin` (`--canary-margin`) on the reward's
 scale. Let d be the candidate's mean reward minus the incumbent's, and se its standard error:
 
-- **promote** when the candidate is non-inferior: the lower confidence bound d - z * se > -margin;
+- **promote** when the candidate is non-inferior: the lower confidence bound d - z * se >= -margin;
 - **reject** when the incumbent is significantly better: the upper bound d + z * se < 0;
 - else **wait** (`--canary-max-wait` rejects a candidate still undecided).
 
@@ -118,7 +118,7 @@ def decide(c: Comparison) -> str:
     upper = c.difference + c.z_critical * c.std_error
     if upper < 0:
         return "reject"  # the incumbent is significantly better
-    if lower > -c.margin:
+    if lower >= -c.margin:  # at most `margin` worse: with margin 0, an exact tie (se = 0) is not a loss
         return "promote"  # non-inferior within the margin (a candidate equal to its incumbent is promoted)
     return "wait"
 
