@@ -256,3 +256,28 @@ def test_the_trainer_waits_for_a_decision_and_goes_on_from_the_serving_step(tmp_
     finally:
         restarted.close()
         recorder.close()
+
+
+def test_a_step_0_saved_but_not_recorded_is_the_serving_step_on_restart_under_canary(tmp_path):
+    import sqlite3
+
+    from tests.helpers_trainer import trainer_settings
+    from trainer.resume import hold_reason
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path, promote="canary")
+    first = TrainerWorker(settings)
+    first.start()  # saves step 0 and records it
+    first.close()
+    with sqlite3.connect(settings.db_path) as conn:  # as if killed between the checkpoint and its row
+        conn.execute("DELETE FROM steps")
+    restarted = TrainerWorker(settings)
+    restarted.start()  # records step 0 from its checkpoint
+    try:
+        store = SQLiteStore(settings.db_path)
+        assert [(r["step"], r["state"]) for r in store.steps("agent")] == [(0, "promoted")]
+        # A candidate step 0 has no incumbent to be compared with: the canary never decided it,
+        # and the trainer waited on it for ever.
+        assert store.serving_step("agent") == 0 and hold_reason(store, settings, "agent") is None
+    finally:
+        restarted.close()
