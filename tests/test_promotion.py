@@ -9,6 +9,7 @@ serves the steps; the trainer is played by `Publisher` (a PEFT checkpoint, then 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -281,3 +282,29 @@ def test_a_step_0_saved_but_not_recorded_is_the_serving_step_on_restart_under_ca
         assert store.serving_step("agent") == 0 and hold_reason(store, settings, "agent") is None
     finally:
         restarted.close()
+
+
+def test_a_trainer_under_another_promote_than_the_gateway_is_said_in_healthz(tmp_path):
+    # `rlproxy serve --promote canary` and `rlproxy train` run alone, without the flag: the trainer
+    # records each step promoted (its own --promote always), which serves every session at once.
+    canary = Settings(engine="local", state_dir=tmp_path / "a", poll_interval=0.05, promote="canary")
+    publisher = Publisher(canary)
+    publisher.publish(0, state="promoted")
+    with ThreadServer(create_app(canary)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        assert "promotion_mismatch" not in client.get("/healthz").json()  # step 0 starts every run promoted
+        publisher.publish(1, state="promoted")  # what `rlproxy train` records without --promote canary
+        for _ in range(400):  # a hang guard: the gateway reads the store at its next poll
+            health = client.get("/healthz").json()
+            if "promotion_mismatch" in health:
+                break
+            time.sleep(0.05)
+        assert "step 1 was recorded promoted by a trainer running --promote always" in health["promotion_mismatch"]
+    # The other way round: the trainer under --promote canary, the gateway under always.
+    always = Settings(engine="local", state_dir=tmp_path / "b", poll_interval=30)
+    publisher = Publisher(always)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1)
+    with ThreadServer(create_app(always)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        health = client.get("/healthz").json()
+        assert "nothing decides it and the trainer waits on it" in health["promotion_mismatch"]
+        assert _served_step(client, "s") == "0"

@@ -137,6 +137,8 @@ async def healthz(request: Request) -> Response:
                 body["candidate_load_error"] = failed
         except StoreUnavailable:  # noted in store.health: the answer below is `degraded` with the cause
             pass
+    if services.registry.policy_mismatch is not None:  # the trainer records steps under another --promote
+        body["promotion_mismatch"] = services.registry.policy_mismatch
     replicas = services.engine.replica_states(services.settings.model_name, services.registry.current)
     if replicas is not None:
         body["replicas"] = replicas
