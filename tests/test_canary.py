@@ -266,3 +266,26 @@ def test_a_restart_long_after_the_watch_does_not_judge_the_step_by_everything_si
         rows = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}
         assert rows[1]["state"] == "promoted", rows[1]["decision"]
         assert session(client, "after", lambda step: 1.0) == ["1", "1"]
+
+
+def test_healthz_says_what_an_undecided_canary_waits_for(tmp_path):
+    settings = canary_settings(tmp_path)
+    publisher = Publisher(settings)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1)
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for i in range(8):  # sessions without a reward (or judged by RULER): the rule has nothing to count
+            client.post(
+                "/v1/chat/completions",
+                headers={"X-Session-Id": f"n-{i}"},
+                json={"model": "agent", "messages": [{"role": "user", "content": "Hi."}]},
+            )
+        for _ in range(400):  # a hang guard: until the canary has looked
+            canary = client.get("/healthz").json().get("canary")
+            if canary is not None:
+                break
+            time.sleep(0.05)
+        created = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}[1]["created_at"]
+        assert canary["step"] == 1 and canary["candidate_sessions"] == canary["incumbent_sessions"] == 0
+        assert canary["look"] == 0 and canary["sessions_for_next_look"] == 6  # --canary-min-sessions
+        assert canary["max_wait_ends_at"] == pytest.approx(created + settings.canary_max_wait)

@@ -71,6 +71,7 @@ class Canary:
         self._watched: set[int] = set()  # promoted steps whose watch is over
         self._pinned: OrderedDict[str, int | None] = OrderedDict()  # key -> the step its first call saw
         self._task: asyncio.Task | None = None
+        self.progress: dict | None = None  # the undecided candidate's last look, for /healthz (`canary`)
 
     def route(self, key: str, target: Target) -> Target:
         """NAME's target for the request keyed `key`: the step its first call saw while that step is
@@ -110,7 +111,7 @@ class Canary:
         candidates = [r for r in rows if r["state"] == "candidate"]
         serving = max((r for r in rows if r["state"] == "promoted"), key=lambda r: r["step"], default=None)
         if not candidates:
-            self.step = None
+            self.step, self.progress = None, None
             if serving is not None and serving["step"] not in self._watched:
                 await self._watch(serving, {r["step"]: r for r in rows})
             return
@@ -126,6 +127,16 @@ class Canary:
             self.settings.canary_margin,
             self.settings.canary_min_sessions,
         )
+        # What it waits for, said: rewards that never come (RULER-judged or unrewarded sessions do
+        # not count) otherwise look like a healthy canary until --canary-max-wait rejects it.
+        self.progress = {
+            "step": row["step"],
+            **{k: getattr(found, k) for k in ("candidate_sessions", "incumbent_sessions", "look")},
+            "sessions_for_next_look": self.settings.canary_min_sessions * (found.look + 1)
+            if found.look < rule.LOOKS
+            else None,
+            "max_wait_ends_at": row["created_at"] + self.settings.canary_max_wait,
+        }
         verdict, reason = "wait", ""
         if found.look > self._looked.get(row["step"], 0) and found.incumbent_sessions >= 2:
             verdict = rule.decide(found)
@@ -194,5 +205,5 @@ class Canary:
         else:
             self.decisions[to_state] += 1
             log.info("step %d of %s %s by the canary: %s (%s)", step, self.name, to_state, reason, json.dumps(record))
-        self.step = None
+        self.step, self.progress = None, None
         await self.registry.refresh()

@@ -135,6 +135,9 @@ async def healthz(request: Request) -> Response:
             failed = services.registry.load_errors.get(body["candidate_step"])
             if failed is not None:  # the candidate's share stays on the incumbent; --canary-max-wait rejects it
                 body["candidate_load_error"] = failed
+            canary = services.registry.canary
+            if canary is not None and canary.progress is not None and canary.progress["step"] == body["candidate_step"]:
+                body["canary"] = canary.progress  # its sessions so far (HTTP rewards only), the next look
         except StoreUnavailable:  # noted in store.health: the answer below is `degraded` with the cause
             pass
     if services.registry.policy_mismatch is not None:  # the trainer records steps under another --promote
