@@ -14,6 +14,7 @@ from gateway.app import create_app
 from gateway.promotion.canary import share_of
 from gateway.settings import Settings
 from tests.helpers import ThreadServer
+from tests.test_hotswap import save_adapter
 from tests.test_promotion import Publisher
 
 pytestmark = [
@@ -289,3 +290,22 @@ def test_healthz_says_what_an_undecided_canary_waits_for(tmp_path):
         assert canary["step"] == 1 and canary["candidate_sessions"] == canary["incumbent_sessions"] == 0
         assert canary["look"] == 0 and canary["sessions_for_next_look"] == 6  # --canary-min-sessions
         assert canary["max_wait_ends_at"] == pytest.approx(created + settings.canary_max_wait)
+
+
+def test_a_candidate_trained_from_a_step_since_rolled_back_is_rejected_at_once(tmp_path):
+    settings = canary_settings(tmp_path)
+    publisher = Publisher(settings)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1, state="promoted")
+    publisher.store.decide_step("agent", 1, "rolled_back", {"by": "policy", "policy": "canary"})
+    path = settings.checkpoints_dir() / "0002"  # trained from step 1, recorded a moment after its rollback
+    save_adapter(publisher.base_dir, path, seed=2)
+    publisher.store.insert_step("agent", 2, str(path.resolve()), {}, [], state="candidate", parent=1)
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(400):  # a hang guard: no session is needed for this decision
+            row = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}[2]
+            if row["state"] != "candidate":
+                break
+            time.sleep(0.05)
+        assert row["state"] == "rejected" and row["decision"]["reason"] == "trained from step 1, which was rolled_back"
+        assert session(client, "s", by_step) == ["0", "0"]

@@ -308,3 +308,58 @@ def test_a_trainer_under_another_promote_than_the_gateway_is_said_in_healthz(tmp
         health = client.get("/healthz").json()
         assert "nothing decides it and the trainer waits on it" in health["promotion_mismatch"]
         assert _served_step(client, "s") == "0"
+
+
+def test_a_step_whose_parent_is_rolled_back_as_it_trains_is_taken_back_and_trained_from_the_serving_step(
+    tmp_path, caplog, monkeypatch
+):
+    import trainer.publish
+    from tests.helpers_trainer import Recorder, trainer_settings
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path, promote="canary", max_staleness=10, groups_per_step=1)
+    recorder = Recorder(settings)
+    store = recorder.store
+    recorder.group("g0", [1.0, 0.0])
+    worker = TrainerWorker(settings)
+    worker.start()
+    try:
+        assert worker.run(max_steps=1) == 1
+        since = {r["step"]: r for r in store.steps("agent")}[1]["created_at"]
+        store.decide_step("agent", 1, "promoted", {"by": "policy", "policy": "canary", "candidate_since": since})
+        recorder.group("g1", [0.0, 1.0], step=1)
+        rolled_back = []
+
+        def watch_lands(
+            phase: str, step: int
+        ) -> None:  # the canary's watch rolls the serving step back as `step` trains
+            if phase == "train" and not rolled_back:
+                serving = store.serving_step("agent")
+                rolled_back.append(
+                    store.decide_step("agent", serving, "rolled_back", {"by": "policy", "policy": "canary"})
+                )
+
+        monkeypatch.setattr(trainer.publish, "_test_pause", watch_lands)
+        with caplog.at_level("INFO", logger="rlproxy"):
+            assert worker.run(max_steps=1) == 1
+        assert "step 2 taken back: step 1, which it was trained from, was rolled_back meanwhile" in caplog.text
+        assert "step 0 serves; training goes on from its adapter and optimizer" in caplog.text
+        rows = {r["step"]: r for r in store.steps("agent")}
+        assert rows[2]["parent"] == 0 and rows[2]["state"] == "candidate"  # trained from what serves, and says so
+        assert store.get_group("g1")["trained_step"] == 2
+
+        # Rolled back a moment later, between the check and the step's row: the row names the step it was
+        # trained from (which the canary then rejects at once: tests/test_canary.py), not what serves by then.
+        since = {r["step"]: r for r in store.steps("agent")}[2]["created_at"]
+        store.decide_step("agent", 2, "promoted", {"by": "policy", "policy": "canary", "candidate_since": since})
+        recorder.group("g2", [1.0, 0.0], step=2)
+        rolled_back.clear()
+        monkeypatch.setattr(
+            trainer.publish, "_test_pause", lambda phase, step: phase == "record" and watch_lands("train", 3)
+        )
+        assert worker.run(max_steps=1) == 1
+        rows = {r["step"]: r for r in store.steps("agent")}
+        assert rows[2]["state"] == "rolled_back" and rows[3]["parent"] == 2
+    finally:
+        worker.close()
+        recorder.close()

@@ -33,6 +33,7 @@ from gateway.errors import Conflict, EngineUnavailable
 from gateway.promotion import rule
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store.steps import TURNED_DOWN
 from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -116,6 +117,14 @@ class Canary:
                 await self._watch(serving, {r["step"]: r for r in rows})
             return
         row = max(candidates, key=lambda r: r["step"])
+        parent = next((r for r in rows if r["step"] == row["parent"]), None)
+        if serving is not None and parent is not None and parent["state"] in TURNED_DOWN:
+            # Trained on top of a step rolled back as it trained (the trainer takes such a step back;
+            # this is the moment between its check and its record): never served, whatever its rewards.
+            reason = f"trained from step {parent['step']}, which was {parent['state']}"
+            found = rule.compare({}, {}, self.settings.canary_margin, self.settings.canary_min_sessions)
+            await self._decide(row["step"], "rejected", found, reason, incumbent=serving["step"])
+            return
         failed = await self._load(row["step"])
         self.step = row["step"] if failed is None else None  # unloaded, its share stays on the incumbent
         if serving is None:
