@@ -38,7 +38,9 @@ def policy_mismatch(promote: str, rows: list[dict], since: float) -> str | None:
             "--promote always: nothing decides it and the trainer waits on it; give the gateway and the trainer "
             f"the same --promote, or decide it (POST /v1/training/steps/{step}/promote or /reject)"
         )
-    trained = newest.get("parent") is not None  # a step 0 (the run's start) is recorded promoted under any policy
+    # A step 0 (the run's start) is recorded promoted under any policy, and so is a supervised step
+    # (`rlproxy train --objective sft`, which takes no --promote): neither says the flags differ.
+    trained = newest.get("parent") is not None and (newest.get("metrics") or {}).get("objective") != "sft"
     if promote != "always" and policy == "always" and trained and newest.get("created_at", 0) >= since:
         return (
             f"step {step} was recorded promoted by a trainer running --promote always: it serves every session at "
