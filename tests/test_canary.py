@@ -309,3 +309,17 @@ def test_a_candidate_trained_from_a_step_since_rolled_back_is_rejected_at_once(t
             time.sleep(0.05)
         assert row["state"] == "rejected" and row["decision"]["reason"] == "trained from step 1, which was rolled_back"
         assert session(client, "s", by_step) == ["0", "0"]
+
+
+def test_a_watch_shorter_than_the_first_look_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from gateway.promotion import rule
+
+    # The watch tests at multiples of --canary-min-sessions: 50 sessions never reach the first look (100),
+    # so however far a promoted step dropped, it would never be rolled back.
+    assert rule.compare({"k": [0.0] * 50}, {"k": [1.0] * 900}, 0.0, 100).look == 0
+    with pytest.raises(ValidationError, match="--watch-sessions 50 is below --canary-min-sessions 100"):
+        Settings(state_dir=tmp_path, promote="canary", watch_sessions=50)
+    assert Settings(state_dir=tmp_path, promote="canary", watch_sessions=0).watch_sessions == 0  # no watch, asked for
+    assert Settings(state_dir=tmp_path, promote="manual", watch_sessions=50).watch_sessions == 50  # no canary
