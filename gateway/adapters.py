@@ -102,6 +102,7 @@ class AdapterRegistry:
         self.load_errors: dict[int, str] = {}  # step -> why its last load failed (cleared on success)
         self.swaps = 0  # times the alias moved (for /metrics and tests)
         self.turned_down: set[int] = set()  # steps rejected or rolled back: unloaded once idle
+        self.started, self.policy_mismatch = time.time(), None  # a trainer under another --promote (promotion.serving)
         self._last_resolved: dict[int, float] = {}  # step -> monotonic time a request last resolved it
         self._lock = asyncio.Lock()  # one refresh at a time (poll loop, start, activate)
         self._task: asyncio.Task | None = None

@@ -121,6 +121,18 @@ class PromotionSettings(BaseModel):
         500, ge=0, description="--promote canary: sessions a promoted step is watched for a drop (rolled back)"
     )
 
+    @model_validator(mode="after")
+    def _watch_can_look(self) -> PromotionSettings:
+        # The watch tests at multiples of --canary-min-sessions: below the first, it would never test
+        # (a promoted step that drops stays), and nothing would say so.
+        if self.promote == "canary" and 0 < self.watch_sessions < self.canary_min_sessions:
+            raise ValueError(
+                f"--watch-sessions {self.watch_sessions} is below --canary-min-sessions {self.canary_min_sessions}: "
+                "the watch tests a promoted step at multiples of --canary-min-sessions, so it would never test one; "
+                f"give --watch-sessions {self.canary_min_sessions} or more, or 0 for no watch"
+            )
+        return self
+
 
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
 class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings, LossSettings):

@@ -14,6 +14,7 @@ from gateway.app import create_app
 from gateway.promotion.canary import share_of
 from gateway.settings import Settings
 from tests.helpers import ThreadServer
+from tests.test_hotswap import save_adapter
 from tests.test_promotion import Publisher
 
 pytestmark = [
@@ -212,3 +213,113 @@ def test_a_candidate_still_undecided_after_max_wait_is_rejected(tmp_path):
         assert row["state"] == "rejected" and row["decision"]["candidate_sessions"] == 0
         assert row["decision"]["reason"] == "undecided after --canary-max-wait 0.5 s"
         assert session(client, "s", by_step) == ["0", "0"]
+
+
+def test_a_candidate_whose_adapter_does_not_load_is_shown_and_rejected_after_max_wait(tmp_path):
+    settings = canary_settings(tmp_path, canary_max_wait=3)
+    publisher = Publisher(settings)
+    publisher.publish(0, state="promoted")
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        broken = settings.checkpoints_dir() / "0001"  # the trainer's files, damaged on their way
+        broken.mkdir()
+        (broken / "adapter_config.json").write_text("{not json")
+        publisher.store.insert_step("agent", 1, str(broken.resolve()), {"loss": 0.0}, [], state="candidate")
+        shown = []
+        for _ in range(400):  # a hang guard: the load fails every look, only the wait can decide
+            row = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}[1]
+            if row["state"] != "candidate":
+                break
+            shown.append(client.get("/healthz").json().get("candidate_load_error"))
+            time.sleep(0.05)
+        assert row["state"] == "rejected", "the trainer waits on a candidate: one that cannot load must not stall it"
+        assert row["decision"]["reason"].startswith("undecided after --canary-max-wait 3 s: its adapter did not load")
+        assert any(error and "agent@1" in error for error in shown), "/healthz says why the candidate serves no one"
+        assert session(client, "s", by_step) == ["0", "0"]
+        assert "candidate_load_error" not in client.get("/healthz").json()
+
+
+def test_a_restart_long_after_the_watch_does_not_judge_the_step_by_everything_since(tmp_path):
+    manual = canary_settings(tmp_path, promote="manual")  # no canary running: the history is written as it is
+    publisher = Publisher(manual)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1)
+    with ThreadServer(create_app(manual)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for i in range(12):  # step 0's sessions during step 1's canary
+            assert session(client, f"canary-{i}", lambda step: 1.0) == ["0", "0"]
+        since = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}[1]["created_at"]
+        record = {"by": "policy", "policy": "canary", "reason": "non-inferior", "candidate_since": since}
+        publisher.store.decide_step("agent", 1, "promoted", record)  # as the canary records its promotion
+        for i in range(100):  # a hang guard: the gateway follows the store at its next poll
+            if session(client, f"swap-{i}", lambda step: 1.0)[0] == "1":
+                break
+            time.sleep(0.05)
+        for i in range(12):  # its watch (--watch-sessions 12): as good as step 0
+            assert session(client, f"watch-{i}", lambda step: 1.0) == ["1", "1"]
+        for i in range(30):  # weeks later the users' tasks got harder: nothing to do with step 1
+            session(client, f"later-{i}", lambda step: 0.5)
+    app = create_app(canary_settings(tmp_path))  # a restart (a deploy): the canary's watch is in memory
+    canary = app.state.services.registry.canary
+    with ThreadServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(400):  # a hang guard: until the canary has looked at the serving step
+            if 1 in canary._watched:
+                break
+            time.sleep(0.05)
+        rows = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}
+        assert rows[1]["state"] == "promoted", rows[1]["decision"]
+        assert session(client, "after", lambda step: 1.0) == ["1", "1"]
+
+
+def test_healthz_says_what_an_undecided_canary_waits_for(tmp_path):
+    settings = canary_settings(tmp_path)
+    publisher = Publisher(settings)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1)
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for i in range(8):  # sessions without a reward (or judged by RULER): the rule has nothing to count
+            client.post(
+                "/v1/chat/completions",
+                headers={"X-Session-Id": f"n-{i}"},
+                json={"model": "agent", "messages": [{"role": "user", "content": "Hi."}]},
+            )
+        for _ in range(400):  # a hang guard: until the canary has looked
+            canary = client.get("/healthz").json().get("canary")
+            if canary is not None:
+                break
+            time.sleep(0.05)
+        created = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}[1]["created_at"]
+        assert canary["step"] == 1 and canary["candidate_sessions"] == canary["incumbent_sessions"] == 0
+        assert canary["look"] == 0 and canary["sessions_for_next_look"] == 6  # --canary-min-sessions
+        assert canary["max_wait_ends_at"] == pytest.approx(created + settings.canary_max_wait)
+
+
+def test_a_candidate_trained_from_a_step_since_rolled_back_is_rejected_at_once(tmp_path):
+    settings = canary_settings(tmp_path)
+    publisher = Publisher(settings)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1, state="promoted")
+    publisher.store.decide_step("agent", 1, "rolled_back", {"by": "policy", "policy": "canary"})
+    path = settings.checkpoints_dir() / "0002"  # trained from step 1, recorded a moment after its rollback
+    save_adapter(publisher.base_dir, path, seed=2)
+    publisher.store.insert_step("agent", 2, str(path.resolve()), {}, [], state="candidate", parent=1)
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(400):  # a hang guard: no session is needed for this decision
+            row = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}[2]
+            if row["state"] != "candidate":
+                break
+            time.sleep(0.05)
+        assert row["state"] == "rejected" and row["decision"]["reason"] == "trained from step 1, which was rolled_back"
+        assert session(client, "s", by_step) == ["0", "0"]
+
+
+def test_a_watch_shorter_than_the_first_look_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from gateway.promotion import rule
+
+    # The watch tests at multiples of --canary-min-sessions: 50 sessions never reach the first look (100),
+    # so however far a promoted step dropped, it would never be rolled back.
+    assert rule.compare({"k": [0.0] * 50}, {"k": [1.0] * 900}, 0.0, 100).look == 0
+    with pytest.raises(ValidationError, match="--watch-sessions 50 is below --canary-min-sessions 100"):
+        Settings(state_dir=tmp_path, promote="canary", watch_sessions=50)
+    assert Settings(state_dir=tmp_path, promote="canary", watch_sessions=0).watch_sessions == 0  # no watch, asked for
+    assert Settings(state_dir=tmp_path, promote="manual", watch_sessions=50).watch_sessions == 50  # no canary

@@ -9,6 +9,7 @@ serves the steps; the trainer is played by `Publisher` (a PEFT checkpoint, then 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -255,4 +256,110 @@ def test_the_trainer_waits_for_a_decision_and_goes_on_from_the_serving_step(tmp_
         assert {r["step"]: r for r in store.steps("agent")}[3]["parent"] == 0
     finally:
         restarted.close()
+        recorder.close()
+
+
+def test_a_step_0_saved_but_not_recorded_is_the_serving_step_on_restart_under_canary(tmp_path):
+    import sqlite3
+
+    from tests.helpers_trainer import trainer_settings
+    from trainer.resume import hold_reason
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path, promote="canary")
+    first = TrainerWorker(settings)
+    first.start()  # saves step 0 and records it
+    first.close()
+    with sqlite3.connect(settings.db_path) as conn:  # as if killed between the checkpoint and its row
+        conn.execute("DELETE FROM steps")
+    restarted = TrainerWorker(settings)
+    restarted.start()  # records step 0 from its checkpoint
+    try:
+        store = SQLiteStore(settings.db_path)
+        assert [(r["step"], r["state"]) for r in store.steps("agent")] == [(0, "promoted")]
+        # A candidate step 0 has no incumbent to be compared with: the canary never decided it,
+        # and the trainer waited on it for ever.
+        assert store.serving_step("agent") == 0 and hold_reason(store, settings, "agent") is None
+    finally:
+        restarted.close()
+
+
+def test_a_trainer_under_another_promote_than_the_gateway_is_said_in_healthz(tmp_path):
+    # `rlproxy serve --promote canary` and `rlproxy train` run alone, without the flag: the trainer
+    # records each step promoted (its own --promote always), which serves every session at once.
+    canary = Settings(engine="local", state_dir=tmp_path / "a", poll_interval=0.05, promote="canary")
+    publisher = Publisher(canary)
+    publisher.publish(0, state="promoted")
+    with ThreadServer(create_app(canary)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        assert "promotion_mismatch" not in client.get("/healthz").json()  # step 0 starts every run promoted
+        publisher.publish(1, state="promoted")  # what `rlproxy train` records without --promote canary
+        for _ in range(400):  # a hang guard: the gateway reads the store at its next poll
+            health = client.get("/healthz").json()
+            if "promotion_mismatch" in health:
+                break
+            time.sleep(0.05)
+        assert "step 1 was recorded promoted by a trainer running --promote always" in health["promotion_mismatch"]
+    # The other way round: the trainer under --promote canary, the gateway under always.
+    always = Settings(engine="local", state_dir=tmp_path / "b", poll_interval=30)
+    publisher = Publisher(always)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1)
+    with ThreadServer(create_app(always)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        health = client.get("/healthz").json()
+        assert "nothing decides it and the trainer waits on it" in health["promotion_mismatch"]
+        assert _served_step(client, "s") == "0"
+
+
+def test_a_step_whose_parent_is_rolled_back_as_it_trains_is_taken_back_and_trained_from_the_serving_step(
+    tmp_path, caplog, monkeypatch
+):
+    import trainer.publish
+    from tests.helpers_trainer import Recorder, trainer_settings
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path, promote="canary", max_staleness=10, groups_per_step=1)
+    recorder = Recorder(settings)
+    store = recorder.store
+    recorder.group("g0", [1.0, 0.0])
+    worker = TrainerWorker(settings)
+    worker.start()
+    try:
+        assert worker.run(max_steps=1) == 1
+        since = {r["step"]: r for r in store.steps("agent")}[1]["created_at"]
+        store.decide_step("agent", 1, "promoted", {"by": "policy", "policy": "canary", "candidate_since": since})
+        recorder.group("g1", [0.0, 1.0], step=1)
+        rolled_back = []
+
+        def watch_lands(
+            phase: str, step: int
+        ) -> None:  # the canary's watch rolls the serving step back as `step` trains
+            if phase == "train" and not rolled_back:
+                serving = store.serving_step("agent")
+                rolled_back.append(
+                    store.decide_step("agent", serving, "rolled_back", {"by": "policy", "policy": "canary"})
+                )
+
+        monkeypatch.setattr(trainer.publish, "_test_pause", watch_lands)
+        with caplog.at_level("INFO", logger="rlproxy"):
+            assert worker.run(max_steps=1) == 1
+        assert "step 2 taken back: step 1, which it was trained from, was rolled_back meanwhile" in caplog.text
+        assert "step 0 serves; training goes on from its adapter and optimizer" in caplog.text
+        rows = {r["step"]: r for r in store.steps("agent")}
+        assert rows[2]["parent"] == 0 and rows[2]["state"] == "candidate"  # trained from what serves, and says so
+        assert store.get_group("g1")["trained_step"] == 2
+
+        # Rolled back a moment later, between the check and the step's row: the row names the step it was
+        # trained from (which the canary then rejects at once: tests/test_canary.py), not what serves by then.
+        since = {r["step"]: r for r in store.steps("agent")}[2]["created_at"]
+        store.decide_step("agent", 2, "promoted", {"by": "policy", "policy": "canary", "candidate_since": since})
+        recorder.group("g2", [1.0, 0.0], step=2)
+        rolled_back.clear()
+        monkeypatch.setattr(
+            trainer.publish, "_test_pause", lambda phase, step: phase == "record" and watch_lands("train", 3)
+        )
+        assert worker.run(max_steps=1) == 1
+        rows = {r["step"]: r for r in store.steps("agent")}
+        assert rows[2]["state"] == "rolled_back" and rows[3]["parent"] == 2
+    finally:
+        worker.close()
         recorder.close()

@@ -66,3 +66,19 @@ def test_looking_at_every_look_keeps_wrong_promotions_under_alpha():
                 wrong += verdict == "promote"
                 break
     assert wrong / runs < rule.ALPHA
+
+
+@pytest.mark.parametrize("reward", [0.1, 0.3, 0.9])
+def test_a_candidate_equal_to_its_incumbent_on_a_converged_task_is_promoted(reward):
+    # Every session of both steps earns the same partial credit (a converged task): no spread, d = 0.
+    # The means of 12 and of 100 such rewards differ in their last bit; that is not a difference.
+    found = rule.compare({"a": [reward] * 12, "b": [1.0] * 12}, {"a": [reward] * 100, "b": [1.0] * 90}, 0.1, 6)
+    assert rule.decide(found) == "promote"
+    assert found.difference == 0.0 and found.std_error == 0.0
+
+
+def test_with_no_margin_a_candidate_exactly_equal_is_still_promoted():
+    # --canary-margin 0 ("never a worse step"): a candidate that earns what its incumbent earns is
+    # not worse; waiting would end in a rejection by --canary-max-wait.
+    found = rule.compare({"a": [1.0] * 6}, {"a": [1.0] * 20}, 0.0, 6)
+    assert rule.decide(found) == "promote"

@@ -24,6 +24,7 @@ from gateway.errors import Conflict
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.rows import shadow_call_id
+from gateway.store.steps import TURNED_DOWN
 from trainer import checkpoints as ckpts
 from trainer.data import Batch, Render, build_batch, token_budget
 
@@ -72,9 +73,13 @@ class StepPlan:
     """Session id (of a trained group) -> why it left its group untrained, recorded with the step."""
     shared_turns: int = 0
     """Live turns trained here at a weight below 1 because they train in a second group too."""
+    parent: int | None = None
+    """The step whose adapter the weights hold as it trains (recorded as its parent)."""
 
 
-def plan_step(store: Store, settings: Settings, render: Render, groups: list[dict], step: int) -> StepPlan:
+def plan_step(
+    store: Store, settings: Settings, render: Render, groups: list[dict], step: int, parent: int | None = None
+) -> StepPlan:
     """The samples of `groups` for step `step`, with advantages over exactly the sessions
     that train (`trainer.data.build_batch`); the groups left with nothing to compare are
     marked skipped in the store."""
@@ -124,6 +129,7 @@ def plan_step(store: Store, settings: Settings, render: Render, groups: list[dic
     trained = set(batch.group_ids)
     return StepPlan(
         step=step,
+        parent=parent,
         started=started,
         groups=groups,
         trained_groups=batch.group_ids,
@@ -270,6 +276,8 @@ def _train_checkpoint_record(
     _test_pause("train", step)
     if _discarded_meanwhile(store, plan.sessions, step):
         return None
+    if settings.promote != "always" and _parent_turned_down(store, model, plan.parent, step):
+        return None
     metrics["seconds"] = time.perf_counter() - plan.started
     try:
         checkpoint = save(
@@ -292,14 +300,29 @@ def _train_checkpoint_record(
             rewards={
                 s["id"]: float(s["reward"]) for g in plan.groups for s in g["sessions"] if s["id"] in plan.advantages
             },
-            # Its parent is the serving step it was trained from (the trainer waits while a candidate is undecided).
+            # Its parent is the step its weights were trained from (the serving step when it started: the
+            # trainer waits while a candidate is undecided), not whatever serves by now.
             state="promoted" if settings.promote == "always" else "candidate",
+            parent=plan.parent,
         )
     except Conflict as exc:  # a discard landed between the check and the record
         log.warning("step %d taken back: %s", step, exc.message)
         ckpts.discard(checkpoint)
         return None
     return metrics
+
+
+def _parent_turned_down(store: Store, model: str, parent: int | None, step: int) -> bool:
+    """Whether the step this one was trained from was rolled back while it trained (the canary's
+    watch): the step is then taken back, and its groups train again from the serving step, so
+    that no step is built on one that was turned down."""
+    if parent is None:
+        return False
+    state = next((r["state"] for r in store.steps(model) if r["step"] == parent), None)
+    if state not in TURNED_DOWN:
+        return False
+    log.warning("step %d taken back: step %d, which it was trained from, was %s meanwhile", step, parent, state)
+    return True
 
 
 def _discarded_meanwhile(store: Store, sessions: dict[str, list[str]], step: int) -> bool:

@@ -69,7 +69,12 @@ def resume(
     last_recorded = max(recorded, default=-1)
     for checkpoint in ckpts.list_checkpoints(root):
         if checkpoint.step > last_recorded:
-            record_orphan(store, model, checkpoint, "promoted" if settings.promote == "always" else "candidate")
+            # With no step serving yet (a step 0 saved, then killed), it is the run's start, recorded
+            # as a fresh step 0 is: a candidate with no incumbent is never decided, and the trainer waits on it.
+            first = store.serving_step(model) is None
+            record_orphan(
+                store, model, checkpoint, "promoted" if settings.promote == "always" or first else "candidate"
+            )
     recorded = {row["step"] for row in store.steps(model)}
     last_recorded = max(recorded, default=-1)
 

@@ -229,7 +229,7 @@ class TrainerWorker:
         groups = [self.store.get_group(gid) for gid in claimed]  # the rewards as the claim froze them
         trained = claimed  # until planned: a plan that fails (a reward that overflows) fails them all
         try:
-            plan = plan_step(self.store, self.settings, self.render, groups, self.next_step)
+            plan = plan_step(self.store, self.settings, self.render, groups, self.next_step, self.weights_step)
             self.skipped_since_step += plan.skipped
             trained = list(plan.trained_groups)
             if set(claimed) - set(trained):

@@ -29,10 +29,11 @@ import time
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import Conflict
+from gateway.errors import Conflict, EngineUnavailable
 from gateway.promotion import rule
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store.steps import TURNED_DOWN
 from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class Canary:
         self._watched: set[int] = set()  # promoted steps whose watch is over
         self._pinned: OrderedDict[str, int | None] = OrderedDict()  # key -> the step its first call saw
         self._task: asyncio.Task | None = None
+        self.progress: dict | None = None  # the undecided candidate's last look, for /healthz (`canary`)
 
     def route(self, key: str, target: Target) -> Target:
         """NAME's target for the request keyed `key`: the step its first call saw while that step is
@@ -110,14 +112,21 @@ class Canary:
         candidates = [r for r in rows if r["state"] == "candidate"]
         serving = max((r for r in rows if r["state"] == "promoted"), key=lambda r: r["step"], default=None)
         if not candidates:
-            self.step = None
+            self.step, self.progress = None, None
             if serving is not None and serving["step"] not in self._watched:
                 await self._watch(serving, {r["step"]: r for r in rows})
             return
         row = max(candidates, key=lambda r: r["step"])
-        if not self.registry.loaded_everywhere(row["step"]):
-            await self.registry.ensure(f"{self.name}@{row['step']}", everywhere=True)  # its share spans replicas
-        self.step = row["step"]
+        parent = next((r for r in rows if r["step"] == row["parent"]), None)
+        if serving is not None and parent is not None and parent["state"] in TURNED_DOWN:
+            # Trained on top of a step rolled back as it trained (the trainer takes such a step back;
+            # this is the moment between its check and its record): never served, whatever its rewards.
+            reason = f"trained from step {parent['step']}, which was {parent['state']}"
+            found = rule.compare({}, {}, self.settings.canary_margin, self.settings.canary_min_sessions)
+            await self._decide(row["step"], "rejected", found, reason, incumbent=serving["step"])
+            return
+        failed = await self._load(row["step"])
+        self.step = row["step"] if failed is None else None  # unloaded, its share stays on the incumbent
         if serving is None:
             return
         sessions = await asyncio.to_thread(self.store.step_sessions, self.name, row["created_at"], time.time())
@@ -127,6 +136,16 @@ class Canary:
             self.settings.canary_margin,
             self.settings.canary_min_sessions,
         )
+        # What it waits for, said: rewards that never come (RULER-judged or unrewarded sessions do
+        # not count) otherwise look like a healthy canary until --canary-max-wait rejects it.
+        self.progress = {
+            "step": row["step"],
+            **{k: getattr(found, k) for k in ("candidate_sessions", "incumbent_sessions", "look")},
+            "sessions_for_next_look": self.settings.canary_min_sessions * (found.look + 1)
+            if found.look < rule.LOOKS
+            else None,
+            "max_wait_ends_at": row["created_at"] + self.settings.canary_max_wait,
+        }
         verdict, reason = "wait", ""
         if found.look > self._looked.get(row["step"], 0) and found.incumbent_sessions >= 2:
             verdict = rule.decide(found)
@@ -134,9 +153,24 @@ class Canary:
             reason = {"promote": "non-inferior within the margin", "reject": "the incumbent is better"}.get(verdict, "")
         if verdict == "wait" and time.time() - row["created_at"] > self.settings.canary_max_wait:
             verdict, reason = "reject", f"undecided after --canary-max-wait {self.settings.canary_max_wait:g} s"
+            if failed is not None:
+                reason += f": its adapter did not load ({failed})"
         if verdict != "wait":
             to_state = "promoted" if verdict == "promote" else "rejected"
             await self._decide(row["step"], to_state, found, reason, incumbent=serving["step"])
+
+    async def _load(self, step: int) -> str | None:
+        """Load the candidate on every replica (its share spans them); None once loaded, else why not.
+        A load that fails is retried every look, and `--canary-max-wait` still bounds the wait: a
+        candidate whose files are broken is rejected, not waited on forever (the trainer waits on it).
+        The registry logs each distinct failure once and `/healthz` shows it (`candidate_load_error`)."""
+        if self.registry.loaded_everywhere(step):
+            return None
+        try:
+            await self.registry.ensure(f"{self.name}@{step}", everywhere=True)
+        except EngineUnavailable:
+            return self.registry.load_errors.get(step) or "the engine is unavailable"
+        return None
 
     async def _watch(self, serving: dict, rows: dict[int, dict]) -> None:
         decision = serving.get("decision") or {}
@@ -148,8 +182,11 @@ class Canary:
         since, at = decision["candidate_since"], decision["at"]
         before = await asyncio.to_thread(self.store.step_sessions, self.name, since, at)
         after = await asyncio.to_thread(self.store.step_sessions, self.name, at, now)
-        mine = by_key(after, serving["step"])
-        if sum(map(len, mine.values())) >= self.settings.watch_sessions:
+        # Its first --watch-sessions sessions only: a gateway restarted long after the watch ended
+        # (this set is in memory) must not judge a step by everything it has served since.
+        watched = [s for s in after if s["step"] == serving["step"]][: self.settings.watch_sessions]
+        mine = by_key(watched, serving["step"])
+        if len(watched) >= self.settings.watch_sessions:
             self._watched.add(serving["step"])
         found = rule.compare(mine, by_key(before, parent["step"]), 0.0, self.settings.canary_min_sessions)
         if found.look > self._looked.get(-serving["step"], 0):
@@ -177,5 +214,5 @@ class Canary:
         else:
             self.decisions[to_state] += 1
             log.info("step %d of %s %s by the canary: %s (%s)", step, self.name, to_state, reason, json.dumps(record))
-        self.step = None
+        self.step, self.progress = None, None
         await self.registry.refresh()

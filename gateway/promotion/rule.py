@@ -3,7 +3,7 @@
 The question is one-sided twice over, with a margin `margin` (`--canary-margin`) on the reward's
 scale. Let d be the candidate's mean reward minus the incumbent's, and se its standard error:
 
-- **promote** when the candidate is non-inferior: the lower confidence bound d - z * se > -margin;
+- **promote** when the candidate is non-inferior: the lower confidence bound d - z * se >= -margin;
 - **reject** when the incumbent is significantly better: the upper bound d + z * se < 0;
 - else **wait** (`--canary-max-wait` rejects a candidate still undecided).
 
@@ -78,7 +78,16 @@ def compare(
     keys = sorted(set(cand) & set(inc))
     n_c = sum(len(cand[k]) for k in keys)
     n_i = sum(len(inc[k]) for k in keys)
-    var_c, var_i = _within_key_var({k: cand[k] for k in keys}), _within_key_var({k: inc[k] for k in keys})
+    means = (
+        sum(sum(cand[k]) for k in keys) / n_c if n_c else None,
+        sum(sum(inc[k]) for k in keys) / n_i if n_i else None,
+    )
+    # Each key's rewards less one of them: equal rewards then differ by exactly 0. Unshifted, the
+    # means of 6 and of 20 rewards of 0.9 differ by a rounding error (-1e-16) with a se of the
+    # same size, and an equal candidate on a converged task was rejected as significantly worse.
+    ref = {k: inc[k][0] for k in keys}
+    cand, inc = ({k: [x - ref[k] for x in side[k]] for k in keys} for side in (cand, inc))
+    var_c, var_i = _within_key_var(cand), _within_key_var(inc)
     weights = {k: len(cand[k]) * len(inc[k]) / (len(cand[k]) + len(inc[k])) for k in keys}
     total = sum(weights.values())
     d = se2 = 0.0
@@ -90,8 +99,8 @@ def compare(
     return Comparison(
         candidate_sessions=n_c,
         incumbent_sessions=n_i,
-        candidate_mean=sum(sum(cand[k]) for k in keys) / n_c if n_c else None,
-        incumbent_mean=sum(sum(inc[k]) for k in keys) / n_i if n_i else None,
+        candidate_mean=means[0],
+        incumbent_mean=means[1],
         difference=d,
         std_error=math.sqrt(se2),
         z_critical=z_per_look(),
@@ -109,7 +118,7 @@ def decide(c: Comparison) -> str:
     upper = c.difference + c.z_critical * c.std_error
     if upper < 0:
         return "reject"  # the incumbent is significantly better
-    if lower > -c.margin:
+    if lower >= -c.margin:  # at most `margin` worse: with margin 0, an exact tie (se = 0) is not a loss
         return "promote"  # non-inferior within the margin (a candidate equal to its incumbent is promoted)
     return "wait"
 

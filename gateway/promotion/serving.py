@@ -24,10 +24,39 @@ def pinned_steps(registry: AdapterRegistry) -> set[int]:
     return {step for step in (registry.current, candidate) if step is not None}
 
 
+def policy_mismatch(promote: str, rows: list[dict], since: float) -> str | None:
+    """Why the newest step was not recorded as this gateway's `--promote` asks, or None. The trainer
+    records a step's state by its own `--promote`: `rlproxy train` run alone without the gateway's
+    flag serves each step to everyone at once (no canary), or leaves candidates nothing decides."""
+    newest = max(rows, key=lambda r: r["step"], default=None)
+    if newest is None:
+        return None
+    step, policy = newest["step"], (newest.get("decision") or {}).get("policy")
+    if promote == "always" and newest.get("state") == "candidate":
+        return (
+            f"step {step} is a candidate (its trainer runs --promote canary or manual) but this gateway runs "
+            "--promote always: nothing decides it and the trainer waits on it; give the gateway and the trainer "
+            f"the same --promote, or decide it (POST /v1/training/steps/{step}/promote or /reject)"
+        )
+    # A step 0 (the run's start) is recorded promoted under any policy, and so is a supervised step
+    # (`rlproxy train --objective sft`, which takes no --promote): neither says the flags differ.
+    trained = newest.get("parent") is not None and (newest.get("metrics") or {}).get("objective") != "sft"
+    if promote != "always" and policy == "always" and trained and newest.get("created_at", 0) >= since:
+        return (
+            f"step {step} was recorded promoted by a trainer running --promote always: it serves every session at "
+            f"once, not through this gateway's --promote {promote}; give `rlproxy train` the same --promote"
+        )
+    return None
+
+
 async def follow_serving_step(registry: AdapterRegistry, rows: list[dict]) -> None:
     """NAME follows the store's serving step (its newest promoted one), backwards too (a rollback).
     A step turned down is unloaded once idle (its canary sessions finish on it; nothing new does)."""
     registry.turned_down = {row["step"] for row in rows if row.get("state") in TURNED_DOWN}
+    mismatch = policy_mismatch(registry.settings.promote, rows, registry.started)
+    if mismatch is not None and mismatch != registry.policy_mismatch:
+        log.warning("%s", mismatch)  # once per step; /healthz shows it (promotion_mismatch)
+    registry.policy_mismatch = mismatch
     promoted = [row for row in rows if row.get("state") == "promoted"]
     if not promoted:
         return

@@ -132,8 +132,16 @@ async def healthz(request: Request) -> Response:
     if services.settings.promote != "always":  # the promotion's state: serving, undecided, paused
         try:
             body.update(await asyncio.to_thread(promotion_state, store, services.settings))
+            failed = services.registry.load_errors.get(body["candidate_step"])
+            if failed is not None:  # the candidate's share stays on the incumbent; --canary-max-wait rejects it
+                body["candidate_load_error"] = failed
+            canary = services.registry.canary
+            if canary is not None and canary.progress is not None and canary.progress["step"] == body["candidate_step"]:
+                body["canary"] = canary.progress  # its sessions so far (HTTP rewards only), the next look
         except StoreUnavailable:  # noted in store.health: the answer below is `degraded` with the cause
             pass
+    if services.registry.policy_mismatch is not None:  # the trainer records steps under another --promote
+        body["promotion_mismatch"] = services.registry.policy_mismatch
     replicas = services.engine.replica_states(services.settings.model_name, services.registry.current)
     if replicas is not None:
         body["replicas"] = replicas

@@ -167,14 +167,14 @@ class StepRows:
 
     def step_sessions(self, model: str, since: float, until: float) -> list[dict]:
         """Sessions of `model` started in [since, until) with an HTTP reward, each answered by one
-        step throughout: {"id", "reward", "task_key", "step"} (the canary's comparison). RULER's
-        scores (relative within a group), shadow samples and discarded sessions are left out."""
+        step throughout, oldest first: {"id", "reward", "task_key", "step"} (the canary's comparison).
+        RULER's scores (relative within a group), shadow samples and discarded sessions are left out."""
         rows = self._query(
             "SELECT s.id, s.reward, COALESCE(s.task_key, '') AS task_key, s.metrics, MIN(c.step) AS step,"
             " MAX(c.step) AS last_step FROM sessions s JOIN calls c ON c.session_id = s.id"
             " WHERE s.model = ? AND s.created_at >= ? AND s.created_at < ? AND s.reward IS NOT NULL"
             " AND s.discarded = 0 AND s.shadow_of IS NULL AND c.status = 'ok' AND c.step IS NOT NULL"
-            " GROUP BY s.id, s.reward, s.task_key, s.metrics",
+            " GROUP BY s.id, s.reward, s.task_key, s.metrics, s.created_at ORDER BY s.created_at, s.id",
             (model, since, until),
         )
         return [
