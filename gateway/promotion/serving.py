@@ -51,7 +51,8 @@ def policy_mismatch(promote: str, rows: list[dict], since: float) -> str | None:
 
 async def follow_serving_step(registry: AdapterRegistry, rows: list[dict]) -> None:
     """NAME follows the store's serving step (its newest promoted one), backwards too (a rollback).
-    A step turned down is unloaded once idle (its canary sessions finish on it; nothing new does)."""
+    A step turned down takes no new session and is unloaded once idle (no call for 2 s): a canary
+    session that calls again within that finishes on it; a later call of it goes to NAME's step."""
     registry.turned_down = {row["step"] for row in rows if row.get("state") in TURNED_DOWN}
     mismatch = policy_mismatch(registry.settings.promote, rows, registry.started)
     if mismatch is not None and mismatch != registry.policy_mismatch:
