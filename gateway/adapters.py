@@ -299,9 +299,8 @@ class AdapterRegistry:
                 return Target(model=self.engine.base_model_id, adapter=None, step=None)
             return Target(model=self.loaded[self.current], adapter=self.loaded[self.current], step=self.current)
         if requested.startswith(self.name + "@"):
-            suffix = requested[len(self.name) + 1 :]
-            if suffix.isdigit() and int(suffix) in self.loaded:
-                step = int(suffix)
+            step = _step_number(requested[len(self.name) + 1 :])
+            if step is not None and step in self.loaded:
                 return Target(model=requested, adapter=self.loaded[step], step=step)
             raise NotFound(
                 f"model '{requested}' is not loaded; loaded: {', '.join(self.served_names()) or 'none'} "
@@ -339,8 +338,13 @@ def _pinned_step(registry: AdapterRegistry, requested: str) -> int | None:
     """N of `NAME@N`; None for any other name."""
     if not registry.engine.supports_adapters or not requested.startswith(registry.name + "@"):
         return None
-    suffix = requested[len(registry.name) + 1 :]
-    return int(suffix) if suffix.isdigit() else None
+    return _step_number(requested[len(registry.name) + 1 :])
+
+
+def _step_number(suffix: str) -> int | None:
+    """N of `NAME@N` written in ASCII digits, else None (a 404 naming the steps there are).
+    `str.isdigit` alone also takes "²" (which `int` refuses: a 500) and "٣" (which it reads as 3)."""
+    return int(suffix) if suffix.isascii() and suffix.isdigit() else None
 
 
 def _keep(registry: AdapterRegistry) -> set[int]:

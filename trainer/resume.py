@@ -169,7 +169,8 @@ def init_source(store: Store, settings: Settings) -> Path:
     """The checkpoint directory `--init-from NAME@N` names (from the store where it keeps the
     files), refused when it was trained on another base model or adapter shape."""
     name, _, step_text = str(settings.init_from).partition("@")
-    if not name or not step_text.isdigit():
+    # ASCII digits only: `str.isdigit` also takes "²", which `int` refuses (a traceback, not this message).
+    if not name or not (step_text.isascii() and step_text.isdigit()):
         raise ConfigError(f"--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not '{settings.init_from}'")
     if name == settings.model_name:
         raise ConfigError(f"--init-from {settings.init_from} names this run itself: give another --model-name")
