@@ -127,8 +127,11 @@ def serving_checkpoint(store: Store, model: str, root: Path) -> ckpts.Checkpoint
 
 
 def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_state: str = "promoted") -> None:
-    """A checkpoint written but not recorded (killed between the two): record it now,
-    or discard it if its groups were claimed meanwhile."""
+    """A checkpoint written but not recorded (killed between the two): record it now, or discard
+    it if its groups were trained meanwhile or one of its sessions was discarded (the groups train
+    again without it, as when the discard lands while the step trains). The dead step's claims are
+    given back only after this (`TrainerWorker._resume`): until then its groups' rewards stay as the
+    checkpoint trained them."""
     state = checkpoint.state()
     try:
         store.insert_step(
@@ -137,6 +140,7 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_s
             str(checkpoint.path),
             state["metrics"],
             state["groups"],
+            session_ids=list(state.get("advantages") or {}),  # the sessions it trained on
             advantages=state.get("advantages"),
             left_out=state.get("left_out"),
             state=step_state,

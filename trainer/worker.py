@@ -129,12 +129,12 @@ class TrainerWorker:
             self._lock = None
 
     def _resume(self) -> None:
-        released = self.store.release_model_claims(self.model)  # left by a trainer that died mid-step
-        if released:
-            log.warning("%d group(s) were claimed by a step that never finished; they train again", released)
         self.next_step = resume(
             self.store, self.model, self.root, self.settings, save=self._save, load=self._load, seed=self._seed
         )
+        released = self.store.release_model_claims(self.model)  # a dead step's, only now: see record_orphan
+        if released:
+            log.warning("%d group(s) were claimed by a step that never finished; they train again", released)
         self.weights_step = self.store.serving_step(self.model)  # what resume loaded (where it has the checkpoint)
 
     def _held(self, stop_event: threading.Event) -> bool:
