@@ -25,6 +25,7 @@ A failed load is logged, leaves the previous step serving, and is retried next p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -251,9 +252,7 @@ class AdapterRegistry:
         async with self._lock:
             loaded = self.loaded_everywhere(step) if everywhere else step in self.loaded
             if not loaded and not await self._load(step, rows[step]["path"], not everywhere):
-                raise EngineUnavailable(
-                    f"loading step {step} of '{self.name}' failed ({self.load_errors.get(step)}); try again"
-                )
+                raise await _load_failure(self, requested, step, rows[step]["path"])
             self._last_resolved[step] = time.monotonic()
             await self._unload_idle()
         log.info("loaded %s on demand", requested)
@@ -300,9 +299,8 @@ class AdapterRegistry:
                 return Target(model=self.engine.base_model_id, adapter=None, step=None)
             return Target(model=self.loaded[self.current], adapter=self.loaded[self.current], step=self.current)
         if requested.startswith(self.name + "@"):
-            suffix = requested[len(self.name) + 1 :]
-            if suffix.isdigit() and int(suffix) in self.loaded:
-                step = int(suffix)
+            step = _pinned_step(self, requested)
+            if step is not None and step in self.loaded:
                 return Target(model=requested, adapter=self.loaded[step], step=step)
             raise NotFound(
                 f"model '{requested}' is not loaded; loaded: {', '.join(self.served_names()) or 'none'} "
@@ -341,7 +339,21 @@ def _pinned_step(registry: AdapterRegistry, requested: str) -> int | None:
     if not registry.engine.supports_adapters or not requested.startswith(registry.name + "@"):
         return None
     suffix = requested[len(registry.name) + 1 :]
-    return int(suffix) if suffix.isdigit() else None
+    # ASCII digits only: `str.isdigit` also takes "²" (which `int` refuses: a 500) and "٣" (which it reads as 3).
+    return int(suffix) if suffix.isascii() and suffix.isdigit() else None
+
+
+async def _load_failure(registry: AdapterRegistry, requested: str, step: int, raw_path: str) -> Exception:
+    """Why `NAME@N` cannot answer after its load failed: a 404 where its checkpoint's files are gone from
+    this machine (removed to free the disk: a 503 would have clients retry in vain), else a 503."""
+    with contextlib.suppress(Exception):  # the store is away: nothing is known about the files
+        fetch, models_dir = registry.store.fetch_step_files, registry.settings.models_dir
+        path = Path(await asyncio.to_thread(fetch, registry.name, step, raw_path, models_dir))
+        if not (path / "adapter_config.json").is_file():
+            gone = f"step {step} is recorded, but its adapter files are gone from {path}"
+            return NotFound(f"model '{requested}' has no checkpoint: {gone}", param="model", code="model_not_found")
+    why = registry.load_errors.get(step)
+    return EngineUnavailable(f"loading step {step} of '{registry.name}' failed ({why}); try again")
 
 
 def _keep(registry: AdapterRegistry) -> set[int]:

@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlproxy", description="an OpenAI-compatible gateway that trains the model it serves", allow_abbrev=False
     )
-    from gateway.export.selection import add_selection_flags, positive_int
+    from gateway.export.selection import add_selection_flags, count, positive_int
 
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, _, groups) in COMMANDS.items():
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
             for action in command._actions:  # the settings flags that mean more in a demo
                 action.help = SETTINGS_HELP.get(action.dest, action.help)
         if name == "train":
-            command.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+            command.add_argument("--max-steps", type=count, default=None, help="stop after this many steps")
             sft = command.add_argument_group("objective")
             sft.add_argument(
                 "--objective",

@@ -25,7 +25,8 @@ def parse_devices(text: str, flag: str) -> list[list[int]]:
     groups: list[list[int]] = []
     for part in text.split(";"):
         items = [item.strip() for item in part.split(",")]
-        if not all(item.isdigit() for item in items):
+        # ASCII digits only: `str.isdigit` also takes "²", which `int` refuses (a traceback, not this message).
+        if not all(item.isascii() and item.isdigit() for item in items):
             raise ConfigError(
                 f"{flag} '{text}' is not a list of GPU indices: write them as 0,1 (one process) or 0;1 "
                 "(one per replica, split by ';')"

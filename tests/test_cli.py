@@ -124,6 +124,9 @@ def test_a_setting_out_of_range_is_a_clean_error_naming_the_flag(capsys, tmp_pat
 
     assert main(["train", "--state-dir", str(tmp_path), "--groups-per-step", "0"]) == 2
     assert "--groups-per-step: Input should be greater than or equal to 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # it was taken: trained nothing, exited 0
+        main(["train", "--state-dir", str(tmp_path), "--max-steps", "-1"])
+    assert "argument --max-steps: '-1' must be 0 or more" in capsys.readouterr().err
     assert main(["train", "--state-dir", str(tmp_path), "--delta", "1.1"]) == 2
     err = capsys.readouterr().err
     assert "delta (1.1) must exceed 1 + epsilon_high (1.2)" in err and "Traceback" not in err

@@ -99,6 +99,10 @@ REFUSED = {
         [*NOWHERE, "--trainer-devices", "2,3"],
         "--trainer-devices '2,3' names GPUs for the trainer, but it runs on --device cpu: add --device cuda",
     ),
+    "a GPU index in other digits": (  # `str.isdigit` takes "²", which `int` refuses: it was a traceback
+        [*NOWHERE, "--trainer-devices", "²"],
+        "--trainer-devices '²' is not a list of GPU indices",
+    ),
     "trainer device beyond its GPUs": (
         [*NOWHERE, "--device", "cuda:1", "--trainer-devices", "1"],
         "--device cuda:1 with --trainer-devices '1': the trainer sees its 1 GPU(s) as cuda:0 to cuda:0",

@@ -166,6 +166,35 @@ async def test_any_step_with_a_checkpoint_loads_on_demand_and_lru_unloads(fake):
     await registry.ensure("gpt-4o")  # not a pinned name: left to resolve()
 
 
+async def test_a_step_written_in_other_digits_is_a_404_not_a_500_nor_another_step(fake):
+    # `str.isdigit` takes "²" (which `int` refuses) and "٣" (which `int` reads as 3): neither names a step.
+    settings, store, engine, registry = fake
+    for step in range(4):
+        publish_fake(settings, store, step)
+    await registry.refresh()
+    for name in ("agent@²", "agent@٣"):
+        with pytest.raises(NotFound) as missing:
+            async with registry.use(name):
+                pass
+        assert missing.value.code == "model_not_found" and "agent@N" in missing.value.message
+    async with registry.use("agent@3") as target:  # the same step in ASCII digits answers
+        assert target.step == 3
+
+
+async def test_a_pinned_step_whose_files_are_gone_is_a_404_not_a_503_to_retry(fake):
+    settings, store, engine, registry = fake
+    for step in range(3):
+        publish_fake(settings, store, step)  # step 0's directory holds no adapter: its files were removed
+    await registry.refresh()
+    engine.fail_loads["agent@0"] = 2  # as an engine fails on files that are not there
+    with pytest.raises(NotFound, match="step 0 is recorded, but its adapter files are gone") as gone:
+        await registry.ensure("agent@0")
+    assert gone.value.code == "model_not_found"
+    (Path(fake_checkpoint(settings, 0)) / "adapter_config.json").write_text("{}")
+    with pytest.raises(EngineUnavailable, match="try again"):  # its files are there: a later try may load it
+        await registry.ensure("agent@0")
+
+
 async def test_a_pinned_step_in_use_is_not_unloaded_to_make_room(fake):
     settings, store, engine, registry = fake  # keep_adapters=2
     for step in range(4):

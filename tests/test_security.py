@@ -131,6 +131,8 @@ def test_a_model_name_ending_in_a_line_break_is_refused_by_export():
     for ref in ("tiny\n", "tiny\n@1"):
         with pytest.raises(InvalidRequest, match="is not a model name"):
             parse_model_ref(ref)
+    with pytest.raises(InvalidRequest, match="must be a number"):  # `str.isdigit` takes it, `int` does not
+        parse_model_ref("tiny@²")
 
 
 def test_listening_beyond_loopback_without_a_key_is_refused_unless_said_on_purpose(caplog, tmp_path):

@@ -278,6 +278,8 @@ def test_init_from_is_refused_for_another_base_model_or_adapter_shape_or_an_unkn
     assert "no step 3 of 'a' (steps: 0)" in capsys.readouterr().err
     assert main([*base, "--model-name", "b", "--lora-rank", "4", "--init-from", "a"]) == 2
     assert "NAME@STEP" in capsys.readouterr().err
+    assert main([*base, "--model-name", "b", "--lora-rank", "4", "--init-from", "a@²"]) == 2  # not a traceback
+    assert "NAME@STEP" in capsys.readouterr().err
     # the same rule keeps a run from resuming under another shape
     assert main([*base, "--model-name", "a", "--lora-rank", "8"]) == 2
     assert "were trained with other settings (lora_rank 4 -> 8)" in capsys.readouterr().err

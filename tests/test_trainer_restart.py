@@ -6,6 +6,7 @@ there, so the kill lands at a known point: during training (nothing on disk yet)
 between the checkpoint's rename and its step row (a checkpoint the store does not know).
 """
 
+import asyncio
 import logging
 import os
 import signal
@@ -122,3 +123,27 @@ def test_killed_worker_loses_no_group_and_numbers_steps_after_the_last_checkpoin
     by_group = trained_steps(store)
     assert all(by_group[gid] == s["step"] for s in steps for gid in s["groups"])
     assert [len(s["groups"]) for s in steps] == [0, 2, 2, 2]
+
+
+def test_a_session_discarded_while_the_worker_was_down_takes_its_unrecorded_step_back(tmp_path):
+    settings = trainer_settings(tmp_path)
+    recorder = Recorder(settings)
+    recorder.group("g0", [0.0, 0.5, 1.0])
+    recorder.group("g1", [1.0, 0.0])
+    recorder.close()
+    kill_at(tmp_path, "record")  # checkpoint 0001 trained on g0-s0 is written, its step row is not
+
+    async def discard() -> None:  # as POST /v1/sessions/g0-s0/discard does, while no trainer runs
+        store = SQLiteStore(settings.db_path)
+        await store.discard_session("g0-s0", "the rollout's tool crashed")
+        await store.close()
+
+    asyncio.run(discard())
+    assert run_worker(settings, max_steps=0) == 0  # resumes only
+    store = SQLiteStore(settings.db_path)
+    assert [s["step"] for s in store.steps("agent")] == [0]  # checkpoint 0001 is dropped, never recorded
+    assert not (settings.checkpoints_dir() / "0001").exists()
+    assert run_worker(settings, max_steps=1) == 1  # the groups train again, without g0-s0
+    assert [(s["step"], s["groups"]) for s in store.steps("agent")] == [(0, []), (1, ["g0", "g1"])]
+    assert store.get_session("g0-s0")["advantage"] is None  # never trained
+    assert store.get_session("g0-s1")["advantage"] is not None and store.get_session("g0-s2")["advantage"] is not None

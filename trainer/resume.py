@@ -132,8 +132,11 @@ def serving_checkpoint(store: Store, model: str, root: Path) -> ckpts.Checkpoint
 
 
 def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_state: str = "promoted") -> None:
-    """A checkpoint written but not recorded (killed between the two): record it now,
-    or discard it if its groups were claimed meanwhile."""
+    """A checkpoint written but not recorded (killed between the two): record it now, or discard
+    it if its groups were trained meanwhile or one of its sessions was discarded (the groups train
+    again without it, as when the discard lands while the step trains). The dead step's claims are
+    given back only after this (`TrainerWorker._resume`): until then its groups' rewards stay as the
+    checkpoint trained them."""
     state = checkpoint.state()
     try:
         store.insert_step(
@@ -142,6 +145,7 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_s
             str(checkpoint.path),
             state["metrics"],
             state["groups"],
+            session_ids=list(state.get("advantages") or {}),  # the sessions it trained on
             advantages=state.get("advantages"),
             left_out=state.get("left_out"),
             state=step_state,
@@ -174,7 +178,8 @@ def init_source(store: Store, settings: Settings) -> Path:
     """The checkpoint directory `--init-from NAME@N` names (from the store where it keeps the
     files), refused when it was trained on another base model or adapter shape."""
     name, _, step_text = str(settings.init_from).partition("@")
-    if not name or not step_text.isdigit():
+    # ASCII digits only: `str.isdigit` also takes "²", which `int` refuses (a traceback, not this message).
+    if not name or not (step_text.isascii() and step_text.isdigit()):
         raise ConfigError(f"--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not '{settings.init_from}'")
     if name == settings.model_name:
         raise ConfigError(f"--init-from {settings.init_from} names this run itself: give another --model-name")

@@ -16,7 +16,8 @@ trained), the checkpoint is discarded instead. Either way the next step number i
 last checkpoint + 1, and no group is lost or trained twice.
 
 One worker per model: a lock file in the checkpoint directory (released by the kernel
-when the process dies, even by SIGKILL) makes a second worker fail fast.
+when the process dies, even by SIGKILL) makes a second worker fail fast, and on a PostgreSQL
+store a lock in the database does the same for a worker on another machine.
 
 With `--engine vllm`: in `--gpu-mode colocated` each step borrows the GPU from vLLM
 (`gateway.colocate.gpu_for_training`) and hands it back naming the new step. With every
@@ -44,7 +45,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
 from gateway.errors import ConfigError, EngineUnavailable, StoreUnavailable
 from gateway.settings import Settings
@@ -53,7 +54,7 @@ from gateway.store.open import open_store
 from trainer import checkpoints as ckpts
 from trainer.attempts import Attempts
 from trainer.distributed.team import Team, TeamBroken
-from trainer.lock import take_lock
+from trainer.lock import WorkerLock, take_lock
 from trainer.publish import gpu_lease, log_step, plan_step, train_and_record
 from trainer.render import ChatTemplateRenderer
 from trainer.reporting import Reporter
@@ -91,7 +92,7 @@ class TrainerWorker:
         # calls; saved with every checkpoint and restored on restart, never a running maximum.
         self.token_budget: int | None = None
         self._step_budget: int | None = None  # the budget of the step being saved
-        self._lock_file: TextIO | None = None
+        self._lock: WorkerLock | None = None
         self.reporter = Reporter.create(settings)  # --report-to: never stops training
 
     # ------------------------------------------------------------------ start
@@ -99,7 +100,7 @@ class TrainerWorker:
     def start(self) -> None:
         """Take the lock, load the backend, resume from the newest checkpoint (or create
         step 0)."""
-        self._lock_file = take_lock(self.root, self.model)
+        self._lock = take_lock(self.root, self.model, self.store)
         from trainer.backends import load_backend
 
         backend = self.backend = load_backend(rank_settings(self.settings, self.team), self.team)
@@ -123,17 +124,17 @@ class TrainerWorker:
         if self._own_store:
             asyncio.run(self.store.close())  # no writer task: this only closes the connections
             self._own_store = False
-        if self._lock_file is not None:
-            self._lock_file.close()
-            self._lock_file = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def _resume(self) -> None:
-        released = self.store.release_model_claims(self.model)  # left by a trainer that died mid-step
-        if released:
-            log.warning("%d group(s) were claimed by a step that never finished; they train again", released)
         self.next_step = resume(
             self.store, self.model, self.root, self.settings, save=self._save, load=self._load, seed=self._seed
         )
+        released = self.store.release_model_claims(self.model)  # a dead step's, only now: see record_orphan
+        if released:
+            log.warning("%d group(s) were claimed by a step that never finished; they train again", released)
         self.weights_step = self.store.serving_step(self.model)  # what resume loaded (where it has the checkpoint)
 
     def _held(self, stop_event: threading.Event) -> bool:

@@ -57,7 +57,7 @@ def parse_model_ref(ref: str) -> tuple[str, int | None]:
         raise InvalidRequest(f"'{name}' is not a model name (letters, digits, '.', '_', '-'): give NAME or NAME@STEP")
     if not sep:
         return name, None
-    if not step.isdigit():
+    if not (step.isascii() and step.isdigit()):  # `str.isdigit` also takes "²", which `int` refuses
         raise InvalidRequest(f"'{ref}': the step after @ must be a number, as in {name}@3")
     return name, int(step)
 

@@ -112,6 +112,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """A count on the command line that may be 0 (`rlproxy train --max-steps 0`: start, save step 0,
+    stop) but is never negative: `--max-steps -1` was taken, trained nothing and exited 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
 def _moment(text: str) -> float:
     """A time on the command line: Unix seconds, or ISO 8601 (UTC when it names no zone)."""
     try:

@@ -210,6 +210,11 @@ class Store(StepRows, ABC):
             lambda conn: training.move_gpu_lease(conn, model, to_state, expect, holder, expect_holder, step)
         )
 
+    def lock_trainer(self, model: str) -> Callable[[], None]:
+        """Hold `model`'s trainer lock on this store until the returned release is called (ConfigError: held
+        elsewhere). Nothing to hold on SQLite: its file lies in one state dir, whose lock file decides."""
+        return lambda: None
+
     # ------------------------------------------------------------ checkpoints kept in the store
 
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:

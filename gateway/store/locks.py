@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 _LIVE_KEYS = 0x6C697665  # "live": the advisory locks of live task keys (two-key space)
+_TRAINERS = 0x7472616E  # "tran": one trainer per model (`try_lock_trainer`)
 
 
 def for_update(conn: Any) -> str:
@@ -47,3 +48,11 @@ def lock_live_key(conn: Any, model: str, split: str, task_key: str) -> None:
         conn.execute(
             "SELECT pg_advisory_xact_lock(CAST(? AS integer), hashtext(?))", (_LIVE_KEYS, f"{model}/{split}/{task_key}")
         )
+
+
+def try_lock_trainer(conn: Any, model: str) -> bool:
+    """Take `model`'s trainer lock for as long as `conn` lives (PostgreSQL: a session advisory
+    lock, which the server drops with the connection, so a killed trainer never leaves it
+    behind); False where another connection holds it."""
+    row = conn.execute("SELECT pg_try_advisory_lock(CAST(? AS integer), hashtext(?))", (_TRAINERS, model)).fetchone()
+    return bool(row[0])

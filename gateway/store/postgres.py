@@ -33,6 +33,7 @@ from gateway.store import files as store_files
 from gateway.store import postgres_schema
 from gateway.store.base import Store
 from gateway.store.health import classify
+from gateway.store.locks import try_lock_trainer
 from gateway.store.rows import decode_call
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -387,6 +388,21 @@ class PostgresStore(Store):
 
         taken = set(self._run_sync(op))
         return [row for row in self.ready_groups(model, split) if row["id"] in taken]
+
+    def lock_trainer(self, model: str) -> Callable[[], None]:
+        """One trainer per model on this database, whatever machine each runs on: a second one would number
+        its steps as the first does and train diverging weights under one name. The lock lives on a
+        connection of its own, closed to release it (or by the process's death)."""
+        import psycopg
+
+        raw = psycopg.connect(self.url, autocommit=True)
+        if not try_lock_trainer(_PgConn(raw), model):
+            raw.close()
+            raise ConfigError(
+                f"another trainer is training model '{model}' on the store {redact(self.url)}: one trainer per "
+                "model and store; stop it, or train under another --model-name"
+            )
+        return raw.close
 
     def release_claims(self, holder: str) -> None:
         self._run_sync(lambda conn: conn.execute("DELETE FROM group_claims WHERE holder = ?", (holder,)))
