@@ -1,7 +1,7 @@
 """The store on PostgreSQL: the same `Store` interface and guarantees, shared by many machines.
 
 `PostgresStore` is a `Store` whose connections come from a psycopg 3 pool. Every write op of
-`Store` (and of `gateway/store/rows.py`) runs unchanged: `_PgConn` gives them the sqlite3-shaped
+`Store` (and of `gateway/store/rows.py`) runs unchanged: `PgConn` (postgres_conn.py) gives them the sqlite3-shaped
 `execute(sql, params)` they call, rewriting `?` placeholders to psycopg's `%s`. What the two
 dialects disagree on is overridden here: the schema (`postgres_schema.py`), the ready-groups
 query, the order of a session's calls (a database sequence, never a replica's clock), the
@@ -19,7 +19,6 @@ Several gateways and trainers may share one database:
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,13 +26,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gateway.errors import ConfigError
-from gateway.redact import mask_text
 from gateway.store import files as store_files
 from gateway.store import postgres_schema
 from gateway.store.base import Store
 from gateway.store.health import classify
-from gateway.store.locks import try_lock_trainer
+from gateway.store.postgres_conn import PgConn, PgCursor, hold_trainer_lock, open_pool
 from gateway.store.rows import decode_call
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -51,61 +48,6 @@ RECONNECT_GIVE_UP = 10.0
 """When the pool drops an attempt to reconnect: its retries wait 1, 2, 4 ... s (up to 5 min by
 default), so after a long outage the next try came minutes after PostgreSQL was back. Given up,
 the next request starts a fresh attempt at once: the store recovers within seconds."""
-
-
-class _PgCursor:
-    def __init__(self, cursor: Any) -> None:
-        self._cursor = cursor
-        self._conn = cursor.connection
-
-    def fetchone(self) -> Any:
-        return self._cursor.fetchone()
-
-    def fetchall(self) -> list:
-        return self._cursor.fetchall()
-
-    @property
-    def rowcount(self) -> int:
-        return self._cursor.rowcount
-
-    @property
-    def description(self) -> Any:
-        return self._cursor.description
-
-    @property
-    def lastrowid(self) -> int:
-        # The id a serial column just handed out in this session (triggers, judgements).
-        return int(self._conn.execute("SELECT lastval()").fetchone()[0])
-
-
-_QMARK = re.compile(r"\?")
-
-
-def translate(sql: str) -> str:
-    """sqlite3 placeholders to psycopg's: `?` -> `%s` (a literal `%` doubled first)."""
-    return _QMARK.sub("%s", sql.replace("%", "%%"))
-
-
-class _PgConn:
-    """The sqlite3.Connection surface the store's ops use, on one psycopg connection."""
-
-    row_lock = " FOR UPDATE"  # rows lock one by one here (gateway/store/locks.py)
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-
-    def execute(self, sql: str, params: tuple | list | dict = ()) -> _PgCursor:
-        if isinstance(params, dict):
-            sql = re.sub(r":(\w+)", r"%(\1)s", sql.replace("%", "%%"))
-        else:
-            sql = translate(sql)
-        return _PgCursor(self._conn.execute(sql, params or None))
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages and logs: libpq takes one in the user-info
-    (`user:PW@host`) and as a query parameter (`?password=PW`); both are masked."""
-    return mask_text(url)
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -126,11 +68,11 @@ class _OpFailed(Exception):
     """An op of a batch raised (its own fault): the batch runs again with a savepoint per op."""
 
 
-def _batch(ops: list[Op], *, careful: bool) -> Callable[[_PgConn], list[Outcome]]:
+def _batch(ops: list[Op], *, careful: bool) -> Callable[[PgConn], list[Outcome]]:
     """The body of a batch's transaction: its ops in order, waits for a lock bounded where there
     are several; `careful`, a savepoint per op, so an op that raises is rolled back alone."""
 
-    def body(conn: _PgConn) -> list[Outcome]:
+    def body(conn: PgConn) -> list[Outcome]:
         if len(ops) > 1:
             conn.execute(f"SET LOCAL lock_timeout = '{BATCH_LOCK_WAIT}'")
         if careful:
@@ -148,7 +90,7 @@ def _batch(ops: list[Op], *, careful: bool) -> Callable[[_PgConn], list[Outcome]
     return body
 
 
-def _rows(cursor: _PgCursor) -> list[dict]:
+def _rows(cursor: PgCursor) -> list[dict]:
     names = [d[0] for d in cursor.description]
     return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
 
@@ -159,31 +101,10 @@ class PostgresStore(Store):
     backend = "postgres"
 
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout: float = 30.0, **_ignored: Any):
-        from psycopg_pool import ConnectionPool, PoolTimeout
-
         super().__init__(timeout)
         self.path = url
         self.url = url
-        # check: a connection the server dropped (a restart) is replaced before use, so the
-        # store recovers by itself once PostgreSQL is back.
-        self._pool = ConnectionPool(
-            url,
-            min_size=min_size,
-            max_size=max_size,
-            open=True,
-            timeout=timeout,
-            kwargs={"autocommit": True},
-            name="rlproxy-store",
-            check=ConnectionPool.check_connection,
-        )
-        try:
-            self._pool.wait(timeout=timeout)
-        except PoolTimeout:
-            self._pool.close()
-            raise ConfigError(
-                f"cannot connect to the store at {redact(url)} within {timeout:.0f} s: check --store "
-                "(host, port, database, user, password) and that PostgreSQL is running"
-            ) from None
+        self._pool = open_pool(url, min_size, max_size, timeout)
         self._pool.reconnect_timeout = RECONNECT_GIVE_UP  # not at start: that waits `timeout` for the server
         self._write_lock = threading.Lock()  # group commits of this process, one at a time
         self._read_lock = threading.Lock()
@@ -209,7 +130,7 @@ class PostgresStore(Store):
 
     # -------------------------------------------------------------- transactions
 
-    def _transaction(self, body: Callable[[_PgConn], Any], attempts: int = 20) -> Any:
+    def _transaction(self, body: Callable[[PgConn], Any], attempts: int = 20) -> Any:
         """Run `body` in one transaction, rerun whole (`attempts` times in all, at most) if
         PostgreSQL picked it as a deadlock victim: nothing of it was committed."""
         try:
@@ -217,7 +138,7 @@ class PostgresStore(Store):
                 with self._connection() as raw:
                     try:
                         with raw.transaction():
-                            return body(_PgConn(raw))
+                            return body(PgConn(raw))
                     except Exception as exc:
                         if not _is_retryable(exc) or attempt == attempts - 1:
                             raise
@@ -266,7 +187,7 @@ class PostgresStore(Store):
     def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
         try:
             with self._connection() as raw:
-                return _rows(_PgConn(raw).execute(sql, params))
+                return _rows(PgConn(raw).execute(sql, params))
         except Exception as exc:
             self._raise_failure(exc)
             raise
@@ -274,7 +195,7 @@ class PostgresStore(Store):
     async def probe(self) -> None:
         """A call-sized write, committed and removed (`Store.probe`)."""
 
-        def op(conn: _PgConn) -> None:
+        def op(conn: PgConn) -> None:
             conn.execute("INSERT INTO store_probe (payload, created_at) VALUES (?, ?)", (bytes(16384), time.time()))
             conn.execute("DELETE FROM store_probe")
 
@@ -287,7 +208,7 @@ class PostgresStore(Store):
         try:
             with self._connection() as raw, raw.transaction():
                 raw.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-                conn = _PgConn(raw)
+                conn = PgConn(raw)
 
                 def read(sql: str, params: tuple = ()) -> list[dict]:
                     return _rows(conn.execute(sql, params))
@@ -368,7 +289,7 @@ class PostgresStore(Store):
         claim row is the lock (an upsert that only takes a free or expired claim), so two
         trainers asking at once get disjoint sets."""
 
-        def op(conn: _PgConn) -> list[str]:
+        def op(conn: PgConn) -> list[str]:
             # One upsert per group: a racing trainer's claim row makes ours wait for its commit,
             # then the WHERE sees the committed holder, so a group is never claimed twice.
             now, taken = time.time(), []
@@ -390,19 +311,8 @@ class PostgresStore(Store):
         return [row for row in self.ready_groups(model, split) if row["id"] in taken]
 
     def lock_trainer(self, model: str) -> Callable[[], None]:
-        """One trainer per model on this database, whatever machine each runs on: a second one would number
-        its steps as the first does and train diverging weights under one name. The lock lives on a
-        connection of its own, closed to release it (or by the process's death)."""
-        import psycopg
-
-        raw = psycopg.connect(self.url, autocommit=True)
-        if not try_lock_trainer(_PgConn(raw), model):
-            raw.close()
-            raise ConfigError(
-                f"another trainer is training model '{model}' on the store {redact(self.url)}: one trainer per "
-                "model and store; stop it, or train under another --model-name"
-            )
-        return raw.close
+        """As `Store.lock_trainer`: a session advisory lock on a connection of its own (`hold_trainer_lock`)."""
+        return hold_trainer_lock(self.url, model)
 
     def release_claims(self, holder: str) -> None:
         self._run_sync(lambda conn: conn.execute("DELETE FROM group_claims WHERE holder = ?", (holder,)))
