@@ -197,8 +197,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     import threading
 
     from gateway.devices import trainer_environment
+    from gateway.export.selection import sft_selection
 
     settings = settings_from_args(args)
+    where = sft_selection(args)  # the sessions an sft run distils; a selection flag without it is refused
     _configure_logging(settings)
     # --trainer-devices run by hand: CUDA reads CUDA_VISIBLE_DEVICES once, when torch first uses it,
     # so it is set before the trainer (and torch) is imported.
@@ -210,7 +212,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":
         log_settings(settings, logging.getLogger("rlproxy.trainer"), "train")
     from gateway.colocate import needs_gpu_lease, wait_for_vllm
-    from trainer.worker import run_worker
+    from trainer.worker import SFTOptions, run_worker
 
     if needs_gpu_lease(settings):  # vLLM profiles the whole GPU while it starts: load nothing before
         from gateway.engines.vllm.server import vllm_addresses
@@ -226,12 +228,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    sft = None
-    if args.objective == "sft":
-        from gateway.export.selection import selection_from_args
-        from trainer.worker import SFTOptions
-
-        sft = SFTOptions(selection_from_args(args), args.epochs, args.sft_sessions_per_step)
+    sft = None if where is None else SFTOptions(where, args.epochs, args.sft_sessions_per_step)
     run_worker(settings, stop, max_steps=args.max_steps, sft=sft)
     return 0
 

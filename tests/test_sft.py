@@ -283,3 +283,18 @@ def test_init_from_is_refused_for_another_base_model_or_adapter_shape_or_an_unkn
     # the same rule keeps a run from resuming under another shape
     assert main([*base, "--model-name", "a", "--lora-rank", "8"]) == 2
     assert "were trained with other settings (lora_rank 4 -> 8)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--group", "g1"], "--group selects"),
+        (["--rewarded", "--min-reward", "0.5"], "--rewarded and --min-reward select"),
+    ],
+)
+def test_a_selection_flag_without_objective_sft_is_refused_before_anything_loads(tmp_path, capsys, flags, said):
+    # GRPO trains every ready group: `--group g1` there trained all the others too, and said nothing.
+    assert main(["train", "--state-dir", str(tmp_path / "state"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"rlproxy train: {said} the sessions of `--objective sft`" in err, err
+    assert not (tmp_path / "state" / "models").exists()  # no model loaded, no step 0 saved

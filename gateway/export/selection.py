@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-from gateway.errors import NotFound
+from gateway.errors import ConfigError, NotFound
 from gateway.store import SessionFilter, Store
 from gateway.store.open import SQLITE_SCHEME, is_postgres_url
 from gateway.store.open import open_store as open_backend
@@ -153,3 +153,31 @@ def selection_from_args(args: argparse.Namespace) -> SessionFilter:
         since=args.since,
         until=args.until,
     )
+
+
+# (the argparse dest, the flag): set to anything but its default, it selects
+_SELECTION_FLAGS = (
+    ("split", "--split"),
+    ("rewarded", "--rewarded"),
+    ("min_reward", "--min-reward"),
+    ("since_step", "--since-step"),
+    ("group", "--group"),
+    ("model", "--model"),
+    ("since", "--since"),
+    ("until", "--until"),
+)
+
+
+def sft_selection(args: argparse.Namespace) -> SessionFilter | None:
+    """`rlproxy train`'s selection: the sessions an `--objective sft` run distils, or None for
+    GRPO, which trains every ready group; there a selection flag is refused, not ignored (a
+    `--group g1` run trained all the others too)."""
+    if args.objective == "sft":
+        return selection_from_args(args)
+    given = [flag for dest, flag in _SELECTION_FLAGS if getattr(args, dest, None) not in (None, False, [])]
+    if given:
+        raise ConfigError(
+            f"{' and '.join(given)} {'selects' if len(given) == 1 else 'select'} the sessions of `--objective "
+            "sft`; GRPO trains every ready group: add --objective sft, or leave the selection out"
+        )
+    return None
