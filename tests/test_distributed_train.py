@@ -162,3 +162,19 @@ def test_under_torchrun_each_rank_joins_the_run_torchrun_started(tmp_path):
         (0, None),
         (1, 2.0),
     ]
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR, MASTER_PORT are not set"),
+        ({"WORLD_SIZE": "2"}, "RANK, MASTER_ADDR, MASTER_PORT are not set"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 is not a rank"),
+    ],
+)
+def test_a_torchrun_environment_set_by_half_is_refused_with_what_is_missing(tmp_path, env, says):
+    """WORLD_SIZE exported by hand (a copied torchrun line, a leftover variable): a clear error, no traceback."""
+    done = train(tmp_path / "state", "--max-steps", "1", env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert says in done.stderr
+    assert "Traceback" not in done.stderr

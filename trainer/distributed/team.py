@@ -193,6 +193,30 @@ class Team:
                 dist.destroy_process_group()
 
 
+def rank_from_env(world: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> tuple[int, int, int]:
+    """RANK, LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun set them, checked with the rendezvous address:
+    a WORLD_SIZE set by hand without the rest would otherwise end in torch's traceback (or a KeyError)."""
+    # `rlproxy train --nproc` gives its ranks a loopback store of its own; torchrun (env://) needs both.
+    needed = ["RANK"] if environ.get("RLPROXY_LOOPBACK_STORE") else ["RANK", "MASTER_ADDR", "MASTER_PORT"]
+    missing = [name for name in needed if not environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={world} says this trainer is one rank of {world}, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with `torchrun` (which sets RANK, "
+            "LOCAL_RANK, MASTER_ADDR and MASTER_PORT) or `rlproxy train --nproc N`, or unset WORLD_SIZE to train "
+            "in one process"
+        )
+    values = {}
+    for name, default in (("RANK", None), ("LOCAL_RANK", environ["RANK"]), ("LOCAL_WORLD_SIZE", str(world))):
+        text = environ.get(name) or default
+        if not str(text).isdigit():
+            raise ConfigError(f"{name}={text!r} is not a rank number (torchrun sets it)")
+        values[name] = int(str(text))
+    if values["RANK"] >= world:
+        raise ConfigError(f"RANK={values['RANK']} is not a rank of WORLD_SIZE={world} (0 to {world - 1})")
+    return values["RANK"], values["LOCAL_RANK"], max(1, values["LOCAL_WORLD_SIZE"])
+
+
 def device_for_rank(settings: Settings, local_rank: int) -> str:
     """The device a rank trains on: `--device cuda` gives rank r the r-th visible GPU."""
     import torch
@@ -217,12 +241,10 @@ def join(settings: Settings) -> Team | None:
         return None
     if settings.backend == "unsloth":
         raise ConfigError("--backend unsloth trains in one process: leave out --nproc (or use --backend peft)")
+    rank, local_rank, local_world = rank_from_env(world)
     import torch
     import torch.distributed as dist
 
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = torch.device(device_for_rank(settings, local_rank))
     if device.type == "cpu":
         # Each rank its share of this machine's cores: N ranks each spinning one thread per core
