@@ -178,3 +178,42 @@ def test_a_torchrun_environment_set_by_half_is_refused_with_what_is_missing(tmp_
     assert done.returncode == 2, done.stderr[-3000:]
     assert says in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def tiny_gpt2(directory: Path) -> Path:
+    """A two-block GPT-2 (its blocks in `transformer.h`, not `model.layers`) with the tiny model's tokenizer."""
+    import shutil
+
+    import transformers
+
+    from gateway.models.cache import model_cache_dir
+    from gateway.models.tiny import ensure_tiny_model
+
+    tiny = ensure_tiny_model(model_cache_dir(directory / "cache"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2, n_positions=512)
+    model_dir = directory / "tiny-gpt2"
+    transformers.GPT2LMHeadModel(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    shutil.copy(tiny / "chat_template.jinja", model_dir)
+    return model_dir
+
+
+def test_shard_full_trains_a_model_whose_layers_are_not_named_layers(tmp_path):
+    """FSDP2's units are the model's blocks wherever it keeps them: `--shard full` on GPT-2 trains what DDP trains."""
+    model = tiny_gpt2(tmp_path)
+    ddp, full = tmp_path / "ddp", tmp_path / "full"
+    for state_dir, shard in ((ddp, "none"), (full, "full")):
+        fill(state_dir, ("alpha", "beta"))
+        done = train(state_dir, "--base-model", str(model), "--max-steps", "1", "--nproc", "2", "--shard", shard)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_adapter(checkpoint(full, 1), checkpoint(ddp, 1))
+
+
+def test_shard_full_refuses_a_model_without_layers_to_split():
+    from gateway.errors import ConfigError
+    from trainer.distributed.wrap import decoder_layers
+
+    with pytest.raises(ConfigError, match="has no list of layers"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
