@@ -180,6 +180,16 @@ def test_a_torchrun_environment_set_by_half_is_refused_with_what_is_missing(tmp_
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ranks_that_never_meet_end_with_the_address_not_a_traceback(tmp_path, rank):
+    """Rank 0 with no one else coming, or rank 1 with no one at the address: a clear error after --dist-timeout."""
+    env = {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = train(tmp_path / "state", "--max-steps", "1", "--dist-timeout", "2", env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"training rank {rank} of 2: the ranks did not all meet at 127.0.0.1:{env['MASTER_PORT']}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def tiny_gpt2(directory: Path) -> Path:
     """A two-block GPT-2 (its blocks in `transformer.h`, not `model.layers`) with the tiny model's tokenizer."""
     import shutil

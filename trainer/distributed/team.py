@@ -257,14 +257,30 @@ def join(settings: Settings) -> Team | None:
     timeout = timedelta(seconds=settings.dist_timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
     options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    if os.environ.get("RLPROXY_LOOPBACK_STORE"):  # `rlproxy train --nproc`: the store listens on loopback only
-        store_fd = os.environ.get("RLPROXY_STORE_FD")  # rank 0's: the socket the launcher bound
-        fd = int(store_fd) if rank == 0 and store_fd else None
-        port = int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, master_listen_fd=fd)
-        options.update(store=store, rank=rank, world_size=world)
-    dist.init_process_group(backend, timeout=timeout, **options)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    log.info(
+        "trainer rank %d of %d: meeting the others at %s (up to --dist-timeout %g s)",
+        rank,
+        world,
+        where,
+        settings.dist_timeout,
+    )
+    try:
+        if os.environ.get("RLPROXY_LOOPBACK_STORE"):  # `rlproxy train --nproc`: the store listens on loopback only
+            store_fd = os.environ.get("RLPROXY_STORE_FD")  # rank 0's: the socket the launcher bound
+            fd = int(store_fd) if rank == 0 and store_fd else None
+            port = int(os.environ["MASTER_PORT"])
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, master_listen_fd=fd)
+            options.update(store=store, rank=rank, world_size=world)
+        dist.init_process_group(backend, timeout=timeout, **options)
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError: an address no one answers, a rank missing
+        first_line = (str(exc).strip().splitlines() or [""])[0][:500]
+        raise TeamBroken(
+            f"training rank {rank} of {world}: the ranks did not all meet at {where} within --dist-timeout "
+            f"{settings.dist_timeout:g} s ({first_line}). Start all {world} ranks with the same rendezvous address "
+            "(torchrun's --rdzv-endpoint, or MASTER_ADDR and MASTER_PORT), reachable from every machine"
+        ) from exc
     log.info(
         "trainer rank %d of %d (pid %d) on %s, %s, shard %s", rank, world, os.getpid(), device, backend, settings.shard
     )
