@@ -190,6 +190,27 @@ def test_ranks_that_never_meet_end_with_the_address_not_a_traceback(tmp_path, ra
     assert "Traceback" not in done.stderr
 
 
+def test_sigterm_ends_a_rank_still_waiting_for_the_others(tmp_path):
+    """A rank waits for the others inside torch (up to --dist-timeout) where the trainer's own handler,
+    which lets a step finish, never runs: a stop (systemd, Kubernetes, the launcher) ends it there at once."""
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, "-m", "gateway.cli", "train", "--state-dir", str(tmp_path / "state"), "--max-steps", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--dist-timeout", "600"], stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "meeting the others at" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM  # not after the 600 s --dist-timeout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def tiny_gpt2(directory: Path) -> Path:
     """A two-block GPT-2 (its blocks in `transformer.h`, not `model.layers`) with the tiny model's tokenizer."""
     import shutil

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -258,22 +260,25 @@ def join(settings: Settings) -> Team | None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    log.info(
-        "trainer rank %d of %d: meeting the others at %s (up to --dist-timeout %g s)",
-        rank,
-        world,
-        where,
-        settings.dist_timeout,
-    )
     try:
-        if os.environ.get("RLPROXY_LOOPBACK_STORE"):  # `rlproxy train --nproc`: the store listens on loopback only
-            store_fd = os.environ.get("RLPROXY_STORE_FD")  # rank 0's: the socket the launcher bound
-            fd = int(store_fd) if rank == 0 and store_fd else None
-            port = int(os.environ["MASTER_PORT"])
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, master_listen_fd=fd)
-            options.update(store=store, rank=rank, world_size=world)
-        dist.init_process_group(backend, timeout=timeout, **options)
-        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        with _signals_end_at_once():
+            log.info(
+                "trainer rank %d of %d: meeting the others at %s (up to --dist-timeout %g s)",
+                rank,
+                world,
+                where,
+                settings.dist_timeout,
+            )
+            if os.environ.get("RLPROXY_LOOPBACK_STORE"):  # `rlproxy train --nproc`: the store listens on loopback only
+                store_fd = os.environ.get("RLPROXY_STORE_FD")  # rank 0's: the socket the launcher bound
+                fd = int(store_fd) if rank == 0 and store_fd else None
+                port = int(os.environ["MASTER_PORT"])
+                store = dist.TCPStore(
+                    "127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, master_listen_fd=fd
+                )
+                options.update(store=store, rank=rank, world_size=world)
+            dist.init_process_group(backend, timeout=timeout, **options)
+            control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError: an address no one answers, a rank missing
         first_line = (str(exc).strip().splitlines() or [""])[0][:500]
         raise TeamBroken(
@@ -287,3 +292,19 @@ def join(settings: Settings) -> Team | None:
     return Team(
         rank=rank, world_size=world, local_rank=local_rank, device=device, shard=settings.shard, control=control
     )
+
+
+@contextlib.contextmanager
+def _signals_end_at_once() -> Iterator[None]:
+    """While the ranks meet, SIGTERM and SIGINT end this process at once: the wait is inside torch's
+    C++ (up to --dist-timeout), where the trainer's Python handler, which lets a step finish, never
+    runs, and there is no step to finish yet."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
