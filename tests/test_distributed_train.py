@@ -162,3 +162,89 @@ def test_under_torchrun_each_rank_joins_the_run_torchrun_started(tmp_path):
         (0, None),
         (1, 2.0),
     ]
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR, MASTER_PORT are not set"),
+        ({"WORLD_SIZE": "2"}, "RANK, MASTER_ADDR, MASTER_PORT are not set"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 is not a rank"),
+    ],
+)
+def test_a_torchrun_environment_set_by_half_is_refused_with_what_is_missing(tmp_path, env, says):
+    """WORLD_SIZE exported by hand (a copied torchrun line, a leftover variable): a clear error, no traceback."""
+    done = train(tmp_path / "state", "--max-steps", "1", env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert says in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ranks_that_never_meet_end_with_the_address_not_a_traceback(tmp_path, rank):
+    """Rank 0 with no one else coming, or rank 1 with no one at the address: a clear error after --dist-timeout."""
+    env = {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = train(tmp_path / "state", "--max-steps", "1", "--dist-timeout", "2", env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"training rank {rank} of 2: the ranks did not all meet at 127.0.0.1:{env['MASTER_PORT']}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_sigterm_ends_a_rank_still_waiting_for_the_others(tmp_path):
+    """A rank waits for the others inside torch (up to --dist-timeout) where the trainer's own handler,
+    which lets a step finish, never runs: a stop (systemd, Kubernetes, the launcher) ends it there at once."""
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, "-m", "gateway.cli", "train", "--state-dir", str(tmp_path / "state"), "--max-steps", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--dist-timeout", "600"], stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "meeting the others at" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM  # not after the 600 s --dist-timeout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def tiny_gpt2(directory: Path) -> Path:
+    """A two-block GPT-2 (its blocks in `transformer.h`, not `model.layers`) with the tiny model's tokenizer."""
+    import shutil
+
+    import transformers
+
+    from gateway.models.cache import model_cache_dir
+    from gateway.models.tiny import ensure_tiny_model
+
+    tiny = ensure_tiny_model(model_cache_dir(directory / "cache"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2, n_positions=512)
+    model_dir = directory / "tiny-gpt2"
+    transformers.GPT2LMHeadModel(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    shutil.copy(tiny / "chat_template.jinja", model_dir)
+    return model_dir
+
+
+def test_shard_full_trains_a_model_whose_layers_are_not_named_layers(tmp_path):
+    """FSDP2's units are the model's blocks wherever it keeps them: `--shard full` on GPT-2 trains what DDP trains."""
+    model = tiny_gpt2(tmp_path)
+    ddp, full = tmp_path / "ddp", tmp_path / "full"
+    for state_dir, shard in ((ddp, "none"), (full, "full")):
+        fill(state_dir, ("alpha", "beta"))
+        done = train(state_dir, "--base-model", str(model), "--max-steps", "1", "--nproc", "2", "--shard", shard)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_adapter(checkpoint(full, 1), checkpoint(ddp, 1))
+
+
+def test_shard_full_refuses_a_model_without_layers_to_split():
+    from gateway.errors import ConfigError
+    from trainer.distributed.wrap import decoder_layers
+
+    with pytest.raises(ConfigError, match="has no list of layers"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))

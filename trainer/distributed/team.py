@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -193,6 +195,30 @@ class Team:
                 dist.destroy_process_group()
 
 
+def rank_from_env(world: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> tuple[int, int, int]:
+    """RANK, LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun set them, checked with the rendezvous address:
+    a WORLD_SIZE set by hand without the rest would otherwise end in torch's traceback (or a KeyError)."""
+    # `rlproxy train --nproc` gives its ranks a loopback store of its own; torchrun (env://) needs both.
+    needed = ["RANK"] if environ.get("RLPROXY_LOOPBACK_STORE") else ["RANK", "MASTER_ADDR", "MASTER_PORT"]
+    missing = [name for name in needed if not environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={world} says this trainer is one rank of {world}, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with `torchrun` (which sets RANK, "
+            "LOCAL_RANK, MASTER_ADDR and MASTER_PORT) or `rlproxy train --nproc N`, or unset WORLD_SIZE to train "
+            "in one process"
+        )
+    values = {}
+    for name, default in (("RANK", None), ("LOCAL_RANK", environ["RANK"]), ("LOCAL_WORLD_SIZE", str(world))):
+        text = environ.get(name) or default
+        if not str(text).isdigit():
+            raise ConfigError(f"{name}={text!r} is not a rank number (torchrun sets it)")
+        values[name] = int(str(text))
+    if values["RANK"] >= world:
+        raise ConfigError(f"RANK={values['RANK']} is not a rank of WORLD_SIZE={world} (0 to {world - 1})")
+    return values["RANK"], values["LOCAL_RANK"], max(1, values["LOCAL_WORLD_SIZE"])
+
+
 def device_for_rank(settings: Settings, local_rank: int) -> str:
     """The device a rank trains on: `--device cuda` gives rank r the r-th visible GPU."""
     import torch
@@ -217,12 +243,10 @@ def join(settings: Settings) -> Team | None:
         return None
     if settings.backend == "unsloth":
         raise ConfigError("--backend unsloth trains in one process: leave out --nproc (or use --backend peft)")
+    rank, local_rank, local_world = rank_from_env(world)
     import torch
     import torch.distributed as dist
 
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = torch.device(device_for_rank(settings, local_rank))
     if device.type == "cpu":
         # Each rank its share of this machine's cores: N ranks each spinning one thread per core
@@ -235,17 +259,52 @@ def join(settings: Settings) -> Team | None:
     timeout = timedelta(seconds=settings.dist_timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
     options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    if os.environ.get("RLPROXY_LOOPBACK_STORE"):  # `rlproxy train --nproc`: the store listens on loopback only
-        store_fd = os.environ.get("RLPROXY_STORE_FD")  # rank 0's: the socket the launcher bound
-        fd = int(store_fd) if rank == 0 and store_fd else None
-        port = int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, master_listen_fd=fd)
-        options.update(store=store, rank=rank, world_size=world)
-    dist.init_process_group(backend, timeout=timeout, **options)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    try:
+        with _signals_end_at_once():
+            log.info(
+                "trainer rank %d of %d: meeting the others at %s (up to --dist-timeout %g s)",
+                rank,
+                world,
+                where,
+                settings.dist_timeout,
+            )
+            if os.environ.get("RLPROXY_LOOPBACK_STORE"):  # `rlproxy train --nproc`: the store listens on loopback only
+                store_fd = os.environ.get("RLPROXY_STORE_FD")  # rank 0's: the socket the launcher bound
+                fd = int(store_fd) if rank == 0 and store_fd else None
+                port = int(os.environ["MASTER_PORT"])
+                store = dist.TCPStore(
+                    "127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, master_listen_fd=fd
+                )
+                options.update(store=store, rank=rank, world_size=world)
+            dist.init_process_group(backend, timeout=timeout, **options)
+            control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError: an address no one answers, a rank missing
+        first_line = (str(exc).strip().splitlines() or [""])[0][:500]
+        raise TeamBroken(
+            f"training rank {rank} of {world}: the ranks did not all meet at {where} within --dist-timeout "
+            f"{settings.dist_timeout:g} s ({first_line}). Start all {world} ranks with the same rendezvous address "
+            "(torchrun's --rdzv-endpoint, or MASTER_ADDR and MASTER_PORT), reachable from every machine"
+        ) from exc
     log.info(
         "trainer rank %d of %d (pid %d) on %s, %s, shard %s", rank, world, os.getpid(), device, backend, settings.shard
     )
     return Team(
         rank=rank, world_size=world, local_rank=local_rank, device=device, shard=settings.shard, control=control
     )
+
+
+@contextlib.contextmanager
+def _signals_end_at_once() -> Iterator[None]:
+    """While the ranks meet, SIGTERM and SIGINT end this process at once: the wait is inside torch's
+    C++ (up to --dist-timeout), where the trainer's Python handler, which lets a step finish, never
+    runs, and there is no step to finish yet."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

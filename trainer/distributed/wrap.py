@@ -64,6 +64,23 @@ def _timed_allreduce(team: Team, bucket: Any) -> Any:
     return allreduce_hook(None, bucket).then(done)  # type: ignore[arg-type]
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, `--shard full`'s units: the `nn.ModuleList` holding the most
+    weights (`model.layers` in Llama, Qwen2, Mistral; `transformer.h` in GPT-2)."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    weights = [sum(p.numel() for p in m.parameters()) for m in lists]
+    if not lists or max(weights) == 0:
+        from gateway.errors import ConfigError
+
+        raise ConfigError(
+            f"--shard full splits a model layer by layer, and {type(model).__name__} has no list of layers "
+            "(an nn.ModuleList of blocks) to split: use --shard none (DDP), which holds the whole model on each rank"
+        )
+    return list(lists[weights.index(max(weights))])
+
+
 class Replication:
     """One model on every rank of `team`: `forward_model` runs the trained forwards, `sync` says
     when gradients are reduced."""
@@ -84,19 +101,16 @@ class Replication:
 
     @staticmethod
     def _fully_shard(model: torch.nn.Module, team: Team) -> torch.nn.Module:
-        import torch
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(team.device.type, (team.world_size,))
         # One unit per decoder layer (its weights gathered just before its forward and freed after),
-        # then the rest (embeddings, norm, head) at the root.
-        for module in model.modules():
-            layers = getattr(module, "layers", None)
-            if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
-                for layer in layers:
-                    fully_shard(layer, mesh=mesh)
-                break
+        # then the rest (embeddings, norm, head) at the root. The LoRA weights must be in those units:
+        # FSDP2 keeps the root's weights gathered from one forward to the next, so a root gathered in
+        # the no-grad forward (pi_old) gives the trained forward weights without autograd.
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
 
