@@ -97,11 +97,15 @@ class CallRecord:
     shadow_of: str | None = None  # a shadow group's call: the live call it shadows (gateway/shadow/)
 
 
+SHADOW_CALL_INFIX = "-shadow-"
+"""In the id of every shadow group's call, and in no id the gateway gives a client's call."""
+
+
 def shadow_call_id(live_call_id: str, index: int) -> str:
     """Call `index` of the shadow group of live call `live_call_id` (0: the copy of the live
     answer; 1..K: its shadow samples). The gateway names them so (gateway/shadow/); the trainer
     finds a live turn's copy by it, to weigh the turn once across its two groups."""
-    return f"{live_call_id}-shadow-{index}"
+    return f"{live_call_id}{SHADOW_CALL_INFIX}{index}"
 
 
 # ------------------------------------------------------------------ ops (run on the writer connection)
