@@ -106,3 +106,38 @@ def test_the_sampler_counts_a_shadow_of_a_discarded_session_as_dropped_and_never
     asyncio.run(main())
     assert judged == [] and sampler.counts["dropped"] == 1 and sampler.counts["completed"] == 0
     assert sampler.summary()["by_task_key"]["refunds"]["dropped"] == 1
+
+
+def test_a_discard_racing_the_record_of_a_shadow_group_still_reaches_it_on_postgres(postgres_db):
+    """The discard lists the session's shadow groups, then waits for the session's row, which the
+    shadow group's record holds until it commits: the group it could not list yet is found after."""
+    import threading
+
+    from gateway.store.discard import discard_session
+    from gateway.store.postgres import PostgresStore
+    from gateway.store.shadows import insert_shadow_group
+
+    store = PostgresStore(postgres_db)
+    live = live_call()
+    store.record_call_sync(live)
+    recorded, release = threading.Event(), threading.Event()
+
+    def record(conn):
+        insert_shadow_group(conn, _shadows(live), "shadow")
+        recorded.set()
+        release.wait()  # not committed yet: the discard starts meanwhile
+
+    recording = threading.Thread(target=store._run_sync, args=(record,))
+    discarding = threading.Thread(target=store._run_sync, args=(lambda conn: discard_session(conn, "s-1", None),))
+    recording.start()
+    recorded.wait()
+    discarding.start()
+    waiting = "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    while discarding.is_alive() and store._query(waiting)[0]["n"] == 0:  # until it waits for the session's row
+        threading.Event().wait(0.01)
+    release.set()
+    recording.join()
+    discarding.join()
+    group = store.get_group("shadow-req-1")
+    assert group["sessions"] == [] and group["n_discarded"] == 2
+    asyncio.run(store.close())

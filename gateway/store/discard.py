@@ -41,7 +41,8 @@ def discard_session(conn: sqlite3.Connection, session_id: str, reason: str | Non
         "UPDATE sessions SET discarded = 1, discard_reason = COALESCE(?, discard_reason), updated_at = ? WHERE id = ?",
         (reason, now, session_id),
     )
-    for shadow in shadows:
-        state = states[shadow]
+    # Listed again: one recorded while this waited for the session's row (PostgreSQL) is seen now.
+    for shadow in shadow_groups_of(conn, session_id):
+        state = states[shadow] if shadow in states else lock_group(conn, shadow)
         if state is not None and state[0] is None:  # a shadow group already trained is history
             discard_shadow_group(conn, shadow, session_id, now)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sqlite3
 
+from gateway.store.locks import for_update
 from gateway.store.rows import CallRecord, insert_call
 
 SHADOW_GROUP_PREFIX = "shadow-"
@@ -27,11 +28,13 @@ def insert_shadow_group(conn: sqlite3.Connection, calls: list[CallRecord], origi
     """Record calls that share a group id, each the one call of its own session (a live turn
     and its shadow samples), and mark the group's origin and task key. None, recording nothing,
     when the live call's session was discarded while its shadows were sampled."""
-    live = conn.execute(
-        "SELECT s.discarded FROM calls c JOIN sessions s ON s.id = c.session_id WHERE c.id = ?", (calls[0].shadow_of,)
-    ).fetchone()
-    if live is not None and live[0]:
-        return None
+    # The live session's row, locked (PostgreSQL): a discard racing this either commits first
+    # (seen here) or waits for this commit and then finds the group (`discard.discard_session`).
+    session = conn.execute("SELECT session_id FROM calls WHERE id = ?", (calls[0].shadow_of,)).fetchone()
+    if session is not None:
+        live = conn.execute("SELECT discarded FROM sessions WHERE id = ?" + for_update(conn), (session[0],)).fetchone()
+        if live[0]:
+            return None
     group_id = calls[0].group_id
     for call in calls:
         insert_call(conn, call)
