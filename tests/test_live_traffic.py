@@ -119,6 +119,26 @@ def test_a_val_session_and_a_harness_session_never_join_a_live_group(gateway):
     assert reward(gateway, "harness-1", 1.0)["group_id"] == "g-h1"
 
 
+def test_a_session_whose_every_call_failed_takes_no_place_in_a_live_group(gateway):
+    # The engine refuses a prompt longer than the model's context: the call is recorded, failed.
+    failed = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        headers={"X-Session-Id": "all-failed", "X-Task-Id": "key-f"},
+        json={"model": "agent", "messages": [{"role": "user", "content": "hi " * 3000}], "max_tokens": 4},
+    )
+    assert failed.status_code == 400 and session(gateway, "all-failed")["n_calls"] == 1
+    answer = reward(gateway, "all-failed", 1.0)
+    assert answer["trainable"] is False and "no answered call" in answer["reason"]
+    assert session(gateway, "all-failed")["group_id"] is None
+    # Its place goes to sessions that have something to train: three of them fill the group.
+    for i in range(3):
+        chat(gateway.url + "/v1", f"answered-{i}", headers={"X-Task-Id": "key-f"})
+    groups = {reward(gateway, f"answered-{i}", float(i))["group_id"] for i in range(3)}
+    (group_id,) = groups
+    full = httpx.get(f"{gateway.url}/v1/groups/{group_id}").json()
+    assert full["closed"] and sorted(s["id"] for s in full["sessions"]) == [f"answered-{i}" for i in range(3)]
+
+
 def test_without_live_groups_an_ungrouped_reward_is_kept_and_says_it_will_not_train(tmp_path):
     settings = Settings(state_dir=tmp_path, trainer="off", default_max_tokens=4)
     with ThreadServer(create_app(settings)) as server:

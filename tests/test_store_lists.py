@@ -188,3 +188,23 @@ def test_calls_per_minute_counts_each_minute(empty_store):
         {"minute": 780, "calls": 1},
     ]
     asyncio.run(store.close())
+
+
+def test_calls_per_minute_counts_a_shadowed_call_once(empty_store):
+    # --shadow-samples 3: the live call, then its shadow group (a copy of it and 3 samples).
+    store = empty_store
+    live = dataclasses.replace(call("client", None, "train", 0, 610.0), id="req_0123456789abcdef0000", step=None)
+    shadows = [
+        dataclasses.replace(
+            live,
+            id=store_rows.shadow_call_id(live.id, i),
+            session_id=f"shadow-{live.id}-{i}",
+            group_id=f"shadow-{live.id}",
+            shadow_of=live.id,
+            created_at=620.0,
+        )
+        for i in range(4)
+    ]
+    store._run_sync(lambda conn: [store_rows.insert_call(conn, c) for c in (live, *shadows)])
+    assert store.calls_per_minute(now=620.0, minutes=1) == [{"minute": 600, "calls": 1}]
+    asyncio.run(store.close())

@@ -10,6 +10,7 @@ from gateway.engines.base import TokenRecord
 from gateway.settings import is_greedy
 from gateway.store import CallRecord
 from gateway.store.rows import shadow_call_id
+from gateway.store.shadows import shadow_group_id
 
 SHADOWED_ENGINES = frozenset({"local", "vllm"})
 """Engines that answer with a policy of ours (an adapter step, or the base model)."""
@@ -18,7 +19,7 @@ _NOT_SENT = ("seed", "stream", "stream_options", "logprobs", "top_logprobs", "me
 
 
 def group_id_for(call_id: str) -> str:
-    return f"shadow-{call_id}"
+    return shadow_group_id(call_id)
 
 
 def why_not_shadowed(record: CallRecord) -> str | None:

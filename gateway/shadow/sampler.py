@@ -4,7 +4,7 @@ It is called with every committed call (the chat service's observers), after the
 answer is on disk and on its way: it only decides and schedules, so a live call is never
 delayed. In the background each shadow waits for a quiet engine (no live call in it: shadows
 yield to live load), asks the engine for K completions from the step that answered the live
-call, records the group (gateway.store.rows.insert_shadow_group) and has RULER judge it; the
+call, records the group (gateway.store.shadows.insert_shadow_group) and has RULER judge it; the
 scores become the sessions' rewards and the trainer takes the group like any other. At most
 `--shadow-max-in-flight` live calls are shadowed at once; a call arriving when that many are
 is not shadowed (counted as dropped), so shadows never pile up behind live traffic.
@@ -123,6 +123,10 @@ class ShadowSampler:
                 self._per_key(live, "dropped")
                 return
             group_id = await self.services.store.record_shadow_group(sampled)
+            if group_id is None:  # the client discarded its session meanwhile: nothing of it trains
+                self._count("dropped", reason="discarded")
+                self._per_key(live, "dropped")
+                return
             await self._judge(group_id)
             self._count("completed")
         except asyncio.CancelledError:

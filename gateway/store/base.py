@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gateway.store import lists, reads, rows, training
+from gateway.store import discard, lists, reads, rows, shadows, training
 from gateway.store.health import StoreHealth, classify
 from gateway.store.live import LiveRule
 from gateway.store.reads import SessionFilter
@@ -128,16 +128,17 @@ class Store(StepRows, ABC):
         """Store a reward; with `live`, an ungrouped session joins a live group (gateway/store/live.py)."""
         return await self._submit(lambda conn: rows.set_reward(conn, session_id, reward, metrics or {}, live))
 
-    async def record_shadow_group(self, calls: list[CallRecord], origin: str = "shadow") -> str:
-        """One group of calls, each its own session (a live turn and its shadow samples), in one transaction."""
-        return await self._submit(lambda conn: rows.insert_shadow_group(conn, calls, origin))
+    async def record_shadow_group(self, calls: list[CallRecord], origin: str = "shadow") -> str | None:
+        """One group of calls, each its own session (a live turn and its shadow samples), in one
+        transaction; None, recording nothing, when the live session was discarded meanwhile."""
+        return await self._submit(lambda conn: shadows.insert_shadow_group(conn, calls, origin))
 
     async def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
         return await self._submit(lambda conn: rows.close_group(conn, group_id, expected_sessions))
 
     async def discard_session(self, session_id: str, reason: str | None = None) -> dict:
         """Leave a failed rollout out of its group: no reward needed, never trained, calls kept (idempotent)."""
-        await self._submit(lambda conn: rows.discard_session(conn, session_id, reason))
+        await self._submit(lambda conn: discard.discard_session(conn, session_id, reason))
         return self.get_session(session_id)
 
     async def set_ruler_status(self, group_id: str, status: str, error: str | None = None) -> None:

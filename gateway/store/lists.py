@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest
 from gateway.store.reads import ORIGINS
+from gateway.store.rows import SHADOW_CALL_INFIX
 
 Query = Callable[[str, tuple], list[dict]]
 MAX_LIMIT = 500
@@ -192,16 +193,18 @@ def reward_curve(query: Query, model: str) -> list[dict]:
 
 
 def calls_per_minute(query: Query, now: float, minutes: int = 60) -> list[dict]:
-    """Calls per minute over the last `minutes` (oldest first; minutes with none included)."""
+    """Clients' calls per minute over the last `minutes` (oldest first; minutes with none
+    included). Shadow groups' rows are not calls a client made: counted, one shadowed call
+    showed as K + 2 (`--shadow-samples 7`: nine times the traffic)."""
     start = math.floor(now / 60) * 60 - (minutes - 1) * 60
     # The minute's index, floored in both dialects: CAST(x AS INTEGER) truncates in SQLite but
     # rounds in PostgreSQL (59.9 s into a minute counted in the next), so a cast above x is
     # taken one down (x >= 0 here, where truncating is flooring).
     rows = query(
         "SELECT bucket, COUNT(*) AS n FROM (SELECT CAST(x AS INTEGER) - CASE WHEN CAST(x AS INTEGER) > x"
-        " THEN 1 ELSE 0 END AS bucket FROM (SELECT (created_at - ?) / 60 AS x FROM calls WHERE created_at >= ?) t)"
-        " b GROUP BY bucket",
-        (start, start),
+        " THEN 1 ELSE 0 END AS bucket FROM (SELECT (created_at - ?) / 60 AS x FROM calls WHERE created_at >= ?"
+        " AND id NOT LIKE ?) t) b GROUP BY bucket",
+        (start, start, f"%{SHADOW_CALL_INFIX}%"),
     )
     counts = {row["bucket"]: row["n"] for row in rows}
     return [{"minute": start + 60 * i, "calls": counts.get(i, 0)} for i in range(minutes)]

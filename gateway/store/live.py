@@ -46,6 +46,16 @@ _SAMPLED_STEP = (
 )
 
 
+# Whether a session has an answered call at all: one whose every call failed (the engine refused
+# the prompt, say) has nothing to train, and in a live group it would take the place of one that has.
+_ANSWERED = "SELECT COUNT(*) FROM calls WHERE session_id = ? AND status = 'ok'"
+
+NO_ANSWER = (
+    "no answered call: every call of the session failed, so it has nothing to train; it joins no live "
+    "group (a later answered call and a reward posted again can)"
+)
+
+
 def seeded_from(conn: sqlite3.Connection, model: str) -> str | None:
     """The `--init-from NAME@N` whose adapter is the run's step 0, or None. Only where step 0
     is the fresh adapter (B = 0) is the base model step 0: after `--init-from` a call the
@@ -114,7 +124,8 @@ def join_live_group(
     reward's answer adds: {"trainable": True, "group_id"} or {"trainable": False, "reason"}."""
     now = time.time()
     policy, seeded = Policy.read(conn, model), seeded_from(conn, model)
-    reason = stale_reason(conn, session_id, policy, rule, seeded)
+    answered = conn.execute(_ANSWERED, (session_id,)).fetchone()[0]
+    reason = stale_reason(conn, session_id, policy, rule, seeded) if answered else NO_ANSWER
     if reason is not None:
         _leave(conn, session_id, reason, now)
         return {"trainable": False, "reason": reason}

@@ -97,11 +97,15 @@ class CallRecord:
     shadow_of: str | None = None  # a shadow group's call: the live call it shadows (gateway/shadow/)
 
 
+SHADOW_CALL_INFIX = "-shadow-"
+"""In the id of every shadow group's call, and in no id the gateway gives a client's call."""
+
+
 def shadow_call_id(live_call_id: str, index: int) -> str:
     """Call `index` of the shadow group of live call `live_call_id` (0: the copy of the live
     answer; 1..K: its shadow samples). The gateway names them so (gateway/shadow/); the trainer
     finds a live turn's copy by it, to weigh the turn once across its two groups."""
-    return f"{live_call_id}-shadow-{index}"
+    return f"{live_call_id}{SHADOW_CALL_INFIX}{index}"
 
 
 # ------------------------------------------------------------------ ops (run on the writer connection)
@@ -207,16 +211,6 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
     if reason is not None:
         conn.execute("UPDATE calls SET untrainable = ? WHERE id = ?", (reason, call.id))
     return reason
-
-
-def insert_shadow_group(conn: sqlite3.Connection, calls: list[CallRecord], origin: str) -> str:
-    """Record calls that share a group id, each the one call of its own session (a live turn
-    and its shadow samples: gateway/shadow/), and mark the group's origin and task key."""
-    group_id = calls[0].group_id
-    for call in calls:
-        insert_call(conn, call)
-    conn.execute("UPDATE groups SET origin = ?, task_key = ? WHERE id = ?", (origin, calls[0].task_key, group_id))
-    return str(group_id)
 
 
 def late_call_reason(group_id: str, trained_step: int | None, claimed_step: int | None) -> str | None:
@@ -341,31 +335,6 @@ def close_group(conn: sqlite3.Connection, group_id: str, expected_sessions: int 
             "UPDATE groups SET expected_sessions = ?, updated_at = ? WHERE id = ?", (expected_sessions, now, group_id)
         )
     return {"group_id": group_id, "closed": expected_sessions is None, "expected_sessions": expected_sessions}
-
-
-def discard_session(conn: sqlite3.Connection, session_id: str, reason: str | None) -> None:
-    row = conn.execute("SELECT group_id FROM sessions WHERE id = ?", (session_id,)).fetchone()
-    if row is None:
-        raise NotFound(
-            f"session '{session_id}' not found: a session exists once it made a chat completion "
-            "(a rollout that failed before its first call has nothing to discard)",
-            param="session_id",
-        )
-    # Under the group's lock: a step recording the group commits first (409 here) or sees the discard.
-    group_id = row[0]
-    state = lock_group(conn, group_id) if group_id is not None else None
-    trained_step = state[0] if state is not None else None
-    if trained_step is not None:
-        raise Conflict(
-            f"session '{session_id}' cannot be discarded: its group '{group_id}' was already trained "
-            f"(step {trained_step})",
-            param="session_id",
-        )
-    # A second discard keeps the first reason unless it gives one.
-    conn.execute(
-        "UPDATE sessions SET discarded = 1, discard_reason = COALESCE(?, discard_reason), updated_at = ? WHERE id = ?",
-        (reason, time.time(), session_id),
-    )
 
 
 def decode_session(row: dict) -> dict:

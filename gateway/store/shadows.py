@@ -1,0 +1,60 @@
+"""A shadow group's rows (gateway/shadow/) and what a discard of the live session does to them.
+
+A shadow group is named after the live call it shadows (`shadow_group_id`) and holds a copy of
+the live answer (`rows.shadow_call_id` index 0) and the K shadow samples of its prompt, each in a
+session of its own. They are the client's session's data under other session ids: when the
+client discards its session (a failed rollout, a conversation not to learn from), its shadow
+groups are discarded with it, so the copy of the discarded answer never trains. A shadow group
+a step already trained is left as it is (history); one recorded after the discard is not
+recorded at all.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from gateway.store.locks import for_update
+from gateway.store.rows import CallRecord, insert_call
+
+SHADOW_GROUP_PREFIX = "shadow-"
+
+
+def shadow_group_id(live_call_id: str) -> str:
+    """The shadow group of live call `live_call_id`."""
+    return SHADOW_GROUP_PREFIX + live_call_id
+
+
+def insert_shadow_group(conn: sqlite3.Connection, calls: list[CallRecord], origin: str) -> str | None:
+    """Record calls that share a group id, each the one call of its own session (a live turn
+    and its shadow samples), and mark the group's origin and task key. None, recording nothing,
+    when the live call's session was discarded while its shadows were sampled."""
+    # The live session's row, locked (PostgreSQL): a discard racing this either commits first
+    # (seen here) or waits for this commit and then finds the group (`discard.discard_session`).
+    session = conn.execute("SELECT session_id FROM calls WHERE id = ?", (calls[0].shadow_of,)).fetchone()
+    if session is not None:
+        live = conn.execute("SELECT discarded FROM sessions WHERE id = ?" + for_update(conn), (session[0],)).fetchone()
+        if live[0]:
+            return None
+    group_id = calls[0].group_id
+    for call in calls:
+        insert_call(conn, call)
+    conn.execute("UPDATE groups SET origin = ?, task_key = ? WHERE id = ?", (origin, calls[0].task_key, group_id))
+    return str(group_id)
+
+
+def shadow_groups_of(conn: sqlite3.Connection, session_id: str) -> list[str]:
+    """The shadow groups of the session's calls (by their names: the groups' primary key)."""
+    found = conn.execute(
+        "SELECT id FROM groups WHERE id IN (SELECT ? || id FROM calls WHERE session_id = ?) AND origin = 'shadow'",
+        (SHADOW_GROUP_PREFIX, session_id),
+    ).fetchall()
+    return sorted(row[0] for row in found)
+
+
+def discard_shadow_group(conn: sqlite3.Connection, group_id: str, session_id: str, now: float) -> None:
+    """Discard the sessions of a shadow group whose live session `session_id` was discarded
+    (the caller holds the group's lock and saw it untrained)."""
+    conn.execute(
+        "UPDATE sessions SET discarded = 1, discard_reason = ?, updated_at = ? WHERE group_id = ? AND discarded = 0",
+        (f"the live session '{session_id}' this group shadows was discarded", now, group_id),
+    )
