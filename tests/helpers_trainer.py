@@ -135,3 +135,23 @@ def grpo_samples(
         if f"g{g}" in advantages  # a group without spread teaches nothing
         for i, (prompt, completion, logprobs) in enumerate(rollouts)
     ]
+
+
+def tiny_gpt2(directory: Path) -> Path:
+    """A two-block GPT-2 (its blocks in `transformer.h`, not `model.layers`) with the tiny model's tokenizer."""
+    import shutil
+
+    import transformers
+
+    from gateway.models.cache import model_cache_dir
+    from gateway.models.tiny import ensure_tiny_model
+
+    tiny = ensure_tiny_model(model_cache_dir(directory / "cache"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2, n_positions=512)
+    model_dir = directory / "tiny-gpt2"
+    transformers.GPT2LMHeadModel(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    shutil.copy(tiny / "chat_template.jinja", model_dir)
+    return model_dir

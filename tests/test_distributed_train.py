@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import free_port
-from tests.helpers_trainer import Recorder, trainer_settings
+from tests.helpers_trainer import Recorder, tiny_gpt2, trainer_settings
 
 FLAGS = [
     "--groups-per-step", "2", "--lora-rank", "4", "--lora-alpha", "8", "--learning-rate", "1e-3",
@@ -209,26 +209,6 @@ def test_sigterm_ends_a_rank_still_waiting_for_the_others(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def tiny_gpt2(directory: Path) -> Path:
-    """A two-block GPT-2 (its blocks in `transformer.h`, not `model.layers`) with the tiny model's tokenizer."""
-    import shutil
-
-    import transformers
-
-    from gateway.models.cache import model_cache_dir
-    from gateway.models.tiny import ensure_tiny_model
-
-    tiny = ensure_tiny_model(model_cache_dir(directory / "cache"))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=2, n_positions=512)
-    model_dir = directory / "tiny-gpt2"
-    transformers.GPT2LMHeadModel(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    shutil.copy(tiny / "chat_template.jinja", model_dir)
-    return model_dir
 
 
 def test_shard_full_trains_a_model_whose_layers_are_not_named_layers(tmp_path):

@@ -377,3 +377,25 @@ def test_packed_logprobs_keep_a_sliding_window(kind, impl):
         for i in row.sample_indices:
             alone = alone_logprobs(model, samples[i].token_ids)
             torch.testing.assert_close(lp_T[row.segment_ids_T == i], alone, atol=1e-5, rtol=0)
+
+
+def test_the_base_models_dropout_is_off_so_a_score_is_the_policys(tmp_path):
+    # GPT-2's config drops out 10 % in training: scored in train mode under a random mask, pi_old
+    # and every ratio were noise. The reference: transformers' own model in eval mode (no dropout).
+    from tests.helpers_trainer import tiny_gpt2, trainer_settings
+    from trainer.backends.peft import PeftBackend
+
+    model_dir = tiny_gpt2(tmp_path)
+    backend = PeftBackend(trainer_settings(tmp_path / "state", base_model=str(model_dir)))
+    row = pack([sample(12), sample(9, traj="u")], max_tokens_per_row=64)[0]
+    first, second = backend.token_logprobs(row).detach(), backend.token_logprobs(row).detach()
+
+    reference = transformers.GPT2LMHeadModel.from_pretrained(model_dir).eval()  # LoRA's B is 0 at step 0
+    with torch.no_grad():
+        for segment, n in ((0, 12), (1, 9)):
+            ids = torch.arange(n)
+            logits = reference(input_ids=ids[None]).logits[0, :-1]
+            expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+            at = (row.segment_ids_T == segment).nonzero().squeeze(-1)  # a row names its samples by batch index
+            torch.testing.assert_close(first[at][1:], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(first, second)

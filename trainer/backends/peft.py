@@ -32,6 +32,25 @@ if TYPE_CHECKING:  # peft and transformers are imported when the backend is buil
 log = logging.getLogger("rlproxy.trainer")
 
 
+def switch_off_base_dropout(model: torch.nn.Module) -> int:
+    """The base model's dropout set to 0 (its `nn.Dropout`s, and the `attention_dropout` rate
+    attention layers pass to SDPA), as TRL's GRPO does by default (`disable_dropout`): the
+    trainer runs in train mode, and a model whose config drops out (GPT-2's 10 %) would score
+    every token under a random mask, so pi_old and the ratios would be noise, not the policy
+    the sampler ran. Modern instruct configs have 0 already. Returns how many were switched off;
+    LoRA's own dropout (`--lora-dropout`) is added after this and stays as asked."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p = 0.0
+            switched += 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate > 0:
+            module.attention_dropout = 0.0
+            switched += 1
+    return switched
+
+
 def check_memory(settings: Settings, source: str, device: torch.device) -> None:
     """Refuse at start, with the numbers, a model that cannot train on this GPU (`trainer.distributed.memory`);
     an architecture the estimate does not know trains unchecked."""
@@ -106,6 +125,8 @@ class PeftBackend(TrainingBackend):
             ) from exc
         base.to(self._device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         base.config.use_cache = False
+        if switched := switch_off_base_dropout(base):
+            log.info("the base model's dropout is off for training (%d layers): scores are the policy's", switched)
         config = LoraConfig(
             r=settings.lora_rank,
             lora_alpha=settings.lora_alpha,
