@@ -34,6 +34,14 @@ class _WandbTracker:
     def __init__(self, project: str, name: str | None, config: dict) -> None:
         import wandb  # imported here: an optional dependency
 
+        # Online without credentials, wandb.init asks "Enter your choice:" on a terminal: the
+        # trainer (also as `serve`'s child, which shares the terminal) would wait for an answer
+        # before its first step, or die of wandb's KeyboardInterrupt when stdin is closed.
+        # Ask for credentials without a prompt and refuse at start, saying what to do.
+        if wandb.setup().settings.mode not in ("offline", "dryrun", "disabled") and not wandb.login(
+            prompt=False, verify=False
+        ):
+            raise RuntimeError("no W&B credentials: set WANDB_API_KEY, run `wandb login`, or set WANDB_MODE=offline")
         self._wandb = wandb
         self._run = wandb.init(project=project, name=name, config=config, reinit="finish_previous")
 
