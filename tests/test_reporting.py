@@ -110,6 +110,25 @@ def test_wandb_offline_gets_every_step_and_the_settings(offline_wandb, caplog):
     assert b"secret-key-never-sent" not in run_file.read_bytes()
 
 
+def test_wandb_never_records_a_secret_of_the_command_line(offline_wandb, monkeypatch):
+    # wandb keeps the command line in the run's metadata: `rlproxy train --store URL` with a password.
+    command = ["rlproxy", "train", "--store", "postgresql://rl:pw-never-sent@db/rl", "--hf-token", "hf-never-sent"]
+    monkeypatch.setattr(sys, "argv", list(command))
+    reporter = Reporter.create(Settings(report_to="wandb", state_dir=offline_wandb / "state"))
+    assert reporter.tracker is not None
+    run_file = Path(reporter.tracker._run.settings.sync_file)  # wandb keeps the first run's WANDB_DIR per process
+    reporter.report_step(1, {"loss": 0.5}, CurveStore(), "agent")
+    reporter.close()
+    assert sys.argv == command  # the trainer's own command line is left as it was
+
+    deadline = time.monotonic() + 30
+    while b"postgresql://rl:***@db/rl" not in run_file.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)  # on a loaded machine wandb's service may still be writing
+    written = run_file.read_bytes()
+    assert b"postgresql://rl:***@db/rl" in written  # the command line is there, masked
+    assert b"pw-never-sent" not in written and b"hf-never-sent" not in written
+
+
 def test_a_tracker_not_installed_never_stops_training(monkeypatch, caplog, tmp_path):
     monkeypatch.setitem(sys.modules, "trackio", None)  # `import trackio` raises ImportError
     with caplog.at_level(logging.WARNING, logger="rlproxy.trainer"):
