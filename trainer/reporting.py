@@ -41,9 +41,9 @@ class _WandbTracker:
         # trainer (also as `serve`'s child, which shares the terminal) would wait for an answer
         # before its first step, or die of wandb's KeyboardInterrupt when stdin is closed.
         # Ask for credentials without a prompt and refuse at start, saying what to do.
-        if wandb.setup().settings.mode not in ("offline", "dryrun", "disabled") and not wandb.login(
-            prompt=False, verify=False
-        ):
+        # (A run already open in this process had credentials; login answers False beside it.)
+        online = wandb.setup().settings.mode not in ("offline", "dryrun", "disabled")
+        if online and wandb.run is None and not wandb.login(prompt=False, verify=False):
             raise RuntimeError("no W&B credentials: set WANDB_API_KEY, run `wandb login`, or set WANDB_MODE=offline")
         self._wandb = wandb
         # wandb writes the command line (sys.argv) into the run's metadata, uploaded beside the
