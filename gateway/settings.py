@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from gateway.redact import hidden_in, masked
+from gateway.redact import hidden_in, mask_args, masked
 from gateway.settings_access import AccessSettings, EnvList, one_or_list
 from gateway.settings_loss import LossSettings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
@@ -52,6 +52,12 @@ WEAK_API_KEY = (
     "anyone can guess, and the dashboard's cookie is computed from it. Make one with `openssl rand -hex 24` "
     "and pass it as --api-key or RLPROXY_API_KEY; to run without a key (loopback only), leave both unset"
 )
+
+
+def public_argv(argv: list[str]) -> list[str]:
+    """A command line fit for a tracker's run record: secrets in flags and URLs masked, as
+    `Settings.public_dict` masks the settings (the trainer may use this module, not `redact`)."""
+    return mask_args(argv)
 
 
 def _long_enough(key: SecretStr | None) -> SecretStr | None:

@@ -199,6 +199,57 @@ def test_each_allowed_cancellation_refunds_everything(user_id, reservation_id, w
     assert env.violations == []
 
 
+def test_a_cancel_after_a_cheaper_change_refunds_what_is_left_and_charges_no_spent_gift_card():
+    env = as_user("liam_chen_7788")  # a gift card holding 100
+    card = env.db["users"]["liam_chen_7788"]["payment_methods"]["gift_card_5150"]
+    liam = [{"first_name": "Liam", "last_name": "Chen", "dob": "1995-07-21"}]
+
+    def book(origin, destination, flight, date, cabin, payment_method_id):
+        return json.loads(
+            confirmed(
+                env,
+                "book_reservation",
+                user_id="liam_chen_7788",
+                origin=origin,
+                destination=destination,
+                flight_type="one_way",
+                cabin=cabin,
+                flights=[{"flight_number": flight, "date": date}],
+                passengers=liam,
+                payment_method_id=payment_method_id,
+                total_baggages=0,
+                nonfree_baggages=0,
+                insurance="no",
+            )
+        )
+
+    booked = book("BOS", "ORD", "HAT006", "2024-05-16", "business", "credit_card_3344")  # 450, today
+    confirmed(
+        env,
+        "update_reservation_flights",
+        reservation_id=booked["reservation_id"],
+        cabin="economy",
+        flights=[{"flight_number": "HAT006", "date": "2024-05-17"}],
+        payment_method_id="gift_card_5150",
+    )  # 160: the 290 difference refunded to the gift card
+    assert card["balance"] == 390.0
+    book("JFK", "LAX", "HAT001", "2024-05-21", "economy", "gift_card_5150")  # 210 ...
+    book("ORD", "BOS", "HAT007", "2024-05-19", "economy", "gift_card_5150")  # ... and 170 spend it
+    assert card["balance"] == 10.0
+
+    # Booked today: the policy allows the cancellation, and the 160 the reservation holds goes back.
+    answer = confirmed(env, "cancel_reservation", reservation_id=booked["reservation_id"])
+    assert not answer.startswith("Error"), answer
+    result = json.loads(answer)
+    assert result["status"] == "cancelled" and env.violations == []
+    assert result["payment_history"] == [
+        {"payment_id": "credit_card_3344", "amount": 450.0},
+        {"payment_id": "gift_card_5150", "amount": -290.0},
+        {"payment_id": "credit_card_3344", "amount": -160.0},
+    ]
+    assert card["balance"] == 10.0
+
+
 def test_booking_prices_by_hand():
     env = as_user("noah_garcia_1234")  # silver, economy: 2 free bags; HAT001 05-22 economy 190, insurance 30
     result = json.loads(confirmed(env, "book_reservation", **by_id("book-with-insurance").actions[0].arguments))

@@ -104,6 +104,28 @@ def test_the_tools_refuse_what_the_policy_forbids_and_count_it():
     assert graded.db_match and graded.reward == 0.0
 
 
+def test_a_cancel_after_a_payment_change_refunds_only_what_each_method_paid():
+    env = RetailEnv()
+    env.call("find_user_id_by_email", {"email": "yusuf.ali@example.com"})
+    card = env.db["users"]["yusuf_ali_1010"]["payment_methods"]["gift_card_7070"]
+    env.on_user("yes")  # #W4001 (150.00, PayPal) onto the gift card (200.00), then back to PayPal
+    env.call("modify_pending_order_payment", {"order_id": "#W4001", "payment_method_id": "gift_card_7070"})
+    assert card["balance"] == 50.0
+    env.on_user("yes")
+    env.call("modify_pending_order_payment", {"order_id": "#W4001", "payment_method_id": "paypal_2020"})
+    assert card["balance"] == 200.0
+    env.on_user("yes")
+    env.call("cancel_pending_order", {"order_id": "#W4001", "reason": "no longer needed"})
+    assert env.violations == [] and card["balance"] == 200.0  # the card holds nothing of the order: no refund
+    history = env.db["orders"]["#W4001"]["payment_history"]
+    net: dict[str, float] = {}
+    for entry in history:
+        sign = 1 if entry["transaction_type"] == "payment" else -1
+        net[entry["payment_method_id"]] = net.get(entry["payment_method_id"], 0.0) + sign * entry["amount"]
+    assert net == {"paypal_2020": 0.0, "gift_card_7070": 0.0}  # every payment refunded exactly once
+    assert history[-1] == {"transaction_type": "refund", "amount": 150.0, "payment_method_id": "paypal_2020"}
+
+
 def test_mistakes_in_a_call_are_reported_and_keep_the_confirmation():
     env = RetailEnv()
     env.call("find_user_id_by_email", {"email": "omar.khan@example.com"})

@@ -5,8 +5,13 @@ The wandb tests use the real SDK in offline mode and read back the run file it w
 from __future__ import annotations
 
 import logging
+import os
+import pty
+import select
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -105,6 +110,25 @@ def test_wandb_offline_gets_every_step_and_the_settings(offline_wandb, caplog):
     assert b"secret-key-never-sent" not in run_file.read_bytes()
 
 
+def test_wandb_never_records_a_secret_of_the_command_line(offline_wandb, monkeypatch):
+    # wandb keeps the command line in the run's metadata: `rlproxy train --store URL` with a password.
+    command = ["rlproxy", "train", "--store", "postgresql://rl:pw-never-sent@db/rl", "--hf-token", "hf-never-sent"]
+    monkeypatch.setattr(sys, "argv", list(command))
+    reporter = Reporter.create(Settings(report_to="wandb", state_dir=offline_wandb / "state"))
+    assert reporter.tracker is not None
+    run_file = Path(reporter.tracker._run.settings.sync_file)  # wandb keeps the first run's WANDB_DIR per process
+    reporter.report_step(1, {"loss": 0.5}, CurveStore(), "agent")
+    reporter.close()
+    assert sys.argv == command  # the trainer's own command line is left as it was
+
+    deadline = time.monotonic() + 30
+    while b"postgresql://rl:***@db/rl" not in run_file.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)  # on a loaded machine wandb's service may still be writing
+    written = run_file.read_bytes()
+    assert b"postgresql://rl:***@db/rl" in written  # the command line is there, masked
+    assert b"pw-never-sent" not in written and b"hf-never-sent" not in written
+
+
 def test_a_tracker_not_installed_never_stops_training(monkeypatch, caplog, tmp_path):
     monkeypatch.setitem(sys.modules, "trackio", None)  # `import trackio` raises ImportError
     with caplog.at_level(logging.WARNING, logger="rlproxy.trainer"):
@@ -147,3 +171,55 @@ def test_a_tracker_that_cannot_start_never_stops_training(monkeypatch, caplog, t
     with caplog.at_level(logging.WARNING, logger="rlproxy.trainer"):
         reporter = Reporter.create(Settings(report_to="wandb", state_dir=tmp_path))
     assert reporter.tracker is None and "no network" in caplog.text
+
+
+REPORTER_AT_START = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from gateway.settings import Settings
+from trainer.reporting import Reporter
+reporter = Reporter.create(Settings(report_to="wandb", state_dir=sys.argv[1]))
+print("tracker:", reporter.tracker)
+"""
+
+
+def test_wandb_online_without_a_login_is_refused_at_start_not_prompted_for(tmp_path):
+    """`rlproxy train --report-to wandb` on a terminal, never logged in, WANDB_MODE unset: wandb
+    would ask "Enter your choice:" and the trainer would wait there; it must say what to do and train on."""
+    pytest.importorskip("wandb", reason="wandb is in the dev extra: pip install -e '.[dev]'")
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_")}
+    env |= {"HOME": str(tmp_path), "NETRC": str(tmp_path / "netrc"), "WANDB_DIR": str(tmp_path)}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    terminal, child_end = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", REPORTER_AT_START, str(tmp_path / "state")],
+        stdin=child_end,
+        stdout=child_end,
+        stderr=child_end,
+        env=env,
+        cwd=tmp_path,
+    )
+    os.close(child_end)
+    output = b""
+    try:
+        while b"Enter your choice" not in output:
+            ready, _, _ = select.select([terminal], [], [], 120)  # a guard against a hang, not a timing
+            if not ready:
+                break
+            try:
+                chunk = os.read(terminal, 4096)
+            except OSError:  # the child closed the terminal: it ended
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(terminal)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    text = output.decode(errors="replace")
+    assert "Enter your choice" not in text, text
+    assert proc.returncode == 0, text
+    assert "no W&B credentials" in text and "WANDB_MODE=offline" in text and "training goes on" in text, text
+    assert "tracker: None" in text

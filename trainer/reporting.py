@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from gateway.settings import public_argv
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
@@ -34,8 +37,24 @@ class _WandbTracker:
     def __init__(self, project: str, name: str | None, config: dict) -> None:
         import wandb  # imported here: an optional dependency
 
+        # Online without credentials, wandb.init asks "Enter your choice:" on a terminal: the
+        # trainer (also as `serve`'s child, which shares the terminal) would wait for an answer
+        # before its first step, or die of wandb's KeyboardInterrupt when stdin is closed.
+        # Ask for credentials without a prompt and refuse at start, saying what to do.
+        # (A run already open in this process had credentials; login answers False beside it.)
+        online = wandb.setup().settings.mode not in ("offline", "dryrun", "disabled")
+        if online and wandb.run is None and not wandb.login(prompt=False, verify=False):
+            raise RuntimeError("no W&B credentials: set WANDB_API_KEY, run `wandb login`, or set WANDB_MODE=offline")
         self._wandb = wandb
-        self._run = wandb.init(project=project, name=name, config=config, reinit="finish_previous")
+        # wandb writes the command line (sys.argv) into the run's metadata, uploaded beside the
+        # masked config: `rlproxy train --store postgresql://user:PASSWORD@host/db` sent the
+        # password to W&B. It reads the command line while the run starts: show it masked then.
+        argv = sys.argv[:]
+        sys.argv[1:] = public_argv(argv[1:])
+        try:
+            self._run = wandb.init(project=project, name=name, config=config, reinit="finish_previous")
+        finally:
+            sys.argv[:] = argv
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)

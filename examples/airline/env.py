@@ -325,10 +325,16 @@ class AirlineEnv(ToolEnv):
                 "a reservation can be cancelled only within 24 hours of booking, with travel "
                 "insurance, or when the airline cancelled one of its flights"
             )
+        # Refund what the reservation holds of the customer's money, to the methods that paid,
+        # in order. Reversing every entry charged back a fare difference once refunded to a gift
+        # card: spent since, that refused an allowed cancellation as a rule broken, after
+        # refunding the card payment (a retry refunded it again). The refund keeps the gift card's.
+        owed = round(sum(paid["amount"] for paid in reservation["payment_history"]), 2)
         for paid in list(reservation["payment_history"]):
-            refund = self._charge(reservation["user_id"], paid["payment_id"], -paid["amount"])
-            if refund:
-                reservation["payment_history"].append(refund)
+            back = round(min(paid["amount"], owed), 2)
+            if back > 0:
+                reservation["payment_history"].append(self._charge(reservation["user_id"], paid["payment_id"], -back))
+                owed = round(owed - back, 2)
         reservation["status"] = "cancelled"
         return reservation
 

@@ -179,9 +179,19 @@ class RetailEnv(ToolEnv):
         order = self._order_in(order_id, "pending", "cancelled")
         if reason not in CANCEL_REASONS:
             raise PolicyError(f"the reason must be one of {list(CANCEL_REASONS)}")
-        for payment in [p for p in order["payment_history"] if p["transaction_type"] == "payment"]:
-            self._move_money(order["user_id"], payment["payment_method_id"], -payment["amount"])
-            order["payment_history"].append({**payment, "transaction_type": "refund"})
+        # Refund what each method still holds of the order: its payments less its refunds. A
+        # payment change already refunded the old method; refunding every payment again paid
+        # it twice (a gift card credited money it never paid).
+        held: dict[str, float] = {}
+        for entry in order["payment_history"]:
+            sign = 1 if entry["transaction_type"] == "payment" else -1
+            held[entry["payment_method_id"]] = held.get(entry["payment_method_id"], 0.0) + sign * entry["amount"]
+        for method_id, amount in held.items():
+            if round(amount, 2) > 0:
+                self._move_money(order["user_id"], method_id, -round(amount, 2))
+                order["payment_history"].append(
+                    {"transaction_type": "refund", "amount": round(amount, 2), "payment_method_id": method_id}
+                )
         order["status"] = "cancelled"
         order["cancel_reason"] = reason
         return order

@@ -58,7 +58,8 @@ def play(client, model: str, opponent: random.Random, max_tokens: int) -> float:
             return 0.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[list[float]]:
+    """Play the groups; returns each group's rewards (for tests and scripts)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://localhost:8000/v1", help="rlproxy's /v1 URL")
     parser.add_argument("--api-key", default=None, help="rlproxy's --api-key, if it has one")
@@ -68,10 +69,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per move")
     parser.add_argument("--split", choices=["train", "val"], default="train", help="val: scored, never trained on")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     proxy = RLProxy(base_url=args.base_url, api_key=args.api_key)
-    rng = random.Random(args.seed)
+    # Train and val games come from different dice: with one seed for both, val group N met
+    # the opponent of train group N, so "val" scored games the model was trained on.
+    rng = random.Random(f"{args.split}-{args.seed}")
+    by_group: list[list[float]] = []
     try:
         for g in range(args.groups):
             dice = rng.getrandbits(32)  # one opponent per group: its rollouts face the same luck
@@ -82,9 +86,11 @@ def main() -> None:
             with proxy.group(split=args.split) as group:
                 result = group.run(rollout, n=args.rollouts, concurrency=args.rollouts, max_exceptions=1)
             rewards = [r for r in result.rewards if r is not None]
+            by_group.append(rewards)
             print(f"group {g}: mean reward {sum(rewards) / max(len(rewards), 1):.2f}", flush=True)
     finally:
         proxy.close()
+    return by_group
 
 
 if __name__ == "__main__":
