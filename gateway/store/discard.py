@@ -28,7 +28,8 @@ def discard_session(conn: sqlite3.Connection, session_id: str, reason: str | Non
     group_id = row[0]
     shadows = shadow_groups_of(conn, session_id)
     states = {gid: lock_group(conn, gid) for gid in sorted({*shadows, *([group_id] if group_id else [])})}
-    trained_step = states[group_id][0] if group_id is not None and states[group_id] is not None else None
+    own = states.get(group_id) if group_id is not None else None
+    trained_step = own[0] if own is not None else None
     if trained_step is not None:
         raise Conflict(
             f"session '{session_id}' cannot be discarded: its group '{group_id}' was already trained "
