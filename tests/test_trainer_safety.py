@@ -140,10 +140,10 @@ def test_a_group_its_step_cannot_even_plan_is_set_aside_and_the_trainer_goes_on(
     bad, good = sorted(g["id"] for g in groups)
     real = worker_module.plan_step
 
-    def overflows_with_bad(store, settings, render, groups, step):
+    def overflows_with_bad(store, settings, render, groups, *rest):
         if bad in {g["id"] for g in groups}:
             raise OverflowError("(34, 'Numerical result out of range')")
-        return real(store, settings, render, groups, step)
+        return real(store, settings, render, groups, *rest)
 
     monkeypatch.setattr(worker_module, "plan_step", overflows_with_bad)
     assert worker.train_once(groups) is None
