@@ -52,3 +52,20 @@ def postgres_db(postgres_url):
     from tests.helpers_postgres import fresh_database
 
     return fresh_database(postgres_url)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def either_backend(request, tmp_path):
+    """A store of each backend in turn (its test runs twice): for SQL that both must run alike."""
+    import asyncio
+
+    from gateway.store.sqlite import SQLiteStore
+
+    if request.param == "sqlite":
+        yield SQLiteStore(tmp_path / "db.sqlite")
+    else:
+        from gateway.store.postgres import PostgresStore
+
+        pg = PostgresStore(request.getfixturevalue("postgres_db"))
+        yield pg
+        asyncio.run(pg.close())

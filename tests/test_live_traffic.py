@@ -15,7 +15,6 @@ import pytest
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.store import CallRecord, LiveRule, Store
-from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
 
 SYSTEM = "You are a billing assistant."
@@ -151,17 +150,10 @@ def test_without_live_groups_an_ungrouped_reward_is_kept_and_says_it_will_not_tr
 # ------------------------------------------------------------------ staleness, on the store
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def store(request, tmp_path):
+@pytest.fixture
+def store(either_backend):
     """Both backends: the live-group ops are portable SQL run inside the reward's transaction."""
-    if request.param == "sqlite":
-        yield SQLiteStore(tmp_path / "db.sqlite")
-    else:
-        from gateway.store.postgres import PostgresStore
-
-        pg = PostgresStore(request.getfixturevalue("postgres_db"))
-        yield pg
-        asyncio.run(pg.close())
+    return either_backend
 
 
 def _call(store: Store, session_id: str, step: int | None, engine: str = "local", model: str = "agent") -> None:

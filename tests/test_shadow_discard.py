@@ -13,7 +13,6 @@ from gateway.app import create_app
 from gateway.engines.base import ChoiceTokens, TokenRecord
 from gateway.errors import NotFound
 from gateway.shadow.calls import shadow_calls
-from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
 from tests.helpers_judge import FakeJudge
 from tests.test_shadow import ask, judged_group, live_call, shadow_settings
@@ -32,16 +31,9 @@ def test_discarding_a_shadowed_session_keeps_its_shadow_group_out_of_training(tm
         }
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def store(request, tmp_path):
-    if request.param == "sqlite":
-        yield SQLiteStore(tmp_path / "db.sqlite")
-    else:
-        from gateway.store.postgres import PostgresStore
-
-        pg = PostgresStore(request.getfixturevalue("postgres_db"))
-        yield pg
-        asyncio.run(pg.close())
+@pytest.fixture
+def store(either_backend):
+    return either_backend
 
 
 def _shadows(live) -> list:

@@ -103,24 +103,22 @@ def _finite(text: str) -> float:
 def positive_int(text: str) -> int:
     """A count on the command line that must be 1 or more (`--epochs`, `--sft-sessions-per-step`):
     refused as the flags are read, before the trainer loads the model and saves a step 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
-    return value
+    return _whole_number(text, least=1)
 
 
 def count(text: str) -> int:
     """A count on the command line that may be 0 (`rlproxy train --max-steps 0`: start, save step 0,
     stop) but is never negative: `--max-steps -1` was taken, trained nothing and exited 0."""
+    return _whole_number(text, least=0)
+
+
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} must be {least} or more")
     return value
 
 

@@ -95,10 +95,9 @@ class Team:
         except passed_on:
             raise
         except Exception as exc:
-            first_line = (str(exc).strip().splitlines() or [""])[0][:500]
             raise TeamBroken(
                 f"training rank {self.rank} of {self.world_size}: the team broke during a {name} step "
-                f"({type(exc).__name__}: {first_line}): this rank failed, or another one left the team. The step "
+                f"({type(exc).__name__}: {_first_line(exc)}): this rank failed, or another one left the team. The step "
                 "is not recorded; the run ends on every rank"
             ) from exc
         finally:
@@ -280,11 +279,10 @@ def join(settings: Settings) -> Team | None:
             dist.init_process_group(backend, timeout=timeout, **options)
             control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError: an address no one answers, a rank missing
-        first_line = (str(exc).strip().splitlines() or [""])[0][:500]
         raise TeamBroken(
             f"training rank {rank} of {world}: the ranks did not all meet at {where} within --dist-timeout "
-            f"{settings.dist_timeout:g} s ({first_line}). Start all {world} ranks with the same rendezvous address "
-            "(torchrun's --rdzv-endpoint, or MASTER_ADDR and MASTER_PORT), reachable from every machine"
+            f"{settings.dist_timeout:g} s ({_first_line(exc)}). Start all {world} ranks with the same rendezvous "
+            "address (torchrun's --rdzv-endpoint, or MASTER_ADDR and MASTER_PORT), reachable from every machine"
         ) from exc
     log.info(
         "trainer rank %d of %d (pid %d) on %s, %s, shard %s", rank, world, os.getpid(), device, backend, settings.shard
@@ -308,3 +306,8 @@ def _signals_end_at_once() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _first_line(exc: BaseException) -> str:
+    """What torch says of a failure, one line of it (its messages run to whole C++ traces)."""
+    return (str(exc).strip().splitlines() or [""])[0][:500]
