@@ -17,6 +17,7 @@ import socket
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.lineage import chain_distance
+from trainer.attempts import Attempts
 from trainer.data import NO_SPREAD, sampling_step, spread_groups, too_few, trained_sessions
 
 log = logging.getLogger("rlproxy.trainer")
@@ -104,3 +105,29 @@ def enough_for_a_step(
         log.info("training step %d now: asked for by a trigger", next_step)
         return groups
     return None
+
+
+def next_groups(
+    store: Store, settings: Settings, model: str, attempts: Attempts, next_step: int
+) -> tuple[list[dict] | None, int]:
+    """The groups of step `next_step` (None while there are too few), and how many were marked
+    skipped on the way: ready groups without a reward spread, or sampled too long ago, are set
+    aside at once, so they do not count towards `groups_per_step`. A failed batch's halves
+    (`attempts`) come before anything new."""
+    skipped = 0
+    while (half := attempts.next_half()) is not None:
+        # Each half that trains advances the step: the next one is screened as the first selection was.
+        half, stale = without_stale(store, settings, half, next_step)
+        skipped += stale
+        if half:
+            return half, skipped
+    ready = store.claim_groups(model, HOLDER)  # several trainers take disjoint groups
+    if not ready:
+        return None, skipped
+    keep, no_spread = without_spread(store, ready)
+    keep, stale = without_stale(store, settings, keep, next_step)
+    skipped += no_spread + stale
+    keep, suspect = attempts.screen(keep)
+    if suspect is not None:
+        return [suspect], skipped
+    return enough_for_a_step(store, settings, model, keep, next_step), skipped

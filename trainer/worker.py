@@ -59,7 +59,7 @@ from trainer.publish import gpu_lease, log_step, plan_step, train_and_record
 from trainer.render import ChatTemplateRenderer
 from trainer.reporting import Reporter
 from trainer.resume import go_on_from_serving, hold_reason, resume
-from trainer.selection import HOLDER, enough_for_a_step, without_spread, without_stale
+from trainer.selection import next_groups
 
 if TYPE_CHECKING:  # the backend (torch) is imported when needed
     from trainer.backends.base import TrainingBackend
@@ -199,26 +199,10 @@ class TrainerWorker:
             self.team.announce("idle")
 
     def groups_to_train(self) -> list[dict] | None:
-        """The groups of the next step, or None while there are too few. Ready groups
-        without a reward spread, or sampled too long ago, are marked skipped at once: they
-        never teach anything, so they do not count towards `groups_per_step`."""
-        while (half := self.attempts.next_half()) is not None:  # a failed batch is bisected before anything new
-            # Each half that trains advances the step: the next one is screened as the first selection was.
-            half, skipped = without_stale(self.store, self.settings, half, self.next_step)
-            self.skipped_since_step += skipped
-            if half:
-                return half
-        ready = self.store.claim_groups(self.model, HOLDER)  # several trainers take disjoint groups
-        if not ready:
-            return None
-        keep, skipped = without_spread(self.store, ready)
+        """The groups of the next step, or None while there are too few (`trainer.selection.next_groups`)."""
+        groups, skipped = next_groups(self.store, self.settings, self.model, self.attempts, self.next_step)
         self.skipped_since_step += skipped
-        keep, skipped = without_stale(self.store, self.settings, keep, self.next_step)
-        self.skipped_since_step += skipped
-        keep, suspect = self.attempts.screen(keep)
-        if suspect is not None:
-            return [suspect]
-        return enough_for_a_step(self.store, self.settings, self.model, keep, self.next_step)
+        return groups
 
     def train_once(self, groups: list[dict]) -> dict | None:
         """One step on `groups`: returns its metrics, or None if nothing was trained (nothing
