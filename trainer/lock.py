@@ -4,20 +4,22 @@ The kernel releases an `flock` when its process dies, even by SIGKILL, so a lock
 crashed worker never blocks the next one; a second live worker fails fast instead. A worker
 on another machine shares no checkpoint directory, only the store (PostgreSQL): there the
 store's own lock (`Store.lock_trainer`, dropped with its connection) refuses it just as fast,
-where it would otherwise number its steps as the first does and train diverging weights.
+where it would otherwise number its steps as the first does and train diverging weights. That
+lock goes when its connection does (PostgreSQL restarted): `WorkerLock.check`, before each step,
+takes it again, or stops this worker where another took it meanwhile.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from gateway.errors import ConfigError
 from gateway.store import Store
+from gateway.store.locks import TrainerLock
 
 
 @dataclass
@@ -25,10 +27,14 @@ class WorkerLock:
     """Both locks a worker holds; `close` releases them."""
 
     file: TextIO
-    release_store: Callable[[], None]
+    store_lock: TrainerLock
+
+    def check(self) -> None:
+        """Still this worker's (the store's lock taken again if its connection dropped), else ConfigError."""
+        self.store_lock.ensure()
 
     def close(self) -> None:
-        self.release_store()
+        self.store_lock.release()
         self.file.close()
 
 
@@ -37,11 +43,11 @@ def take_lock(root: Path, model: str, store: Store) -> WorkerLock:
     close it to release), or raise `ConfigError` naming who holds it."""
     lock_file = _take_file_lock(root, model)
     try:
-        release_store = store.lock_trainer(model)
+        store_lock = store.lock_trainer(model)
     except BaseException:
         lock_file.close()
         raise
-    return WorkerLock(lock_file, release_store)
+    return WorkerLock(lock_file, store_lock)
 
 
 def _take_file_lock(root: Path, model: str) -> TextIO:

@@ -277,6 +277,8 @@ class TrainerWorker:
         store_failed = False
         while not stop_event.is_set() and (max_steps is None or done < max_steps):
             try:
+                if self._lock is not None:  # PostgreSQL restarted: its lock taken again, or this worker stops
+                    self._lock.check()
                 if store_failed:
                     # A step may have saved its checkpoint and then failed to record it: record
                     # (or discard) that checkpoint as a restart would, and go on from it.

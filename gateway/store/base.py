@@ -25,6 +25,7 @@ from typing import Any
 from gateway.store import discard, lists, reads, rows, shadows, training
 from gateway.store.health import StoreHealth, classify
 from gateway.store.live import LiveRule
+from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.reads import SessionFilter
 from gateway.store.rows import CallRecord
 from gateway.store.steps import StepRows
@@ -211,10 +212,10 @@ class Store(StepRows, ABC):
             lambda conn: training.move_gpu_lease(conn, model, to_state, expect, holder, expect_holder, step)
         )
 
-    def lock_trainer(self, model: str) -> Callable[[], None]:
-        """Hold `model`'s trainer lock on this store until the returned release is called (ConfigError: held
-        elsewhere). Nothing to hold on SQLite: its file lies in one state dir, whose lock file decides."""
-        return lambda: None
+    def lock_trainer(self, model: str) -> TrainerLock:
+        """Hold `model`'s trainer lock on this store until it is released (ConfigError: held elsewhere).
+        Nothing to hold on SQLite: its file lies in one state dir, whose lock file decides."""
+        return NoTrainerLock()
 
     # ------------------------------------------------------------ checkpoints kept in the store
 

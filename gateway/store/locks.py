@@ -22,7 +22,7 @@ it was acknowledged before its COMMIT.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 _LIVE_KEYS = 0x6C697665  # "live": the advisory locks of live task keys (two-key space)
 _TRAINERS = 0x7472616E  # "tran": one trainer per model (`try_lock_trainer`)
@@ -56,3 +56,22 @@ def try_lock_trainer(conn: Any, model: str) -> bool:
     behind); False where another connection holds it."""
     row = conn.execute("SELECT pg_try_advisory_lock(CAST(? AS integer), hashtext(?))", (_TRAINERS, model)).fetchone()
     return bool(row[0])
+
+
+class TrainerLock(Protocol):
+    """`Store.lock_trainer`'s answer: `ensure` (still held? else taken again, or ConfigError where
+    another trainer took it meanwhile), `release`."""
+
+    def ensure(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class NoTrainerLock:
+    """SQLite's: nothing held in the store (its file lies in one state dir, whose lock file decides)."""
+
+    def ensure(self) -> None:
+        return None
+
+    def release(self) -> None:
+        return None

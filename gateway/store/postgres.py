@@ -30,7 +30,7 @@ from gateway.store import files as store_files
 from gateway.store import postgres_schema
 from gateway.store.base import Store
 from gateway.store.health import classify
-from gateway.store.postgres_conn import PgConn, PgCursor, hold_trainer_lock, open_pool
+from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, open_pool
 from gateway.store.rows import decode_call
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -117,6 +117,7 @@ class PostgresStore(Store):
         # Every write is a round trip to the server: none is made on the event loop (the base
         # class's `_write_now` queues them all for the writer thread).
         self.retries = 0  # batches rerun after a deadlock with another replica
+        self._trainer_locks: dict[str, HeldTrainerLock] = {}  # by model: the trainers of this process
 
     def _close_connections(self) -> None:
         self._pool.close()
@@ -240,6 +241,9 @@ class PostgresStore(Store):
     def insert_step(self, model: str, step: int, path: str, *args: Any, **kwargs: Any) -> None:
         """As `Store.insert_step`, after the checkpoint's files went into the store (their own
         transaction, committed first): a step row is never visible without its files."""
+        lock = self._trainer_locks.get(model)
+        if lock is not None:  # held still (or again): a second trainer may have taken it while it was dropped
+            lock.ensure()
         directory = Path(path)
         if directory.is_dir():
             self._transaction(lambda conn: store_files.upload_step_files(conn, model, step, directory))
@@ -310,9 +314,11 @@ class PostgresStore(Store):
         taken = set(self._run_sync(op))
         return [row for row in self.ready_groups(model, split) if row["id"] in taken]
 
-    def lock_trainer(self, model: str) -> Callable[[], None]:
-        """As `Store.lock_trainer`: a session advisory lock on a connection of its own (`hold_trainer_lock`)."""
-        return hold_trainer_lock(self.url, model)
+    def lock_trainer(self, model: str) -> HeldTrainerLock:
+        """As `Store.lock_trainer`: a session advisory lock on a connection of its own (`HeldTrainerLock`),
+        made sure of before each step this store records for `model`."""
+        lock = self._trainer_locks[model] = HeldTrainerLock(self.url, model)
+        return lock
 
     def release_claims(self, holder: str) -> None:
         self._run_sync(lambda conn: conn.execute("DELETE FROM group_claims WHERE holder = ?", (holder,)))

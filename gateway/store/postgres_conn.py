@@ -4,13 +4,19 @@ and the connection of its own that holds a trainer's lock."""
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, StoreUnavailable
 from gateway.redact import mask_text
+from gateway.store.health import classify
 from gateway.store.locks import try_lock_trainer
+
+log = logging.getLogger("rlproxy.store")
+
+LOCK_CONNECT_TIMEOUT = 10
+"""Seconds the trainer lock's connection waits for the server (libpq waits forever by default)."""
 
 
 def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
@@ -41,20 +47,64 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
     return pool
 
 
-def hold_trainer_lock(url: str, model: str) -> Callable[[], None]:
+class HeldTrainerLock:
     """One trainer per model on this database, whatever machine each runs on: a second one would number
     its steps as the first does and train diverging weights under one name. The lock lives on a
-    connection of its own (the returned release closes it; so does the process's death)."""
-    import psycopg
+    connection of its own (`release` closes it; so does the process's death).
 
-    raw = psycopg.connect(url, autocommit=True)
-    if not try_lock_trainer(PgConn(raw), model):
-        raw.close()
-        raise ConfigError(
-            f"another trainer is training model '{model}' on the store {redact(url)}: one trainer per "
-            "model and store; stop it, or train under another --model-name"
-        )
-    return raw.close
+    The server drops the lock with that connection: PostgreSQL restarted, or the connection was killed or
+    cut. Nothing tells the trainer, and a second `rlproxy train` then took the lock and trained beside
+    it. So the trainer calls `ensure` before each step and the store before it records one: the lock is
+    taken again on a new connection, or, where another trainer took it meanwhile, ConfigError stops this
+    one (StoreUnavailable while the server cannot be reached: the trainer waits, as for any store failure)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self._conn: Any = None
+        if not self._take():
+            raise ConfigError(
+                f"another trainer is training model '{model}' on the store {redact(url)}: one trainer per "
+                "model and store; stop it, or train under another --model-name"
+            )
+
+    def _take(self) -> bool:
+        import psycopg
+
+        raw = psycopg.connect(self.url, autocommit=True, connect_timeout=LOCK_CONNECT_TIMEOUT)
+        if not try_lock_trainer(PgConn(raw), self.model):
+            raw.close()
+            return False
+        self._conn = raw
+        return True
+
+    def ensure(self) -> None:
+        import psycopg
+
+        if self._conn is None:  # released: this trainer is done
+            return
+        try:
+            self._conn.execute("SELECT 1")  # a session alive holds its advisory lock
+            return
+        except psycopg.Error:
+            self._conn.close()
+        log.warning("the trainer lock's connection to the store was lost (PostgreSQL restarted?): taking it again")
+        try:
+            taken = self._take()
+        except psycopg.Error as exc:
+            failure = classify(exc) or StoreUnavailable(f"the trainer lock cannot be taken: {exc}", cause="unavailable")
+            raise failure from exc
+        if not taken:
+            raise ConfigError(
+                f"this trainer lost its lock on model '{self.model}' (its connection to the store "
+                f"{redact(self.url)} dropped: PostgreSQL restarted?) and another trainer took it meanwhile: "
+                "this one stops (recording no step), so that one trainer trains the model"
+            )
+        log.warning("trainer lock on model '%s' taken again", self.model)
+
+    def release(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 def redact(url: str) -> str:
