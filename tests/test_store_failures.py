@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import sqlite3
 import subprocess
@@ -367,6 +368,39 @@ def test_trainer_waits_for_a_failing_store_and_records_its_step_once_it_is_back(
     assert [s["step"] for s in steps] == [0, 1] and sorted(steps[1]["groups"]) == ["g1", "g2"]
     assert {store.get_group(g)["trained_step"] for g in ("g1", "g2")} == {1}
     assert sorted(p.name for p in settings.checkpoints_dir().iterdir() if p.is_dir()) == ["0000", "0001"]
+
+
+def test_a_trainer_whose_store_came_back_is_no_longer_degraded_and_reloaded_nothing_while_it_waited(tmp_path, caplog):
+    # Only a probe ends the degraded state, and the trainer never made one: its store stayed
+    # degraded for good (no "recovered" in its log; on PostgreSQL each connection then waited 2 s at
+    # most), and each look while it waited reloaded the checkpoint and said so, once a second.
+    settings, worker = _worker_with_two_groups(tmp_path)
+    caplog.set_level(logging.INFO)
+    worker.store._conn.execute("PRAGMA query_only = 1")  # the trainer's store refuses writes (read-only)
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):  # the trainer looked at the store three times, in vain (a hang guard bounds it)
+            if worker.store.health.errors["read_only"] >= 3:
+                break
+            stop.wait(0.1)
+        assert worker.store.health.degraded
+        worker.store._conn.execute("PRAGMA query_only = 0")  # writable again
+        for _ in range(600):
+            if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
+                break
+            stop.wait(0.1)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        worker.close()
+    assert [s["step"] for s in SQLiteStore(settings.db_path).steps("agent")] == [0, 1]
+    assert not worker.store.health.degraded and worker.store.health.report() == {"status": "ok"}
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("store recovered after" in m for m in said) == 1
+    assert sum("waits for the store" in m for m in said) == 1
+    assert sum("resumed from checkpoint" in m for m in said) == 1  # once it was back, not at every look
 
 
 class _StallingStore(SQLiteStore):

@@ -280,6 +280,9 @@ class TrainerWorker:
                 if self._lock is not None:  # PostgreSQL restarted: its lock taken again, or this worker stops
                     self._lock.check()
                 if store_failed:
+                    # Back only once a write commits again (the probe the gateway makes too, which ends
+                    # the store's degraded state), not reloading the checkpoint at every look meanwhile.
+                    asyncio.run(self.store.probe())
                     # A step may have saved its checkpoint and then failed to record it: record
                     # (or discard) that checkpoint as a restart would, and go on from it.
                     self._resume()
@@ -296,7 +299,8 @@ class TrainerWorker:
                 self._pause(stop_event)
                 continue
             except StoreUnavailable as exc:  # full disk, lock, ...: wait for it, as the gateway does
-                log.warning("step %d waits for the store: %s", self.next_step, exc.message)
+                if not store_failed:  # said once an outage, not at every look while it lasts
+                    log.warning("step %d waits for the store: %s", self.next_step, exc.message)
                 store_failed = True
                 self._pause(stop_event)
                 continue
