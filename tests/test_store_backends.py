@@ -4,6 +4,7 @@ RLPROXY_TEST_POSTGRES), plus what only matters with several processes on one dat
 
 import asyncio
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -160,6 +161,42 @@ async def test_two_trainers_racing_to_insert_a_step_for_one_group_one_wins(pg):
     assert sorted(outcomes) == ["conflict", "ok"]
     assert len(gateway.steps("agent")) == 1
     assert gateway.ready_groups("agent") == []
+    for t in trainers:
+        t.close_sync()
+    await gateway.close()
+
+
+async def test_two_trainers_racing_to_record_one_step_number_one_wins_and_its_files_are_served(pg, tmp_path):
+    # The loser's duplicate step row was psycopg's UniqueViolation, which no caller catches (they catch
+    # Conflict); and its files had already replaced the winner's file list under that step number.
+    gateway = PostgresStore(pg)
+    await gateway.start()
+    await _ready_groups(gateway, 2)
+    trainers = [PostgresStore(pg) for _ in range(2)]
+    outcomes: dict[int, str] = {}
+    barrier = threading.Barrier(2)
+
+    def record(i):
+        checkpoint = tmp_path / f"node{i}" / "0001"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "adapter_model.safetensors").write_bytes(f"weights of node {i}".encode())
+        barrier.wait()
+        try:
+            trainers[i].insert_step("agent", 1, str(checkpoint), {}, [f"g{i}"])
+            outcomes[i] = "ok"
+        except Conflict as exc:
+            outcomes[i] = str(exc)
+
+    threads = [threading.Thread(target=record, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes.values()) == ["ok", "step 1 of model 'agent' is recorded already"]
+    winner = next(i for i, outcome in outcomes.items() if outcome == "ok")
+    served = gateway.fetch_step_files("agent", 1, "/elsewhere", tmp_path / "models")
+    assert (Path(served) / "adapter_model.safetensors").read_bytes() == f"weights of node {winner}".encode()
+    assert [g["id"] for g in gateway.ready_groups("agent")] == [f"g{1 - winner}"]  # the loser's group trains again
     for t in trainers:
         t.close_sync()
     await gateway.close()

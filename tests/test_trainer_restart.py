@@ -147,3 +147,27 @@ def test_a_session_discarded_while_the_worker_was_down_takes_its_unrecorded_step
     assert [(s["step"], s["groups"]) for s in store.steps("agent")] == [(0, []), (1, ["g0", "g1"])]
     assert store.get_session("g0-s0")["advantage"] is None  # never trained
     assert store.get_session("g0-s1")["advantage"] is not None and store.get_session("g0-s2")["advantage"] is not None
+
+
+def test_a_checkpoint_whose_step_number_was_recorded_meanwhile_is_discarded_on_either_backend(either_backend, tmp_path):
+    # Another trainer recorded the number between resume's read and this record: on PostgreSQL the
+    # duplicate was psycopg's own error, which stopped the trainer at start (SQLite's was caught), and
+    # the refused record's files had replaced the recorded step's.
+    from trainer import checkpoints as ckpts
+    from trainer.resume import record_orphan
+
+    def weights(text: str):
+        return lambda directory: (directory / "adapter_model.safetensors").write_text(text)
+
+    store = either_backend
+    store.insert_step("agent", 0, str(tmp_path / "none"), {}, [])
+    recorded = ckpts.write_checkpoint(tmp_path / "node-1", 1, weights("recorded"), settings={}, metrics={}, groups=[])
+    store.insert_step("agent", 1, str(recorded.path), {}, [])
+    orphan = ckpts.write_checkpoint(tmp_path / "node-2", 1, weights("orphan"), settings={}, metrics={}, groups=[])
+
+    record_orphan(store, "agent", orphan)
+
+    assert not orphan.path.exists()  # discarded
+    row = next(s for s in store.steps("agent") if s["step"] == 1)
+    served = Path(store.fetch_step_files("agent", 1, row["path"], tmp_path / "models"))
+    assert (served / "adapter_model.safetensors").read_text() == "recorded"

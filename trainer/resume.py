@@ -13,7 +13,6 @@ The weights themselves are the worker's: it hands in how to save and load them.
 from __future__ import annotations
 
 import logging
-import sqlite3
 from pathlib import Path
 from typing import Protocol
 
@@ -150,7 +149,7 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_s
             left_out=state.get("left_out"),
             state=step_state,
         )
-    except (Conflict, sqlite3.IntegrityError) as exc:
+    except Conflict as exc:  # its groups trained, a session discarded, its step number taken
         log.warning("discarding checkpoint %s, which was never recorded: %s", checkpoint.path, exc)
         ckpts.discard(checkpoint)
         return

@@ -1,8 +1,8 @@
 """Adapters through the store: a step's checkpoint files, content-addressed and checksummed.
 
 The trainer's `insert_step` (on PostgreSQL) first writes every file of the checkpoint
-directory as a blob keyed by its SHA-256 (`blobs`), and the step's file list (`step_files`),
-then the step row: once a replica sees a step, its files are there. A replica whose models
+directory as a blob keyed by its SHA-256 (`blobs`), then the step's file list (`step_files`)
+with the step row, in one transaction: once a replica sees a step, its files are there. A replica whose models
 dir lacks the step (the trainer is on another machine) fetches the files into
 `MODELS_DIR/NAME/store/NNNN/`, checks every file's SHA-256 and size against the list, and
 only then hands the directory to the engine. No shared filesystem is needed.
@@ -37,11 +37,11 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return sorted(p for p in Path(directory).iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def upload_step_files(conn: Any, model: str, step: int, directory: Path) -> int:
-    """Write the checkpoint's files into the store (inside the caller's transaction).
-    Content-addressed: a file already stored (an unchanged config) is not sent twice."""
-    conn.execute("DELETE FROM step_files WHERE model = ? AND step = ?", (model, step))
-    count = 0
+def upload_blobs(conn: Any, directory: Path) -> list[tuple[str, str]]:
+    """Write the checkpoint's files into the store as blobs (inside the caller's transaction), and
+    list them: (name, sha256) each. Content-addressed: a file already stored (an unchanged config)
+    is not sent twice, and a blob no step lists (its record refused) harms none."""
+    listing = []
     for path in checkpoint_files(directory):
         data = path.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
@@ -51,11 +51,18 @@ def upload_step_files(conn: Any, model: str, step: int, directory: Path) -> int:
                 "INSERT INTO blobs (sha256, size, data) VALUES (?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
                 (digest, len(data), data),
             )
+        listing.append((path.name, digest))
+    return listing
+
+
+def write_file_list(conn: Any, model: str, step: int, listing: list[tuple[str, str]]) -> None:
+    """The step's file list, in its step row's transaction: a record refused (its step number taken,
+    a group trained meanwhile) leaves the list of the step recorded under that number as it was."""
+    conn.execute("DELETE FROM step_files WHERE model = ? AND step = ?", (model, step))
+    for name, digest in listing:
         conn.execute(
-            "INSERT INTO step_files (model, step, name, sha256) VALUES (?, ?, ?, ?)", (model, step, path.name, digest)
+            "INSERT INTO step_files (model, step, name, sha256) VALUES (?, ?, ?, ?)", (model, step, name, digest)
         )
-        count += 1
-    return count
 
 
 def _safe_name(name: str) -> str:

@@ -239,14 +239,16 @@ class PostgresStore(Store):
         return row
 
     def insert_step(self, model: str, step: int, path: str, *args: Any, **kwargs: Any) -> None:
-        """As `Store.insert_step`, after the checkpoint's files went into the store (their own
-        transaction, committed first): a step row is never visible without its files."""
+        """As `Store.insert_step`, after the checkpoint's files went into the store as blobs (their own
+        transaction, committed first); its file list is written with the step row: a step row is never
+        visible without its files, and a record refused changes no recorded step's files."""
         lock = self._trainer_locks.get(model)
         if lock is not None:  # held still (or again): a second trainer may have taken it while it was dropped
             lock.ensure()
         directory = Path(path)
         if directory.is_dir():
-            self._transaction(lambda conn: store_files.upload_step_files(conn, model, step, directory))
+            listing = self._transaction(lambda conn: store_files.upload_blobs(conn, directory))
+            kwargs["also"] = lambda conn: store_files.write_file_list(conn, model, step, listing)
         super().insert_step(model, step, path, *args, **kwargs)
 
     def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:

@@ -109,11 +109,13 @@ class StepRows:
         rewards: dict[str, float] | None = None,
         state: str = "promoted",
         parent: int | None = None,
+        also: Op | None = None,
     ) -> None:
         """A step row and its groups marked trained, in one transaction (Conflict: one of `session_ids` was discarded
         meanwhile). By session id: what it trained with (`advantages`, `rewards`), or why it was `left_out`.
         `state`: `promoted` (serves at once; the incumbent is superseded) or `candidate` (a policy decides);
-        `parent`: the step it was trained from (default: the serving step)."""
+        `parent`: the step it was trained from (default: the serving step); `also`: the backend's own write in the
+        same transaction (PostgreSQL: the step's file list)."""
         args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out, rewards)
 
         def op(conn: Any) -> None:
@@ -121,6 +123,8 @@ class StepRows:
             if source is not None and source >= step:
                 source = None  # a step recorded out of order (a test, a restore) has no parent to name
             training.insert_step(conn, *args)
+            if also is not None:
+                also(conn)
             decision = {"by": "policy", "policy": "always", "at": time.time()} if state == "promoted" else None
             conn.execute(
                 "UPDATE steps SET state = ?, parent = ?, decision = ? WHERE model = ? AND step = ?",

@@ -103,10 +103,16 @@ def insert_step(
             raise Conflict(
                 f"session(s) {', '.join(r[0] for r in gone)} were discarded while step {step} trained on them"
             )
-    conn.execute(
-        "INSERT INTO steps (model, step, path, metrics, groups, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+    # A step number recorded already (a racing trainer's; an orphan checkpoint recorded meanwhile) is the
+    # project's Conflict on both backends: its primary key's violation was each driver's own error, which
+    # callers that catch Conflict (`record_orphan`, the step's record) let through on PostgreSQL.
+    inserted = conn.execute(
+        "INSERT INTO steps (model, step, path, metrics, groups, created_at) VALUES (?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (model, step) DO NOTHING",
         (model, step, path, json.dumps(metrics), json.dumps(group_ids), time.time()),
     )
+    if inserted.rowcount != 1:
+        raise Conflict(f"step {step} of model '{model}' is recorded already")
     for session_id, advantage in sorted((advantages or {}).items()):
         conn.execute(
             "UPDATE sessions SET advantage = ?, trained_reward = COALESCE(?, reward), untrained_reason = NULL"
