@@ -60,7 +60,8 @@ class HeldTrainerLock:
 
     def __init__(self, url: str, model: str) -> None:
         self.url, self.model = url, model
-        self._conn: Any = None
+        self._conn: Any = None  # None while lost (the server down): taken again at the next `ensure`
+        self._released = False
         if not self._take():
             raise ConfigError(
                 f"another trainer is training model '{model}' on the store {redact(url)}: one trainer per "
@@ -80,14 +81,16 @@ class HeldTrainerLock:
     def ensure(self) -> None:
         import psycopg
 
-        if self._conn is None:  # released: this trainer is done
+        if self._released:  # this trainer is done
             return
-        try:
-            self._conn.execute("SELECT 1")  # a session alive holds its advisory lock
-            return
-        except psycopg.Error:
-            self._conn.close()
-        log.warning("the trainer lock's connection to the store was lost (PostgreSQL restarted?): taking it again")
+        if self._conn is not None:
+            try:
+                self._conn.execute("SELECT 1")  # a session alive holds its advisory lock
+                return
+            except psycopg.Error:
+                self._conn.close()
+                self._conn = None
+                log.warning("the trainer lock's connection to the store was lost (PostgreSQL restarted?)")
         try:
             taken = self._take()
         except psycopg.Error as exc:
@@ -102,6 +105,7 @@ class HeldTrainerLock:
         log.warning("trainer lock on model '%s' taken again", self.model)
 
     def release(self) -> None:
+        self._released = True
         if self._conn is not None:
             self._conn.close()
             self._conn = None
