@@ -118,10 +118,10 @@ class Store(StepRows, ABC):
 
     async def record_call(self, call: CallRecord, *, alone: bool = False) -> None:
         """Committed before this returns. `alone`: no call in flight to share a commit with (`_write_now`)."""
-        call.untrainable = await self._submit(lambda conn: rows.insert_call(conn, call), at_once=alone)
+        call.untrainable = await self._submit(rows.CallWrite(call), at_once=alone)
 
     def record_call_sync(self, call: CallRecord) -> None:
-        call.untrainable = self._run_sync(lambda conn: rows.insert_call(conn, call))
+        call.untrainable = self._run_sync(rows.CallWrite(call))
 
     async def set_reward(
         self, session_id: str, reward: float, metrics: dict | None = None, live: LiveRule | None = None

@@ -90,6 +90,42 @@ def _batch(ops: list[Op], *, careful: bool) -> Callable[[PgConn], list[Outcome]]
     return body
 
 
+Landed = Callable[[Any], "Callable[[PgConn], bool] | None"]
+"""Given what a transaction's body returned: how to tell, on another connection, whether it
+committed (None: it cannot tell, so it did not, as far as anyone is told)."""
+
+_UNFINISHED = object()  # a body that raised: nothing of it can have committed
+
+
+def _batch_landed(ops: list[Op]) -> Landed:
+    """A batch committed whole or not at all: any op of it that succeeded and can look for its own
+    row (a call, by its id: `rows.CallWrite`) tells for all of them."""
+
+    def landed(outcomes: list[Outcome]) -> Callable[[PgConn], bool] | None:
+        for op, (ok, _) in zip(ops, outcomes, strict=True):
+            if ok and hasattr(op, "landed"):
+                return op.landed
+        return None
+
+    return landed
+
+
+def _op_landed(op: Op) -> Landed:
+    return lambda _result: getattr(op, "landed", None)
+
+
+def _committed_after_all(pool: Any, check: Callable[[PgConn], bool] | None) -> bool:
+    """After a COMMIT that failed (its reply lost with the connection, typically): did it land?
+    Asked on a fresh connection; a server still gone leaves the failure as it was."""
+    if check is None:
+        return False
+    try:
+        with pool.connection(timeout=DEGRADED_WAIT) as raw:
+            return bool(check(PgConn(raw)))
+    except Exception:  # noqa: BLE001 - the COMMIT's own failure is what gets reported
+        return False
+
+
 def _rows(cursor: PgCursor) -> list[dict]:
     names = [d[0] for d in cursor.description]
     return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
@@ -131,16 +167,22 @@ class PostgresStore(Store):
 
     # -------------------------------------------------------------- transactions
 
-    def _transaction(self, body: Callable[[PgConn], Any], attempts: int = 20) -> Any:
+    def _transaction(self, body: Callable[[PgConn], Any], attempts: int = 20, landed: Landed | None = None) -> Any:
         """Run `body` in one transaction, rerun whole (`attempts` times in all, at most) if
-        PostgreSQL picked it as a deadlock victim: nothing of it was committed."""
+        PostgreSQL picked it as a deadlock victim: nothing of it was committed. With `landed`, a
+        COMMIT that failed is looked for (`_committed_after_all`) and, found, is a success."""
         try:
             for attempt in range(attempts):
                 with self._connection() as raw:
+                    result: Any = _UNFINISHED
                     try:
                         with raw.transaction():
-                            return body(PgConn(raw))
+                            result = body(PgConn(raw))
+                        return result
                     except Exception as exc:
+                        if result is not _UNFINISHED and landed is not None:
+                            if _committed_after_all(self._pool, landed(result)):
+                                return result
                         if not _is_retryable(exc) or attempt == attempts - 1:
                             raise
                         self.retries += 1
@@ -151,7 +193,7 @@ class PostgresStore(Store):
             raise
 
     def _run_sync(self, op: Op) -> Any:
-        return self._transaction(op)
+        return self._transaction(op, landed=_op_landed(op))
 
     def _apply_batch(self, ops: list[Op]) -> list[Outcome]:
         """Every op in one transaction (group commit). Ops rarely fail, so the batch first runs
@@ -164,9 +206,9 @@ class PostgresStore(Store):
         with self._write_lock:
             try:
                 try:
-                    outcomes = self._transaction(_batch(ops, careful=False), attempts=1)
+                    outcomes = self._transaction(_batch(ops, careful=False), 1, _batch_landed(ops))
                 except _OpFailed:
-                    outcomes = self._transaction(_batch(ops, careful=True), attempts=1)
+                    outcomes = self._transaction(_batch(ops, careful=True), 1, _batch_landed(ops))
                 self.commits += 1
             except Exception as exc:
                 if not _contended(exc):
@@ -177,7 +219,7 @@ class PostgresStore(Store):
 
     def _alone(self, op: Op) -> Outcome:
         try:
-            result = self._transaction(op)
+            result = self._transaction(op, landed=_op_landed(op))
         except Exception as exc:  # noqa: BLE001 - this op's outcome (a store failure too), not its neighbours'
             return False, exc
         self.commits += 1

@@ -119,6 +119,22 @@ def _to_json(value: Any) -> str:
         return json.dumps(value, default=str)
 
 
+class CallWrite:
+    """`insert_call` as a write op that can tell afterwards whether it committed. On PostgreSQL a
+    COMMIT whose reply is lost (the connection dropped) may have committed or not; answering the
+    client 503 for a call that did land makes it retry (the official clients do, twice) and the
+    call is recorded twice. The call's id is unique, so its row says which it was."""
+
+    def __init__(self, call: CallRecord) -> None:
+        self.call = call
+
+    def __call__(self, conn: Any) -> str | None:
+        return insert_call(conn, self.call)
+
+    def landed(self, conn: Any) -> bool:
+        return conn.execute("SELECT 1 FROM calls WHERE id = ?", (self.call.id,)).fetchone() is not None
+
+
 def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
     """Insert the call and upsert its session and group. Returns why the call can never be
     trained (its group was already claimed by a step or trained: it is kept, marked
