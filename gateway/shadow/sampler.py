@@ -31,6 +31,7 @@ from gateway.colocate import is_stale
 from gateway.engines.base import Completion, EngineRequest
 from gateway.errors import RLProxyError
 from gateway.metrics import Metrics
+from gateway.ruler.judges import JudgeError
 from gateway.settings import Settings
 from gateway.shadow.calls import generated_tokens, shadow_body, shadow_calls, why_not_shadowed
 from gateway.store import CallRecord
@@ -40,6 +41,9 @@ log = logging.getLogger("rlproxy.shadow")
 QUIET_POLL_S = 0.01
 STALE_POLL_S = 0.5
 """How often a sampling shadow looks whether its step went stale (not a time-out)."""
+JUDGE_TRIES = 3
+JUDGE_RETRY_S = (10.0, 60.0)
+"""The waits before a shadow group's second and third judgement (a judge restarting, rate limits)."""
 MAX_TASK_KEYS = 256
 """Task keys counted one by one in `summary()`; later ones are counted together as "(other)"."""
 
@@ -132,7 +136,7 @@ class ShadowSampler:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a shadow's failure never reaches a client; it is counted and logged
-            self._count("failed")
+            self._count("failed", reason="judge" if isinstance(exc, ShadowJudgeFailed) else "")
             message = exc.message if isinstance(exc, RLProxyError) else f"{type(exc).__name__}: {exc}"
             log.warning("shadow samples of call %s failed: %s", live.id, message)
 
@@ -190,13 +194,32 @@ class ShadowSampler:
             task.cancel()  # cancelled ourselves (shutdown): the engine call goes too
 
     async def _judge(self, group_id: str) -> None:
+        """RULER's scores for the group, tried `JUDGE_TRIES` times: a judge down for a moment, or
+        one that answered wrongly twice, must not cost the group. Nothing else ever rewards a
+        shadow group, so after the last try it is set aside as failed (its reason on
+        GET /v1/groups/{id}, `failed_judge` in /metrics) rather than left pending for ever."""
         from gateway.ruler.scoring import RulerService
 
         ruler: RulerService = self.services.extras.setdefault("ruler", RulerService(self.services))
-        self._count("judge_calls")
-        try:
-            await ruler.score_group(group_id, self.judge_model, None, self.judge_api_base)
-        except Exception:
-            self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
-            raise
-        self.metrics.shadow_judge_calls.labels(outcome="scored").inc()
+        for attempt in range(1, JUDGE_TRIES + 1):
+            self._count("judge_calls")
+            try:
+                await ruler.score_group(group_id, self.judge_model, None, self.judge_api_base)
+            except JudgeError as exc:  # the judge's failure: worth another try; a 409 (trained, discarded) is not
+                self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
+                if attempt == JUDGE_TRIES:
+                    reason = f"RULER could not judge it in {JUDGE_TRIES} tries; the last: {exc.message}"
+                    await self.services.store.give_up_shadow_group(group_id, reason)
+                    raise ShadowJudgeFailed(reason) from exc
+                log.warning("judging shadow group %s failed (try %d): %s", group_id, attempt, exc.message)
+                await asyncio.sleep(JUDGE_RETRY_S[attempt - 1])
+                continue
+            except Exception:
+                self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
+                raise
+            self.metrics.shadow_judge_calls.labels(outcome="scored").inc()
+            return
+
+
+class ShadowJudgeFailed(RLProxyError):
+    """A shadow group's judge failed on every try; the group is set aside as failed."""
