@@ -3,9 +3,10 @@
 It is called with every committed call (the chat service's observers), after the client's
 answer is on disk and on its way: it only decides and schedules, so a live call is never
 delayed. In the background each shadow waits for a quiet engine (no live call in it: shadows
-yield to live load), asks the engine for K completions from the step that answered the live
-call, records the group (gateway.store.shadows.insert_shadow_group) and has RULER judge it; the
-scores become the sessions' rewards and the trainer takes the group like any other. At most
+yield to live load; a colocated trainer's handover calls one off, to be sampled again), asks the
+engine for K completions from the step that answered the live call, records the group
+(gateway.store.shadows.insert_shadow_group) and has RULER judge it; the scores become the
+sessions' rewards and the trainer takes the group like any other. At most
 `--shadow-max-in-flight` live calls are shadowed at once; a call arriving when that many are
 is not shadowed (counted as dropped), so shadows never pile up behind live traffic.
 
@@ -121,7 +122,7 @@ class ShadowSampler:
 
     async def _shadow(self, live: CallRecord) -> None:
         try:
-            sampled = await self._sample(live) if await self._quiet_engine(live) else None
+            sampled = await self._sample_when_quiet(live)
             if sampled is None:
                 self._count("dropped", reason="stale")
                 self._per_key(live, "dropped")
@@ -149,6 +150,19 @@ class ShadowSampler:
                 return False
             await asyncio.sleep(QUIET_POLL_S)
         return not self._stale(live)
+
+    async def _sample_when_quiet(self, live: CallRecord) -> list[CallRecord] | None:
+        """The group's rows, sampled once the engine is quiet; None once the step went stale. A
+        sample the gate called off (a colocated trainer takes the GPU: `RequestGate.closing`) is
+        sampled again from the start once the gate opens: vLLM's sleep keeps nothing of it."""
+        while await self._quiet_engine(live):
+            try:
+                return await self._sample(live)
+            except CalledOff:
+                log.info(
+                    "shadow samples of call %s called off: the trainer takes the GPU; sampled again after", live.id
+                )
+        return None
 
     async def _sample(self, live: CallRecord) -> list[CallRecord] | None:
         """The group's rows, or None when the step went stale before the engine answered."""
@@ -179,19 +193,27 @@ class ShadowSampler:
         return shadow_calls(live, completion.response, completion.tokens, (time.perf_counter() - started) * 1000.0)
 
     async def _unless_stale(self, live: CallRecord, call: Awaitable[Completion]) -> Completion | None:
-        """`call`'s completion, or None once the step went stale first (the engine call is
-        cancelled: the local engine drops the job, vLLM the request)."""
+        """`call`'s completion, or None once the step went stale first, or `CalledOff` once the
+        gate starts closing: the handover to a colocated trainer waits for the calls inside, and
+        a shadow may sample for as long as its answers are, so it leaves at once (the engine call
+        is cancelled: the local engine drops the job, vLLM the request)."""
         task = asyncio.ensure_future(call)
+        closing = asyncio.ensure_future(self.services.chat.gate.closing())
         try:
             while not task.done():
-                await asyncio.wait({task}, timeout=STALE_POLL_S)
-                if not task.done() and self._stale(live):
+                await asyncio.wait({task, closing}, timeout=STALE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    break
+                if closing.done() or self._stale(live):
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
+                    if closing.done():
+                        raise CalledOff()
                     return None
             return task.result()
         finally:
             task.cancel()  # cancelled ourselves (shutdown): the engine call goes too
+            closing.cancel()
 
     async def _judge(self, group_id: str) -> None:
         """RULER's scores for the group, tried `JUDGE_TRIES` times: a judge down for a moment, or
@@ -219,6 +241,10 @@ class ShadowSampler:
                 raise
             self.metrics.shadow_judge_calls.labels(outcome="scored").inc()
             return
+
+
+class CalledOff(Exception):
+    """The gate closed while a shadow sampled: it leaves the engine and is sampled again later."""
 
 
 class ShadowJudgeFailed(RLProxyError):
