@@ -4,6 +4,8 @@ then the group is set aside as failed, with the reason, instead of staying pendi
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -12,7 +14,8 @@ from gateway.shadow import sampler
 from tests.helpers import ThreadServer
 from tests.helpers_judge import FakeJudge
 from tests.helpers_vllm import wait_until
-from tests.test_shadow import ask, shadow_settings
+from tests.test_shadow import ask, live_call, shadow_settings
+from tests.test_shadow_discard import _shadows
 
 
 @pytest.fixture(autouse=True)
@@ -64,3 +67,21 @@ def test_a_judge_that_keeps_failing_sets_the_group_aside_as_failed_not_pending(t
     assert 'rlproxy_shadow_calls_total{outcome="failed_judge"} 1.0' in metrics
     # Set aside for good: a reward for one of its sessions is refused, as for any group set aside.
     assert reward.status_code == 409 and "RULER could not judge it" in reward.json()["error"]["message"]
+
+
+@pytest.fixture
+def store(either_backend):
+    return either_backend
+
+
+def test_only_a_shadow_group_whose_judgement_failed_is_set_aside_on_either_backend(store):
+    for live in (live_call(), live_call(id="req-2", session_id="s-2")):
+        store.record_call_sync(live)
+        asyncio.run(store.record_shadow_group(_shadows(live)))
+    asyncio.run(store.set_ruler_status("shadow-req-1", "failed", "the judge is down"))
+    asyncio.run(store.set_ruler_status("shadow-req-2", "scored"))  # a manual judgement won meanwhile
+    assert asyncio.run(store.give_up_shadow_group("shadow-req-1", "RULER could not judge it")) is True
+    assert asyncio.run(store.give_up_shadow_group("shadow-req-1", "again")) is False  # once
+    assert asyncio.run(store.give_up_shadow_group("shadow-req-2", "RULER could not judge it")) is False
+    assert store.get_group("shadow-req-1")["failed"] == "RULER could not judge it"
+    assert store.get_group("shadow-req-2")["failed"] is None

@@ -231,8 +231,9 @@ class ShadowSampler:
                 self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
                 if attempt == JUDGE_TRIES:
                     reason = f"RULER could not judge it in {JUDGE_TRIES} tries; the last: {exc.message}"
-                    await self.services.store.give_up_shadow_group(group_id, reason)
-                    raise ShadowJudgeFailed(reason) from exc
+                    if await self.services.store.give_up_shadow_group(group_id, reason):
+                        raise ShadowJudgeFailed(reason) from exc
+                    raise  # scored meanwhile (POST /v1/groups/{id}/ruler) or taken by a step: not ours to set aside
                 log.warning("judging shadow group %s failed (try %d): %s", group_id, attempt, exc.message)
                 await asyncio.sleep(JUDGE_RETRY_S[attempt - 1])
                 continue
