@@ -109,17 +109,18 @@ class ChatService:
         target = None
         self.splits.check(identity)
 
-        await self._recall_step(request, identity)
         try:
-            async with self.gate.passage(), self.registry.use(request.model, canary_key(identity)) as target:
-                completion = await self.engine.complete(
-                    EngineRequest(
-                        body=engine_body(request, raw, target),
-                        adapter=target.adapter,
-                        request_id=request_id,
-                        session=identity.session_id,
+            async with self.gate.passage():
+                await self._recall_step(request, identity)  # inside the gate: it may load a step
+                async with self.registry.use(request.model, canary_key(identity)) as target:
+                    completion = await self.engine.complete(
+                        EngineRequest(
+                            body=engine_body(request, raw, target),
+                            adapter=target.adapter,
+                            request_id=request_id,
+                            session=identity.session_id,
+                        )
                     )
-                )
             if client_left is not None and client_left():
                 raise ClientGone()
         except RLProxyError as exc:
