@@ -51,8 +51,9 @@ class Metrics:
         # shadows generated, the judge's calls on shadow groups.
         self.shadow_calls = Counter(
             "rlproxy_shadow_calls",
-            "live calls given shadow samples, by outcome (shadowed, completed, failed, dropped_cap, dropped_stale, "
-            "dropped_discarded; per task key on /v1/dashboard)",
+            "live calls given shadow samples, by outcome (shadowed, completed, failed, failed_judge: the group "
+            "set aside after its last judgement, dropped_cap, dropped_stale, dropped_discarded; per task key on "
+            "/v1/dashboard)",
             ["outcome"],
             registry=self.registry,
         )

@@ -323,3 +323,33 @@ def test_a_watch_shorter_than_the_first_look_is_refused(tmp_path):
         Settings(state_dir=tmp_path, promote="canary", watch_sessions=50)
     assert Settings(state_dir=tmp_path, promote="canary", watch_sessions=0).watch_sessions == 0  # no watch, asked for
     assert Settings(state_dir=tmp_path, promote="manual", watch_sessions=50).watch_sessions == 50  # no canary
+
+
+def test_a_session_keeps_the_step_it_started_on_across_a_decision_and_a_restart(tmp_path):
+    """The step a session started on comes from the store's record of its first call where a
+    gateway has not seen the session yet: a decision and a restart (or a second replica) between
+    two of its calls do not mix two policies in one trajectory. New sessions get the new step."""
+    settings = canary_settings(tmp_path, canary_min_sessions=1000, watch_sessions=0)
+    publisher = Publisher(settings)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1)
+    sid = next(f"kept-{i}" for i in range(100) if share_of(f"session:kept-{i}") >= SHARE)  # the incumbent's
+
+    def ask(client: httpx.Client, session_id: str) -> str:
+        response = client.post(
+            "/v1/chat/completions",
+            headers={"X-Session-Id": session_id},
+            json={"model": "agent", "messages": [{"role": "user", "content": "Hi."}]},
+        )
+        assert response.status_code == 200, response.text
+        return response.headers["x-model-step"]
+
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        assert ask(client, sid) == "0"
+        decided = client.post("/v1/training/steps/1/promote", json={"model": "agent", "reason": "looks good"})
+        assert decided.status_code == 200, decided.text
+        assert ask(client, sid) == "0"  # this gateway remembers
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        assert client.get("/healthz").json()["step"] == 1
+        assert ask(client, sid) == "0"  # the restarted one reads it from the store
+        assert ask(client, "new-after-restart") == "1"

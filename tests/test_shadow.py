@@ -224,6 +224,9 @@ class _Gate:
     def passage(self):
         return _Nothing()
 
+    async def closing(self):  # never: no colocated trainer here
+        await asyncio.Event().wait()
+
 
 class _Nothing:
     async def __aenter__(self):

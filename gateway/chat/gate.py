@@ -1,5 +1,7 @@
 """A gate in front of the engine: hold new requests (never fail them) and drain
-in-flight ones, so a colocated trainer can have the GPU for a moment."""
+in-flight ones, so a colocated trainer can have the GPU for a moment. Background work inside
+(shadow samples) watches `closing` and leaves at once: it can be redone, so the trainer waits
+only for the live calls."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ class RequestGate:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._closing = asyncio.Event()  # set from close_and_drain until open
         self.held = 0  # requests waiting at the gate right now
 
     @property
@@ -33,6 +36,10 @@ class RequestGate:
         finally:
             self.held -= 1
 
+    async def closing(self) -> None:
+        """Return once the gate starts closing (a trainer is waiting for the drain)."""
+        await self._closing.wait()
+
     def passage(self) -> _Passage:
         """`async with gate.passage():` wait at the gate, then count as in flight until the block ends."""
         return _Passage(self)
@@ -49,9 +56,11 @@ class RequestGate:
     async def close_and_drain(self) -> None:
         """Stop letting requests through and wait for those inside to finish."""
         self._open.clear()
+        self._closing.set()
         await self._idle.wait()
 
     def open(self) -> None:
+        self._closing.clear()
         self._open.set()
 
 

@@ -86,6 +86,13 @@ class ChatService:
         if self.store.health.degraded:
             await self.store.probe()
 
+    async def _recall_step(self, request: ChatCompletionRequest, identity: Identity) -> None:
+        """`--promote canary`: the step a session started on, from the store where this gateway
+        has not seen the session yet (it restarted, or another replica served its calls)."""
+        canary = self.registry.canary
+        if canary is not None and request.model == self.registry.name:
+            await canary.recall(canary_key(identity))
+
     async def complete(
         self,
         request: ChatCompletionRequest,
@@ -103,15 +110,17 @@ class ChatService:
         self.splits.check(identity)
 
         try:
-            async with self.gate.passage(), self.registry.use(request.model, canary_key(identity)) as target:
-                completion = await self.engine.complete(
-                    EngineRequest(
-                        body=engine_body(request, raw, target),
-                        adapter=target.adapter,
-                        request_id=request_id,
-                        session=identity.session_id,
+            async with self.gate.passage():
+                await self._recall_step(request, identity)  # inside the gate: it may load a step
+                async with self.registry.use(request.model, canary_key(identity)) as target:
+                    completion = await self.engine.complete(
+                        EngineRequest(
+                            body=engine_body(request, raw, target),
+                            adapter=target.adapter,
+                            request_id=request_id,
+                            session=identity.session_id,
+                        )
                     )
-                )
             if client_left is not None and client_left():
                 raise ClientGone()
         except RLProxyError as exc:
@@ -180,6 +189,7 @@ class ChatService:
         self.splits.check(identity)
         await self.gate.wait()
         await self.registry.ensure(request.model)  # a pinned step not loaded: load it now
+        await self._recall_step(request, identity)
         target = self.registry.resolve(request.model, canary_key(identity))
         events = self._stream(request, raw, identity, request_id, target, time.perf_counter(), wire)
         first = await events.__anext__()  # raises the engine's error when no chunk came before it

@@ -29,7 +29,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import Conflict, EngineUnavailable
+from gateway.errors import Conflict, EngineUnavailable, RLProxyError, StoreUnavailable
 from gateway.promotion import rule
 from gateway.settings import Settings
 from gateway.store import Store
@@ -81,13 +81,43 @@ class Canary:
         step = self._pinned.get(key)
         if step is None or step not in self.registry.loaded:
             step = self.step if self.step is not None and share_of(key) < self.settings.canary_share else target.step
-            self._pinned[key] = step
-            while len(self._pinned) > PINNED_KEYS:
-                self._pinned.popitem(last=False)
+            self._remember(key, step)
         adapter = self.registry.loaded.get(step) if step is not None else None
         if adapter is None or step == target.step:
             return target
         return dataclasses.replace(target, model=adapter, adapter=adapter, step=step)
+
+    def _remember(self, key: str, step: int | None) -> None:
+        self._pinned[key] = step
+        while len(self._pinned) > PINNED_KEYS:
+            self._pinned.popitem(last=False)
+
+    async def recall(self, key: str) -> None:
+        """Pin a key this gateway has not routed yet to the step that answered its first call, as
+        the store recorded it: after a restart, or on another replica, a session (or harness
+        group) keeps the step it started on, as it does in one gateway's memory, rather than mix
+        two policies in one trajectory. Not a step since rejected or rolled back (its sessions
+        move on, as they do once it unloads), nor one so old the trainer would skip the group as
+        stale anyway (`--max-staleness`). The step is loaded on demand if it is not."""
+        if key in self._pinned:
+            return
+        kind, _, name = key.partition(":")
+        ids = (name, None) if kind == "session" else (None, name)
+        try:
+            step = await asyncio.to_thread(self.store.first_step, *ids)
+        except StoreUnavailable:  # serving goes on without the store: the key routes as a new one
+            return
+        current = self.registry.current
+        if step is None or key in self._pinned or step in self.registry.turned_down or current is None:
+            return
+        if current - step > self.settings.max_staleness:
+            return
+        try:
+            await self.registry.ensure(f"{self.name}@{step}")
+        except RLProxyError as exc:  # its checkpoint is gone or does not load: the key routes as a new one
+            log.warning("session key %s stays unpinned: step %d does not load (%s)", key, step, exc.message)
+            return
+        self._remember(key, step)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._poll(), name="rlproxy-canary")

@@ -64,7 +64,10 @@ async def list_groups(
     limit: int = Limit,
     cursor: str | None = Cursor,
     split: Literal["train", "val"] | None = Split,
-    state: Literal["trained", "skipped", "pending"] | None = Query(None, description="trained, skipped or neither"),
+    state: Literal["trained", "skipped", "failed", "pending"] | None = Query(
+        None,
+        description="trained, skipped, failed (set aside: the trainer's or a shadow judge's tries ran out) or none",
+    ),
     origin: Literal["harness", "live", "shadow"] | None = Query(
         None,
         description="how the group was formed: harness (the client's X-Group-Id), live (rewarded live "

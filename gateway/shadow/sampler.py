@@ -3,9 +3,10 @@
 It is called with every committed call (the chat service's observers), after the client's
 answer is on disk and on its way: it only decides and schedules, so a live call is never
 delayed. In the background each shadow waits for a quiet engine (no live call in it: shadows
-yield to live load), asks the engine for K completions from the step that answered the live
-call, records the group (gateway.store.shadows.insert_shadow_group) and has RULER judge it; the
-scores become the sessions' rewards and the trainer takes the group like any other. At most
+yield to live load; a colocated trainer's handover calls one off, to be sampled again), asks the
+engine for K completions from the step that answered the live call, records the group
+(gateway.store.shadows.insert_shadow_group) and has RULER judge it; the scores become the
+sessions' rewards and the trainer takes the group like any other. At most
 `--shadow-max-in-flight` live calls are shadowed at once; a call arriving when that many are
 is not shadowed (counted as dropped), so shadows never pile up behind live traffic.
 
@@ -31,6 +32,7 @@ from gateway.colocate import is_stale
 from gateway.engines.base import Completion, EngineRequest
 from gateway.errors import RLProxyError
 from gateway.metrics import Metrics
+from gateway.ruler.judges import JudgeError
 from gateway.settings import Settings
 from gateway.shadow.calls import generated_tokens, shadow_body, shadow_calls, why_not_shadowed
 from gateway.store import CallRecord
@@ -40,6 +42,9 @@ log = logging.getLogger("rlproxy.shadow")
 QUIET_POLL_S = 0.01
 STALE_POLL_S = 0.5
 """How often a sampling shadow looks whether its step went stale (not a time-out)."""
+JUDGE_TRIES = 3
+JUDGE_RETRY_S = (10.0, 60.0)
+"""The waits before a shadow group's second and third judgement (a judge restarting, rate limits)."""
 MAX_TASK_KEYS = 256
 """Task keys counted one by one in `summary()`; later ones are counted together as "(other)"."""
 
@@ -117,7 +122,7 @@ class ShadowSampler:
 
     async def _shadow(self, live: CallRecord) -> None:
         try:
-            sampled = await self._sample(live) if await self._quiet_engine(live) else None
+            sampled = await self._sample_when_quiet(live)
             if sampled is None:
                 self._count("dropped", reason="stale")
                 self._per_key(live, "dropped")
@@ -132,7 +137,7 @@ class ShadowSampler:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a shadow's failure never reaches a client; it is counted and logged
-            self._count("failed")
+            self._count("failed", reason="judge" if isinstance(exc, ShadowJudgeFailed) else "")
             message = exc.message if isinstance(exc, RLProxyError) else f"{type(exc).__name__}: {exc}"
             log.warning("shadow samples of call %s failed: %s", live.id, message)
 
@@ -145,6 +150,19 @@ class ShadowSampler:
                 return False
             await asyncio.sleep(QUIET_POLL_S)
         return not self._stale(live)
+
+    async def _sample_when_quiet(self, live: CallRecord) -> list[CallRecord] | None:
+        """The group's rows, sampled once the engine is quiet; None once the step went stale. A
+        sample the gate called off (a colocated trainer takes the GPU: `RequestGate.closing`) is
+        sampled again from the start once the gate opens: vLLM's sleep keeps nothing of it."""
+        while await self._quiet_engine(live):
+            try:
+                return await self._sample(live)
+            except CalledOff:
+                log.info(
+                    "shadow samples of call %s called off: the trainer takes the GPU; sampled again after", live.id
+                )
+        return None
 
     async def _sample(self, live: CallRecord) -> list[CallRecord] | None:
         """The group's rows, or None when the step went stale before the engine answered."""
@@ -175,28 +193,60 @@ class ShadowSampler:
         return shadow_calls(live, completion.response, completion.tokens, (time.perf_counter() - started) * 1000.0)
 
     async def _unless_stale(self, live: CallRecord, call: Awaitable[Completion]) -> Completion | None:
-        """`call`'s completion, or None once the step went stale first (the engine call is
-        cancelled: the local engine drops the job, vLLM the request)."""
+        """`call`'s completion, or None once the step went stale first, or `CalledOff` once the
+        gate starts closing: the handover to a colocated trainer waits for the calls inside, and
+        a shadow may sample for as long as its answers are, so it leaves at once (the engine call
+        is cancelled: the local engine drops the job, vLLM the request)."""
         task = asyncio.ensure_future(call)
+        closing = asyncio.ensure_future(self.services.chat.gate.closing())
         try:
             while not task.done():
-                await asyncio.wait({task}, timeout=STALE_POLL_S)
-                if not task.done() and self._stale(live):
+                await asyncio.wait({task, closing}, timeout=STALE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    break
+                if closing.done() or self._stale(live):
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
+                    if closing.done():
+                        raise CalledOff()
                     return None
             return task.result()
         finally:
             task.cancel()  # cancelled ourselves (shutdown): the engine call goes too
+            closing.cancel()
 
     async def _judge(self, group_id: str) -> None:
+        """RULER's scores for the group, tried `JUDGE_TRIES` times: a judge down for a moment, or
+        one that answered wrongly twice, must not cost the group. Nothing else ever rewards a
+        shadow group, so after the last try it is set aside as failed (its reason on
+        GET /v1/groups/{id}, `failed_judge` in /metrics) rather than left pending for ever."""
         from gateway.ruler.scoring import RulerService
 
         ruler: RulerService = self.services.extras.setdefault("ruler", RulerService(self.services))
-        self._count("judge_calls")
-        try:
-            await ruler.score_group(group_id, self.judge_model, None, self.judge_api_base)
-        except Exception:
-            self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
-            raise
-        self.metrics.shadow_judge_calls.labels(outcome="scored").inc()
+        for attempt in range(1, JUDGE_TRIES + 1):
+            self._count("judge_calls")
+            try:
+                await ruler.score_group(group_id, self.judge_model, None, self.judge_api_base)
+            except JudgeError as exc:  # the judge's failure: worth another try; a 409 (trained, discarded) is not
+                self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
+                if attempt == JUDGE_TRIES:
+                    reason = f"RULER could not judge it in {JUDGE_TRIES} tries; the last: {exc.message}"
+                    if await self.services.store.give_up_shadow_group(group_id, reason):
+                        raise ShadowJudgeFailed(reason) from exc
+                    raise  # scored meanwhile (POST /v1/groups/{id}/ruler) or taken by a step: not ours to set aside
+                log.warning("judging shadow group %s failed (try %d): %s", group_id, attempt, exc.message)
+                await asyncio.sleep(JUDGE_RETRY_S[attempt - 1])
+                continue
+            except Exception:
+                self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
+                raise
+            self.metrics.shadow_judge_calls.labels(outcome="scored").inc()
+            return
+
+
+class CalledOff(Exception):
+    """The gate closed while a shadow sampled: it leaves the engine and is sampled again later."""
+
+
+class ShadowJudgeFailed(RLProxyError):
+    """A shadow group's judge failed on every try; the group is set aside as failed."""

@@ -22,17 +22,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gateway.store import discard, lists, reads, rows, shadows, training
+from gateway.store import discard, lists, reads, rows, training
 from gateway.store.health import StoreHealth, classify
 from gateway.store.live import LiveRule
 from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.reads import SessionFilter
 from gateway.store.rows import CallRecord
+from gateway.store.shadows import ShadowRows
 from gateway.store.steps import StepRows
 from gateway.store.writer import GroupCommitWriter, Op, Outcome
 
 
-class Store(StepRows, ABC):
+class Store(StepRows, ShadowRows, ABC):
     backend: str
     """"sqlite" or "postgres"."""
     path: Any
@@ -128,11 +129,6 @@ class Store(StepRows, ABC):
     ) -> dict:
         """Store a reward; with `live`, an ungrouped session joins a live group (gateway/store/live.py)."""
         return await self._submit(lambda conn: rows.set_reward(conn, session_id, reward, metrics or {}, live))
-
-    async def record_shadow_group(self, calls: list[CallRecord], origin: str = "shadow") -> str | None:
-        """One group of calls, each its own session (a live turn and its shadow samples), in one
-        transaction; None, recording nothing, when the live session was discarded meanwhile."""
-        return await self._submit(lambda conn: shadows.insert_shadow_group(conn, calls, origin))
 
     async def close_group(self, group_id: str, expected_sessions: int | None = None) -> dict:
         return await self._submit(lambda conn: rows.close_group(conn, group_id, expected_sessions))

@@ -36,7 +36,7 @@ class ListFilter:
     max_reward: float | None = None
     since: float | None = None  # unix seconds, created at or after
     until: float | None = None  # unix seconds, created before
-    state: str | None = None  # groups: trained | skipped | pending
+    state: str | None = None  # groups: trained | skipped | failed | pending
     origin: str | None = None  # groups: harness | live | shadow (how the group was formed)
 
 
@@ -68,8 +68,8 @@ def check_filter(f: ListFilter) -> None:
         raise InvalidRequest(f"limit must be between 1 and {MAX_LIMIT}", param="limit")
     if f.split not in (None, "train", "val"):
         raise InvalidRequest("split must be 'train' or 'val'", param="split")
-    if f.state not in (None, "trained", "skipped", "pending"):
-        raise InvalidRequest("state must be 'trained', 'skipped' or 'pending'", param="state")
+    if f.state not in (None, "trained", "skipped", "failed", "pending"):
+        raise InvalidRequest("state must be 'trained', 'skipped', 'failed' or 'pending'", param="state")
     if f.origin not in (None, *ORIGINS):
         raise InvalidRequest("origin must be 'harness', 'live' or 'shadow'", param="origin")
     for name in ("min_reward", "max_reward", "since", "until"):
@@ -140,8 +140,10 @@ def list_groups(query: Query, f: ListFilter) -> dict:
         where.append("g.trained_step IS NOT NULL")
     elif f.state == "skipped":
         where.append("g.skipped IS NOT NULL")
-    elif f.state == "pending":
-        where.append("g.trained_step IS NULL AND g.skipped IS NULL")
+    elif f.state == "failed":  # set aside: the trainer's tries ran out, or a shadow group's judge's
+        where.append("g.failed IS NOT NULL AND g.trained_step IS NULL")
+    elif f.state == "pending":  # may still train: a failed group never will
+        where.append("g.trained_step IS NULL AND g.skipped IS NULL AND g.failed IS NULL")
     if f.origin is not None:
         where.append("g.origin = ?")
         params.append(f.origin)

@@ -6,15 +6,19 @@ session of its own. They are the client's session's data under other session ids
 client discards its session (a failed rollout, a conversation not to learn from), its shadow
 groups are discarded with it, so the copy of the discarded answer never trains. A shadow group
 a step already trained is left as it is (history); one recorded after the discard is not
-recorded at all.
+recorded at all. A shadow group its judge could not score (`give_up_shadow_group`) is set aside as
+failed: nothing else would ever reward it, and it would stay pending for ever.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import time
+from typing import Any
 
-from gateway.store.locks import for_update
+from gateway.store.locks import for_update, lock_group
 from gateway.store.rows import CallRecord, insert_call
+from gateway.store.writer import Op
 
 SHADOW_GROUP_PREFIX = "shadow-"
 
@@ -58,3 +62,33 @@ def discard_shadow_group(conn: sqlite3.Connection, group_id: str, session_id: st
         "UPDATE sessions SET discarded = 1, discard_reason = ?, updated_at = ? WHERE group_id = ? AND discarded = 0",
         (f"the live session '{session_id}' this group shadows was discarded", now, group_id),
     )
+
+
+def give_up_shadow_group(conn: sqlite3.Connection, group_id: str, reason: str, now: float) -> bool:
+    """Set aside as failed a shadow group whose judgement failed for good (the sampler's last
+    try): no one else rewards a shadow group, so it would stay pending for ever. Only while its
+    judgement is still the failed one and no step claimed, trained or set it aside (a manual
+    POST /v1/groups/{id}/ruler that scored it meanwhile wins); False when it was not."""
+    lock_group(conn, group_id)
+    cursor = conn.execute(
+        "UPDATE groups SET failed = ?, updated_at = ? WHERE id = ? AND origin = 'shadow' AND ruler_status = 'failed'"
+        " AND trained_step IS NULL AND claimed_step IS NULL AND failed IS NULL AND skipped IS NULL",
+        (reason, now, group_id),
+    )
+    return bool(cursor.rowcount)
+
+
+class ShadowRows:
+    """The shadow groups' part of `Store` (a mixin: the class stays within its size limit)."""
+
+    async def _submit(self, op: Op, *, at_once: bool = False) -> Any:  # implemented by `Store`
+        raise NotImplementedError
+
+    async def record_shadow_group(self, calls: list[CallRecord], origin: str = "shadow") -> str | None:
+        """One group of calls, each its own session (a live turn and its shadow samples), in one
+        transaction; None, recording nothing, when the live session was discarded meanwhile."""
+        return await self._submit(lambda conn: insert_shadow_group(conn, calls, origin))
+
+    async def give_up_shadow_group(self, group_id: str, reason: str) -> bool:
+        """Set aside as failed a shadow group its judge could not score (`give_up_shadow_group`)."""
+        return await self._submit(lambda conn: give_up_shadow_group(conn, group_id, reason, time.time()))

@@ -185,6 +185,17 @@ class StepRows:
             r for r in rows if r["step"] == r["last_step"] and "ruler_score" not in json.loads(r["metrics"] or "{}")
         ]
 
+    def first_step(self, session_id: str | None = None, group_id: str | None = None) -> int | None:
+        """The adapter step that answered the first answered call of a session, or of any session
+        of a harness group; None before one did (or where the base model answered)."""
+        where = "c.session_id = ?" if session_id is not None else "s.group_id = ?"
+        rows = self._query(
+            "SELECT c.step FROM calls c JOIN sessions s ON s.id = c.session_id"
+            f" WHERE {where} AND c.status = 'ok' AND c.step IS NOT NULL ORDER BY c.created_at LIMIT 1",
+            (session_id if session_id is not None else group_id,),
+        )
+        return int(rows[0]["step"]) if rows else None
+
     def lineage(self, model: str) -> dict[int, int | None]:
         """Step -> parent step, for every step of `model`."""
         return {r["step"]: r["parent"] for r in self._query("SELECT step, parent FROM steps WHERE model = ?", (model,))}

@@ -325,7 +325,7 @@ const REWARD = [{ name: "min_reward", label: "min reward", type: "number", step:
   { name: "max_reward", label: "max reward", type: "number", step: "any" }];
 
 function groupsPage() {
-  return pagedList("/v1/groups", [SPLIT, { name: "state", label: "state", options: ["", "trained", "skipped", "pending"] },
+  return pagedList("/v1/groups", [SPLIT, { name: "state", label: "state", options: ["", "trained", "skipped", "failed", "pending"] },
     { name: "origin", label: "origin", options: ["", ...ORIGINS] }, ...REWARD, ...TIME], [
     { label: "group", value: (g) => link(`/ui/groups/${encode(g.id)}`, g.id) },
     { label: "origin", value: (g) => g.origin || "harness" }, { label: "task", value: (g) => g.task_key || "" },

@@ -1,0 +1,101 @@
+"""Shadow samples under --gpu-mode colocated: they never hold up the GPU's handover to the
+trainer. The gateway drains live calls before vLLM sleeps, but a shadow sampling in vLLM is
+background work it can always redo: it is called off at once, waits at the gate while the
+trainer trains, and is sampled again once vLLM is awake (through the fake vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+
+from gateway.app import create_app
+from gateway.colocate import GRANTED, acquire_gpu_for_training, release_gpu
+from gateway.store.sqlite import SQLiteStore
+from tests.fake_vllm import FakeState, create_fake_vllm
+from tests.helpers import ThreadServer
+from tests.helpers_judge import FakeJudge
+from tests.helpers_vllm import BASE, attached_engine, vllm_settings, wait_until
+
+
+def holding_shadows(app, released: threading.Event, held: list):
+    """`app` with every shadow request (vLLM `priority` set: background work) held until
+    `released`, or until its client hangs up (vLLM then aborts it): a vLLM still generating long
+    shadow samples. `held` lists each shadow request as it arrives."""
+
+    async def holding(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if json.loads(body).get("priority"):
+            held.append(body)
+            hung_up = asyncio.ensure_future(receive())  # the next message is the disconnect
+            while not released.is_set() and not hung_up.done():
+                await asyncio.sleep(0.05)
+            if hung_up.done():
+                return None
+            hung_up.cancel()
+        replayed = iter([{"type": "http.request", "body": body, "more_body": False}])
+        return await app(scope, lambda: asyncio.sleep(0, next(replayed, {"type": "http.disconnect"})), send)
+
+    return holding
+
+
+def test_a_shadow_sampling_in_vllm_does_not_hold_up_the_handover_and_is_sampled_again(tmp_path):
+    fake, released, held = FakeState(base_model=BASE), threading.Event(), []
+    with (
+        FakeJudge() as judge,
+        ThreadServer(holding_shadows(create_fake_vllm(fake), released, held)) as vllm,
+    ):
+        settings = vllm_settings(
+            tmp_path,
+            vllm_url=vllm.url,
+            gpu_mode="colocated",
+            shadow_samples=2,
+            shadow_judge_model="openai/judge",
+            shadow_judge_api_base=judge.url,
+        )
+        app = create_app(settings, engine=attached_engine(vllm.url), store=SQLiteStore(settings.db_path))
+        trainer_store = SQLiteStore(settings.db_path)  # the trainer's own connection, as in its own process
+        try:
+            with ThreadServer(app) as gateway:
+                client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+                raw = client.chat.completions.with_raw_response.create(
+                    model="agent", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0
+                )
+                call_id = raw.headers["x-request-id"]
+                wait_until(lambda: held, what="the shadow request in vLLM")
+
+                # The trainer asks for the GPU while vLLM still generates the shadows: it gets it.
+                lease = acquire_gpu_for_training(trainer_store, "agent", timeout=30)
+                assert fake.asleep and trainer_store.gpu_lease("agent")["state"] == GRANTED
+                assert [e for e in fake.events if e["kind"] == "sleep"][-1]["in_flight"] == 0
+                released.set()  # from now on vLLM answers shadows at once
+                release_gpu(trainer_store, "agent", None, lease.holder)
+
+                # Awake again, the shadows are sampled again and the group is recorded and judged.
+                group = wait_until(
+                    lambda: (
+                        (r := httpx.get(f"{gateway.url}/v1/groups/shadow-{call_id}")).status_code == 200
+                        and r.json()["ruler_status"] == "scored"
+                        and r.json()
+                    ),
+                    what="the shadow group judged",
+                )
+                summary = httpx.get(f"{gateway.url}/v1/dashboard").json()["live_traffic"]["shadow_samples"]
+        finally:
+            released.set()
+            asyncio.run(trainer_store.close())
+    # Sent twice: called off for the trainer (vLLM never answered it), then sampled again.
+    assert len(held) == 2 and len([e for e in fake.events if e["kind"] == "chat" and e["priority"]]) == 1
+    assert fake.chats_while_asleep == 0
+    assert group["n_sessions"] == 3 and group["n_rewarded"] == 3  # the live answer and its 2 shadows
+    assert summary["completed"] == 1 and summary["failed"] == 0

@@ -1,0 +1,87 @@
+"""A shadow group's judge that fails: the judgement is tried again a bounded number of times,
+then the group is set aside as failed, with the reason, instead of staying pending for ever
+(nothing but its judge ever rewards a shadow group)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.shadow import sampler
+from tests.helpers import ThreadServer
+from tests.helpers_judge import FakeJudge
+from tests.helpers_vllm import wait_until
+from tests.test_shadow import ask, live_call, shadow_settings
+from tests.test_shadow_discard import _shadows
+
+
+@pytest.fixture(autouse=True)
+def no_wait_between_tries(monkeypatch):
+    monkeypatch.setattr(sampler, "JUDGE_RETRY_S", (0.0, 0.0))
+
+
+def settled(server, call_id: str) -> dict:
+    """The shadow group of `call_id` once it is scored or set aside."""
+
+    def look():
+        response = httpx.get(f"{server.url}/v1/groups/shadow-{call_id}")
+        group = response.json() if response.status_code == 200 else {}
+        return group if group.get("ruler_status") == "scored" or group.get("failed") else None
+
+    return wait_until(look, what=f"the shadow group of {call_id} to be scored or set aside")
+
+
+def group_ids(server, **params) -> list[str]:
+    return [g["id"] for g in httpx.get(f"{server.url}/v1/groups", params=params).json()["data"]]
+
+
+def test_a_judge_that_answers_wrongly_once_does_not_cost_the_group(tmp_path):
+    # The first judgement fails (a wrong answer, then a wrong answer to the retry); the next one scores.
+    with FakeJudge(answers=["not json", "still not json"]) as judge:
+        with ThreadServer(create_app(shadow_settings(tmp_path, judge.url))) as server:
+            call_id, _ = ask(server, "flaky-judge-1", temperature=1.0)
+            group = settled(server, call_id)
+            metrics = httpx.get(f"{server.url}/metrics").text
+    assert group["ruler_status"] == "scored" and group["failed"] is None
+    assert group["n_rewarded"] == group["n_sessions"] >= 2
+    assert 'rlproxy_shadow_judge_calls_total{outcome="failed"} 1.0' in metrics
+    assert 'rlproxy_shadow_judge_calls_total{outcome="scored"} 1.0' in metrics
+    assert 'rlproxy_shadow_calls_total{outcome="completed"} 1.0' in metrics
+
+
+def test_a_judge_that_keeps_failing_sets_the_group_aside_as_failed_not_pending(tmp_path):
+    with FakeJudge(status=500) as judge:
+        with ThreadServer(create_app(shadow_settings(tmp_path, judge.url))) as server:
+            call_id, _ = ask(server, "judge-down-1", temperature=1.0)
+            group = settled(server, call_id)
+            pending, failed = group_ids(server, state="pending"), group_ids(server, state="failed")
+            metrics = httpx.get(f"{server.url}/metrics").text
+            reward = httpx.post(f"{server.url}/v1/sessions/{group['sessions'][1]['id']}/reward", json={"reward": 1.0})
+    assert group["failed"].startswith(f"RULER could not judge it in {sampler.JUDGE_TRIES} tries; the last: ")
+    assert "HTTP 500" in group["failed"] and group["ruler_status"] == "failed"
+    assert group["id"] not in pending and group["id"] in failed
+    assert f'rlproxy_shadow_judge_calls_total{{outcome="failed"}} {sampler.JUDGE_TRIES}.0' in metrics
+    assert 'rlproxy_shadow_calls_total{outcome="failed_judge"} 1.0' in metrics
+    # Set aside for good: a reward for one of its sessions is refused, as for any group set aside.
+    assert reward.status_code == 409 and "RULER could not judge it" in reward.json()["error"]["message"]
+
+
+@pytest.fixture
+def store(either_backend):
+    return either_backend
+
+
+def test_only_a_shadow_group_whose_judgement_failed_is_set_aside_on_either_backend(store):
+    for live in (live_call(), live_call(id="req-2", session_id="s-2")):
+        store.record_call_sync(live)
+        asyncio.run(store.record_shadow_group(_shadows(live)))
+    asyncio.run(store.set_ruler_status("shadow-req-1", "failed", "the judge is down"))
+    asyncio.run(store.set_ruler_status("shadow-req-2", "scored"))  # a manual judgement won meanwhile
+    assert asyncio.run(store.give_up_shadow_group("shadow-req-1", "RULER could not judge it")) is True
+    assert asyncio.run(store.give_up_shadow_group("shadow-req-1", "again")) is False  # once
+    assert asyncio.run(store.give_up_shadow_group("shadow-req-2", "RULER could not judge it")) is False
+    assert store.get_group("shadow-req-1")["failed"] == "RULER could not judge it"
+    assert store.get_group("shadow-req-2")["failed"] is None
