@@ -14,14 +14,19 @@ def stream_session(pool_size: int) -> aiohttp.ClientSession:
     upstream must not leak between clients), and a trace of whether a request went out on a
     reused connection."""
     connector = aiohttp.TCPConnector(limit=pool_size, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
-    reuse = aiohttp.TraceConfig()
-    reuse.on_connection_reuseconn.append(_mark_reused)
     return aiohttp.ClientSession(
         connector=connector,
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent",),
-        trace_configs=[reuse],
+        trace_configs=[reuse_trace()],
     )
+
+
+def reuse_trace() -> aiohttp.TraceConfig:
+    """The trace `post_stream` needs on a session: whether a request went out on a reused connection."""
+    reuse = aiohttp.TraceConfig()
+    reuse.on_connection_reuseconn.append(_mark_reused)
+    return reuse
 
 
 async def _mark_reused(session: aiohttp.ClientSession, context, params) -> None:
@@ -30,9 +35,9 @@ async def _mark_reused(session: aiohttp.ClientSession, context, params) -> None:
 
 
 async def post_stream(
-    session: aiohttp.ClientSession, url: URL, data: bytes, headers: dict, timeout: aiohttp.ClientTimeout
+    session: aiohttp.ClientSession, url: URL | str, data: bytes, headers: dict, timeout: aiohttp.ClientTimeout
 ) -> aiohttp.ClientResponse:
-    """POST for an event stream (`session` from `stream_session`); the response once its
+    """POST for an event stream (`session` from `stream_session`, or one with `reuse_trace`); the response once its
     headers came. A reused keep-alive connection the upstream closed as we wrote (its idle
     timeout: 5 s on uvicorn, so on vLLM's server) fails before any byte of an answer: the
     upstream never saw the request, so it goes once more on a new connection, as `HTTP1Pool`
