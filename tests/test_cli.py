@@ -1,5 +1,6 @@
 """The CLI: every setting is a documented flag; flags > environment > defaults."""
 
+import re
 import subprocess
 import sys
 
@@ -22,6 +23,21 @@ def test_every_setting_is_a_documented_serve_flag():
         flag = "--" + name.replace("_", "-")
         assert flag in text, f"{flag} missing from `rlproxy serve --help`"
         assert field.description, f"setting {name} has no description"
+
+
+def test_train_help_lists_the_flags_a_trainer_reads_and_takes_the_gateways_too():
+    text = help_text("train")
+    listed = set(re.findall(r"^ {2}(--[a-z0-9-]+)", text, re.MULTILINE))  # each option's own line
+    for flag in ("--state-dir", "--store", "--base-model", "--learning-rate", "--promote", "--max-steps", "--gpu-mode"):
+        assert flag in listed, f"{flag} missing from `rlproxy train --help`"
+    for flag in ("--port", "--api-key", "--cors-origin", "--upstream-url", "--max-batch-size", "--shadow-samples"):
+        assert flag not in listed, f"`rlproxy train --help` lists {flag}, which it ignores"
+    for flag in ("--judge-model", "--canary-share", "--keep-adapters", "--live-group-size", "--trainer"):
+        assert flag not in listed, f"`rlproxy train --help` lists {flag}, which it ignores"
+    assert "ignores them" in " ".join(text.split())  # and says so
+    # `serve --trainer auto` starts it with the gateway's own command line: still taken
+    args = build_parser().parse_args(["train", "--port", "9200", "--api-key", "k" * 16, "--max-steps", "1"])
+    assert settings_from_args(args).port == 9200 and args.max_steps == 1
 
 
 def test_flags_beat_environment_beat_defaults(monkeypatch):
