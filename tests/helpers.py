@@ -149,10 +149,11 @@ class DropReusedProxy:
         answered = asyncio.Event()
 
         async def back() -> None:
-            while data := await up_reader.read(65536):
-                answered.set()
-                writer.write(data)
-                await writer.drain()
+            with contextlib.suppress(ConnectionError):
+                while data := await up_reader.read(65536):
+                    answered.set()
+                    writer.write(data)
+                    await writer.drain()
             writer.close()
 
         relay = asyncio.ensure_future(back())
@@ -163,6 +164,8 @@ class DropReusedProxy:
                     break
                 up_writer.write(data)
                 await up_writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # the client left, or the proxy stops
         finally:
             relay.cancel()
             writer.close()
@@ -174,7 +177,15 @@ class DropReusedProxy:
         self.server = asyncio.run_coroutine_threadsafe(start, self.loop).result(timeout=30)
         return self
 
+    async def _stop(self) -> None:
+        self.server.close()
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def __exit__(self, *exc) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
+        self.loop.close()

@@ -328,7 +328,8 @@ def test_misaligned_logprobs_are_dropped_not_recorded():
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_keep_alive_connection_vllm_closed_is_not_the_next_calls_failure(tmp_path, stream):
     """vLLM (uvicorn) closes each idle connection just as the next request comes on it: that
-    request never reached it, so it goes once more on a new connection, streamed or not."""
+    request never reached it, so it goes once more on a new connection, streamed or not, and
+    so do the POSTs to vLLM's own API."""
     with (
         fake_vllm_thread(logprobs_mode="processed_logprobs", generation_config="vllm") as (fake_server, _),
         DropReusedProxy(fake_server.port) as vllm,
@@ -339,7 +340,10 @@ def test_a_keep_alive_connection_vllm_closed_is_not_the_next_calls_failure(tmp_p
                 reply = gw.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=3, stream=stream)
                 text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices) if stream else None
                 assert (text if stream else reply.choices[0].message.content) == f"[{BASE}] hello from"
-    assert vllm.dropped >= 2  # the stale connections were really met
+            claude = anthropic.Anthropic(base_url=gw.server.url, api_key="x", max_retries=0)
+            for _ in range(3):  # a POST to vLLM's own API (/tokenize; adapters and sleep go so too)
+                assert claude.messages.count_tokens(model=BASE, messages=MESSAGES).input_tokens > 0
+    assert vllm.dropped >= 4  # the stale connections were really met
 
 
 def test_stream_records_tokens_from_chunks(gateway):

@@ -86,13 +86,15 @@ class VLLMClient:
         return await probe_health(self.session, self.base)
 
     async def post(self, path: str, body: dict | None) -> tuple[int, bytes]:
+        """POST to the admin API (adapters, sleep, /tokenize), sent once more when a reused
+        connection turns out closed before any answer (aiohttp retries only GET and the like)."""
+        data = orjson.dumps(body) if body is not None else b""
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
-            async with self.session.post(
-                self.base + path,
-                data=orjson.dumps(body) if body is not None else None,
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-            ) as resp:
+            resp = await post_stream(
+                self.session, self.base + path, data, {"Content-Type": "application/json"}, timeout
+            )
+            async with resp:
                 return resp.status, await resp.read()
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"vLLM did not answer {path} within {self.timeout:g} s") from None
