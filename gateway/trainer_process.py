@@ -163,7 +163,14 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
     and CI runners take for a failure of every rolling update and every `docker stop`."""
     import uvicorn
 
+    from gateway.http.listen import url_of
+
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # uvicorn logs where it listens only on a socket it bound itself
+                logging.getLogger("rlproxy").info("listening on %s (Ctrl-C to stop)", url_of(sock))
+
         @contextlib.contextmanager
         def capture_signals(self):
             with super().capture_signals():

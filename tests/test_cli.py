@@ -1,14 +1,17 @@
 """The CLI: every setting is a documented flag; flags > environment > defaults."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from gateway.cli import build_parser, settings_from_args
 from gateway.settings import Settings
-from tests.helpers import call_row
+from tests.helpers import call_row, stop_process
 
 
 def help_text(command: str) -> str:
@@ -179,6 +182,30 @@ def test_a_port_or_token_limit_that_cannot_work_is_refused(capsys, tmp_path):
     assert "--port: Input should be less than or equal to 65535" in capsys.readouterr().err
     assert main(["serve", "--state-dir", str(tmp_path), "--default-max-tokens", "0"]) == 2
     assert "--default-max-tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_serve_says_where_it_listens_on_the_port_it_picked(upstream, tmp_path):
+    """--port 0 takes any free port: the log says which once the gateway answers (uvicorn says
+    it only of a socket it bound itself, and `rlproxy serve` binds its own first)."""
+    args = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,
+    )
+    try:
+        started = next((line for line in proc.stdout if "Application startup complete" in line), None)
+        assert started is not None, "the gateway did not start"
+        os.kill(proc.pid, signal.SIGTERM)
+        log = proc.stdout.read()
+    finally:
+        stop_process(proc)
+    said = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", log)
+    assert said is not None and int(said.group(1)) > 0, f"`rlproxy serve` never said where it listens:\n{log}"
+    assert log.index(said.group(0)) < log.index("Shutting down")  # while it answered
 
 
 def test_a_base_model_path_that_does_not_exist_is_one_clear_line(capsys, tmp_path):
