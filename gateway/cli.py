@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pydantic import ValidationError
 
 from gateway.errors import RLProxyError
-from gateway.flags import ENGINE, EVERY_FLAG, TRAIN_NOTE, TRAINER, add_settings_flags, add_train_flags
+from gateway.flags import ENGINE, EVERY_FLAG, TRAIN_NOTE, TRAINER, add_command_flags
 from gateway.models.tuning import log_settings
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 
@@ -197,7 +197,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "train": (
         "run a trainer worker alone: train on ready groups, save adapters, record steps",
         cmd_train,
-        (),  # every setting, the gateway's own hidden (add_train_flags)
+        EVERY_FLAG,  # the gateway's own hidden (gateway/flags.py)
     ),
 }
 
@@ -213,8 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, _, groups) in COMMANDS.items():
         epilog = TRAIN_NOTE if name == "train" else None
         command = sub.add_parser(name, help=help_text, description=help_text, epilog=epilog, allow_abbrev=False)
-        for names, title in groups:
-            add_settings_flags(command, names, title)
+        add_command_flags(command, name, groups)
         if name == "export":
             command.add_argument("--output", "-o", default="-", help="file to write, or - for stdout")
             command.add_argument(
@@ -242,7 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
             for action in command._actions:  # the settings flags that mean more in a demo
                 action.help = SETTINGS_HELP.get(action.dest, action.help)
         if name == "train":
-            add_train_flags(command)
             command.add_argument("--max-steps", type=count, default=None, help="stop after this many steps")
             sft = command.add_argument_group("objective")
             sft.add_argument(

@@ -4,7 +4,7 @@ Every flag is generated from `gateway.settings.Settings`. `rlproxy serve` takes 
 `rlproxy train` takes them all too, since `serve --trainer auto` and the demo start it with the
 gateway's own command line, but its --help lists only those a trainer reads: the gateway's own
 (`TRAIN_IGNORES`: listening, keys, the engine's requests, live groups, shadows, judges, the
-canary) are taken and ignored there.
+canary) are taken and ignored there. `rlproxy demo` hides the upstream's flags and --trainer so.
 """
 
 from __future__ import annotations
@@ -151,12 +151,17 @@ TRAIN_NOTE = (
     "It also takes `rlproxy serve`'s other flags (--host, --api-key, --upstream-url, --shadow-samples, "
     "...) and ignores them: `serve --trainer auto` starts it with the gateway's own command line."
 )
+# The demo serves a model it trains (never an upstream's) and always starts its own trainer.
+DEMO_IGNORES = frozenset(("upstream_url", "upstream_api_key", "upstream_timeout", "upstream_protocol", "trainer"))
+IGNORED = {"train": TRAIN_IGNORES, "demo": DEMO_IGNORES}
 
 
-def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """Every setting, as `train` takes them: the ones it reads listed, the gateway's own hidden."""
-    for names, title in EVERY_FLAG:
-        add_settings_flags(parser, tuple(n for n in names if n not in TRAIN_IGNORES), title)
-    add_settings_flags(
-        parser, tuple(n for group, _ in EVERY_FLAG for n in group if n in TRAIN_IGNORES), "", hidden=True
-    )
+def add_command_flags(parser: argparse.ArgumentParser, command: str, groups: tuple) -> None:
+    """A command's settings as flags, each group under its title; those the command ignores
+    (`IGNORED`) are taken all the same and left out of its --help."""
+    ignored = IGNORED.get(command, frozenset())
+    for names, title in groups:
+        add_settings_flags(parser, tuple(n for n in names if n not in ignored), title)
+    hidden = tuple(n for names, _ in groups for n in names if n in ignored)
+    if hidden:
+        add_settings_flags(parser, hidden, "", hidden=True)

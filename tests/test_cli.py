@@ -43,6 +43,13 @@ def test_train_help_lists_the_flags_a_trainer_reads_and_takes_the_gateways_too()
     assert settings_from_args(args).port == 9200 and args.max_steps == 1
 
 
+def test_demo_help_leaves_out_the_upstreams_flags_and_trainer_which_it_ignores():
+    listed = set(re.findall(r"^ {2}(--[a-z0-9-]+)", help_text("demo"), re.MULTILINE))
+    assert {"--engine", "--base-model", "--vllm-url", "--learning-rate", "--trainer-devices"} <= listed
+    assert not {"--upstream-url", "--upstream-api-key", "--upstream-timeout", "--trainer"} & listed
+    assert build_parser().parse_args(["demo", "--trainer", "off"]).trainer == "off"  # still taken
+
+
 def test_flags_beat_environment_beat_defaults(monkeypatch):
     monkeypatch.setenv("RLPROXY_MODEL_NAME", "from-env")
     monkeypatch.setenv("RLPROXY_PORT", "9100")
