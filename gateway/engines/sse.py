@@ -34,21 +34,26 @@ async def _mark_reused(session: aiohttp.ClientSession, context, params) -> None:
         context.trace_request_ctx["reused"] = True
 
 
+# Sends of one request on pooled connections that turn out closed before it goes to a new one.
+STALE_TRIES = 8
+
+
 async def post_stream(
     session: aiohttp.ClientSession, url: URL | str, data: bytes, headers: dict, timeout: aiohttp.ClientTimeout
 ) -> aiohttp.ClientResponse:
-    """POST for an event stream (`session` from `stream_session`, or one with `reuse_trace`); the response once its
-    headers came. A reused keep-alive connection the upstream closed as we wrote (its idle
-    timeout: 5 s on uvicorn, so on vLLM's server) fails before any byte of an answer: the
-    upstream never saw the request, so it goes once more on a new connection, as `HTTP1Pool`
-    does for whole answers (aiohttp does so for idempotent methods only). A new connection
-    that fails so is not tried again: that upstream may have seen the request."""
-    for attempt in (1, 2):
+    """POST for an event stream (`session` from `stream_session`, or one with `reuse_trace`); the
+    response once its headers came. A reused keep-alive connection the upstream closed as we wrote
+    (its idle timeout: 5 s on uvicorn, so on vLLM's server) fails before any byte of an answer:
+    the upstream never saw the request, so it goes again, on the next pooled connection or a new
+    one (aiohttp does so for idempotent methods only). After a quiet spell every idle connection
+    may be closed so: each one that fails leaves the pool. A new connection that fails so is not
+    tried again: that upstream may have seen the request."""
+    for attempt in range(1, STALE_TRIES + 1):
         sent = {"reused": False}
         try:
             return await session.post(url, data=data, headers=headers, timeout=timeout, trace_request_ctx=sent)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            if attempt == 2 or not sent["reused"]:
+            if attempt == STALE_TRIES or not sent["reused"]:
                 raise
     raise AssertionError("unreachable")
 
