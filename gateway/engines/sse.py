@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 from yarl import URL
 
+from gateway.engines.http1 import STALE_TRIES
+
 
 def stream_session(pool_size: int) -> aiohttp.ClientSession:
     """A session for event streams, which `post_stream` sends: no cookie jar (cookies from the
@@ -32,10 +34,6 @@ def reuse_trace() -> aiohttp.TraceConfig:
 async def _mark_reused(session: aiohttp.ClientSession, context, params) -> None:
     if isinstance(context.trace_request_ctx, dict):
         context.trace_request_ctx["reused"] = True
-
-
-# Sends of one request on pooled connections that turn out closed before it goes to a new one.
-STALE_TRIES = 8
 
 
 async def post_stream(
