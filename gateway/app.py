@@ -18,7 +18,7 @@ from gateway.http.browsers import BrowserGuardMiddleware, JsonWritesMiddleware
 from gateway.http.errors import install_error_handlers
 from gateway.http.limits import BodyLimitMiddleware, Limits
 from gateway.http.logs import log_call
-from gateway.http.middleware import BearerAuthMiddleware, RequestIdMiddleware
+from gateway.http.middleware import BearerAuthMiddleware, HeadMiddleware, RequestIdMiddleware
 from gateway.http.security import cors_middleware, refuse_if_exposed
 from gateway.metrics import Metrics
 from gateway.settings import Settings
@@ -214,13 +214,14 @@ def create_app(
     install_openapi(app)
     # The same stack, innermost first, in front of FastAPI's routes and the chat fast path:
     # body limit, JSON writes only, bearer key, CORS (only with --cors-origin), Host and Origin
-    # (gateway/http/browsers.py), request id.
+    # (gateway/http/browsers.py), request id. FastAPI's routes also get HEAD as GET, innermost.
     guard = {
         "cors_origins": settings.cors_origin,
         "allowed_hosts": settings.allowed_host,
         "check_host": settings.api_key is None or bool(settings.allowed_host),
     }
     admin_key = settings.admin_key.get_secret_value() if settings.admin_key is not None else None
+    app.add_middleware(HeadMiddleware)
     app.add_middleware(BodyLimitMiddleware, limit_mb=settings.max_body_mb)
     app.add_middleware(JsonWritesMiddleware)
     if settings.api_key is not None:

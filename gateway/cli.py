@@ -1,7 +1,8 @@
 """`rlproxy`: a thin CLI over the library.
 
-Flags are generated from `gateway.settings.Settings`, so every setting is a
-flag and shows in `--help`. Precedence: flags > RLPROXY_* environment > defaults.
+Flags are generated from `gateway.settings.Settings`, so every setting is a flag and shows in
+`serve --help` (gateway/flags.py: which command lists which). Precedence: flags > RLPROXY_*
+environment > defaults.
 """
 
 from __future__ import annotations
@@ -9,123 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import typing
 from collections.abc import Callable
-from typing import Literal
 
 from pydantic import ValidationError
 
 from gateway.errors import RLProxyError
+from gateway.flags import ENGINE, EVERY_FLAG, TRAIN_NOTE, TRAINER, add_command_flags
 from gateway.models.tuning import log_settings
-from gateway.settings import KEEP_ALIVE_SECONDS, PromotionSettings, Settings
-from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
-
-SERVICE = (
-    "host",
-    "port",
-    "state_dir",
-    "store",
-    "store_sync",
-    "api_key",
-    "insecure_no_api_key",
-    "log_level",
-    "max_body_mb",
-    "max_messages",
-    "max_n",
-    "cors_origin",
-    "allowed_host",
-)
-ENGINE = (
-    "engine",
-    "base_model",
-    "chat_template",
-    "model_name",
-    "upstream_url",
-    "upstream_api_key",
-    "upstream_timeout",
-    "upstream_protocol",
-    "max_batch_size",
-    "default_max_tokens",
-    "device",
-    "vllm_url",
-    *ReplicaSettings.model_fields,
-    "vllm_api_key",
-    "vllm_port",
-    "vllm_python",
-    "vllm_arg",
-    "max_loras",
-    "gpu_mode",
-    "max_staleness",
-)
-LIVE = (
-    "live_group_size",
-    "live_max_staleness",
-    "shadow_samples",
-    "shadow_rate",
-    "shadow_max_in_flight",
-    "shadow_judge_model",
-    "shadow_judge_api_base",
-)
-JUDGES = ("judge_model", "judge_api_base")
-PROMOTION = tuple(PromotionSettings.model_fields)  # --promote and its rule's flags
-TRAINER = (
-    "trainer",
-    "backend",
-    "load_in_4bit",
-    "init_from",
-    "groups_per_step",
-    "learning_rate",
-    "weight_decay",
-    "loss_type",
-    "epsilon",
-    "epsilon_high",
-    "delta",
-    "beta",
-    "reward_kl",
-    "reward_kl_sharpen",
-    "kl_estimator",
-    "tis_cap",
-    "max_tokens_norm",
-    "scale_rewards",
-    "lora_rank",
-    "lora_alpha",
-    "lora_dropout",
-    "max_tokens_per_row",
-    "epochs_per_step",
-    "max_grad_norm",
-    *TrainingScaleSettings.model_fields,
-    "seed",
-    "keep_adapters",
-    "poll_interval",
-    "report_to",
-    "report_project",
-)
-
-
-def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...], title: str) -> None:
-    from gateway.models.tuning import MODEL_SETTINGS
-
-    tuned = set().union(*MODEL_SETTINGS.values())
-    group = parser.add_argument_group(title)
-    for name in names:
-        field = Settings.model_fields[name]
-        flag = "--" + name.replace("_", "-")
-        annotation = field.annotation
-        origin = typing.get_origin(annotation)
-        args = typing.get_args(annotation)
-        default = field.default if field.default_factory is None else field.default_factory()
-        shown = "***" if "key" in name and default else default
-        per_model = "; the built-in models have their own: docs/training.md" if name in tuned else ""
-        help_text = f"{field.description} (env RLPROXY_{name.upper()}; default: {shown}{per_model})"
-        kwargs: dict = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-        if origin is Literal:
-            kwargs["choices"] = list(args)
-        elif origin is list:
-            kwargs["action"] = "append"
-            kwargs["metavar"] = "ARG"
-        elif annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        group.add_argument(flag, **kwargs)
+from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -281,15 +173,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# `serve` and `train` take every setting (the demo passes the gateway's settings to its trainer).
-EVERY_FLAG = (
-    (SERVICE, "service"),
-    (ENGINE, "engine"),
-    (LIVE, "live traffic"),
-    (JUDGES, "RULER judges"),
-    (TRAINER, "trainer"),
-    (PROMOTION, "promotion"),
-)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[tuple[str, ...], str], ...]]] = {
     "serve": (
         "run the gateway (and, with --trainer auto, a trainer worker beside it)",
@@ -314,7 +197,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
     "train": (
         "run a trainer worker alone: train on ready groups, save adapters, record steps",
         cmd_train,
-        EVERY_FLAG,
+        EVERY_FLAG,  # the gateway's own hidden (gateway/flags.py)
     ),
 }
 
@@ -328,9 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, _, groups) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
-        for names, title in groups:
-            _add_settings_flags(command, names, title)
+        epilog = TRAIN_NOTE if name == "train" else None
+        command = sub.add_parser(name, help=help_text, description=help_text, epilog=epilog, allow_abbrev=False)
+        add_command_flags(command, name, groups)
         if name == "export":
             command.add_argument("--output", "-o", default="-", help="file to write, or - for stdout")
             command.add_argument(

@@ -156,16 +156,28 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
     it once it has shut down, and that ends the process there: a `finally` after uvicorn.run
     never ran, so the gateway exited at once and its trainer went on alone (mid-step, holding
     its GPU and the state dir) until PR_SET_PDEATHSIG reached it. A second SIGTERM or Ctrl-C
-    while the trainer finishes its step ends the gateway at once, as it ends the trainer."""
+    while the trainer finishes its step ends the gateway at once, as it ends the trainer.
+
+    A SIGTERM that shut the gateway down cleanly is not re-raised: the process exits with 0, as
+    it does after Ctrl-C. Re-raised, it ended with -15 (143 in a shell), which Kubernetes, Docker
+    and CI runners take for a failure of every rolling update and every `docker stop`."""
     import uvicorn
 
+    from gateway.http.listen import url_of
+
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # uvicorn logs where it listens only on a socket it bound itself
+                logging.getLogger("rlproxy").info("listening on %s (Ctrl-C to stop)", url_of(sock))
+
         @contextlib.contextmanager
         def capture_signals(self):
             with super().capture_signals():
                 try:
                     yield
-                finally:  # the gateway has shut down; the signal is re-raised after this
+                finally:  # the gateway has shut down; uvicorn re-raises the signals it kept after this
+                    self._captured_signals[:] = [sig for sig in self._captured_signals if sig != signal.SIGTERM]
                     if trainer is not None and threading.current_thread() is threading.main_thread():
                         signal.signal(signal.SIGINT, signal.default_int_handler)
                         signal.signal(signal.SIGTERM, signal.SIG_DFL)

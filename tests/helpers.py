@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -126,3 +127,65 @@ def call_row(call_id: str, session: str, group: str | None, split: str = "train"
         latency_ms=1.0,
     )
     return CallRecord(id=call_id, session_id=session, group_id=group, split=split, **{**values, **fields})
+
+
+class DropReusedProxy:
+    """A TCP proxy to `target_port` that closes a keep-alive connection when a second request
+    comes on it, before passing it on: as a server whose idle timeout closed the connection just
+    as the client wrote (uvicorn's, so vLLM's: 5 s). The server never sees that request.
+    `dropped` counts them; `url` is the proxy's base URL."""
+
+    def __init__(self, target_port: int):
+        self.target_port, self.port, self.dropped = target_port, free_port(), 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        answered = asyncio.Event()
+
+        async def back() -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await up_reader.read(65536):
+                    answered.set()
+                    writer.write(data)
+                    await writer.drain()
+            writer.close()
+
+        relay = asyncio.ensure_future(back())
+        try:
+            while data := await reader.read(65536):
+                if answered.is_set():  # a request on a reused connection: closed, unsent
+                    self.dropped += 1
+                    break
+                up_writer.write(data)
+                await up_writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # the client left, or the proxy stops
+        finally:
+            relay.cancel()
+            writer.close()
+            up_writer.close()
+
+    def __enter__(self) -> DropReusedProxy:
+        self.thread.start()
+        start = asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.server = asyncio.run_coroutine_threadsafe(start, self.loop).result(timeout=30)
+        return self
+
+    async def _stop(self) -> None:
+        self.server.close()
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.loop.close()

@@ -1,13 +1,17 @@
 """The CLI: every setting is a documented flag; flags > environment > defaults."""
 
+import os
+import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from gateway.cli import build_parser, settings_from_args
 from gateway.settings import Settings
-from tests.helpers import call_row
+from tests.helpers import call_row, stop_process
 
 
 def help_text(command: str) -> str:
@@ -22,6 +26,28 @@ def test_every_setting_is_a_documented_serve_flag():
         flag = "--" + name.replace("_", "-")
         assert flag in text, f"{flag} missing from `rlproxy serve --help`"
         assert field.description, f"setting {name} has no description"
+
+
+def test_train_help_lists_the_flags_a_trainer_reads_and_takes_the_gateways_too():
+    text = help_text("train")
+    listed = set(re.findall(r"^ {2}(--[a-z0-9-]+)", text, re.MULTILINE))  # each option's own line
+    for flag in ("--state-dir", "--store", "--base-model", "--learning-rate", "--promote", "--max-steps", "--gpu-mode"):
+        assert flag in listed, f"{flag} missing from `rlproxy train --help`"
+    for flag in ("--port", "--api-key", "--cors-origin", "--upstream-url", "--max-batch-size", "--shadow-samples"):
+        assert flag not in listed, f"`rlproxy train --help` lists {flag}, which it ignores"
+    for flag in ("--judge-model", "--canary-share", "--keep-adapters", "--live-group-size", "--trainer"):
+        assert flag not in listed, f"`rlproxy train --help` lists {flag}, which it ignores"
+    assert "ignores them" in " ".join(text.split())  # and says so
+    # `serve --trainer auto` starts it with the gateway's own command line: still taken
+    args = build_parser().parse_args(["train", "--port", "9200", "--api-key", "k" * 16, "--max-steps", "1"])
+    assert settings_from_args(args).port == 9200 and args.max_steps == 1
+
+
+def test_demo_help_leaves_out_the_upstreams_flags_and_trainer_which_it_ignores():
+    listed = set(re.findall(r"^ {2}(--[a-z0-9-]+)", help_text("demo"), re.MULTILINE))
+    assert {"--engine", "--base-model", "--vllm-url", "--learning-rate", "--trainer-devices"} <= listed
+    assert not {"--upstream-url", "--upstream-api-key", "--upstream-timeout", "--trainer"} & listed
+    assert build_parser().parse_args(["demo", "--trainer", "off"]).trainer == "off"  # still taken
 
 
 def test_flags_beat_environment_beat_defaults(monkeypatch):
@@ -163,6 +189,30 @@ def test_a_port_or_token_limit_that_cannot_work_is_refused(capsys, tmp_path):
     assert "--port: Input should be less than or equal to 65535" in capsys.readouterr().err
     assert main(["serve", "--state-dir", str(tmp_path), "--default-max-tokens", "0"]) == 2
     assert "--default-max-tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_serve_says_where_it_listens_on_the_port_it_picked(upstream, tmp_path):
+    """--port 0 takes any free port: the log says which once the gateway answers (uvicorn says
+    it only of a socket it bound itself, and `rlproxy serve` binds its own first)."""
+    args = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,
+    )
+    try:
+        started = next((line for line in proc.stdout if "Application startup complete" in line), None)
+        assert started is not None, "the gateway did not start"
+        os.kill(proc.pid, signal.SIGTERM)
+        log = proc.stdout.read()
+    finally:
+        stop_process(proc)
+    said = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", log)
+    assert said is not None and int(said.group(1)) > 0, f"`rlproxy serve` never said where it listens:\n{log}"
+    assert log.index(said.group(0)) < log.index("Shutting down")  # while it answered
 
 
 def test_a_base_model_path_that_does_not_exist_is_one_clear_line(capsys, tmp_path):

@@ -533,6 +533,17 @@ def test_wrong_route_and_method_are_openai_shaped(http):
     assert wrong.json()["error"]["type"] == "invalid_request_error" and "GET" in wrong.json()["error"]["message"]
 
 
+def test_head_answers_wherever_get_does_without_a_body(http):
+    """`curl -I`, load balancers and uptime checks send HEAD: the GET route's status and headers."""
+    for path in ("/healthz", "/v1/models", "/metrics", "/v1/sessions", "/openapi.json"):
+        got, head = http.get(path), http.head(path)
+        assert (head.status_code, head.content) == (got.status_code, b"") == (200, b"")
+        assert head.headers["content-type"] == got.headers["content-type"] and head.headers["x-request-id"]
+    assert http.head("/v1/nothing-here").status_code == 404
+    assert http.head("/v1/chat/completions").status_code == 405  # POST only, as for GET
+    assert http.get("/healthz").json()["status"]  # the connection the HEADs used still serves
+
+
 def test_models_and_metrics(client, http):
     _chat(client, "count me")
     assert "fake-model" in [m.id for m in client.models.list().data]

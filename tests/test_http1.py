@@ -113,6 +113,18 @@ async def test_stale_connection_is_retried_once_when_the_server_never_saw_the_re
     assert server.connections == 2
 
 
+async def test_every_stale_idle_connection_is_passed_over_until_a_new_one_answers():
+    # Two idle connections, both closed by the server as the next request comes (its keep-alive
+    # timeout ran out on each during a quiet spell): the request goes on to a third, new one.
+    async with RawServer([ok(b"1"), ok(b"2"), None, None, ok(b"3")]) as server:
+        pool = HTTP1Pool(server.url, {})
+        assert sorted(await asyncio.gather(_post(pool), _post(pool))) == [(200, b"1"), (200, b"2")]
+        assert len(pool._idle) == 2
+        assert await _post(pool) == (200, b"3")
+        await pool.close()
+    assert server.connections == 3
+
+
 async def test_chunked_and_close_framed_bodies_read_whole():
     chunked = (
         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -376,9 +376,10 @@ async def test_stop_string_cuts_text_and_tokens(engine):
             got_ids = result.tokens.choices[0].completion_ids
             finish = result.response["choices"][0]["finish_reason"]
         assert finish == "stop"
-        assert stop not in got_text and text[:cut].startswith(got_text)
+        assert got_text == text[:cut]  # right up to the stop string, which it leaves out
         assert got_ids == ids[: len(got_ids)]  # the tokens actually kept
-        assert tok.decode(got_ids, skip_special_tokens=True) == got_text
+        kept = tok.decode(got_ids, skip_special_tokens=True)  # all but a token that runs into the stop
+        assert got_text.startswith(kept) and tok.decode(ids[: len(got_ids) + 1]).startswith(got_text)
 
 
 async def test_a_stop_string_that_begins_inside_a_token_run_leaves_no_broken_character(engine):
@@ -403,6 +404,29 @@ async def test_a_stop_string_that_begins_inside_a_token_run_leaves_no_broken_cha
                 text, ids = result.response["choices"][0]["message"]["content"], result.tokens.choices[0].completion_ids
         assert text == "Hi 😀 there "
         assert tok.decode(ids) == text  # the record holds no stray bytes of the emoji either
+
+
+async def test_a_stop_string_that_begins_inside_a_token_keeps_the_text_before_it(engine):
+    """OpenAI's stop: the text ends right before the stop string, even inside a token ("or" of
+    "world", stop "rld": "... wo"); the record keeps only the tokens the client saw whole."""
+    tok = engine.tokenizer
+    words = tok.encode("Hello wonderful world", add_special_tokens=False)
+    pieces = [tok.decode([token]) for token in words]
+    assert "or" in pieces  # "rld" begins inside the token "or"
+    script = words + [tok.eos_token_id]
+    for stream in (False, True):
+        with Script(engine, script):
+            if stream:
+                chunks, end, _ = await collect(engine, request(stream=True, max_tokens=40, stop=["rld"], logprobs=True))
+                text, record = stream_text(chunks), end.tokens.choices[0]
+                finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+            else:
+                result = await engine.complete(request(max_tokens=40, stop=["rld"], logprobs=True))
+                (choice,) = result.response["choices"]
+                text, record, finish = choice["message"]["content"], result.tokens.choices[0], choice["finish_reason"]
+        assert (text, finish) == ("Hello wonderful wo", "stop")
+        assert tok.decode(record.completion_ids) == "Hello wonderful w"  # not "or": its "r" was never sent
+        assert len(record.logprobs) == len(record.completion_ids)
 
 
 # ---------------------------------------------------------------- streaming

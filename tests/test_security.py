@@ -46,6 +46,14 @@ def test_bearer_key_is_compared_in_constant_time(upstream, tmp_path, monkeypatch
     assert (f"Bearer {WRONG}".encode(), f"Bearer {KEY}".encode()) in compared
 
 
+def test_head_needs_the_key_where_get_does(upstream, tmp_path):
+    with openai_gateway(upstream.url, tmp_path, api_key=KEY) as (server, _):
+        assert httpx.head(server.url + "/healthz").status_code == 200  # open, as for GET
+        assert httpx.head(server.url + "/v1/models").status_code == 401
+        assert httpx.head(server.url + "/v1/models", headers={"Authorization": f"Bearer {WRONG}"}).status_code == 401
+        assert httpx.head(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
 def test_no_key_in_store_logs_exports_or_error_messages(upstream, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     state = tmp_path / "state"

@@ -32,7 +32,7 @@ from gateway.models.registry import resolve_base_model
 from gateway.store import Store
 from gateway.store.sqlite import SQLiteStore
 from tests.fake_vllm import FAKE_LOGITS, prompt_ids_for
-from tests.helpers import ThreadServer
+from tests.helpers import DropReusedProxy, ThreadServer
 from tests.helpers_vllm import (
     BASE,
     FAKE_LAUNCHER,
@@ -323,6 +323,27 @@ def test_misaligned_logprobs_are_dropped_not_recorded():
 
 
 # ---------------------------------------------------------------------------- through the gateway
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_keep_alive_connection_vllm_closed_is_not_the_next_calls_failure(tmp_path, stream):
+    """vLLM (uvicorn) closes each idle connection just as the next request comes on it: that
+    request never reached it, so it goes once more on a new connection, streamed or not, and
+    so do the POSTs to vLLM's own API."""
+    with (
+        fake_vllm_thread(logprobs_mode="processed_logprobs", generation_config="vllm") as (fake_server, _),
+        DropReusedProxy(fake_server.port) as vllm,
+    ):
+        settings = vllm_settings(tmp_path, vllm_url=vllm.url + "/v1")
+        with Gateway(attached_engine(vllm.url), settings, SQLiteStore(settings.db_path)) as gw:
+            for _ in range(3):
+                reply = gw.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=3, stream=stream)
+                text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices) if stream else None
+                assert (text if stream else reply.choices[0].message.content) == f"[{BASE}] hello from"
+            claude = anthropic.Anthropic(base_url=gw.server.url, api_key="x", max_retries=0)
+            for _ in range(3):  # a POST to vLLM's own API (/tokenize; adapters and sleep go so too)
+                assert claude.messages.count_tokens(model=BASE, messages=MESSAGES).input_tokens > 0
+    assert vllm.dropped >= 4  # the stale connections were really met
 
 
 def test_stream_records_tokens_from_chunks(gateway):

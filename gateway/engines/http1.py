@@ -14,8 +14,9 @@ decodes it) or the connection closing; no redirects, no proxies (the aiohttp ses
 read proxy settings either), no compression (requests say `Accept-Encoding: identity`).
 
 A request that fails on a reused keep-alive connection before any byte of the answer
-arrived is sent once more on a new connection: the server closed an idle connection as
-we wrote, so it never saw the request.
+arrived is sent again, on the next idle connection or a new one: the server closed an idle
+connection as we wrote, so it never saw the request (after a quiet spell every idle one may be
+closed so; each that fails leaves the pool). A new connection that fails so is not tried again.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ import httptools
 # line break, which would let a name from a request write its own request line or headers
 # (matched whole: `$` lets a final line break through).
 _PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@/%?-]*")
+
+# Sends of one request on pooled connections that turn out closed before it goes to a new one.
+STALE_TRIES = 8
 
 
 class ConnectError(OSError):
@@ -190,7 +194,7 @@ class HTTP1Pool:
         ProtocolError or asyncio.TimeoutError."""
         data = head + (b"\r\n" if body is None else b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         async with asyncio.timeout(timeout):
-            for attempt in (1, 2):
+            for attempt in range(1, STALE_TRIES + 1):
                 conn = await self._connection()
                 finished = conn.begin()
                 conn.transport.write(data)
@@ -198,7 +202,7 @@ class HTTP1Pool:
                     answer = await finished
                 except (ConnectionDropped, ProtocolError):
                     conn.abort()
-                    if attempt == 1 and conn.reused and not conn.got_bytes:
+                    if attempt < STALE_TRIES and conn.reused and not conn.got_bytes:
                         continue  # the server dropped an idle connection as we wrote: it never saw the request
                     raise
                 except BaseException:  # cancelled or timed out: the answer may still come, on this connection

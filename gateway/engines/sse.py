@@ -8,20 +8,27 @@ from collections.abc import AsyncIterator
 import aiohttp
 from yarl import URL
 
+from gateway.engines.http1 import STALE_TRIES
+
 
 def stream_session(pool_size: int) -> aiohttp.ClientSession:
     """A session for event streams, which `post_stream` sends: no cookie jar (cookies from the
     upstream must not leak between clients), and a trace of whether a request went out on a
     reused connection."""
     connector = aiohttp.TCPConnector(limit=pool_size, limit_per_host=0, keepalive_timeout=60, ttl_dns_cache=300)
-    reuse = aiohttp.TraceConfig()
-    reuse.on_connection_reuseconn.append(_mark_reused)
     return aiohttp.ClientSession(
         connector=connector,
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent",),
-        trace_configs=[reuse],
+        trace_configs=[reuse_trace()],
     )
+
+
+def reuse_trace() -> aiohttp.TraceConfig:
+    """The trace `post_stream` needs on a session: whether a request went out on a reused connection."""
+    reuse = aiohttp.TraceConfig()
+    reuse.on_connection_reuseconn.append(_mark_reused)
+    return reuse
 
 
 async def _mark_reused(session: aiohttp.ClientSession, context, params) -> None:
@@ -30,20 +37,21 @@ async def _mark_reused(session: aiohttp.ClientSession, context, params) -> None:
 
 
 async def post_stream(
-    session: aiohttp.ClientSession, url: URL, data: bytes, headers: dict, timeout: aiohttp.ClientTimeout
+    session: aiohttp.ClientSession, url: URL | str, data: bytes, headers: dict, timeout: aiohttp.ClientTimeout
 ) -> aiohttp.ClientResponse:
-    """POST for an event stream (`session` from `stream_session`); the response once its
-    headers came. A reused keep-alive connection the upstream closed as we wrote (its idle
-    timeout: 5 s on uvicorn, so on vLLM's server) fails before any byte of an answer: the
-    upstream never saw the request, so it goes once more on a new connection, as `HTTP1Pool`
-    does for whole answers (aiohttp does so for idempotent methods only). A new connection
-    that fails so is not tried again: that upstream may have seen the request."""
-    for attempt in (1, 2):
+    """POST for an event stream (`session` from `stream_session`, or one with `reuse_trace`); the
+    response once its headers came. A reused keep-alive connection the upstream closed as we wrote
+    (its idle timeout: 5 s on uvicorn, so on vLLM's server) fails before any byte of an answer:
+    the upstream never saw the request, so it goes again, on the next pooled connection or a new
+    one (aiohttp does so for idempotent methods only). After a quiet spell every idle connection
+    may be closed so: each one that fails leaves the pool. A new connection that fails so is not
+    tried again: that upstream may have seen the request."""
+    for attempt in range(1, STALE_TRIES + 1):
         sent = {"reused": False}
         try:
             return await session.post(url, data=data, headers=headers, timeout=timeout, trace_request_ctx=sent)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            if attempt == 2 or not sent["reused"]:
+            if attempt == STALE_TRIES or not sent["reused"]:
                 raise
     raise AssertionError("unreachable")
 

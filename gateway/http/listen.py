@@ -3,6 +3,7 @@
 uvicorn binds only after the app's startup: with the port taken, `rlproxy serve` loaded its
 model, launched a managed vLLM or a trainer (minutes on a GPU) and only then failed with
 uvicorn's "[Errno 98] ... address already in use". Bound first, the cause is one line at once.
+uvicorn says where it listens only on a socket it bound itself: `url_of` is for that line.
 """
 
 from __future__ import annotations
@@ -29,3 +30,9 @@ def listen(host: str, port: int) -> socket.socket:
             ) from exc
         raise ConfigError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from exc
     return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    """The base URL `sock` answers on, its port as bound (the one picked for --port 0)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -117,3 +117,30 @@ class BearerAuthMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+class HeadMiddleware:
+    """HEAD answered wherever GET is: the GET route runs and its body is dropped (RFC 9110
+    9.3.2: the same status and headers, no content). FastAPI's routes answer only the methods
+    they name, so `curl -I /healthz`, load balancers' and uptime checks' HEAD got a 405. The
+    middleware in front of this one (the bearer key, the dashboard's cookie, Host checks) sees
+    HEAD, so it passes exactly where GET would."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        finished = False
+
+        async def send_headers_only(message: Message) -> None:
+            nonlocal finished
+            if message["type"] != "http.response.body":
+                await send(message)
+            elif not finished and not message.get("more_body", False):
+                finished = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.app({**scope, "method": "GET"}, receive, send_headers_only)

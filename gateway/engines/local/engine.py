@@ -14,11 +14,12 @@ that asks for `logprobs` gets those same numbers (as vLLM's `processed_logprobs`
 them), not the raw model's. vLLM's `top_k`, `min_p` and `repetition_penalty` are accepted as
 extra body fields. Streaming sends content as it is decoded: text that could
 still become a stop string, an incomplete UTF-8 character or (with tools) a `<tool_call>`
-block is held back. A choice that a stop string ended carries it as `stop_reason`, as vLLM's
-do (Anthropic's `stop_sequence` is made of it). `response_format` is accepted and ignored (no
-constrained decoding); `tool_choice` "required" or a named function is treated as "auto".
-With `parallel_tool_calls` false a choice answers with its first tool call only, as vLLM's do
-(the record keeps what the model wrote).
+block is held back. A stop string cuts the text right before it, inside a token if need be,
+and the token record keeps the tokens the client saw whole (text.py). A choice that a stop
+string ended carries it as `stop_reason`, as vLLM's do (Anthropic's `stop_sequence` is made
+of it). `response_format` is accepted and ignored (no constrained decoding); `tool_choice`
+"required" or a named function is treated as "auto". With `parallel_tool_calls` false a choice
+answers with its first tool call only, as vLLM's do (the record keeps what the model wrote).
 """
 
 from __future__ import annotations

@@ -37,8 +37,14 @@ class Detokenizer:
         row.offsets.append(len(row.text))
 
     def cut_at_stop(self, row: Row) -> str | None:
-        """If the text holds a stop string, cut text and tokens before it. Returns the stop string
-        it cut at (the earliest; the first listed of those at one place), None if none."""
+        """If the text holds a stop string, cut the text right before it (OpenAI's: the stop
+        string never shows, and what precedes it always does, even part of a token's text) and
+        the tokens to those whose text ends at or before it. Returns the stop string it cut at
+        (the earliest; the first listed of those at one place), None if none.
+
+        A token whose text runs into the stop string is left out of the record (ids, logprobs):
+        the client never saw all of its text, so the trainer must not learn it. The record then
+        decodes to the text less that token's part before the stop string (at most one token)."""
         stops = row.job.sampling.stops
         longest = max(len(s) for s in stops)
         previous = row.offsets[-2] if len(row.offsets) > 1 else 0
@@ -47,7 +53,7 @@ class Detokenizer:
         if not hits:
             return None
         cut, matched = min(hits, key=lambda hit: hit[0])
-        # keep the tokens whose text ends at or before the stop string
+        row.text = row.text[:cut]
         kept = 0
         for k, offset in enumerate(row.offsets, start=1):
             if offset <= cut:
@@ -55,15 +61,19 @@ class Detokenizer:
         # Tokens that added no text are bytes of a character still incomplete after them: at
         # the end of what is kept, the first bytes of one the stop string begins with (an
         # emoji, a CJK character spread over byte-level tokens). Kept, they decode to U+FFFD.
-        row.text = self.decode(row.ids[:kept])
-        while (
-            kept and row.text.endswith("\ufffd") and row.offsets[kept - 1] == (row.offsets[kept - 2] if kept > 1 else 0)
-        ):
+        while kept and row.offsets[kept - 1] == (row.offsets[kept - 2] if kept > 1 else 0):
+            if not self.decode(row.ids[:kept]).endswith("\ufffd"):
+                break
             kept -= 1
-            row.text = self.decode(row.ids[:kept])
         del row.ids[kept:], row.logprobs[kept:], row.top[kept:], row.offsets[kept:]
         row.sent = min(row.sent, len(row.text))
         return matched
+
+    def finish(self, row: Row) -> None:
+        """Set a finished row's final text: the whole text, including any held-back bytes, unless
+        a stop string cut it (`cut_at_stop` set it then, maybe ending inside a token)."""
+        if row.stop_reason is None:
+            row.text = self.decode(row.ids)
 
 
 def streamable(row: Row) -> tuple[int, int]:

@@ -248,7 +248,7 @@ class Worker:
             if row.finish_reason is not None:
                 if job.background:
                     job.unfinished.remove(row.index)  # set aside later, it is not continued
-                row.text = detok.decode(row.ids)  # the whole text, including any held-back bytes
+                detok.finish(row)
                 if job.stream and row.sent_tokens < len(row.ids):  # logprobs not streamed yet
                     deltas.setdefault(id(job), (job, []))[1].append(delta(row, "", len(row.ids)))
                 self._flush(deltas.pop(id(job), None))  # keep this job's events in order

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from gateway.engines.http1 import HTTP1Pool
+from gateway.engines.sse import post_stream, reuse_trace
 from gateway.engines.vllm.server import probe_health, socket_of
 from gateway.engines.vllm.wire import error_message, loads, maybe_json
 from gateway.errors import EngineUnavailable, UpstreamError, UpstreamTimeout
@@ -48,7 +49,10 @@ class VLLMClient:
                 connector = aiohttp.TCPConnector(limit=512, limit_per_host=0)
             # No cookie jar: nothing from vLLM should leak between clients.
             self.session = aiohttp.ClientSession(
-                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), headers=self._auth
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                headers=self._auth,
+                trace_configs=[reuse_trace()],  # for `post_stream`'s retry of a stale connection
             )
 
     async def close(self) -> None:
@@ -64,13 +68,16 @@ class VLLMClient:
         (returned, not awaited here, so the request pays no extra coroutine)."""
         return self.pool.exchange(self._chat_head, body, timeout=self.timeout)
 
-    def chat_stream(self, body: bytes):
-        """POST a streamed chat completion: aiohttp's awaitable response (release it when done)."""
-        return self.session.post(
+    async def chat_stream(self, body: bytes) -> aiohttp.ClientResponse:
+        """POST a streamed chat completion: aiohttp's response (release it when done). Sent once
+        more on a new connection when a reused one turns out closed before any answer (vLLM's
+        uvicorn closes idle ones after 5 s), as the pool does for whole answers."""
+        return await post_stream(
+            self.session,
             self.base + "/v1/chat/completions",
-            data=body,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout),
-            headers={"Content-Type": "application/json"},
+            body,
+            {"Content-Type": "application/json"},
+            aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout),
         )
 
     # ------------------------------------------------------------ the admin API
@@ -79,13 +86,15 @@ class VLLMClient:
         return await probe_health(self.session, self.base)
 
     async def post(self, path: str, body: dict | None) -> tuple[int, bytes]:
+        """POST to the admin API (adapters, sleep, /tokenize), sent once more when a reused
+        connection turns out closed before any answer (aiohttp retries only GET and the like)."""
+        data = orjson.dumps(body) if body is not None else b""
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
         try:
-            async with self.session.post(
-                self.base + path,
-                data=orjson.dumps(body) if body is not None else None,
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-            ) as resp:
+            resp = await post_stream(
+                self.session, self.base + path, data, {"Content-Type": "application/json"}, timeout
+            )
+            async with resp:
                 return resp.status, await resp.read()
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"vLLM did not answer {path} within {self.timeout:g} s") from None
