@@ -252,3 +252,20 @@ def test_a_port_in_use_is_one_clear_line_before_anything_starts(capsys, tmp_path
     err = capsys.readouterr().err
     assert f"--port {port} on 127.0.0.1 is already in use" in err and "Traceback" not in err
     assert not state.exists()  # refused before the state dir, the store or the engine
+
+
+def test_an_engine_that_cannot_start_is_one_clear_line_and_what_started_is_stopped(tmp_path):
+    # A --vllm-url nothing answers (or a --device torch does not know) failed in the app's startup:
+    # uvicorn printed Starlette's 40-line lifespan traceback, an "Unclosed client session" error
+    # from the engine's HTTP pool, and exited 3, the reason on the traceback's last line.
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve = [sys.executable, "-m", "gateway.cli", "serve", "--state-dir", str(tmp_path), "--port", "0"]
+    vllm = ["--trainer", "off", "--engine", "vllm", "--vllm-url", f"http://127.0.0.1:{port}"]
+    done = subprocess.run([*serve, *vllm], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"rlproxy serve: no vLLM answers at http://127.0.0.1:{port}/health" in done.stderr
+    assert "Traceback" not in done.stderr and "Unclosed client session" not in done.stderr
