@@ -78,6 +78,18 @@ def _log_level(level: str) -> str:
     return level.lower()
 
 
+def _served_name(name: str) -> str:
+    # The store files a call under the name before its first '@' (NAME@STEP), and the trainer and
+    # the checkpoints go by the whole name: `--model-name team@v2` recorded its groups as `team` and
+    # the trainer, looking for `team@v2`, never trained one. The name is also a folder of the state dir.
+    if not name.strip() or any(c in name for c in "@/\\") or name != name.strip() or name in (".", ".."):
+        raise ValueError(
+            f"{name!r} cannot be a model name: give a non-empty name without '@' (NAME@STEP picks a "
+            "trained step), '/' or '\\', nor spaces at its ends, e.g. agent or agent-v2"
+        )
+    return name
+
+
 def _judge_urls(bases: list[str]) -> list[str]:
     if not all(base.startswith(("http://", "https://")) for base in bases):
         raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
@@ -175,7 +187,9 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         f"(also built in: {TINY_INSTRUCT_MODEL_ID}, instruction-tuned; {SMOLLM2_MODEL_ID}, a real instruct model)",
     )
     chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
-    model_name: str = Field("agent", description="name the trainable model is served as (NAME, NAME@STEP)")
+    model_name: Annotated[str, AfterValidator(_served_name)] = Field(
+        "agent", description="name the trainable model is served as (NAME, NAME@STEP)"
+    )
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
     upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
     upstream_timeout: float = Field(600.0, description="seconds before an upstream call is answered with 504")

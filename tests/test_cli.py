@@ -269,3 +269,15 @@ def test_an_engine_that_cannot_start_is_one_clear_line_and_what_started_is_stopp
     assert done.returncode == 2
     assert f"rlproxy serve: no vLLM answers at http://127.0.0.1:{port}/health" in done.stderr
     assert "Traceback" not in done.stderr and "Unclosed client session" not in done.stderr
+
+
+@pytest.mark.parametrize("name", ["team@v2", "", "org/agent", ".."])
+def test_a_model_name_the_store_or_the_state_dir_cannot_hold_is_refused(tmp_path, name):
+    # The store files a call under the name before its first '@' (NAME@STEP): `--model-name team@v2`
+    # recorded every group as `team`, and the trainer, looking for `team@v2`, never trained one.
+    # The name is also a folder under STATE/models/ ('..' put the checkpoints beside the state dir).
+    # Read as `rlproxy serve` reads them (it prints the reason and exits 2); accepted, it served.
+    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), "--model-name", name])
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(args)
+    assert f"{name!r} cannot be a model name" in str(refused.value)
