@@ -192,7 +192,10 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     )
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
     upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
-    upstream_timeout: float = Field(600.0, description="seconds before an upstream call is answered with 504")
+    # gt=0: at 0, -5 or nan every call was a 504 "did not answer within -5 s" (vLLM's calls too).
+    upstream_timeout: float = Field(
+        600.0, gt=0, description="seconds before an upstream (or vLLM) call is answered with 504"
+    )
     upstream_protocol: Annotated[
         list[Literal["responses", "messages", "completions"]], NoDecode, BeforeValidator(one_or_list)
     ] = Field(
@@ -200,7 +203,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         description="--engine openai: a protocol the upstream speaks itself, relayed as it is "
         "instead of translated to chat completions (repeatable)",
     )
-    max_batch_size: int = Field(16, description="local engine: most requests generated together")
+    max_batch_size: int = Field(16, ge=1, description="local engine: most requests generated together")
     default_max_tokens: int = Field(256, ge=1, description="completion limit when a request sets none")
     device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")
 
@@ -215,6 +218,8 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     )
     vllm_port: int | None = Field(
         None,
+        ge=1,
+        le=65535,
         description="the vLLM rlproxy starts listens on a Unix socket in the state dir (only this user "
         "reaches it); a port puts it on 127.0.0.1:PORT instead, with a random key made at each start, "
         "for where a socket cannot work",
@@ -226,7 +231,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "Default: the `vllm` on PATH",
     )
     vllm_arg: EnvList = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
-    max_loras: int = Field(4, description="adapters vLLM keeps loaded at once")
+    max_loras: int = Field(4, ge=1, description="adapters vLLM keeps loaded at once")
     gpu_mode: Literal["colocated", "dedicated"] = Field(
         "colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs"
     )

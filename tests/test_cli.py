@@ -281,3 +281,24 @@ def test_a_model_name_the_store_or_the_state_dir_cannot_hold_is_refused(tmp_path
     with pytest.raises(ValueError) as refused:
         settings_from_args(args)
     assert f"{name!r} cannot be a model name" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        # Every call was a 504 "the upstream ... did not answer within -5 s" (vLLM's calls too).
+        (["--upstream-timeout", "-5"], "upstream_timeout\n  Input should be greater than 0"),
+        (["--upstream-timeout", "0"], "upstream_timeout\n  Input should be greater than 0"),
+        # A ValueError traceback from the local engine's constructor.
+        (["--max-batch-size", "0"], "max_batch_size\n  Input should be greater than or equal to 1"),
+        # A ValueError traceback ("Port out of range 0-65535") once the vLLM engine was built.
+        (["--engine", "vllm", "--vllm-port", "70000"], "vllm_port\n  Input should be less than or equal to 65535"),
+        (["--engine", "vllm", "--max-loras", "0"], "max_loras\n  Input should be greater than or equal to 1"),
+    ],
+)
+def test_an_engine_setting_that_cannot_work_is_refused_at_start(tmp_path, flags, reason):
+    # Read as `rlproxy serve` reads them (it prints the reason and exits 2, as above).
+    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), *flags])
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(args)
+    assert reason in str(refused.value)
