@@ -11,10 +11,10 @@ import logging
 import sys
 import typing
 from collections.abc import Callable
-from typing import Literal
 
 from pydantic import ValidationError
 
+from gateway import version
 from gateway.errors import RLProxyError
 from gateway.models.tuning import log_settings
 from gateway.settings import KEEP_ALIVE_SECONDS, PromotionSettings, Settings
@@ -118,7 +118,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: tuple[str, ...],
         per_model = "; the built-in models have their own: docs/training.md" if name in tuned else ""
         help_text = f"{field.description} (env RLPROXY_{name.upper()}; default: {shown}{per_model})"
         kwargs: dict = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
-        if origin is Literal:
+        if origin is typing.Literal:
             kwargs["choices"] = list(args)
         elif origin is list:
             kwargs["action"] = "append"
@@ -324,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlproxy", description="an OpenAI-compatible gateway that trains the model it serves", allow_abbrev=False
     )
+    parser.add_argument("--version", action="version", version=f"rlproxy {version()}")
     from gateway.export.selection import add_selection_flags, count, positive_int
 
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -302,3 +302,14 @@ def test_an_engine_setting_that_cannot_work_is_refused_at_start(tmp_path, flags,
     with pytest.raises(ValueError) as refused:
         settings_from_args(args)
     assert reason in str(refused.value)
+
+
+def test_version_says_the_version_of_the_package():
+    # `rlproxy --version` was "error: the following arguments are required: COMMAND" (exit 2).
+    import re
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert done.stdout.strip() == "rlproxy " + re.search(r'^version = "(.+)"$', pyproject, re.M).group(1)
