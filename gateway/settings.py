@@ -90,6 +90,16 @@ def _served_name(name: str) -> str:
     return name
 
 
+def _step_ref(ref: str | None) -> str | None:
+    # Checked here, not only when the trainer reads it (trainer/resume.py): `serve --init-from agent`
+    # started a gateway that answered 503 "loading step 0" while its trainer exited and restarted forever.
+    name, _, step = (ref or "x@0").partition("@")
+    if not (step.isascii() and step.isdigit()):
+        raise ValueError(f"--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not {ref!r}")
+    _served_name(name)
+    return ref
+
+
 def _judge_urls(bases: list[str]) -> list[str]:
     if not all(base.startswith(("http://", "https://")) for base in bases):
         raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
@@ -294,7 +304,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
             "releases have no bitsandbytes quantization; default 16-bit LoRA"
         ),
     )
-    init_from: str | None = Field(
+    init_from: Annotated[str | None, AfterValidator(_step_ref)] = Field(
         None,
         description="NAME@STEP: a new run starts from that step's adapter (another run of the same base "
         "model and LoRA shape, e.g. a supervised one), with a fresh optimizer; ignored when resuming. The "
@@ -325,6 +335,8 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     def _no_4_bit_with_vllm(self) -> Settings:
         if self.load_in_4bit and self.engine == "vllm":
             raise ValueError(FOUR_BIT_WITH_VLLM)
+        if self.init_from and self.init_from.partition("@")[0] == self.model_name:
+            raise ValueError(f"--init-from {self.init_from} names this run itself: give another --model-name")
         return self
 
     @model_validator(mode="after")

@@ -313,3 +313,21 @@ def test_version_says_the_version_of_the_package():
     assert done.returncode == 0
     pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
     assert done.stdout.strip() == "rlproxy " + re.search(r'^version = "(.+)"$', pyproject, re.M).group(1)
+
+
+@pytest.mark.parametrize(
+    "init_from, reason",
+    [
+        ("agent-sft", "--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not 'agent-sft'"),
+        ("agent-sft@last", "--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not 'agent-sft@last'"),
+        ("agent@3", "--init-from agent@3 names this run itself: give another --model-name"),
+    ],
+)
+def test_serve_refuses_an_init_from_its_trainer_can_never_read(tmp_path, init_from, reason):
+    # Only the trainer read it: `rlproxy serve --init-from agent-sft` started a gateway that answered
+    # every call 503 "loading step 0 ... try again shortly" while its trainer exited 2 and was started
+    # again, forever.
+    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), "--init-from", init_from])
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(args)
+    assert reason in str(refused.value)
