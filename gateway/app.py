@@ -13,7 +13,7 @@ from gateway.adapters import AdapterRegistry
 from gateway.chat.gate import RequestGate
 from gateway.chat.service import ChatService
 from gateway.engines.base import Engine
-from gateway.errors import RLProxyError
+from gateway.errors import ConfigError, RLProxyError
 from gateway.http import session_url
 from gateway.http.browsers import BrowserGuardMiddleware, JsonWritesMiddleware
 from gateway.http.errors import install_error_handlers
@@ -48,6 +48,7 @@ class Services:
 
 def build_engine(settings: Settings) -> Engine:
     """The engine the settings ask for; heavy imports happen only here."""
+    _check_engine_urls(settings)
     if settings.engine == "openai":
         from gateway.engines.openai import OpenAIEngine
 
@@ -67,6 +68,21 @@ def build_engine(settings: Settings) -> Engine:
         default_max_tokens=settings.default_max_tokens,
         chat_template=settings.chat_template,
     )
+
+
+def _check_engine_urls(settings: Settings) -> None:
+    """Where completions come from is --engine's to say: `rlproxy serve --upstream-url https://api.openai.com/v1`
+    without `--engine openai` served the built-in model (gibberish) on the local engine, the URL ignored."""
+    for flag, value, engine in (
+        ("--upstream-url", settings.upstream_url, "openai"),
+        ("--vllm-url", settings.vllm_url, "vllm"),
+    ):
+        if value and settings.engine != engine:
+            variable = "RLPROXY_" + flag[2:].replace("-", "_").upper()
+            raise ConfigError(
+                f"{flag} is for --engine {engine}; with --engine {settings.engine} it would be ignored and the "
+                f"{settings.engine} engine would answer instead: add --engine {engine}, or drop {flag} (or {variable})"
+            )
 
 
 class GatewayApp(FastAPI):

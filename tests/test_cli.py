@@ -331,3 +331,24 @@ def test_serve_refuses_an_init_from_its_trainer_can_never_read(tmp_path, init_fr
     with pytest.raises(ValueError) as refused:
         settings_from_args(args)
     assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "engine, flag, url",
+    [("local", "--upstream-url", "https://api.openai.com/v1"), ("openai", "--vllm-url", "http://127.0.0.1:9")],
+)
+def test_an_engine_url_without_its_engine_is_refused_not_ignored(tmp_path, engine, flag, url):
+    # `rlproxy serve --upstream-url https://api.openai.com/v1` (no --engine openai) served the
+    # built-in tiny model's gibberish on the local engine, the URL ignored without a word.
+    from gateway.app import create_app
+    from gateway.errors import ConfigError
+
+    given = ["--engine", engine, flag, url, "--trainer", "off"]
+    if engine == "openai":
+        given += ["--upstream-url", "http://127.0.0.1:9/v1"]
+    settings = settings_from_args(build_parser().parse_args(["serve", "--state-dir", str(tmp_path), *given]))
+    with pytest.raises(ConfigError) as refused:
+        create_app(settings)
+    assert f"{flag} is for --engine" in str(refused.value) and f"with --engine {engine} it would be ignored" in str(
+        refused.value
+    )
