@@ -100,6 +100,14 @@ def _step_ref(ref: str | None) -> str | None:
     return ref
 
 
+def _a_directory(value: object) -> object:
+    # An empty value (RLPROXY_STATE_DIR= in a compose file) became Path(""), the current directory:
+    # the store and checkpoints landed there and the directory itself was made private (0700).
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("give a directory; an empty value would be the current one (the default is .rlproxy)")
+    return value
+
+
 def _judge_urls(bases: list[str]) -> list[str]:
     if not all(base.startswith(("http://", "https://")) for base in bases):
         raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
@@ -169,7 +177,9 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     # -- service
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free one)")
-    state_dir: Path = Field(Path(".rlproxy"), description="where the store, checkpoints and the built-in model live")
+    state_dir: Annotated[Path, BeforeValidator(_a_directory)] = Field(
+        Path(".rlproxy"), description="where the store, checkpoints and the built-in model live"
+    )
     store_sync: Literal["normal", "full"] = Field(
         "normal",
         description="normal: a recorded call survives the gateway crashing or being killed; "

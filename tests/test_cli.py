@@ -352,3 +352,13 @@ def test_an_engine_url_without_its_engine_is_refused_not_ignored(tmp_path, engin
     assert f"{flag} is for --engine" in str(refused.value) and f"with --engine {engine} it would be ignored" in str(
         refused.value
     )
+
+
+def test_an_empty_state_dir_is_refused_not_taken_for_the_current_directory(monkeypatch, tmp_path):
+    # RLPROXY_STATE_DIR= (empty, as a compose file leaves an unset variable) was Path(""), the current
+    # directory: `rlproxy serve` put its store there and chmod-ed the directory itself to 0700.
+    monkeypatch.setenv("RLPROXY_STATE_DIR", "")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(build_parser().parse_args(["serve"]))
+    assert "state_dir\n  Value error, give a directory; an empty value would be the current one" in str(refused.value)
