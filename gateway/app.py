@@ -197,7 +197,9 @@ def create_app(
             colocator = await _colocate(services)
             if tracer is not None:
                 tracer.start()
-            log.info("rlproxy serving %s on the %s engine", settings.model_name, engine.kind)
+            url = getattr(app.state, "url", None)  # `rlproxy serve` sets it (run_gateway)
+            where = f" at {url}/v1" if url else ""
+            log.info("rlproxy serving %s on the %s engine%s", settings.model_name, engine.kind, where)
             started = True
             yield
         except RLProxyError as error:

@@ -171,6 +171,11 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
                         signal.signal(signal.SIGTERM, signal.SIG_DFL)
                         trainer.stop()
 
+    from gateway.http.listen import base_url
+
+    # uvicorn names the address it listens on only for sockets it binds itself: say it, once the
+    # app has started (the port the OS chose for --port 0 included).
+    app.state.url = base_url(sock)
     server = Server(uvicorn.Config(app, **options))
     quiet = _StartupTraceback(app)
     logging.getLogger("uvicorn.error").addFilter(quiet)

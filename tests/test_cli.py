@@ -362,3 +362,24 @@ def test_an_empty_state_dir_is_refused_not_taken_for_the_current_directory(monke
     with pytest.raises(ValueError) as refused:
         settings_from_args(build_parser().parse_args(["serve"]))
     assert "state_dir\n  Value error, give a directory; an empty value would be the current one" in str(refused.value)
+
+
+def test_serve_says_where_it_listens_even_on_a_port_the_os_chose(tmp_path):
+    # uvicorn logs "Uvicorn running on ..." only for sockets it binds itself, and the gateway binds
+    # its own: `rlproxy serve --port 0` ("any free one") never said which port it got.
+    import re
+
+    import httpx
+
+    from tests.helpers import stop_process
+
+    upstream = ["--engine", "openai", "--upstream-url", "http://127.0.0.1:9/v1", "--trainer", "off"]
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--state-dir", str(tmp_path), *upstream]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = next(line for line in proc.stderr if "rlproxy serving" in line)
+        found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1$", line.strip())
+        assert found, line
+        assert httpx.get(found.group(1) + "/healthz").json()["status"] == "ok"
+    finally:
+        stop_process(proc)

@@ -29,3 +29,9 @@ def listen(host: str, port: int) -> socket.socket:
             ) from exc
         raise ConfigError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from exc
     return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    """http://HOST:PORT of a bound socket: the port the OS chose for --port 0 included."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
