@@ -13,6 +13,7 @@ from gateway.adapters import AdapterRegistry
 from gateway.chat.gate import RequestGate
 from gateway.chat.service import ChatService
 from gateway.engines.base import Engine
+from gateway.errors import ConfigError, RLProxyError
 from gateway.http import session_url
 from gateway.http.browsers import BrowserGuardMiddleware, JsonWritesMiddleware
 from gateway.http.errors import install_error_handlers
@@ -47,6 +48,7 @@ class Services:
 
 def build_engine(settings: Settings) -> Engine:
     """The engine the settings ask for; heavy imports happen only here."""
+    _check_engine_urls(settings)
     if settings.engine == "openai":
         from gateway.engines.openai import OpenAIEngine
 
@@ -66,6 +68,21 @@ def build_engine(settings: Settings) -> Engine:
         default_max_tokens=settings.default_max_tokens,
         chat_template=settings.chat_template,
     )
+
+
+def _check_engine_urls(settings: Settings) -> None:
+    """Where completions come from is --engine's to say: `rlproxy serve --upstream-url https://api.openai.com/v1`
+    without `--engine openai` served the built-in model (gibberish) on the local engine, the URL ignored."""
+    for flag, value, engine in (
+        ("--upstream-url", settings.upstream_url, "openai"),
+        ("--vllm-url", settings.vllm_url, "vllm"),
+    ):
+        if value and settings.engine != engine:
+            variable = "RLPROXY_" + flag[2:].replace("-", "_").upper()
+            raise ConfigError(
+                f"{flag} is for --engine {engine}; with --engine {settings.engine} it would be ignored and the "
+                f"{settings.engine} engine would answer instead: add --engine {engine}, or drop {flag} (or {variable})"
+            )
 
 
 class GatewayApp(FastAPI):
@@ -90,6 +107,27 @@ class GatewayApp(FastAPI):
             await self.chat_fast_path(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+
+async def _colocate(services: Services):
+    """One GPU for vLLM and the trainer: lend it while a step trains (gateway/colocate.py); None
+    where the engine has a GPU of its own or none."""
+    settings, registry = services.settings, services.registry
+    if services.engine.kind != "vllm" or settings.gpu_mode != "colocated":
+        return None
+    from gateway.colocate import Colocator, activate_step
+
+    colocator = Colocator(
+        services.engine,
+        services.gate,
+        services.store,
+        settings.model_name,
+        lambda step: activate_step(registry, settings.model_name, step),
+        poll_interval=min(settings.poll_interval, 0.5),
+    )
+    await colocator.start()
+    services.extras["colocator"] = colocator
+    return colocator
 
 
 def create_app(
@@ -148,32 +186,27 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await store.start()
-        await engine.start()
-        await registry.start()
-        if registry.canary is not None:
-            await registry.canary.start()
         colocator = None
-        if engine.kind == "vllm" and settings.gpu_mode == "colocated":
-            # One GPU for vLLM and the trainer: lend it while a step trains (gateway/colocate.py).
-            from gateway.colocate import Colocator, activate_step
-
-            colocator = Colocator(
-                engine,
-                gate,
-                store,
-                settings.model_name,
-                lambda step: activate_step(registry, settings.model_name, step),
-                poll_interval=min(settings.poll_interval, 0.5),
-            )
-            await colocator.start()
-            services.extras["colocator"] = colocator
-        if tracer is not None:
-            tracer.start()
-        log.info("rlproxy serving %s on the %s engine", settings.model_name, engine.kind)
+        started = False
         try:
+            await store.start()
+            await engine.start()
+            await registry.start()
+            if registry.canary is not None:
+                await registry.canary.start()
+            colocator = await _colocate(services)
+            if tracer is not None:
+                tracer.start()
+            log.info("rlproxy serving %s on the %s engine", settings.model_name, engine.kind)
+            started = True
             yield
-        finally:
+        except RLProxyError as error:
+            if not started:
+                # A vLLM that does not answer, a model that cannot load: `rlproxy serve` says why in
+                # one line (run_gateway), not in the ASGI server's 40-line traceback of the lifespan.
+                app.state.startup_error = error
+            raise
+        finally:  # also after a failed start: what did start is stopped (a vLLM child, aiohttp sessions)
             if "shadow" in services.extras:
                 await services.extras["shadow"].stop()
             if "ruler" in services.extras:  # judgements whose client left: marked failed, not "running"

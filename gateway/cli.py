@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
+from gateway import version
 from gateway.errors import RLProxyError
 from gateway.flags import ENGINE, EVERY_FLAG, TRAIN_NOTE, TRAINER, add_command_flags
 from gateway.models.tuning import log_settings
@@ -207,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlproxy", description="an OpenAI-compatible gateway that trains the model it serves", allow_abbrev=False
     )
+    parser.add_argument("--version", action="version", version=f"rlproxy {version()}")
     from gateway.export.selection import add_selection_flags, count, positive_int
 
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -78,6 +78,36 @@ def _log_level(level: str) -> str:
     return level.lower()
 
 
+def _served_name(name: str) -> str:
+    # The store files a call under the name before its first '@' (NAME@STEP), and the trainer and
+    # the checkpoints go by the whole name: `--model-name team@v2` recorded its groups as `team` and
+    # the trainer, looking for `team@v2`, never trained one. The name is also a folder of the state dir.
+    if not name.strip() or any(c in name for c in "@/\\") or name != name.strip() or name in (".", ".."):
+        raise ValueError(
+            f"{name!r} cannot be a model name: give a non-empty name without '@' (NAME@STEP picks a "
+            "trained step), '/' or '\\', nor spaces at its ends, e.g. agent or agent-v2"
+        )
+    return name
+
+
+def _step_ref(ref: str | None) -> str | None:
+    # Checked here, not only when the trainer reads it (trainer/resume.py): `serve --init-from agent`
+    # started a gateway that answered 503 "loading step 0" while its trainer exited and restarted forever.
+    name, _, step = (ref or "x@0").partition("@")
+    if not (step.isascii() and step.isdigit()):
+        raise ValueError(f"--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not {ref!r}")
+    _served_name(name)
+    return ref
+
+
+def _a_directory(value: object) -> object:
+    # An empty value (RLPROXY_STATE_DIR= in a compose file) became Path(""), the current directory:
+    # the store and checkpoints landed there and the directory itself was made private (0700).
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("give a directory; an empty value would be the current one (the default is .rlproxy)")
+    return value
+
+
 def _judge_urls(bases: list[str]) -> list[str]:
     if not all(base.startswith(("http://", "https://")) for base in bases):
         raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
@@ -147,7 +177,9 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     # -- service
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free one)")
-    state_dir: Path = Field(Path(".rlproxy"), description="where the store, checkpoints and the built-in model live")
+    state_dir: Annotated[Path, BeforeValidator(_a_directory)] = Field(
+        Path(".rlproxy"), description="where the store, checkpoints and the built-in model live"
+    )
     store_sync: Literal["normal", "full"] = Field(
         "normal",
         description="normal: a recorded call survives the gateway crashing or being killed; "
@@ -175,10 +207,15 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         f"(also built in: {TINY_INSTRUCT_MODEL_ID}, instruction-tuned; {SMOLLM2_MODEL_ID}, a real instruct model)",
     )
     chat_template: str | None = Field(None, description=CHAT_TEMPLATE_HELP)
-    model_name: str = Field("agent", description="name the trainable model is served as (NAME, NAME@STEP)")
+    model_name: Annotated[str, AfterValidator(_served_name)] = Field(
+        "agent", description="name the trainable model is served as (NAME, NAME@STEP)"
+    )
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
     upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
-    upstream_timeout: float = Field(600.0, description="seconds before an upstream call is answered with 504")
+    # gt=0: at 0, -5 or nan every call was a 504 "did not answer within -5 s" (vLLM's calls too).
+    upstream_timeout: float = Field(
+        600.0, gt=0, description="seconds before an upstream (or vLLM) call is answered with 504"
+    )
     upstream_protocol: Annotated[
         list[Literal["responses", "messages", "completions"]], NoDecode, BeforeValidator(one_or_list)
     ] = Field(
@@ -186,7 +223,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         description="--engine openai: a protocol the upstream speaks itself, relayed as it is "
         "instead of translated to chat completions (repeatable)",
     )
-    max_batch_size: int = Field(16, description="local engine: most requests generated together")
+    max_batch_size: int = Field(16, ge=1, description="local engine: most requests generated together")
     default_max_tokens: int = Field(256, ge=1, description="completion limit when a request sets none")
     device: str = Field("cpu", description="local engine and trainer device: cpu, cuda, cuda:1, ...")
 
@@ -201,6 +238,8 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     )
     vllm_port: int | None = Field(
         None,
+        ge=1,
+        le=65535,
         description="the vLLM rlproxy starts listens on a Unix socket in the state dir (only this user "
         "reaches it); a port puts it on 127.0.0.1:PORT instead, with a random key made at each start, "
         "for where a socket cannot work",
@@ -212,7 +251,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "Default: the `vllm` on PATH",
     )
     vllm_arg: EnvList = Field(default_factory=list, description="extra arguments passed to `vllm serve` (repeatable)")
-    max_loras: int = Field(4, description="adapters vLLM keeps loaded at once")
+    max_loras: int = Field(4, ge=1, description="adapters vLLM keeps loaded at once")
     gpu_mode: Literal["colocated", "dedicated"] = Field(
         "colocated", description="colocated: sleep vLLM while training; dedicated: separate GPUs"
     )
@@ -275,7 +314,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
             "releases have no bitsandbytes quantization; default 16-bit LoRA"
         ),
     )
-    init_from: str | None = Field(
+    init_from: Annotated[str | None, AfterValidator(_step_ref)] = Field(
         None,
         description="NAME@STEP: a new run starts from that step's adapter (another run of the same base "
         "model and LoRA shape, e.g. a supervised one), with a fresh optimizer; ignored when resuming. The "
@@ -306,6 +345,8 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     def _no_4_bit_with_vllm(self) -> Settings:
         if self.load_in_4bit and self.engine == "vllm":
             raise ValueError(FOUR_BIT_WITH_VLLM)
+        if self.init_from and self.init_from.partition("@")[0] == self.model_name:
+            raise ValueError(f"--init-from {self.init_from} names this run itself: give another --model-name")
         return self
 
     @model_validator(mode="after")

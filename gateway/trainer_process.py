@@ -184,10 +184,35 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
                         trainer.stop()
 
     server = Server(uvicorn.Config(app, **options))
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, re-raised by uvicorn: as uvicorn.run
-        server.run(sockets=[sock])
+    quiet = _StartupTraceback(app)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, re-raised by uvicorn: as uvicorn.run
+            server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's exit 3 when the app's startup failed
+        error = getattr(app.state, "startup_error", None)
+        if error is not None:  # said by `rlproxy serve` in one line, as any other error of the settings
+            raise error from None
+        raise  # a failure of our own: uvicorn has logged its traceback
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
     if not server.started:  # the app's startup failed: uvicorn has logged why
         sys.exit(3)
+
+
+class _StartupTraceback(logging.Filter):
+    """Drops the traceback uvicorn logs when the app's startup fails with an RLProxyError (a vLLM
+    that does not answer, a --device torch does not know): the error's message says all a user can
+    act on, and 40 lines of Starlette's lifespan frames buried it. Any other failure keeps its
+    traceback."""
+
+    def __init__(self, app) -> None:
+        super().__init__()
+        self.app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed = getattr(self.app.state, "startup_error", None) is not None
+        return not (failed and str(record.msg).startswith("Traceback"))
 
 
 def trainer_command(args: argparse.Namespace, settings: Settings) -> tuple[list[str], dict[str, str]]:

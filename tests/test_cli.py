@@ -302,3 +302,113 @@ def test_a_port_in_use_is_one_clear_line_before_anything_starts(capsys, tmp_path
     err = capsys.readouterr().err
     assert f"--port {port} on 127.0.0.1 is already in use" in err and "Traceback" not in err
     assert not state.exists()  # refused before the state dir, the store or the engine
+
+
+def test_an_engine_that_cannot_start_is_one_clear_line_and_what_started_is_stopped(tmp_path):
+    # A --vllm-url nothing answers (or a --device torch does not know) failed in the app's startup:
+    # uvicorn printed Starlette's 40-line lifespan traceback, an "Unclosed client session" error
+    # from the engine's HTTP pool, and exited 3, the reason on the traceback's last line.
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve = [sys.executable, "-m", "gateway.cli", "serve", "--state-dir", str(tmp_path), "--port", "0"]
+    vllm = ["--trainer", "off", "--engine", "vllm", "--vllm-url", f"http://127.0.0.1:{port}"]
+    done = subprocess.run([*serve, *vllm], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"rlproxy serve: no vLLM answers at http://127.0.0.1:{port}/health" in done.stderr
+    assert "Traceback" not in done.stderr and "Unclosed client session" not in done.stderr
+
+
+@pytest.mark.parametrize("name", ["team@v2", "", "org/agent", ".."])
+def test_a_model_name_the_store_or_the_state_dir_cannot_hold_is_refused(tmp_path, name):
+    # The store files a call under the name before its first '@' (NAME@STEP): `--model-name team@v2`
+    # recorded every group as `team`, and the trainer, looking for `team@v2`, never trained one.
+    # The name is also a folder under STATE/models/ ('..' put the checkpoints beside the state dir).
+    # Read as `rlproxy serve` reads them (it prints the reason and exits 2); accepted, it served.
+    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), "--model-name", name])
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(args)
+    assert f"{name!r} cannot be a model name" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        # Every call was a 504 "the upstream ... did not answer within -5 s" (vLLM's calls too).
+        (["--upstream-timeout", "-5"], "upstream_timeout\n  Input should be greater than 0"),
+        (["--upstream-timeout", "0"], "upstream_timeout\n  Input should be greater than 0"),
+        # A ValueError traceback from the local engine's constructor.
+        (["--max-batch-size", "0"], "max_batch_size\n  Input should be greater than or equal to 1"),
+        # A ValueError traceback ("Port out of range 0-65535") once the vLLM engine was built.
+        (["--engine", "vllm", "--vllm-port", "70000"], "vllm_port\n  Input should be less than or equal to 65535"),
+        (["--engine", "vllm", "--max-loras", "0"], "max_loras\n  Input should be greater than or equal to 1"),
+    ],
+)
+def test_an_engine_setting_that_cannot_work_is_refused_at_start(tmp_path, flags, reason):
+    # Read as `rlproxy serve` reads them (it prints the reason and exits 2, as above).
+    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), *flags])
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(args)
+    assert reason in str(refused.value)
+
+
+def test_version_says_the_version_of_the_package():
+    # `rlproxy --version` was "error: the following arguments are required: COMMAND" (exit 2).
+    import re
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert done.stdout.strip() == "rlproxy " + re.search(r'^version = "(.+)"$', pyproject, re.M).group(1)
+
+
+@pytest.mark.parametrize(
+    "init_from, reason",
+    [
+        ("agent-sft", "--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not 'agent-sft'"),
+        ("agent-sft@last", "--init-from takes NAME@STEP (as served, e.g. agent-sft@12), not 'agent-sft@last'"),
+        ("agent@3", "--init-from agent@3 names this run itself: give another --model-name"),
+    ],
+)
+def test_serve_refuses_an_init_from_its_trainer_can_never_read(tmp_path, init_from, reason):
+    # Only the trainer read it: `rlproxy serve --init-from agent-sft` started a gateway that answered
+    # every call 503 "loading step 0 ... try again shortly" while its trainer exited 2 and was started
+    # again, forever.
+    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), "--init-from", init_from])
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(args)
+    assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "engine, flag, url",
+    [("local", "--upstream-url", "https://api.openai.com/v1"), ("openai", "--vllm-url", "http://127.0.0.1:9")],
+)
+def test_an_engine_url_without_its_engine_is_refused_not_ignored(tmp_path, engine, flag, url):
+    # `rlproxy serve --upstream-url https://api.openai.com/v1` (no --engine openai) served the
+    # built-in tiny model's gibberish on the local engine, the URL ignored without a word.
+    from gateway.app import create_app
+    from gateway.errors import ConfigError
+
+    given = ["--engine", engine, flag, url, "--trainer", "off"]
+    if engine == "openai":
+        given += ["--upstream-url", "http://127.0.0.1:9/v1"]
+    settings = settings_from_args(build_parser().parse_args(["serve", "--state-dir", str(tmp_path), *given]))
+    with pytest.raises(ConfigError) as refused:
+        create_app(settings)
+    assert f"{flag} is for --engine" in str(refused.value) and f"with --engine {engine} it would be ignored" in str(
+        refused.value
+    )
+
+
+def test_an_empty_state_dir_is_refused_not_taken_for_the_current_directory(monkeypatch, tmp_path):
+    # RLPROXY_STATE_DIR= (empty, as a compose file leaves an unset variable) was Path(""), the current
+    # directory: `rlproxy serve` put its store there and chmod-ed the directory itself to 0700.
+    monkeypatch.setenv("RLPROXY_STATE_DIR", "")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(build_parser().parse_args(["serve"]))
+    assert "state_dir\n  Value error, give a directory; an empty value would be the current one" in str(refused.value)

@@ -142,3 +142,16 @@ def test_demo_refuses_a_state_dir_with_checkpoints(tmp_path):
     result = run_demo(tmp_path / "out", "--state-dir", str(state), timeout=60)
     assert result.returncode == 2
     assert "trains from scratch" in result.stderr
+
+
+def test_demo_says_in_one_line_when_out_is_a_file(tmp_path, capsys):
+    # `rlproxy demo --out notes.txt` ended in a FileExistsError traceback from mkdir.
+    from gateway.cli import main
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert main(["demo", "--out", str(a_file), "--state-dir", str(tmp_path / "state")]) == 2
+    assert f"rlproxy demo: --out {a_file} cannot be used (File exists)" in capsys.readouterr().err
+    assert main(["demo", "--out", str(a_file / "run"), "--state-dir", str(tmp_path / "state")]) == 2
+    assert f"--out {a_file / 'run'} cannot be used (Not a directory)" in capsys.readouterr().err
+    assert a_file.read_text() == "mine"

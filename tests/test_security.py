@@ -179,6 +179,25 @@ def test_listening_beyond_loopback_without_a_key_is_refused_unless_said_on_purpo
     assert sorted(os.listdir(tmp_path)) == ["3", "4", "5", "6", "7"]  # refused before the state dir is made
 
 
+def test_an_empty_host_is_every_interface_and_needs_a_key_as_0_0_0_0_does(tmp_path):
+    # `--host ''` (an empty RLPROXY_HOST= in a compose file) was taken for loopback, uvicorn's
+    # reading of it; but the gateway binds its socket itself, and bind("") takes every interface:
+    # it served anyone who could reach the port, with no key and no word.
+    from gateway.http.listen import listen
+
+    with listen("", 0) as sock:
+        assert sock.getsockname()[0] == "0.0.0.0"
+
+    class Engine:  # never started: create_app only wires it
+        kind, supports_adapters = "openai", False
+
+    with pytest.raises(ConfigError) as refused:
+        create_app(
+            Settings(engine="openai", host="", state_dir=tmp_path), engine=Engine(), store=SQLiteStore(memory=True)
+        )
+    assert "refusing to start: listening on every interface (--host empty) with no API key" in str(refused.value)
+
+
 def test_serve_says_why_it_refuses_to_listen_beyond_loopback_without_a_key(tmp_path):
     import subprocess
     import sys

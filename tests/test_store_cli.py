@@ -79,3 +79,25 @@ def test_a_password_given_as_a_query_parameter_is_kept_out_of_the_error_too(tmp_
         PostgresStore(f"postgresql://user@127.0.0.1:{port}/db?password=hunter2&connect_timeout=1", timeout=2)
     message = caught.value.message
     assert "cannot connect" in message and "hunter2" not in message and "password=***" in message
+
+
+def test_a_store_path_that_is_no_database_is_refused_and_left_as_it_is(tmp_path, capsys):
+    # `--store /etc/passwd` made it 0600 (the store's files are made private before SQLite opens
+    # them), then failed with "the store file is damaged ... move it away (the gateway starts a new
+    # one)". A directory was chmod-ed 0600 too.
+    notes, folder = tmp_path / "notes.txt", tmp_path / "folder"
+    notes.write_text("mine\n")
+    folder.mkdir()
+    for path in (notes, folder):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+        assert main(["train", "--store", str(path), "--state-dir", str(tmp_path / "state"), "--max-steps", "0"]) == 2
+        err = capsys.readouterr().err
+        assert f"--store {path} is not an SQLite database" in err and "it was left as it is" in err
+    assert (notes.stat().st_mode & 0o777, folder.stat().st_mode & 0o777) == (0o644, 0o755)
+    assert notes.read_text() == "mine\n"
+    # A new file, and an empty one (SQLite's new database), are stores.
+    for path in (tmp_path / "new.db", tmp_path / "empty.db"):
+        if path.name == "empty.db":
+            path.touch()
+        asyncio.run(open_store(str(path)).close())
+        assert path.read_bytes().startswith(b"SQLite format 3\x00")

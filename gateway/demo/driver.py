@@ -82,7 +82,10 @@ def _configure_logging(settings: Settings, path: Path) -> logging.Handler:
 def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True) -> dict:
     """Run gateway + trainer + agent; write OUT/summary.json and OUT/reward_curve.png."""
     out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, or on its path: one line, not a FileExistsError traceback
+        raise ConfigError(f"--out {out} cannot be used ({exc.strerror}): pass a directory (made if missing)") from exc
     _prepare_state(settings, out)
     # A built-in model is built on first use (the instruct one takes a minute or two, with
     # progress logged): like a download, that is not the demo's time, nor its budget's.

@@ -35,8 +35,9 @@ def cors_middleware(app: ASGIApp, origins: list[str]) -> ASGIApp:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `--host` listens on loopback only ("" is uvicorn's default, loopback)."""
-    return host == "" or is_loopback_name(host.strip("[]").lower())
+    """Whether `--host` listens on loopback only. Not "" (an empty RLPROXY_HOST=): the gateway binds
+    its socket itself (gateway/http/listen.py), and bind("") takes every interface, as 0.0.0.0."""
+    return host.strip() != "" and is_loopback_name(host.strip("[]").lower())
 
 
 def refuse_if_exposed(settings) -> None:
@@ -46,8 +47,9 @@ def refuse_if_exposed(settings) -> None:
     the operator's own keeps everyone else out, and then warned about."""
     if settings.api_key is not None or is_loopback(settings.host):
         return
+    where = settings.host.strip() or "every interface (--host empty)"
     exposed = (
-        f"listening on {settings.host} with no API key: anyone who can reach this port can use the model, "
+        f"listening on {where} with no API key: anyone who can reach this port can use the model, "
         "post rewards and read every recorded call"
     )
     if not settings.insecure_no_api_key:

@@ -12,7 +12,7 @@ from typing import Any
 
 from gateway.errors import ConfigError
 from gateway.store.base import Store
-from gateway.store.private import private_state_dir
+from gateway.store.private import is_sqlite, private_state_dir
 from gateway.store.sqlite import SQLiteStore
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -44,4 +44,11 @@ def open_store(target: Any) -> Store:
         text = text[len(SQLITE_SCHEME) :]
     elif "://" in text:
         raise ConfigError(f"--store must be a postgresql:// URL or an SQLite file path, not {text!r}")
+    # A --store path (a str; the state dir's own file comes as a Path, and a damaged one of those is said
+    # so by SQLite): one that is not a database is more likely a slip than a damaged store.
+    if isinstance(target, str) and not is_sqlite(Path(text)):
+        raise ConfigError(
+            f"--store {text} is not an SQLite database (nor a new, empty file): give the path of an rlproxy "
+            "store, or of a file to create; it was left as it is"
+        )
     return SQLiteStore(Path(text))

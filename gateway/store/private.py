@@ -23,6 +23,7 @@ PRIVATE_FILE = 0o600
 DB_NAME = "rlproxy.db"
 # SQLite's own files beside the database: it creates them with the database's mode.
 DB_SUFFIXES = ("", "-wal", "-shm", "-journal")
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 
 
 def private_state_dir(state_dir: Path | str) -> Path:
@@ -75,7 +76,22 @@ def make_private_dir(path: Path) -> bool:
 
 
 def _tighten_db(db: Path) -> list[str]:
+    if not is_sqlite(db):  # SQLite refuses it in a moment, saying why; its mode is not ours to change
+        return []
     return [change for suffix in DB_SUFFIXES for change in _tighten(db.with_name(db.name + suffix), PRIVATE_FILE)]
+
+
+def is_sqlite(path: Path) -> bool:
+    """Whether `path` is a file SQLite opens as a database: its header, or empty (a new one). `--store
+    /etc/passwd` (any existing file, a directory) was made 0600 first and refused by SQLite after."""
+    try:
+        with path.open("rb") as file:
+            head = file.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return True  # nothing to tighten: _tighten says so
+    except OSError:  # a directory, a file this user cannot read
+        return False
+    return head in (b"", SQLITE_HEADER)
 
 
 def _tighten(path: Path, private: int) -> list[str]:
