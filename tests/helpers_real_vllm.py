@@ -9,7 +9,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -42,10 +42,12 @@ def real_vllm(
     logprobs_mode: str | None = "processed_logprobs",
     served_name: str = "rlproxy/tiny-qwen2",
     startup_timeout: float = 600.0,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
     """The CPU vLLM on `model_dir` as a user would run it to attach rlproxy (`--vllm-url`), on a
     loopback port of the test's; yields its URL and stops its whole process group after.
-    `logprobs_mode` None leaves the flag out: vLLM's default, raw_logprobs."""
+    `logprobs_mode` None leaves the flag out: vLLM's default, raw_logprobs. `extra_args` go
+    last on its command line."""
     port = free_port()
     cmd = [
         vllm_python(),
@@ -65,6 +67,7 @@ def real_vllm(
         "--generation-config",
         "vllm",
         *(["--logprobs-mode", logprobs_mode] if logprobs_mode else []),
+        *extra_args,
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     url = f"http://127.0.0.1:{port}"

@@ -151,7 +151,11 @@ def test_the_logprobs_mode_probe_warns_about_a_raw_vllm(served, tmp_path, caplog
     the probe says so and tells how to restart it."""
     caplog.set_level("INFO", logger="rlproxy.engines.vllm")
     model_dir = resolve_base_model("rlproxy/tiny-qwen2", served.state_dir)
-    with real_vllm(model_dir, tmp_path / "vllm-raw.log", logprobs_mode=None) as url:
+    # Eager, as the vLLM rlproxy starts runs on CPU (with --enable-lora it compiles nothing):
+    # without LoRA, vLLM's CPU build would spend ~45 s compiling the model with torch.compile
+    # at start-up, which changes nothing of the logprobs mode the probe is about.
+    log = tmp_path / "vllm-raw.log"
+    with real_vllm(model_dir, log, logprobs_mode=None, extra_args=["--enforce-eager"]) as url:
         assert probe_logprobs_mode(url) is False
         port_flag = "--port " + url.rsplit(":", 1)[1]
         (server,) = [p for p in psutil.process_iter(["cmdline"]) if port_flag in " ".join(p.info["cmdline"] or [])]
