@@ -17,8 +17,7 @@ from pathlib import Path
 
 from gateway.errors import ConfigError, NotFound
 from gateway.store import SessionFilter, Store
-from gateway.store.open import SQLITE_SCHEME, is_postgres_url
-from gateway.store.open import open_store as open_backend
+from gateway.store.open import SQLITE_SCHEME, is_postgres_url, open_for_reading
 from trainer.data import answered_since
 
 
@@ -36,10 +35,11 @@ def store_exists(target: Path | str) -> bool:
 
 
 def open_store(target: Path | str) -> Store:
-    """The store at `target`: an SQLite file, or a postgresql:// URL (`--store`)."""
+    """The store at `target`: an SQLite file, or a postgresql:// URL (`--store`). Export only
+    reads: a file on read-only media opens read-only (`gateway.store.read_only`)."""
     if not store_exists(target):
         raise NotFound(f"no store at {target}: pass the --state-dir (or --store) the gateway ran with")
-    return open_backend(target)
+    return open_for_reading(target)
 
 
 def close_store(store: Store) -> None:
