@@ -1,6 +1,7 @@
-"""Where `rlproxy export` writes, when writing goes wrong: a disk that fills up half-way, a reader
-that stops reading (`| head`), a tokenizer that cannot be loaded. Each is one line and an exit
-status, never a traceback, and a file that was there stays whole."""
+"""Where `rlproxy export` and `export-model` write, when writing goes wrong: a disk that fills up
+half-way, a reader that stops reading (`| head`), a folder on the path that is a file, a tokenizer
+that cannot be loaded. Each is one line and an exit status, never a traceback, and a file that was
+there stays whole."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from gateway.cli import main
 from gateway.store.sqlite import SQLiteStore
 from tests.helpers import call_row
+from tests.helpers_trainer import trainer_settings
 from tests.test_store_failures import small_tmpfs
 
 SESSIONS = 1500
@@ -100,3 +102,39 @@ def test_a_base_model_this_machine_cannot_load_is_one_line(state_dir, monkeypatc
     err = capsys.readouterr().err
     assert err.startswith("rlproxy export: cannot load the tokenizer of --base-model 'rlproxy-tests/not-a-model'")
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def trained_state(tmp_path_factory):
+    """A state dir holding step 0 of `agent` (the fresh adapter, about 100 kB with its card)."""
+    from trainer.worker import run_worker
+
+    settings = trainer_settings(tmp_path_factory.mktemp("trained"))
+    run_worker(settings, max_steps=0)
+    return settings.state_dir
+
+
+def test_export_model_under_a_file_is_one_line(trained_state, tmp_path, capsys):
+    # It was mkdir's FileExistsError traceback.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert main(["export-model", "agent", "--state-dir", str(trained_state), "--out", str(notes / "adapter")]) == 2
+    err = capsys.readouterr().err
+    assert f"rlproxy export-model: cannot write --out {notes / 'adapter'}: a folder on its path is a file" in err
+    assert "Traceback" not in err and notes.read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_export_model_on_a_disk_that_fills_up_is_one_line_and_leaves_nothing(trained_state, tmp_path, capsys):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        out = disk / "adapter"
+        assert main(["export-model", "agent", "--state-dir", str(trained_state), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write --out {out}: No space left on device; nothing was written" in err, err
+        assert list(disk.iterdir()) == []  # not even the hidden work directory
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

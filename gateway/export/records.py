@@ -71,8 +71,8 @@ def _not_the_store(output: str, db_path: Path | str) -> None:
         raise ConfigError(f"--output {output} is the store itself: give another file (or - for stdout)")
 
 
-# What a disk answers a write it cannot take: said as the --output's fault, in one line.
-_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+# What a disk answers a write it cannot take: said as the --output's (--out's) fault, in one line.
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 
 
 @contextmanager
@@ -106,7 +106,7 @@ def _output(path: str) -> Iterator[IO[bytes]]:
     except BaseException as exc:
         if whole:
             written.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno in _WRITE_ERRORS:
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRORS:
             kept = f"; {path} is as it was" if whole and target.exists() else ""
             raise ConfigError(f"cannot write --output {path}: {exc.strerror or exc}{kept}") from None
         raise
