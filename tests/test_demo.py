@@ -142,3 +142,32 @@ def test_demo_refuses_a_state_dir_with_checkpoints(tmp_path):
     result = run_demo(tmp_path / "out", "--state-dir", str(state), timeout=60)
     assert result.returncode == 2
     assert "trains from scratch" in result.stderr
+
+
+def test_demo_refuses_an_out_that_is_a_file_in_one_line(tmp_path):
+    # --out notes.txt (or notes.txt/run) ended in mkdir's FileExistsError traceback.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for out in (notes, notes / "run"):
+        result = run_demo(out, timeout=60)
+        assert result.returncode == 2
+        assert f"rlproxy demo: --out {out} cannot be used (it or a folder on its path is a file)" in result.stderr
+        assert "Traceback" not in result.stderr and notes.read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--live", "rewards", "--arrival-rate", "inf"],  # expovariate(inf) is 0: sessions spawned without end
+        ["--live", "rewards", "--reward-delay", "inf"],  # each reward slept forever, and the drain waited
+        ["--seconds", "nan"],  # the budget never ran out: every comparison with nan is false
+    ],
+)
+def test_demo_refuses_a_number_that_is_not_finite(flags, capsys):
+    from gateway.cli import build_parser
+    from gateway.demo.options import options_from_args
+
+    with pytest.raises(SystemExit) as refused:
+        options_from_args(build_parser().parse_args(["demo", *flags]))
+    assert refused.value.code == 2
+    assert f"argument {flags[-2]}: '{flags[-1]}' is not a finite number" in capsys.readouterr().err

@@ -66,7 +66,7 @@ def add_selection_flags(command: argparse.ArgumentParser, title: str) -> None:
     group = command.add_argument_group(title)
     group.add_argument("--split", choices=["train", "val"], default=None, help="only this split")
     group.add_argument("--rewarded", action="store_true", help="only sessions with a reward")
-    group.add_argument("--min-reward", type=_finite, default=None, help="only sessions rewarded at least this")
+    group.add_argument("--min-reward", type=finite, default=None, help="only sessions rewarded at least this")
     group.add_argument(
         "--since-step",
         type=int,
@@ -88,9 +88,9 @@ def add_selection_flags(command: argparse.ArgumentParser, title: str) -> None:
     group.add_argument("--until", type=_moment, default=None, metavar="TIME", help="only sessions started before TIME")
 
 
-def _finite(text: str) -> float:
+def finite(text: str) -> float:
     """A number on the command line; nan and inf are refused (every comparison with nan is
-    false: `--min-reward nan` selected nothing, and said nothing)."""
+    false: `--min-reward nan` selected nothing, and said nothing). The demo's numbers use it too."""
     try:
         value = float(text)
     except ValueError:
@@ -129,7 +129,7 @@ def _moment(text: str) -> float:
     except ValueError:
         pass
     else:
-        return _finite(text)
+        return finite(text)
     try:
         moment = dt.datetime.fromisoformat(text)
     except ValueError:
