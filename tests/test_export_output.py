@@ -66,10 +66,12 @@ def test_a_disk_that_fills_up_is_one_line_and_the_previous_export_stays_whole(st
 def test_a_complete_export_replaces_the_previous_one_and_a_device_is_written_in_place(state_dir, tmp_path, capsys):
     out = tmp_path / "samples.parquet"
     out.write_bytes(b"an older export")
+    out.chmod(0o600)  # made private by its owner: the new export stays so
     link = tmp_path / "latest.parquet"
     link.symlink_to(out)
     assert main(["export", "--state-dir", str(state_dir), "--format", "parquet", "--output", str(link)]) == 0
     assert link.is_symlink() and pq.read_table(out).num_rows == SESSIONS  # rendered with the tiny model
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.parquet", "samples.parquet"]
 
     assert main(["export", "--state-dir", str(state_dir), "--output", os.devnull]) == 0

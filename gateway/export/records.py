@@ -92,7 +92,8 @@ def _output(path: str) -> Iterator[IO[bytes]]:
         return
     check_output(path)
     target = Path(os.path.realpath(path))  # a link to the file keeps pointing at the new export
-    whole = not target.exists() or target.is_file()
+    # In place where no file can be made beside it (a writable file in a directory that is not).
+    whole = (not target.exists() or target.is_file()) and os.access(target.parent, os.W_OK)
     written = target.with_name(f".{target.name}.{os.getpid()}.partial") if whole else target
     try:
         out = open(written, "wb")
@@ -102,6 +103,8 @@ def _output(path: str) -> Iterator[IO[bytes]]:
         with out:
             yield out
         if whole:
+            if target.exists():  # the file keeps its mode (one made private stays private)
+                os.chmod(written, target.stat().st_mode & 0o7777)
             os.replace(written, target)
     except BaseException as exc:
         if whole:
