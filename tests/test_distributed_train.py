@@ -190,6 +190,46 @@ def test_ranks_that_never_meet_end_with_the_address_not_a_traceback(tmp_path, ra
     assert "Traceback" not in done.stderr
 
 
+def test_a_gloo_interface_this_machine_lacks_is_named_not_blamed_on_the_rendezvous(tmp_path):
+    """GLOO_SOCKET_IFNAME set to an interface this machine does not have: each rank says so at once,
+    where it said the ranks "did not all meet at 127.0.0.1 within --dist-timeout 900 s"."""
+    done = train(tmp_path / "state", "--max-steps", "1", "--nproc", "2", env={"GLOO_SOCKET_IFNAME": "nosuch0"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    # the rank that fails first says it; the launcher may stop the other before it does
+    assert "of 2: GLOO_SOCKET_IFNAME='nosuch0' names no network interface of this machine" in done.stderr
+    assert "did not all meet" not in done.stderr and "Traceback" not in done.stderr
+
+
+# What gloo said in a run of two ranks on two network namespaces (two machines joined by a veth
+# pair; the rendezvous at rank 0's veth address), with GLOO_SOCKET_IFNAME unset on hosts whose
+# hostname resolves to 127.0.0.1: each rank advertised loopback, so neither reached the other.
+GLOO_ACROSS_LOOPBACK = {
+    0: "Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] "
+    "timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:14771$0",
+    1: "Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.h:311] "
+    "Connect timeout [none]",
+}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_that_met_but_cannot_connect_are_told_to_set_the_interface(rank, monkeypatch):
+    import socket
+
+    from trainer.distributed.team import not_met
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(socket, "gethostname", lambda: "trainer-1")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts line
+    broken = not_met(RuntimeError(GLOO_ACROSS_LOOPBACK[rank]), rank, 2, "10.77.0.1:29411", 30)
+    assert broken.message.startswith(f"training rank {rank} of 2: the ranks met at 10.77.0.1:29411 but could not")
+    assert "listened on 127.0.1.1, where hostname 'trainer-1' resolves: a loopback address" in broken.message
+    assert "set GLOO_SOCKET_IFNAME (and, on GPUs, NCCL_SOCKET_IFNAME) on every machine" in broken.message
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")  # an interface that exists, but not the one they share
+    broken = not_met(RuntimeError(GLOO_ACROSS_LOOPBACK[rank]), rank, 2, "10.77.0.1:29411", 30)
+    assert "listened on GLOO_SOCKET_IFNAME=eth1's address" in broken.message
+
+
 def test_sigterm_ends_a_rank_still_waiting_for_the_others(tmp_path):
     """A rank waits for the others inside torch (up to --dist-timeout) where the trainer's own handler,
     which lets a step finish, never runs: a stop (systemd, Kubernetes, the launcher) ends it there at once."""

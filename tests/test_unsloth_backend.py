@@ -76,7 +76,23 @@ class TinyUnslothLM(torch.nn.Module):
         return SimpleNamespace(logits=hidden if returns_hidden else self.lm_head(hidden))
 
 
-def recording_unsloth(calls: list):
+class DroppingUnslothLM(TinyUnslothLM):
+    """A base model whose config drops out in training, the two ways Unsloth leaves on: a
+    residual `nn.Dropout` (GPT-2's `resid_pdrop`, in a model Unsloth does not rewrite) and the
+    config's `attention_dropout`, which Unsloth's Granite attention reads while `self.training`."""
+
+    def __init__(self):
+        super().__init__()
+        self.config["attention_dropout"] = 0.1
+        self.resid_dropout = torch.nn.Dropout(0.1)
+
+    def hidden(self, input_ids):
+        x = self.embed_tokens(input_ids)
+        attention_p = self.config.attention_dropout if self.training else 0.0
+        return self.resid_dropout(torch.tanh(torch.nn.functional.dropout(self.q_proj(x), attention_p)) + self.v_proj(x))
+
+
+def recording_unsloth(calls: list, model_class=TinyUnslothLM):
     """A stand-in `unsloth` module: FastLanguageModel's three static methods, recorded."""
     from peft import LoraConfig, get_peft_model
 
@@ -85,7 +101,7 @@ def recording_unsloth(calls: list):
         def from_pretrained(**kwargs):
             calls.append(("from_pretrained", kwargs))
             tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
-            return TinyUnslothLM(), tokenizer
+            return model_class(), tokenizer
 
         @staticmethod
         def get_peft_model(model, **kwargs):
@@ -280,6 +296,25 @@ def test_a_step_reports_the_kl_to_the_base_with_beta_0(tmp_path, unsloth_standin
     expected = float((torch.exp(d) - d - 1).mean())
     assert expected > 0
     assert train_step(backend, [trained], run)["kl"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_base_models_dropout_is_off_so_a_score_is_the_policys(tmp_path, unsloth_standin, monkeypatch):
+    # As the peft backend: trained in train mode, a base that drops out scored every token under
+    # a random mask, so pi_old and the ratios were noise. LoRA's own dropout stays as asked.
+    monkeypatch.setitem(sys.modules, "unsloth", recording_unsloth(unsloth_standin, DroppingUnslothLM))
+    backend = get_backend("unsloth")(settings(tmp_path, lora_dropout=0.05))
+    base = backend.model.get_base_model()
+    (row,) = pack([sample([3, 4, 5, 6, 7, 8, 9], 2)], max_tokens_per_row=64)
+    assert base.training
+    with backend.model.disable_adapter():  # the base alone: LoRA's dropout out of the way
+        base_scores = [backend.token_logprobs(row).detach() for _ in range(2)]
+        base.eval()
+        expected = backend.token_logprobs(row).detach()
+    assert torch.equal(base_scores[0], base_scores[1])
+    torch.testing.assert_close(base_scores[0], expected)
+    assert base.config.attention_dropout == 0.0 and base.resid_dropout.p == 0.0
+    lora_dropouts = {m.p for name, m in backend.model.named_modules() if "lora_dropout" in name and hasattr(m, "p")}
+    assert lora_dropouts == {0.05}
 
 
 def test_without_a_gpu_the_error_is_clear_and_unsloth_is_not_touched(tmp_path, monkeypatch):

@@ -82,10 +82,15 @@ def _configure_logging(settings: Settings, path: Path) -> logging.Handler:
 def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True) -> dict:
     """Run gateway + trainer + agent; write OUT/summary.json and OUT/reward_curve.png."""
     out = Path(options.out)
-    try:
+    try:  # a file, or under one: one line, not mkdir's traceback
         out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a file there, or on its path: one line, not a FileExistsError traceback
-        raise ConfigError(f"--out {out} cannot be used ({exc.strerror}): pass a directory (made if missing)") from exc
+    except OSError as exc:
+        reason = (
+            "it or a folder on its path is a file" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc
+        )
+        raise ConfigError(
+            f"--out {out} cannot be used ({reason}): pass a directory (it is created if missing)"
+        ) from None
     _prepare_state(settings, out)
     # A built-in model is built on first use (the instruct one takes a minute or two, with
     # progress logged): like a download, that is not the demo's time, nor its budget's.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gateway.demo import DEFAULT_TASK, TASKS, load_task
 from gateway.errors import ConfigError
+from gateway.export.selection import finite  # nan and inf refused: `--arrival-rate inf` spawned sessions forever
 from gateway.models.tuning import tuned_defaults
 from gateway.settings import Settings
 
@@ -91,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--seconds",
-        type=float,
+        type=finite,
         default=None,
         help=f"time budget: no new round starts after it (default: the task's, else {defaults.seconds:g})",
     )
@@ -111,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--eval-temperature",
-        type=float,
+        type=finite,
         default=None,
         help=f"the temperature the held-out set is played at, 0 for greedy; training rollouts sample "
         f"at 1 (default: the task's, else {defaults.eval_temperature:g})",
@@ -140,7 +141,7 @@ def _add_live(group) -> None:
     )
     group.add_argument(
         "--arrival-rate",
-        type=float,
+        type=finite,
         default=None,
         help="--live: sessions per second, Poisson arrivals (default: "
         + ", ".join(f"{rate:g} with {mode}" for mode, rate in LIVE_ARRIVAL_RATES.items())
@@ -148,14 +149,14 @@ def _add_live(group) -> None:
     )
     group.add_argument(
         "--reward-delay",
-        type=float,
+        type=finite,
         default=defaults.reward_delay,
         help=f"--live rewards: each reward is posted after a random delay of up to this many seconds "
         f"(default {defaults.reward_delay:g})",
     )
     group.add_argument(
         "--unrewarded-share",
-        type=float,
+        type=finite,
         default=defaults.unrewarded_share,
         help=f"--live rewards: the share of sessions never rewarded (default {defaults.unrewarded_share:g})",
     )

@@ -14,8 +14,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.errors import NotFound
+from gateway.errors import ConfigError, NotFound
 from gateway.redact import redact
+
+
+def check_base_url(flag: str, url: str) -> None:
+    """A base URL flag (--upstream-url, --vllm-url) parsed at start as the HTTP clients will parse it:
+    a port out of range or not a number, a broken IPv6 address or no host was the client's ValueError
+    traceback. The message leaves the URL out: it may hold a password."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - read for its ValueError
+    except ValueError as exc:
+        raise ConfigError(f"{flag} is not a URL ({exc}): give a base URL such as http://HOST:PORT/v1") from None
+    if not parts.hostname:
+        raise ConfigError(f"{flag} names no host: give a base URL such as http://HOST:PORT/v1")
 
 
 @dataclass

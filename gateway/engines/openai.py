@@ -31,7 +31,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd
+from gateway.engines.base import Completion, Engine, EngineRequest, StreamChunk, StreamEnd, check_base_url
 from gateway.engines.http1 import HTTP1Pool
 from gateway.engines.sse import post_stream, sse_data, stream_session
 from gateway.engines.upstream_failures import UpstreamFailures
@@ -88,6 +88,7 @@ class OpenAIEngine(Engine):
             )
         if not settings.upstream_url.startswith(("http://", "https://")):
             raise ConfigError(f"--upstream-url must start with http:// or https://, got '{settings.upstream_url}'")
+        check_base_url("--upstream-url", settings.upstream_url)
         key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
         return cls(
             settings.upstream_url,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import ConfigError, InvalidRequest, NotFound
+from gateway.export.records import WRITE_ERRORS
 from gateway.models.templates import ORIGINAL
 from gateway.redact import masked
 from gateway.settings import Settings
@@ -128,10 +129,15 @@ def _prepare_out(out: Path) -> Path:
     like a model to load, nor one that blocks the export from running again."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not empty: choose a new --out directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    try:  # a folder on the path that is a file, a read-only disk: one line, not mkdir's traceback
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"cannot write --out {out}: a folder on its path is a file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write --out {out}: {exc.strerror or exc}") from None
     return work
 
 
@@ -163,8 +169,10 @@ def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = Fals
         if out.is_dir():
             out.rmdir()  # empty (checked above): the rename takes its place
         os.rename(work, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(work, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRORS:  # a full disk: one line, and nothing left
+            raise ConfigError(f"cannot write --out {out}: {exc.strerror or exc}; nothing was written") from None
         raise
     return ModelExport(name, checkpoint.step, out, merged, checkpoint.path)
 

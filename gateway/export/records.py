@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,19 +71,48 @@ def _not_the_store(output: str, db_path: Path | str) -> None:
         raise ConfigError(f"--output {output} is the store itself: give another file (or - for stdout)")
 
 
+# What a disk answers a write it cannot take: said as the --output's (--out's) fault, in one line.
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+
+
 @contextmanager
 def _output(path: str) -> Iterator[IO[bytes]]:
+    """The --output, open for writing. Stdout (`-`) whose reader stops reading ends the command
+    quietly, as coreutils do (exit 141). A file is written beside itself and renamed over it once
+    complete: an export that failed half-way (a full disk) left a truncated file, over the
+    previous export, that read as a whole one. A device or a pipe (/dev/null, a FIFO) is written
+    as it is. A write the disk refuses is one line naming the file and the cause."""
     if path == "-":
-        yield sys.stdout.buffer
-        sys.stdout.buffer.flush()
+        try:
+            yield sys.stdout.buffer
+            sys.stdout.buffer.flush()
+        except BrokenPipeError:  # `rlproxy export | head`: the reader stopped reading; it was a traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit fails too
+            raise SystemExit(128 + 13) from None  # SIGPIPE's: what `seq 1 1000000 | head -1` exits with
         return
     check_output(path)
+    target = Path(os.path.realpath(path))  # a link to the file keeps pointing at the new export
+    # In place where no file can be made beside it (a writable file in a directory that is not).
+    whole = (not target.exists() or target.is_file()) and os.access(target.parent, os.W_OK)
+    written = target.with_name(f".{target.name}.{os.getpid()}.partial") if whole else target
     try:
-        out = open(path, "wb")
+        out = open(written, "wb")
     except OSError as exc:
         raise ConfigError(f"cannot write --output {path}: {exc.strerror or exc}") from None
-    with out:
-        yield out
+    try:
+        with out:
+            yield out
+        if whole:
+            if target.exists():  # the file keeps its mode (one made private stays private)
+                os.chmod(written, target.stat().st_mode & 0o7777)
+            os.replace(written, target)
+    except BaseException as exc:
+        if whole:
+            written.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRORS:
+            kept = f"; {path} is as it was" if whole and target.exists() else ""
+            raise ConfigError(f"cannot write --output {path}: {exc.strerror or exc}{kept}") from None
+        raise
 
 
 def export_trajectories(
@@ -214,10 +244,10 @@ def _write_parquet(samples: Iterator[ExportedSample], output: str) -> int:
     except ImportError:
         raise ConfigError("--format parquet needs pyarrow: pip install 'rlproxy[export]'") from None
     schema = parquet_schema()
-    check_output(output)
     written = 0
     batch: list[dict] = []
-    with pq.ParquetWriter(output, schema) as writer:  # an empty selection still writes the schema
+    # An empty selection still writes the schema. The writer leaves `out` open: `_output` closes it.
+    with _output(output) as out, pq.ParquetWriter(out, schema) as writer:
         for item in samples:
             batch.append(_row(item))
             if len(batch) == PARQUET_BATCH_ROWS:

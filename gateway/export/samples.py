@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.errors import ConfigError
 from gateway.export.openai_format import reply_position
 from gateway.store import Store
 from trainer.data import build_batch, call_turn, trained_sessions, trajectory_samples
@@ -69,7 +70,16 @@ class LazyRenderer:
             from trainer.render import ChatTemplateRenderer
 
             path = resolve_base_model(self.base_model, self.state_dir)
-            self._render = ChatTemplateRenderer(load_tokenizer(path, self.chat_template))
+            try:
+                tokenizer = load_tokenizer(path, self.chat_template)
+            except OSError as exc:  # an id not in this machine's cache (offline), or none on the Hub
+                said = (str(exc).strip().splitlines() or [""])[0]
+                raise ConfigError(
+                    f"cannot load the tokenizer of --base-model '{self.base_model}' to render the calls recorded "
+                    f"without token ids ({said}): give the model the gateway served, as a local path or a "
+                    "Hugging Face id available offline"
+                ) from None
+            self._render = ChatTemplateRenderer(tokenizer)
         return self._render(request, response)
 
 

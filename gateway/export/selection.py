@@ -17,8 +17,7 @@ from pathlib import Path
 
 from gateway.errors import ConfigError, NotFound
 from gateway.store import SessionFilter, Store
-from gateway.store.open import SQLITE_SCHEME, is_postgres_url
-from gateway.store.open import open_store as open_backend
+from gateway.store.open import SQLITE_SCHEME, is_postgres_url, open_for_reading
 from trainer.data import answered_since
 
 
@@ -36,10 +35,11 @@ def store_exists(target: Path | str) -> bool:
 
 
 def open_store(target: Path | str) -> Store:
-    """The store at `target`: an SQLite file, or a postgresql:// URL (`--store`)."""
+    """The store at `target`: an SQLite file, or a postgresql:// URL (`--store`). Export only
+    reads: a file on read-only media opens read-only (`gateway.store.read_only`)."""
     if not store_exists(target):
         raise NotFound(f"no store at {target}: pass the --state-dir (or --store) the gateway ran with")
-    return open_backend(target)
+    return open_for_reading(target)
 
 
 def close_store(store: Store) -> None:
@@ -66,7 +66,7 @@ def add_selection_flags(command: argparse.ArgumentParser, title: str) -> None:
     group = command.add_argument_group(title)
     group.add_argument("--split", choices=["train", "val"], default=None, help="only this split")
     group.add_argument("--rewarded", action="store_true", help="only sessions with a reward")
-    group.add_argument("--min-reward", type=_finite, default=None, help="only sessions rewarded at least this")
+    group.add_argument("--min-reward", type=finite, default=None, help="only sessions rewarded at least this")
     group.add_argument(
         "--since-step",
         type=int,
@@ -88,9 +88,9 @@ def add_selection_flags(command: argparse.ArgumentParser, title: str) -> None:
     group.add_argument("--until", type=_moment, default=None, metavar="TIME", help="only sessions started before TIME")
 
 
-def _finite(text: str) -> float:
+def finite(text: str) -> float:
     """A number on the command line; nan and inf are refused (every comparison with nan is
-    false: `--min-reward nan` selected nothing, and said nothing)."""
+    false: `--min-reward nan` selected nothing, and said nothing). The demo's numbers use it too."""
     try:
         value = float(text)
     except ValueError:
@@ -129,7 +129,7 @@ def _moment(text: str) -> float:
     except ValueError:
         pass
     else:
-        return _finite(text)
+        return finite(text)
     try:
         moment = dt.datetime.fromisoformat(text)
     except ValueError:

@@ -2,7 +2,8 @@
 
 No `--store` (the default): the SQLite file under the state dir, for one machine. A
 PostgreSQL URL: `PostgresStore`, shared by any number of gateways and trainers. Either way
-the state dir is made private first (`gateway.store.private`).
+the state dir is made private first (`gateway.store.private`). `open_for_reading` is
+export's: an SQLite file this user cannot write (read-only media) is opened read-only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from gateway.errors import ConfigError
 from gateway.store.base import Store
 from gateway.store.private import is_sqlite, private_state_dir
+from gateway.store.read_only import writable
 from gateway.store.sqlite import SQLiteStore
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -31,7 +33,22 @@ def open_store(target: Any) -> Store:
         if not url:
             return SQLiteStore(target.db_path, synchronous=target.store_sync)
         target = url
+    return _open_url(str(target), given=isinstance(target, str))
+
+
+def open_for_reading(target: Path | str) -> Store:
+    """The store at `target` (a path or a URL) for a command that only reads it (export): a
+    writable SQLite file opens as usual (an older schema is brought up to date), one that
+    cannot be written (read-only media, no write permission) opens read-only."""
     text = str(target)
+    path = Path(text.removeprefix(SQLITE_SCHEME))
+    if "://" not in str(path) and path.is_file() and not writable(path):
+        return SQLiteStore(path, read_only=True)
+    return _open_url(text, given=isinstance(target, str))
+
+
+def _open_url(text: str, *, given: bool) -> Store:
+    """`given`: a path the user typed (--store), not the state dir's own file."""
     if is_postgres_url(text):
         try:
             from gateway.store.postgres import PostgresStore
@@ -46,7 +63,7 @@ def open_store(target: Any) -> Store:
         raise ConfigError(f"--store must be a postgresql:// URL or an SQLite file path, not {text!r}")
     # A --store path (a str; the state dir's own file comes as a Path, and a damaged one of those is said
     # so by SQLite): one that is not a database is more likely a slip than a damaged store.
-    if isinstance(target, str) and not is_sqlite(Path(text)):
+    if given and not is_sqlite(Path(text)):
         raise ConfigError(
             f"--store {text} is not an SQLite database (nor a new, empty file): give the path of an rlproxy "
             "store, or of a file to create; it was left as it is"

@@ -19,7 +19,7 @@ from typing import Any
 
 import sqlite_utils
 
-from gateway.store import sqlite_schema
+from gateway.store import read_only, sqlite_schema
 from gateway.store.base import Store
 from gateway.store.health import at_start, classify
 from gateway.store.private import private_db_file
@@ -30,7 +30,8 @@ CHECKPOINT_EVERY = 256
 
 
 class SQLiteStore(Store):
-    """`SQLiteStore(path)` for a file, `SQLiteStore(memory=True)` for tests."""
+    """`SQLiteStore(path)` for a file, `SQLiteStore(memory=True)` for tests, `SQLiteStore(path,
+    read_only=True)` to read a store this user cannot write (export; `gateway.store.read_only`)."""
 
     backend = "sqlite"
 
@@ -41,10 +42,19 @@ class SQLiteStore(Store):
         memory: bool = False,
         synchronous: str = "normal",
         busy_timeout: float = 30.0,
+        read_only: bool = False,
     ):
         super().__init__(busy_timeout)
+        self._loop_conn: sqlite3.Connection | None = None  # a file store's `_write_now` connection
+        self._memory = memory
+        self._writes_on_loop = False  # see `_write_now`
+        self._write_lock = threading.Lock()
+        self._read_lock = threading.Lock()
         try:
-            self._open(path, memory, synchronous, busy_timeout)
+            if read_only:
+                self._open_read_only(path, busy_timeout)
+            else:
+                self._open(path, memory, synchronous, busy_timeout)
         except sqlite3.Error as exc:
             # A damaged file, one locked by another process, a read-only or full disk: the cause
             # and what to do, as the commands' one line, not a traceback.
@@ -55,13 +65,21 @@ class SQLiteStore(Store):
             raise type(failure)(message, cause=failure.cause) from exc
         self.checkpoints = 0  # WAL checkpoints the writer thread ran
 
+    def _open_read_only(self, path: Path | str | None, busy_timeout: float) -> None:
+        """One read-only connection for reads and writes alike (a write fails as the read-only
+        store it is); no schema created or migrated, no modes tightened: nothing is written."""
+        if path is None:
+            raise ValueError("a read-only store needs a path")
+        self._conn = self._read_conn = read_only.connect_read_only(path, busy_timeout)
+        self.path = path
+        self.db = sqlite_utils.Database(self._conn)
+
     def _open(self, path: Path | str | None, memory: bool, synchronous: str, busy_timeout: float) -> None:
         if memory:
             # One shared in-memory database, reachable from the writer thread too.
             uri = f"file:rlproxy-{id(self)}?mode=memory&cache=shared"
             self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
             self._read_conn = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
-            self._loop_conn: sqlite3.Connection | None = None
         else:
             if path is None:
                 raise ValueError("Store needs a path, or memory=True")
@@ -70,16 +88,14 @@ class SQLiteStore(Store):
             self._read_conn = sqlite_schema.connect(path, synchronous, busy_timeout)
             # `_write_now`'s own connection, whose BEGIN never waits for the lock (busy timeout 0):
             # cheaper than switching the writer connection's timeout off and on for each call.
-            self._loop_conn = sqlite_schema.connect(path, synchronous, 0)
+            loop_conn = self._loop_conn = sqlite_schema.connect(path, synchronous, 0)
             # Checkpoints run in the writer thread (`_checkpoint`), never in a commit made on
             # the event loop (`_write_now`): a checkpoint fsyncs the database file.
-            for conn in (self._conn, self._loop_conn):
+            for conn in (self._conn, loop_conn):
                 conn.execute("PRAGMA wal_autocheckpoint=0")
-        self._writes_on_loop = not memory  # see `_write_now`
+            self._writes_on_loop = True
         self.path = path
         self.db = sqlite_utils.Database(self._conn)
-        self._write_lock = threading.Lock()
-        self._read_lock = threading.Lock()
         self._conn.executescript(sqlite_schema.SCHEMA)
         sqlite_schema.add_missing_columns(self._conn)
 
@@ -214,7 +230,7 @@ class SQLiteStore(Store):
         memory (tests): shared-cache locks are per table, and a writer would fail, not wait."""
         with self._read_lock:
             conn = self._read_conn
-            if self._loop_conn is None:  # memory
+            if self._memory:
                 yield self._read
                 return
             _rollback(conn)

@@ -52,6 +52,30 @@ _RUN_SETTINGS = ("lr", "weight_decay")
 """Optimizer param-group entries taken from the run's settings, never from a checkpoint."""
 
 
+def switch_off_base_dropout(model: torch.nn.Module) -> int:
+    """The base model's dropout set to 0 (its `nn.Dropout`s, the `attention_dropout` rate
+    attention layers pass to SDPA, and the config's, which Unsloth's Granite attention reads
+    in training), as TRL's GRPO does by default (`disable_dropout`): the trainer runs in train
+    mode, and a model whose config drops out (GPT-2's 10 %) would score every token under a
+    random mask, so pi_old and the ratios would be noise, not the policy the sampler ran.
+    Modern instruct configs have 0 already; neither peft nor Unsloth switches it off. Returns
+    how many were switched off; LoRA's own dropout (`--lora-dropout`) is added after this
+    (`get_peft_model`) and stays as asked."""
+    import torch
+
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p = 0.0
+            switched += 1
+        for holder in (module, getattr(module, "config", None)):
+            rate = getattr(holder, "attention_dropout", None)
+            if isinstance(rate, float) and rate > 0:
+                holder.attention_dropout = 0.0  # type: ignore[union-attr]  # a float attribute, not a submodule
+                switched += 1
+    return switched
+
+
 def save_peft_checkpoint(
     model: PeftModel,
     optimizer: torch.optim.Optimizer,

@@ -22,6 +22,7 @@ from trainer.backends.base import (
     load_peft_checkpoint,
     read_full_checkpoint,
     save_peft_checkpoint,
+    switch_off_base_dropout,
 )
 from trainer.packing import PackedRow, token_logprobs
 
@@ -30,25 +31,6 @@ if TYPE_CHECKING:  # peft and transformers are imported when the backend is buil
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("rlproxy.trainer")
-
-
-def switch_off_base_dropout(model: torch.nn.Module) -> int:
-    """The base model's dropout set to 0 (its `nn.Dropout`s, and the `attention_dropout` rate
-    attention layers pass to SDPA), as TRL's GRPO does by default (`disable_dropout`): the
-    trainer runs in train mode, and a model whose config drops out (GPT-2's 10 %) would score
-    every token under a random mask, so pi_old and the ratios would be noise, not the policy
-    the sampler ran. Modern instruct configs have 0 already. Returns how many were switched off;
-    LoRA's own dropout (`--lora-dropout`) is added after this and stays as asked."""
-    switched = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout) and module.p > 0:
-            module.p = 0.0
-            switched += 1
-        rate = getattr(module, "attention_dropout", None)
-        if isinstance(rate, float) and rate > 0:
-            module.attention_dropout = 0.0  # type: ignore[assignment]  # a float attribute, not a submodule
-            switched += 1
-    return switched
 
 
 def check_memory(settings: Settings, source: str, device: torch.device) -> None:

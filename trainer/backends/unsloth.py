@@ -10,6 +10,8 @@ What it does, in Unsloth's documented calls:
 - forward under `torch.autocast("cuda", bfloat16)`, as Unsloth's own trainers run it; the
   output head applied here honours `logit_scale` (Cohere) and `final_logit_softcapping` (Gemma 2)
   and `logits_scaling` (Granite), the transforms Unsloth applies where it returns hidden states;
+- the base model's dropout off before LoRA is added (`switch_off_base_dropout`, as the peft
+  backend): Unsloth leaves a config's dropout on in train mode, and scores would be noise;
 - LoRA: `FastLanguageModel.get_peft_model(model, r, lora_alpha, lora_dropout, target_modules,
   use_gradient_checkpointing="unsloth", random_state)` (Unsloth's offloaded checkpointing);
 - packed rows go in as Unsloth's own GRPO sends them: restarting `position_ids` plus
@@ -42,6 +44,7 @@ from trainer.backends.base import (
     TrainingBackend,
     load_peft_checkpoint,
     save_peft_checkpoint,
+    switch_off_base_dropout,
 )
 from trainer.packing import PackedRow
 
@@ -195,6 +198,10 @@ class UnslothBackend(TrainingBackend):
         from gateway.models.templates import use_template
 
         use_template(self._tokenizer, settings.chat_template, source)  # what vLLM renders with
+        # Unsloth trains in train mode and leaves the config's dropout on (its Granite attention and
+        # the transformers layers of the models it does not rewrite drop out): off, before LoRA's own.
+        if switched := switch_off_base_dropout(model):
+            log.info("the base model's dropout is off for training (%d layers): scores are the policy's", switched)
         # Same seed, same fresh adapter on every machine (A random, B zero).
         self.model: Any = FastLanguageModel.get_peft_model(  # Unsloth's patched PeftModel (untyped)
             model,

@@ -279,17 +279,58 @@ def join(settings: Settings) -> Team | None:
             dist.init_process_group(backend, timeout=timeout, **options)
             control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     except RuntimeError as exc:  # torch's DistNetworkError / DistStoreError: an address no one answers, a rank missing
-        raise TeamBroken(
-            f"training rank {rank} of {world}: the ranks did not all meet at {where} within --dist-timeout "
-            f"{settings.dist_timeout:g} s ({_first_line(exc)}). Start all {world} ranks with the same rendezvous "
-            "address (torchrun's --rdzv-endpoint, or MASTER_ADDR and MASTER_PORT), reachable from every machine"
-        ) from exc
+        raise not_met(exc, rank, world, where, settings.dist_timeout) from exc
     log.info(
         "trainer rank %d of %d (pid %d) on %s, %s, shard %s", rank, world, os.getpid(), device, backend, settings.shard
     )
     return Team(
         rank=rank, world_size=world, local_rank=local_rank, device=device, shard=settings.shard, control=control
     )
+
+
+def not_met(exc: BaseException, rank: int, world: int, where: str, timeout: float) -> TeamBroken:
+    """Why the ranks did not become a team, and what to change. The rendezvous (`where`) is one
+    address; after it each rank's gloo (the control group, on GPUs too) listens on an address of
+    its own and the others connect to it: GLOO_SOCKET_IFNAME's interface, or, unset, the address
+    this machine's hostname resolves to, often 127.0.x.1 (Debian's /etc/hosts), which no other
+    machine reaches. Both failures once read "did not all meet at the rendezvous", which had worked."""
+    said, who = _first_line(exc), f"training rank {rank} of {world}"
+    named = os.environ.get("GLOO_SOCKET_IFNAME")
+    interfaces = "`ip -br addr` lists this machine's interfaces"
+    if "Unable to find address for" in said:
+        return TeamBroken(
+            f"{who}: GLOO_SOCKET_IFNAME={named!r} names no network interface of this machine ({said}). Set it to "
+            f"the interface the ranks reach each other on ({interfaces}), or unset it"
+        )
+    if "connectFullMesh" in said or "Connect timeout" in said:
+        listened = (
+            f"GLOO_SOCKET_IFNAME={named}'s address" if named else f"{_hostname_address()} (GLOO_SOCKET_IFNAME unset)"
+        )
+        return TeamBroken(
+            f"{who}: the ranks met at {where} but could not connect to each other ({said}). This rank's gloo "
+            f"listened on {listened}. Across machines, set GLOO_SOCKET_IFNAME (and, on GPUs, NCCL_SOCKET_IFNAME) "
+            f"on every machine to the interface they reach each other on ({interfaces}), and let the ranks' ports "
+            "through"
+        )
+    return TeamBroken(
+        f"{who}: the ranks did not all meet at {where} within --dist-timeout {timeout:g} s ({said}). Start all "
+        f"{world} ranks with the same rendezvous address (torchrun's --rdzv-endpoint, or MASTER_ADDR and "
+        "MASTER_PORT), reachable from every machine"
+    )
+
+
+def _hostname_address() -> str:
+    """The address gloo takes when GLOO_SOCKET_IFNAME is unset: the hostname's, else loopback."""
+    import socket
+
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        address = "127.0.0.1"  # gloo's fallback for a hostname that does not resolve
+    if address.startswith("127."):
+        return f"{address}, where hostname {name!r} resolves: a loopback address, which no other machine reaches"
+    return f"{address}, where hostname {name!r} resolves"
 
 
 @contextlib.contextmanager

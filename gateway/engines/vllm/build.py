@@ -8,7 +8,7 @@ import os
 import secrets
 
 from gateway.devices import replica_devices
-from gateway.engines.base import Engine
+from gateway.engines.base import Engine, check_base_url
 from gateway.engines.vllm.engine import VLLMEngine
 from gateway.engines.vllm.memory import default_memory_share
 from gateway.engines.vllm.replicas import VLLMReplicas
@@ -84,6 +84,8 @@ def vllm_engine(
         if not url.startswith(("http://", "https://", "unix:")):
             given = settings.vllm_url[replica]
             raise ConfigError(f"--vllm-url must start with http://, https:// or unix: (a socket), got '{given}'")
+        if not url.startswith("unix:"):
+            check_base_url("--vllm-url", url)
         key = settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None
         if settings.chat_template:
             log.warning(_ATTACHED_TEMPLATE, settings.chat_template)
