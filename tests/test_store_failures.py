@@ -326,12 +326,15 @@ def _worker_with_two_groups(tmp_path):
     return settings, worker
 
 
-def _run_until_step_one(worker) -> None:
-    """The worker on a thread of its own until it recorded steps 0 and 1 (a hang guard bounds it)."""
+def _run_until_step_one(worker, meanwhile=None) -> None:
+    """The worker on a thread of its own until it recorded steps 0 and 1 (a hang guard bounds it);
+    `meanwhile(stop)` runs first, as the worker goes on."""
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()
     try:
+        if meanwhile is not None:
+            meanwhile(stop)
         for _ in range(600):
             if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
                 break
@@ -377,24 +380,16 @@ def test_a_trainer_whose_store_came_back_is_no_longer_degraded_and_reloaded_noth
     settings, worker = _worker_with_two_groups(tmp_path)
     caplog.set_level(logging.INFO)
     worker.store._conn.execute("PRAGMA query_only = 1")  # the trainer's store refuses writes (read-only)
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+
+    def fail_then_come_back(stop: threading.Event) -> None:
         for _ in range(600):  # the trainer looked at the store three times, in vain (a hang guard bounds it)
             if worker.store.health.errors["read_only"] >= 3:
                 break
             stop.wait(0.1)
         assert worker.store.health.degraded
         worker.store._conn.execute("PRAGMA query_only = 0")  # writable again
-        for _ in range(600):
-            if [s["step"] for s in worker.store.steps("agent")] == [0, 1]:
-                break
-            stop.wait(0.1)
-    finally:
-        stop.set()
-        thread.join(timeout=120)
-        worker.close()
+
+    _run_until_step_one(worker, fail_then_come_back)
     assert [s["step"] for s in SQLiteStore(settings.db_path).steps("agent")] == [0, 1]
     assert not worker.store.health.degraded and worker.store.health.report() == {"status": "ok"}
     said = [r.getMessage() for r in caplog.records]
