@@ -66,7 +66,10 @@ def test_a_judge_that_keeps_failing_sets_the_group_aside_as_failed_not_pending(t
     assert f'rlproxy_shadow_judge_calls_total{{outcome="failed"}} {sampler.JUDGE_TRIES}.0' in metrics
     assert 'rlproxy_shadow_calls_total{outcome="failed_judge"} 1.0' in metrics
     # Set aside for good: a reward for one of its sessions is refused, as for any group set aside.
-    assert reward.status_code == 409 and "RULER could not judge it" in reward.json()["error"]["message"]
+    # Set aside by its judge giving up, not by the trainer: the 409 says who.
+    message = reward.json()["error"]["message"]
+    assert reward.status_code == 409 and "RULER could not judge it" in message
+    assert "set aside once its RULER judge gave up" in message and "trainer" not in message
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ from gateway.ruler.judges import JudgeError
 from gateway.settings import Settings
 from gateway.shadow.calls import generated_tokens, shadow_body, shadow_calls, why_not_shadowed
 from gateway.store import CallRecord
+from gateway.store.rows import JUDGE_GAVE_UP
 
 log = logging.getLogger("rlproxy.shadow")
 
@@ -230,7 +231,7 @@ class ShadowSampler:
             except JudgeError as exc:  # the judge's failure: worth another try; a 409 (trained, discarded) is not
                 self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
                 if attempt == JUDGE_TRIES:
-                    reason = f"RULER could not judge it in {JUDGE_TRIES} tries; the last: {exc.message}"
+                    reason = f"{JUDGE_GAVE_UP} in {JUDGE_TRIES} tries; the last: {exc.message}"
                     if await self.services.store.give_up_shadow_group(group_id, reason):
                         raise ShadowJudgeFailed(reason) from exc
                     raise  # scored meanwhile (POST /v1/groups/{id}/ruler) or taken by a step: not ours to set aside

@@ -242,8 +242,8 @@ def late_call_reason(group_id: str, trained_step: int | None, claimed_step: int 
 def frozen_group_reason(
     group_id: str, trained_step: int | None, claimed_step: int | None, set_aside: str | None = None
 ) -> str | None:
-    """Why a group's rewards can no longer change: a step claimed it or trained it, or the
-    trainer set it aside (`set_aside`: why it was skipped or failed)."""
+    """Why a group's rewards can no longer change: a step claimed it or trained it, or it was set
+    aside (`set_aside`: why it was skipped or failed; by the trainer, or a shadow judge's give-up)."""
     if trained_step is not None:
         return (
             f"group '{group_id}' was already trained (step {trained_step}): a reward now would change nothing "
@@ -254,12 +254,20 @@ def frozen_group_reason(
             f"group '{group_id}' is being trained (step {claimed_step}) with the rewards it had when the step "
             "took it: post rewards before the group is ready (closed and every session rewarded)."
         )
+    if set_aside is not None and set_aside.startswith(JUDGE_GAVE_UP):
+        # A shadow group: only its judge rewards it, and the judge gave up; not the trainer's doing.
+        return f"group '{group_id}' was set aside once its RULER judge gave up ({set_aside}) and will not be trained."
     if set_aside is not None:
         return (
             f"group '{group_id}' was set aside by the trainer ({set_aside}) and will not be trained: "
             "post rewards before the group is ready (closed and every session rewarded)."
         )
     return None
+
+
+JUDGE_GAVE_UP = "RULER could not judge it"
+"""How the reason starts when the shadow sampler sets a group aside (`shadows.give_up_shadow_group`):
+the trainer's reasons never do, so a 409 can say who set the group aside."""
 
 
 NO_GROUP = (
