@@ -195,6 +195,8 @@ def create_app(
             if registry.canary is not None:
                 await registry.canary.start()
             colocator = await _colocate(services)
+            if "shadow" in services.extras:  # the shadow groups a shutdown left unjudged, judged again
+                await services.extras["shadow"].start()
             if tracer is not None:
                 tracer.start()
             log.info("rlproxy serving %s on the %s engine", settings.model_name, engine.kind)

@@ -22,6 +22,7 @@ from gateway.settings import Settings
 from gateway.shadow.calls import shadow_body, why_not_shadowed
 from gateway.shadow.sampler import ShadowSampler
 from gateway.store import CallRecord
+from gateway.store.sqlite import SQLiteStore
 from tests.helpers import ThreadServer
 from tests.helpers_judge import FakeJudge, good_answer, shown_ids
 
@@ -141,9 +142,10 @@ def test_two_live_sessions_shadows_stay_apart(gateway):
         assert [c["id"] for c in calls] == [call_id]
 
 
-def test_a_gateway_stopped_while_its_judge_thinks_leaves_the_group_failed_not_running(tmp_path):
-    """A shadow group whose judgement the shutdown cuts short says so, after a restart too: not
-    a "running" that nothing runs any more."""
+def test_a_gateway_stopped_while_its_judge_thinks_judges_the_group_again_once_restarted(tmp_path):
+    """A shadow group whose judgement the shutdown cuts short says so, not a "running" that
+    nothing runs any more; nothing but its judge ever rewards it, so the next gateway to start
+    on the store judges it again."""
     asked, release = threading.Event(), threading.Event()
 
     def slow_answer(body: dict) -> str:
@@ -158,10 +160,14 @@ def test_a_gateway_stopped_while_its_judge_thinks_leaves_the_group_failed_not_ru
             assert asked.wait(60)
             assert httpx.get(f"{server.url}/v1/groups/shadow-{call_id}").json()["ruler_status"] == "running"
         release.set()
+        stopped = SQLiteStore(settings.db_path).get_group(f"shadow-{call_id}")
         with ThreadServer(create_app(settings)) as server:
-            group = httpx.get(f"{server.url}/v1/groups/shadow-{call_id}").json()
-    assert group["ruler_status"] == "failed"
-    assert group["ruler_error"].startswith("the gateway stopped before the judge answered")
+            group = judged_group(server, call_id)
+    assert stopped["ruler_status"] == "failed" and stopped["failed"] is None
+    assert stopped["ruler_error"].startswith("the gateway stopped before the judge answered")
+    assert group["ruler_status"] == "scored" and group["failed"] is None
+    assert group["n_rewarded"] == group["n_sessions"] == K + 1
+    assert len(judge.bodies) == 2  # the cut-short judgement, and the one after the restart
 
 
 def test_the_openai_engine_refuses_the_shadow_flags_at_start(tmp_path):

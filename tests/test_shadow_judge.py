@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.ruler.scoring import STOPPED
 from gateway.shadow import sampler
 from tests.helpers import ThreadServer
 from tests.helpers_judge import FakeJudge
@@ -32,6 +33,13 @@ def settled(server, call_id: str) -> dict:
         return group if group.get("ruler_status") == "scored" or group.get("failed") else None
 
     return wait_until(look, what=f"the shadow group of {call_id} to be scored or set aside")
+
+
+def judged(server, call_id: str, status: str) -> dict | None:
+    """The shadow group of `call_id` once its `ruler_status` is `status`."""
+    response = httpx.get(f"{server.url}/v1/groups/shadow-{call_id}")
+    group = response.json() if response.status_code == 200 else {}
+    return group if group.get("ruler_status") == status else None
 
 
 def group_ids(server, **params) -> list[str]:
@@ -72,6 +80,21 @@ def test_a_judge_that_keeps_failing_sets_the_group_aside_as_failed_not_pending(t
     assert "set aside once its RULER judge gave up" in message and "trainer" not in message
 
 
+def test_a_gateway_stopped_between_two_tries_of_the_judge_judges_the_group_again_once_restarted(tmp_path, monkeypatch):
+    monkeypatch.setattr(sampler, "JUDGE_RETRY_S", (600.0, 600.0))  # stopped while it waits for its second try
+    with FakeJudge(answers=["not json", "still not json"]) as judge:
+        settings = shadow_settings(tmp_path, judge.url)
+        with ThreadServer(create_app(settings)) as server:
+            call_id, _ = ask(server, "stopped-between-tries-1", temperature=1.0)
+            waiting = wait_until(lambda: judged(server, call_id, "failed"), what="the first judgement to fail")
+        with ThreadServer(create_app(settings)) as server:
+            group = settled(server, call_id)
+    assert waiting["ruler_error"].startswith("the judge answered wrongly twice")
+    assert group["ruler_status"] == "scored" and group["failed"] is None and group["closed"]
+    assert group["n_rewarded"] == group["n_sessions"] >= 2  # ready for the trainer
+    assert len(judge.bodies) == 3  # the first judgement and its retry, then one after the restart
+
+
 @pytest.fixture
 def store(either_backend):
     return either_backend
@@ -88,3 +111,23 @@ def test_only_a_shadow_group_whose_judgement_failed_is_set_aside_on_either_backe
     assert asyncio.run(store.give_up_shadow_group("shadow-req-2", "RULER could not judge it")) is False
     assert store.get_group("shadow-req-1")["failed"] == "RULER could not judge it"
     assert store.get_group("shadow-req-2")["failed"] is None
+
+
+def test_a_group_a_shutdown_left_unjudged_is_taken_up_by_one_gateway_only_on_either_backend(store):
+    def stopped(group_id: str) -> str:
+        return STOPPED.format(group_id=group_id)
+
+    lives = [live_call(), live_call(id="req-2", session_id="s-2"), live_call(id="req-3", session_id="s-3")]
+    for live in lives:
+        store.record_call_sync(live)
+        asyncio.run(store.record_shadow_group(_shadows(live)))
+    asyncio.run(store.stop_shadow_judgement("shadow-req-1", stopped("shadow-req-1")))  # recorded, not judged yet
+    asyncio.run(store.set_ruler_status("shadow-req-2", "failed", "the judge is down"))  # its sampler tries again
+    asyncio.run(store.set_ruler_status("shadow-req-3", "scored"))  # a manual judgement won before the stop
+    asyncio.run(store.stop_shadow_judgement("shadow-req-3", stopped("shadow-req-3")))
+    # Two gateways starting on the store: the first takes the group, the second finds none left.
+    assert asyncio.run(store.claim_stopped_shadow_group(stopped)) == "shadow-req-1"
+    assert asyncio.run(store.claim_stopped_shadow_group(stopped)) is None
+    assert store.get_group("shadow-req-1")["ruler_status"] == "running"
+    assert store.get_group("shadow-req-2")["ruler_error"] == "the judge is down"
+    assert store.get_group("shadow-req-3")["ruler_status"] == "scored"

@@ -10,6 +10,9 @@ sessions' rewards and the trainer takes the group like any other. At most
 `--shadow-max-in-flight` live calls are shadowed at once; a call arriving when that many are
 is not shadowed (counted as dropped), so shadows never pile up behind live traffic.
 
+A shadow group recorded but not judged when the gateway stops (its judge cut short, or
+waiting for another try) is marked so and judged again by the next gateway to start on the store.
+
 No clock gives a shadow up: one that waited or sampled long would be one with long answers, and
 dropping it would lean the groups short. A shadow is dropped only once its step is no longer
 worth sampling: the alias has moved more than `--max-staleness` steps past the step that
@@ -21,6 +24,7 @@ whose shadows are dropped more often than others' can be seen.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -37,6 +41,7 @@ from gateway.settings import Settings
 from gateway.shadow.calls import generated_tokens, shadow_body, shadow_calls, why_not_shadowed
 from gateway.store import CallRecord
 from gateway.store.rows import JUDGE_GAVE_UP
+from gateway.store.shadows import shadow_group_id
 
 log = logging.getLogger("rlproxy.shadow")
 
@@ -114,33 +119,79 @@ class ShadowSampler:
         current = self.services.chat.registry.current
         return current is not None and is_stale(live.step, current, self.max_staleness)
 
+    async def start(self) -> None:
+        """Judge again the shadow groups a gateway's shutdown left unjudged (`stop`), in the
+        background: nothing but their judge ever rewards them, so else they would stay pending
+        for ever. Each is taken by one gateway only (`Store.claim_stopped_shadow_group`)."""
+        task = asyncio.get_running_loop().create_task(self._judge_stopped())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
     async def stop(self) -> None:
-        """Cancel what is still running (the gateway is shutting down): a shadow group not
-        judged yet is simply never trained."""
+        """Cancel what is still running (the gateway is shutting down). A group recorded but not
+        judged yet is marked so (RULER's `STOPPED`, which also says to POST its ruler again) and
+        judged again when a gateway starts on the store; samples not recorded yet are lost."""
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
+    async def _judge_stopped(self) -> None:
+        from gateway.ruler.scoring import STOPPED
+
+        def stopped(group_id: str) -> str:
+            return STOPPED.format(group_id=group_id)
+
+        while True:
+            try:
+                group_id = await self.services.store.claim_stopped_shadow_group(stopped)
+            except Exception as exc:  # a store away at start: those groups wait for the next start
+                log.warning("shadow groups a shutdown left unjudged were not taken up: %s", exc)
+                return
+            if group_id is None:
+                return
+            log.info("judging shadow group %s again: a gateway's shutdown cut its judgement short", group_id)
+            try:
+                await self._judge(group_id)
+                self._count("completed")
+            except asyncio.CancelledError:
+                await self._mark_stopped(group_id)
+                raise
+            except Exception as exc:
+                self._failed(exc, f"shadow group {group_id}")
+
     async def _shadow(self, live: CallRecord) -> None:
+        group_id = None
         try:
             sampled = await self._sample_when_quiet(live)
             if sampled is None:
                 self._count("dropped", reason="stale")
                 self._per_key(live, "dropped")
                 return
-            group_id = await self.services.store.record_shadow_group(sampled)
-            if group_id is None:  # the client discarded its session meanwhile: nothing of it trains
-                self._count("dropped", reason="discarded")
+            group_id = shadow_group_id(live.id)  # from here on the group may be on disk
+            if await self.services.store.record_shadow_group(sampled) is None:
+                self._count("dropped", reason="discarded")  # the client discarded its session meanwhile
                 self._per_key(live, "dropped")
                 return
             await self._judge(group_id)
             self._count("completed")
         except asyncio.CancelledError:
+            if group_id is not None:
+                await self._mark_stopped(group_id)
             raise
-        except Exception as exc:  # a shadow's failure never reaches a client; it is counted and logged
-            self._count("failed", reason="judge" if isinstance(exc, ShadowJudgeFailed) else "")
-            message = exc.message if isinstance(exc, RLProxyError) else f"{type(exc).__name__}: {exc}"
-            log.warning("shadow samples of call %s failed: %s", live.id, message)
+        except Exception as exc:
+            self._failed(exc, f"shadow samples of call {live.id}")
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        """A shadow's failure never reaches a client; it is counted and logged."""
+        self._count("failed", reason="judge" if isinstance(exc, ShadowJudgeFailed) else "")
+        message = exc.message if isinstance(exc, RLProxyError) else f"{type(exc).__name__}: {exc}"
+        log.warning("%s failed: %s", what, message)
+
+    async def _mark_stopped(self, group_id: str) -> None:
+        from gateway.ruler.scoring import STOPPED
+
+        with contextlib.suppress(Exception):  # a store that cannot write must not hide the cancel
+            await asyncio.shield(self.services.store.stop_shadow_judgement(group_id, STOPPED.format(group_id=group_id)))
 
     async def _quiet_engine(self, live: CallRecord) -> bool:
         """Wait until no live call is in the engine (shadows yield to live load); False once the

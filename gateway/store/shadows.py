@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gateway.store.locks import for_update, lock_group
@@ -78,6 +79,42 @@ def give_up_shadow_group(conn: sqlite3.Connection, group_id: str, reason: str, n
     return bool(cursor.rowcount)
 
 
+_UNJUDGED = "origin = 'shadow' AND trained_step IS NULL AND claimed_step IS NULL AND failed IS NULL AND skipped IS NULL"
+
+
+def stop_shadow_judgement(conn: sqlite3.Connection, group_id: str, stopped: str, now: float) -> None:
+    """The gateway stops before the sampler judged the group (its judgement not started yet, under
+    way, or waiting to be tried again): mark it stopped (`stopped`, RULER's own words for a judgement a
+    shutdown cut short), which `claim_stopped_shadow_group` takes up after a restart. A group
+    scored or set aside meanwhile, or not recorded at all, is left as it is."""
+    conn.execute(
+        "UPDATE groups SET ruler_status = 'failed', ruler_error = ?, updated_at = ?"
+        f" WHERE id = ? AND {_UNJUDGED} AND (ruler_status IS NULL OR ruler_status IN ('running', 'failed'))",
+        (stopped, now, group_id),
+    )
+
+
+def claim_stopped_shadow_group(conn: sqlite3.Connection, stopped: Callable[[str], str], now: float) -> str | None:
+    """A shadow group whose judgement a gateway's shutdown cut short (`ruler_error` is
+    `stopped(group_id)`), marked running for the caller to judge; None when there is none. The
+    UPDATE re-checks that mark under the row's lock, so of two gateways starting on one
+    PostgreSQL store only one takes a group; one a client judged meanwhile is not taken."""
+    found = conn.execute(
+        f"SELECT id, ruler_error FROM groups WHERE {_UNJUDGED} AND ruler_status = 'failed' ORDER BY created_at, id"
+    ).fetchall()
+    for group_id, error in found:
+        if error != stopped(group_id):
+            continue  # its judge failed (its sampler gave up, or tries again): not for a restart to take
+        cursor = conn.execute(
+            "UPDATE groups SET ruler_status = 'running', ruler_error = NULL, updated_at = ?"
+            f" WHERE id = ? AND {_UNJUDGED} AND ruler_status = 'failed' AND ruler_error = ?",
+            (now, group_id, error),
+        )
+        if cursor.rowcount:
+            return str(group_id)
+    return None
+
+
 class ShadowRows:
     """The shadow groups' part of `Store` (a mixin: the class stays within its size limit)."""
 
@@ -92,3 +129,11 @@ class ShadowRows:
     async def give_up_shadow_group(self, group_id: str, reason: str) -> bool:
         """Set aside as failed a shadow group its judge could not score (`give_up_shadow_group`)."""
         return await self._submit(lambda conn: give_up_shadow_group(conn, group_id, reason, time.time()))
+
+    async def stop_shadow_judgement(self, group_id: str, stopped: str) -> None:
+        """Mark a shadow group not judged yet as cut short by the shutdown (`stop_shadow_judgement`)."""
+        await self._submit(lambda conn: stop_shadow_judgement(conn, group_id, stopped, time.time()))
+
+    async def claim_stopped_shadow_group(self, stopped: Callable[[str], str]) -> str | None:
+        """Take up a shadow group a shutdown left unjudged (`claim_stopped_shadow_group`)."""
+        return await self._submit(lambda conn: claim_stopped_shadow_group(conn, stopped, time.time()))
