@@ -1,7 +1,8 @@
 """Shadow samples under --gpu-mode colocated: they never hold up the GPU's handover to the
 trainer. The gateway drains live calls before vLLM sleeps, but a shadow sampling in vLLM is
 background work it can always redo: it is called off at once, waits at the gate while the
-trainer trains, and is sampled again once vLLM is awake (through the fake vLLM)."""
+trainer trains, and is sampled again once vLLM is awake (through the fake vLLM). The same for
+the served model judging as `--shadow-judge-model self`: its call is asked again after the step."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import openai
 
 from gateway.app import create_app
 from gateway.colocate import GRANTED, acquire_gpu_for_training, release_gpu
+from gateway.ruler.scoring import RESPONSE_FORMAT
 from gateway.store.sqlite import SQLiteStore
 from tests.fake_vllm import FakeState, create_fake_vllm
 from tests.helpers import ThreadServer
-from tests.helpers_judge import FakeJudge
+from tests.helpers_judge import FakeJudge, good_answer
 from tests.helpers_vllm import BASE, attached_engine, vllm_settings, wait_until
 
 
@@ -99,3 +101,80 @@ def test_a_shadow_sampling_in_vllm_does_not_hold_up_the_handover_and_is_sampled_
     assert fake.chats_while_asleep == 0
     assert group["n_sessions"] == 3 and group["n_rewarded"] == 3  # the live answer and its 2 shadows
     assert summary["completed"] == 1 and summary["failed"] == 0
+
+
+def holding_judge(app, released: threading.Event, held: list):
+    """`app` with every RULER judge request (its `response_format` is RULER's) held until
+    `released`, or until its client hangs up: the served model thinking long as `self` judge.
+    Once released, the judge answers well (the fake vLLM's own text is no judgement)."""
+
+    async def holding(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        request = json.loads(body)
+        replayed = iter([{"type": "http.request", "body": body, "more_body": False}])
+        replay = lambda: asyncio.sleep(0, next(replayed, {"type": "http.disconnect"}))  # noqa: E731
+        if request.get("response_format") != RESPONSE_FORMAT:
+            return await app(scope, replay, send)
+        held.append(request)
+        hung_up = asyncio.ensure_future(receive())  # the next message is the disconnect
+        while not released.is_set() and not hung_up.done():
+            await asyncio.sleep(0.05)
+        if hung_up.done():
+            return None
+        hung_up.cancel()
+        answered: list[dict] = []
+        await app(scope, replay, lambda message: asyncio.sleep(0, answered.append(message)))
+        reply = json.loads(b"".join(m.get("body", b"") for m in answered if m["type"] == "http.response.body"))
+        reply["choices"][0]["message"]["content"] = good_answer(request)
+        content = json.dumps(reply).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    return holding
+
+
+def test_a_self_judge_thinking_in_vllm_does_not_hold_up_the_handover_and_is_asked_again(tmp_path):
+    fake, released, held = FakeState(base_model=BASE), threading.Event(), []
+    with ThreadServer(holding_judge(create_fake_vllm(fake), released, held)) as vllm:
+        settings = vllm_settings(
+            tmp_path, vllm_url=vllm.url, gpu_mode="colocated", shadow_samples=2, shadow_judge_model="self"
+        )
+        app = create_app(settings, engine=attached_engine(vllm.url), store=SQLiteStore(settings.db_path))
+        trainer_store = SQLiteStore(settings.db_path)  # the trainer's own connection, as in its own process
+        try:
+            with ThreadServer(app) as gateway:
+                client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+                raw = client.chat.completions.with_raw_response.create(
+                    model="agent", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0
+                )
+                call_id = raw.headers["x-request-id"]
+                wait_until(lambda: held, what="the judge's request in vLLM")
+
+                # The trainer asks for the GPU while the served model still judges: it gets it.
+                lease = acquire_gpu_for_training(trainer_store, "agent", timeout=30)
+                assert fake.asleep and trainer_store.gpu_lease("agent")["state"] == GRANTED
+                released.set()  # from now on the judge answers at once
+                release_gpu(trainer_store, "agent", None, lease.holder)
+
+                # Awake again, the judge is asked again and the group is scored.
+                group = wait_until(
+                    lambda: (
+                        (r := httpx.get(f"{gateway.url}/v1/groups/shadow-{call_id}")).status_code == 200
+                        and r.json()["ruler_status"] == "scored"
+                        and r.json()
+                    ),
+                    what="the shadow group judged",
+                )
+        finally:
+            released.set()
+            asyncio.run(trainer_store.close())
+    assert len(held) == 2 and fake.chats_while_asleep == 0  # called off for the trainer, then asked again
+    assert group["n_sessions"] == 3 and group["n_rewarded"] == 3

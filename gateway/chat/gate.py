@@ -1,7 +1,7 @@
 """A gate in front of the engine: hold new requests (never fail them) and drain
 in-flight ones, so a colocated trainer can have the GPU for a moment. Background work inside
-(shadow samples) watches `closing` and leaves at once: it can be redone, so the trainer waits
-only for the live calls."""
+(shadow samples, the `self` judge's calls) watches `closing` and leaves at once: it can be redone,
+so the trainer waits only for the live calls."""
 
 from __future__ import annotations
 

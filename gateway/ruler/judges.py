@@ -128,18 +128,24 @@ def engine_judge(services: Any, timeout: float | None = None) -> JudgeCall:
 
     async def call(messages: list[dict], response_format: dict) -> str | None:
         limit = timeout or JUDGE_TIMEOUT
-        registry, engine = services.registry, services.engine
+        registry, engine, gate = services.registry, services.engine, services.gate
         name = services.settings.model_name if engine.supports_adapters else engine.base_model_id
         try:
-            async with services.gate.passage(), registry.use(name) as target:
-                body = {
-                    "model": target.model,
-                    "messages": messages,
-                    "response_format": response_format,
-                    "max_tokens": services.settings.default_max_tokens * 4,
-                }
-                request = EngineRequest(body=body, adapter=target.adapter, request_id="ruler_" + uuid.uuid4().hex)
-                completion = await asyncio.wait_for(engine.complete(request), limit)
+            completion = None
+            while completion is None:  # called off for a colocated trainer's step: asked again after it
+                async with gate.passage(), registry.use(name) as target:
+                    body = {
+                        "model": target.model,
+                        "messages": messages,
+                        "response_format": response_format,
+                        "max_tokens": services.settings.default_max_tokens * 4,
+                    }
+                    request = EngineRequest(body=body, adapter=target.adapter, request_id="ruler_" + uuid.uuid4().hex)
+                    completion = await _unless_closing(gate, engine.complete(request), limit)
+                if completion is None:
+                    log.info(
+                        "RULER: the judge '%s' was called off: the trainer takes the GPU; asked again after", SELF_JUDGE
+                    )
         except asyncio.TimeoutError:
             raise JudgeError(f"the judge '{SELF_JUDGE}' did not answer within {limit:.0f} s") from None
         except Exception as exc:
@@ -148,6 +154,27 @@ def engine_judge(services: Any, timeout: float | None = None) -> JudgeCall:
         return (choices[0].get("message") or {}).get("content") if choices else None
 
     return call
+
+
+async def _unless_closing(gate: Any, call: Awaitable[Any], limit: float) -> Any:
+    """`call`'s completion, or None once the gate starts closing first (asyncio.TimeoutError after
+    `limit`). The handover to a colocated trainer waits for every call inside the gate, and a
+    judge may think for `limit` (600 s): a judgement is not a client's call and can be asked
+    again, so it leaves at once, as a shadow sampling does (cancelled: vLLM drops the request)."""
+    task = asyncio.ensure_future(call)
+    closing = asyncio.ensure_future(gate.closing())
+    try:
+        done, _ = await asyncio.wait({task, closing}, timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # out of the engine before the gate counts it out
+        if not done:
+            raise asyncio.TimeoutError
+        return None
+    finally:
+        task.cancel()  # cancelled ourselves (shutdown): the engine call goes too
+        closing.cancel()
 
 
 def _bare(url: str) -> str:
