@@ -96,9 +96,11 @@ def stop_shadow_judgement(conn: sqlite3.Connection, group_id: str, stopped: str,
 
 def claim_stopped_shadow_group(conn: sqlite3.Connection, stopped: Callable[[str], str], now: float) -> str | None:
     """A shadow group whose judgement a gateway's shutdown cut short (`ruler_error` is
-    `stopped(group_id)`), marked running for the caller to judge; None when there is none. The
-    UPDATE re-checks that mark under the row's lock, so of two gateways starting on one
-    PostgreSQL store only one takes a group; one a client judged meanwhile is not taken."""
+    `stopped(group_id)`), for the caller to judge; None when there is none. The UPDATE re-checks
+    that mark under the row's lock, so of two gateways starting on one PostgreSQL store only one
+    takes a group; one a client judged meanwhile is not taken. It leaves the group not judged
+    (status null): the judgement marks it running itself, and a judgement refused before it
+    starts (its sessions all discarded meanwhile) must not leave a "running" that nothing runs."""
     found = conn.execute(
         f"SELECT id, ruler_error FROM groups WHERE {_UNJUDGED} AND ruler_status = 'failed' ORDER BY created_at, id"
     ).fetchall()
@@ -106,7 +108,7 @@ def claim_stopped_shadow_group(conn: sqlite3.Connection, stopped: Callable[[str]
         if error != stopped(group_id):
             continue  # its judge failed (its sampler gave up, or tries again): not for a restart to take
         cursor = conn.execute(
-            "UPDATE groups SET ruler_status = 'running', ruler_error = NULL, updated_at = ?"
+            "UPDATE groups SET ruler_status = NULL, ruler_error = NULL, updated_at = ?"
             f" WHERE id = ? AND {_UNJUDGED} AND ruler_status = 'failed' AND ruler_error = ?",
             (now, group_id, error),
         )
