@@ -5,6 +5,7 @@ then the group is set aside as failed, with the reason, instead of staying pendi
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -131,3 +132,36 @@ def test_a_group_a_shutdown_left_unjudged_is_taken_up_by_one_gateway_only_on_eit
     assert store.get_group("shadow-req-1")["ruler_status"] is None  # taken: the judgement marks it running
     assert store.get_group("shadow-req-2")["ruler_error"] == "the judge is down"
     assert store.get_group("shadow-req-3")["ruler_status"] == "scored"
+
+
+def test_a_group_a_client_judged_between_two_tries_keeps_the_clients_judgement(tmp_path, monkeypatch):
+    retry = threading.Event()
+
+    async def wait_for_the_test(self, attempt: int) -> None:  # the wait before the next try, ended by the test
+        await asyncio.to_thread(retry.wait, 60)
+
+    monkeypatch.setattr(sampler.ShadowSampler, "_wait_to_retry", wait_for_the_test)
+    with FakeJudge(answers=["not json", "still not json"]) as shadow_judge, FakeJudge() as manual_judge:
+        settings = shadow_settings(tmp_path, shadow_judge.url).model_copy(
+            update={"judge_model": ["openai/manual"], "judge_api_base": [manual_judge.url]}
+        )
+        with ThreadServer(create_app(settings)) as server:
+            call_id, _ = ask(server, "judged-meanwhile-1", temperature=1.0)
+            wait_until(lambda: judged(server, call_id, "failed"), what="the first judgement to fail")
+            manual = httpx.post(
+                f"{server.url}/v1/groups/shadow-{call_id}/ruler",
+                json={"judge_model": "openai/manual", "judge_api_base": manual_judge.url},
+                timeout=60,
+            )
+            retry.set()
+            wait_until(
+                lambda: (
+                    httpx.get(f"{server.url}/v1/dashboard").json()["live_traffic"]["shadow_samples"]["in_flight"] == 0
+                ),
+                what="the sampler to be done with the group",
+            )
+            group = httpx.get(f"{server.url}/v1/groups/shadow-{call_id}").json()
+    assert manual.status_code == 200, manual.text
+    assert len(shadow_judge.bodies) == 2  # the failed judgement and its retry; not asked again once scored
+    assert group["ruler_status"] == "scored" and group["failed"] is None
+    assert {j["judge_model"] for j in group["judgements"]} == {"openai/manual"}

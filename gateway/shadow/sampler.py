@@ -287,13 +287,24 @@ class ShadowSampler:
                         raise ShadowJudgeFailed(reason) from exc
                     raise  # scored meanwhile (POST /v1/groups/{id}/ruler) or taken by a step: not ours to set aside
                 log.warning("judging shadow group %s failed (try %d): %s", group_id, attempt, exc.message)
-                await asyncio.sleep(JUDGE_RETRY_S[attempt - 1])
+                await self._wait_to_retry(attempt)
+                if not await self._still_failed(group_id):
+                    return  # a client judged it meanwhile (POST /v1/groups/{id}/ruler): its scores stand
                 continue
             except Exception:
                 self.metrics.shadow_judge_calls.labels(outcome="failed").inc()
                 raise
             self.metrics.shadow_judge_calls.labels(outcome="scored").inc()
             return
+
+    async def _wait_to_retry(self, attempt: int) -> None:
+        await asyncio.sleep(JUDGE_RETRY_S[attempt - 1])
+
+    async def _still_failed(self, group_id: str) -> bool:
+        """The group's judgement is still the failed one: not scored or being judged by a client
+        meanwhile, whose judge and rubric another try of ours would overwrite."""
+        group = await asyncio.to_thread(self.services.store.get_group, group_id)
+        return group.get("ruler_status") == "failed"
 
 
 class CalledOff(Exception):
