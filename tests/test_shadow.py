@@ -160,7 +160,9 @@ def test_a_gateway_stopped_while_its_judge_thinks_judges_the_group_again_once_re
             assert asked.wait(60)
             assert httpx.get(f"{server.url}/v1/groups/shadow-{call_id}").json()["ruler_status"] == "running"
         release.set()
-        stopped = SQLiteStore(settings.db_path).get_group(f"shadow-{call_id}")
+        store = SQLiteStore(settings.db_path)  # between the two gateways: what the first one left
+        stopped = store.get_group(f"shadow-{call_id}")
+        asyncio.run(store.close())
         with ThreadServer(create_app(settings)) as server:
             group = judged_group(server, call_id)
     assert stopped["ruler_status"] == "failed" and stopped["failed"] is None
