@@ -345,13 +345,18 @@ def test_a_split_that_contradicts_the_session_or_group_is_a_409(client, store, s
     _chat(
         client, "train rollout", extra_headers={"X-Session-Id": f"split-a-{stream}", "X-Group-Id": f"split-g-{stream}"}
     )
-    for headers in (
-        {"X-Session-Id": f"split-b-{stream}", "X-Group-Id": f"split-g-{stream}", "X-Split": "val"},
-        {"X-Session-Id": f"split-a-{stream}", "X-Split": "val"},
+    for headers, says in (
+        (
+            {"X-Session-Id": f"split-b-{stream}", "X-Group-Id": f"split-g-{stream}", "X-Split": "val"},
+            f"group 'split-g-{stream}' holds 'train' sessions",
+        ),
+        # a session is one rollout: it is a train session (the store's words), it holds none
+        ({"X-Session-Id": f"split-a-{stream}", "X-Split": "val"}, f"session 'split-a-{stream}' is a 'train' session"),
     ):
         with pytest.raises(openai.ConflictError) as info:
             _chat(client, "val rollout", stream=stream, extra_headers=headers)
         assert "X-Split 'val'" in info.value.message and "one split per" in info.value.message
+        assert says in info.value.message
     assert [s["id"] for s in store.get_group(f"split-g-{stream}")["sessions"]] == [f"split-a-{stream}"]
 
 
