@@ -412,6 +412,20 @@ def test_reward_and_session_roundtrip(client, http):
     assert [c["response"]["choices"][0]["message"]["content"] for c in session["calls"]] == ["solve it"]
 
 
+def test_a_reward_that_cannot_train_in_its_group_says_why(client, http):
+    # The answer's `trainable` comes with the `reason` when it is false, grouped or not: a val
+    # rollout and a discarded one in a harness group are stored (200) and never trained.
+    _chat(client, "val try", extra_headers={"X-Session-Id": "why-val", "X-Group-Id": "why-g-val", "X-Split": "val"})
+    _chat(client, "train try", extra_headers={"X-Session-Id": "why-gone", "X-Group-Id": "why-g"})
+    assert http.post("/v1/sessions/why-gone/discard", json={"reason": "tool crashed"}).status_code == 200
+    for session, says in (("why-val", "split 'val'"), ("why-gone", "discarded")):
+        answer = http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0}).json()
+        assert answer["trainable"] is False and says in answer.get("reason", ""), answer
+    _chat(client, "kept", extra_headers={"X-Session-Id": "why-kept", "X-Group-Id": "why-g"})
+    answer = http.post("/v1/sessions/why-kept/reward", json={"reward": 1.0}).json()
+    assert answer["trainable"] is True and answer["group_id"] == "why-g" and "reason" not in answer
+
+
 def _late_calls(http) -> float:
     line = next(x for x in http.get("/metrics").text.splitlines() if x.startswith("rlproxy_untrainable_calls_total"))
     return float(line.split()[-1])
