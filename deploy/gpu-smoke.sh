@@ -7,7 +7,7 @@
 #   bash deploy/gpu-smoke.sh                       # Qwen/Qwen2.5-0.5B-Instruct on GPU 0
 #   MODEL=Qwen/Qwen2.5-1.5B-Instruct bash deploy/gpu-smoke.sh
 #
-# Needs: an NVIDIA GPU with 16 GB or more, `pip install 'rlproxy[gateway,gpu]'`, curl, python3,
+# Needs: an NVIDIA GPU with 16 GB or more, `pip install 'rlproxy[gateway,train,gpu]'`, curl, python3,
 # and the model reachable (Hugging Face hub or its cache).
 set -euo pipefail
 
@@ -24,7 +24,7 @@ fail() { log "FAIL: $*"; log "gateway log: $STATE_DIR/gateway.log, vLLM log: $ST
 json() { python3 -c "import json, sys; data = json.load(sys.stdin); print($1)"; }
 
 command -v nvidia-smi >/dev/null || fail "no nvidia-smi: run this on a machine with an NVIDIA GPU"
-command -v rlproxy >/dev/null || fail "rlproxy is not installed: pip install 'rlproxy[gateway,gpu]'"
+command -v rlproxy >/dev/null || fail "rlproxy is not installed: pip install 'rlproxy[gateway,train,gpu]'"
 
 log "state in $STATE_DIR; starting the gateway with $MODEL"
 rlproxy serve \

@@ -43,12 +43,13 @@ if [[ "$HOST" != "127.0.0.1" && "$HOST" != "localhost" && -z "${RLPROXY_API_KEY:
 fi
 
 if [[ "${INSTALL:-1}" == "1" ]]; then
-    # vllm and unsloth bring the CUDA build of torch they need; the [train] extra's CPU pin is not wanted here.
+    # [gpu]'s vllm pins the torch [train] pins (2.13.0: PyPI's CUDA build on Linux), so one torch serves both;
+    # [train] adds what vllm and unsloth do not bring (matplotlib for export-model's card, gguf for smollm2).
     python -m pip install --upgrade pip
     if [[ -f pyproject.toml && -d gateway ]]; then
-        python -m pip install -e ".[gateway,gpu]"
+        python -m pip install -e ".[gateway,train,gpu]"
     else
-        python -m pip install "rlproxy[gateway,gpu]"
+        python -m pip install "rlproxy[gateway,train,gpu]"
     fi
 fi
 

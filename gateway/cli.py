@@ -271,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ValidationError as exc:  # a setting out of range: say which flag and why, no traceback
         for error in exc.errors():
-            flag = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") if error["loc"] else "settings"
-            print(f"rlproxy {args.command}: {flag}: {error['msg']}", file=sys.stderr)
+            # a check across settings has no field, and pydantic prefixes a validator's own words
+            # with "Value error, ": the reason alone names the flags
+            reason = error["msg"].removeprefix("Value error, ")
+            flag = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") + ": " if error["loc"] else ""
+            print(f"rlproxy {args.command}: {flag}{reason}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -181,6 +181,17 @@ def test_training_settings_that_cannot_train_as_asked_are_refused_at_start(tmp_p
     assert reason in str(refused.value)
 
 
+def test_a_combination_refused_at_start_reads_as_one_plain_line(capsys, tmp_path):
+    # pydantic words a check across settings as "Value error, ..." at no field; the user gets the
+    # reason alone, as for one flag out of range.
+    from gateway.cli import main
+
+    assert main(["train", "--state-dir", str(tmp_path), "--max-tokens-norm", "512"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlproxy train: --max-tokens-norm is dr_grpo's fixed divisor"), err
+    assert "Value error" not in err and "settings:" not in err
+
+
 def test_a_port_or_token_limit_that_cannot_work_is_refused(capsys, tmp_path):
     # --port 99999 listened on 34463 (99999 - 65536); --default-max-tokens 0 gave 1-token answers.
     from gateway.cli import main

@@ -169,7 +169,7 @@ def test_skypilot_task_and_dockerfile_are_complete():
     assert resources["ports"] == 8000
     assert all(choice["accelerators"].endswith(":1") for choice in resources["any_of"])
     assert "RLPROXY_API_KEY" in task["secrets"]  # required at launch: the port is public
-    assert ".[gateway,gpu]" in task["setup"] and task["workdir"] == "."
+    assert ".[gateway,train,gpu]" in task["setup"] and task["workdir"] == "."
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^FROM vllm/vllm-openai:v0\.([1-9][0-9]|10\.[2-9])", dockerfile, re.M)
     for path in re.findall(r"^COPY (\S+)", dockerfile, re.M):

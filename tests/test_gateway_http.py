@@ -345,13 +345,18 @@ def test_a_split_that_contradicts_the_session_or_group_is_a_409(client, store, s
     _chat(
         client, "train rollout", extra_headers={"X-Session-Id": f"split-a-{stream}", "X-Group-Id": f"split-g-{stream}"}
     )
-    for headers in (
-        {"X-Session-Id": f"split-b-{stream}", "X-Group-Id": f"split-g-{stream}", "X-Split": "val"},
-        {"X-Session-Id": f"split-a-{stream}", "X-Split": "val"},
+    for headers, says in (
+        (
+            {"X-Session-Id": f"split-b-{stream}", "X-Group-Id": f"split-g-{stream}", "X-Split": "val"},
+            f"group 'split-g-{stream}' holds 'train' sessions",
+        ),
+        # a session is one rollout: it is a train session (the store's words), it holds none
+        ({"X-Session-Id": f"split-a-{stream}", "X-Split": "val"}, f"session 'split-a-{stream}' is a 'train' session"),
     ):
         with pytest.raises(openai.ConflictError) as info:
             _chat(client, "val rollout", stream=stream, extra_headers=headers)
         assert "X-Split 'val'" in info.value.message and "one split per" in info.value.message
+        assert says in info.value.message
     assert [s["id"] for s in store.get_group(f"split-g-{stream}")["sessions"]] == [f"split-a-{stream}"]
 
 
@@ -405,6 +410,20 @@ def test_reward_and_session_roundtrip(client, http):
     session = http.get("/v1/sessions/rewarded").json()
     assert session["reward"] == 0.75 and session["metrics"] == {"steps": 3.0}
     assert [c["response"]["choices"][0]["message"]["content"] for c in session["calls"]] == ["solve it"]
+
+
+def test_a_reward_that_cannot_train_in_its_group_says_why(client, http):
+    # The answer's `trainable` comes with the `reason` when it is false, grouped or not: a val
+    # rollout and a discarded one in a harness group are stored (200) and never trained.
+    _chat(client, "val try", extra_headers={"X-Session-Id": "why-val", "X-Group-Id": "why-g-val", "X-Split": "val"})
+    _chat(client, "train try", extra_headers={"X-Session-Id": "why-gone", "X-Group-Id": "why-g"})
+    assert http.post("/v1/sessions/why-gone/discard", json={"reason": "tool crashed"}).status_code == 200
+    for session, says in (("why-val", "split 'val'"), ("why-gone", "discarded")):
+        answer = http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0}).json()
+        assert answer["trainable"] is False and says in answer.get("reason", ""), answer
+    _chat(client, "kept", extra_headers={"X-Session-Id": "why-kept", "X-Group-Id": "why-g"})
+    answer = http.post("/v1/sessions/why-kept/reward", json={"reward": 1.0}).json()
+    assert answer["trainable"] is True and answer["group_id"] == "why-g" and "reason" not in answer
 
 
 def _late_calls(http) -> float:

@@ -401,6 +401,19 @@ def test_an_unreachable_judge_is_reported_without_its_key(gateway, judge_env, ju
     assert JUDGE_KEY.encode() not in raw_store_bytes(state_dir)
 
 
+def test_a_judge_nobody_listens_for_is_said_to_be_unreachable_not_an_http_500(gateway, judge_env, judge_port):
+    # litellm wraps a refused connection in an InternalServerError with status_code 500: no judge
+    # answered at all, so the reason must not read as the judge's own HTTP 500 reply.
+    server, _, _ = gateway
+    _run_group(server, "g-nobody", ["Answer 391", "Answer 12"])
+    response = _ruler(server, "g-nobody", judge_model="openai/j", judge_api_base=judge_url(judge_port))
+    assert response.status_code == 502, response.text
+    message = response.json()["error"]["message"]
+    assert "the judge 'openai/j' failed" in message and "could not connect" in message, message
+    assert "HTTP 500" not in message and "its reply" not in message
+    assert _group(server, "g-nobody")["ruler_error"] == message
+
+
 def test_a_judge_that_never_finishes_its_answer_fails_the_judgement_in_time(
     gateway, judge_env, judge_port, monkeypatch
 ):

@@ -178,6 +178,11 @@ def test_vllm_serve_command_and_environment():
         BASE, port=1, max_loras=1, lora_rank=8, sleep_mode=False, extra_args=["--tool-call-parser", "mistral"]
     )
     assert "hermes" not in mistral and mistral[-2:] == ["--tool-call-parser", "mistral"]
+    # ...and vLLM runs that parser only with auto tool choice on (else tool calls come back as text)
+    assert "--enable-auto-tool-choice" in mistral
+    for parser in (["--tool-call-parser=mistral"], ["--tool-call-parser", "mistral", "--enable-auto-tool-choice"]):
+        cmd = vllm_command(BASE, port=1, max_loras=1, lora_rank=8, sleep_mode=False, extra_args=parser)
+        assert cmd.count("--enable-auto-tool-choice") == 1 and "hermes" not in cmd, cmd
     # first come, first served for everything, if the user says so (shadows then share alike)
     fcfs = vllm_command(
         BASE, port=1, max_loras=1, lora_rank=8, sleep_mode=False, extra_args=["--scheduling-policy=fcfs"]

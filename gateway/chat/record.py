@@ -106,10 +106,15 @@ class SplitGuard:
         for key, what in ((f"s:{identity.session_id}", "session"), (f"g:{identity.group_id}", "group")):
             known = self._splits.get(key)
             if known is not None and known != identity.split and (what == "session" or identity.group_id):
-                name = identity.session_id if what == "session" else identity.group_id
+                # the store's words (gateway/store/rows.py): a session is one rollout of a split,
+                # a group holds sessions of one
+                held = (
+                    f"session '{identity.session_id}' is a '{known}' session"
+                    if what == "session"
+                    else f"group '{identity.group_id}' holds '{known}' sessions"
+                )
                 raise Conflict(
-                    f"{what} '{name}' holds '{known}' sessions; this call says X-Split '{identity.split}'. "
-                    f"Use one split per {what}"
+                    f"{held}; this call says X-Split '{identity.split}'. Use one split per {what}"
                     + (" (a separate group id for val rollouts)." if what == "group" else "."),
                     param="split",
                 )

@@ -66,7 +66,8 @@ async def list_groups(
     split: Literal["train", "val"] | None = Split,
     state: Literal["trained", "skipped", "failed", "pending"] | None = Query(
         None,
-        description="trained, skipped, failed (set aside: the trainer's or a shadow judge's tries ran out) or none",
+        description="trained, skipped, failed (set aside: the trainer's or a shadow judge's tries ran out) or "
+        "pending (none of these yet: it may still train)",
     ),
     origin: Literal["harness", "live", "shadow"] | None = Query(
         None,

@@ -57,9 +57,30 @@ def _failed(judge_model: str, exc: BaseException, key: str | None = None) -> Jud
     log.warning("RULER: the judge '%s' failed: %s: %s", judge_model, type(exc).__name__, text[:4000])
     if isinstance(exc, RLProxyError) and not isinstance(exc, UpstreamError):
         return JudgeError(f"the judge '{judge_model}' failed: {text[:500]}")  # our own words, e.g. too long
+    refused = _connection_error(exc)
+    if refused is not None:
+        return JudgeError(
+            f"the judge '{judge_model}' failed (could not connect to it: {type(refused).__name__}); "
+            "the error is in the gateway's log"
+        )
     status = getattr(exc, "status_code", None)
     what = type(exc).__name__ + (f", HTTP {status}" if isinstance(status, int) else "")
     return JudgeError(f"the judge '{judge_model}' failed ({what}); its reply is in the gateway's log")
+
+
+def _connection_error(exc: BaseException) -> BaseException | None:
+    """The refused or failed connection under `exc`, if no judge answered at all: litellm reports
+    one as an InternalServerError with status_code 500, which would read as the judge's reply."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if type(cause).__name__ == "APITimeoutError":  # it connected and then said nothing in time
+            return None
+        if isinstance(cause, ConnectionError) or type(cause).__name__ in ("APIConnectionError", "ConnectError"):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 _litellm_module: Any = None

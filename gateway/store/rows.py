@@ -318,11 +318,14 @@ def set_reward(
     )
     answer: dict = {"session_id": session_id, "reward": reward, "metrics": merged}
     if group_id is not None:
-        answer.update(trainable=split == "train" and not discarded, group_id=group_id)
-    elif discarded:
+        answer["group_id"] = group_id
+    # `trainable: false` always comes with its reason, a grouped session's too
+    if discarded:
         answer.update(trainable=False, reason="discarded: the session was discarded, so it is never trained")
     elif split != "train":
         answer.update(trainable=False, reason=f"split '{split}': recorded and scored, never trained")
+    elif group_id is not None:
+        answer.update(trainable=True)
     elif live is None or task_key is None:
         answer.update(trainable=False, reason=NO_GROUP)
     else:

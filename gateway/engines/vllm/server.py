@@ -123,9 +123,12 @@ def vllm_command(
     if chat_template and not has_flag(extra_args, "--chat-template"):
         cmd += ["--chat-template", chat_template]
     # Tool calls come back as `tool_calls`, parsed by vLLM itself (Qwen2.5's and the built-in
-    # models' <tool_call> JSON is the hermes format); --vllm-arg may name another parser.
+    # models' <tool_call> JSON is the hermes format); --vllm-arg may name another parser, which
+    # vLLM runs only with auto tool choice on (else tool calls come back as text): keep that on.
+    if not has_flag(extra_args, "--enable-auto-tool-choice"):
+        cmd.append("--enable-auto-tool-choice")
     if not has_flag(extra_args, "--tool-call-parser"):
-        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        cmd += ["--tool-call-parser", "hermes"]
     if cpu and not has_flag(extra_args, "--dtype"):
         cmd += ["--dtype", "float32"]
     if cpu and not any(has_flag(extra_args, f) for f in ("--enable-chunked-prefill", "--no-enable-chunked-prefill")):
