@@ -268,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args) or 0
     except RLProxyError as exc:
         print(f"rlproxy {args.command}: {exc.message}", file=sys.stderr)
-        return 2
+        # A trainer's exit tells `serve --trainer auto` whether to start it again (1) or not (2):
+        # errors.py's exit_code. The other commands exit 2 for any error they name, as before.
+        return exc.exit_code if args.command == "train" else 2
     except ValidationError as exc:  # a setting out of range: say which flag and why, no traceback
         for error in exc.errors():
             flag = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") if error["loc"] else "settings"

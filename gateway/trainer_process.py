@@ -61,18 +61,24 @@ def secret_settings_env(args: argparse.Namespace) -> dict[str, str]:
 class TrainerChild:
     """`rlproxy train` as the gateway's child, brought back when it fails: a trainer that died (a
     crash, out of host memory, killed) must not stop training until someone notices; one that
-    exits with 0 was asked to stop (SIGTERM to it alone) and stays stopped.
+    exits with 0 was asked to stop (SIGTERM to it alone) and stays stopped. One that exits with
+    2 was refused its settings (`--init-from` naming a step the store lacks, another trainer
+    holding the lock): starting it again fails the same way for ever, so it stays `failed`,
+    with the line it printed as `/healthz`'s `last_error`, until the gateway is restarted.
     Restarts wait 1, 2, 4 ... 60 s (back to 1 s after a run of 10 minutes); `status()` is what
     `/healthz` shows of it."""
 
     STABLE_SECONDS = 600.0
     MAX_DELAY_SECONDS = 60.0
+    SETTINGS_EXIT = 2  # `rlproxy train`'s exit for settings it refuses (gateway/errors.py: exit_code)
 
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
         self.cmd, self.env = cmd, env
         self.proc: Popen | None = None
         self.restarts = 0
         self.last_exit: int | None = None
+        self.last_error: str | None = None
+        self._output: ChildOutput | None = None
         self._stopping = threading.Event()
         self._delay = 1.0
         self._started_at = 0.0
@@ -86,26 +92,35 @@ class TrainerChild:
     def _spawn(self) -> None:
         import subprocess
 
-        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent)
+        # Its stderr through the gateway's (`ChildOutput`), so the reason it exits with is known here.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+        self._output = ChildOutput(self.proc)
         self._started_at = time.monotonic()
 
     def _watch(self) -> None:
         log = logging.getLogger("rlproxy")
         while not self._stopping.is_set():
-            assert self.proc is not None
+            assert self.proc is not None and self._output is not None
             code = self.proc.wait()
+            error = self._output.reason(code)
             if self._stopping.is_set():
                 return
-            self.last_exit = code
+            self.last_exit, self.last_error = code, error
             if code == 0:  # it was asked to stop (SIGTERM to it alone): not brought back
                 log.warning("the trainer stopped (code 0) while the gateway serves; restart the gateway to train again")
+                return
+            if code == self.SETTINGS_EXIT:
+                log.error(
+                    "the trainer refused its settings and is not started again (fix them and restart the "
+                    "gateway; serving goes on): %s",
+                    error or f"exit code {code}",
+                )
                 return
             if time.monotonic() - self._started_at >= self.STABLE_SECONDS:
                 self._delay = 1.0
             log.error(
-                "the trainer exited (code %s) while the gateway serves; starting it again in %.0f s "
-                "(its log lines above say why)",
-                code,
+                "the trainer exited (%s) while the gateway serves; starting it again in %.0f s",
+                error or f"code {code}",
                 self._delay,
             )
             if self._stopping.wait(self._delay):
@@ -116,21 +131,65 @@ class TrainerChild:
 
     def status(self) -> dict:
         running = self.proc is not None and self.proc.poll() is None
-        return {
-            "state": "running"
-            if running
-            else "stopped"
-            if self._stopping.is_set() or self.last_exit == 0
-            else "restarting",
-            "restarts": self.restarts,
-            "last_exit": self.last_exit,
-        }
+        if running:
+            state = "running"
+        elif self._stopping.is_set() or self.last_exit == 0:
+            state = "stopped"
+        elif self.last_exit == self.SETTINGS_EXIT:
+            state = "failed"
+        else:
+            state = "restarting"
+        status = {"state": state, "restarts": self.restarts, "last_exit": self.last_exit}
+        if self.last_error is not None:
+            status["last_error"] = self.last_error
+        return status
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
         stop_trainer(self.proc, timeout)
         self._thread.join(timeout=timeout)
         stop_trainer(self.proc, timeout)  # one the watcher started as this began
+
+
+class ChildOutput:
+    """A child's stderr copied to the gateway's as it comes (bytes unchanged: progress bars keep
+    their carriage returns), its last lines kept to say why it exited: the `rlproxy train: ...`
+    lines the CLI prints for an error it names, else the last line (a traceback's exception)."""
+
+    KEEP_BYTES = 8192
+
+    def __init__(self, proc: Popen) -> None:
+        assert proc.stderr is not None
+        self._pipe = proc.stderr
+        self._tail = b""
+        self._thread = threading.Thread(target=self._copy, name="rlproxy-trainer-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        with self._pipe:
+            while chunk := self._pipe.read1(65536):
+                with contextlib.suppress(OSError):  # a gateway whose stderr is gone still reads the pipe
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(2, view) :]
+                self._tail = (self._tail + chunk)[-self.KEEP_BYTES :]
+
+    def reason(self, code: int) -> str | None:
+        """Why the child exited with `code`, in one line (once its output has ended)."""
+        self._thread.join(timeout=5)  # a grandchild (a rank) may still hold the pipe: do not wait on it
+        lines = [line.strip() for line in self._tail.decode(errors="replace").replace("\r", "\n").splitlines()]
+        lines = [line for line in lines if line]
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        named = []
+        for line in reversed(lines):  # the CLI's own lines at the end: one per error (a flag out of range each)
+            if not line.startswith("rlproxy train: "):
+                break
+            named.insert(0, line.removeprefix("rlproxy train: "))
+        if named:
+            return "; ".join(named)
+        return lines[-1][-500:] if lines else None
 
 
 def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild | None:

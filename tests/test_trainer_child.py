@@ -1,0 +1,133 @@
+"""`rlproxy serve --trainer auto`'s trainer child: which exits start it again, and how the
+gateway shows it (/healthz, /metrics, /v1/dashboard)."""
+
+import os
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.cli import main
+from gateway.errors import StoreUnavailable
+from gateway.settings import Settings
+from gateway.trainer_process import TrainerChild
+from tests.fake_upstream import FakeUpstream
+from tests.helpers import ThreadServer
+
+
+def _wait_for(child: TrainerChild, state: str, restarts: int = 0) -> dict:
+    deadline = time.monotonic() + 120
+    while child.status()["state"] != state or child.restarts < restarts:
+        assert time.monotonic() < deadline, child.status()
+        time.sleep(0.05)
+    return child.status()
+
+
+def _gateway_views(child: TrainerChild) -> tuple[dict, str, dict]:
+    """/healthz's and /v1/dashboard's trainer, and /metrics, of a gateway whose child is `child`."""
+    with FakeUpstream() as upstream, tempfile.TemporaryDirectory() as state:
+        settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=state, trainer="off")
+        app = create_app(settings.model_copy(update={"insecure_no_api_key": True}))
+        app.state.trainer = child
+        with ThreadServer(app) as server:
+            health = httpx.get(server.url + "/healthz", timeout=30).json()
+            metrics = httpx.get(server.url + "/metrics", timeout=30).text
+            dashboard = httpx.get(server.url + "/v1/dashboard", timeout=30).json()
+    return health["trainer"], metrics, dashboard["trainer"]
+
+
+def test_a_trainer_that_refuses_its_settings_is_not_started_again_and_the_gateway_says_why(tmp_path, caplog):
+    # `rlproxy serve --init-from other@7` with no step 7 of `other`: the trainer exits 2 with the
+    # reason, and was started again every 1 to 60 s for ever while /healthz said "restarting"
+    # (the reason only in the log). Starting it again fails the same way: it stays failed.
+    cmd = [sys.executable, "-m", "gateway.cli", "train", "--state-dir", str(tmp_path), "--init-from", "other@7"]
+    child = TrainerChild(cmd, {**os.environ, "RLPROXY_TORCH_THREADS": "1"})
+    with caplog.at_level("ERROR", logger="rlproxy"):
+        child.start()
+        status = _wait_for(child, "failed")
+        child._thread.join(timeout=60)
+    assert not child._thread.is_alive() and child.restarts == 0  # the watcher is done: no restart comes
+    reason = "--init-from other@7: the store has no step 7 of 'other' (steps: none)"
+    assert status == {"state": "failed", "restarts": 0, "last_exit": 2, "last_error": reason}
+    assert (
+        "the trainer refused its settings and is not started again (fix them and restart the gateway; " in caplog.text
+    )
+    assert caplog.text.rstrip().endswith(reason)
+
+    health, metrics, dashboard = _gateway_views(child)
+    assert health == dashboard == status
+    assert 'rlproxy_trainer_state{state="failed"} 1.0' in metrics
+    assert 'rlproxy_trainer_state{state="running"} 0.0' in metrics
+    child.stop(timeout=10)
+
+
+def test_a_trainer_that_crashes_is_started_again_with_its_error_shown_and_counted():
+    # A crash (a traceback, exit 1) is still brought back; /healthz and /metrics show why it exited
+    # and how many times it was started again.
+    code = "import sys, time\nif len(sys.argv) < 2: raise RuntimeError('out of host memory')\ntime.sleep(60)"
+    child = TrainerChild([sys.executable, "-c", code], {})
+    real_spawn = child._spawn
+
+    def spawn():  # the first run crashes, the next one keeps running
+        child.cmd = [sys.executable, "-c", code] + (["run"] if child.proc is not None else [])
+        real_spawn()
+
+    child._spawn = spawn
+    try:
+        child.start()
+        status = _wait_for(child, "running", restarts=1)
+        assert status == {
+            "state": "running",
+            "restarts": 1,
+            "last_exit": 1,
+            "last_error": "RuntimeError: out of host memory",
+        }
+        health, metrics, _ = _gateway_views(child)
+    finally:
+        child.stop(timeout=10)
+    assert health == status
+    assert "rlproxy_trainer_restarts_total 1.0" in metrics
+    assert 'rlproxy_trainer_state{state="running"} 1.0' in metrics
+
+
+def test_a_trainer_killed_by_a_signal_says_so(tmp_path):
+    child = TrainerChild([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], {})
+    child.start()
+    try:
+        status = _wait_for(child, "restarting")
+    finally:
+        child.stop(timeout=10)
+    assert status["last_exit"] == -9 and status["last_error"] == "killed by SIGKILL"
+
+
+def test_train_exits_1_for_a_failure_of_the_moment_and_2_for_its_settings(tmp_path, monkeypatch, capsys):
+    # The exit `serve --trainer auto` decides on: a store that cannot be written now is a reason to
+    # try again (1), a setting out of range is not (2).
+    import trainer.worker
+
+    def store_gone(*args, **kwargs):
+        raise StoreUnavailable("the disk holding the store is full", cause="full")
+
+    monkeypatch.setattr(trainer.worker, "run_worker", store_gone)
+    assert main(["train", "--state-dir", str(tmp_path)]) == 1
+    assert "rlproxy train: the disk holding the store is full" in capsys.readouterr().err
+    assert main(["train", "--state-dir", str(tmp_path), "--groups-per-step", "0"]) == 2
+
+
+@pytest.mark.parametrize(("rank_codes", "exit_code"), [((2, 0), 2), ((1, 0), 1), ((-9, 0), 1)])
+def test_nproc_ranks_that_refuse_their_settings_exit_2_and_crashed_ones_1(rank_codes, exit_code):
+    from trainer.distributed.launch import _watch
+
+    class Rank:
+        def __init__(self, code):
+            self.returncode = code
+
+        def poll(self):
+            return self.returncode
+
+    with pytest.raises(Exception) as failed:
+        _watch([Rank(code) for code in rank_codes])
+    assert failed.value.exit_code == exit_code
