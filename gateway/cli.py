@@ -271,13 +271,28 @@ def main(argv: list[str] | None = None) -> int:
         # A trainer's exit tells `serve --trainer auto` whether to start it again (1) or not (2):
         # errors.py's exit_code. The other commands exit 2 for any error they name, as before.
         return exc.exit_code if args.command == "train" else 2
-    except ValidationError as exc:  # a setting out of range: say which flag and why, no traceback
+    except ValidationError as exc:  # a setting out of range: say which flag (or variable) and why, no traceback
         for error in exc.errors():
-            flag = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") if error["loc"] else "settings"
-            print(f"rlproxy {args.command}: {flag}: {error['msg']}", file=sys.stderr)
+            print(f"rlproxy {args.command}: {_where_set(error['loc'], args)}: {error['msg']}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _where_set(loc: tuple, args: argparse.Namespace) -> str:
+    """Where the setting an error names came from: its flag, or, where no flag gave it, the
+    RLPROXY_* variable Settings read it from (`RLPROXY_PORT=abc` was blamed on a `--port` never
+    given, and the user went looking for a flag)."""
+    import os
+
+    if not loc:
+        return "settings"
+    name = str(loc[0])
+    if name in Settings.model_fields and name not in vars(args):
+        variable = f"RLPROXY_{name.upper()}"
+        if any(key.upper() == variable for key in os.environ):  # Settings reads them case-insensitively
+            return f"{variable} (environment variable)"
+    return "--" + "-".join(str(part) for part in loc).replace("_", "-")
 
 
 if __name__ == "__main__":
