@@ -62,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
     sock = listen(settings.host, settings.port)  # a port in use: said before the engine starts
     app = create_app(settings)
-    trainer = app.state.trainer = start_trainer(args, settings)  # /healthz shows its state
+    trainer = app.state.trainer = start_trainer(args, settings, app.state.services.store)  # /healthz shows its state
     try:
         # Keep-alive well past the clients' own 5 s (httpx, openai): with equal timeouts both ends drop
         # an idle connection at once and a request sent then fails with a ReadError. No X-Forwarded-*

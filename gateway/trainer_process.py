@@ -18,6 +18,7 @@ from gateway.children import die_with_parent
 from gateway.devices import trainer_environment
 from gateway.redact import hidden_in
 from gateway.settings import Settings
+from gateway.store import Store
 
 # A store URL may hold a password.
 _SECRET_SETTINGS = ("api_key", "admin_key", "upstream_api_key", "vllm_api_key", "store")
@@ -192,9 +193,25 @@ class ChildOutput:
         return lines[-1][-500:] if lines else None
 
 
-def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild | None:
+def check_init_from(store: Store, settings: Settings) -> None:
+    """`--init-from NAME@N` as the trainer will read it, checked before it starts, where it seeds
+    this run (no step and no checkpoint of it yet): a step the store lacks, or one of another base
+    model or LoRA shape, is a `ConfigError` that `rlproxy serve` says in one line and exits 2 on,
+    where the trainer found it out only after loading its model, and the gateway served on with
+    NAME `loading` step 0 for ever."""
+    if not settings.init_from or store.steps(settings.model_name):
+        return
+    from trainer.checkpoints import latest_checkpoint
+    from trainer.resume import init_source
+
+    if latest_checkpoint(settings.checkpoints_dir()) is None:  # else the trainer resumes it instead
+        init_source(store, settings)
+
+
+def start_trainer(args: argparse.Namespace, settings: Settings, store: Store | None = None) -> TrainerChild | None:
     """`--trainer auto`: `rlproxy train` with the same settings as a child process in the
-    gateway's process group, restarted if it exits; None when there is nothing to train for."""
+    gateway's process group, restarted if it exits; None when there is nothing to train for.
+    `store`: the gateway's, to check `--init-from` first (`check_init_from`)."""
     log = logging.getLogger("rlproxy")
     if settings.trainer == "off":
         return None
@@ -204,6 +221,8 @@ def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild 
             "served (calls are still recorded; train them with `rlproxy train` for another engine)"
         )
         return None
+    if store is not None:
+        check_init_from(store, settings)
     cmd, env = trainer_command(args, settings)
     log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
     return TrainerChild(cmd, env).start()

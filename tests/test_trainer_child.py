@@ -131,3 +131,18 @@ def test_nproc_ranks_that_refuse_their_settings_exit_2_and_crashed_ones_1(rank_c
     with pytest.raises(Exception) as failed:
         _watch([Rank(code) for code in rank_codes])
     assert failed.value.exit_code == exit_code
+
+
+def test_serve_refuses_an_init_from_step_the_store_lacks_before_starting_its_trainer(tmp_path):
+    # A new run (no step yet) that --init-from seeds: the step it names is looked up at start, where
+    # the trainer found it missing only after loading its model, and NAME stayed `loading` step 0.
+    import subprocess
+
+    flags = ["--state-dir", str(tmp_path / "state"), "--port", "0", "--insecure-no-api-key", "--trainer", "auto"]
+    serve = [sys.executable, "-m", "gateway.cli", "serve", *flags, "--init-from", "other@7"]
+    done = subprocess.run(serve, capture_output=True, text=True, timeout=120)  # it served on, before
+    assert done.returncode == 2
+    assert done.stderr.endswith(
+        "rlproxy serve: --init-from other@7: the store has no step 7 of 'other' (steps: none)\n"
+    )
+    assert "starting the trainer" not in done.stderr and "Traceback" not in done.stderr
