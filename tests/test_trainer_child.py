@@ -146,3 +146,34 @@ def test_serve_refuses_an_init_from_step_the_store_lacks_before_starting_its_tra
         "rlproxy serve: --init-from other@7: the store has no step 7 of 'other' (steps: none)\n"
     )
     assert "starting the trainer" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_dashboard_shows_a_failed_trainer_and_why(tmp_path):
+    from tests.browser import find_or_install_chromium
+    from tests.test_dashboard import Page
+
+    chromium, why = find_or_install_chromium()
+    if chromium is None:
+        pytest.skip(why)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
+    said = (
+        "import sys; print('rlproxy train: --init-from other@7: the store has no step 7', file=sys.stderr); sys.exit(2)"
+    )
+    child = TrainerChild([sys.executable, "-c", said], {}).start()
+    _wait_for(child, "failed")
+    with FakeUpstream() as upstream:
+        settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=str(tmp_path), trainer="off")
+        app = create_app(settings.model_copy(update={"insecure_no_api_key": True}))
+        app.state.trainer = child
+        with ThreadServer(app) as server, sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+            page = Page(browser, server.url)
+            try:
+                page.open("/ui")
+                page.wait_until("document.querySelector('#trainer-state') !== null")
+                card = page.page.inner_text("#trainer-state")
+                assert page.errors == []
+            finally:
+                page.close()
+                browser.close()
+    assert "failed" in card and "--init-from other@7: the store has no step 7" in card
