@@ -16,7 +16,7 @@ from subprocess import Popen
 
 from gateway.children import die_with_parent
 from gateway.devices import trainer_environment
-from gateway.redact import hidden_in
+from gateway.redact import hidden_in, mask_text, redact
 from gateway.settings import Settings
 from gateway.store import Store
 
@@ -73,8 +73,9 @@ class TrainerChild:
     MAX_DELAY_SECONDS = 60.0
     SETTINGS_EXIT = 2  # `rlproxy train`'s exit for settings it refuses (gateway/errors.py: exit_code)
 
-    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], secrets: list[str] | None = None) -> None:
         self.cmd, self.env = cmd, env
+        self._secrets = [secret for secret in secrets or [] if secret]  # kept out of last_error
         self.proc: Popen | None = None
         self.restarts = 0
         self.last_exit: int | None = None
@@ -106,7 +107,8 @@ class TrainerChild:
             error = self._output.reason(code)
             if self._stopping.is_set():
                 return
-            self.last_exit, self.last_error = code, error
+            # /healthz answers without a key: no secret of the settings, no password in a URL, in it.
+            self.last_exit, self.last_error = code, error and mask_text(redact(error, self._secrets))
             if code == 0:  # it was asked to stop (SIGTERM to it alone): not brought back
                 log.warning("the trainer stopped (code 0) while the gateway serves; restart the gateway to train again")
                 return
@@ -225,7 +227,7 @@ def start_trainer(args: argparse.Namespace, settings: Settings, store: Store | N
         check_init_from(store, settings)
     cmd, env = trainer_command(args, settings)
     log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
-    return TrainerChild(cmd, env).start()
+    return TrainerChild(cmd, env, settings.secrets()).start()
 
 
 def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:

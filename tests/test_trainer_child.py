@@ -177,3 +177,16 @@ def test_the_dashboard_shows_a_failed_trainer_and_why(tmp_path):
                 page.close()
                 browser.close()
     assert "failed" in card and "--init-from other@7: the store has no step 7" in card
+
+
+def test_the_reason_shown_without_a_key_holds_no_secret():
+    # /healthz answers anyone who reaches the port: a trainer's last line naming a key or a URL
+    # with a password in it is shown masked.
+    said = (
+        "import sys; print('rlproxy train: cannot reach postgresql://rl:hunter22@db/rl with key sk-live-123456', "
+        "file=sys.stderr); sys.exit(2)"
+    )
+    child = TrainerChild([sys.executable, "-c", said], {}, secrets=["sk-live-123456"]).start()
+    error = _wait_for(child, "failed")["last_error"]
+    assert "hunter22" not in error and "sk-live-123456" not in error
+    assert error.startswith("cannot reach postgresql://")
