@@ -147,6 +147,12 @@ class TrainerChild:
             status["last_error"] = self.last_error
         return status
 
+    def stopping(self) -> None:
+        """The gateway is shutting down: a trainer that exits from now on is not started again,
+        nor is its exit news (a terminal's Ctrl-C, systemd's SIGTERM to the whole unit, reach it
+        first, while the gateway still finishes its requests)."""
+        self._stopping.set()
+
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
         stop_trainer(self.proc, timeout)
@@ -246,6 +252,11 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
     from gateway.http.listen import url_of
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if trainer is not None:  # Ctrl-C (or a SIGTERM to the group) stops the trainer too: as asked
+                trainer.stopping()
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:  # uvicorn logs where it listens only on a socket it bound itself

@@ -190,3 +190,53 @@ def test_the_reason_shown_without_a_key_holds_no_secret():
     error = _wait_for(child, "failed")["last_error"]
     assert "hunter22" not in error and "sk-live-123456" not in error
     assert error.startswith("cannot reach postgresql://")
+
+
+GATEWAY_SLOW_TO_STOP = """
+import asyncio, contextlib, logging, sys
+from starlette.applications import Starlette
+from gateway.http.listen import listen
+from gateway.trainer_process import TrainerChild, run_gateway
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    yield
+    await asyncio.sleep(3)  # requests to finish, an engine to stop: the trainer is gone long before
+
+logging.basicConfig(level="INFO", stream=sys.stderr)
+trainer = "import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: sys.exit(0)); time.sleep(120)"
+child = TrainerChild([sys.executable, "-c", trainer], {}).start()
+run_gateway(Starlette(lifespan=lifespan), child, listen("127.0.0.1", 0), log_level="info")
+"""
+
+
+def test_ctrl_c_does_not_say_the_trainer_stopped_while_the_gateway_serves(tmp_path):
+    # Ctrl-C reaches the whole process group: the trainer stops at once (exit 0) while the gateway
+    # still finishes its requests, and the gateway warned "the trainer stopped (code 0) while the
+    # gateway serves; restart the gateway to train again" as it shut down.
+    import signal
+    import subprocess
+
+    script = tmp_path / "slow_to_stop.py"
+    script.write_text(GATEWAY_SLOW_TO_STOP)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+    )
+    try:
+        log = []
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            log.append(line)
+            if "listening on" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        log.append(proc.stderr.read())
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(log)
+    assert code == 0, output
+    assert "Application shutdown complete" in output
+    assert "the trainer stopped" not in output and "the trainer exited" not in output
