@@ -126,11 +126,26 @@ class TrainerChild:
                 error or f"code {code}",
                 self._delay,
             )
-            if self._stopping.wait(self._delay):
+            if not self._respawn():
                 return
+
+    def _respawn(self) -> bool:
+        """Start it again after the delay, and again later while it cannot be started (no memory
+        to fork: often what killed it); False once the gateway stops. An OSError here ended the
+        watcher's thread, and the trainer was never started again while /healthz said `restarting`."""
+        while not self._stopping.wait(self._delay):
             self._delay = min(self._delay * 2, self.MAX_DELAY_SECONDS)
+            try:
+                self._spawn()
+            except OSError as exc:
+                self.last_error = f"could not be started again: {exc}"
+                logging.getLogger("rlproxy").error(
+                    "the trainer %s; trying again in %.0f s", self.last_error, self._delay
+                )
+                continue
             self.restarts += 1
-            self._spawn()
+            return True
+        return False
 
     def status(self) -> dict:
         running = self.proc is not None and self.proc.poll() is None

@@ -240,3 +240,32 @@ def test_ctrl_c_does_not_say_the_trainer_stopped_while_the_gateway_serves(tmp_pa
     assert code == 0, output
     assert "Application shutdown complete" in output
     assert "the trainer stopped" not in output and "the trainer exited" not in output
+
+
+def test_a_trainer_that_cannot_be_started_again_at_once_is_tried_again_later():
+    # Out of host memory (what killed it, often), forking the gateway fails: that OSError ended the
+    # watcher, and the trainer was never started again while /healthz said "restarting".
+    code = "import sys, time; sys.exit(1) if len(sys.argv) < 2 else time.sleep(60)"
+    child = TrainerChild([sys.executable, "-c", code], {})
+    real_spawn, tries = child._spawn, []
+
+    def spawn():  # the first run exits with 1; the first restart cannot fork; the next one runs
+        tries.append(1)
+        if len(tries) == 2:
+            raise OSError(12, "Cannot allocate memory")
+        child.cmd = [sys.executable, "-c", code] + (["run"] if len(tries) > 1 else [])
+        real_spawn()
+
+    child._spawn = spawn
+    try:
+        child.start()
+        status = _wait_for(child, "running", restarts=1)
+    finally:
+        child.stop(timeout=10)
+    assert len(tries) == 3
+    assert status == {
+        "state": "running",
+        "restarts": 1,
+        "last_exit": 1,
+        "last_error": "could not be started again: [Errno 12] Cannot allocate memory",
+    }
