@@ -106,6 +106,13 @@ class ConfigError(RLProxyError):
     error_type = "config_error"
 
 
+class TrainerBusy(ConfigError):
+    """Another trainer holds this model's lock: this one is refused, and takes over once that one
+    is gone (deploy/README.md), so `rlproxy train` exits 1 and `serve --trainer auto` tries again."""
+
+    exit_code = 1
+
+
 class RequestTooLarge(RLProxyError):
     """A request over one of the gateway's limits on size (`--max-body-mb`)."""
 

@@ -63,9 +63,10 @@ class TrainerChild:
     """`rlproxy train` as the gateway's child, brought back when it fails: a trainer that died (a
     crash, out of host memory, killed) must not stop training until someone notices; one that
     exits with 0 was asked to stop (SIGTERM to it alone) and stays stopped. One that exits with
-    2 was refused its settings (`--init-from` naming a step the store lacks, another trainer
-    holding the lock): starting it again fails the same way for ever, so it stays `failed`,
-    with the line it printed as `/healthz`'s `last_error`, until the gateway is restarted.
+    2 was refused its settings (`--init-from` naming a step of another LoRA shape, a GPU that is
+    not there): starting it again fails the same way for ever, so it stays `failed`, with the
+    line it printed as `/healthz`'s `last_error`, until the gateway is restarted. One refused
+    because another trainer holds the model's lock exits 1: tried again, it takes over later.
     Restarts wait 1, 2, 4 ... 60 s (back to 1 s after a run of 10 minutes); `status()` is what
     `/healthz` shows of it."""
 

@@ -269,3 +269,18 @@ def test_a_trainer_that_cannot_be_started_again_at_once_is_tried_again_later():
         "last_exit": 1,
         "last_error": "could not be started again: [Errno 12] Cannot allocate memory",
     }
+
+
+def test_a_second_trainer_of_the_same_model_exits_1_to_take_over_later(tmp_path, capsys):
+    # deploy/README.md: a second trainer of a model "is refused at start, and takes over once the
+    # first is gone". Refused with exit 2 (settings), `serve --trainer auto` would never start it again.
+    from gateway.store.sqlite import SQLiteStore
+    from trainer.lock import take_lock
+
+    store = SQLiteStore(tmp_path / "rlproxy.db")
+    held = take_lock(tmp_path / "models" / "agent" / "checkpoints", "agent", store)
+    try:
+        assert main(["train", "--state-dir", str(tmp_path), "--max-steps", "1"]) == 1
+    finally:
+        held.close()
+    assert "rlproxy train: another trainer worker (pid " in capsys.readouterr().err
