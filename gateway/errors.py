@@ -113,6 +113,14 @@ class TrainerBusy(ConfigError):
     exit_code = 1
 
 
+class StoreUnreachable(ConfigError):
+    """No connection to the store at start: a wrong --store, or a server down (restarting). A
+    trainer under `serve --trainer auto`, whose gateway reached the same store, meets the second:
+    `rlproxy train` exits 1, and it is tried again rather than left failed for good."""
+
+    exit_code = 1
+
+
 class RequestTooLarge(RLProxyError):
     """A request over one of the gateway's limits on size (`--max-body-mb`)."""
 

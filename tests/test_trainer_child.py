@@ -284,3 +284,21 @@ def test_a_second_trainer_of_the_same_model_exits_1_to_take_over_later(tmp_path,
     finally:
         held.close()
     assert "rlproxy train: another trainer worker (pid " in capsys.readouterr().err
+
+
+def test_a_store_that_does_not_answer_at_start_is_tried_again():
+    # PostgreSQL restarting just as a crashed trainer is started again: "cannot connect to the
+    # store" was a settings error (exit 2), and the trainer was never started again.
+    import socket
+
+    pytest.importorskip("psycopg_pool")
+    from gateway.errors import ConfigError
+    from gateway.store.postgres_conn import open_pool
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ConfigError) as refused:
+        open_pool(f"postgresql://rl:pw@127.0.0.1:{port}/rl", 1, 1, 1.0)
+    assert "cannot connect to the store at" in refused.value.message and "pw" not in refused.value.message
+    assert refused.value.exit_code == 1

@@ -8,7 +8,7 @@ import logging
 import re
 from typing import Any
 
-from gateway.errors import ConfigError, StoreUnavailable, TrainerBusy
+from gateway.errors import StoreUnavailable, StoreUnreachable, TrainerBusy
 from gateway.redact import mask_text
 from gateway.store.health import classify
 from gateway.store.locks import try_lock_trainer
@@ -21,7 +21,7 @@ LOCK_CONNECT_TIMEOUT = 10
 
 def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
     """A psycopg pool of autocommit connections to `url`, connected within `timeout` (else a
-    ConfigError that says what to check)."""
+    StoreUnreachable, a ConfigError, that says what to check)."""
     from psycopg_pool import ConnectionPool, PoolTimeout
 
     # check: a connection the server dropped (a restart) is replaced before use, so the
@@ -40,7 +40,7 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
         pool.wait(timeout=timeout)
     except PoolTimeout:
         pool.close()
-        raise ConfigError(
+        raise StoreUnreachable(
             f"cannot connect to the store at {redact(url)} within {timeout:.0f} s: check --store "
             "(host, port, database, user, password) and that PostgreSQL is running"
         ) from None
