@@ -62,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
     sock = listen(settings.host, settings.port)  # a port in use: said before the engine starts
     app = create_app(settings)
-    trainer = app.state.trainer = start_trainer(args, settings)  # /healthz shows its state
+    trainer = app.state.trainer = start_trainer(args, settings, app.state.services.store)  # /healthz shows its state
     try:
         # Keep-alive well past the clients' own 5 s (httpx, openai): with equal timeouts both ends drop
         # an idle connection at once and a request sent then fails with a ReadError. No X-Forwarded-*
@@ -268,17 +268,33 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args) or 0
     except RLProxyError as exc:
         print(f"rlproxy {args.command}: {exc.message}", file=sys.stderr)
-        return 2
-    except ValidationError as exc:  # a setting out of range: say which flag and why, no traceback
+        # A trainer's exit tells `serve --trainer auto` whether to start it again (1) or not (2):
+        # errors.py's exit_code. The other commands exit 2 for any error they name, as before.
+        return exc.exit_code if args.command == "train" else 2
+    except ValidationError as exc:  # a setting out of range: say which flag (or variable) and why, no traceback
         for error in exc.errors():
             # a check across settings has no field, and pydantic prefixes a validator's own words
             # with "Value error, ": the reason alone names the flags
             reason = error["msg"].removeprefix("Value error, ")
-            flag = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-") + ": " if error["loc"] else ""
-            print(f"rlproxy {args.command}: {flag}{reason}", file=sys.stderr)
+            where = f"{_where_set(error['loc'], args)}: " if error["loc"] else ""
+            print(f"rlproxy {args.command}: {where}{reason}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _where_set(loc: tuple, args: argparse.Namespace) -> str:
+    """Where the setting an error names came from: its flag, or, where no flag gave it, the
+    RLPROXY_* variable Settings read it from (`RLPROXY_PORT=abc` was blamed on a `--port` never
+    given, and the user went looking for a flag)."""
+    import os
+
+    name = str(loc[0])
+    if name in Settings.model_fields and name not in vars(args):
+        variable = f"RLPROXY_{name.upper()}"
+        if any(key.upper() == variable for key in os.environ):  # Settings reads them case-insensitively
+            return f"{variable} (environment variable)"
+    return "--" + "-".join(str(part) for part in loc).replace("_", "-")
 
 
 if __name__ == "__main__":

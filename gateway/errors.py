@@ -13,6 +13,10 @@ class RLProxyError(Exception):
     status_code = 500
     error_type = "server_error"
     headers: tuple[tuple[str, str], ...] = ()  # sent with the error's response (an upstream's Retry-After)
+    # `rlproxy train`'s exit status: 2, the settings or the input are wrong and running it again as
+    # it is fails the same way; 1 (the errors of the moment below), a restart may get past it. `serve
+    # --trainer auto` starts its trainer again after 1, never after 2 (gateway/trainer_process.py).
+    exit_code = 2
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -87,6 +91,7 @@ class EngineUnavailable(RLProxyError):
 
     status_code = 503
     error_type = "engine_unavailable"
+    exit_code = 1
 
 
 class EngineUnreached(EngineUnavailable):
@@ -99,6 +104,21 @@ class ConfigError(RLProxyError):
 
     status_code = 500
     error_type = "config_error"
+
+
+class TrainerBusy(ConfigError):
+    """Another trainer holds this model's lock: this one is refused, and takes over once that one
+    is gone (deploy/README.md), so `rlproxy train` exits 1 and `serve --trainer auto` tries again."""
+
+    exit_code = 1
+
+
+class StoreUnreachable(ConfigError):
+    """No connection to the store at start: a wrong --store, or a server down (restarting). A
+    trainer under `serve --trainer auto`, whose gateway reached the same store, meets the second:
+    `rlproxy train` exits 1, and it is tried again rather than left failed for good."""
+
+    exit_code = 1
 
 
 class RequestTooLarge(RLProxyError):
@@ -114,6 +134,7 @@ class StoreUnavailable(RLProxyError):
 
     status_code = 503
     error_type = "store_unavailable"
+    exit_code = 1
 
     def __init__(self, message: str, *, cause: str, code: str | None = None):
         super().__init__(message, code=code or f"store_{cause}")

@@ -76,6 +76,19 @@ class Metrics:
         self.replica_calls = Counter("rlproxy_vllm_replica_calls", "calls the replica answered", **by_replica)
         self._replica_calls_seen: dict[str, int] = {}
         self.replica_step = Gauge("rlproxy_vllm_replica_step", "the step of NAME it serves (-1: none)", **by_replica)
+        # `serve --trainer auto`'s child (gateway/trainer_process.py): one state at 1, the others at 0.
+        self.trainer_state = Gauge(
+            "rlproxy_trainer_state",
+            "1 for the trainer child's state (running, restarting, failed: refused its settings, stopped)",
+            ["state"],
+            registry=self.registry,
+        )
+        self.trainer_restarts = Counter(
+            "rlproxy_trainer_restarts",
+            "times the trainer child was started again after it exited",
+            registry=self.registry,
+        )
+        self._trainer_restarts_seen = 0
         self._request_counters: dict[tuple[str, bool], Counter] = {}  # `labels()` resolved once per pair
 
     def observe_call(self, status: str, stream: bool, latency_ms: float, untrainable: str | None = None) -> None:
@@ -89,9 +102,10 @@ class Metrics:
         counter.inc()
         self.latency.observe(latency_ms / 1000.0)
 
-    def render(self, services, steps: tuple[int | None, int | None] | None = None) -> tuple[bytes, str]:
+    def render(self, services, steps: tuple[int | None, int | None] | None = None, trainer=None) -> tuple[bytes, str]:
         """The text exposition; `steps`: the store's (serving, candidate) steps of NAME, read by the
-        caller off the event loop (None: the store did not answer, the gauges keep their values)."""
+        caller off the event loop (None: the store did not answer, the gauges keep their values);
+        `trainer`: the `TrainerChild` of `serve --trainer auto`, if any."""
         commits = services.store.commits  # the store counts; the counter follows
         self.store_commits.inc(max(0, commits - self._commits_seen))
         self._commits_seen = max(commits, self._commits_seen)
@@ -107,6 +121,8 @@ class Metrics:
             self.shadow_in_flight.set(shadows.in_flight)
         self._promotion(services, steps)
         self._replicas(services)
+        if trainer is not None:
+            self._trainer(trainer.status())
         self.held.set(services.gate.held)
         self.in_flight.set(services.gate.in_flight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -129,3 +145,9 @@ class Metrics:
             self.replica_calls.labels(replica=label).inc(replica["calls"] - self._replica_calls_seen.get(label, 0))
             self._replica_calls_seen[label] = replica["calls"]
             self.replica_step.labels(replica=label).set(-1 if replica["step"] is None else replica["step"])
+
+    def _trainer(self, status: dict) -> None:
+        for state in ("running", "restarting", "failed", "stopped"):
+            self.trainer_state.labels(state=state).set(1 if status["state"] == state else 0)
+        self.trainer_restarts.inc(max(0, status["restarts"] - self._trainer_restarts_seen))
+        self._trainer_restarts_seen = max(status["restarts"], self._trainer_restarts_seen)

@@ -16,8 +16,9 @@ from subprocess import Popen
 
 from gateway.children import die_with_parent
 from gateway.devices import trainer_environment
-from gateway.redact import hidden_in
+from gateway.redact import hidden_in, mask_text, redact
 from gateway.settings import Settings
+from gateway.store import Store
 
 # A store URL may hold a password.
 _SECRET_SETTINGS = ("api_key", "admin_key", "upstream_api_key", "vllm_api_key", "store")
@@ -61,18 +62,26 @@ def secret_settings_env(args: argparse.Namespace) -> dict[str, str]:
 class TrainerChild:
     """`rlproxy train` as the gateway's child, brought back when it fails: a trainer that died (a
     crash, out of host memory, killed) must not stop training until someone notices; one that
-    exits with 0 was asked to stop (SIGTERM to it alone) and stays stopped.
+    exits with 0 was asked to stop (SIGTERM to it alone) and stays stopped. One that exits with
+    2 was refused its settings (`--init-from` naming a step of another LoRA shape, a GPU that is
+    not there): starting it again fails the same way for ever, so it stays `failed`, with the
+    line it printed as `/healthz`'s `last_error`, until the gateway is restarted. One refused
+    because another trainer holds the model's lock exits 1: tried again, it takes over later.
     Restarts wait 1, 2, 4 ... 60 s (back to 1 s after a run of 10 minutes); `status()` is what
     `/healthz` shows of it."""
 
     STABLE_SECONDS = 600.0
     MAX_DELAY_SECONDS = 60.0
+    SETTINGS_EXIT = 2  # `rlproxy train`'s exit for settings it refuses (gateway/errors.py: exit_code)
 
-    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], secrets: list[str] | None = None) -> None:
         self.cmd, self.env = cmd, env
+        self._secrets = [secret for secret in secrets or [] if secret]  # kept out of last_error
         self.proc: Popen | None = None
         self.restarts = 0
         self.last_exit: int | None = None
+        self.last_error: str | None = None
+        self._output: ChildOutput | None = None
         self._stopping = threading.Event()
         self._delay = 1.0
         self._started_at = 0.0
@@ -86,45 +95,79 @@ class TrainerChild:
     def _spawn(self) -> None:
         import subprocess
 
-        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent)
+        # Its stderr through the gateway's (`ChildOutput`), so the reason it exits with is known here.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+        self._output = ChildOutput(self.proc)
         self._started_at = time.monotonic()
 
     def _watch(self) -> None:
         log = logging.getLogger("rlproxy")
         while not self._stopping.is_set():
-            assert self.proc is not None
+            assert self.proc is not None and self._output is not None
             code = self.proc.wait()
+            error = self._output.reason(code)
             if self._stopping.is_set():
                 return
-            self.last_exit = code
+            # /healthz answers without a key: no secret of the settings, no password in a URL, in it.
+            self.last_exit, self.last_error = code, error and mask_text(redact(error, self._secrets))
             if code == 0:  # it was asked to stop (SIGTERM to it alone): not brought back
                 log.warning("the trainer stopped (code 0) while the gateway serves; restart the gateway to train again")
+                return
+            if code == self.SETTINGS_EXIT:
+                log.error(
+                    "the trainer refused its settings and is not started again (fix them and restart the "
+                    "gateway; serving goes on): %s",
+                    error or f"exit code {code}",
+                )
                 return
             if time.monotonic() - self._started_at >= self.STABLE_SECONDS:
                 self._delay = 1.0
             log.error(
-                "the trainer exited (code %s) while the gateway serves; starting it again in %.0f s "
-                "(its log lines above say why)",
-                code,
+                "the trainer exited (%s) while the gateway serves; starting it again in %.0f s",
+                error or f"code {code}",
                 self._delay,
             )
-            if self._stopping.wait(self._delay):
+            if not self._respawn():
                 return
+
+    def _respawn(self) -> bool:
+        """Start it again after the delay, and again later while it cannot be started (no memory
+        to fork: often what killed it); False once the gateway stops. An OSError here ended the
+        watcher's thread, and the trainer was never started again while /healthz said `restarting`."""
+        while not self._stopping.wait(self._delay):
             self._delay = min(self._delay * 2, self.MAX_DELAY_SECONDS)
+            try:
+                self._spawn()
+            except OSError as exc:
+                self.last_error = f"could not be started again: {exc}"
+                logging.getLogger("rlproxy").error(
+                    "the trainer %s; trying again in %.0f s", self.last_error, self._delay
+                )
+                continue
             self.restarts += 1
-            self._spawn()
+            return True
+        return False
 
     def status(self) -> dict:
         running = self.proc is not None and self.proc.poll() is None
-        return {
-            "state": "running"
-            if running
-            else "stopped"
-            if self._stopping.is_set() or self.last_exit == 0
-            else "restarting",
-            "restarts": self.restarts,
-            "last_exit": self.last_exit,
-        }
+        if running:
+            state = "running"
+        elif self._stopping.is_set() or self.last_exit == 0:
+            state = "stopped"
+        elif self.last_exit == self.SETTINGS_EXIT:
+            state = "failed"
+        else:
+            state = "restarting"
+        status = {"state": state, "restarts": self.restarts, "last_exit": self.last_exit}
+        if self.last_error is not None:
+            status["last_error"] = self.last_error
+        return status
+
+    def stopping(self) -> None:
+        """The gateway is shutting down: a trainer that exits from now on is not started again,
+        nor is its exit news (a terminal's Ctrl-C, systemd's SIGTERM to the whole unit, reach it
+        first, while the gateway still finishes its requests)."""
+        self._stopping.set()
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
@@ -133,9 +176,66 @@ class TrainerChild:
         stop_trainer(self.proc, timeout)  # one the watcher started as this began
 
 
-def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild | None:
+class ChildOutput:
+    """A child's stderr copied to the gateway's as it comes (bytes unchanged: progress bars keep
+    their carriage returns), its last lines kept to say why it exited: the `rlproxy train: ...`
+    lines the CLI prints for an error it names, else the last line (a traceback's exception)."""
+
+    KEEP_BYTES = 8192
+
+    def __init__(self, proc: Popen) -> None:
+        assert proc.stderr is not None
+        self._pipe = proc.stderr
+        self._tail = b""
+        self._thread = threading.Thread(target=self._copy, name="rlproxy-trainer-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        with self._pipe:
+            while chunk := self._pipe.read1(65536):
+                with contextlib.suppress(OSError):  # a gateway whose stderr is gone still reads the pipe
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(2, view) :]
+                self._tail = (self._tail + chunk)[-self.KEEP_BYTES :]
+
+    def reason(self, code: int) -> str | None:
+        """Why the child exited with `code`, in one line (once its output has ended)."""
+        self._thread.join(timeout=5)  # a grandchild (a rank) may still hold the pipe: do not wait on it
+        lines = [line.strip() for line in self._tail.decode(errors="replace").replace("\r", "\n").splitlines()]
+        lines = [line for line in lines if line]
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        named = []
+        for line in reversed(lines):  # the CLI's own lines at the end: one per error (a flag out of range each)
+            if not line.startswith("rlproxy train: "):
+                break
+            named.insert(0, line.removeprefix("rlproxy train: "))
+        if named:
+            return "; ".join(named)
+        return lines[-1][-500:] if lines else None
+
+
+def check_init_from(store: Store, settings: Settings) -> None:
+    """`--init-from NAME@N` as the trainer will read it, checked before it starts, where it seeds
+    this run (no step and no checkpoint of it yet): a step the store lacks, or one of another base
+    model or LoRA shape, is a `ConfigError` that `rlproxy serve` says in one line and exits 2 on,
+    where the trainer found it out only after loading its model, and the gateway served on with
+    NAME `loading` step 0 for ever."""
+    if not settings.init_from or store.steps(settings.model_name):
+        return
+    from trainer.checkpoints import latest_checkpoint
+    from trainer.resume import init_source
+
+    if latest_checkpoint(settings.checkpoints_dir()) is None:  # else the trainer resumes it instead
+        init_source(store, settings)
+
+
+def start_trainer(args: argparse.Namespace, settings: Settings, store: Store | None = None) -> TrainerChild | None:
     """`--trainer auto`: `rlproxy train` with the same settings as a child process in the
-    gateway's process group, restarted if it exits; None when there is nothing to train for."""
+    gateway's process group, restarted if it exits; None when there is nothing to train for.
+    `store`: the gateway's, to check `--init-from` first (`check_init_from`)."""
     log = logging.getLogger("rlproxy")
     if settings.trainer == "off":
         return None
@@ -145,9 +245,11 @@ def start_trainer(args: argparse.Namespace, settings: Settings) -> TrainerChild 
             "served (calls are still recorded; train them with `rlproxy train` for another engine)"
         )
         return None
+    if store is not None:
+        check_init_from(store, settings)
     cmd, env = trainer_command(args, settings)
     log.info("starting the trainer worker beside the gateway (--trainer off to run without)")
-    return TrainerChild(cmd, env).start()
+    return TrainerChild(cmd, env, settings.secrets()).start()
 
 
 def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
@@ -166,6 +268,11 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
     from gateway.http.listen import url_of
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if trainer is not None:  # Ctrl-C (or a SIGTERM to the group) stops the trainer too: as asked
+                trainer.stopping()
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:  # uvicorn logs where it listens only on a socket it bound itself

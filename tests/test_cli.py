@@ -79,13 +79,13 @@ def test_a_repeatable_flag_s_variable_takes_one_value_or_a_json_list(monkeypatch
     assert settings_from_args(args).judge_model == ["self", "openai/o4"]
 
 
-def test_a_broken_list_in_a_variable_is_a_clean_error_naming_the_flag(monkeypatch, capsys, tmp_path):
+def test_a_broken_list_in_a_variable_is_a_clean_error_naming_the_variable(monkeypatch, capsys, tmp_path):
     from gateway.cli import main
 
     monkeypatch.setenv("RLPROXY_JUDGE_API_BASE", '["http://gpu-box:8001/v1"')
     assert main(["serve", "--state-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "--judge-api-base:" in err and "Traceback" not in err
+    assert "RLPROXY_JUDGE_API_BASE (environment variable):" in err and "Traceback" not in err
 
 
 def test_bad_flag_value_is_refused_with_the_choices():
@@ -200,6 +200,24 @@ def test_a_port_or_token_limit_that_cannot_work_is_refused(capsys, tmp_path):
     assert "--port: Input should be less than or equal to 65535" in capsys.readouterr().err
     assert main(["serve", "--state-dir", str(tmp_path), "--default-max-tokens", "0"]) == 2
     assert "--default-max-tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_a_bad_value_from_the_environment_is_blamed_on_its_variable_not_a_flag(capsys, tmp_path, monkeypatch):
+    # `RLPROXY_PORT=abc rlproxy serve` said "--port: Input should be a valid integer", sending the
+    # user after a flag they never gave. A flag given beside the variable is still the one named.
+    from gateway.cli import main
+
+    monkeypatch.setenv("RLPROXY_PORT", "abc")
+    assert main(["serve", "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "rlproxy serve: RLPROXY_PORT (environment variable): Input should be a valid integer" in err
+    assert "--port" not in err
+    assert main(["serve", "--state-dir", str(tmp_path), "--port", "99999"]) == 2
+    assert "rlproxy serve: --port: Input should be less than or equal to 65535" in capsys.readouterr().err
+    monkeypatch.setenv("RLPROXY_GROUPS_PER_STEP", "0")
+    assert main(["train", "--state-dir", str(tmp_path), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "rlproxy train: RLPROXY_GROUPS_PER_STEP (environment variable): Input should be greater than" in err
 
 
 def test_serve_says_where_it_listens_on_the_port_it_picked(upstream, tmp_path):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gateway.errors import ConfigError
+from gateway.errors import TrainerBusy
 from gateway.store import Store
 from gateway.store.locks import TrainerLock
 
@@ -30,7 +30,7 @@ class WorkerLock:
     store_lock: TrainerLock
 
     def check(self) -> None:
-        """Still this worker's (the store's lock taken again if its connection dropped), else ConfigError."""
+        """Still this worker's (the store's lock taken again if its connection dropped), else TrainerBusy."""
         self.store_lock.ensure()
 
     def close(self) -> None:
@@ -40,7 +40,7 @@ class WorkerLock:
 
 def take_lock(root: Path, model: str, store: Store) -> WorkerLock:
     """Lock `root/.worker.lock` and `model` in `store` for this process (keep what is returned,
-    close it to release), or raise `ConfigError` naming who holds it."""
+    close it to release), or raise `TrainerBusy` naming who holds it."""
     lock_file = _take_file_lock(root, model)
     try:
         store_lock = store.lock_trainer(model)
@@ -59,7 +59,7 @@ def _take_file_lock(root: Path, model: str) -> TextIO:
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
-        raise ConfigError(
+        raise TrainerBusy(
             f"another trainer worker ({holder}) is training model '{model}' in {root}; "
             "stop it, or use --trainer off beside a separate `rlproxy train`"
         ) from None

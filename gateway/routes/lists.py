@@ -104,8 +104,10 @@ async def dashboard(request: Request) -> Response:
     `calls_per_minute` (last 60 minutes), `reward_curve` (per step and
     split: n, mean, std, min, max of the rollouts that step sampled), `steps` (each
     training step's metrics) and `live_traffic` (groups per origin, total and trained, the
-    sessions a stale reward left untrained, and this gateway's `shadow_samples` counts)."""
+    sessions a stale reward left untrained, and this gateway's `shadow_samples` counts), `trainer`
+    (`serve --trainer auto`'s child as on /healthz; null without one)."""
     services = request.app.state.services
+    trainer = getattr(request.app.state, "trainer", None)  # `serve --trainer auto`'s child, as on /healthz
     model = services.settings.model_name
     steps, counts, per_minute, curve = await asyncio.to_thread(_dashboard_reads, services.store, model)
     return json_response(
@@ -123,6 +125,7 @@ async def dashboard(request: Request) -> Response:
                 {"step": s["step"], "created_at": s["created_at"], "metrics": s["metrics"], "groups": s["groups"]}
                 for s in steps
             ],
+            "trainer": None if trainer is None else trainer.status(),
         }
     )
 

@@ -160,7 +160,11 @@ async def healthz(request: Request) -> Response:
     elif engine_down is not None:
         body.update(status="degraded", reason=f"the {services.engine.kind} engine cannot serve: {engine_down}")
     else:
-        body.update(status="loading", reason=waiting)
+        failed = body.get("trainer", {}).get("state") == "failed"  # step 0 will never come: say why
+        reason = (
+            f"{waiting}; the trainer that saves it failed: {body['trainer'].get('last_error')}" if failed else waiting
+        )
+        body.update(status="loading", reason=reason)
     return json_response(body, status_code=503)
 
 
@@ -184,5 +188,5 @@ async def metrics(request: Request) -> Response:
         )
     except StoreUnavailable:  # the scrape still answers: rlproxy_store_degraded says why the steps are old
         steps = None
-    body, content_type = services.metrics.render(services, steps)
+    body, content_type = services.metrics.render(services, steps, getattr(request.app.state, "trainer", None))
     return Response(body, media_type=content_type)

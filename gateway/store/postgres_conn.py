@@ -8,7 +8,7 @@ import logging
 import re
 from typing import Any
 
-from gateway.errors import ConfigError, StoreUnavailable
+from gateway.errors import StoreUnavailable, StoreUnreachable, TrainerBusy
 from gateway.redact import mask_text
 from gateway.store.health import classify
 from gateway.store.locks import try_lock_trainer
@@ -21,7 +21,7 @@ LOCK_CONNECT_TIMEOUT = 10
 
 def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
     """A psycopg pool of autocommit connections to `url`, connected within `timeout` (else a
-    ConfigError that says what to check)."""
+    StoreUnreachable, a ConfigError, that says what to check)."""
     from psycopg_pool import ConnectionPool, PoolTimeout
 
     # check: a connection the server dropped (a restart) is replaced before use, so the
@@ -40,7 +40,7 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
         pool.wait(timeout=timeout)
     except PoolTimeout:
         pool.close()
-        raise ConfigError(
+        raise StoreUnreachable(
             f"cannot connect to the store at {redact(url)} within {timeout:.0f} s: check --store "
             "(host, port, database, user, password) and that PostgreSQL is running"
         ) from None
@@ -55,7 +55,7 @@ class HeldTrainerLock:
     The server drops the lock with that connection: PostgreSQL restarted, or the connection was killed or
     cut. Nothing tells the trainer, and a second `rlproxy train` then took the lock and trained beside
     it. So the trainer calls `ensure` before each step and the store before it records one: the lock is
-    taken again on a new connection, or, where another trainer took it meanwhile, ConfigError stops this
+    taken again on a new connection, or, where another trainer took it meanwhile, TrainerBusy stops this
     one (StoreUnavailable while the server cannot be reached: the trainer waits, as for any store failure)."""
 
     def __init__(self, url: str, model: str) -> None:
@@ -63,7 +63,7 @@ class HeldTrainerLock:
         self._conn: Any = None  # None while lost (the server down): taken again at the next `ensure`
         self._released = False
         if not self._take():
-            raise ConfigError(
+            raise TrainerBusy(
                 f"another trainer is training model '{model}' on the store {redact(url)}: one trainer per "
                 "model and store; stop it, or train under another --model-name"
             )
@@ -97,7 +97,7 @@ class HeldTrainerLock:
             failure = classify(exc) or StoreUnavailable(f"the trainer lock cannot be taken: {exc}", cause="unavailable")
             raise failure from exc
         if not taken:
-            raise ConfigError(
+            raise TrainerBusy(
                 f"this trainer lost its lock on model '{self.model}' (its connection to the store "
                 f"{redact(self.url)} dropped: PostgreSQL restarted?) and another trainer took it meanwhile: "
                 "this one stops (recording no step), so that one trainer trains the model"

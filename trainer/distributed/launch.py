@@ -42,6 +42,12 @@ class RanksFailed(RLProxyError):
     status_code = 500
     error_type = "server_error"
 
+    def __init__(self, message: str, first_code: int | None) -> None:
+        super().__init__(message)
+        # A rank that refused its settings (exit 2) refuses them again on a restart: exit 2 too;
+        # a rank that crashed or was killed: 1, to be started again.
+        self.exit_code = 2 if first_code == 2 else 1
+
 
 def _exit(code: int | None) -> str:
     if code is None:
@@ -122,5 +128,6 @@ def _watch(procs: list[subprocess.Popen]) -> int:
     raise RanksFailed(
         f"training ranks ended with errors ({summary})"
         + (f"; rank {first_failed[0]} failed first and the launcher stopped the others" if first_failed else "")
-        + ". See the ranks' log above; a restart continues from the last step"
+        + ". See the ranks' log above; a restart continues from the last step",
+        codes[first_failed[0]] if first_failed else next((code for code in codes if code), None),
     )

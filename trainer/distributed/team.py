@@ -42,6 +42,14 @@ class TeamBroken(RLProxyError):
 
     status_code = 503
     error_type = "service_unavailable"
+    exit_code = 1  # a rank died: a restart trains again from the last step
+
+
+class TeamNotFormed(TeamBroken):
+    """The ranks never became a team: a rendezvous address or a network interface that is wrong,
+    which a restart meets again (`rlproxy train` exits 2, as for any setting it refuses)."""
+
+    exit_code = 2
 
 
 def world_size_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
@@ -288,7 +296,7 @@ def join(settings: Settings) -> Team | None:
     )
 
 
-def not_met(exc: BaseException, rank: int, world: int, where: str, timeout: float) -> TeamBroken:
+def not_met(exc: BaseException, rank: int, world: int, where: str, timeout: float) -> TeamNotFormed:
     """Why the ranks did not become a team, and what to change. The rendezvous (`where`) is one
     address; after it each rank's gloo (the control group, on GPUs too) listens on an address of
     its own and the others connect to it: GLOO_SOCKET_IFNAME's interface, or, unset, the address
@@ -298,7 +306,7 @@ def not_met(exc: BaseException, rank: int, world: int, where: str, timeout: floa
     named = os.environ.get("GLOO_SOCKET_IFNAME")
     interfaces = "`ip -br addr` lists this machine's interfaces"
     if "Unable to find address for" in said:
-        return TeamBroken(
+        return TeamNotFormed(
             f"{who}: GLOO_SOCKET_IFNAME={named!r} names no network interface of this machine ({said}). Set it to "
             f"the interface the ranks reach each other on ({interfaces}), or unset it"
         )
@@ -306,13 +314,13 @@ def not_met(exc: BaseException, rank: int, world: int, where: str, timeout: floa
         listened = (
             f"GLOO_SOCKET_IFNAME={named}'s address" if named else f"{_hostname_address()} (GLOO_SOCKET_IFNAME unset)"
         )
-        return TeamBroken(
+        return TeamNotFormed(
             f"{who}: the ranks met at {where} but could not connect to each other ({said}). This rank's gloo "
             f"listened on {listened}. Across machines, set GLOO_SOCKET_IFNAME (and, on GPUs, NCCL_SOCKET_IFNAME) "
             f"on every machine to the interface they reach each other on ({interfaces}), and let the ranks' ports "
             "through"
         )
-    return TeamBroken(
+    return TeamNotFormed(
         f"{who}: the ranks did not all meet at {where} within --dist-timeout {timeout:g} s ({said}). Start all "
         f"{world} ranks with the same rendezvous address (torchrun's --rdzv-endpoint, or MASTER_ADDR and "
         "MASTER_PORT), reachable from every machine"

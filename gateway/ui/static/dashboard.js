@@ -125,6 +125,17 @@ function curveBySplit(curve, split, steps) {
            n: pick((r) => r.n) };
 }
 
+// `serve --trainer auto`'s child: its state, and why it exited (a failed one is not started again).
+function trainerCard(trainer) {
+  if (!trainer) return [];
+  const node = card("trainer", trainer.state, "trainer-state");
+  if (trainer.last_error && trainer.state !== "running") {
+    node.classList.add("bad");
+    node.append(el("div", { class: "muted", id: "trainer-error", text: trainer.last_error }));
+  }
+  return [node];
+}
+
 async function overview() {
   const top = el("div", { class: "cards", id: "cards" });
   const rewardNode = el("div", { class: "panel", id: "reward-chart" });
@@ -145,7 +156,7 @@ async function overview() {
       card("serving step", d.step === null ? "base" : String(d.step)),
       card("calls, last minute", fmt(d.calls_per_minute[d.calls_per_minute.length - 1].calls)),
       card("sessions", fmt(d.counts.sessions)), card("groups", fmt(d.counts.groups)),
-      card("steps", fmt(d.steps.length)));
+      card("steps", fmt(d.steps.length)), ...trainerCard(d.trainer));
     liveTraffic(liveNode, d.live_traffic);
     replicas(replicasNode, d.replicas);
     const steps = Array.from(new Set([...d.steps.map((s) => s.step), ...d.reward_curve.map((r) => r.step)]))
