@@ -51,6 +51,44 @@ def holding_shadows(app, released: threading.Event, held: list):
     return holding
 
 
+def _hand_over_while_held(vllm_url: str, settings, fake: FakeState, released: threading.Event, held: list):
+    """One live call with shadows; while vLLM holds a request of them (`held`), the trainer asks
+    for the GPU and must get it; then vLLM answers at once, the GPU is given back, and the shadow
+    group must end judged. Returns the group and the dashboard's shadow summary."""
+    app = create_app(settings, engine=attached_engine(vllm_url), store=SQLiteStore(settings.db_path))
+    trainer_store = SQLiteStore(settings.db_path)  # the trainer's own connection, as in its own process
+    try:
+        with ThreadServer(app) as gateway:
+            client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model="agent", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0
+            )
+            call_id = raw.headers["x-request-id"]
+            wait_until(lambda: held, what="a shadow's or the judge's request held in vLLM")
+
+            # The trainer asks for the GPU while vLLM still works for the shadow group: it gets it.
+            lease = acquire_gpu_for_training(trainer_store, "agent", timeout=30)
+            assert fake.asleep and trainer_store.gpu_lease("agent")["state"] == GRANTED
+            assert [e for e in fake.events if e["kind"] == "sleep"][-1]["in_flight"] == 0
+            released.set()  # from now on vLLM answers at once
+            release_gpu(trainer_store, "agent", None, lease.holder)
+
+            # Awake again, what was called off is sent again and the group is recorded and judged.
+            group = wait_until(
+                lambda: (
+                    (r := httpx.get(f"{gateway.url}/v1/groups/shadow-{call_id}")).status_code == 200
+                    and r.json()["ruler_status"] == "scored"
+                    and r.json()
+                ),
+                what="the shadow group judged",
+            )
+            summary = httpx.get(f"{gateway.url}/v1/dashboard").json()["live_traffic"]["shadow_samples"]
+    finally:
+        released.set()
+        asyncio.run(trainer_store.close())
+    return group, summary
+
+
 def test_a_shadow_sampling_in_vllm_does_not_hold_up_the_handover_and_is_sampled_again(tmp_path):
     fake, released, held = FakeState(base_model=BASE), threading.Event(), []
     with (
@@ -65,37 +103,7 @@ def test_a_shadow_sampling_in_vllm_does_not_hold_up_the_handover_and_is_sampled_
             shadow_judge_model="openai/judge",
             shadow_judge_api_base=judge.url,
         )
-        app = create_app(settings, engine=attached_engine(vllm.url), store=SQLiteStore(settings.db_path))
-        trainer_store = SQLiteStore(settings.db_path)  # the trainer's own connection, as in its own process
-        try:
-            with ThreadServer(app) as gateway:
-                client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
-                raw = client.chat.completions.with_raw_response.create(
-                    model="agent", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0
-                )
-                call_id = raw.headers["x-request-id"]
-                wait_until(lambda: held, what="the shadow request in vLLM")
-
-                # The trainer asks for the GPU while vLLM still generates the shadows: it gets it.
-                lease = acquire_gpu_for_training(trainer_store, "agent", timeout=30)
-                assert fake.asleep and trainer_store.gpu_lease("agent")["state"] == GRANTED
-                assert [e for e in fake.events if e["kind"] == "sleep"][-1]["in_flight"] == 0
-                released.set()  # from now on vLLM answers shadows at once
-                release_gpu(trainer_store, "agent", None, lease.holder)
-
-                # Awake again, the shadows are sampled again and the group is recorded and judged.
-                group = wait_until(
-                    lambda: (
-                        (r := httpx.get(f"{gateway.url}/v1/groups/shadow-{call_id}")).status_code == 200
-                        and r.json()["ruler_status"] == "scored"
-                        and r.json()
-                    ),
-                    what="the shadow group judged",
-                )
-                summary = httpx.get(f"{gateway.url}/v1/dashboard").json()["live_traffic"]["shadow_samples"]
-        finally:
-            released.set()
-            asyncio.run(trainer_store.close())
+        group, summary = _hand_over_while_held(vllm.url, settings, fake, released, held)
     # Sent twice: called off for the trainer (vLLM never answered it), then sampled again.
     assert len(held) == 2 and len([e for e in fake.events if e["kind"] == "chat" and e["priority"]]) == 1
     assert fake.chats_while_asleep == 0
@@ -147,34 +155,6 @@ def test_a_self_judge_thinking_in_vllm_does_not_hold_up_the_handover_and_is_aske
         settings = vllm_settings(
             tmp_path, vllm_url=vllm.url, gpu_mode="colocated", shadow_samples=2, shadow_judge_model="self"
         )
-        app = create_app(settings, engine=attached_engine(vllm.url), store=SQLiteStore(settings.db_path))
-        trainer_store = SQLiteStore(settings.db_path)  # the trainer's own connection, as in its own process
-        try:
-            with ThreadServer(app) as gateway:
-                client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
-                raw = client.chat.completions.with_raw_response.create(
-                    model="agent", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0
-                )
-                call_id = raw.headers["x-request-id"]
-                wait_until(lambda: held, what="the judge's request in vLLM")
-
-                # The trainer asks for the GPU while the served model still judges: it gets it.
-                lease = acquire_gpu_for_training(trainer_store, "agent", timeout=30)
-                assert fake.asleep and trainer_store.gpu_lease("agent")["state"] == GRANTED
-                released.set()  # from now on the judge answers at once
-                release_gpu(trainer_store, "agent", None, lease.holder)
-
-                # Awake again, the judge is asked again and the group is scored.
-                group = wait_until(
-                    lambda: (
-                        (r := httpx.get(f"{gateway.url}/v1/groups/shadow-{call_id}")).status_code == 200
-                        and r.json()["ruler_status"] == "scored"
-                        and r.json()
-                    ),
-                    what="the shadow group judged",
-                )
-        finally:
-            released.set()
-            asyncio.run(trainer_store.close())
+        group, _ = _hand_over_while_held(vllm.url, settings, fake, released, held)
     assert len(held) == 2 and fake.chats_while_asleep == 0  # called off for the trainer, then asked again
     assert group["n_sessions"] == 3 and group["n_rewarded"] == 3
