@@ -14,5 +14,7 @@ from gateway.settings import SMOLLM2_MODEL_ID
 @functools.cache
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct's directory (the conversion runs on the first call)."""
-    # The state dir only matters where RLPROXY_CACHE_DIR is unset (outside pytest's conftest).
-    return Path(resolve_base_model(SMOLLM2_MODEL_ID, Path(tempfile.mkdtemp(prefix="rlproxy-smollm2-"))))
+    # smollm2 is converted into the model cache, not the state dir: the state dir is a throwaway
+    # (one made with mkdtemp was left in /tmp by every run of the suite).
+    with tempfile.TemporaryDirectory(prefix="rlproxy-smollm2-") as state_dir:
+        return Path(resolve_base_model(SMOLLM2_MODEL_ID, Path(state_dir)))
