@@ -137,11 +137,14 @@ class TrainerChild:
                 if self._crashes >= self.CRASH_LIMIT:
                     self._give_up()
                     return
-            log.error(
-                "the trainer exited (%s) while the gateway serves; starting it again in %.0f s",
-                error or f"code {code}",
-                self._delay,
-            )
+            if code == TRY_AGAIN_EXIT:  # a standby waiting for the lock says so every minute: not an error
+                log.warning("the trainer cannot train for the moment (%s); trying again in %.0f s", error, self._delay)
+            else:
+                log.error(
+                    "the trainer exited (%s) while the gateway serves; starting it again in %.0f s",
+                    error or f"code {code}",
+                    self._delay,
+                )
             if not self._respawn():
                 return
 

@@ -146,9 +146,10 @@ def test_a_trainer_that_trained_for_a_while_before_it_crashed_starts_its_count_a
     assert status["last_error"].startswith("crashed 3 times in a row")
 
 
-def test_a_trainer_refused_for_the_moment_is_tried_again_for_as_long_as_it_takes(tmp_path):
+def test_a_trainer_refused_for_the_moment_is_tried_again_for_as_long_as_it_takes(tmp_path, caplog):
     # Exit 75 (another trainer holds the model's lock: a standby; the store restarting) is no crash:
-    # however often it comes, the trainer is started again, and takes over once it can.
+    # however often it comes, the trainer is started again, and takes over once it can. A standby's
+    # wait is no error either: it was logged as one ("the trainer exited") every minute.
     runs = tmp_path / "runs"
     code = (
         "import pathlib, sys, time\n"
@@ -157,11 +158,21 @@ def test_a_trainer_refused_for_the_moment_is_tried_again_for_as_long_as_it_takes
         "print('rlproxy train: another trainer worker (pid 7) holds the lock', file=sys.stderr)\n"
         "sys.exit(75) if n < 4 else time.sleep(60)"
     )
-    child = QuickToGiveUp([sys.executable, "-c", code, str(runs)], {}).start()
-    try:
-        status = _wait_for(child, "running", restarts=4)
-    finally:
-        child.stop(timeout=10)
+    with caplog.at_level("INFO", logger="rlproxy"):
+        child = QuickToGiveUp([sys.executable, "-c", code, str(runs)], {}).start()
+        try:
+            status = _wait_for(child, "running", restarts=4)
+        finally:
+            child.stop(timeout=10)
+    waits = [r for r in caplog.records if r.name == "rlproxy" and "trainer" in r.getMessage()]
+    assert [r.levelname for r in waits] == ["WARNING"] * 4
+    assert (
+        waits[0]
+        .getMessage()
+        .startswith(
+            "the trainer cannot train for the moment (another trainer worker (pid 7) holds the lock); trying again in"
+        )
+    )
     assert status == {
         "state": "running",
         "restarts": 4,
