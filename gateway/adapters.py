@@ -1,10 +1,9 @@
 """Which adapter answers a request: model names, steps, and the hot-swap.
 
-Served names: `NAME` (the newest loaded step), `NAME@N` (any step with a step row:
-loaded on demand if it is not loaded, ART's convention) and the base model's id (no
-adapter). Engines without adapters (`openai`) pass every name through unchanged. Before
-any step is loaded `NAME` is the base model (step None), or, with `--init-from`, a 503
-until step 0 is loaded (`loading`).
+Served names: `NAME` (the newest loaded step), `NAME@N` (any step with a step row: loaded on demand
+if it is not loaded, ART's convention) and the base model's id (no adapter). Engines without adapters
+(`openai`) pass every name through unchanged. Before any step is loaded `NAME` is the base model
+(step None), or, with `--init-from`, a 503 until step 0 is loaded (`loading`).
 
 The hot-swap, driven by the store (the trainer's only channel to the gateway):
 
@@ -14,10 +13,9 @@ The hot-swap, driven by the store (the trainer's only channel to the gateway):
 3. only once the load succeeded does the alias `NAME` move to N. Resolving a name and
    moving the alias both run on the event loop without an `await` between reading and
    writing, so a request sees either the old step or the new one, never a half-state;
-4. requests in flight keep the adapter they started with (`hold` counts them per step);
-   beyond `keep_adapters` loaded steps, the least recently used ones (never the one the
-   alias points at) are unloaded once nothing uses them. A request for an unloaded
-   `NAME@N` loads it again (`ensure`), so a pinned old step answers, only slower once.
+4. requests in flight keep the adapter they started with (`hold` counts them per step); beyond `keep_adapters`
+   loaded steps, the least recently used ones (never the one the alias points at) are unloaded once nothing uses
+   them. A request for an unloaded `NAME@N` loads it again (`ensure`), so a pinned old step answers, only slower once.
 
 A failed load is logged, leaves the previous step serving, and is retried next poll.
 """
@@ -28,9 +26,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.engines.base import Engine
 from gateway.errors import Conflict, EngineUnavailable, NotFound
@@ -108,6 +107,7 @@ class AdapterRegistry:
         self._lock = asyncio.Lock()  # one refresh at a time (poll loop, start, activate)
         self._task: asyncio.Task | None = None
         self.canary: Canary | None = None  # --promote canary (gateway.promotion.canary): its share of NAME
+        self.trainer_child: Callable[[], Any] = lambda: None  # `serve --trainer auto`'s, set by create_app
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -225,6 +225,10 @@ def create_app(
 
     app = GatewayApp(title="rlproxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.services = services
+    # `serve --trainer auto`'s child, set by the CLI once the app is built: /healthz shows it, and
+    # NAME's refusal before an --init-from step 0 says why that step will never come once it failed.
+    app.state.trainer = None
+    registry.trainer_child = lambda: app.state.trainer
 
     install_error_handlers(app)
 

@@ -6,6 +6,8 @@ Code raises these; the HTTP edge turns them into OpenAI-shaped errors once
 
 from __future__ import annotations
 
+TRY_AGAIN_EXIT = 75  # sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry"
+
 
 class RLProxyError(Exception):
     """Root of every error rlproxy raises on purpose."""
@@ -14,8 +16,10 @@ class RLProxyError(Exception):
     error_type = "server_error"
     headers: tuple[tuple[str, str], ...] = ()  # sent with the error's response (an upstream's Retry-After)
     # `rlproxy train`'s exit status: 2, the settings or the input are wrong and running it again as
-    # it is fails the same way; 1 (the errors of the moment below), a restart may get past it. `serve
-    # --trainer auto` starts its trainer again after 1, never after 2 (gateway/trainer_process.py).
+    # it is fails the same way; TRY_AGAIN_EXIT (the errors of the moment below: another trainer holds
+    # the lock, the store is restarting), a later start gets past it; 1, a crash (a traceback). `serve
+    # --trainer auto` starts its trainer again after 75 for as long as it takes, after 1 until it has
+    # crashed too often in a row, never after 2 (gateway/trainer_process.py).
     exit_code = 2
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
@@ -91,7 +95,7 @@ class EngineUnavailable(RLProxyError):
 
     status_code = 503
     error_type = "engine_unavailable"
-    exit_code = 1
+    exit_code = TRY_AGAIN_EXIT
 
 
 class EngineUnreached(EngineUnavailable):
@@ -108,17 +112,18 @@ class ConfigError(RLProxyError):
 
 class TrainerBusy(ConfigError):
     """Another trainer holds this model's lock: this one is refused, and takes over once that one
-    is gone (deploy/README.md), so `rlproxy train` exits 1 and `serve --trainer auto` tries again."""
+    is gone (deploy/README.md), so `rlproxy train` exits 75 and `serve --trainer auto` tries again
+    for as long as it takes (a standby's wait is not a crash loop)."""
 
-    exit_code = 1
+    exit_code = TRY_AGAIN_EXIT
 
 
 class StoreUnreachable(ConfigError):
     """No connection to the store at start: a wrong --store, or a server down (restarting). A
     trainer under `serve --trainer auto`, whose gateway reached the same store, meets the second:
-    `rlproxy train` exits 1, and it is tried again rather than left failed for good."""
+    `rlproxy train` exits 75, and it is tried again rather than left failed for good."""
 
-    exit_code = 1
+    exit_code = TRY_AGAIN_EXIT
 
 
 class RequestTooLarge(RLProxyError):
@@ -134,7 +139,7 @@ class StoreUnavailable(RLProxyError):
 
     status_code = 503
     error_type = "store_unavailable"
-    exit_code = 1
+    exit_code = TRY_AGAIN_EXIT
 
     def __init__(self, message: str, *, cause: str, code: str | None = None):
         super().__init__(message, code=code or f"store_{cause}")

@@ -79,7 +79,8 @@ class Metrics:
         # `serve --trainer auto`'s child (gateway/trainer_process.py): one state at 1, the others at 0.
         self.trainer_state = Gauge(
             "rlproxy_trainer_state",
-            "1 for the trainer child's state (running, restarting, failed: refused its settings, stopped)",
+            "1 for the trainer child's state (running, restarting, stopped, failed: refused its settings, or "
+            "crashed too often in a row)",
             ["state"],
             registry=self.registry,
         )

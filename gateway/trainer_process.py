@@ -16,6 +16,7 @@ from subprocess import Popen
 
 from gateway.children import die_with_parent
 from gateway.devices import trainer_environment
+from gateway.errors import TRY_AGAIN_EXIT
 from gateway.redact import hidden_in, mask_text, redact
 from gateway.settings import Settings
 from gateway.store import Store
@@ -66,12 +67,19 @@ class TrainerChild:
     2 was refused its settings (`--init-from` naming a step of another LoRA shape, a GPU that is
     not there): starting it again fails the same way for ever, so it stays `failed`, with the
     line it printed as `/healthz`'s `last_error`, until the gateway is restarted. One refused
-    because another trainer holds the model's lock exits 1: tried again, it takes over later.
-    Restarts wait 1, 2, 4 ... 60 s (back to 1 s after a run of 10 minutes); `status()` is what
+    for the moment (exit 75: another trainer holds the model's lock, the store is restarting) is
+    tried again for as long as it takes: it takes over later. A crash (any other exit) is tried
+    again too, but one that crashes `CRASH_LIMIT` times in a row, each run shorter than 10 minutes
+    (a CUDA build that does not fit the card, a broken install), crashes the same way for ever:
+    it is left `failed` too, as systemd's StartLimitBurst does, where it was started again every
+    minute for ever while /healthz said `running` or `restarting`. Restarts wait 1, 2, 4 ... 60 s;
+    a run of 10 minutes sets the wait back to 1 s and the crash count to 0. `status()` is what
     `/healthz` shows of it."""
 
     STABLE_SECONDS = 600.0
+    FIRST_DELAY_SECONDS = 1.0
     MAX_DELAY_SECONDS = 60.0
+    CRASH_LIMIT = 5  # crashes in a row, each within STABLE_SECONDS of its start, that leave it failed
     SETTINGS_EXIT = 2  # `rlproxy train`'s exit for settings it refuses (gateway/errors.py: exit_code)
 
     def __init__(self, cmd: list[str], env: dict[str, str], secrets: list[str] | None = None) -> None:
@@ -83,8 +91,10 @@ class TrainerChild:
         self.last_error: str | None = None
         self._output: ChildOutput | None = None
         self._stopping = threading.Event()
-        self._delay = 1.0
+        self._delay = self.FIRST_DELAY_SECONDS
         self._started_at = 0.0
+        self._crashes = 0  # quick crashes in a row
+        self._gave_up = False  # crashed CRASH_LIMIT times in a row: not started again
         self._thread = threading.Thread(target=self._watch, name="rlproxy-trainer-watch", daemon=True)
 
     def start(self) -> TrainerChild:
@@ -120,15 +130,33 @@ class TrainerChild:
                     error or f"exit code {code}",
                 )
                 return
-            if time.monotonic() - self._started_at >= self.STABLE_SECONDS:
-                self._delay = 1.0
-            log.error(
-                "the trainer exited (%s) while the gateway serves; starting it again in %.0f s",
-                error or f"code {code}",
-                self._delay,
-            )
+            if time.monotonic() - self._started_at >= self.STABLE_SECONDS:  # it trained: not a crash loop
+                self._delay, self._crashes = self.FIRST_DELAY_SECONDS, 0
+            if code != TRY_AGAIN_EXIT:
+                self._crashes += 1
+                if self._crashes >= self.CRASH_LIMIT:
+                    self._give_up()
+                    return
+            if code == TRY_AGAIN_EXIT:  # a standby waiting for the lock says so every minute: not an error
+                log.warning("the trainer cannot train for the moment (%s); trying again in %.0f s", error, self._delay)
+            else:
+                log.error(
+                    "the trainer exited (%s) while the gateway serves; starting it again in %.0f s",
+                    error or f"code {code}",
+                    self._delay,
+                )
             if not self._respawn():
                 return
+
+    def _give_up(self) -> None:
+        """Left `failed`: /healthz, /metrics and the dashboard say so, and why (`last_error`)."""
+        self._gave_up = True
+        self.last_error = (
+            f"crashed {self._crashes} times in a row, each within {self.STABLE_SECONDS / 60:g} minutes of its "
+            "start, and is not started again (fix the cause and restart the gateway; serving goes on); the last: "
+            f"{self.last_error or f'exit code {self.last_exit}'}"
+        )
+        logging.getLogger("rlproxy").error("the trainer %s", self.last_error)
 
     def _respawn(self) -> bool:
         """Start it again after the delay, and again later while it cannot be started (no memory
@@ -154,7 +182,7 @@ class TrainerChild:
             state = "running"
         elif self._stopping.is_set() or self.last_exit == 0:
             state = "stopped"
-        elif self.last_exit == self.SETTINGS_EXIT:
+        elif self.last_exit == self.SETTINGS_EXIT or self._gave_up:
             state = "failed"
         else:
             state = "restarting"

@@ -73,6 +73,36 @@ def test_name_answers_only_once_its_init_from_step_0_is_loaded(tmp_path):
     asyncio.run(trainer.close())
 
 
+def test_name_says_step_0_will_not_come_once_the_trainer_that_saves_it_failed(tmp_path):
+    # `serve --trainer auto --init-from sft@4` whose trainer refuses its settings (exit 2): /healthz
+    # said why, but every call was told "The trainer saves it when it starts; try again shortly",
+    # and a client retried for ever a step 0 that will never come.
+    import sys
+
+    from gateway.trainer_process import TrainerChild
+
+    said = "import sys; print('rlproxy train: --init-from sft@4: LoRA rank 8, not 16', file=sys.stderr); sys.exit(2)"
+    child = TrainerChild([sys.executable, "-c", said], {}).start()
+    child._thread.join(timeout=60)
+    assert child.status()["state"] == "failed"
+    settings = Settings(state_dir=tmp_path, model_name="agent-rl", init_from="sft@4", trainer="off")
+    app = create_app(settings)
+    app.state.trainer = child  # as `rlproxy serve` sets it
+    why = f"{LOADING}; the trainer that saves it failed: --init-from sft@4: LoRA rank 8, not 16"
+    with ThreadServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.get("/healthz").json()["reason"] == why
+        for stream in (False, True):
+            refused = chat(http, "early", max_tokens=4, stream=stream)
+            assert refused.status_code == 503, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "trainer_failed"
+            assert error["message"] == (
+                f"model 'agent-rl' does not answer: {why}. It will not until that is fixed and the gateway "
+                "restarted (GET /healthz: trainer)"
+            )
+    child.stop(timeout=10)
+
+
 def test_the_trainer_skips_groups_the_base_model_answered_in_an_init_from_run(tmp_path):
     settings = trainer_settings(tmp_path, model_name="agent-rl")
     train = ["train", "--state-dir", str(tmp_path), "--lora-rank", "4", "--lora-alpha", "8"]

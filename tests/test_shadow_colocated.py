@@ -158,3 +158,89 @@ def test_a_self_judge_thinking_in_vllm_does_not_hold_up_the_handover_and_is_aske
         group, _ = _hand_over_while_held(vllm.url, settings, fake, released, held)
     assert len(held) == 2 and fake.chats_while_asleep == 0  # called off for the trainer, then asked again
     assert group["n_sessions"] == 3 and group["n_rewarded"] == 3
+
+
+def _back_to_back_steps_while_held(vllm_url: str, settings, fake: FakeState, released: threading.Event, held: list):
+    """One live call with shadows; while vLLM holds a request of them (`held`), the trainer takes the
+    GPU (the request is called off) and gives it back; asked again and held again, the trainer asks
+    for the GPU at once for its next step (ready groups waiting), and vLLM answers only then. Returns
+    the shadow group once judged."""
+    app = create_app(settings, engine=attached_engine(vllm_url), store=SQLiteStore(settings.db_path))
+    trainer_store = SQLiteStore(settings.db_path)
+    try:
+        with ThreadServer(app) as gateway:
+            client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model="agent", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0
+            )
+            call_id = raw.headers["x-request-id"]
+            wait_until(lambda: held, what="a shadow's or the judge's request held in vLLM")
+            lease = acquire_gpu_for_training(trainer_store, "agent", timeout=30)  # step 1: called off
+            release_gpu(trainer_store, "agent", None, lease.holder)
+            wait_until(lambda: len(held) == 2, what="the request sent again once vLLM woke")
+
+            next_step: list = []  # step 2, asked for at once
+            trainer = threading.Thread(
+                target=lambda: next_step.append(acquire_gpu_for_training(trainer_store, "agent", timeout=60))
+            )
+            trainer.start()
+            wait_until(lambda: not app.state.services.gate.is_open, what="the handover for step 2 under way")
+            released.set()  # vLLM answers now
+            trainer.join()
+            release_gpu(trainer_store, "agent", None, next_step[0].holder)
+            return wait_until(
+                lambda: (
+                    (r := httpx.get(f"{gateway.url}/v1/groups/shadow-{call_id}")).status_code == 200
+                    and r.json()["ruler_status"] == "scored"
+                    and r.json()
+                ),
+                what="the shadow group judged",
+            )
+    finally:
+        released.set()
+        asyncio.run(trainer_store.close())
+
+
+def _answered_before_the_last_sleep(fake: FakeState, priority: bool) -> bool:
+    """Whether vLLM answered the request sent again (a shadow's: `priority`; else the judge's) before
+    it went to sleep for step 2: the handover waited for it rather than calling it off again."""
+    sleeps = [i for i, e in enumerate(fake.events) if e["kind"] == "sleep"]
+    chats = [
+        i
+        for i, e in enumerate(fake.events)
+        if e["kind"] == "chat" and (bool(e["priority"]) if priority else (e["request_id"] or "").startswith("ruler_"))
+    ]
+    return len(sleeps) == 2 and chats != [] and sleeps[0] < chats[0] < sleeps[1]
+
+
+def test_back_to_back_steps_do_not_starve_a_self_judge(tmp_path):
+    # A trainer with ready groups waiting takes the GPU again within a second of giving it back: a
+    # judge that thinks longer was called off at every step, never answered (and never timed out).
+    # Called off once, it is asked again and the next handover waits for it.
+    fake, released, held = FakeState(base_model=BASE), threading.Event(), []
+    with ThreadServer(holding_judge(create_fake_vllm(fake), released, held)) as vllm:
+        settings = vllm_settings(
+            tmp_path, vllm_url=vllm.url, gpu_mode="colocated", shadow_samples=2, shadow_judge_model="self"
+        )
+        group = _back_to_back_steps_while_held(vllm.url, settings, fake, released, held)
+    assert len(held) == 2 and _answered_before_the_last_sleep(fake, priority=False)
+    assert fake.chats_while_asleep == 0 and group["n_rewarded"] == 3
+
+
+def test_back_to_back_steps_do_not_starve_shadow_sampling(tmp_path):
+    fake, released, held = FakeState(base_model=BASE), threading.Event(), []
+    with (
+        FakeJudge() as judge,
+        ThreadServer(holding_shadows(create_fake_vllm(fake), released, held)) as vllm,
+    ):
+        settings = vllm_settings(
+            tmp_path,
+            vllm_url=vllm.url,
+            gpu_mode="colocated",
+            shadow_samples=2,
+            shadow_judge_model="openai/judge",
+            shadow_judge_api_base=judge.url,
+        )
+        group = _back_to_back_steps_while_held(vllm.url, settings, fake, released, held)
+    assert len(held) == 2 and _answered_before_the_last_sleep(fake, priority=True)
+    assert fake.chats_while_asleep == 0 and group["n_sessions"] == 3 and group["n_rewarded"] == 3

@@ -93,6 +93,94 @@ def test_a_trainer_that_crashes_is_started_again_with_its_error_shown_and_counte
     assert 'rlproxy_trainer_state{state="running"} 1.0' in metrics
 
 
+class QuickToGiveUp(TrainerChild):
+    FIRST_DELAY_SECONDS = 0.05  # the waits between restarts: 0.05, 0.1, 0.2 ... s
+    CRASH_LIMIT = 3
+
+
+def test_a_trainer_that_crashes_at_once_again_and_again_is_left_failed_and_the_gateway_says_why():
+    # A CUDA build that does not fit the card, a broken install: the trainer crashes as it starts,
+    # every time. It was started again every minute for ever, /healthz saying "restarting" (or
+    # "running", between a start and its crash); after CRASH_LIMIT crashes in a row it stays failed.
+    crash = "raise RuntimeError('CUDA error: no kernel image is available for execution on the device')"
+    child = QuickToGiveUp([sys.executable, "-c", crash], {}).start()
+    try:
+        status = _wait_for(child, "failed")
+        child._thread.join(timeout=60)
+        assert not child._thread.is_alive()  # the watcher is done: no restart comes
+        health, metrics, dashboard = _gateway_views(child)
+    finally:
+        child.stop(timeout=10)
+    assert status == {
+        "state": "failed",
+        "restarts": 2,
+        "last_exit": 1,
+        "last_error": "crashed 3 times in a row, each within 10 minutes of its start, and is not started again "
+        "(fix the cause and restart the gateway; serving goes on); the last: RuntimeError: CUDA error: no kernel "
+        "image is available for execution on the device",
+    }
+    assert health == dashboard == status
+    assert 'rlproxy_trainer_state{state="failed"} 1.0' in metrics
+    assert "rlproxy_trainer_restarts_total 2.0" in metrics
+
+
+def test_a_trainer_that_trained_for_a_while_before_it_crashed_starts_its_count_again(tmp_path):
+    # Crash, crash, a run that trains longer than STABLE_SECONDS, then crashes: the third crash in a
+    # row of quick ones is the one that leaves it failed, not the third crash.
+    class Patient(QuickToGiveUp):
+        STABLE_SECONDS = 3.0
+
+    runs = tmp_path / "runs"
+    code = (
+        "import pathlib, sys, time\n"
+        "runs = pathlib.Path(sys.argv[1]); n = len(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text('x' * (n + 1))\n"
+        "time.sleep(6 if n == 2 else 0); sys.exit(1)"
+    )
+    child = Patient([sys.executable, "-c", code, str(runs)], {}).start()
+    try:
+        status = _wait_for(child, "failed")
+    finally:
+        child.stop(timeout=10)
+    assert runs.read_text() == "xxxxx" and status["restarts"] == 4
+    assert status["last_error"].startswith("crashed 3 times in a row")
+
+
+def test_a_trainer_refused_for_the_moment_is_tried_again_for_as_long_as_it_takes(tmp_path, caplog):
+    # Exit 75 (another trainer holds the model's lock: a standby; the store restarting) is no crash:
+    # however often it comes, the trainer is started again, and takes over once it can. A standby's
+    # wait is no error either: it was logged as one ("the trainer exited") every minute.
+    runs = tmp_path / "runs"
+    code = (
+        "import pathlib, sys, time\n"
+        "runs = pathlib.Path(sys.argv[1]); n = len(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text('x' * (n + 1))\n"
+        "print('rlproxy train: another trainer worker (pid 7) holds the lock', file=sys.stderr)\n"
+        "sys.exit(75) if n < 4 else time.sleep(60)"
+    )
+    with caplog.at_level("INFO", logger="rlproxy"):
+        child = QuickToGiveUp([sys.executable, "-c", code, str(runs)], {}).start()
+        try:
+            status = _wait_for(child, "running", restarts=4)
+        finally:
+            child.stop(timeout=10)
+    waits = [r for r in caplog.records if r.name == "rlproxy" and "trainer" in r.getMessage()]
+    assert [r.levelname for r in waits] == ["WARNING"] * 4
+    assert (
+        waits[0]
+        .getMessage()
+        .startswith(
+            "the trainer cannot train for the moment (another trainer worker (pid 7) holds the lock); trying again in"
+        )
+    )
+    assert status == {
+        "state": "running",
+        "restarts": 4,
+        "last_exit": 75,
+        "last_error": "another trainer worker (pid 7) holds the lock",
+    }
+
+
 def test_a_trainer_killed_by_a_signal_says_so(tmp_path):
     child = TrainerChild([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], {})
     child.start()
@@ -103,21 +191,21 @@ def test_a_trainer_killed_by_a_signal_says_so(tmp_path):
     assert status["last_exit"] == -9 and status["last_error"] == "killed by SIGKILL"
 
 
-def test_train_exits_1_for_a_failure_of_the_moment_and_2_for_its_settings(tmp_path, monkeypatch, capsys):
+def test_train_exits_75_for_a_failure_of_the_moment_and_2_for_its_settings(tmp_path, monkeypatch, capsys):
     # The exit `serve --trainer auto` decides on: a store that cannot be written now is a reason to
-    # try again (1), a setting out of range is not (2).
+    # try again (75, not counted as a crash), a setting out of range is not (2).
     import trainer.worker
 
     def store_gone(*args, **kwargs):
         raise StoreUnavailable("the disk holding the store is full", cause="full")
 
     monkeypatch.setattr(trainer.worker, "run_worker", store_gone)
-    assert main(["train", "--state-dir", str(tmp_path)]) == 1
+    assert main(["train", "--state-dir", str(tmp_path)]) == 75
     assert "rlproxy train: the disk holding the store is full" in capsys.readouterr().err
     assert main(["train", "--state-dir", str(tmp_path), "--groups-per-step", "0"]) == 2
 
 
-@pytest.mark.parametrize(("rank_codes", "exit_code"), [((2, 0), 2), ((1, 0), 1), ((-9, 0), 1)])
+@pytest.mark.parametrize(("rank_codes", "exit_code"), [((2, 0), 2), ((75, 0), 75), ((1, 0), 1), ((-9, 0), 1)])
 def test_nproc_ranks_that_refuse_their_settings_exit_2_and_crashed_ones_1(rank_codes, exit_code):
     from trainer.distributed.launch import _watch
 
@@ -271,16 +359,17 @@ def test_a_trainer_that_cannot_be_started_again_at_once_is_tried_again_later():
     }
 
 
-def test_a_second_trainer_of_the_same_model_exits_1_to_take_over_later(tmp_path, capsys):
+def test_a_second_trainer_of_the_same_model_exits_75_to_take_over_later(tmp_path, capsys):
     # deploy/README.md: a second trainer of a model "is refused at start, and takes over once the
-    # first is gone". Refused with exit 2 (settings), `serve --trainer auto` would never start it again.
+    # first is gone". Refused with exit 2 (settings), `serve --trainer auto` would never start it again;
+    # with 1 (a crash), it would be left failed after CRASH_LIMIT tries.
     from gateway.store.sqlite import SQLiteStore
     from trainer.lock import take_lock
 
     store = SQLiteStore(tmp_path / "rlproxy.db")
     held = take_lock(tmp_path / "models" / "agent" / "checkpoints", "agent", store)
     try:
-        assert main(["train", "--state-dir", str(tmp_path), "--max-steps", "1"]) == 1
+        assert main(["train", "--state-dir", str(tmp_path), "--max-steps", "1"]) == 75
     finally:
         held.close()
     assert "rlproxy train: another trainer worker (pid " in capsys.readouterr().err
@@ -301,4 +390,4 @@ def test_a_store_that_does_not_answer_at_start_is_tried_again():
     with pytest.raises(ConfigError) as refused:
         open_pool(f"postgresql://rl:pw@127.0.0.1:{port}/rl", 1, 1, 1.0)
     assert "cannot connect to the store at" in refused.value.message and "pw" not in refused.value.message
-    assert refused.value.exit_code == 1
+    assert refused.value.exit_code == 75

@@ -1,7 +1,8 @@
 """A gate in front of the engine: hold new requests (never fail them) and drain
 in-flight ones, so a colocated trainer can have the GPU for a moment. Background work inside
 (shadow samples, the `self` judge's calls) watches `closing` and leaves at once: it can be redone,
-so the trainer waits only for the live calls."""
+so the trainer waits only for the live calls. Once: redone, it stays, and the next handover waits
+for it too (back-to-back steps would otherwise call it off for ever)."""
 
 from __future__ import annotations
 

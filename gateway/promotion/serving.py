@@ -81,17 +81,36 @@ def loading(registry: AdapterRegistry) -> str | None:
     init_from = registry.settings.init_from
     if registry.current is not None or not init_from or not registry.engine.supports_adapters:
         return None
-    failed = registry.load_errors.get(0)
-    return f"loading step 0 of '{registry.name}' from --init-from {init_from}" + (
-        f" (the last try failed: {failed}; retrying every {registry.settings.poll_interval:g} s)" if failed else ""
+    failed, trainer = registry.load_errors.get(0), trainer_failure(registry)
+    return (
+        f"loading step 0 of '{registry.name}' from --init-from {init_from}"
+        + (f" (the last try failed: {failed}; retrying every {registry.settings.poll_interval:g} s)" if failed else "")
+        + (f"; the trainer that saves it failed: {trainer}" if trainer is not None else "")
     )
+
+
+def trainer_failure(registry: AdapterRegistry) -> str | None:
+    """Why `serve --trainer auto`'s trainer is left failed (its settings refused, a crash loop: its
+    `last_error`), or None: running, started again, or no trainer child (run apart, `--trainer off`)."""
+    child = registry.trainer_child()
+    status = child.status() if child is not None else {}
+    if status.get("state") != "failed":
+        return None
+    return status.get("last_error") or f"exit code {status.get('last_exit')}"
 
 
 def refuse_before_step_0(registry: AdapterRegistry) -> None:
     reason = loading(registry)
-    if reason is not None:
+    if reason is None:
+        return
+    if trainer_failure(registry) is not None:  # step 0 will never come: "try again shortly" sent clients retrying
         raise EngineUnavailable(
-            f"model '{registry.name}' does not answer yet: {reason}. The trainer saves it when it starts; "
-            "try again shortly (GET /healthz says ok once it serves)",
-            code="loading_step_0",
+            f"model '{registry.name}' does not answer: {reason}. It will not until that is fixed and the gateway "
+            "restarted (GET /healthz: trainer)",
+            code="trainer_failed",
         )
+    raise EngineUnavailable(
+        f"model '{registry.name}' does not answer yet: {reason}. The trainer saves it when it starts; "
+        "try again shortly (GET /healthz says ok once it serves)",
+        code="loading_step_0",
+    )

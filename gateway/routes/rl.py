@@ -159,12 +159,8 @@ async def healthz(request: Request) -> Response:
         body.update(status="degraded", reason=report["reason"], store=report)
     elif engine_down is not None:
         body.update(status="degraded", reason=f"the {services.engine.kind} engine cannot serve: {engine_down}")
-    else:
-        failed = body.get("trainer", {}).get("state") == "failed"  # step 0 will never come: say why
-        reason = (
-            f"{waiting}; the trainer that saves it failed: {body['trainer'].get('last_error')}" if failed else waiting
-        )
-        body.update(status="loading", reason=reason)
+    else:  # with why step 0 will never come, where the trainer failed (promotion.serving.loading)
+        body.update(status="loading", reason=waiting)
     return json_response(body, status_code=503)
 
 

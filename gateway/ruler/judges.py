@@ -152,7 +152,7 @@ def engine_judge(services: Any, timeout: float | None = None) -> JudgeCall:
         registry, engine, gate = services.registry, services.engine, services.gate
         name = services.settings.model_name if engine.supports_adapters else engine.base_model_id
         try:
-            completion = None
+            completion, called_off = None, False
             while completion is None:  # called off for a colocated trainer's step: asked again after it
                 async with gate.passage(), registry.use(name) as target:
                     body = {
@@ -162,8 +162,15 @@ def engine_judge(services: Any, timeout: float | None = None) -> JudgeCall:
                         "max_tokens": services.settings.default_max_tokens * 4,
                     }
                     request = EngineRequest(body=body, adapter=target.adapter, request_id="ruler_" + uuid.uuid4().hex)
-                    completion = await _unless_closing(gate, engine.complete(request), limit)
+                    # Asked again, it is not called off again: the next step's handover waits for it as
+                    # for a live call. Back-to-back steps (ready groups waiting) take the GPU again within
+                    # a second of giving it back, and a judge that thinks longer was never answered.
+                    answer = engine.complete(request)
+                    completion = await (
+                        asyncio.wait_for(answer, limit) if called_off else _unless_closing(gate, answer, limit)
+                    )
                 if completion is None:
+                    called_off = True
                     log.info(
                         "RULER: the judge '%s' was called off: the trainer takes the GPU; asked again after", SELF_JUDGE
                     )
@@ -181,7 +188,8 @@ async def _unless_closing(gate: Any, call: Awaitable[Any], limit: float) -> Any:
     """`call`'s completion, or None once the gate starts closing first (asyncio.TimeoutError after
     `limit`). The handover to a colocated trainer waits for every call inside the gate, and a
     judge may think for `limit` (600 s): a judgement is not a client's call and can be asked
-    again, so it leaves at once, as a shadow sampling does (cancelled: vLLM drops the request)."""
+    again, so it leaves at once, as a shadow sampling does (cancelled: vLLM drops the request); the
+    first time only (`engine_judge`)."""
     task = asyncio.ensure_future(call)
     closing = asyncio.ensure_future(gate.closing())
     try:

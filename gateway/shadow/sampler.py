@@ -29,7 +29,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.colocate import is_stale
@@ -206,17 +206,22 @@ class ShadowSampler:
     async def _sample_when_quiet(self, live: CallRecord) -> list[CallRecord] | None:
         """The group's rows, sampled once the engine is quiet; None once the step went stale. A
         sample the gate called off (a colocated trainer takes the GPU: `RequestGate.closing`) is
-        sampled again from the start once the gate opens: vLLM's sleep keeps nothing of it."""
+        sampled again from the start once the gate opens: vLLM's sleep keeps nothing of it. Sampled
+        again, it is not called off again (the next handover waits for it as for a live call):
+        back-to-back steps take the GPU again within a second of giving it back, and samples that
+        take longer were called off at every step until their live call's step went stale."""
+        may_call_off = True
         while await self._quiet_engine(live):
             try:
-                return await self._sample(live)
+                return await self._sample(live, may_call_off)
             except CalledOff:
+                may_call_off = False
                 log.info(
                     "shadow samples of call %s called off: the trainer takes the GPU; sampled again after", live.id
                 )
         return None
 
-    async def _sample(self, live: CallRecord) -> list[CallRecord] | None:
+    async def _sample(self, live: CallRecord, may_call_off: bool = True) -> list[CallRecord] | None:
         """The group's rows, or None when the step went stale before the engine answered."""
         chat = self.services.chat
         started = time.perf_counter()
@@ -232,7 +237,8 @@ class ShadowSampler:
                     background=True,  # set aside (local) or behind live calls (vLLM priority)
                     session=live.session_id,  # the replica that holds the live call's prompt, within the load bound
                 )
-                completion = await self._unless_stale(live, chat.engine.complete(request))
+                answer, gate = chat.engine.complete(request), chat.gate if may_call_off else None
+                completion = await _unless_stale(answer, lambda: self._stale(live), gate)
             finally:
                 self.sampling -= 1
         if completion is None:
@@ -243,29 +249,6 @@ class ShadowSampler:
         self._count("tokens", tokens)
         self.metrics.shadow_tokens.inc(tokens)
         return shadow_calls(live, completion.response, completion.tokens, (time.perf_counter() - started) * 1000.0)
-
-    async def _unless_stale(self, live: CallRecord, call: Awaitable[Completion]) -> Completion | None:
-        """`call`'s completion, or None once the step went stale first, or `CalledOff` once the
-        gate starts closing: the handover to a colocated trainer waits for the calls inside, and
-        a shadow may sample for as long as its answers are, so it leaves at once (the engine call
-        is cancelled: the local engine drops the job, vLLM the request)."""
-        task = asyncio.ensure_future(call)
-        closing = asyncio.ensure_future(self.services.chat.gate.closing())
-        try:
-            while not task.done():
-                await asyncio.wait({task, closing}, timeout=STALE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-                if task.done():
-                    break
-                if closing.done() or self._stale(live):
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    if closing.done():
-                        raise CalledOff()
-                    return None
-            return task.result()
-        finally:
-            task.cancel()  # cancelled ourselves (shutdown): the engine call goes too
-            closing.cancel()
 
     async def _judge(self, group_id: str) -> None:
         """RULER's scores for the group, tried `JUDGE_TRIES` times: a judge down for a moment, or
@@ -305,6 +288,31 @@ class ShadowSampler:
         meanwhile, whose judge and rubric another try of ours would overwrite."""
         group = await asyncio.to_thread(self.services.store.get_group, group_id)
         return group.get("ruler_status") == "failed"
+
+
+async def _unless_stale(call: Awaitable[Completion], stale: Callable[[], bool], gate: Any) -> Completion | None:
+    """`call`'s completion, or None once `stale()` first, or `CalledOff` once `gate` starts closing
+    (None: a sample asked again, not called off again): the handover to a colocated trainer waits for
+    the calls inside, and a shadow may sample for as long as its answers are, so it leaves at once
+    (the engine call is cancelled: the local engine drops the job, vLLM the request)."""
+    task = asyncio.ensure_future(call)
+    # Not called off: a closing that never comes, so the wait below still wakes to look at staleness.
+    closing = asyncio.ensure_future(gate.closing() if gate is not None else asyncio.Event().wait())
+    try:
+        while not task.done():
+            await asyncio.wait({task, closing}, timeout=STALE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                break
+            if closing.done() or stale():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if closing.done():
+                    raise CalledOff()
+                return None
+        return task.result()
+    finally:
+        task.cancel()  # cancelled ourselves (shutdown): the engine call goes too
+        closing.cancel()
 
 
 class CalledOff(Exception):

@@ -25,7 +25,7 @@ import sys
 import time
 
 from gateway.children import die_with_parent
-from gateway.errors import RLProxyError
+from gateway.errors import TRY_AGAIN_EXIT, RLProxyError
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -44,9 +44,10 @@ class RanksFailed(RLProxyError):
 
     def __init__(self, message: str, first_code: int | None) -> None:
         super().__init__(message)
-        # A rank that refused its settings (exit 2) refuses them again on a restart: exit 2 too;
-        # a rank that crashed or was killed: 1, to be started again.
-        self.exit_code = 2 if first_code == 2 else 1
+        # A rank that refused its settings (exit 2) refuses them again on a restart: exit 2 too; one
+        # refused for the moment (75: another trainer holds the lock): 75, tried again for as long as
+        # it takes; a rank that crashed or was killed: 1, started again until it crashes too often.
+        self.exit_code = 2 if first_code == 2 else TRY_AGAIN_EXIT if first_code == TRY_AGAIN_EXIT else 1
 
 
 def _exit(code: int | None) -> str:
