@@ -153,7 +153,16 @@ CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at, id);
 CREATE INDEX IF NOT EXISTS groups_created ON groups (created_at, id);
 CREATE INDEX IF NOT EXISTS calls_created ON calls (created_at);
 """
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5}
+# Version 6: each running gateway's heartbeat (gateway/store/gateways.py): a gateway killed left
+# the judgements it ran "running" for ever; one whose row expired has them handed on.
+_V6 = """
+CREATE TABLE IF NOT EXISTS gateways (
+    id TEXT PRIMARY KEY,
+    started_at DOUBLE PRECISION NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL
+);
+"""
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5, 6: _V6}
 VERSION = max(MIGRATIONS)
 
 READY_GROUPS = """

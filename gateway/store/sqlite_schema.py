@@ -112,6 +112,12 @@ CREATE TABLE IF NOT EXISTS gpu_leases (
     step INTEGER,
     updated_at REAL NOT NULL
 );
+-- Each running gateway's heartbeat: a row past `expires_at` is a gateway gone (gateway/store/gateways.py).
+CREATE TABLE IF NOT EXISTS gateways (
+    id TEXT PRIMARY KEY,
+    started_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
 """
 
 # Columns added after the first release: (table, column, definition). `CREATE TABLE IF NOT
@@ -157,6 +163,9 @@ _ADDED_COLUMNS = (
     ("steps", "parent", "INTEGER"),
     ("steps", "decision", "TEXT"),
     ("steps", "resumed", "INTEGER NOT NULL DEFAULT 0"),
+    # The gateway a group's unfinished judgement waits on (gateway/store/gateways.py): one running
+    # there, or a shadow group its sampler has still to judge; handed on once that gateway is gone.
+    ("groups", "judged_by", "TEXT"),
 )
 
 # Indexes on added columns: made after them, in both backends.
@@ -167,6 +176,14 @@ ADDED_INDEXES = (
     # id or a hash, and one key has an open group per model at most, so the model filters few rows.
     "DROP INDEX IF EXISTS groups_open_live",
     "CREATE INDEX IF NOT EXISTS groups_open_live_key ON groups (split, task_key) WHERE origin = 'live' AND closed = 0",
+    # The judgements of a gateway gone, looked up by every gateway's reap (`gateways.reap`); only
+    # unfinished ones name a gateway, so the index stays small.
+    "CREATE INDEX IF NOT EXISTS groups_judged_by ON groups (judged_by) WHERE judged_by IS NOT NULL",
+    # The shadow groups a gateway with shadow samples looks for every few seconds
+    # (`shadows.claim_stopped_shadow_group`): its WHERE, so the look never scans every group.
+    "CREATE INDEX IF NOT EXISTS groups_shadow_unjudged ON groups (created_at, id) WHERE origin = 'shadow'"
+    " AND trained_step IS NULL AND claimed_step IS NULL AND failed IS NULL AND skipped IS NULL"
+    " AND ruler_status = 'failed'",
 )
 
 # The schema's version (`PRAGMA user_version`): 1 is the first release, each added column one more.
