@@ -32,10 +32,10 @@ SHORT_LEASE = (
 )
 
 
-def serve(tmp_path, name: str, judge_url: str) -> contextlib.AbstractContextManager:
+def serve(tmp_path, store: str, name: str, judge_url: str) -> contextlib.AbstractContextManager:
     """A gateway with shadow samples judged at `judge_url`, on the store all the test's gateways share."""
     flags = ["--engine", "local", "--trainer", "off", "--insecure-no-api-key", "--default-max-tokens", "6"]
-    flags += ["--state-dir", str(tmp_path / name), "--store", str(tmp_path / "shared.db"), "--shadow-samples", "2"]
+    flags += ["--state-dir", str(tmp_path / name), "--store", store, "--shadow-samples", "2"]
     flags += ["--shadow-judge-model", "openai/judge", "--shadow-judge-api-base", judge_url]
     return gateway_process(flags, startup_timeout=300, python_args=SHORT_LEASE)
 
@@ -44,9 +44,15 @@ def group(url: str, group_id: str) -> dict:
     return httpx.get(f"{url}/v1/groups/{group_id}").json()
 
 
-def test_a_killed_gateways_judgements_are_handed_on_by_a_gateway_still_running(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_killed_gateways_judgements_are_handed_on_by_a_gateway_still_running(tmp_path, request, backend):
+    # Two replicas on one store (an SQLite file both open, or PostgreSQL); the first is killed.
+    store = str(tmp_path / "shared.db") if backend == "sqlite" else request.getfixturevalue("postgres_db")
     with FakeJudge(stall=True) as stalled, FakeJudge() as judge:
-        with serve(tmp_path, "a", stalled.url) as (doomed, doomed_url), serve(tmp_path, "b", judge.url) as (_, url):
+        with (
+            serve(tmp_path, store, "a", stalled.url) as (doomed, doomed_url),
+            serve(tmp_path, store, "b", judge.url) as (_, url),
+        ):
             client = openai.OpenAI(base_url=doomed_url + "/v1", api_key="unused", max_retries=0)
             # A live call whose shadow group the doomed gateway is judging when it is killed ...
             raw = client.chat.completions.with_raw_response.create(
