@@ -132,3 +132,27 @@ def test_a_gateway_that_stops_hands_on_at_once_what_it_could_not_mark_on_either_
     left, reaped = asyncio.run(main())
     assert left == ["shadow-req-1"] and reaped == []
     assert store.get_group("shadow-req-1")["ruler_error"] == stopped("shadow-req-1")
+
+
+def test_judgements_a_store_held_before_the_heartbeat_are_handed_on_too_on_either_backend(store):
+    # A gateway of an older rlproxy, killed mid-judgement, left a group "running" that names no
+    # gateway; then rlproxy is upgraded (the column `judged_by` added) and a gateway starts.
+    harness_group(store, "g-orphan")
+    asyncio.run(store.set_ruler_status("g-orphan", "running"))
+    if store.backend == "sqlite":
+        store._conn.execute("DROP INDEX groups_judged_by")
+        store._conn.execute("ALTER TABLE groups DROP COLUMN judged_by")
+    else:
+        import psycopg
+
+        with psycopg.connect(store.url, autocommit=True) as conn:
+            conn.execute("ALTER TABLE groups DROP COLUMN judged_by")
+    asyncio.run(store.close())
+    upgraded = type(store)(store.path)
+    try:
+        assert asyncio.run(upgraded.reap_gateways(stopped)) == []  # an older replica may still be judging it
+        upgraded._run_sync(lambda conn: conn.execute("UPDATE gateways SET expires_at = 0"))  # half an hour later
+        assert asyncio.run(upgraded.reap_gateways(stopped)) == ["g-orphan"]
+        assert upgraded.get_group("g-orphan")["ruler_error"] == stopped("g-orphan")
+    finally:
+        asyncio.run(upgraded.close())

@@ -30,6 +30,22 @@ _UNFINISHED = (
 )
 
 
+UPGRADE = "before-upgrade"
+"""The gateway named in the unfinished judgements of a store from before `judged_by` (`adopt_unnamed`)."""
+UPGRADE_WAIT_S = 1800.0
+
+
+def adopt_unnamed(conn: Any, now: float) -> None:
+    """Run once, as the migration adds `groups.judged_by`: the store's unfinished judgements name
+    no gateway, so no heartbeat would ever hand them on, and those a gateway killed before the
+    upgrade left would stay "running" for ever. They are named after one gateway, `UPGRADE`, whose
+    row expires in `UPGRADE_WAIT_S`: longer than a judgement an older replica may still be running
+    during a rolling upgrade (a judge call has ten minutes, a wrong answer one more try)."""
+    cursor = conn.execute(f"UPDATE groups SET judged_by = ? WHERE judged_by IS NULL AND {_UNFINISHED}", (UPGRADE,))
+    if cursor.rowcount:
+        beat(conn, UPGRADE, now, UPGRADE_WAIT_S)
+
+
 def beat(conn: Any, gateway_id: str, now: float, lease_s: float) -> None:
     """Gateway `gateway_id` is running, and counts as running until `now + lease_s`."""
     conn.execute(

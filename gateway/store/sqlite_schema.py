@@ -8,9 +8,11 @@ can train on; `connect` opens a file in WAL mode with the durability the setting
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 from gateway.errors import ConfigError
+from gateway.store import gateways
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -232,12 +234,16 @@ def add_missing_columns(conn: sqlite3.Connection) -> None:
                 f"the store's schema is version {found}, newer than this rlproxy's "
                 f"({SCHEMA_VERSION}): upgrade rlproxy on this machine"
             )
+        added = set()
         for table, column, definition in _ADDED_COLUMNS:
             present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
             if column not in present:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+                added.add((table, column))
         for statement in ADDED_INDEXES:
             conn.execute(statement)
+        if ("groups", "judged_by") in added:  # judgements from before the heartbeat: handed on too
+            gateways.adopt_unnamed(conn, time.time())
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:
