@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +47,8 @@ class Services:
     metrics: Metrics
     tracer: Any = None
     extras: dict = field(default_factory=dict)  # per-feature services (RULER judge, engine supervisor, ...)
+    # This gateway among those on one store: its heartbeat row, the judgements it runs (gateway/ruler/watch.py).
+    gateway_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -184,12 +189,17 @@ def create_app(
         services.chat.observers.append(shadows)  # sees every committed call; schedules, never blocks
         services.extras["shadow"] = shadows
 
+    from gateway.ruler.watch import JudgementWatch
+
+    watch = JudgementWatch(store, services.gateway_id)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         colocator = None
         started = False
         try:
             await store.start()
+            await watch.start()  # before any judgement names this gateway: its row is there to expire
             await engine.start()
             await registry.start()
             if registry.canary is not None:
@@ -213,6 +223,7 @@ def create_app(
                 await services.extras["shadow"].stop()
             if "ruler" in services.extras:  # judgements whose client left: marked failed, not "running"
                 await services.extras["ruler"].stop()
+            await watch.stop()  # after the judgements were marked: what is left is handed on
             if colocator is not None:
                 await colocator.close()
             if registry.canary is not None:

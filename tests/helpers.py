@@ -58,11 +58,16 @@ class ThreadServer:
 
 @contextlib.contextmanager
 def gateway_process(
-    args: list[str], env: dict | None = None, port: int | None = None, startup_timeout: float = 120.0
+    args: list[str],
+    env: dict | None = None,
+    port: int | None = None,
+    startup_timeout: float = 120.0,
+    python_args: tuple[str, ...] = ("-m", "gateway.cli"),
 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`rlproxy serve ARGS --port P` as a child process; yields (process, base_url) once /healthz answers."""
+    """`rlproxy serve ARGS --port P` as a child process; yields (process, base_url) once /healthz
+    answers. `python_args`: how Python runs the CLI (`-c CODE` to set a module's constant first)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [sys.executable, *python_args, "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd,

@@ -290,7 +290,7 @@ def test_the_sampler_asks_for_the_step_that_answered_and_respects_its_cap(tmp_pa
     judged: list[str] = []
 
     class _Store:
-        async def record_shadow_group(self, calls):
+        async def record_shadow_group(self, calls, owner=None):
             recorded.append(calls)
             return calls[0].group_id
 
@@ -368,7 +368,7 @@ def test_a_shadow_is_dropped_only_once_its_step_is_stale_and_drops_are_shown_per
     recorded: list[str] = []
 
     class _Store:
-        async def record_shadow_group(self, calls):
+        async def record_shadow_group(self, calls, owner=None):
             recorded.append(calls[0].group_id)
             return calls[0].group_id
 

@@ -76,7 +76,7 @@ def test_the_sampler_counts_a_shadow_of_a_discarded_session_as_dropped_and_never
     judged: list[str] = []
 
     class _Store:
-        async def record_shadow_group(self, calls):
+        async def record_shadow_group(self, calls, owner=None):
             return None  # the live session was discarded while its shadows were sampled
 
     class _Ruler:

@@ -371,7 +371,7 @@ class RulerService:
         try:
             trajectories = await asyncio.to_thread(self.trajectories, group_id)
             store = self.services.store
-            await store.set_ruler_status(group_id, "running")
+            await store.set_ruler_status(group_id, "running", owner=getattr(self.services, "gateway_id", None))
             try:
                 scores = await judge(trajectories, call, rubric)
                 await store.record_judgement(group_id, judge_model, scores)

@@ -11,7 +11,9 @@ sessions' rewards and the trainer takes the group like any other. At most
 is not shadowed (counted as dropped), so shadows never pile up behind live traffic.
 
 A shadow group recorded but not judged when the gateway stops (its judge cut short, or
-waiting for another try) is marked so and judged again by the next gateway to start on the store.
+waiting for another try) is marked so and judged again by a gateway with shadow samples on the
+store: one already running (it looks every few seconds) or the next to start. A gateway killed
+marks nothing: its groups are marked once its heartbeat expires (`gateway.ruler.watch`).
 
 No clock gives a shadow up: one that waited or sampled long would be one with long answers, and
 dropping it would lean the groups short. A shadow is dropped only once its step is no longer
@@ -36,6 +38,7 @@ from gateway.colocate import is_stale
 from gateway.engines.base import Completion, EngineRequest
 from gateway.errors import RLProxyError
 from gateway.metrics import Metrics
+from gateway.ruler import watch
 from gateway.ruler.judges import JudgeError
 from gateway.settings import Settings
 from gateway.shadow.calls import generated_tokens, shadow_body, shadow_calls, why_not_shadowed
@@ -72,6 +75,8 @@ class ShadowSampler:
         # What the dashboard shows (the same as /metrics' counters, for this process).
         self.counts = {"shadowed": 0, "completed": 0, "dropped": 0, "failed": 0, "tokens": 0, "judge_calls": 0}
         self.by_task_key: dict[str, dict[str, int]] = {}  # key -> live calls picked, dropped
+        # This gateway: named in the groups it records, judged by it or handed on if it dies.
+        self.owner: str | None = getattr(services, "gateway_id", None)
 
     def __call__(self, record: CallRecord) -> None:
         """The chat service's observer: schedule shadows of `record` if it is a live call to shadow."""
@@ -120,10 +125,10 @@ class ShadowSampler:
         return current is not None and is_stale(live.step, current, self.max_staleness)
 
     async def start(self) -> None:
-        """Judge again the shadow groups a gateway's shutdown left unjudged (`stop`), in the
-        background: nothing but their judge ever rewards them, so else they would stay pending
-        for ever. Each is taken by one gateway only (`Store.claim_stopped_shadow_group`)."""
-        task = asyncio.get_running_loop().create_task(self._judge_stopped())
+        """Judge again, now and every `HEARTBEAT_S`, the shadow groups a gateway's stop left
+        unjudged (its shutdown: `stop`; killed: `gateway.ruler.watch`): else nothing would ever
+        reward them. Each is taken by one gateway only (`Store.claim_stopped_shadow_group`)."""
+        task = asyncio.get_running_loop().create_task(self._take_up_stopped())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -135,21 +140,21 @@ class ShadowSampler:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
+    async def _take_up_stopped(self) -> None:
+        while True:
+            await self._judge_stopped()
+            await asyncio.sleep(watch.HEARTBEAT_S)
+
     async def _judge_stopped(self) -> None:
-        from gateway.ruler.scoring import STOPPED
-
-        def stopped(group_id: str) -> str:
-            return STOPPED.format(group_id=group_id)
-
         while True:
             try:
-                group_id = await self.services.store.claim_stopped_shadow_group(stopped)
-            except Exception as exc:  # a store away at start: those groups wait for the next start
+                group_id = await self.services.store.claim_stopped_shadow_group(watch.stopped, self.owner)
+            except Exception as exc:  # a store away for a moment: those groups wait for the next look
                 log.warning("shadow groups a shutdown left unjudged were not taken up: %s", exc)
                 return
             if group_id is None:
                 return
-            log.info("judging shadow group %s again: a gateway's shutdown cut its judgement short", group_id)
+            log.info("judging shadow group %s again: a gateway's stop cut its judgement short", group_id)
             try:
                 await self._judge(group_id)
                 self._count("completed")
@@ -168,7 +173,7 @@ class ShadowSampler:
                 self._per_key(live, "dropped")
                 return
             group_id = shadow_group_id(live.id)  # from here on the group may be on disk
-            if await self.services.store.record_shadow_group(sampled) is None:
+            if await self.services.store.record_shadow_group(sampled, owner=self.owner) is None:
                 self._count("dropped", reason="discarded")  # the client discarded its session meanwhile
                 self._per_key(live, "dropped")
                 return
@@ -188,10 +193,8 @@ class ShadowSampler:
         log.warning("%s failed: %s", what, message)
 
     async def _mark_stopped(self, group_id: str) -> None:
-        from gateway.ruler.scoring import STOPPED
-
         with contextlib.suppress(Exception):  # a store that cannot write must not hide the cancel
-            await asyncio.shield(self.services.store.stop_shadow_judgement(group_id, STOPPED.format(group_id=group_id)))
+            await asyncio.shield(self.services.store.stop_shadow_judgement(group_id, watch.stopped(group_id)))
 
     async def _quiet_engine(self, live: CallRecord) -> bool:
         """Wait until no live call is in the engine (shadows yield to live load); False once the

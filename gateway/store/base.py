@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.store import discard, lists, reads, rows, training
+from gateway.store.gateways import GatewayRows
 from gateway.store.health import StoreHealth, classify
 from gateway.store.live import LiveRule
 from gateway.store.locks import NoTrainerLock, TrainerLock
@@ -33,7 +34,7 @@ from gateway.store.steps import StepRows
 from gateway.store.writer import GroupCommitWriter, Op, Outcome
 
 
-class Store(StepRows, ShadowRows, ABC):
+class Store(StepRows, ShadowRows, GatewayRows, ABC):
     backend: str
     """"sqlite" or "postgres"."""
     path: Any
@@ -138,8 +139,11 @@ class Store(StepRows, ShadowRows, ABC):
         await self._submit(lambda conn: discard.discard_session(conn, session_id, reason))
         return self.get_session(session_id)
 
-    async def set_ruler_status(self, group_id: str, status: str, error: str | None = None) -> None:
-        await self._submit(lambda conn: training.set_ruler_status(conn, group_id, status, error))
+    async def set_ruler_status(
+        self, group_id: str, status: str, error: str | None = None, owner: str | None = None
+    ) -> None:
+        """`owner`: the gateway a running judgement runs in (`training.set_ruler_status`)."""
+        await self._submit(lambda conn: training.set_ruler_status(conn, group_id, status, error, owner))
 
     async def record_judgement(
         self, group_id: str, judge_model: str, scores: list[dict], *, close: bool = True

@@ -12,10 +12,12 @@ count) is refused: running old code on it could lose columns' data.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gateway.errors import ConfigError
-from gateway.store import sqlite_schema
+from gateway.store import gateways, sqlite_schema
+from gateway.store.postgres_conn import PgConn
 
 _V1 = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -153,7 +155,16 @@ CREATE INDEX IF NOT EXISTS sessions_created ON sessions (created_at, id);
 CREATE INDEX IF NOT EXISTS groups_created ON groups (created_at, id);
 CREATE INDEX IF NOT EXISTS calls_created ON calls (created_at);
 """
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5}
+# Version 6: each running gateway's heartbeat (gateway/store/gateways.py): a gateway killed left
+# the judgements it ran "running" for ever; one whose row expired has them handed on.
+_V6 = """
+CREATE TABLE IF NOT EXISTS gateways (
+    id TEXT PRIMARY KEY,
+    started_at DOUBLE PRECISION NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL
+);
+"""
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5, 6: _V6}
 VERSION = max(MIGRATIONS)
 
 READY_GROUPS = """
@@ -243,11 +254,17 @@ def _migrate(conn: Any) -> int:
             conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version,))
         columns = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_columns").fetchone()[0]
         _refuse_newer(current, columns)
+        named = conn.execute(
+            "SELECT 1 FROM information_schema.columns WHERE table_name = 'groups' AND column_name = 'judged_by'"
+            " AND table_schema = current_schema()"
+        ).fetchone()
         # Columns the SQLite schema gained (both backends hold the same rows).
         for table, column, definition in sqlite_schema._ADDED_COLUMNS:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {_pg_type(definition)}")
         for statement in sqlite_schema.ADDED_INDEXES:
             conn.execute(statement)
+        if named is None:  # judgements from before the heartbeat: handed on too
+            gateways.adopt_unnamed(PgConn(conn), time.time())
         if columns < sqlite_schema.SCHEMA_VERSION:
             conn.execute("INSERT INTO schema_columns (version) VALUES (%s)", (sqlite_schema.SCHEMA_VERSION,))
     return current

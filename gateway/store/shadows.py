@@ -29,10 +29,13 @@ def shadow_group_id(live_call_id: str) -> str:
     return SHADOW_GROUP_PREFIX + live_call_id
 
 
-def insert_shadow_group(conn: sqlite3.Connection, calls: list[CallRecord], origin: str) -> str | None:
+def insert_shadow_group(
+    conn: sqlite3.Connection, calls: list[CallRecord], origin: str, owner: str | None = None
+) -> str | None:
     """Record calls that share a group id, each the one call of its own session (a live turn
-    and its shadow samples), and mark the group's origin and task key. None, recording nothing,
-    when the live call's session was discarded while its shadows were sampled."""
+    and its shadow samples), and mark the group's origin, task key and the gateway that will
+    judge it (`owner`: `gateway.store.gateways`). None, recording nothing, when the live call's
+    session was discarded while its shadows were sampled."""
     # The live session's row, locked (PostgreSQL): a discard racing this either commits first
     # (seen here) or waits for this commit and then finds the group (`discard.discard_session`).
     session = conn.execute("SELECT session_id FROM calls WHERE id = ?", (calls[0].shadow_of,)).fetchone()
@@ -43,7 +46,10 @@ def insert_shadow_group(conn: sqlite3.Connection, calls: list[CallRecord], origi
     group_id = calls[0].group_id
     for call in calls:
         insert_call(conn, call)
-    conn.execute("UPDATE groups SET origin = ?, task_key = ? WHERE id = ?", (origin, calls[0].task_key, group_id))
+    conn.execute(
+        "UPDATE groups SET origin = ?, task_key = ?, judged_by = ? WHERE id = ?",
+        (origin, calls[0].task_key, owner, group_id),
+    )
     return str(group_id)
 
 
@@ -72,7 +78,8 @@ def give_up_shadow_group(conn: sqlite3.Connection, group_id: str, reason: str, n
     POST /v1/groups/{id}/ruler that scored it meanwhile wins); False when it was not."""
     lock_group(conn, group_id)
     cursor = conn.execute(
-        "UPDATE groups SET failed = ?, updated_at = ? WHERE id = ? AND origin = 'shadow' AND ruler_status = 'failed'"
+        "UPDATE groups SET failed = ?, judged_by = NULL, updated_at = ?"
+        " WHERE id = ? AND origin = 'shadow' AND ruler_status = 'failed'"
         " AND trained_step IS NULL AND claimed_step IS NULL AND failed IS NULL AND skipped IS NULL",
         (reason, now, group_id),
     )
@@ -85,20 +92,24 @@ _UNJUDGED = "origin = 'shadow' AND trained_step IS NULL AND claimed_step IS NULL
 def stop_shadow_judgement(conn: sqlite3.Connection, group_id: str, stopped: str, now: float) -> None:
     """The gateway stops before the sampler judged the group (its judgement not started yet, under
     way, or waiting to be tried again): mark it stopped (`stopped`, RULER's own words for a judgement a
-    shutdown cut short), which `claim_stopped_shadow_group` takes up after a restart. A group
-    scored or set aside meanwhile, or not recorded at all, is left as it is."""
+    shutdown cut short), which `claim_stopped_shadow_group` takes up on another gateway, or on
+    this one after a restart: it no longer waits on this gateway. A group scored or set aside
+    meanwhile, or not recorded at all, is left as it is."""
     conn.execute(
-        "UPDATE groups SET ruler_status = 'failed', ruler_error = ?, updated_at = ?"
+        "UPDATE groups SET ruler_status = 'failed', ruler_error = ?, judged_by = NULL, updated_at = ?"
         f" WHERE id = ? AND {_UNJUDGED} AND (ruler_status IS NULL OR ruler_status IN ('running', 'failed'))",
         (stopped, now, group_id),
     )
 
 
-def claim_stopped_shadow_group(conn: sqlite3.Connection, stopped: Callable[[str], str], now: float) -> str | None:
-    """A shadow group whose judgement a gateway's shutdown cut short (`ruler_error` is
-    `stopped(group_id)`), for the caller to judge; None when there is none. The UPDATE re-checks
-    that mark under the row's lock, so of two gateways starting on one PostgreSQL store only one
-    takes a group; one a client judged meanwhile is not taken. It leaves the group not judged
+def claim_stopped_shadow_group(
+    conn: sqlite3.Connection, stopped: Callable[[str], str], now: float, owner: str | None = None
+) -> str | None:
+    """A shadow group whose judgement a gateway's stop cut short (`ruler_error` is
+    `stopped(group_id)`: its shutdown, or its heartbeat expired, `gateways.reap`), for gateway
+    `owner` to judge; None when there is none. The UPDATE re-checks that mark under the row's
+    lock, so of two gateways on one PostgreSQL store only one takes a group; one a client judged
+    meanwhile is not taken. It leaves the group not judged
     (status null): the judgement marks it running itself, and a judgement refused before it
     starts (its sessions all discarded meanwhile) must not leave a "running" that nothing runs."""
     found = conn.execute(
@@ -108,9 +119,9 @@ def claim_stopped_shadow_group(conn: sqlite3.Connection, stopped: Callable[[str]
         if error != stopped(group_id):
             continue  # its judge failed (its sampler gave up, or tries again): not for a restart to take
         cursor = conn.execute(
-            "UPDATE groups SET ruler_status = NULL, ruler_error = NULL, updated_at = ?"
+            "UPDATE groups SET ruler_status = NULL, ruler_error = NULL, judged_by = ?, updated_at = ?"
             f" WHERE id = ? AND {_UNJUDGED} AND ruler_status = 'failed' AND ruler_error = ?",
-            (now, group_id, error),
+            (owner, now, group_id, error),
         )
         if cursor.rowcount:
             return str(group_id)
@@ -123,10 +134,13 @@ class ShadowRows:
     async def _submit(self, op: Op, *, at_once: bool = False) -> Any:  # implemented by `Store`
         raise NotImplementedError
 
-    async def record_shadow_group(self, calls: list[CallRecord], origin: str = "shadow") -> str | None:
+    async def record_shadow_group(
+        self, calls: list[CallRecord], origin: str = "shadow", owner: str | None = None
+    ) -> str | None:
         """One group of calls, each its own session (a live turn and its shadow samples), in one
-        transaction; None, recording nothing, when the live session was discarded meanwhile."""
-        return await self._submit(lambda conn: insert_shadow_group(conn, calls, origin))
+        transaction, to be judged by gateway `owner`; None, recording nothing, when the live
+        session was discarded meanwhile."""
+        return await self._submit(lambda conn: insert_shadow_group(conn, calls, origin, owner))
 
     async def give_up_shadow_group(self, group_id: str, reason: str) -> bool:
         """Set aside as failed a shadow group its judge could not score (`give_up_shadow_group`)."""
@@ -136,6 +150,6 @@ class ShadowRows:
         """Mark a shadow group not judged yet as cut short by the shutdown (`stop_shadow_judgement`)."""
         await self._submit(lambda conn: stop_shadow_judgement(conn, group_id, stopped, time.time()))
 
-    async def claim_stopped_shadow_group(self, stopped: Callable[[str], str]) -> str | None:
-        """Take up a shadow group a shutdown left unjudged (`claim_stopped_shadow_group`)."""
-        return await self._submit(lambda conn: claim_stopped_shadow_group(conn, stopped, time.time()))
+    async def claim_stopped_shadow_group(self, stopped: Callable[[str], str], owner: str | None = None) -> str | None:
+        """Take up, for gateway `owner`, a shadow group a stop left unjudged (`claim_stopped_shadow_group`)."""
+        return await self._submit(lambda conn: claim_stopped_shadow_group(conn, stopped, time.time(), owner))

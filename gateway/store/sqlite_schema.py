@@ -8,9 +8,11 @@ can train on; `connect` opens a file in WAL mode with the durability the setting
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 from gateway.errors import ConfigError
+from gateway.store import gateways
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -112,6 +114,12 @@ CREATE TABLE IF NOT EXISTS gpu_leases (
     step INTEGER,
     updated_at REAL NOT NULL
 );
+-- Each running gateway's heartbeat: a row past `expires_at` is a gateway gone (gateway/store/gateways.py).
+CREATE TABLE IF NOT EXISTS gateways (
+    id TEXT PRIMARY KEY,
+    started_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
 """
 
 # Columns added after the first release: (table, column, definition). `CREATE TABLE IF NOT
@@ -157,6 +165,9 @@ _ADDED_COLUMNS = (
     ("steps", "parent", "INTEGER"),
     ("steps", "decision", "TEXT"),
     ("steps", "resumed", "INTEGER NOT NULL DEFAULT 0"),
+    # The gateway a group's unfinished judgement waits on (gateway/store/gateways.py): one running
+    # there, or a shadow group its sampler has still to judge; handed on once that gateway is gone.
+    ("groups", "judged_by", "TEXT"),
 )
 
 # Indexes on added columns: made after them, in both backends.
@@ -167,6 +178,14 @@ ADDED_INDEXES = (
     # id or a hash, and one key has an open group per model at most, so the model filters few rows.
     "DROP INDEX IF EXISTS groups_open_live",
     "CREATE INDEX IF NOT EXISTS groups_open_live_key ON groups (split, task_key) WHERE origin = 'live' AND closed = 0",
+    # The judgements of a gateway gone, looked up by every gateway's reap (`gateways.reap`); only
+    # unfinished ones name a gateway, so the index stays small.
+    "CREATE INDEX IF NOT EXISTS groups_judged_by ON groups (judged_by) WHERE judged_by IS NOT NULL",
+    # The shadow groups a gateway with shadow samples looks for every few seconds
+    # (`shadows.claim_stopped_shadow_group`): its WHERE, so the look never scans every group.
+    "CREATE INDEX IF NOT EXISTS groups_shadow_unjudged ON groups (created_at, id) WHERE origin = 'shadow'"
+    " AND trained_step IS NULL AND claimed_step IS NULL AND failed IS NULL AND skipped IS NULL"
+    " AND ruler_status = 'failed'",
 )
 
 # The schema's version (`PRAGMA user_version`): 1 is the first release, each added column one more.
@@ -215,12 +234,16 @@ def add_missing_columns(conn: sqlite3.Connection) -> None:
                 f"the store's schema is version {found}, newer than this rlproxy's "
                 f"({SCHEMA_VERSION}): upgrade rlproxy on this machine"
             )
+        added = set()
         for table, column, definition in _ADDED_COLUMNS:
             present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
             if column not in present:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+                added.add((table, column))
         for statement in ADDED_INDEXES:
             conn.execute(statement)
+        if ("groups", "judged_by") in added:  # judgements from before the heartbeat: handed on too
+            gateways.adopt_unnamed(conn, time.time())
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:

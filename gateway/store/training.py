@@ -47,18 +47,23 @@ def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[di
             (group_id, session_id, judge_model, score, item.get("explanation"), now),
         )
     conn.execute(
-        "UPDATE groups SET ruler_status = 'scored', ruler_error = NULL,"
+        "UPDATE groups SET ruler_status = 'scored', ruler_error = NULL, judged_by = NULL,"
         " closed = CASE WHEN ? = 1 THEN 1 ELSE closed END, updated_at = ?"  # portable SQL
         " WHERE id = ?",
         (1 if close else 0, now, group_id),
     )
 
 
-def set_ruler_status(conn: Any, group_id: str, status: str, error: str | None) -> None:
+def set_ruler_status(conn: Any, group_id: str, status: str, error: str | None, owner: str | None = None) -> None:
+    """A judgement's state. A running one names the gateway it runs in (`owner`), so that it is
+    handed on if that gateway dies (`gateway.store.gateways`); one that ended waits on none,
+    except a shadow group's, which its sampler judges again (until it gives the group up)."""
     require_group(conn, group_id)
     conn.execute(
-        "UPDATE groups SET ruler_status = ?, ruler_error = ?, updated_at = ? WHERE id = ?",
-        (status, error, time.time(), group_id),
+        "UPDATE groups SET ruler_status = ?, ruler_error = ?, updated_at = ?,"
+        " judged_by = CASE WHEN ? = 'running' THEN ? WHEN origin = 'shadow' THEN judged_by ELSE NULL END"
+        " WHERE id = ?",
+        (status, error, time.time(), status, owner, group_id),
     )
 
 
