@@ -122,7 +122,6 @@ def test_a_session_whose_rendering_is_ambiguous_is_skipped_with_the_reason(token
     assert found.skipped == TOOL_CALL_LOST.format(name="lookup")
 
 
-
 def test_a_session_the_template_refuses_or_with_a_special_tokens_text_is_skipped_not_the_run(tokenizer):
     # A student whose template refuses a system message (Gemma's): that session is skipped with
     # the template's words, the run goes on (raised, it ended `train --objective sft`).
@@ -137,6 +136,7 @@ def test_a_session_the_template_refuses_or_with_a_special_tokens_text_is_skipped
     echo = {"role": "assistant", "content": "Qwen ends a turn with <|im_end|> and goes on."}
     found = session_samples("echo", [teacher_call(1, [SYSTEM, USER], echo)], ChatTemplateRenderer(tokenizer))
     assert found.samples == () and found.skipped == SPECIAL_TEXT.format(token="<|im_end|>")
+
 
 # Qwen3's way, in small: an assistant turn's <think>...</think> is written only while it is the
 # turn being rendered; in the history of a later call it is dropped.
