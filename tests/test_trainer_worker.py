@@ -301,6 +301,7 @@ def test_a_sample_longer_than_the_base_models_context_trains_its_prefix_instead_
         )
         asyncio.run(store.set_reward(f"s{i}", reward))
     asyncio.run(store.close_group("g"))
+    caplog.set_level("INFO", logger="rlproxy.trainer")
     worker = TrainerWorker(settings, store)
     worker.start()
     try:
