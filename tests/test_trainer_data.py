@@ -456,3 +456,20 @@ def test_a_template_that_rejects_a_conversation_leaves_its_session_out_not_the_g
     group, calls = _rerendered_group([([{"role": "user", "content": "Hi"}], SAID)])
     batch = build_batch([group], calls, render=render)
     assert batch.left_out == {"g-s1": NO_SAMPLE} and batch.sessions == {"g": ["g-s0", "g-s2"]}
+
+
+def test_a_refusal_trains_as_the_words_the_model_answered_with_not_an_empty_reply(tokenizer):
+    # OpenAI's models answer a request they decline with `refusal` and no content: re-rendered
+    # without it, the reply trained as an empty turn, "<|im_end|>" alone.
+    render = ChatTemplateRenderer(tokenizer)
+    refused = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    turn = render({"messages": [{"role": "user", "content": "Pick my neighbour's lock."}]}, response(refused, "stop"))
+    assert tokenizer.decode(list(turn.completion_ids)) == "I can't help with that.<|im_end|>"
+    # an earlier refusal, sent back as a refusal part, is context in words too
+    history = [
+        {"role": "user", "content": "Pick my neighbour's lock."},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+        {"role": "user", "content": "Then pick mine."},
+    ]
+    turn = render({"messages": history}, response(SAID, "stop"))
+    assert "<|im_start|>assistant\nI can't help with that.<|im_end|>" in tokenizer.decode(list(turn.prompt_ids))
