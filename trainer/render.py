@@ -43,14 +43,18 @@ TEMPLATE_REFUSED = "the chat template refused the conversation: {error}"
 NOT_PREFIX_STABLE = "the chat template is not prefix-stable for one of its calls"
 
 
+_WORDS = {"text": "text", "refusal": "refusal"}
+"""Content parts that are words, and the field that holds them (a refusal is what the model said)."""
+
+
 def dropped_parts(messages: Sequence[dict]) -> set[str]:
-    """The kinds of the content parts of `messages` that are not text (rendering keeps only text)."""
+    """The kinds of the content parts of `messages` that are not words (rendering keeps only words)."""
     kinds = set()
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
             kinds |= {
-                str(part.get("type")) for part in content if isinstance(part, dict) and part.get("type") != "text"
+                str(part.get("type")) for part in content if isinstance(part, dict) and part.get("type") not in _WORDS
             }
     return kinds
 
@@ -82,7 +86,7 @@ def special_tokens_pattern(tokenizer: Any) -> re.Pattern[str] | None:
 
 def _plain_message(message: dict) -> dict:
     """A wire message as chat templates expect it, the way the local engine renders it
-    (`gateway.engines.local.request`): text parts joined into one string, OpenAI's newer roles
+    (`gateway.engines.local.request`): text (and refusal) parts joined into one string, OpenAI's newer roles
     mapped to the ones templates know, tool-call arguments given as an object (templates
     write `arguments | tojson`; a JSON string would be encoded twice)."""
     out = dict(message)
@@ -91,8 +95,14 @@ def _plain_message(message: dict) -> dict:
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = "".join(
-            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
+            str(part.get(_WORDS[str(part.get("type"))]) or "")
+            for part in content
+            if isinstance(part, dict) and part.get("type") in _WORDS
         )
+    if not out.get("content") and isinstance(out.get("refusal"), str):
+        # OpenAI's refusal: the words the model answered with instead of content. Left out,
+        # the reply rendered (and trained) as an empty turn.
+        out["content"] = out["refusal"]
     if out.get("tool_calls"):
         calls = []
         for call in out["tool_calls"]:
