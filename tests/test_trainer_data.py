@@ -15,6 +15,10 @@ from gateway.models.tiny import ensure_tiny_model
 from gateway.store import CallRecord
 from gateway.store.sqlite import SQLiteStore
 from trainer.data import (
+    CLIENT_LEFT,
+    EVERY_CALL_FAILED,
+    EVERY_CALL_GREEDY,
+    EVERY_CALL_LATE,
     NO_SAMPLE,
     NO_SPREAD,
     NO_TOKENS,
@@ -368,14 +372,14 @@ def test_advantages_are_over_exactly_the_sessions_that_train(session):
     # "push everything up" step); without it nothing is left to compare.
     batch = build_batch([_group("g", [1.0, 1.0, 0.0])], {"g-s0": ok, "g-s1": ok, "g-s2": failed})
     assert batch.samples == [] and batch.skipped == {"g": NO_SPREAD}
-    assert batch.left_out == {"g-s2": NO_SAMPLE}
+    assert batch.left_out == {"g-s2": EVERY_CALL_FAILED}
     # [1, 0, 0.5, 0] where the last left (499): advantages over [1, 0, 0.5], by hand:
     # mean 0.5, population std sqrt((0.25 + 0.25 + 0) / 3) = 0.40825
     batch = build_batch([_group("h", [1.0, 0.0, 0.5, 0.0])], {"h-s0": ok, "h-s1": ok, "h-s2": ok, "h-s3": gone})
     std = math.sqrt(0.5 / 3)
     assert batch.advantages == pytest.approx({"h-s0": 0.5 / (std + 1e-4), "h-s1": -0.5 / (std + 1e-4), "h-s2": 0.0})
     assert sum(batch.advantages.values()) == pytest.approx(0.0, abs=1e-9)
-    assert batch.left_out == {"h-s3": NO_SAMPLE} and batch.rewards == [1.0, 0.0, 0.5]
+    assert batch.left_out == {"h-s3": CLIENT_LEFT} and batch.rewards == [1.0, 0.0, 0.5]
     assert {s.trajectory_id: s.advantage for s in batch.samples} == batch.advantages
     # a group left with one session has nothing to compare it with
     batch = build_batch([_group("k", [1.0, 0.0])], {"k-s0": ok, "k-s1": failed})
@@ -386,7 +390,24 @@ def test_a_call_recorded_after_its_group_was_claimed_is_never_trained(session):
     ok = session["calls"][:1]
     late = [{**session["calls"][0], "untrainable": "late: group 'g' was being trained (step 3) ..."}]
     batch = build_batch([_group("g", [1.0, 0.0, 0.5])], {"g-s0": ok, "g-s1": ok, "g-s2": late})
-    assert batch.left_out == {"g-s2": NO_SAMPLE} and batch.sessions == {"g": ["g-s0", "g-s1"]}
+    assert batch.left_out == {"g-s2": EVERY_CALL_LATE} and batch.sessions == {"g": ["g-s0", "g-s1"]}
+
+
+def test_a_session_left_out_says_why_where_one_cause_explains_every_call(session):
+    # What `GET /v1/sessions/{id}` and the dashboard show as its untrained_reason, and the log counts.
+    ok, failed = session["calls"][:1], [c for c in session["calls"] if c["status"] == "error"]
+    greedy = [{**session["calls"][0], "sampling": {"temperature": 0.0}}]
+    gone = [{**session["calls"][0], "http_status": 499}]
+    mixed = [*greedy, *failed]  # greedy and failed: no one cause, the list of them all
+    calls = {"g-s0": ok, "g-s1": ok, "g-s2": greedy, "g-s3": gone, "g-s4": failed, "g-s5": mixed}
+    batch = build_batch([_group("g", [1.0, 0.0, 0.5, 0.5, 0.5, 0.5])], calls)
+    assert batch.left_out == {
+        "g-s2": EVERY_CALL_GREEDY,
+        "g-s3": CLIENT_LEFT,
+        "g-s4": EVERY_CALL_FAILED,
+        "g-s5": NO_SAMPLE,
+    }
+    assert "greedy" in EVERY_CALL_GREEDY and "499" in CLIENT_LEFT
 
 
 # Re-rendering (calls of the `openai` engine, recorded without token ids) must train what the
