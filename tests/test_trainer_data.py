@@ -15,10 +15,6 @@ from gateway.models.tiny import ensure_tiny_model
 from gateway.store import CallRecord
 from gateway.store.sqlite import SQLiteStore
 from trainer.data import (
-    CLIENT_LEFT,
-    EVERY_CALL_FAILED,
-    EVERY_CALL_GREEDY,
-    EVERY_CALL_LATE,
     NO_SAMPLE,
     NO_SPREAD,
     NO_TOKENS,
@@ -31,6 +27,7 @@ from trainer.data import (
     trajectory_samples,
 )
 from trainer.render import ChatTemplateRenderer, turn_terminator
+from trainer.retries import CLIENT_LEFT, EVERY_CALL_FAILED, EVERY_CALL_GREEDY, EVERY_CALL_LATE
 
 TOOLS = [
     {
