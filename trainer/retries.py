@@ -145,9 +145,9 @@ def untrained_reason(calls: Sequence[dict]) -> str | None:
     """Why a session's calls (call order) gave no trainable sample, where one cause explains
     every call; None otherwise (a mix, or a call that could not be re-rendered, which the
     trainer's log names): the session's `untrained_reason` on the dashboard says which."""
-    answered = [c for c in calls if c.get("status") == "ok" and c.get("http_status") != 499]
     if not calls:
         return None
+    answered = [c for c in calls if c.get("status") == "ok" and c.get("http_status") != 499]
     if not answered:
         return CLIENT_LEFT if all(c.get("http_status") == 499 for c in calls) else EVERY_CALL_FAILED
     if len(answered) < len(calls):
