@@ -19,7 +19,7 @@ from gateway.store.sqlite import SQLiteStore
 from tests.helpers_trainer import Recorder, trainer_settings
 from trainer import checkpoints as ckpts
 from trainer.render import ChatTemplateRenderer
-from trainer.sft.samples import DROPPED_PARTS, TOOL_CALL_LOST, session_samples
+from trainer.sft.samples import DROPPED_PARTS, SPECIAL_TEXT, TEMPLATE_REFUSED, TOOL_CALL_LOST, session_samples
 
 TOOLS = [
     {
@@ -120,6 +120,22 @@ def test_a_session_whose_rendering_is_ambiguous_is_skipped_with_the_reason(token
     )
     found = session_samples("tools", TOOL_SESSION, ChatTemplateRenderer(plain))
     assert found.skipped == TOOL_CALL_LOST.format(name="lookup")
+
+
+def test_a_session_the_template_refuses_or_with_a_special_tokens_text_is_skipped_not_the_run(tokenizer):
+    # A student whose template refuses a system message (Gemma's): that session is skipped with
+    # the template's words, the run goes on (raised, it ended `train --objective sft`).
+    strict = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    strict.chat_template = (
+        "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + tokenizer.chat_template
+    )
+    found = session_samples("sys", TOOL_SESSION, ChatTemplateRenderer(strict))
+    assert found.samples == () and found.skipped == TEMPLATE_REFUSED.format(error="System role not supported")
+    # A teacher's reply that writes "<|im_end|>" as text would train the student's end of turn mid-reply.
+    echo = {"role": "assistant", "content": "Qwen ends a turn with <|im_end|> and goes on."}
+    found = session_samples("echo", [teacher_call(1, [SYSTEM, USER], echo)], ChatTemplateRenderer(tokenizer))
+    assert found.samples == () and found.skipped == SPECIAL_TEXT.format(token="<|im_end|>")
 
 
 # Qwen3's way, in small: an assistant turn's <think>...</think> is written only while it is the

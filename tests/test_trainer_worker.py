@@ -263,3 +263,52 @@ def test_a_group_of_one_is_skipped_for_its_size_not_for_its_rewards(tmp_path):
         assert store.get_group("flat")["skipped"] == NO_SPREAD
     finally:
         asyncio.run(store.close())
+
+
+def test_a_sample_longer_than_the_base_models_context_trains_its_prefix_instead_of_failing(tmp_path, caplog):
+    # An upstream (the openai engine) answers in longer contexts than the base model reads: this
+    # GPT-2 has 512 positions, rows take 1024 tokens. A 600-token sample fed whole read positions
+    # past 512, which have no embedding (IndexError): the step failed, and bisecting set the groups
+    # aside. It is cut to the model's context, as one longer than a row is, and the log says so.
+    import asyncio
+
+    from gateway.store import CallRecord
+    from tests.helpers_trainer import tiny_gpt2
+
+    settings = trainer_settings(
+        tmp_path / "state", base_model=str(tiny_gpt2(tmp_path)), max_tokens_per_row=1024, groups_per_step=1
+    )
+    store = SQLiteStore(settings.db_path)
+    for i, reward in enumerate([1.0, 0.0]):
+        store.record_call_sync(
+            CallRecord(
+                id=f"c{i}",
+                session_id=f"s{i}",
+                group_id="g",
+                split="train",
+                model="agent",
+                served="agent@0",
+                step=0,
+                engine="local",
+                stream=False,
+                status="ok",
+                request={"model": "agent", "messages": [{"role": "user", "content": "long"}]},
+                response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}}]},
+                latency_ms=1.0,
+                prompt_ids=[3 + (7 * t + i) % 700 for t in range(400)],
+                completion_ids=[[3 + (5 * t + i) % 700 for t in range(200)]],
+            )
+        )
+        asyncio.run(store.set_reward(f"s{i}", reward))
+    asyncio.run(store.close_group("g"))
+    caplog.set_level("INFO", logger="rlproxy.trainer")
+    worker = TrainerWorker(settings, store)
+    worker.start()
+    try:
+        metrics = worker.train_once(worker.groups_to_train())
+    finally:
+        worker.close()
+    assert metrics is not None and metrics["cut_samples"] == 2
+    assert store.get_group("g")["trained_step"] == 1
+    assert "the base model reads 512 positions" in caplog.text
+    asyncio.run(store.close())

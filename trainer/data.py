@@ -42,7 +42,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainer.advantages import compute_advantages, has_reward_spread
-from trainer.retries import GREEDY, greedy_calls, is_greedy_call, sampling_temperature, trainable_calls
+from trainer.retries import (
+    GREEDY,
+    greedy_calls,
+    is_greedy_call,
+    sampling_temperature,
+    trainable_calls,
+    untrained_reason,
+)
 from trainer.types import Sample
 
 if TYPE_CHECKING:
@@ -294,7 +301,7 @@ def build_batch(
             if samples:
                 stay.append((session, samples))
             else:
-                left_out[session["id"]] = NO_SAMPLE
+                left_out[session["id"]] = untrained_reason(calls_by_session.get(session["id"], [])) or NO_SAMPLE
         total = len(trained_sessions(group))
         if len(stay) < 2:
             skipped[gid] = NO_TOKENS if not stay else too_few(len(stay), total)

@@ -32,10 +32,12 @@ KEPT_SNAPSHOTS = 4
 def run_follower(settings: Settings, team: Team) -> int:
     """A rank other than 0, from start to end: the backend loaded, wrapped with the team's, then
     rank 0's commands followed. Returns the number of steps trained."""
-    from trainer.backends import load_backend
+    from trainer.backends import load_backend, rows_within_context
 
     try:
-        return follow(load_backend(settings, team), settings)
+        backend = load_backend(settings, team)
+        # every rank packs the step's samples into the same rows, and rank 0 caps them so
+        return follow(backend, rows_within_context(settings, backend))
     finally:
         team.close()
 

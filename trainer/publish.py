@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -115,12 +116,8 @@ def plan_step(
             settings.max_tokens_per_row,
             settings.max_tokens_per_row,
         )
-    if batch.left_out:
-        log.info(
-            "step %d: %d session(s) left their group before advantages (no trainable sample)",
-            step,
-            len(batch.left_out),
-        )
+    for reason, n in Counter(batch.left_out.values()).items():
+        log.info("step %d: %d session(s) left their group before advantages, %s", step, n, reason)
     group_of = {s["id"]: g["id"] for g in groups for s in g["sessions"]}
     for reason in set(batch.skipped.values()):
         ids = [gid for gid, r in batch.skipped.items() if r == reason]

@@ -5,6 +5,14 @@ a prefill, `continue_final_message`, up to the end of the last assistant message
 completion is what rendering the response's assistant message appends to it, up to and
 including the end-of-turn token the model would have sampled. No behaviour logprobs: the
 upstream's policy is unknown.
+
+A call that cannot be rendered faithfully is not trained (`ChatTemplateRenderer.turn` says why,
+the trainer's log repeats it): a content part the template drops (an image, audio, a file: the
+reply would train as the answer to a question without it), the text of one of the tokenizer's
+special tokens in a message (encoded as the template's text is, a user's or a reply's literal
+"<|im_end|>" would become the control token: a turn ended mid-reply, a fake turn in the
+prompt), a template that refuses the conversation (one that allows no system message), or one
+that is not prefix-stable.
 """
 
 from __future__ import annotations
@@ -12,7 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from trainer.data import Turn
@@ -24,10 +33,60 @@ NAN = math.nan
 
 _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 
+NO_REPLY = "the response has no assistant message"
+DROPPED_PARTS = "a message has content parts the chat template drops ({kinds}); only text is trained"
+SPECIAL_TEXT = (
+    "a message's text holds '{token}', a special token of the tokenizer: rendered, it would be that "
+    "token, not the text the model read or wrote"
+)
+TEMPLATE_REFUSED = "the chat template refused the conversation: {error}"
+NOT_PREFIX_STABLE = "the chat template is not prefix-stable for one of its calls"
+
+
+_WORDS = {"text": "text", "refusal": "refusal"}
+"""Content parts that are words, and the field that holds them (a refusal is what the model said)."""
+
+
+def dropped_parts(messages: Sequence[dict]) -> set[str]:
+    """The kinds of the content parts of `messages` that are not words (rendering keeps only words)."""
+    kinds = set()
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            kinds |= {
+                str(part.get("type")) for part in content if isinstance(part, dict) and part.get("type") not in _WORDS
+            }
+    return kinds
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside a JSON value (texts, tool-call arguments, tool descriptions)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def special_tokens_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """The texts of the tokenizer's special tokens (those it reads as one control token wherever
+    they occur in a text), longest first; None if it has none. Added tokens that are not special
+    (Qwen's <tool_call> tags) are words of the template's formats, left alone."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    texts = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    texts |= {token.content for token in added.values() if getattr(token, "special", False)}
+    texts = {t for t in texts if t}
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
 
 def _plain_message(message: dict) -> dict:
     """A wire message as chat templates expect it, the way the local engine renders it
-    (`gateway.engines.local.request`): text parts joined into one string, OpenAI's newer roles
+    (`gateway.engines.local.request`): text (and refusal) parts joined into one string, OpenAI's newer roles
     mapped to the ones templates know, tool-call arguments given as an object (templates
     write `arguments | tojson`; a JSON string would be encoded twice)."""
     out = dict(message)
@@ -36,8 +95,14 @@ def _plain_message(message: dict) -> dict:
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = "".join(
-            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
+            str(part.get(_WORDS[str(part.get("type"))]) or "")
+            for part in content
+            if isinstance(part, dict) and part.get("type") in _WORDS
         )
+    if not out.get("content") and isinstance(out.get("refusal"), str):
+        # OpenAI's refusal: the words the model answered with instead of content. Left out,
+        # the reply rendered (and trained) as an empty turn.
+        out["content"] = out["refusal"]
     if out.get("tool_calls"):
         calls = []
         for call in out["tool_calls"]:
@@ -85,6 +150,7 @@ class ChatTemplateRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.end_of_turn = turn_terminator(tokenizer)
+        self.special = special_tokens_pattern(tokenizer)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -94,11 +160,33 @@ class ChatTemplateRenderer:
         return str(self.tokenizer.decode(list(ids)))
 
     def __call__(self, request: dict, response: dict) -> Turn | None:
+        """The call's turn, or None (logged with the reason) where it cannot be rendered faithfully."""
+        turn = self.turn(request, response)
+        if isinstance(turn, str):
+            log.warning("a recorded call is not trained on: %s", turn)
+            return None
+        return turn
+
+    def turn(self, request: dict, response: dict) -> Turn | str:
+        """The call's turn, or why it cannot be rendered faithfully (module docstring)."""
         choices = response.get("choices") or []
         if not choices or not choices[0].get("message"):
-            return None
+            return NO_REPLY
+        dropped = dropped_parts([*request.get("messages", []), choices[0]["message"]])
+        if dropped:
+            return DROPPED_PARTS.format(kinds=", ".join(sorted(dropped)))
+        if self.special is not None:
+            for text in _strings([request.get("messages"), request.get("tools"), choices[0]["message"]]):
+                if found := self.special.search(text):
+                    return SPECIAL_TEXT.format(token=found.group())
+        try:
+            return self._turn(request, choices[0])
+        except Exception as error:  # jinja's errors, and templates raise exceptions by design
+            return TEMPLATE_REFUSED.format(error=error)
+
+    def _turn(self, request: dict, choice: dict) -> Turn | str:
         messages = [_plain_message(m) for m in request.get("messages", [])]
-        reply = {**_plain_message(choices[0]["message"]), "role": "assistant"}
+        reply = {**_plain_message(choice["message"]), "role": "assistant"}
         tools = request.get("tools") or None
         render = self.tokenizer.apply_chat_template
         if request.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
@@ -110,13 +198,12 @@ class ChatTemplateRenderer:
             prompt_text = render(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         full_text = render([*messages, reply], tools=tools, tokenize=False)
         if not full_text.startswith(prompt_text):
-            log.warning("chat template is not prefix-stable for a recorded call; the call is not trained on")
-            return None
+            return NOT_PREFIX_STABLE
         completion_text = full_text[len(prompt_text) :]
         if self.end_of_turn and self.end_of_turn in completion_text:
             end = completion_text.rindex(self.end_of_turn)
             # A reply cut by max_tokens never sampled the end-of-turn token.
-            finished = choices[0].get("finish_reason") != "length"
+            finished = choice.get("finish_reason") != "length"
             completion_text = completion_text[: end + len(self.end_of_turn) if finished else end]
         completion_ids = self._encode(completion_text)
         return Turn(tuple(self._encode(prompt_text)), tuple(completion_ids), (NAN,) * len(completion_ids))

@@ -131,3 +131,29 @@ GREEDY = "greedy: sampled at temperature < 1e-5 (a point mass, no distribution t
 def greedy_calls(calls: Sequence[dict]) -> list[str]:
     """Ids of the calls of a session (call order) that would train but for `GREEDY`."""
     return [c.get("id", "") for c in trainable_calls(calls) if c.get("status") == "ok" and is_greedy_call(c)]
+
+
+# ------------------------------------------------------------------ a session that trains nothing
+
+EVERY_CALL_FAILED = "no trainable sample: every call failed"
+CLIENT_LEFT = "no trainable sample: its client left before every answer (499)"
+EVERY_CALL_LATE = "no trainable sample: every call came after its group was claimed by a step"
+EVERY_CALL_GREEDY = "no trainable sample: every call was " + GREEDY
+
+
+def untrained_reason(calls: Sequence[dict]) -> str | None:
+    """Why a session's calls (call order) gave no trainable sample, where one cause explains
+    every call; None otherwise (a mix, or a call that could not be re-rendered, which the
+    trainer's log names): the session's `untrained_reason` on the dashboard says which."""
+    if not calls:
+        return None
+    answered = [c for c in calls if c.get("status") == "ok" and c.get("http_status") != 499]
+    if not answered:
+        return CLIENT_LEFT if all(c.get("http_status") == 499 for c in calls) else EVERY_CALL_FAILED
+    if len(answered) < len(calls):
+        return None  # some failed, some did not: the list of causes
+    if all(c.get("untrainable") for c in answered):
+        return EVERY_CALL_LATE
+    if all(is_greedy_call(c) for c in answered):
+        return EVERY_CALL_GREEDY
+    return None

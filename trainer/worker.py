@@ -101,9 +101,10 @@ class TrainerWorker:
         """Take the lock, load the backend, resume from the newest checkpoint (or create
         step 0)."""
         self._lock = take_lock(self.root, self.model, self.store)
-        from trainer.backends import load_backend
+        from trainer.backends import load_backend, rows_within_context
 
         backend = self.backend = load_backend(rank_settings(self.settings, self.team), self.team)
+        self.settings = rows_within_context(self.settings, backend)
         self.render = ChatTemplateRenderer(backend.tokenizer)
         self._resume()
 

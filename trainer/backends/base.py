@@ -341,6 +341,13 @@ class TrainingBackend(ABC):
         self.replication.set_full_state(self._params, self.optimizer, full["params"], full["optimizer"])
 
     # -- introspection
+    @property
+    def context_length(self) -> int | None:
+        """The positions the base model reads (its config's `max_position_embeddings`, which GPT-2's
+        config answers with `n_positions`); None where the config does not say."""
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return value if isinstance(value, int) and value > 0 else None
+
     def trainable_parameters(self) -> int:
         """Number of trained (LoRA) parameters, for the log."""
         return sum(p.numel() for p in self._params)

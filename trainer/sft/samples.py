@@ -12,9 +12,9 @@ that rewrote its history), a new sample starts there, with the whole prompt as c
 turn merging (`trainer.data.merge_turns`), the same rule. Each such start is a split, counted.
 
 A session is skipped, with the reason, and counted, never trained wrongly, when rendering it
-is ambiguous: a message has content parts the template drops (an image, audio, a file), the
-template does not write one of the reply's tool calls or its text, or the template is not
-prefix-stable.
+is ambiguous: a message has content parts the template drops (an image, audio, a file) or the
+text of a special token, the template refuses the conversation or is not prefix-stable
+(`trainer.render`), or it does not write one of the reply's tool calls or its text.
 
 Pure functions over the store's call dicts and a renderer.
 """
@@ -27,14 +27,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.data import Turn, merge_turns
-from trainer.render import ChatTemplateRenderer
+from trainer.render import (  # noqa: F401  (the reasons a session is skipped for, named here too)
+    DROPPED_PARTS,
+    NOT_PREFIX_STABLE,
+    SPECIAL_TEXT,
+    TEMPLATE_REFUSED,
+    ChatTemplateRenderer,
+)
 from trainer.retries import trainable_calls
 from trainer.types import Sample
 
 NO_CALLS = "no answered call"
 NO_TOKENS = "no assistant token to train: every reply rendered empty"
-DROPPED_PARTS = "a message has content parts the chat template drops ({kinds}); only text is trained"
-NOT_PREFIX_STABLE = "the chat template is not prefix-stable for one of its calls"
 TOOL_CALL_LOST = "the chat template does not write the reply's tool call '{name}'"
 TEXT_LOST = "the chat template does not write the reply's text"
 
@@ -48,17 +52,6 @@ class SessionSamples:
     skipped: str | None = None
     splits: int = 0
     """Where a call's prompt did not extend the sequence so far and a new sample started."""
-
-
-def _dropped_parts(messages: Sequence[dict]) -> set[str]:
-    kinds = set()
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            kinds |= {
-                str(part.get("type")) for part in content if isinstance(part, dict) and part.get("type") != "text"
-            }
-    return kinds
 
 
 def _lost(reply: dict, completion_text: str) -> str | None:
@@ -90,12 +83,9 @@ def session_samples(session_id: str, calls: Sequence[dict], render: ChatTemplate
     for call in answered:
         request, response = call["request"], call["response"]
         reply = ((response.get("choices") or [{}])[0]).get("message") or {}
-        dropped = _dropped_parts([*request.get("messages", []), reply])
-        if dropped:
-            return SessionSamples(session_id, (), DROPPED_PARTS.format(kinds=", ".join(sorted(dropped))))
-        turn = render(request, response)
-        if turn is None:
-            return SessionSamples(session_id, (), NOT_PREFIX_STABLE)
+        turn = render.turn(request, response)
+        if isinstance(turn, str):
+            return SessionSamples(session_id, (), turn)
         lost = _lost(reply, render.decode(turn.completion_ids))
         if lost is not None:
             return SessionSamples(session_id, (), lost)
