@@ -545,6 +545,46 @@ def test_postgres_gone_answers_503_promptly_and_recovers_by_itself(upstream, tmp
         assert acknowledged <= _recorded(store)
 
 
+def test_postgres_row_held_by_another_session_answers_503_locked_and_stalls_nothing_for_ever(
+    upstream, tmp_path, postgres_db
+):
+    """A psql session left in `BEGIN; UPDATE sessions ...` holds a row the gateway writes: PostgreSQL
+    waits for a lock for ever by default, so that session's call hung, and with it every call and
+    reward of the gateway (they share one writer), while /healthz said ok. Now the store waits its
+    timeout, as SQLite's busy timeout, then answers 503 store_locked; the rest carries on."""
+    import psycopg
+
+    from gateway.store.postgres import PostgresStore
+
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = PostgresStore(postgres_db, timeout=2)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        acknowledged = {_chat(url, session="held").headers["x-request-id"]}
+        with psycopg.connect(postgres_db) as psql:  # not autocommit: the UPDATE's row lock stays held
+            psql.execute("UPDATE sessions SET updated_at = updated_at WHERE id = 'held'")
+            reply = _chat(url, session="held")
+            assert reply.status_code == 503, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "store_locked" and "another session" in error["message"]
+            assert "pg_stat_activity" in error["message"]
+            assert reply.headers["x-request-id"] not in _recorded(store)
+            reward = httpx.post(url + "/v1/sessions/held/reward", json={"reward": 1.0}, timeout=60)
+            assert reward.status_code == 503 and reward.json()["error"]["code"] == "store_locked", reward.text
+
+            other = _chat(url, session="other")  # a session whose rows are free is served meanwhile
+            assert other.status_code == 200, other.text
+            acknowledged.add(other.headers["x-request-id"])
+            psql.rollback()
+        reply = _chat(url, session="held")
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        assert httpx.post(url + "/v1/sessions/held/reward", json={"reward": 1.0}).status_code == 200
+        _assert_healthy(url)
+        assert acknowledged <= _recorded(store)
+        assert store.get_session("held")["reward"] == 1.0
+
+
 def test_a_checkpoint_disk_that_is_full_sets_no_group_aside_and_the_step_lands_once_it_has_room(tmp_path):
     # A checkpoint write failing (ENOSPC) counted as the batch's fault: bisected, retried, and
     # after the attempt limit every group was set aside as failed for good, rewards and all.

@@ -46,7 +46,7 @@ def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable
     if isinstance(exc, StoreUnavailable):
         return exc
     if type(exc).__module__.split(".")[0] in ("psycopg", "psycopg_pool"):
-        return _classify_postgres(exc)
+        return _classify_postgres(exc, busy_timeout)
     if not isinstance(exc, sqlite3.Error) or isinstance(exc, sqlite3.IntegrityError):
         return None
     code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
@@ -89,7 +89,7 @@ def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable
     return None
 
 
-def _classify_postgres(exc: BaseException) -> StoreUnavailable | None:
+def _classify_postgres(exc: BaseException, busy_timeout: float) -> StoreUnavailable | None:
     """psycopg's failures of the server or the connection (by SQLSTATE; a pool timeout or a
     lost connection has none). A constraint, a syntax error, a bug: None, not the store's health."""
     state = getattr(exc, "sqlstate", None) or ""
@@ -104,6 +104,13 @@ def _classify_postgres(exc: BaseException) -> StoreUnavailable | None:
             "the store cannot record: the PostgreSQL server is read-only (25006; a standby, or "
             f"default_transaction_read_only). Point --store at the primary; {_RECOVERS}.",
             cause="read_only",
+        )
+    if state == "55P03":
+        return StoreUnavailable(
+            "the store cannot record: another session has held a lock the store needs (a row, a table) "
+            f"for over {busy_timeout:g} s (55P03 lock_not_available). End whatever keeps a long transaction "
+            f"open on the database (see pg_stat_activity: an idle psql `BEGIN`, a stuck job); {_RECOVERS}.",
+            cause="locked",
         )
     if state.startswith("23") or state.startswith("42") or state.startswith("22"):
         return None  # the statement's fault (constraint, SQL, data), not the server's
