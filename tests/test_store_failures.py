@@ -170,6 +170,36 @@ def test_store_locked_by_another_process_answers_503_and_recovers(upstream, tmp_
         assert _chat(url).status_code == 200
 
 
+def test_a_store_file_moved_or_deleted_under_the_gateway_is_refused_not_acknowledged(upstream, tmp_path):
+    # SQLite writes on to a file deleted (or moved) under it: every call and reward was answered
+    # 200 into the deleted file, then lost when the gateway stopped; /healthz said ok.
+    with gateway(upstream.url, tmp_path) as (url, store):
+        acknowledged = {_chat(url).headers["x-request-id"]}
+        away = store.path.with_name("moved-away.db")
+        store.path.rename(away)
+        reply = _chat(url)
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "store_moved" and str(store.path) in error["message"]
+        assert "deleted, moved or replaced" in error["message"]
+        reward = httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0})
+        assert reward.status_code == 503 and reward.json()["error"]["code"] == "store_moved", reward.text
+        health = httpx.get(url + "/healthz")
+        assert health.status_code == 503 and health.json()["store"]["cause"] == "moved"
+
+        away.rename(store.path)  # put back: the gateway carries on by itself
+        _assert_healthy(url)
+        reply = _chat(url)
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        assert httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0}).status_code == 200
+        assert acknowledged <= _recorded(store)
+
+        store.path.unlink()  # deleted for good: refused, never answered 200 into the deleted file
+        assert _chat(url).status_code == 503
+    assert not store.path.exists()
+
+
 def test_a_store_that_cannot_be_opened_is_one_line_naming_the_file_and_the_cause(tmp_path, capsys):
     # A damaged file, or one another process keeps locked, ended every command (serve, train,
     # export) in a sqlite3 traceback.

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import sqlite3
 import time
+from pathlib import Path
 
 from gateway.errors import StoreFull, StoreUnavailable
 
@@ -87,6 +89,27 @@ def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable
             cause="damaged",
         )
     return None
+
+
+def file_identity(path: Path | str) -> tuple[int, int] | None:
+    """The file now at `path` (device, inode), or None when there is none."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def moved(path: Path | str) -> StoreUnavailable:
+    """The store's file was deleted or replaced under the running gateway (`rm -rf` of the state
+    dir, a restore by copy): SQLite carried on writing to the open, deleted file and every call
+    was answered 200, then lost when the process ended."""
+    return StoreUnavailable(
+        f"the store cannot record: its file {path} was deleted, moved or replaced while the gateway "
+        "ran, so what it wrote would be lost. Put the file back where it was (move it back); "
+        f"{_RECOVERS}. Or restart the gateway to start on the file now at that path.",
+        cause="moved",
+    )
 
 
 def _classify_postgres(exc: BaseException, busy_timeout: float) -> StoreUnavailable | None:

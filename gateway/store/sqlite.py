@@ -9,6 +9,7 @@ schema and connection setup are `gateway.store.sqlite_schema`.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -21,7 +22,7 @@ import sqlite_utils
 
 from gateway.store import read_only, sqlite_schema
 from gateway.store.base import Store
-from gateway.store.health import at_start, classify
+from gateway.store.health import at_start, classify, file_identity, moved
 from gateway.store.private import private_db_file
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -50,6 +51,7 @@ class SQLiteStore(Store):
         self._writes_on_loop = False  # see `_write_now`
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
+        self._file: tuple[int, int] | None = None  # the file the connections write (see `_commit`)
         try:
             if read_only:
                 self._open_read_only(path, busy_timeout)
@@ -94,6 +96,8 @@ class SQLiteStore(Store):
             for conn in (self._conn, loop_conn):
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             self._writes_on_loop = True
+            self._file_path = os.path.abspath(path)  # a later chdir changes nothing
+            self._file = file_identity(self._file_path)
         self.path = path
         self.db = sqlite_utils.Database(self._conn)
         self._conn.executescript(sqlite_schema.SCHEMA)
@@ -136,7 +140,7 @@ class SQLiteStore(Store):
             try:
                 _begin(conn)
                 result = op(conn)
-                conn.execute("COMMIT")
+                self._commit(conn)
             except BaseException as exc:
                 _rollback(conn)
                 self._raise_failure(exc)
@@ -177,7 +181,7 @@ class SQLiteStore(Store):
                     _rollback(conn)
                     _begin(conn)
                     outcomes = with_savepoints(conn, ops, fails_the_round=lambda exc: classify(exc) is not None)
-            conn.execute("COMMIT")
+            self._commit(conn)
         except BaseException as exc:
             _rollback(conn)
             self._raise_failure(exc)
@@ -186,6 +190,14 @@ class SQLiteStore(Store):
         if self.commits % CHECKPOINT_EVERY == 0 and self._writer is not None and self._writes_on_loop:
             self._writer.request_checkpoint()
         return outcomes
+
+    def _commit(self, conn: sqlite3.Connection) -> None:
+        """COMMIT, if the file at `path` is still the one the connections opened: SQLite keeps
+        writing to a file deleted or replaced under it, and nothing tells it (nor a client) until
+        the data is gone at the next start."""
+        if self._file is not None and file_identity(self._file_path) != self._file:
+            raise moved(self.path)
+        conn.execute("COMMIT")
 
     def _checkpoint(self) -> None:
         """Copy the WAL back into the database file (PASSIVE: readers are never waited for),
