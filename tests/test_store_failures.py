@@ -200,6 +200,42 @@ def test_a_store_file_moved_or_deleted_under_the_gateway_is_refused_not_acknowle
     assert not store.path.exists()
 
 
+def test_a_wal_grown_behind_a_long_read_is_cut_back_once_it_is_checkpointed(tmp_path, monkeypatch):
+    # A read held open (an export, a backup, a sqlite3 shell in BEGIN) keeps checkpoints from
+    # copying the WAL back, so it grows; SQLite then reuses the file but never shrinks it: its
+    # gigabytes stayed on disk for as long as the gateway ran.
+    from gateway.store import sqlite_schema
+    from gateway.store.rows import CallRecord
+
+    monkeypatch.setattr(sqlite_schema, "WAL_SIZE_LIMIT", 1 << 20, raising=False)
+    store = SQLiteStore(tmp_path / "rlproxy.db")
+    wal = Path(f"{store.path}-wal")
+
+    def record(i: int) -> None:
+        request = {"messages": [{"role": "user", "content": f"{i} {BIG}"}]}
+        store.record_call_sync(
+            CallRecord(f"c{i}", f"s{i}", None, "train", "agent", None, None, "openai", False, "ok", request, {}, 1.0)
+        )
+
+    try:
+        reader = sqlite3.connect(store.path, isolation_level=None)
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM calls").fetchone()  # the long read starts
+        for i in range(40):
+            record(i)
+        store._checkpoint()  # held back: the reader still needs the WAL
+        assert wal.stat().st_size > 4 << 20
+        reader.execute("ROLLBACK")
+        reader.close()
+
+        store._checkpoint()  # everything copied back: the next write starts the WAL over
+        record(40)
+        assert wal.stat().st_size <= 1 << 20
+        assert len(_recorded(store)) == 41
+    finally:
+        asyncio.run(store.close())
+
+
 def test_a_store_that_cannot_be_opened_is_one_line_naming_the_file_and_the_cause(tmp_path, capsys):
     # A damaged file, or one another process keeps locked, ended every command (serve, train,
     # export) in a sqlite3 traceback.
