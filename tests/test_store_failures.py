@@ -516,6 +516,58 @@ def test_a_read_the_store_does_not_answer_holds_up_no_other_request(upstream, tm
         assert _metric(url, "rlproxy_store_degraded ") == 0
 
 
+class _HangingStore(SQLiteStore):
+    """Writes that hang, as on a PostgreSQL server that froze (or a disk that stopped answering):
+    while `hang` is set, the writer's round waits for `release`. Every write goes through the
+    writer thread, as PostgreSQL's do."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, busy_timeout=0.5)
+        self._writes_on_loop = False
+        self.hang, self.hanging, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def _apply_batch(self, ops):
+        if self.hang.is_set():
+            self.hanging.set()
+            self.release.wait(120)
+        return super()._apply_batch(ops)
+
+
+def test_a_write_the_database_does_not_answer_degrades_the_store_and_refuses_what_comes_after(upstream, tmp_path):
+    # A frozen PostgreSQL: the call being recorded hung, and every call and reward after it queued
+    # behind it for as long as the server stayed frozen, while /healthz answered ok.
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = _HangingStore(settings.db_path)
+    with ThreadServer(create_app(settings, store=store)) as server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        url = server.url
+        acknowledged = {_chat(url).headers["x-request-id"]}
+        store.hang.set()
+        held = pool.submit(_chat, url, "held", session="held")
+        assert store.hanging.wait(60)
+        time.sleep(2 * store.busy_timeout)  # the round outlives the store's timeout
+
+        health = httpx.get(url + "/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "degraded", health.text
+        assert "without an answer" in health.json()["reason"]
+        sent_before = len(upstream.chat_requests())
+        reply = _chat(url, session="other")
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "store_unavailable", reply.text
+        assert len(upstream.chat_requests()) == sent_before  # refused before any engine work
+        reward = httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0})
+        assert reward.status_code == 503, reward.text
+
+        store.hang.clear()
+        store.release.set()  # the database answers again: the held call lands, the store recovers
+        reply = held.result()
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        _assert_healthy(url)
+        reply = _chat(url, session="other")
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        assert acknowledged <= _recorded(store)
+
+
 # ---------------------------------------------------------------- PostgreSQL
 
 

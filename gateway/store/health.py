@@ -112,6 +112,16 @@ def moved(path: Path | str) -> StoreUnavailable:
     )
 
 
+def stalled(seconds: float) -> StoreUnavailable:
+    """The store's writer has waited `seconds` on one round: the database does not answer."""
+    return StoreUnavailable(
+        f"the store is unavailable: a write has waited {seconds:.0f} s for the database without an "
+        "answer (the server or the disk under it hangs, or another session keeps its locks). Check "
+        f"the database server or the disk; {_RECOVERS}.",
+        cause="unavailable",
+    )
+
+
 def _classify_postgres(exc: BaseException, busy_timeout: float) -> StoreUnavailable | None:
     """psycopg's failures of the server or the connection (by SQLSTATE; a pool timeout or a
     lost connection has none). A constraint, a syntax error, a bug: None, not the store's health."""
@@ -168,6 +178,17 @@ class StoreHealth:
             log.error("store failure: %s", error.message)
             self.since = time.time()
         self.failure = error
+
+    def check_writer(self, waited: float, timeout: float) -> None:
+        """Raise, noted here, while the writer's round has `waited` past `timeout`: a database or
+        disk that does not answer (PostgreSQL frozen, its host gone without a word, an NFS stall).
+        Queued behind that round, every call and reward hung for as long as it did while /healthz
+        said ok; now they are refused and the store is degraded until a probe commits. What was
+        queued before still lands, or fails, with that round."""
+        if waited > timeout:
+            failure = stalled(waited)
+            self.failed(failure)
+            raise failure
 
     def recovered(self) -> None:
         if self.failure is not None:
