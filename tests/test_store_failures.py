@@ -200,6 +200,22 @@ def test_a_store_file_moved_or_deleted_under_the_gateway_is_refused_not_acknowle
     assert not store.path.exists()
 
 
+def test_an_app_given_an_open_store_leaves_its_wal_alone_when_another_process_closes_the_store(upstream, tmp_path):
+    # create_app(settings, store=...) made the state dir private after the store was open, reading the
+    # database's header to check it: closing that descriptor dropped every POSIX lock of this process
+    # on the file, SQLite's too, and the next process to close the store (a sqlite3 shell, the
+    # trainer, an export) deleted the WAL under the open store, which then wrote into the deleted file.
+    with gateway(upstream.url, tmp_path) as (url, store):
+        assert _chat(url).status_code == 200
+        wal = os.stat(f"{store.path}-wal").st_ino
+        subprocess.run(
+            [sys.executable, "-c", HOLD_LOCK, str(store.path)], input="\n", text=True, check=True, capture_output=True
+        )
+        assert os.stat(f"{store.path}-wal").st_ino == wal
+        reply = _chat(url, session="s2")
+        assert reply.status_code == 200, reply.text
+
+
 def test_a_wal_grown_behind_a_long_read_is_cut_back_once_it_is_checkpointed(tmp_path, monkeypatch):
     # A read held open (an export, a backup, a sqlite3 shell in BEGIN) keeps checkpoints from
     # copying the WAL back, so it grows; SQLite then reuses the file but never shrinks it: its
