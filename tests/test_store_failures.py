@@ -216,6 +216,26 @@ def test_an_app_given_an_open_store_leaves_its_wal_alone_when_another_process_cl
         assert reply.status_code == 200, reply.text
 
 
+def test_a_wal_deleted_under_the_gateway_is_refused_and_what_it_held_is_saved_into_the_database(upstream, tmp_path):
+    # `rm rlproxy.db-wal` (a clean-up of "temporary" files): SQLite wrote on into the deleted WAL,
+    # every call was answered 200, and at the next crash they were gone with every call since the
+    # last checkpoint, acknowledged before the deletion too.
+    with gateway(upstream.url, tmp_path) as (url, store):
+        acknowledged = _chat(url).headers["x-request-id"]
+        Path(f"{store.path}-wal").unlink()
+        reply = _chat(url, session="s2")
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "store_moved" and f"{store.path}-wal" in error["message"]
+        assert httpx.get(url + "/healthz").json()["store"]["cause"] == "moved"
+
+        # The database file alone (as a crash leaves it, the WAL gone) holds the acknowledged call.
+        alone = tmp_path / "alone.db"
+        alone.write_bytes(store.path.read_bytes())
+        with contextlib.closing(sqlite3.connect(alone)) as db:
+            assert db.execute("SELECT id FROM calls").fetchall() == [(acknowledged,)]
+
+
 def test_a_wal_grown_behind_a_long_read_is_cut_back_once_it_is_checkpointed(tmp_path, monkeypatch):
     # A read held open (an export, a backup, a sqlite3 shell in BEGIN) keeps checkpoints from
     # copying the WAL back, so it grows; SQLite then reuses the file but never shrinks it: its

@@ -101,13 +101,14 @@ def file_identity(path: Path | str) -> tuple[int, int] | None:
 
 
 def moved(path: Path | str) -> StoreUnavailable:
-    """The store's file was deleted or replaced under the running gateway (`rm -rf` of the state
-    dir, a restore by copy): SQLite carried on writing to the open, deleted file and every call
-    was answered 200, then lost when the process ended."""
+    """The store's file (or its WAL) was deleted or replaced under the running gateway (`rm -rf` of
+    the state dir, a clean-up of `-wal` files, a restore by copy): SQLite carried on writing to the
+    open, deleted file and every call was answered 200, then lost when the process ended."""
     return StoreUnavailable(
-        f"the store cannot record: its file {path} was deleted, moved or replaced while the gateway "
-        "ran, so what it wrote would be lost. Put the file back where it was (move it back); "
-        f"{_RECOVERS}. Or restart the gateway to start on the file now at that path.",
+        f"the store cannot record: its file {path} (or its WAL, {path}-wal) was deleted, moved or "
+        "replaced while the gateway ran, so what it wrote would be lost. Put the file back where it "
+        f"was (move it back); {_RECOVERS}. If it is gone for good, restart the gateway (and the "
+        "trainer): they start on the files at that path.",
         cause="moved",
     )
 

@@ -51,7 +51,7 @@ class SQLiteStore(Store):
         self._writes_on_loop = False  # see `_write_now`
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
-        self._file: tuple[int, int] | None = None  # the file the connections write (see `_commit`)
+        self._files: list | None = None  # the database file and its WAL the connections write (`_commit`)
         try:
             if read_only:
                 self._open_read_only(path, busy_timeout)
@@ -97,11 +97,12 @@ class SQLiteStore(Store):
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             self._writes_on_loop = True
             self._file_path = os.path.abspath(path)  # a later chdir changes nothing
-            self._file = file_identity(self._file_path)
         self.path = path
         self.db = sqlite_utils.Database(self._conn)
         self._conn.executescript(sqlite_schema.SCHEMA)
         sqlite_schema.add_missing_columns(self._conn)
+        if not memory:  # the WAL exists now (the schema was written), and lasts as long as the connections
+            self._files = self._files_now()
 
     def _close_connections(self) -> None:
         # Under the locks: a read still running in a worker thread (a poll that outlived the
@@ -191,11 +192,19 @@ class SQLiteStore(Store):
             self._writer.request_checkpoint()
         return outcomes
 
+    def _files_now(self) -> list:
+        return [file_identity(self._file_path + suffix) for suffix in ("", "-wal")]
+
     def _commit(self, conn: sqlite3.Connection) -> None:
-        """COMMIT, if the file at `path` is still the one the connections opened: SQLite keeps
-        writing to a file deleted or replaced under it, and nothing tells it (nor a client) until
-        the data is gone at the next start."""
-        if self._file is not None and file_identity(self._file_path) != self._file:
+        """COMMIT, if the database file and its WAL at `path` are still those the connections
+        opened: SQLite writes on into files deleted or replaced under it, and nothing tells it (nor
+        a client) until the data is gone at the next start. A WAL deleted (`rm rlproxy.db-wal`, a
+        clean-up) lost every call since the last checkpoint at the next crash, acknowledged ones
+        too; what the deleted WAL holds is copied into the database file before refusing."""
+        if self._files is not None and self._files_now() != self._files:
+            _rollback(conn)
+            if self._files_now()[0] == self._files[0]:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
             raise moved(self.path)
         conn.execute("COMMIT")
 
