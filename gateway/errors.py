@@ -143,7 +143,7 @@ class StoreUnavailable(RLProxyError):
 
     def __init__(self, message: str, *, cause: str, code: str | None = None):
         super().__init__(message, code=code or f"store_{cause}")
-        self.cause = cause  # full, read_only, locked, unavailable, damaged: the label in /metrics
+        self.cause = cause  # full, read_only, locked, moved, unavailable, damaged: the label in /metrics
 
 
 class StoreFull(StoreUnavailable):

@@ -26,7 +26,7 @@ class Metrics:
         self._commits_seen = 0
         self.store_errors = Counter(
             "rlproxy_store_errors",
-            "writes and reads the store failed, by cause (full, read_only, locked, unavailable, damaged)",
+            "writes and reads the store failed, by cause (full, read_only, locked, moved, unavailable, damaged)",
             ["cause"],
             registry=self.registry,
         )

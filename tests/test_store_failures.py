@@ -170,6 +170,108 @@ def test_store_locked_by_another_process_answers_503_and_recovers(upstream, tmp_
         assert _chat(url).status_code == 200
 
 
+def test_a_store_file_moved_or_deleted_under_the_gateway_is_refused_not_acknowledged(upstream, tmp_path):
+    # SQLite writes on to a file deleted (or moved) under it: every call and reward was answered
+    # 200 into the deleted file, then lost when the gateway stopped; /healthz said ok.
+    with gateway(upstream.url, tmp_path) as (url, store):
+        acknowledged = {_chat(url).headers["x-request-id"]}
+        away = store.path.with_name("moved-away.db")
+        store.path.rename(away)
+        reply = _chat(url)
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "store_moved" and str(store.path) in error["message"]
+        assert "deleted, moved or replaced" in error["message"]
+        reward = httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0})
+        assert reward.status_code == 503 and reward.json()["error"]["code"] == "store_moved", reward.text
+        health = httpx.get(url + "/healthz")
+        assert health.status_code == 503 and health.json()["store"]["cause"] == "moved"
+
+        away.rename(store.path)  # put back: the gateway carries on by itself
+        _assert_healthy(url)
+        reply = _chat(url)
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        assert httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0}).status_code == 200
+        assert acknowledged <= _recorded(store)
+
+        store.path.unlink()  # deleted for good: refused, never answered 200 into the deleted file
+        assert _chat(url).status_code == 503
+    assert not store.path.exists()
+
+
+def test_an_app_given_an_open_store_leaves_its_wal_alone_when_another_process_closes_the_store(upstream, tmp_path):
+    # create_app(settings, store=...) made the state dir private after the store was open, reading the
+    # database's header to check it: closing that descriptor dropped every POSIX lock of this process
+    # on the file, SQLite's too, and the next process to close the store (a sqlite3 shell, the
+    # trainer, an export) deleted the WAL under the open store, which then wrote into the deleted file.
+    with gateway(upstream.url, tmp_path) as (url, store):
+        assert _chat(url).status_code == 200
+        wal = os.stat(f"{store.path}-wal").st_ino
+        subprocess.run(
+            [sys.executable, "-c", HOLD_LOCK, str(store.path)], input="\n", text=True, check=True, capture_output=True
+        )
+        assert os.stat(f"{store.path}-wal").st_ino == wal
+        reply = _chat(url, session="s2")
+        assert reply.status_code == 200, reply.text
+
+
+def test_a_wal_deleted_under_the_gateway_is_refused_and_what_it_held_is_saved_into_the_database(upstream, tmp_path):
+    # `rm rlproxy.db-wal` (a clean-up of "temporary" files): SQLite wrote on into the deleted WAL,
+    # every call was answered 200, and at the next crash they were gone with every call since the
+    # last checkpoint, acknowledged before the deletion too.
+    with gateway(upstream.url, tmp_path) as (url, store):
+        acknowledged = _chat(url).headers["x-request-id"]
+        Path(f"{store.path}-wal").unlink()
+        reply = _chat(url, session="s2")
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "store_moved" and f"{store.path}-wal" in error["message"]
+        assert httpx.get(url + "/healthz").json()["store"]["cause"] == "moved"
+
+        # The database file alone (as a crash leaves it, the WAL gone) holds the acknowledged call.
+        alone = tmp_path / "alone.db"
+        alone.write_bytes(store.path.read_bytes())
+        with contextlib.closing(sqlite3.connect(alone)) as db:
+            assert db.execute("SELECT id FROM calls").fetchall() == [(acknowledged,)]
+
+
+def test_a_wal_grown_behind_a_long_read_is_cut_back_once_it_is_checkpointed(tmp_path, monkeypatch):
+    # A read held open (an export, a backup, a sqlite3 shell in BEGIN) keeps checkpoints from
+    # copying the WAL back, so it grows; SQLite then reuses the file but never shrinks it: its
+    # gigabytes stayed on disk for as long as the gateway ran.
+    from gateway.store import sqlite_schema
+    from gateway.store.rows import CallRecord
+
+    monkeypatch.setattr(sqlite_schema, "WAL_SIZE_LIMIT", 1 << 20, raising=False)
+    store = SQLiteStore(tmp_path / "rlproxy.db")
+    wal = Path(f"{store.path}-wal")
+
+    def record(i: int) -> None:
+        request = {"messages": [{"role": "user", "content": f"{i} {BIG}"}]}
+        store.record_call_sync(
+            CallRecord(f"c{i}", f"s{i}", None, "train", "agent", None, None, "openai", False, "ok", request, {}, 1.0)
+        )
+
+    try:
+        reader = sqlite3.connect(store.path, isolation_level=None)
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM calls").fetchone()  # the long read starts
+        for i in range(40):
+            record(i)
+        store._checkpoint()  # held back: the reader still needs the WAL
+        assert wal.stat().st_size > 4 << 20
+        reader.execute("ROLLBACK")
+        reader.close()
+
+        store._checkpoint()  # everything copied back: the next write starts the WAL over
+        record(40)
+        assert wal.stat().st_size <= 1 << 20
+        assert len(_recorded(store)) == 41
+    finally:
+        asyncio.run(store.close())
+
+
 def test_a_store_that_cannot_be_opened_is_one_line_naming_the_file_and_the_cause(tmp_path, capsys):
     # A damaged file, or one another process keeps locked, ended every command (serve, train,
     # export) in a sqlite3 traceback.
@@ -450,6 +552,58 @@ def test_a_read_the_store_does_not_answer_holds_up_no_other_request(upstream, tm
         assert _metric(url, "rlproxy_store_degraded ") == 0
 
 
+class _HangingStore(SQLiteStore):
+    """Writes that hang, as on a PostgreSQL server that froze (or a disk that stopped answering):
+    while `hang` is set, the writer's round waits for `release`. Every write goes through the
+    writer thread, as PostgreSQL's do."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, busy_timeout=0.5)
+        self._writes_on_loop = False
+        self.hang, self.hanging, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def _apply_batch(self, ops):
+        if self.hang.is_set():
+            self.hanging.set()
+            self.release.wait(120)
+        return super()._apply_batch(ops)
+
+
+def test_a_write_the_database_does_not_answer_degrades_the_store_and_refuses_what_comes_after(upstream, tmp_path):
+    # A frozen PostgreSQL: the call being recorded hung, and every call and reward after it queued
+    # behind it for as long as the server stayed frozen, while /healthz answered ok.
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = _HangingStore(settings.db_path)
+    with ThreadServer(create_app(settings, store=store)) as server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        url = server.url
+        acknowledged = {_chat(url).headers["x-request-id"]}
+        store.hang.set()
+        held = pool.submit(_chat, url, "held", session="held")
+        assert store.hanging.wait(60)
+        time.sleep(2 * store.busy_timeout)  # the round outlives the store's timeout
+
+        health = httpx.get(url + "/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "degraded", health.text
+        assert "without an answer" in health.json()["reason"]
+        sent_before = len(upstream.chat_requests())
+        reply = _chat(url, session="other")
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "store_unavailable", reply.text
+        assert len(upstream.chat_requests()) == sent_before  # refused before any engine work
+        reward = httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0})
+        assert reward.status_code == 503, reward.text
+
+        store.hang.clear()
+        store.release.set()  # the database answers again: the held call lands, the store recovers
+        reply = held.result()
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        _assert_healthy(url)
+        reply = _chat(url, session="other")
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        assert acknowledged <= _recorded(store)
+
+
 # ---------------------------------------------------------------- PostgreSQL
 
 
@@ -543,6 +697,46 @@ def test_postgres_gone_answers_503_promptly_and_recovers_by_itself(upstream, tmp
         assert reply.status_code == 200, reply.text
         acknowledged.add(reply.headers["x-request-id"])
         assert acknowledged <= _recorded(store)
+
+
+def test_postgres_row_held_by_another_session_answers_503_locked_and_stalls_nothing_for_ever(
+    upstream, tmp_path, postgres_db
+):
+    """A psql session left in `BEGIN; UPDATE sessions ...` holds a row the gateway writes: PostgreSQL
+    waits for a lock for ever by default, so that session's call hung, and with it every call and
+    reward of the gateway (they share one writer), while /healthz said ok. Now the store waits its
+    timeout, as SQLite's busy timeout, then answers 503 store_locked; the rest carries on."""
+    import psycopg
+
+    from gateway.store.postgres import PostgresStore
+
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = PostgresStore(postgres_db, timeout=2)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        acknowledged = {_chat(url, session="held").headers["x-request-id"]}
+        with psycopg.connect(postgres_db) as psql:  # not autocommit: the UPDATE's row lock stays held
+            psql.execute("UPDATE sessions SET updated_at = updated_at WHERE id = 'held'")
+            reply = _chat(url, session="held")
+            assert reply.status_code == 503, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "store_locked" and "another session" in error["message"]
+            assert "pg_stat_activity" in error["message"]
+            assert reply.headers["x-request-id"] not in _recorded(store)
+            reward = httpx.post(url + "/v1/sessions/held/reward", json={"reward": 1.0}, timeout=60)
+            assert reward.status_code == 503 and reward.json()["error"]["code"] == "store_locked", reward.text
+
+            other = _chat(url, session="other")  # a session whose rows are free is served meanwhile
+            assert other.status_code == 200, other.text
+            acknowledged.add(other.headers["x-request-id"])
+            psql.rollback()
+        reply = _chat(url, session="held")
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        assert httpx.post(url + "/v1/sessions/held/reward", json={"reward": 1.0}).status_code == 200
+        _assert_healthy(url)
+        assert acknowledged <= _recorded(store)
+        assert store.get_session("held")["reward"] == 1.0
 
 
 def test_a_checkpoint_disk_that_is_full_sets_no_group_aside_and_the_step_lands_once_it_has_room(tmp_path):

@@ -83,6 +83,7 @@ class ChatService:
         store cannot record (its answer could not be acknowledged): a probe write decides,
         so calls come back by themselves once the disk has room again."""
         check_chat_limits(request, self.limits, getattr(self.engine, "context_length", None))
+        self.store.check_writer()
         if self.store.health.degraded:
             await self.store.probe()
 

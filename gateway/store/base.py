@@ -100,6 +100,7 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         writer = self._writer
         if writer is None:  # no writer running (trainer process, scripts): write in a thread
             return await asyncio.to_thread(self._run_sync, op)
+        self.check_writer()
         if at_once and writer.in_flight == 0:
             outcome = self._write_now(op)
             if outcome is not None:
@@ -108,6 +109,10 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
                     return value
                 raise value
         return await writer.submit(op)
+
+    def check_writer(self) -> None:
+        """Raise while a write hangs on the database past the store's timeout (`StoreHealth.check_writer`)."""
+        self.health.check_writer(0.0 if self._writer is None else self._writer.busy_for(), self.busy_timeout)
 
     def _raise_failure(self, exc: BaseException) -> None:
         """Raise `exc` as the store failure it is (noting it in `health`); return if it is none."""

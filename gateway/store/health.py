@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import sqlite3
 import time
+from pathlib import Path
 
 from gateway.errors import StoreFull, StoreUnavailable
 
@@ -46,7 +48,7 @@ def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable
     if isinstance(exc, StoreUnavailable):
         return exc
     if type(exc).__module__.split(".")[0] in ("psycopg", "psycopg_pool"):
-        return _classify_postgres(exc)
+        return _classify_postgres(exc, busy_timeout)
     if not isinstance(exc, sqlite3.Error) or isinstance(exc, sqlite3.IntegrityError):
         return None
     code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
@@ -89,7 +91,39 @@ def classify(exc: BaseException, busy_timeout: float = 30.0) -> StoreUnavailable
     return None
 
 
-def _classify_postgres(exc: BaseException) -> StoreUnavailable | None:
+def file_identity(path: Path | str) -> tuple[int, int] | None:
+    """The file now at `path` (device, inode), or None when there is none."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def moved(path: Path | str) -> StoreUnavailable:
+    """The store's file (or its WAL) was deleted or replaced under the running gateway (`rm -rf` of
+    the state dir, a clean-up of `-wal` files, a restore by copy): SQLite carried on writing to the
+    open, deleted file and every call was answered 200, then lost when the process ended."""
+    return StoreUnavailable(
+        f"the store cannot record: its file {path} (or its WAL, {path}-wal) was deleted, moved or "
+        "replaced while the gateway ran, so what it wrote would be lost. Put the file back where it "
+        f"was (move it back); {_RECOVERS}. If it is gone for good, restart the gateway (and the "
+        "trainer): they start on the files at that path.",
+        cause="moved",
+    )
+
+
+def stalled(seconds: float) -> StoreUnavailable:
+    """The store's writer has waited `seconds` on one round: the database does not answer."""
+    return StoreUnavailable(
+        f"the store is unavailable: a write has waited {seconds:.0f} s for the database without an "
+        "answer (the server or the disk under it hangs, or another session keeps its locks). Check "
+        f"the database server or the disk; {_RECOVERS}.",
+        cause="unavailable",
+    )
+
+
+def _classify_postgres(exc: BaseException, busy_timeout: float) -> StoreUnavailable | None:
     """psycopg's failures of the server or the connection (by SQLSTATE; a pool timeout or a
     lost connection has none). A constraint, a syntax error, a bug: None, not the store's health."""
     state = getattr(exc, "sqlstate", None) or ""
@@ -104,6 +138,13 @@ def _classify_postgres(exc: BaseException) -> StoreUnavailable | None:
             "the store cannot record: the PostgreSQL server is read-only (25006; a standby, or "
             f"default_transaction_read_only). Point --store at the primary; {_RECOVERS}.",
             cause="read_only",
+        )
+    if state == "55P03":
+        return StoreUnavailable(
+            "the store cannot record: another session has held a lock the store needs (a row, a table) "
+            f"for over {busy_timeout:g} s (55P03 lock_not_available). End whatever keeps a long transaction "
+            f"open on the database (see pg_stat_activity: an idle psql `BEGIN`, a stuck job); {_RECOVERS}.",
+            cause="locked",
         )
     if state.startswith("23") or state.startswith("42") or state.startswith("22"):
         return None  # the statement's fault (constraint, SQL, data), not the server's
@@ -138,6 +179,17 @@ class StoreHealth:
             log.error("store failure: %s", error.message)
             self.since = time.time()
         self.failure = error
+
+    def check_writer(self, waited: float, timeout: float) -> None:
+        """Raise, noted here, while the writer's round has `waited` past `timeout`: a database or
+        disk that does not answer (PostgreSQL frozen, its host gone without a word, an NFS stall).
+        Queued behind that round, every call and reward hung for as long as it did while /healthz
+        said ok; now they are refused and the store is degraded until a probe commits. What was
+        queued before still lands, or fails, with that round."""
+        if waited > timeout:
+            failure = stalled(waited)
+            self.failed(failure)
+            raise failure
 
     def recovered(self) -> None:
         if self.failure is not None:

@@ -30,7 +30,7 @@ from gateway.store import files as store_files
 from gateway.store import postgres_schema
 from gateway.store.base import Store
 from gateway.store.health import classify
-from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, open_pool
+from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, lock_wait_ms, open_pool
 from gateway.store.rows import decode_call
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -146,7 +146,10 @@ class PostgresStore(Store):
         self._read_lock = threading.Lock()
         try:
             with self._pool.connection() as conn:
+                # A migration waits for another gateway's or trainer's (its advisory lock) however long it takes.
+                conn.execute("SET lock_timeout = 0")
                 postgres_schema.migrate(conn)
+                conn.execute(f"SET lock_timeout = {lock_wait_ms(timeout)}")
         except BaseException:
             self._pool.close()  # refused (a newer schema, no rights): no pool left connected behind
             raise
@@ -167,10 +170,13 @@ class PostgresStore(Store):
 
     # -------------------------------------------------------------- transactions
 
-    def _transaction(self, body: Callable[[PgConn], Any], attempts: int = 20, landed: Landed | None = None) -> Any:
+    def _transaction(
+        self, body: Callable[[PgConn], Any], attempts: int = 20, landed: Landed | None = None, short_wait: bool = False
+    ) -> Any:
         """Run `body` in one transaction, rerun whole (`attempts` times in all, at most) if
         PostgreSQL picked it as a deadlock victim: nothing of it was committed. With `landed`, a
-        COMMIT that failed is looked for (`_committed_after_all`) and, found, is a success."""
+        COMMIT that failed is looked for (`_committed_after_all`) and, found, is a success.
+        `short_wait`: a batch waiting `BATCH_LOCK_WAIT` for a lock, whose timeout is no failure."""
         try:
             for attempt in range(attempts):
                 with self._connection() as raw:
@@ -189,7 +195,8 @@ class PostgresStore(Store):
                 time.sleep(0.005 * (attempt + 1))
             raise AssertionError("unreachable")
         except Exception as exc:
-            self._raise_failure(exc)  # the server's failure, said as the store's (503/507)
+            if not (short_wait and _contended(exc)):  # a batch's short lock wait: `_apply_batch` reruns its ops
+                self._raise_failure(exc)  # the server's failure, said as the store's (503/507)
             raise
 
     def _run_sync(self, op: Op) -> Any:
@@ -205,10 +212,11 @@ class PostgresStore(Store):
         own: nothing was acknowledged before, each op is after its own COMMIT."""
         with self._write_lock:
             try:
+                short_wait = len(ops) > 1  # see `_batch`
                 try:
-                    outcomes = self._transaction(_batch(ops, careful=False), 1, _batch_landed(ops))
+                    outcomes = self._transaction(_batch(ops, careful=False), 1, _batch_landed(ops), short_wait)
                 except _OpFailed:
-                    outcomes = self._transaction(_batch(ops, careful=True), 1, _batch_landed(ops))
+                    outcomes = self._transaction(_batch(ops, careful=True), 1, _batch_landed(ops), short_wait)
                 self.commits += 1
             except Exception as exc:
                 if not _contended(exc):

@@ -21,8 +21,15 @@ LOCK_CONNECT_TIMEOUT = 10
 
 def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
     """A psycopg pool of autocommit connections to `url`, connected within `timeout` (else a
-    StoreUnreachable, a ConfigError, that says what to check)."""
+    StoreUnreachable, a ConfigError, that says what to check). A statement of theirs waits
+    `timeout` at most for a lock (`lock_timeout`, SQLite's busy timeout)."""
     from psycopg_pool import ConnectionPool, PoolTimeout
+
+    def configure(conn: Any) -> None:
+        # PostgreSQL waits for a lock for ever by default: one session left holding a row (a psql
+        # `BEGIN; UPDATE sessions ...`, a stuck job) hung every call and reward of the gateway, whose
+        # writes share one writer, with /healthz saying ok. Past the wait: 503 store_locked.
+        conn.execute(f"SET lock_timeout = {lock_wait_ms(timeout)}")
 
     # check: a connection the server dropped (a restart) is replaced before use, so the
     # store recovers by itself once PostgreSQL is back.
@@ -35,6 +42,7 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
         kwargs={"autocommit": True},
         name="rlproxy-store",
         check=ConnectionPool.check_connection,
+        configure=configure,
     )
     try:
         pool.wait(timeout=timeout)
@@ -45,6 +53,11 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
             "(host, port, database, user, password) and that PostgreSQL is running"
         ) from None
     return pool
+
+
+def lock_wait_ms(timeout: float) -> int:
+    """`lock_timeout`'s value for a wait of `timeout` seconds (0 would mean no limit)."""
+    return max(1, int(timeout * 1000))
 
 
 class HeldTrainerLock:

@@ -76,7 +76,11 @@ def make_private_dir(path: Path) -> bool:
 
 
 def _tighten_db(db: Path) -> list[str]:
-    if not is_sqlite(db):  # SQLite refuses it in a moment, saying why; its mode is not ours to change
+    # A WAL beside it: SQLite's, and maybe open in this process (create_app given a store). Its header is
+    # not read then: closing any descriptor of the file drops every POSIX lock this process holds on it,
+    # SQLite's included, and another process closing the store next deleted the WAL under the open store.
+    wal = db.with_name(db.name + "-wal")
+    if not wal.exists() and not is_sqlite(db):  # SQLite refuses it in a moment, saying why; its mode is not ours
         return []
     return [change for suffix in DB_SUFFIXES for change in _tighten(db.with_name(db.name + suffix), PRIVATE_FILE)]
 

@@ -9,6 +9,7 @@ schema and connection setup are `gateway.store.sqlite_schema`.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -21,7 +22,7 @@ import sqlite_utils
 
 from gateway.store import read_only, sqlite_schema
 from gateway.store.base import Store
-from gateway.store.health import at_start, classify
+from gateway.store.health import at_start, classify, file_identity, moved
 from gateway.store.private import private_db_file
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -50,6 +51,7 @@ class SQLiteStore(Store):
         self._writes_on_loop = False  # see `_write_now`
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock()
+        self._files: list | None = None  # the database file and its WAL the connections write (`_commit`)
         try:
             if read_only:
                 self._open_read_only(path, busy_timeout)
@@ -94,10 +96,13 @@ class SQLiteStore(Store):
             for conn in (self._conn, loop_conn):
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             self._writes_on_loop = True
+            self._file_path = os.path.abspath(path)  # a later chdir changes nothing
         self.path = path
         self.db = sqlite_utils.Database(self._conn)
         self._conn.executescript(sqlite_schema.SCHEMA)
         sqlite_schema.add_missing_columns(self._conn)
+        if not memory:  # the WAL exists now (the schema was written), and lasts as long as the connections
+            self._files = self._files_now()
 
     def _close_connections(self) -> None:
         # Under the locks: a read still running in a worker thread (a poll that outlived the
@@ -136,7 +141,7 @@ class SQLiteStore(Store):
             try:
                 _begin(conn)
                 result = op(conn)
-                conn.execute("COMMIT")
+                self._commit(conn)
             except BaseException as exc:
                 _rollback(conn)
                 self._raise_failure(exc)
@@ -177,7 +182,7 @@ class SQLiteStore(Store):
                     _rollback(conn)
                     _begin(conn)
                     outcomes = with_savepoints(conn, ops, fails_the_round=lambda exc: classify(exc) is not None)
-            conn.execute("COMMIT")
+            self._commit(conn)
         except BaseException as exc:
             _rollback(conn)
             self._raise_failure(exc)
@@ -186,6 +191,22 @@ class SQLiteStore(Store):
         if self.commits % CHECKPOINT_EVERY == 0 and self._writer is not None and self._writes_on_loop:
             self._writer.request_checkpoint()
         return outcomes
+
+    def _files_now(self) -> list:
+        return [file_identity(self._file_path + suffix) for suffix in ("", "-wal")]
+
+    def _commit(self, conn: sqlite3.Connection) -> None:
+        """COMMIT, if the database file and its WAL at `path` are still those the connections
+        opened: SQLite writes on into files deleted or replaced under it, and nothing tells it (nor
+        a client) until the data is gone at the next start. A WAL deleted (`rm rlproxy.db-wal`, a
+        clean-up) lost every call since the last checkpoint at the next crash, acknowledged ones
+        too; what the deleted WAL holds is copied into the database file before refusing."""
+        if self._files is not None and self._files_now() != self._files:
+            _rollback(conn)
+            if self._files_now()[0] == self._files[0]:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            raise moved(self.path)
+        conn.execute("COMMIT")
 
     def _checkpoint(self) -> None:
         """Copy the WAL back into the database file (PASSIVE: readers are never waited for),

@@ -208,9 +208,17 @@ ORDER BY g.created_at
 """
 
 
+WAL_SIZE_LIMIT = 64 * 1024 * 1024
+"""Bytes the WAL file is cut back to once a checkpoint has copied it all and writes start over
+at its beginning. SQLite reuses the file but never shrinks it: a WAL that grew while a long
+read held the checkpoints back (an export, a backup, a sqlite3 shell left in BEGIN) kept its
+gigabytes on disk for as long as the store was open, several times the database's size."""
+
+
 def connect(path: Path | str, synchronous: str = "normal", busy_timeout: float = 30.0) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=busy_timeout, check_same_thread=False, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
     # NORMAL (WAL): a committed transaction is in the WAL file before COMMIT returns, so it
     # survives the process crashing or being killed; only an OS crash or power loss can undo
     # the newest ones. FULL also survives those, for an fsync per group commit (1-15 ms on a

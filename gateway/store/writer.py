@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ class GroupCommitWriter:
         self._loop = asyncio.get_running_loop()  # where waiting callers are woken
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight = 0  # writes handed to the thread and not yet settled
+        self._round_started: float | None = None  # monotonic start of the round (or checkpoint) under way
         self._thread = threading.Thread(target=self._write_loop, name="rlproxy-store-writer", daemon=True)
         self._thread.start()
 
@@ -45,6 +47,12 @@ class GroupCommitWriter:
         self.in_flight += 1
         self._queue.put((op, future))
         return await future
+
+    def busy_for(self) -> float:
+        """Seconds the round under way has run (0 between rounds): a database or a disk that does
+        not answer holds one round for as long as it hangs."""
+        started = self._round_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def request_checkpoint(self) -> None:
         self._queue.put(_CHECKPOINT)
@@ -67,15 +75,18 @@ class GroupCommitWriter:
                     break
             if None in batch:
                 stopping = True
+            self._round_started = time.monotonic()
             if _CHECKPOINT in batch and self._checkpoint is not None:
                 self._checkpoint()
             batch = [item for item in batch if item is not None and item is not _CHECKPOINT]
             if not batch:
+                self._round_started = None
                 continue
             try:
                 outcomes: list[Outcome] | BaseException = self._apply_batch([op for op, _ in batch])
             except BaseException as exc:  # noqa: BLE001 - the commit itself failed: nobody is acknowledged
                 outcomes = exc
+            self._round_started = None
             try:
                 self._loop.call_soon_threadsafe(self._settle, batch, outcomes)
             except RuntimeError:  # the loop is closed: nobody is left waiting
