@@ -144,12 +144,6 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         await self._submit(lambda conn: discard.discard_session(conn, session_id, reason))
         return self.get_session(session_id)
 
-    async def set_ruler_status(
-        self, group_id: str, status: str, error: str | None = None, owner: str | None = None
-    ) -> None:
-        """`owner`: the gateway a running judgement runs in (`training.set_ruler_status`)."""
-        await self._submit(lambda conn: training.set_ruler_status(conn, group_id, status, error, owner))
-
     async def record_judgement(
         self, group_id: str, judge_model: str, scores: list[dict], *, close: bool = True
     ) -> None:

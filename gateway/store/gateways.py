@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gateway.store import training
 from gateway.store.writer import Op
 
 # A judgement that waits on its gateway: one running there (any group), or a shadow group not
@@ -85,7 +86,8 @@ def reap(conn: Any, stopped: Callable[[str], str], now: float, gateway_id: str |
 
 
 class GatewayRows:
-    """The heartbeat's part of `Store` (a mixin: the class stays within its size limit)."""
+    """The heartbeat's part of `Store`, and a judgement's status naming its gateway (a mixin: the
+    class stays within its size limit)."""
 
     async def _submit(self, op: Op, *, at_once: bool = False) -> Any:  # implemented by `Store`
         raise NotImplementedError
@@ -101,3 +103,9 @@ class GatewayRows:
     async def leave_gateway(self, gateway_id: str, stopped: Callable[[str], str]) -> list[str]:
         """Gateway `gateway_id` stops: its row goes, and what it left unjudged is handed on (`reap`)."""
         return await self._submit(lambda conn: reap(conn, stopped, time.time(), gateway_id))
+
+    async def set_ruler_status(
+        self, group_id: str, status: str, error: str | None = None, owner: str | None = None
+    ) -> None:
+        """`owner`: the gateway a running judgement runs in (`training.set_ruler_status`)."""
+        await self._submit(lambda conn: training.set_ruler_status(conn, group_id, status, error, owner))
