@@ -189,6 +189,10 @@ ORDER BY g.created_at
 """
 
 
+WAL_SIZE_LIMIT = 64 * 2**20
+"""Bytes of WAL file left on disk once a checkpoint let SQLite start it again (`connect`)."""
+
+
 def connect(path: Path | str, synchronous: str = "normal", busy_timeout: float = 30.0) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), timeout=busy_timeout, check_same_thread=False, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -201,6 +205,10 @@ def connect(path: Path | str, synchronous: str = "normal", busy_timeout: float =
     conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
     conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
     conn.execute("PRAGMA foreign_keys=ON")
+    # SQLite reuses its WAL file rather than shrink it: without a limit, the WAL one burst grew
+    # (writes while a long read, such as an export, held back the checkpoints) kept that size on
+    # disk for as long as the store lived. With it, the next reset after a checkpoint trims it.
+    conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
     return conn
 
 
