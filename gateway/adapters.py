@@ -1,10 +1,9 @@
 """Which adapter answers a request: model names, steps, and the hot-swap.
 
-Served names: `NAME` (the newest loaded step), `NAME@N` (any step with a step row:
-loaded on demand if it is not loaded, ART's convention) and the base model's id (no
-adapter). Engines without adapters (`openai`) pass every name through unchanged. Before
-any step is loaded `NAME` is the base model (step None), or, with `--init-from`, a 503
-until step 0 is loaded (`loading`).
+Served names: `NAME` (the newest loaded step), `NAME@N` (any step with a step row: loaded on demand if
+it is not loaded, ART's convention) and the base model's id (no adapter). Engines without adapters
+(`openai`) pass every name through unchanged. Before any step is loaded `NAME` is the base model
+(step None), or, with `--init-from`, a 503 until step 0 is loaded (`loading`).
 
 The hot-swap, driven by the store (the trainer's only channel to the gateway):
 
@@ -14,10 +13,10 @@ The hot-swap, driven by the store (the trainer's only channel to the gateway):
 3. only once the load succeeded does the alias `NAME` move to N. Resolving a name and
    moving the alias both run on the event loop without an `await` between reading and
    writing, so a request sees either the old step or the new one, never a half-state;
-4. requests in flight keep the adapter they started with (`hold` counts them per step);
-   beyond `keep_adapters` loaded steps, the least recently used ones (never the one the
-   alias points at) are unloaded once nothing uses them. A request for an unloaded
-   `NAME@N` loads it again (`ensure`), so a pinned old step answers, only slower once.
+4. requests in flight keep the adapter they started with (`hold` counts them per step); beyond
+   `keep_adapters` loaded steps, the least recently used ones (never the one the alias points at)
+   are unloaded once nothing uses them, with the copy of their files fetched from a PostgreSQL store.
+   A request for an unloaded `NAME@N` loads it again (`ensure`), so a pinned old step answers, only slower once.
 
 A failed load is logged, leaves the previous step serving, and is retried next poll.
 """
@@ -232,6 +231,7 @@ class AdapterRegistry:
                 self.loaded[step] = adapter
                 continue
             self._last_resolved.pop(step, None)
+            await asyncio.to_thread(self.store.forget_step_files, self.name, step, self.settings.models_dir)
             log.info("unloaded %s", adapter)
 
     async def ensure(self, requested: str, everywhere: bool = False) -> None:

@@ -219,6 +219,10 @@ class Store(StepRows, ShadowRows, ABC):
         """A local directory holding step `step`'s adapter: fetched under `models_dir` from a database that keeps it."""
         return raw_path
 
+    def forget_step_files(self, model: str, step: int, models_dir: Path) -> None:
+        """Remove the local copy `fetch_step_files` made of a step's files (none here)."""
+        return None
+
     def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
         """The step's checkpoint files, from the store into `dest`; None where the store keeps none."""
         return None
