@@ -402,3 +402,18 @@ def test_a_round_with_a_failing_op_commits_the_others_in_one_transaction(tmp_pat
         assert [c["id"] for c in store.session_calls("s2")] == ["req3"]
     finally:
         asyncio.run(store.close())
+
+
+def test_the_serving_poll_reads_a_handful_of_step_rows_however_many_steps_there_are(store):
+    """The adapter registry polls the steps every second, for weeks: it reads the newest ones and
+    those not superseded (the serving step, candidates, those turned down), not every step ever."""
+    for step in range(10):
+        store.insert_step("agent", step, f"/m/{step:04d}", {"loss": 0.5}, [])
+    store.insert_step("agent", 10, "/m/0010", {}, [], state="candidate", parent=9)
+    store.decide_step("agent", 10, "rejected", {"by": "test"})
+    store.insert_step("agent", 11, "/m/0011", {}, [], state="candidate", parent=9)
+    rows = store.recent_steps("agent", 1)
+    assert [(row["step"], row["state"]) for row in rows] == [(9, "promoted"), (10, "rejected"), (11, "candidate")]
+    assert rows[0]["metrics"] == {"loss": 0.5} and rows[1]["decision"]["by"] == "test"
+    assert [row["step"] for row in store.recent_steps("agent", 4)] == [8, 9, 10, 11]
+    assert store.recent_steps("other", 3) == []

@@ -239,7 +239,7 @@ def prune_checkpoints(store: Store, model: str, root: Path, keep: int, weights_s
     if not keep:
         return
     try:
-        rows = store.steps(model)
+        rows = store.recent_steps(model, 1)  # every candidate and promoted row: all this needs
     except StoreUnavailable:  # nothing removed this time: the next step tries again
         return
     protected = {row["step"] for row in rows if row.get("state") == "candidate"} | {weights_step}

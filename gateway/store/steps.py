@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from gateway.errors import Conflict, NotFound
-from gateway.store import training
+from gateway.store import reads, training
 from gateway.store.writer import Op
 
 STATES = ("candidate", "promoted", "superseded", "rejected", "rolled_back")
@@ -142,6 +142,10 @@ class StepRows:
         """The step NAME serves: the newest promoted one (None: nothing recorded yet)."""
         found = self._query("SELECT MAX(step) AS step FROM steps WHERE model = ? AND state = 'promoted'", (model,))
         return found[0]["step"] if found else None
+
+    def recent_steps(self, model: str, newest: int) -> list[dict]:
+        """`steps(model)` less the superseded ones older than the newest `newest` (`reads.recent_steps`)."""
+        return reads.recent_steps(self._query, model, newest)
 
     def undecided_step(self, model: str) -> int | None:
         """The newest candidate step still waiting for a decision, if any."""
