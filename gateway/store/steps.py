@@ -147,6 +147,11 @@ class StepRows:
         """`steps(model)` less the superseded ones older than the newest `newest` (`reads.recent_steps`)."""
         return reads.recent_steps(self._query, model, newest)
 
+    def seeded_from(self, model: str) -> str | None:
+        """The `--init-from NAME@N` whose adapter is `model`'s step 0, or None (`live.seeded_from`)."""
+        rows = self._query("SELECT metrics FROM steps WHERE model = ? AND step = 0", (model,))
+        return json.loads(rows[0]["metrics"] or "{}").get("init_from") if rows else None
+
     def undecided_step(self, model: str) -> int | None:
         """The newest candidate step still waiting for a decision, if any."""
         found = self._query("SELECT MAX(step) AS step FROM steps WHERE model = ? AND state = 'candidate'", (model,))
