@@ -7,15 +7,14 @@ if it is not loaded, ART's convention) and the base model's id (no adapter). Eng
 
 The hot-swap, driven by the store (the trainer's only channel to the gateway):
 
-1. every `poll_interval` the registry reads the `steps` rows of NAME;
-2. a new step N is loaded into the engine as `NAME@N`, from its checkpoint path
-   (checked to lie inside `settings.models_dir`: the path comes from another process);
-3. only once the load succeeded does the alias `NAME` move to N. Resolving a name and
-   moving the alias both run on the event loop without an `await` between reading and
-   writing, so a request sees either the old step or the new one, never a half-state;
+1. every `poll_interval` the registry reads NAME's recent `steps` rows;
+2. a new step N is loaded as `NAME@N` from its checkpoint path (checked: inside `settings.models_dir`);
+3. only once the load succeeded does the alias `NAME` move to N. Resolving a name and moving the alias both run on
+   the event loop with no `await` between, so a request sees either the old step or the new one, never a half-state;
 4. requests in flight keep the adapter they started with (`hold` counts them per step); beyond `keep_adapters`
    loaded steps, the least recently used ones (never the one the alias points at) are unloaded once nothing uses
-   them. A request for an unloaded `NAME@N` loads it again (`ensure`), so a pinned old step answers, only slower once.
+   them, with the copy of their files fetched from a PostgreSQL store. A request for an unloaded `NAME@N` loads it
+   again (`ensure`), so a pinned old step answers, only slower once.
 
 A failed load is logged, leaves the previous step serving, and is retried next poll.
 """
@@ -142,7 +141,7 @@ class AdapterRegistry:
 
     async def refresh(self) -> None:
         """One look at the store: load new steps, move the alias, unload idle old ones."""
-        rows = await asyncio.to_thread(self.store.steps, self.name)
+        rows = await asyncio.to_thread(self.store.recent_steps, self.name, self.settings.keep_adapters)
         async with self._lock:
             newest = sorted(rows, key=lambda row: row["step"])[-self.settings.keep_adapters :]
             for row in newest:
@@ -232,6 +231,7 @@ class AdapterRegistry:
                 self.loaded[step] = adapter
                 continue
             self._last_resolved.pop(step, None)
+            await asyncio.to_thread(self.store.forget_step_files, self.name, step, self.settings.models_dir)
             log.info("unloaded %s", adapter)
 
     async def ensure(self, requested: str, everywhere: bool = False) -> None:

@@ -39,6 +39,7 @@ or `acquire_gpu_for_training(store, model, timeout)` / `release_gpu(store, model
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -81,6 +82,7 @@ def is_stale(group_step: int | None, current_step: int, max_staleness: int) -> b
 
 
 RECORD_ONLY_ENGINES = frozenset({"openai"})
+HANDOVER_LOG = 70  # the last ten hand-overs (seven moments each) in `Colocator.log`
 """Engines whose calls were sampled by a policy that is not ours (an upstream's): no step."""
 
 
@@ -257,7 +259,9 @@ class Colocator:
         self.poll_interval = poll_interval
         self.sleep_level = sleep_level
         self.lent = False  # vLLM is asleep for the trainer
-        self.log: list[tuple[str, float]] = []  # (what, when): hold, drained, sleep, granted, wake, loaded, release
+        # (what, when): hold, drained, sleep, granted, wake, loaded, release. The last hand-overs only: a
+        # colocated gateway lends the GPU at every step, for weeks.
+        self.log: collections.deque[tuple[str, float]] = collections.deque(maxlen=HANDOVER_LOG)
         self._task: asyncio.Task | None = None
         self._said_cannot_sleep = False
 

@@ -92,6 +92,7 @@ TRAINER = (
     *TrainingScaleSettings.model_fields,
     "seed",
     "keep_adapters",
+    "keep_checkpoints",
     "poll_interval",
     "report_to",
     "report_project",

@@ -335,6 +335,12 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     seed: int = Field(0, description="trainer seed")
     keep_adapters: int = Field(3, ge=1, description="adapters the gateway keeps loaded (older ones unloaded once idle)")
+    keep_checkpoints: int = Field(
+        0,
+        ge=0,
+        description="checkpoints the trainer keeps on disk: the newest N, the serving step, its parent and candidates "
+        "(older ones removed after each step; 0: every one)",
+    )
     report_to: Literal["none", "wandb", "trackio"] = Field(
         "none", description="experiment tracker for every step's metrics and the run's settings (trainer/reporting.py)"
     )

@@ -22,6 +22,7 @@ import pytest
 from gateway.app import create_app
 from gateway.colocate import (
     GRANTED,
+    HANDOVER_LOG,
     IDLE,
     REQUESTED,
     acquire_gpu_for_training,
@@ -159,6 +160,19 @@ def test_a_trainer_that_dies_holding_the_gpu_does_not_stop_serving(colocated):
     assert answer.choices[0].message.content.startswith("[")
     assert not fake.asleep and store.gpu_lease("agent")["state"] == IDLE
     assert fake.chats_while_asleep == 0
+
+
+def test_the_hand_over_log_keeps_the_last_ones_only(colocated):
+    """A colocated gateway lends the GPU at every training step, for weeks: its record of the
+    hand-overs keeps the last ten, not every one since it started."""
+    _, services, _, store, _ = colocated
+    colocator = services.extras["colocator"]
+    for step in range(1, 13):
+        with gpu_for_training(store, "agent", timeout=60):
+            pass
+        wait_until(lambda: store.gpu_lease("agent")["state"] == IDLE, what=f"hand-over {step} over")
+    assert len(colocator.log) == HANDOVER_LOG
+    assert [what for what, _ in colocator.log][-6:] == ["hold", "drained", "sleep", "granted", "wake", "release"]
 
 
 def test_without_a_gateway_the_request_is_withdrawn(tmp_path):

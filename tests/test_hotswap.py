@@ -418,3 +418,31 @@ async def test_requests_keep_flowing_while_two_steps_land(tmp_path):
         assert len(seen) >= 20
     finally:
         await publisher.close()
+
+
+async def test_a_replica_removes_the_files_it_fetched_for_a_step_it_unloaded(postgres_db, tmp_path, monkeypatch):
+    """On PostgreSQL a replica fetches each step's files from the store into MODELS_DIR/NAME/store/NNNN.
+    A gateway that runs for weeks fetched every step the trainer published and kept them all; now
+    a step's copy goes when the step is unloaded (`--keep-adapters`), and a call for it fetches again."""
+    from gateway.store.postgres import PostgresStore
+
+    monkeypatch.setattr(adapters_module, "_UNLOAD_GRACE_SECONDS", 0.0)
+    trainer_settings = Settings(state_dir=tmp_path / "trainer", poll_interval=30)
+    settings = Settings(state_dir=tmp_path / "replica", keep_adapters=2, poll_interval=30)
+    trainer, replica = PostgresStore(postgres_db), PostgresStore(postgres_db)
+    engine = FakeEngine()
+    registry = AdapterRegistry(engine, replica, settings)
+    fetched = settings.models_dir / "agent" / "store"
+    try:
+        for step in range(6):
+            path = Path(fake_checkpoint(trainer_settings, step))
+            (path / "adapter_config.json").write_text(f'{{"step": {step}}}')
+            publish_fake(trainer_settings, trainer, step, str(path))
+            await registry.refresh()
+        assert sorted(registry.loaded) == [4, 5]
+        assert sorted(p.name for p in fetched.iterdir()) == ["0004", "0005"]
+        await registry.ensure("agent@1")  # fetched again, for as long as it stays loaded
+        assert (fetched / "0001" / "adapter_config.json").read_text() == '{"step": 1}'
+    finally:
+        trainer.close_sync()
+        replica.close_sync()

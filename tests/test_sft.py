@@ -314,3 +314,19 @@ def test_a_selection_flag_without_objective_sft_is_refused_before_anything_loads
     err = capsys.readouterr().err
     assert f"rlproxy train: {said} the sessions of `--objective sft`" in err, err
     assert not (tmp_path / "state" / "models").exists()  # no model loaded, no step 0 saved
+
+
+def test_keep_checkpoints_bounds_an_sft_run_too(tmp_path):
+    """`--keep-checkpoints 2` holds for `train --objective sft` as for GRPO: the newest two stay."""
+    settings = trainer_settings(tmp_path, model_name="student")
+    recorder = Recorder(settings)
+    for i in range(4):
+        recorder.call(f"d{i}", f"dg{i}", f"What is {i}?", "It is 42.")
+    recorder.close()
+    argv = ["train", "--state-dir", str(tmp_path), "--model-name", "student", "--lora-rank", "4", "--lora-alpha", "8"]
+    argv += ["--max-tokens-per-row", "256", "--objective", "sft", "--sft-sessions-per-step", "1", "--epochs", "1"]
+    argv += [arg for i in range(4) for arg in ("--group", f"dg{i}")]
+    assert main([*argv, "--keep-checkpoints", "2"]) == 0
+    root = settings.checkpoints_dir()
+    assert [c.step for c in ckpts.list_checkpoints(root)] == [3, 4]
+    assert [row["step"] for row in SQLiteStore(settings.db_path).steps("student")] == [0, 1, 2, 3, 4]

@@ -273,6 +273,25 @@ def test_staleness_applies_to_the_local_engine_too(tmp_path):
         worker.close()
 
 
+def test_choosing_groups_reads_no_step_history_however_long_the_run(tmp_path):
+    """While groups gather the trainer looks for them at every poll, for weeks: it reads what it
+    needs of the steps (the parent chain, step 0's --init-from), never every step's metrics and
+    group lists, which grow with each step."""
+    settings = trainer_settings(tmp_path, engine="local", max_staleness=1, groups_per_step=2)
+    recorder = Recorder(settings)
+    recorder.group("old", [1.0, 0.0], step=None)  # the base model answered: step 0
+    recorder.group("recent", [1.0, 0.0], step=3)
+    recorder.close()
+    worker = TrainerWorker(settings)  # not started: no model needed to choose groups
+    try:
+        worker.store.steps = None  # any read of the whole history fails this test (TypeError)
+        worker.next_step = 5  # training from step 4
+        assert worker.groups_to_train() is None  # one fresh group of the two a step takes
+        assert worker.store.get_group("old")["skipped"] == "stale: sampled by step 0, training from step 4"
+    finally:
+        worker.close()
+
+
 def test_a_half_of_a_bisected_batch_that_went_stale_is_skipped_not_trained(tmp_path, monkeypatch):
     # Each half of a failed batch that trains advances the step: the next half is screened for
     # staleness as the first selection was, so no group trains past --max-staleness.

@@ -312,3 +312,45 @@ def test_a_sample_longer_than_the_base_models_context_trains_its_prefix_instead_
     assert store.get_group("g")["trained_step"] == 1
     assert "the base model reads 512 positions" in caplog.text
     asyncio.run(store.close())
+
+
+def test_keep_checkpoints_bounds_the_disk_and_keeps_what_serves_and_its_rollback(tmp_path):
+    """Every step writes an adapter and its optimizer state: with `--keep-checkpoints 1` a trainer
+    that runs for weeks keeps the newest checkpoint and the one a rollback would serve again (its
+    parent); older ones go, their step rows stay."""
+    settings = trainer_settings(tmp_path, groups_per_step=1, keep_checkpoints=1)
+    recorder = Recorder(settings)
+    worker = TrainerWorker(settings)
+    try:
+        worker.start()
+        for step in range(4):
+            recorder.group(f"g{step}", [1.0, 0.0], step=step)
+            assert worker.train_once(worker.groups_to_train()) is not None
+    finally:
+        worker.close()
+        recorder.close()
+    root = settings.checkpoints_dir()
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["0003", "0004"]
+    store = SQLiteStore(settings.db_path)
+    assert [row["step"] for row in store.steps("agent")] == [0, 1, 2, 3, 4]
+
+
+def test_keep_checkpoints_never_removes_the_serving_step_however_old(tmp_path):
+    """`--promote manual`, two candidates rejected: NAME still serves step 0, which a gateway loads
+    and a restarted trainer goes on from, so it stays while the rejected steps go."""
+    settings = trainer_settings(tmp_path, groups_per_step=1, keep_checkpoints=1, promote="manual", max_rejections=5)
+    recorder = Recorder(settings)
+    worker = TrainerWorker(settings)
+    try:
+        worker.start()
+        for step in (1, 2, 3):
+            recorder.group(f"g{step}", [1.0, 0.0], step=0)
+            assert worker.run(max_steps=1) == 1
+            if step < 3:
+                worker.store.decide_step("agent", step, "rejected", {"by": "test"})
+    finally:
+        worker.close()
+        recorder.close()
+    root = settings.checkpoints_dir()
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["0000", "0003"]
+    assert SQLiteStore(settings.db_path).serving_step("agent") == 0

@@ -575,6 +575,30 @@ def test_managed_vllm_crash_mid_request_then_restart(tmp_path):
     assert "rlproxy starts: " in (tmp_path / "state" / "vllm.log").read_text()
 
 
+def test_the_managed_vllm_log_is_kept_under_its_bound_at_start_and_while_serving(tmp_path):
+    """vLLM writes a line a request, the health probes' included, to STATE/vllm.log, and every start
+    appended to it: a gateway that runs for weeks grew it without end. Past `MAX_BYTES` it moves
+    to vllm.log.1 and starts again, at a start and while vLLM serves."""
+    from gateway.engines.vllm.logfile import MAX_BYTES
+
+    settings = vllm_settings(tmp_path)
+    log_path = tmp_path / "state" / "vllm.log"
+    log_path.parent.mkdir(parents=True)
+    log_path.write_bytes(b"a line of an old run\n" * (MAX_BYTES // 20))
+    engine = vllm_engine(settings, launcher=FAKE_LAUNCHER, startup_timeout=60)
+    engine.supervisor.health_interval = 0.1
+    with Gateway(engine, settings, SQLiteStore(settings.db_path)) as gw:
+        old = tmp_path / "state" / "vllm.log.1"
+        assert old.read_bytes().startswith(b"a line of an old run")
+        assert log_path.stat().st_size < 2**20 and "rlproxy starts: " in log_path.read_text()
+
+        with open(log_path, "ab") as log:  # as vLLM writes it: appended, for a long while
+            log.write(b"a request\n" * (MAX_BYTES // 10 + 1))
+        wait_until(lambda: log_path.stat().st_size < MAX_BYTES, what="the log trimmed while serving")
+        assert old.read_bytes().endswith(b"a request\n")
+        assert _answers(gw.client, "agent") is not None
+
+
 def test_attached_vllm_that_restarts_is_reconnected(tmp_path):
     port = free_port()
     settings = vllm_settings(tmp_path, vllm_url=f"http://127.0.0.1:{port}")

@@ -184,3 +184,24 @@ def discard(checkpoint: Checkpoint) -> None:
     doomed = checkpoint.path.with_name(f"{_TMP_PREFIX}discard-{checkpoint.path.name}-{os.getpid()}")
     os.rename(checkpoint.path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune(root: Path, keep: int, protected: set[int]) -> list[int]:
+    """`--keep-checkpoints N`: remove the complete checkpoints older than the newest `keep`,
+    except `protected` (the serving step, the step a rollback would serve again, candidates:
+    what a gateway or a resumed trainer still loads). Each step writes an adapter and its
+    optimizer state, so without a bound a trainer that runs for weeks fills the disk the store
+    lives on too. `keep` 0 keeps every one. Returns the steps removed."""
+    if keep <= 0:
+        return []
+    removed = []
+    for checkpoint in list_checkpoints(root)[:-keep]:
+        if checkpoint.step in protected:
+            continue
+        try:
+            discard(checkpoint)
+        except OSError as exc:  # a file held elsewhere or a read-only disk: tried again after the next step
+            log.warning("could not remove the old checkpoint %s: %s", checkpoint.path, exc)
+            continue
+        removed.append(checkpoint.step)
+    return removed

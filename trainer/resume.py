@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from gateway.errors import ConfigError, Conflict
+from gateway.errors import ConfigError, Conflict, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.steps import paused_reason
@@ -231,3 +231,22 @@ def go_on_from_serving(
         load(checkpoint.path)
         log.info("trainer: step %d serves; training goes on from its adapter and optimizer", serving)
     return serving
+
+
+def prune_checkpoints(store: Store, model: str, root: Path, keep: int, weights_step: int | None) -> None:
+    """`--keep-checkpoints N` after a step: remove old checkpoints, never one a gateway or a resume
+    loads (the serving step, the parent a rollback serves again, candidates, what the weights hold)."""
+    if not keep:
+        return
+    try:
+        rows = store.recent_steps(model, 1)  # every candidate and promoted row: all this needs
+    except StoreUnavailable:  # nothing removed this time: the next step tries again
+        return
+    protected = {row["step"] for row in rows if row.get("state") == "candidate"} | {weights_step}
+    promoted = [row for row in rows if row.get("state") == "promoted"]
+    if promoted:
+        serving = max(promoted, key=lambda row: row["step"])
+        protected |= {serving["step"], serving.get("parent")}
+    removed = ckpts.prune(root, keep, {step for step in protected if step is not None})
+    if removed:
+        log.info("removed old checkpoints (--keep-checkpoints %d): steps %s", keep, removed)

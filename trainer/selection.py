@@ -62,8 +62,7 @@ def without_stale(store: Store, settings: Settings, groups: list[dict], next_ste
     if settings.promote != "always":  # training goes on from the serving step, not the newest
         current = store.serving_step(settings.model_name) or 0
     parents = store.lineage(settings.model_name)  # steps count along the parent chain: a rejected one never does
-    step_0 = [row for row in store.steps(settings.model_name) if row["step"] == 0]
-    seeded = step_0[0]["metrics"].get("init_from") if step_0 else None
+    seeded = store.seeded_from(settings.model_name)  # one row: this runs at every poll while groups gather
     fresh, stale = [], {}
     for group in groups:
         calls = policy_calls(

@@ -58,7 +58,7 @@ from trainer.lock import WorkerLock, take_lock
 from trainer.publish import gpu_lease, log_step, plan_step, train_and_record
 from trainer.render import ChatTemplateRenderer
 from trainer.reporting import Reporter
-from trainer.resume import go_on_from_serving, hold_reason, resume
+from trainer.resume import go_on_from_serving, hold_reason, prune_checkpoints, resume
 from trainer.selection import next_groups
 
 if TYPE_CHECKING:  # the backend (torch) is imported when needed
@@ -265,6 +265,7 @@ class TrainerWorker:
         self.attempts.since_step = 0
         self.reporter.report_step(plan.step, metrics, self.store, self.model)
         log_step(plan.step, metrics)
+        prune_checkpoints(self.store, self.model, self.root, self.settings.keep_checkpoints, self.weights_step)
         return metrics
 
     def run(self, stop_event: threading.Event | None = None, max_steps: int | None = None) -> int:

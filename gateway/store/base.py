@@ -19,7 +19,6 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from gateway.store import discard, lists, reads, rows, training
@@ -215,16 +214,6 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         """Hold `model`'s trainer lock on this store until it is released (ConfigError: held elsewhere).
         Nothing to hold on SQLite: its file lies in one state dir, whose lock file decides."""
         return NoTrainerLock()
-
-    # ------------------------------------------------------------ checkpoints kept in the store
-
-    def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
-        """A local directory holding step `step`'s adapter: fetched under `models_dir` from a database that keeps it."""
-        return raw_path
-
-    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
-        """The step's checkpoint files, from the store into `dest`; None where the store keeps none."""
-        return None
 
     # ------------------------------------------------------------ reads
 

@@ -32,6 +32,11 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def fetched_dir(models_dir: Path, model: str, step: int) -> Path:
+    """Where a replica keeps the files of `model`'s step `step` it fetched from the store."""
+    return Path(models_dir).resolve() / model / "store" / f"{int(step):04d}"
+
+
 def checkpoint_files(directory: Path) -> list[Path]:
     """The regular files at the top of a checkpoint directory (what a step consists of)."""
     return sorted(p for p in Path(directory).iterdir() if p.is_file() and not p.name.startswith("."))

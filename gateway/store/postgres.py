@@ -19,6 +19,7 @@ Several gateways and trainers may share one database:
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -313,16 +314,13 @@ class PostgresStore(Store):
         """A local directory holding step `step`'s files, verified: the files in the store are
         fetched into `models_dir/MODEL/store/NNNN` (the trainer's own path is on its machine).
         A step recorded without files (by an older rlproxy) keeps its path."""
-        listing = self.step_files(model, step)
-        if not listing:
-            return raw_path
-        dest = Path(models_dir).resolve() / model / "store" / f"{int(step):04d}"
+        fetched = self.restore_checkpoint(model, step, store_files.fetched_dir(models_dir, model, step))
+        return raw_path if fetched is None else str(fetched)
 
-        def read_blob(digest: str) -> bytes | None:
-            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
-            return bytes(rows[0]["data"]) if rows else None
-
-        return str(store_files.materialize(read_blob, listing, dest))
+    def forget_step_files(self, model: str, step: int, models_dir: Path) -> None:
+        """Remove what `fetch_step_files` fetched for a step no engine holds any more (unloaded):
+        else a replica kept a copy of every step the trainer ever published."""
+        shutil.rmtree(store_files.fetched_dir(models_dir, model, step), ignore_errors=True)
 
     def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
         """A trainer on a machine without the checkpoint (moved, or a new node): the step's

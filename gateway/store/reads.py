@@ -125,6 +125,23 @@ def steps(query: Query, model: str | None) -> list[dict]:
         rows = query("SELECT * FROM steps ORDER BY model, step")
     else:
         rows = query("SELECT * FROM steps WHERE model = ? ORDER BY step", (model,))
+    return _decoded_steps(rows)
+
+
+def recent_steps(query: Query, model: str, newest: int) -> list[dict]:
+    """The step rows a poll of the serving state needs: the newest `newest` and every one not
+    superseded (the serving step, candidates, those turned down). Each promotion supersedes the
+    step before, so these stay a handful while the steps grow by thousands: read whole, with
+    their metrics and group lists, every second, they cost a gateway more each day it ran."""
+    rows = query(
+        "SELECT * FROM steps WHERE model = ? AND (state <> 'superseded' OR step > "
+        "(SELECT MAX(step) FROM steps WHERE model = ?) - ?) ORDER BY step",
+        (model, model, newest),
+    )
+    return _decoded_steps(rows)
+
+
+def _decoded_steps(rows: list[dict]) -> list[dict]:
     for row in rows:
         row["metrics"] = json.loads(row["metrics"] or "{}")
         row["groups"] = json.loads(row["groups"] or "[]")

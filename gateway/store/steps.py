@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from gateway.errors import Conflict, NotFound
-from gateway.store import training
+from gateway.store import reads, training
 from gateway.store.writer import Op
 
 STATES = ("candidate", "promoted", "superseded", "rejected", "rolled_back")
@@ -143,6 +144,15 @@ class StepRows:
         found = self._query("SELECT MAX(step) AS step FROM steps WHERE model = ? AND state = 'promoted'", (model,))
         return found[0]["step"] if found else None
 
+    def recent_steps(self, model: str, newest: int) -> list[dict]:
+        """`steps(model)` less the superseded ones older than the newest `newest` (`reads.recent_steps`)."""
+        return reads.recent_steps(self._query, model, newest)
+
+    def seeded_from(self, model: str) -> str | None:
+        """The `--init-from NAME@N` whose adapter is `model`'s step 0, or None (`live.seeded_from`)."""
+        rows = self._query("SELECT metrics FROM steps WHERE model = ? AND step = 0", (model,))
+        return json.loads(rows[0]["metrics"] or "{}").get("init_from") if rows else None
+
     def undecided_step(self, model: str) -> int | None:
         """The newest candidate step still waiting for a decision, if any."""
         found = self._query("SELECT MAX(step) AS step FROM steps WHERE model = ? AND state = 'candidate'", (model,))
@@ -199,3 +209,17 @@ class StepRows:
     def lineage(self, model: str) -> dict[int, int | None]:
         """Step -> parent step, for every step of `model`."""
         return {r["step"]: r["parent"] for r in self._query("SELECT step, parent FROM steps WHERE model = ?", (model,))}
+
+    # ------------------------------------------------------------ checkpoints kept in the store
+
+    def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
+        """A local directory holding step `step`'s adapter: fetched under `models_dir` from a database that keeps it."""
+        return raw_path
+
+    def forget_step_files(self, model: str, step: int, models_dir: Path) -> None:
+        """Remove the local copy `fetch_step_files` made of a step's files (none here)."""
+        return None
+
+    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
+        """The step's checkpoint files, from the store into `dest`; None where the store keeps none."""
+        return None

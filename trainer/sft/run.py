@@ -32,6 +32,7 @@ from gateway.errors import ConfigError
 from gateway.store import SessionFilter, Store
 from trainer import checkpoints as ckpts
 from trainer.data import answered_since, fit_to_rows
+from trainer.resume import prune_checkpoints
 from trainer.sft.samples import SessionSamples, load_session_samples
 from trainer.sft.step import sft_loss, sft_step
 from trainer.types import Sample
@@ -183,6 +184,7 @@ def run_sft(
         )
         checkpoint = worker._save(step, metrics=metrics, groups=[], sft=snapshot.state())
         store.insert_step(worker.model, step, str(checkpoint.path), metrics, [])
+        prune_checkpoints(store, worker.model, worker.root, settings.keep_checkpoints, step)
         worker.next_step = step + 1
         worker.reporter.report_step(step, metrics, store, worker.model)
         val_text = "-" if metrics["val_loss"] is None else f"{metrics['val_loss']:.4f}"

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from gateway.children import die_with_parent
+from gateway.engines.vllm import logfile
 from gateway.errors import ConfigError, EngineUnavailable
 
 if TYPE_CHECKING:
@@ -317,6 +318,7 @@ class VLLMProcess:
                 "(pip install 'rlproxy[gpu]') or attach to a running server with --vllm-url"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logfile.trim(self.log_path)  # appended to across restarts: bounded here too
         if self.socket is not None:
             self.socket.prepare()
         with open(self.log_path, "ab") as log_file:
@@ -379,11 +381,7 @@ class VLLMProcess:
             self.socket.remove()
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return logfile.tail(self.log_path, lines)
 
 
 async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gateway.engines.vllm import logfile
 from gateway.engines.vllm.adapters import VLLMAdapters
 from gateway.engines.vllm.client import VLLMClient, sleep_error
 from gateway.engines.vllm.server import VLLMProcess
@@ -86,6 +87,8 @@ class VLLMSupervisor:
         while True:
             await asyncio.sleep(self.health_interval)
             try:
+                if self.managed:  # its log grows by a line a request, the probes' included
+                    await asyncio.to_thread(logfile.trim, self.process.log_path)
                 if not self.ready.is_set() or not await self._alive():
                     await self.recover()
             except asyncio.CancelledError:
