@@ -20,6 +20,20 @@ def built_in_models_built_once(tmp_path_factory):
         os.environ["RLPROXY_CACHE_DIR"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def serve_listens_on_a_free_port():
+    """`rlproxy serve` binds its port before anything else; a test that runs it without `--port`
+    to see a refusal would otherwise get "port 8000 is already in use" wherever something (another
+    gateway, another suite) holds 8000. Port 0 is any free one; a test may still set its own."""
+    previous = os.environ.get("RLPROXY_PORT")
+    os.environ["RLPROXY_PORT"] = "0"
+    yield
+    if previous is None:
+        os.environ.pop("RLPROXY_PORT", None)
+    else:
+        os.environ["RLPROXY_PORT"] = previous
+
+
 @pytest.fixture(scope="module")
 def upstream():
     """A loopback OpenAI-compatible upstream (echoes the last user message), one per module."""

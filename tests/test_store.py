@@ -346,41 +346,6 @@ async def test_the_wal_is_checkpointed_when_every_commit_is_made_on_the_loop(tmp
         await store.close()
 
 
-async def test_a_wal_grown_behind_a_long_read_shrinks_once_checkpoints_go_on(tmp_path):
-    """Calls recorded while a long read (an export on the live store) held back the checkpoints
-    grow the WAL past WAL_SIZE_LIMIT; once the read ends and the checkpoints run again, the file
-    is trimmed to the limit (SQLite reuses a WAL rather than shrink it: it stayed that size)."""
-    import sqlite3
-
-    from gateway.store.sqlite import CHECKPOINT_EVERY
-    from gateway.store.sqlite_schema import WAL_SIZE_LIMIT
-
-    store = SQLiteStore(tmp_path / "rlproxy.db")
-    await store.start()
-    wal = tmp_path / "rlproxy.db-wal"
-    reader = sqlite3.connect(str(tmp_path / "rlproxy.db"), isolation_level=None)
-    try:
-        reader.execute("BEGIN")
-        reader.execute("SELECT COUNT(*) FROM calls").fetchone()  # its snapshot holds the WAL's frames
-        big = {"messages": [{"role": "user", "content": "x" * 200_000}]}
-        i = 0
-        while wal.stat().st_size <= WAL_SIZE_LIMIT * 1.2:
-            await store.record_call(call(i, f"s{i}", request=big))
-            i += 1
-        reader.execute("ROLLBACK")
-        checkpoints = store.checkpoints
-        while store.checkpoints < checkpoints + 2:  # one to copy the WAL back, then writes start it again
-            for _ in range(CHECKPOINT_EVERY):
-                await store.record_call(call(i, f"s{i}"), alone=True)
-                i += 1
-            await store.record_call(call(i, "queued"))  # queued behind the checkpoint
-            i += 1
-        assert wal.stat().st_size <= WAL_SIZE_LIMIT
-    finally:
-        reader.close()
-        await store.close()
-
-
 def test_a_round_with_a_failing_op_commits_the_others_in_one_transaction(tmp_path):
     """Group commit runs a round without savepoints; when an op fails, the round runs again
     with one savepoint per op, so only that op is rolled back."""
