@@ -11,8 +11,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from gateway.errors import Conflict, NotFound
+from gateway.store.frozen import frozen_group_reason
 from gateway.store.locks import lock_group
-from gateway.store.rows import frozen_group_reason, require_group
+from gateway.store.rows import require_group
 
 
 def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[dict], close: bool) -> None:
