@@ -33,9 +33,10 @@ def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[di
         metrics = json.loads(row[1] or "{}")
         # The reward a client posted, kept beside the judge's; a reward that is the score an
         # earlier judgement stored is not one (judging a group again left that judge's score
-        # as the 'independent' reward).
+        # as the 'independent' reward). One posted after an earlier judgement is the client's
+        # latest word: it replaces the one that judgement kept.
         posted = row[0] is not None and row[0] != metrics.get("ruler_score")
-        if posted and "independent_reward" not in metrics:
+        if posted:
             metrics["independent_reward"] = row[0]
         metrics["ruler_score"] = score
         conn.execute(
