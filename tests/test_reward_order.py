@@ -83,3 +83,23 @@ def test_a_session_that_was_in_the_group_before_the_step_keeps_the_usual_answer(
     late = httpx.post(f"{trained}/v1/sessions/{session['id']}/reward", json={"reward": 0.5})
     assert late.status_code == 409
     assert "post rewards before the group is ready" in late.json()["error"]["message"].lower()
+
+
+def test_a_reward_to_a_session_whose_every_call_failed_says_it_will_not_train(trained):
+    # The agent's call failed (the upstream answered 503) and the harness scored the attempt 0, as
+    # agents do: the answer said `trainable: true`, but the trainer leaves a session with nothing
+    # answered out of its group. A live session in that state was already told; a harness's too now.
+    client = openai.OpenAI(
+        base_url=f"{trained}/v1",
+        api_key="none",
+        max_retries=0,
+        default_headers={"X-Session-Id": "upstream-down", "X-Group-Id": "fresh-batch"},
+    )
+    with pytest.raises(openai.APIStatusError):
+        client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "[[status=503]] 2 + 2?"}])
+    failed = httpx.post(f"{trained}/v1/sessions/upstream-down/reward", json={"reward": 0.0})
+    assert failed.status_code == 200 and failed.json()["group_id"] == "fresh-batch"
+    assert failed.json()["trainable"] is False
+    assert failed.json()["reason"].startswith("no answered call: every call of the session failed")
+    answered = rollout(trained, "fresh-batch", 1.0)
+    assert answered.status_code == 200 and answered.json()["trainable"] is True

@@ -55,6 +55,16 @@ NO_ANSWER = (
     "group (a later answered call and a reward posted again can)"
 )
 
+NO_ANSWER_IN_GROUP = (
+    "no answered call: every call of the session failed, so it has nothing to train; its group trains "
+    "without it (a later answered call can)"
+)
+
+
+def answered(conn: sqlite3.Connection, session_id: str) -> bool:
+    """Whether the session has an answered call, something to train (`_ANSWERED`)."""
+    return bool(conn.execute(_ANSWERED, (session_id,)).fetchone()[0])
+
 
 def seeded_from(conn: sqlite3.Connection, model: str) -> str | None:
     """The `--init-from NAME@N` whose adapter is the run's step 0, or None. Only where step 0
@@ -137,8 +147,7 @@ def join_live_group(
     reward's answer adds: {"trainable": True, "group_id"} or {"trainable": False, "reason"}."""
     now = time.time()
     policy, seeded = Policy.read(conn, model), seeded_from(conn, model)
-    answered = conn.execute(_ANSWERED, (session_id,)).fetchone()[0]
-    reason = stale_reason(conn, session_id, policy, rule, seeded) if answered else NO_ANSWER
+    reason = stale_reason(conn, session_id, policy, rule, seeded) if answered(conn, session_id) else NO_ANSWER
     if reason is not None:
         _leave(conn, session_id, reason, now)
         return {"trainable": False, "reason": reason}

@@ -21,7 +21,7 @@ import orjson
 
 from gateway.errors import Conflict, InvalidRequest, NotFound, other_group
 from gateway.store.frozen import frozen_group_reason, joined_late, joined_late_reason, late_call_reason
-from gateway.store.live import LiveRule, join_live_group
+from gateway.store.live import NO_ANSWER_IN_GROUP, LiveRule, answered, join_live_group
 from gateway.store.locks import for_update, lock_group, lock_live_key
 
 # ------------------------------------------------------------------ array codec
@@ -288,6 +288,8 @@ def set_reward(
         answer.update(trainable=False, reason="discarded: the session was discarded, so it is never trained")
     elif split != "train":
         answer.update(trainable=False, reason=f"split '{split}': recorded and scored, never trained")
+    elif group_id is not None and not answered(conn, session_id):  # the trainer leaves it out of its group
+        answer.update(trainable=False, reason=NO_ANSWER_IN_GROUP)
     elif group_id is not None:
         answer.update(trainable=True)
     elif live is None or task_key is None:
