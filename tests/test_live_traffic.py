@@ -248,3 +248,25 @@ def test_rejected_candidates_do_not_make_the_serving_steps_sessions_stale(store)
     assert answer["trainable"] is True, answer
     assert asyncio.run(store.set_reward("served-by-0", 0.0, {}, rule))["group_id"] == answer["group_id"]
     assert [g["id"] for g in store.ready_groups("agent")] == [answer["group_id"]]
+
+
+def test_a_live_group_a_close_made_full_takes_no_more_sessions_once_claimed_or_trained(store):
+    # `POST /v1/groups/{id}/close {"expected_sessions": 2}` on a live group leaves it open
+    # (`closed` 0) but ready at 2: the trainer claims it and trains it. The next rewards of its key
+    # joined it all the same, answered `trainable: true` with its id, and were never trained.
+    rule = LiveRule(group_size=4, max_staleness=2)
+    _step(store, 0)
+    for session_id in ("a", "b", "c", "d"):
+        _call(store, session_id, step=0)
+    first = asyncio.run(store.set_reward("a", 1.0, {}, rule))["group_id"]
+    asyncio.run(store.set_reward("b", 0.0, {}, rule))
+    asyncio.run(store.close_group(first, 2))
+    assert [g["id"] for g in store.ready_groups("agent")] == [first]
+    assert store.claim_for_step([first], 1) == [first]  # the trainer's claim, then its step
+    during = asyncio.run(store.set_reward("c", 0.5, {}, rule))
+    store.insert_step("agent", 1, "/nowhere/1", {}, [first], ["a", "b"], advantages={"a": 1.0, "b": -1.0})
+    after = asyncio.run(store.set_reward("d", 0.5, {}, rule))
+    assert during["trainable"] and after["trainable"]
+    assert during["group_id"] != first and after["group_id"] == during["group_id"]  # a group of their own
+    assert sorted(s["id"] for s in store.get_group(first)["sessions"]) == ["a", "b"]
+    assert sorted(s["id"] for s in store.get_group(during["group_id"])["sessions"]) == ["c", "d"]

@@ -321,6 +321,23 @@ def test_judging_a_group_again_keeps_only_a_posted_reward_as_independent(gateway
     assert by_id[sessions[1]]["metrics"] == {"independent_reward": 0.3, "ruler_score": 0.8}
 
 
+def test_a_reward_posted_between_two_judgements_is_the_independent_one(gateway, judge_env, judge_port):
+    # Posted, judged, posted again (the group is open until a step claims it), judged again: the
+    # independent reward kept beside the second judge's score is the one posted last. The first
+    # stayed: the session's metrics said 0.3 was the client's reward when it had said 0.6.
+    server, _, _ = gateway
+    sessions = _run_group(server, "g-reposted", ["Answer 391", "Answer 12"])
+    entries = [{"trajectory_id": i, "explanation": "", "score": v} for i, v in (("1", 0.9), ("2", 0.1))]
+    with FakeJudge(port=judge_port, answers=[json.dumps({"scores": entries})] * 2) as judge:
+        for posted in (0.3, 0.6):
+            httpx.post(f"{server.url}/v1/sessions/{sessions[1]}/reward", json={"reward": posted}).raise_for_status()
+            assert _ruler(server, "g-reposted", judge_model="openai/j", judge_api_base=judge.url).status_code == 200
+    by_id = {s["id"]: s for s in _group(server, "g-reposted")["sessions"]}
+    assert by_id[sessions[1]]["reward"] == 0.1
+    assert by_id[sessions[1]]["metrics"] == {"independent_reward": 0.6, "ruler_score": 0.1}
+    assert by_id[sessions[0]]["metrics"] == {"ruler_score": 0.9}
+
+
 def test_a_custom_rubric_reaches_the_judge(gateway, judge_env, judge_port):
     server, _, _ = gateway
     _run_group(server, "g-rubric", ["Answer 391", "Answer 390"])

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import Conflict, RLProxyError
 from gateway.ruler.judges import JudgeCall, JudgeError, judge_for, redact
-from gateway.store.rows import frozen_group_reason
+from gateway.store.frozen import frozen_group_reason
 
 log = logging.getLogger("rlproxy.ruler")
 

@@ -43,7 +43,7 @@ from gateway.ruler.judges import JudgeError
 from gateway.settings import Settings
 from gateway.shadow.calls import generated_tokens, shadow_body, shadow_calls, why_not_shadowed
 from gateway.store import CallRecord
-from gateway.store.rows import JUDGE_GAVE_UP
+from gateway.store.frozen import JUDGE_GAVE_UP
 from gateway.store.shadows import shadow_group_id
 
 log = logging.getLogger("rlproxy.shadow")

@@ -55,6 +55,16 @@ NO_ANSWER = (
     "group (a later answered call and a reward posted again can)"
 )
 
+NO_ANSWER_IN_GROUP = (
+    "no answered call: every call of the session failed, so it has nothing to train; its group trains "
+    "without it (a later answered call can)"
+)
+
+
+def answered(conn: sqlite3.Connection, session_id: str) -> bool:
+    """Whether the session has an answered call, something to train (`_ANSWERED`)."""
+    return bool(conn.execute(_ANSWERED, (session_id,)).fetchone()[0])
+
 
 def seeded_from(conn: sqlite3.Connection, model: str) -> str | None:
     """The `--init-from NAME@N` whose adapter is the run's step 0, or None. Only where step 0
@@ -107,10 +117,23 @@ def _leave(conn: sqlite3.Connection, session_id: str, reason: str | None, now: f
     conn.execute("UPDATE calls SET group_id = NULL WHERE session_id = ?", (session_id,))
 
 
+# A live group that can take one more session: not closed, nor full by the `expected_sessions` a
+# client's close gave it (`POST /v1/groups/{id}/close`, which leaves `closed` 0: such a group is
+# ready, and a trainer may claim and train it, once it holds that many, sessions discarded counted
+# as READY_GROUPS counts them), nor claimed, trained or set aside. A session joining one of those
+# was answered `trainable: true` and never trained, and so were the next ones of its key.
+_OPEN = (
+    "SELECT id FROM groups WHERE model = ? AND split = ? AND task_key = ? AND origin = 'live' AND closed = 0"
+    " AND claimed_step IS NULL AND trained_step IS NULL AND skipped IS NULL AND failed IS NULL"
+    " AND (expected_sessions IS NULL"
+    " OR expected_sessions > (SELECT COUNT(*) FROM sessions s WHERE s.group_id = groups.id))"
+    " ORDER BY created_at LIMIT 1"
+)
+
+
 def _open_group(conn: sqlite3.Connection, model: str, split: str, task_key: str) -> str | None:
     row = conn.execute(
-        "SELECT id FROM groups WHERE model = ? AND split = ? AND task_key = ? AND origin = 'live' AND closed = 0"
-        " ORDER BY created_at LIMIT 1" + for_update(conn),  # a close (POST .../close) waits, or is seen
+        _OPEN + for_update(conn),  # a close (POST .../close) waits, or is seen
         (model, split, task_key),
     ).fetchone()
     return row[0] if row is not None else None
@@ -124,8 +147,7 @@ def join_live_group(
     reward's answer adds: {"trainable": True, "group_id"} or {"trainable": False, "reason"}."""
     now = time.time()
     policy, seeded = Policy.read(conn, model), seeded_from(conn, model)
-    answered = conn.execute(_ANSWERED, (session_id,)).fetchone()[0]
-    reason = stale_reason(conn, session_id, policy, rule, seeded) if answered else NO_ANSWER
+    reason = stale_reason(conn, session_id, policy, rule, seeded) if answered(conn, session_id) else NO_ANSWER
     if reason is not None:
         _leave(conn, session_id, reason, now)
         return {"trainable": False, "reason": reason}

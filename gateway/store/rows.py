@@ -20,7 +20,8 @@ from typing import Any
 import orjson
 
 from gateway.errors import Conflict, InvalidRequest, NotFound, other_group
-from gateway.store.live import LiveRule, join_live_group
+from gateway.store.frozen import frozen_group_reason, joined_late, joined_late_reason, late_call_reason
+from gateway.store.live import NO_ANSWER_IN_GROUP, LiveRule, answered, join_live_group
 from gateway.store.locks import for_update, lock_group, lock_live_key
 
 # ------------------------------------------------------------------ array codec
@@ -186,7 +187,7 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
         group_state = conn.execute(
             "INSERT INTO groups (id, model, split, created_at, updated_at) VALUES (?,?,?,?,?)"
             " ON CONFLICT(id) DO UPDATE SET updated_at = excluded.updated_at"
-            " RETURNING split, trained_step, claimed_step",
+            " RETURNING split, trained_step, claimed_step, COALESCE(failed, skipped)",
             (call.group_id, base_model, call.split, now, now),
         ).fetchone()
     # A session keeps one split, and it is its group's: a val rollout inside a train group
@@ -212,62 +213,23 @@ def insert_call(conn: sqlite3.Connection, call: CallRecord) -> str | None:
             raise other_group(call.session_id, group_id, call.group_id)
     elif group_id is not None:  # a call without a group, in a session that has one
         group_state = conn.execute(
-            "SELECT split, trained_step, claimed_step FROM groups WHERE id = ?" + for_update(conn), (group_id,)
+            "SELECT split, trained_step, claimed_step, COALESCE(failed, skipped) FROM groups WHERE id = ?"
+            + for_update(conn),
+            (group_id,),
         ).fetchone()
     else:
         return None
-    group_split, trained_step, claimed_step = group_state or (call.split, None, None)
+    group_split, trained_step, claimed_step, set_aside = group_state or (call.split, None, None, None)
     if group_split != call.split:
         raise Conflict(
             f"group '{group_id}' holds '{group_split}' sessions; this call says X-Split '{call.split}'. "
             "Use one split per group (a separate group id for val rollouts).",
             param="split",
         )
-    reason = late_call_reason(group_id, trained_step, claimed_step)
+    reason = late_call_reason(group_id, trained_step, claimed_step, set_aside)
     if reason is not None:
         conn.execute("UPDATE calls SET untrainable = ? WHERE id = ?", (reason, call.id))
     return reason
-
-
-def late_call_reason(group_id: str, trained_step: int | None, claimed_step: int | None) -> str | None:
-    """Why a call recorded now can never be trained: its group's data is frozen once a step
-    claimed it (the step reads the calls when it starts) or trained it."""
-    if trained_step is not None:
-        return f"late: group '{group_id}' was already trained (step {trained_step}) when this call was recorded"
-    if claimed_step is not None:
-        return f"late: group '{group_id}' was being trained (step {claimed_step}) when this call was recorded"
-    return None
-
-
-def frozen_group_reason(
-    group_id: str, trained_step: int | None, claimed_step: int | None, set_aside: str | None = None
-) -> str | None:
-    """Why a group's rewards can no longer change: a step claimed it or trained it, or it was set
-    aside (`set_aside`: why it was skipped or failed; by the trainer, or a shadow judge's give-up)."""
-    if trained_step is not None:
-        return (
-            f"group '{group_id}' was already trained (step {trained_step}): a reward now would change nothing "
-            "it learned from. Post rewards before the group is ready (closed and every session rewarded)."
-        )
-    if claimed_step is not None:
-        return (
-            f"group '{group_id}' is being trained (step {claimed_step}) with the rewards it had when the step "
-            "took it: post rewards before the group is ready (closed and every session rewarded)."
-        )
-    if set_aside is not None and set_aside.startswith(JUDGE_GAVE_UP):
-        # A shadow group: only its judge rewards it, and the judge gave up; not the trainer's doing.
-        return f"group '{group_id}' was set aside once its RULER judge gave up ({set_aside}) and will not be trained."
-    if set_aside is not None:
-        return (
-            f"group '{group_id}' was set aside by the trainer ({set_aside}) and will not be trained: "
-            "post rewards before the group is ready (closed and every session rewarded)."
-        )
-    return None
-
-
-JUDGE_GAVE_UP = "RULER could not judge it"
-"""How the reason starts when the shadow sampler sets a group aside (`shadows.give_up_shadow_group`):
-the trainer's reasons never do, so a 409 can say who set the group aside."""
 
 
 NO_GROUP = (
@@ -302,6 +264,8 @@ def set_reward(
     discarded = row[2]
     frozen = frozen_group_reason(group_id, *state) if state is not None else None
     if frozen is not None:
+        if state is not None and joined_late(conn, session_id):  # "post earlier" could not have helped it
+            raise Conflict(joined_late_reason(session_id, group_id, *state), param="session_id")
         raise Conflict(f"session '{session_id}' takes no reward now: its {frozen}", param="session_id")
     kept = json.loads(row[0] or "{}")
     merged = {**kept, **metrics}
@@ -324,6 +288,8 @@ def set_reward(
         answer.update(trainable=False, reason="discarded: the session was discarded, so it is never trained")
     elif split != "train":
         answer.update(trainable=False, reason=f"split '{split}': recorded and scored, never trained")
+    elif group_id is not None and not answered(conn, session_id):  # the trainer leaves it out of its group
+        answer.update(trainable=False, reason=NO_ANSWER_IN_GROUP)
     elif group_id is not None:
         answer.update(trainable=True)
     elif live is None or task_key is None:

@@ -11,8 +11,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from gateway.errors import Conflict, NotFound
+from gateway.store.frozen import frozen_group_reason
 from gateway.store.locks import lock_group
-from gateway.store.rows import frozen_group_reason, require_group
+from gateway.store.rows import require_group
 
 
 def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[dict], close: bool) -> None:
@@ -32,9 +33,10 @@ def record_judgement(conn: Any, group_id: str, judge_model: str, scores: list[di
         metrics = json.loads(row[1] or "{}")
         # The reward a client posted, kept beside the judge's; a reward that is the score an
         # earlier judgement stored is not one (judging a group again left that judge's score
-        # as the 'independent' reward).
+        # as the 'independent' reward). One posted after an earlier judgement is the client's
+        # latest word: it replaces the one that judgement kept.
         posted = row[0] is not None and row[0] != metrics.get("ruler_score")
-        if posted and "independent_reward" not in metrics:
+        if posted:
             metrics["independent_reward"] = row[0]
         metrics["ruler_score"] = score
         conn.execute(
