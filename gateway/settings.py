@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, SecretSt
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, mask_args, masked
-from gateway.settings_access import AccessSettings, EnvList, one_or_list
+from gateway.settings_access import AccessSettings, EnvList, judge_urls, one_or_list
 from gateway.settings_loss import LossSettings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
@@ -106,12 +106,6 @@ def _a_directory(value: object) -> object:
     if isinstance(value, str) and not value.strip():
         raise ValueError("give a directory; an empty value would be the current one (the default is .rlproxy)")
     return value
-
-
-def _judge_urls(bases: list[str]) -> list[str]:
-    if not all(base.startswith(("http://", "https://")) for base in bases):
-        raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
-    return bases
 
 
 FOUR_BIT_WITH_VLLM = (
@@ -297,7 +291,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         description="a RULER judge (litellm model string, exact match) that POST /v1/groups/{id}/ruler may name "
         "(repeatable); self and --shadow-judge-model are always allowed, any other is refused",
     )
-    judge_api_base: Annotated[EnvList, AfterValidator(_judge_urls)] = Field(
+    judge_api_base: Annotated[EnvList, AfterValidator(judge_urls)] = Field(
         default_factory=list,
         description="an OpenAI-compatible base URL that RULER requests may name as judge_api_base (repeatable, "
         "exact match; --shadow-judge-api-base is allowed too); RLPROXY_JUDGE_API_KEY is sent only to these",

@@ -1,5 +1,6 @@
-"""Who may reach the gateway beyond its key (`AccessSettings`), and how a repeatable flag reads
-its RLPROXY_* variable (`EnvList`): pieces of `gateway.settings.Settings`, kept apart for its size."""
+"""Who may reach the gateway beyond its key (`AccessSettings`), which judges it may reach (`judge_urls`),
+and how a repeatable flag reads its RLPROXY_* variable (`EnvList`): pieces of `gateway.settings.Settings`,
+kept apart for its size."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def one_or_list(value: object) -> object:
 
 
 EnvList = Annotated[list[str], NoDecode, BeforeValidator(one_or_list)]
+
+
+def judge_urls(bases: list[str]) -> list[str]:
+    """--judge-api-base: the judges RULER may call (gateway/ruler/judges.py), base URLs."""
+    if not all(base.startswith(("http://", "https://")) for base in bases):
+        raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
+    return bases
 
 
 class AccessSettings(BaseModel):
