@@ -165,8 +165,13 @@ class PromotionSettings(BaseModel):
 
 
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
+# allow_inf_nan=False: no setting means anything at inf or nan. `--max-body-mb inf` crashed serve with an
+# OverflowError, `--poll-interval inf` the trainer's wait, `--dist-timeout inf` the process group; for "no
+# limit" give a large number. Ranges refused nan already, in words ("should be greater than 0") that misled.
 class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings, LossSettings):
-    model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
+    model_config = SettingsConfigDict(
+        env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True, allow_inf_nan=False
+    )
 
     # -- service
     host: str = Field("127.0.0.1", description="address to listen on")
