@@ -42,6 +42,17 @@ def _checked(settings: Settings) -> Settings:
     return settings
 
 
+def _check_device(settings: Settings) -> None:
+    """--device, where a process of this command computes on it: the local engine in the gateway, or
+    the trainer beside it (`gateway.devices.check_torch_device`). A trainer child given
+    --trainer-devices numbers its GPUs apart, and checks its own index when it starts."""
+    from gateway.devices import check_torch_device
+
+    local = settings.engine == "local"
+    if local or (settings.trainer == "auto" and settings.engine != "openai"):
+        check_torch_device(settings, own_numbering=local or (settings.trainer_devices is None and settings.nproc == 1))
+
+
 def _configure_logging(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -57,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.trainer_process import run_gateway, start_trainer
 
     settings = settings_from_args(args)
+    _check_device(settings)
     _configure_logging(settings)
     hide_access_log_secrets(settings.secrets())  # the access line (--log-level debug) holds query strings
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
@@ -89,7 +101,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from gateway.devices import trainer_environment
+    from gateway.devices import check_torch_device, trainer_environment
     from gateway.export.selection import sft_selection
 
     settings = settings_from_args(args)
@@ -98,6 +110,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # --trainer-devices run by hand: CUDA reads CUDA_VISIBLE_DEVICES once, when torch first uses it,
     # so it is set before the trainer (and torch) is imported.
     trainer_environment(settings, os.environ)
+    # A rank takes cuda:LOCAL_RANK whatever --device's index (trainer/distributed/team.py).
+    check_torch_device(settings, own_numbering=settings.nproc == 1 and os.environ.get("WORLD_SIZE", "1") == "1")
     if settings.nproc > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks, which train
         from trainer.distributed.launch import launch
 
@@ -169,6 +183,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     settings = _checked(demo_settings(given, options.out, options.task, options.warm_start is not None))
+    _check_device(settings)
     summary = run_demo(settings, options)
     print(report(summary))
     return 0

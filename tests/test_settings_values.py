@@ -34,3 +34,41 @@ def test_an_infinite_flag_or_variable_is_one_line_naming_it(capsys, tmp_path, mo
     assert main(["train", "--state-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err == "rlproxy train: RLPROXY_POLL_INTERVAL (environment variable): Input should be a finite number\n"
+
+
+def test_a_device_torch_does_not_know_is_refused_before_anything_loads(capsys, tmp_path):
+    # `rlproxy train --device gpu` loaded the model first, then died with torch's RuntimeError traceback
+    # and exit 1, which `serve --trainer auto` takes for a crash and starts it again; `serve` said it
+    # only once the model had loaded, after its settings line and uvicorn's start.
+    for command in ("train", "serve"):
+        assert main([command, "--state-dir", str(tmp_path), "--device", "gpu"]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"rlproxy {command}: --device gpu is not a device torch knows: use cpu, cuda (the first GPU) or "
+            "cuda:N, or mps (Apple silicon)\n"
+        ), err
+    assert not (tmp_path / "rlproxy.db").exists()  # refused before the store was opened
+
+
+def test_a_gpu_this_machine_lacks_is_refused_at_start_with_the_reason(capsys, tmp_path, monkeypatch):
+    import torch
+
+    given = ["--state-dir", str(tmp_path), "--trainer", "off"]
+    if torch.version.cuda is None:  # this CPU build of torch
+        assert main(["serve", *given, "--device", "cuda"]) == 2
+        assert f"--device cuda: this torch ({torch.__version__}) is built without CUDA" in capsys.readouterr().err
+    # A CUDA build on a machine whose GPUs are hidden, then one with a single GPU.
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["serve", *given, "--device", "cuda"]) == 2
+    assert "--device cuda: torch sees no CUDA GPU here (CUDA_VISIBLE_DEVICES='')" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["train", "--state-dir", str(tmp_path), "--device", "cuda:1"]) == 2
+    assert capsys.readouterr().err == "rlproxy train: --device cuda:1: torch sees 1 GPU(s) here, cuda:0 to cuda:0\n"
+    # The openai engine computes nothing here and starts no trainer: its --device is not looked at.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    from gateway.cli import _check_device, build_parser, settings_from_args
+
+    upstream = ["--engine", "openai", "--upstream-url", "http://127.0.0.1:9/v1", "--device", "cuda"]
+    _check_device(settings_from_args(build_parser().parse_args(["serve", *given, *upstream])))
