@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from gateway import version
 from gateway.errors import RLProxyError
-from gateway.flags import ENGINE, EVERY_FLAG, TRAIN_NOTE, TRAINER, add_command_flags
+from gateway.flags import ENGINE, EVERY_FLAG, TRAIN_NOTE, TRAINER, add_command_flags, secret_flags_warning
 from gateway.models.tuning import log_settings
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 
@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `train --nproc N` starts its ranks with them
     _, handler, _ = COMMANDS[args.command]
+    warning = secret_flags_warning(args)
+    if warning:  # said, never refused: a key on the command line of a machine of one's own may be fine
+        print(f"rlproxy {args.command}: warning: {warning}", file=sys.stderr)
     try:
         return handler(args) or 0
     except RLProxyError as exc:

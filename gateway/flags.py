@@ -13,6 +13,7 @@ import argparse
 import typing
 from typing import Literal
 
+from gateway.redact import hidden_in
 from gateway.settings import PromotionSettings, Settings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
@@ -99,6 +100,33 @@ TRAINER = (
 )
 
 
+# The settings that are secrets, or may hold one (a postgresql:// URL's password): the gateway hands
+# them to its trainer in the environment, never on its command line, and `--help` steers to the variable.
+SECRET_SETTINGS = ("api_key", "admin_key", "upstream_api_key", "vllm_api_key", "store")
+
+
+def secret_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of this command line that carry a secret: a key, or a password or token inside a URL
+    or a --vllm-arg (`gateway.redact.hidden_in`), as they were written."""
+    given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    return ["--" + name.replace("_", "-") for name, value in given.items() if hidden_in({name: value})]
+
+
+def secret_flags_warning(args: argparse.Namespace) -> str | None:
+    """One line on the secrets this command line shows to every user of the machine, without them."""
+    flags = secret_flags(args)
+    named = [flag for flag in flags if flag != "--vllm-arg"]
+    said = []
+    if named:
+        variables = ", ".join("RLPROXY_" + flag[2:].replace("-", "_").upper() for flag in named)
+        said.append(f"{', '.join(named)} on the command line: set {variables} in the environment instead")
+    if "--vllm-arg" in flags:  # on vLLM's own command line too, whichever way rlproxy was given it
+        said.append("a secret in --vllm-arg: pass it to vLLM in its environment instead (HF_TOKEN for --hf-token)")
+    if not said:
+        return None
+    return "; ".join(said) + " (every user of this machine can read a command line: ps, /proc/PID/cmdline)"
+
+
 def add_settings_flags(
     parser: argparse.ArgumentParser, names: tuple[str, ...], title: str, *, hidden: bool = False
 ) -> None:
@@ -116,7 +144,10 @@ def add_settings_flags(
         default = field.default if field.default_factory is None else field.default_factory()
         shown = "***" if "key" in name and default else default
         per_model = "; the built-in models have their own: docs/training.md" if name in tuned else ""
-        help_text = f"{field.description} (env RLPROXY_{name.upper()}; default: {shown}{per_model})"
+        env = f"env RLPROXY_{name.upper()}"
+        if name in SECRET_SETTINGS:
+            env = f"better as {env}: a flag shows in `ps` to every user of the machine"
+        help_text = f"{field.description} ({env}; default: {shown}{per_model})"
         kwargs: dict = {"dest": name, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS if hidden else help_text}
         if origin is Literal:
             kwargs["choices"] = list(args)

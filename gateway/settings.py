@@ -50,7 +50,8 @@ MIN_API_KEY_LENGTH = 16
 WEAK_API_KEY = (
     f"the gateway's API key must be at least {MIN_API_KEY_LENGTH} characters: an empty or short key is one "
     "anyone can guess, and the dashboard's cookie is computed from it. Make one with `openssl rand -hex 24` "
-    "and pass it as --api-key or RLPROXY_API_KEY; to run without a key (loopback only), leave both unset"
+    "and set it as RLPROXY_API_KEY (or --api-key, which other users see in `ps`); to run without a key (loopback "
+    "only), leave both unset"
 )
 
 

@@ -254,3 +254,41 @@ def test_an_upstream_error_page_reaches_the_log_only(tmp_path, caplog):
     )
     assert "db-internal-7" not in said and "svc_llm" not in said
     assert "db-internal-7.corp:5432 user=svc_llm key=***" in caplog.text and UPSTREAM_KEY not in caplog.text
+
+
+# ---------------------------------------------------------------- secrets on the command line
+
+
+def test_a_secret_given_as_a_flag_is_warned_about_without_repeating_it(capsys, monkeypatch, tmp_path):
+    # Every user of the machine reads a process's command line (`ps`): a key given as --api-key was
+    # theirs, and only RLPROXY_STORE was said to keep a secret off it. Said once, at start; a
+    # --port 99999 refused after it ends each run before anything starts.
+    from gateway.cli import main
+
+    given = ["--state-dir", str(tmp_path), "--port", "99999"]
+    store = "postgresql://rlproxy:hunter2-secret@db.internal:5432/rlproxy"
+    assert main(["serve", *given, "--api-key", KEY, "--store", store]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (
+        "rlproxy serve: warning: --api-key, --store on the command line: set RLPROXY_API_KEY, RLPROXY_STORE in "
+        "the environment instead (every user of this machine can read a command line: ps, /proc/PID/cmdline)"
+    )
+    assert KEY not in err and "hunter2" not in err
+    assert main(["serve", *given, "--vllm-arg=--hf-token=hf_" + "secret-token"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: a secret in --vllm-arg: pass it to vLLM in its environment instead (HF_TOKEN" in err
+    assert "secret-token" not in err
+    # The same secrets from the environment, and a store URL without a password: nothing to say.
+    monkeypatch.setenv("RLPROXY_API_KEY", KEY)
+    monkeypatch.setenv("RLPROXY_STORE", store)
+    assert main(["serve", *given]) == 2
+    assert main(["train", *given, "--store", "postgresql://rlproxy@db.internal/rlproxy"]) == 2
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_help_steers_every_secret_to_its_variable():
+    from tests.test_cli import help_text
+
+    text = " ".join(help_text("serve").split())
+    for name in ("store", "api_key", "admin_key", "upstream_api_key", "vllm_api_key"):
+        assert f"better as env RLPROXY_{name.upper()}: a flag shows in `ps` to every user of the machine" in text
