@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, mask_args, masked
 from gateway.settings_access import AccessSettings, EnvList, judge_urls, one_or_list
+from gateway.settings_keys import MIN_API_KEY_LENGTH, GatewayKey, Key, admin_apart
 from gateway.settings_loss import LossSettings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
@@ -46,26 +47,10 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
-MIN_API_KEY_LENGTH = 16
-WEAK_API_KEY = (
-    f"the gateway's API key must be at least {MIN_API_KEY_LENGTH} characters: an empty or short key is one "
-    "anyone can guess, and the dashboard's cookie is computed from it. Make one with `openssl rand -hex 24` "
-    "and set it as RLPROXY_API_KEY (or --api-key, which other users see in `ps`); to run without a key (loopback "
-    "only), leave both unset"
-)
-
-
 def public_argv(argv: list[str]) -> list[str]:
     """A command line fit for a tracker's run record: secrets in flags and URLs masked, as
     `Settings.public_dict` masks the settings (the trainer may use this module, not `redact`)."""
     return mask_args(argv)
-
-
-def _long_enough(key: SecretStr | None) -> SecretStr | None:
-    # A blank RLPROXY_API_KEY= is refused too: whoever set it meant a key, not none.
-    if key is not None and len(key.get_secret_value().strip()) < MIN_API_KEY_LENGTH:
-        raise ValueError(WEAK_API_KEY)
-    return key
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -128,7 +113,7 @@ class PromotionSettings(BaseModel):
         "live rewards decide) or manual (POST /v1/training/steps/{n}/promote or /reject); the trainer waits "
         "while a step is undecided and goes on from the serving step",
     )
-    admin_key: Annotated[SecretStr | None, AfterValidator(_long_enough)] = Field(
+    admin_key: GatewayKey = Field(
         None,
         description="a second bearer key, for the admin actions (promote, reject, resume, trigger): with it set "
         "--api-key is refused there (403); without it, --api-key does everything",
@@ -191,7 +176,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "and trainers on other machines (pip install 'rlproxy[postgres]'); "
         "default: SQLite under the state dir",
     )
-    api_key: Annotated[SecretStr | None, AfterValidator(_long_enough)] = Field(
+    api_key: GatewayKey = Field(
         None, description=f"bearer key required on every route but /healthz ({MIN_API_KEY_LENGTH} characters or more)"
     )
     log_level: Annotated[str, AfterValidator(_log_level)] = Field("info", description="debug, info, warning or error")
@@ -211,7 +196,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "agent", description="name the trainable model is served as (NAME, NAME@STEP)"
     )
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
-    upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
+    upstream_api_key: Key = Field(None, description="key sent to the upstream (never stored)")
     # gt=0: at 0, -5 or nan every call was a 504 "did not answer within -5 s" (vLLM's calls too).
     upstream_timeout: float = Field(
         600.0, gt=0, description="seconds before an upstream (or vLLM) call is answered with 504"
@@ -233,7 +218,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         description="attach to a running vLLM server instead of starting one: http(s)://HOST:PORT, or "
         "unix:PATH for one started with --uds PATH (repeatable: several replicas of one model)",
     )
-    vllm_api_key: SecretStr | None = Field(
+    vllm_api_key: Key = Field(
         None, description="the key of the vLLM at --vllm-url, if it has one (sent as a bearer, never stored)"
     )
     vllm_port: int | None = Field(
@@ -353,6 +338,11 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
             raise ValueError(FOUR_BIT_WITH_VLLM)
         if self.init_from and self.init_from.partition("@")[0] == self.model_name:
             raise ValueError(f"--init-from {self.init_from} names this run itself: give another --model-name")
+        return self
+
+    @model_validator(mode="after")
+    def _an_admin_key_of_its_own(self) -> Settings:
+        admin_apart(self.api_key, self.admin_key)
         return self
 
     @model_validator(mode="after")

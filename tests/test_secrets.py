@@ -62,6 +62,34 @@ def test_settings_take_a_long_key_and_refuse_a_short_one_without_repeating_it():
     assert "at least 16 characters" in str(refused.value) and "0123456789abcde" not in str(refused.value)
 
 
+@pytest.mark.parametrize("variable", ["RLPROXY_API_KEY", "RLPROXY_ADMIN_KEY", "RLPROXY_UPSTREAM_API_KEY"])
+def test_a_key_no_header_can_carry_is_refused_at_start(variable, capsys, monkeypatch, tmp_path):
+    # A key read whole from a file (a Kubernetes secret) keeps its newline: the gateway then answered every
+    # call 401 "the key does not match" whatever the client sent, and an upstream key with one made every
+    # call a 400 "malformed HTTP request", blamed on the client.
+    from gateway.cli import main
+
+    monkeypatch.setenv(variable, KEY + "\n")
+    assert main(["serve", "--state-dir", str(tmp_path), "--engine", "openai"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"rlproxy serve: {variable} (environment variable): a key must be printable ASCII, with no "
+    ), err
+    assert "strip it" in err and KEY not in err
+
+
+def test_an_admin_key_that_is_the_api_key_is_refused(capsys, monkeypatch, tmp_path):
+    # Every agent holding the key was admin: it could promote, reject and resume, which the admin key keeps apart.
+    from gateway.cli import main
+
+    monkeypatch.setenv("RLPROXY_API_KEY", KEY)
+    monkeypatch.setenv("RLPROXY_ADMIN_KEY", KEY)
+    assert main(["serve", "--state-dir", str(tmp_path), "--engine", "openai"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlproxy serve: --admin-key is the same as --api-key: every agent holding the key"), err
+    assert KEY not in err
+
+
 # ---------------------------------------------------------------- item 8: no key in a URL
 
 
