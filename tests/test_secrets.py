@@ -320,3 +320,35 @@ def test_help_steers_every_secret_to_its_variable():
     text = " ".join(help_text("serve").split())
     for name in ("store", "api_key", "admin_key", "upstream_api_key", "vllm_api_key"):
         assert f"better as env RLPROXY_{name.upper()}: a flag shows in `ps` to every user of the machine" in text
+
+
+def test_the_demo_hands_its_trainer_every_secret_unmasked_and_off_its_command_line(tmp_path, monkeypatch):
+    # The demo wrote its trainer's flags from the masked settings: `--store=postgresql://rl:***@...` beat
+    # the RLPROXY_STORE the trainer inherits (it logged in with the password ***), and `--admin-key=***`
+    # from an RLPROXY_ADMIN_KEY in the user's shell was a key too short: the trainer refused to start.
+    from gateway.cli import build_parser, settings_from_args
+    from gateway.demo import processes
+    from gateway.demo.options import demo_settings
+
+    started = {}
+
+    class NoProcess:
+        def __init__(self, cmd, env, **kwargs):
+            started.update(cmd=cmd, env=env)
+
+    monkeypatch.setattr(processes.subprocess, "Popen", NoProcess)
+    store = "postgresql://rl:hunter2-secret@127.0.0.1:9/rl"
+    monkeypatch.setenv("RLPROXY_ADMIN_KEY", KEY)
+    monkeypatch.setenv("RLPROXY_STORE", store)
+    settings = demo_settings({"vllm_arg": ["--hf-token=hf_secret-token"]}, tmp_path)
+    processes.Trainer(settings, tmp_path / "trainer.log", threads=1)._log.close()
+
+    assert not [arg for arg in started["cmd"] if "secret" in arg or KEY in arg or "***" in arg], started["cmd"]
+    for name in list(os.environ):  # the trainer's process: its own environment and command line
+        if name.startswith("RLPROXY_"):
+            monkeypatch.delenv(name)
+    for name, value in started["env"].items():
+        monkeypatch.setenv(name, value)
+    trainer = settings_from_args(build_parser().parse_args(started["cmd"][3:]))
+    assert trainer.store == store and trainer.admin_key.get_secret_value() == KEY
+    assert trainer.vllm_arg == ["--hf-token=hf_secret-token"]
