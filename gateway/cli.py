@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             # with "Value error, ": the reason alone names the flags
             reason = error["msg"].removeprefix("Value error, ")
             where = f"{_where_set(error['loc'], args)}: " if error["loc"] else ""
+            if reason.startswith(where[:-2] + " "):  # "--init-from takes ...": the flag is said once
+                where = ""
             print(f"rlproxy {args.command}: {where}{reason}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -308,11 +310,13 @@ def _where_set(loc: tuple, args: argparse.Namespace) -> str:
     import os
 
     name = str(loc[0])
+    where = "--" + name.replace("_", "-")
     if name in Settings.model_fields and name not in vars(args):
         variable = f"RLPROXY_{name.upper()}"
         if any(key.upper() == variable for key in os.environ):  # Settings reads them case-insensitively
-            return f"{variable} (environment variable)"
-    return "--" + "-".join(str(part) for part in loc).replace("_", "-")
+            where = f"{variable} (environment variable)"
+    # One value of a repeatable flag: `--upstream-protocol chat` was blamed on `--upstream-protocol-1`.
+    return f"{where}, its value {loc[1] + 1}" if len(loc) == 2 and isinstance(loc[1], int) else where
 
 
 def run() -> None:

@@ -72,3 +72,22 @@ def test_a_gpu_this_machine_lacks_is_refused_at_start_with_the_reason(capsys, tm
 
     upstream = ["--engine", "openai", "--upstream-url", "http://127.0.0.1:9/v1", "--device", "cuda"]
     _check_device(settings_from_args(build_parser().parse_args(["serve", *given, *upstream])))
+
+
+def test_a_refused_value_of_a_repeatable_flag_names_the_flag_and_which_value(capsys, tmp_path, monkeypatch):
+    # `--upstream-protocol chat` was blamed on `--upstream-protocol-1`, a flag that does not exist, and a
+    # check that names its flag itself read "--judge-api-base: --judge-api-base must start with ...".
+    upstream = ["--engine", "openai", "--upstream-url", "http://127.0.0.1:9/v1"]
+    given = ["--state-dir", str(tmp_path), *upstream, "--upstream-protocol", "responses"]
+    assert main(["serve", *given, "--upstream-protocol", "chat"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "rlproxy serve: --upstream-protocol, its value 2: Input should be 'responses', 'messages' or 'completions'\n"
+    )
+    assert main(["serve", "--state-dir", str(tmp_path), "--judge-api-base", "ftp://judge"]) == 2
+    assert capsys.readouterr().err.startswith("rlproxy serve: --judge-api-base must start with http:// or https://")
+    monkeypatch.setenv("RLPROXY_JUDGE_API_BASE", "ftp://judge")
+    assert main(["serve", "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlproxy serve: RLPROXY_JUDGE_API_BASE (environment variable): --judge-api-base must start")
