@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, SecretSt
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, mask_args, masked
-from gateway.settings_access import AccessSettings, EnvList, judge_urls, one_or_list
+from gateway.settings_access import AccessSettings, EnvList, judge_url, judge_urls, one_or_list
 from gateway.settings_keys import MIN_API_KEY_LENGTH, GatewayKey, Key, admin_apart
 from gateway.settings_loss import LossSettings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
@@ -274,7 +274,8 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     shadow_judge_model: str | None = Field(
         None, description="RULER judge for shadow groups: a litellm model string, or self (the served model)"
     )
-    shadow_judge_api_base: str | None = Field(
+    # Checked whether or not shadows are on: RULER requests may name it too (gateway/ruler/judges.py).
+    shadow_judge_api_base: Annotated[str | None, AfterValidator(judge_url)] = Field(
         None, description="OpenAI-compatible base URL of the shadow judge (litellm's api_base)"
     )
     judge_model: EnvList = Field(
@@ -362,10 +363,6 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
             )
         if self.shadow_judge_model == "self" and self.shadow_judge_api_base:
             raise ValueError("--shadow-judge-api-base cannot be used with --shadow-judge-model self")
-        if self.shadow_judge_api_base and not self.shadow_judge_api_base.startswith(("http://", "https://")):
-            raise ValueError(
-                f"--shadow-judge-api-base must start with http:// or https://, got {self.shadow_judge_api_base!r}"
-            )
         return self
 
     def public_dict(self) -> dict:

@@ -73,6 +73,13 @@ def judge_urls(bases: list[str]) -> list[str]:
     return bases
 
 
+def judge_url(base: str | None) -> str | None:
+    # The URL is not repeated: it may hold a password (ftp://u:PASSWORD@judge went to the terminal whole).
+    if base and not base.startswith(("http://", "https://")):
+        raise ValueError("--shadow-judge-api-base must start with http:// or https:// (http://gpu-box:8001/v1)")
+    return base
+
+
 class AccessSettings(BaseModel):
     """Who may reach the gateway beyond its key (gateway/http/browsers.py, gateway/http/security.py):
     flags of `Settings`, in a class of their own for its size."""

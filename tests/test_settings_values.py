@@ -91,3 +91,15 @@ def test_a_refused_value_of_a_repeatable_flag_names_the_flag_and_which_value(cap
     assert main(["serve", "--state-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlproxy serve: RLPROXY_JUDGE_API_BASE (environment variable): --judge-api-base must start")
+
+
+def test_a_shadow_judge_base_that_is_no_http_url_is_refused_even_without_shadows_and_never_repeated(capsys, tmp_path):
+    # RULER requests may name it as judge_api_base with shadows off too, and it went unchecked then; with
+    # shadows on, the refusal repeated the URL, password and all.
+    url = "ftp://judge:hunter2@gpu-box/v1"
+    shadows = ["--shadow-samples", "2", "--shadow-judge-model", "openai/judge"]
+    for flags in (shadows, []):
+        assert main(["serve", "--state-dir", str(tmp_path), *flags, "--shadow-judge-api-base", url]) == 2
+        err = capsys.readouterr().err
+        assert "rlproxy serve: --shadow-judge-api-base must start with http:// or https://" in err, err
+        assert "hunter2" not in err
