@@ -91,7 +91,14 @@ def _a_directory(value: object) -> object:
     # the store and checkpoints landed there and the directory itself was made private (0700).
     if isinstance(value, str) and not value.strip():
         raise ValueError("give a directory; an empty value would be the current one (the default is .rlproxy)")
-    return value
+    # `--state-dir=~/runs` (no shell expands a ~ after '=') or RLPROXY_STATE_DIR=~/runs from an env file
+    # made a directory named '~' in the current one, the store in it: the home directory is meant.
+    return Path(value).expanduser() if isinstance(value, (str, Path)) else value
+
+
+def _home(value: object) -> object:
+    # `--store=~/rlproxy.db` likewise: an SQLite file under ./~ (a URL never starts with ~).
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
 
 FOUR_BIT_WITH_VLLM = (
@@ -170,7 +177,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         description="normal: a recorded call survives the gateway crashing or being killed; "
         "full: also an OS crash or power loss (an fsync per group commit)",
     )
-    store: str | None = Field(
+    store: Annotated[str | None, BeforeValidator(_home)] = Field(
         None,
         description="postgresql://... to share one store between gateway replicas "
         "and trainers on other machines (pip install 'rlproxy[postgres]'); "

@@ -103,3 +103,16 @@ def test_a_shadow_judge_base_that_is_no_http_url_is_refused_even_without_shadows
         err = capsys.readouterr().err
         assert "rlproxy serve: --shadow-judge-api-base must start with http:// or https://" in err, err
         assert "hunter2" not in err
+
+
+def test_a_state_dir_or_store_under_home_written_with_a_tilde_is_under_home(tmp_path, monkeypatch):
+    # No shell expands the ~ of `--state-dir=~/runs`, nor of RLPROXY_STATE_DIR=~/runs in an env file: the
+    # gateway made a directory named '~' in the current one and kept its store there.
+    from gateway.cli import build_parser, settings_from_args
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    settings = settings_from_args(build_parser().parse_args(["serve", "--state-dir=~/runs", "--store=~/shared.db"]))
+    assert settings.state_dir == tmp_path / "home" / "runs" and settings.store == str(tmp_path / "home" / "shared.db")
+    monkeypatch.setenv("RLPROXY_STATE_DIR", "~/runs")
+    assert settings_from_args(build_parser().parse_args(["train"])).state_dir == tmp_path / "home" / "runs"
