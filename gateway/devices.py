@@ -199,7 +199,13 @@ def check_torch_device(settings: Settings, *, own_numbering: bool) -> None:
     name = settings.device
     if name == "cpu":
         return
-    import torch
+    try:
+        import torch
+    except ImportError:  # a gateway-only install (rlproxy[gateway]): the trainer beside it needs torch too
+        raise ConfigError(
+            f"--device {name} needs torch, which is not installed here: pip install 'rlproxy[train]' (or "
+            "--trainer off with --engine vllm or openai, where the gateway computes nothing itself)"
+        ) from None
 
     try:
         device = torch.device(name)

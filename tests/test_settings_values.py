@@ -116,3 +116,16 @@ def test_a_state_dir_or_store_under_home_written_with_a_tilde_is_under_home(tmp_
     assert settings.state_dir == tmp_path / "home" / "runs" and settings.store == str(tmp_path / "home" / "shared.db")
     monkeypatch.setenv("RLPROXY_STATE_DIR", "~/runs")
     assert settings_from_args(build_parser().parse_args(["train"])).state_dir == tmp_path / "home" / "runs"
+
+
+def test_a_gpu_device_without_torch_installed_is_one_line(capsys, tmp_path, monkeypatch):
+    # A gateway-only install (rlproxy[gateway]) has no torch: the trainer it starts beside a vLLM failed on
+    # its import, was started again, and failed again.
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    argv = ["serve", "--state-dir", str(tmp_path), "--engine", "vllm", "--vllm-url", "http://127.0.0.1:9"]
+    assert main([*argv, "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "rlproxy serve: --device cuda needs torch, which is not installed here: pip install 'rlproxy[train]'"
+    )
