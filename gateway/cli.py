@@ -16,7 +16,15 @@ from pydantic import ValidationError
 
 from gateway import version
 from gateway.errors import RLProxyError
-from gateway.flags import ENGINE, EVERY_FLAG, TRAIN_NOTE, TRAINER, add_command_flags, secret_flags_warning
+from gateway.flags import (
+    ENGINE,
+    EVERY_FLAG,
+    TRAIN_NOTE,
+    TRAINER,
+    add_command_flags,
+    idle_settings,
+    secret_flags_warning,
+)
 from gateway.models.tuning import log_settings
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 
@@ -72,6 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _configure_logging(settings)
     hide_access_log_secrets(settings.secrets())  # the access line (--log-level debug) holds query strings
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
+    for line in idle_settings(settings):
+        logging.getLogger("rlproxy").warning(line)
     sock = listen(settings.host, settings.port)  # a port in use: said before the engine starts
     app = create_app(settings)
     trainer = app.state.trainer = start_trainer(args, settings, app.state.services.store)  # /healthz shows its state

@@ -197,3 +197,25 @@ def add_command_flags(parser: argparse.ArgumentParser, command: str, groups: tup
     hidden = tuple(n for names, _ in groups for n in names if n in ignored)
     if hidden:
         add_settings_flags(parser, hidden, "", hidden=True)
+
+
+# Settings that do something only beside another: (the setting, whether it acts, what it needs).
+NEEDS = (
+    (("kl_estimator",), lambda s: s.beta > 0, "--beta above 0 (the KL term it estimates)"),
+    (("reward_kl_sharpen",), lambda s: s.reward_kl > 0, "--reward-kl above 0"),
+    (PROMOTION[3:], lambda s: s.promote == "canary", "--promote canary"),  # --canary-* and --watch-sessions
+    (("shadow_rate", "shadow_max_in_flight"), lambda s: s.shadow_samples > 0, "--shadow-samples"),
+    (("live_max_staleness",), lambda s: s.live_group_size is not None, "--live-group-size"),
+)
+
+
+def idle_settings(settings: Settings) -> list[str]:
+    """One line for each setting the user gave (a flag or its variable) that the others leave with nothing
+    to do, so that a run is not taken for one with it: `--canary-share 0.3` without `--promote canary`."""
+    lines = []
+    for names, acts, needs in NEEDS:
+        given = [name for name in names if name in settings.model_fields_set]
+        if given and not acts(settings):
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            lines.append(f"{flags} {'does' if len(given) == 1 else 'do'} nothing without {needs}: ignored")
+    return lines

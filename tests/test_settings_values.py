@@ -129,3 +129,26 @@ def test_a_gpu_device_without_torch_installed_is_one_line(capsys, tmp_path, monk
     assert capsys.readouterr().err.startswith(
         "rlproxy serve: --device cuda needs torch, which is not installed here: pip install 'rlproxy[train]'"
     )
+
+
+def test_serve_says_which_given_settings_the_others_leave_with_nothing_to_do(caplog, tmp_path):
+    # `--canary-share 0.3` without `--promote canary` (or --shadow-rate without --shadow-samples) was
+    # taken and ignored without a word, and the run was taken for one with it. A port in use ends the start
+    # right after the settings are said, before anything loads.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        argv = ["serve", "--state-dir", str(tmp_path), "--port", str(taken.getsockname()[1])]
+        assert main([*argv, "--canary-share", "0.3", "--shadow-rate", "0.5", "--kl-estimator", "k2"]) == 2
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert said == [
+            "--kl-estimator does nothing without --beta above 0 (the KL term it estimates): ignored",
+            "--canary-share does nothing without --promote canary: ignored",
+            "--shadow-rate does nothing without --shadow-samples: ignored",
+        ]
+        caplog.clear()  # with what they need, or tuned for the model (smollm2's --beta is 0.2): nothing to say
+        given = ["--promote", "canary", "--canary-share", "0.3", "--base-model", "smollm2", "--kl-estimator", "k2"]
+        assert main([*argv, *given]) == 2
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
