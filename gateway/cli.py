@@ -16,7 +16,15 @@ from pydantic import ValidationError
 
 from gateway import version
 from gateway.errors import RLProxyError
-from gateway.flags import ENGINE, EVERY_FLAG, TRAIN_NOTE, TRAINER, add_command_flags
+from gateway.flags import (
+    ENGINE,
+    EVERY_FLAG,
+    TRAIN_NOTE,
+    TRAINER,
+    add_command_flags,
+    idle_settings,
+    secret_flags_warning,
+)
 from gateway.models.tuning import log_settings
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 
@@ -42,6 +50,17 @@ def _checked(settings: Settings) -> Settings:
     return settings
 
 
+def _check_device(settings: Settings) -> None:
+    """--device, where a process of this command computes on it: the local engine in the gateway, or
+    the trainer beside it (`gateway.devices.check_torch_device`). A trainer child given
+    --trainer-devices numbers its GPUs apart, and checks its own index when it starts."""
+    from gateway.devices import check_torch_device
+
+    local = settings.engine == "local"
+    if local or (settings.trainer == "auto" and settings.engine != "openai"):
+        check_torch_device(settings, own_numbering=local or (settings.trainer_devices is None and settings.nproc == 1))
+
+
 def _configure_logging(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -57,9 +76,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.trainer_process import run_gateway, start_trainer
 
     settings = settings_from_args(args)
+    _check_device(settings)
     _configure_logging(settings)
     hide_access_log_secrets(settings.secrets())  # the access line (--log-level debug) holds query strings
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
+    for line in idle_settings(settings):
+        logging.getLogger("rlproxy").warning(line)
     sock = listen(settings.host, settings.port)  # a port in use: said before the engine starts
     app = create_app(settings)
     trainer = app.state.trainer = start_trainer(args, settings, app.state.services.store)  # /healthz shows its state
@@ -89,7 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from gateway.devices import trainer_environment
+    from gateway.devices import check_torch_device, trainer_environment
     from gateway.export.selection import sft_selection
 
     settings = settings_from_args(args)
@@ -98,6 +120,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # --trainer-devices run by hand: CUDA reads CUDA_VISIBLE_DEVICES once, when torch first uses it,
     # so it is set before the trainer (and torch) is imported.
     trainer_environment(settings, os.environ)
+    # A rank takes cuda:LOCAL_RANK whatever --device's index (trainer/distributed/team.py).
+    check_torch_device(settings, own_numbering=settings.nproc == 1 and os.environ.get("WORLD_SIZE", "1") == "1")
     if settings.nproc > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks, which train
         from trainer.distributed.launch import launch
 
@@ -169,6 +193,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     settings = _checked(demo_settings(given, options.out, options.task, options.warm_start is not None))
+    _check_device(settings)
     summary = run_demo(settings, options)
     print(report(summary))
     return 0
@@ -264,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `train --nproc N` starts its ranks with them
     _, handler, _ = COMMANDS[args.command]
+    warning = secret_flags_warning(args)
+    if warning:  # said, never refused: a key on the command line of a machine of one's own may be fine
+        print(f"rlproxy {args.command}: warning: {warning}", file=sys.stderr)
     try:
         return handler(args) or 0
     except RLProxyError as exc:
@@ -277,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             # with "Value error, ": the reason alone names the flags
             reason = error["msg"].removeprefix("Value error, ")
             where = f"{_where_set(error['loc'], args)}: " if error["loc"] else ""
+            if reason.startswith(where[:-2] + " "):  # "--init-from takes ...": the flag is said once
+                where = ""
             print(f"rlproxy {args.command}: {where}{reason}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -290,11 +320,13 @@ def _where_set(loc: tuple, args: argparse.Namespace) -> str:
     import os
 
     name = str(loc[0])
+    where = "--" + name.replace("_", "-")
     if name in Settings.model_fields and name not in vars(args):
         variable = f"RLPROXY_{name.upper()}"
         if any(key.upper() == variable for key in os.environ):  # Settings reads them case-insensitively
-            return f"{variable} (environment variable)"
-    return "--" + "-".join(str(part) for part in loc).replace("_", "-")
+            where = f"{variable} (environment variable)"
+    # One value of a repeatable flag: `--upstream-protocol chat` was blamed on `--upstream-protocol-1`.
+    return f"{where}, its value {loc[1] + 1}" if len(loc) == 2 and isinstance(loc[1], int) else where
 
 
 def run() -> None:

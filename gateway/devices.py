@@ -186,3 +186,49 @@ def check_trainer(settings: Settings, vllm_gpus: set[int]) -> None:
             f"--gpu-mode colocated, but the trainer's GPUs ({settings.trainer_devices}) are none of the replicas' "
             f"({settings.vllm_devices}): there is nothing to share; use --gpu-mode dedicated"
         )
+
+
+def check_torch_device(settings: Settings, *, own_numbering: bool) -> None:
+    """--device against the torch and the GPUs this process has, before anything loads: `--device gpu`,
+    or `cuda` where torch sees no GPU, failed only once the model loaded (a traceback and exit 1 from
+    `rlproxy train`, which `serve --trainer auto` took for a crash and started again). torch is
+    imported only for a device other than cpu; it counts GPUs through NVML without starting CUDA in
+    this process, as CUDA_VISIBLE_DEVICES shows them: called once this process's is final.
+    `own_numbering`: the device's index counts this process's GPUs (not so for a trainer child given
+    --trainer-devices, nor a rank, which takes its own cuda:LOCAL_RANK)."""
+    name = settings.device
+    if name == "cpu":
+        return
+    try:
+        import torch
+    except ImportError:  # a gateway-only install (rlproxy[gateway]): the trainer beside it needs torch too
+        raise ConfigError(
+            f"--device {name} needs torch, which is not installed here: pip install 'rlproxy[train]' (or "
+            "--trainer off with --engine vllm or openai, where the gateway computes nothing itself)"
+        ) from None
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            f"--device {name} is not a device torch knows: use cpu, cuda (the first GPU) or cuda:N, or mps "
+            "(Apple silicon)"
+        ) from None
+    if device.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ConfigError(
+                f"--device {name}: this torch ({torch.__version__}) is built without CUDA; install a CUDA build "
+                "of torch (https://pytorch.org/get-started/locally/) or use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if count == 0:
+            where = os.environ.get("CUDA_VISIBLE_DEVICES")
+            seen = f" (CUDA_VISIBLE_DEVICES={where!r})" if where is not None else " (is the NVIDIA driver loaded?)"
+            raise ConfigError(f"--device {name}: torch sees no CUDA GPU here{seen}; use --device cpu")
+        if own_numbering and device.index is not None and device.index >= count:
+            raise ConfigError(f"--device {name}: torch sees {count} GPU(s) here, cuda:0 to cuda:{count - 1}")
+        return
+    backend = getattr(torch.backends, device.type, None) or getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is not None and not available():
+        raise ConfigError(f"--device {name}: torch has no {device.type} device here; use --device cpu")

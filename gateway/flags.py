@@ -13,6 +13,7 @@ import argparse
 import typing
 from typing import Literal
 
+from gateway.redact import hidden_in
 from gateway.settings import PromotionSettings, Settings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
@@ -99,6 +100,33 @@ TRAINER = (
 )
 
 
+# The settings that are secrets, or may hold one (a postgresql:// URL's password): the gateway hands
+# them to its trainer in the environment, never on its command line, and `--help` steers to the variable.
+SECRET_SETTINGS = ("api_key", "admin_key", "upstream_api_key", "vllm_api_key", "store")
+
+
+def secret_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of this command line that carry a secret: a key, or a password or token inside a URL
+    or a --vllm-arg (`gateway.redact.hidden_in`), as they were written."""
+    given = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
+    return ["--" + name.replace("_", "-") for name, value in given.items() if hidden_in({name: value})]
+
+
+def secret_flags_warning(args: argparse.Namespace) -> str | None:
+    """One line on the secrets this command line shows to every user of the machine, without them."""
+    flags = secret_flags(args)
+    named = [flag for flag in flags if flag != "--vllm-arg"]
+    said = []
+    if named:
+        variables = ", ".join("RLPROXY_" + flag[2:].replace("-", "_").upper() for flag in named)
+        said.append(f"{', '.join(named)} on the command line: set {variables} in the environment instead")
+    if "--vllm-arg" in flags:  # on vLLM's own command line too, whichever way rlproxy was given it
+        said.append("a secret in --vllm-arg: pass it to vLLM in its environment instead (HF_TOKEN for --hf-token)")
+    if not said:
+        return None
+    return "; ".join(said) + " (every user of this machine can read a command line: ps, /proc/PID/cmdline)"
+
+
 def add_settings_flags(
     parser: argparse.ArgumentParser, names: tuple[str, ...], title: str, *, hidden: bool = False
 ) -> None:
@@ -116,7 +144,10 @@ def add_settings_flags(
         default = field.default if field.default_factory is None else field.default_factory()
         shown = "***" if "key" in name and default else default
         per_model = "; the built-in models have their own: docs/training.md" if name in tuned else ""
-        help_text = f"{field.description} (env RLPROXY_{name.upper()}; default: {shown}{per_model})"
+        env = f"env RLPROXY_{name.upper()}"
+        if name in SECRET_SETTINGS:
+            env = f"better as {env}: a flag shows in `ps` to every user of the machine"
+        help_text = f"{field.description} ({env}; default: {shown}{per_model})"
         kwargs: dict = {"dest": name, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS if hidden else help_text}
         if origin is Literal:
             kwargs["choices"] = list(args)
@@ -166,3 +197,25 @@ def add_command_flags(parser: argparse.ArgumentParser, command: str, groups: tup
     hidden = tuple(n for names, _ in groups for n in names if n in ignored)
     if hidden:
         add_settings_flags(parser, hidden, "", hidden=True)
+
+
+# Settings that do something only beside another: (the setting, whether it acts, what it needs).
+NEEDS = (
+    (("kl_estimator",), lambda s: s.beta > 0, "--beta above 0 (the KL term it estimates)"),
+    (("reward_kl_sharpen",), lambda s: s.reward_kl > 0, "--reward-kl above 0"),
+    (PROMOTION[3:], lambda s: s.promote == "canary", "--promote canary"),  # --canary-* and --watch-sessions
+    (("shadow_rate", "shadow_max_in_flight"), lambda s: s.shadow_samples > 0, "--shadow-samples"),
+    (("live_max_staleness",), lambda s: s.live_group_size is not None, "--live-group-size"),
+)
+
+
+def idle_settings(settings: Settings) -> list[str]:
+    """One line for each setting the user gave (a flag or its variable) that the others leave with nothing
+    to do, so that a run is not taken for one with it: `--canary-share 0.3` without `--promote canary`."""
+    lines = []
+    for names, acts, needs in NEEDS:
+        given = [name for name in names if name in settings.model_fields_set]
+        if given and not acts(settings):
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            lines.append(f"{flags} {'does' if len(given) == 1 else 'do'} nothing without {needs}: ignored")
+    return lines

@@ -15,7 +15,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, SecretSt
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, mask_args, masked
-from gateway.settings_access import AccessSettings, EnvList, one_or_list
+from gateway.settings_access import AccessSettings, EnvList, judge_url, judge_urls, one_or_list
+from gateway.settings_keys import MIN_API_KEY_LENGTH, GatewayKey, Key, admin_apart
 from gateway.settings_loss import LossSettings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
 
@@ -46,25 +47,10 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
-MIN_API_KEY_LENGTH = 16
-WEAK_API_KEY = (
-    f"the gateway's API key must be at least {MIN_API_KEY_LENGTH} characters: an empty or short key is one "
-    "anyone can guess, and the dashboard's cookie is computed from it. Make one with `openssl rand -hex 24` "
-    "and pass it as --api-key or RLPROXY_API_KEY; to run without a key (loopback only), leave both unset"
-)
-
-
 def public_argv(argv: list[str]) -> list[str]:
     """A command line fit for a tracker's run record: secrets in flags and URLs masked, as
     `Settings.public_dict` masks the settings (the trainer may use this module, not `redact`)."""
     return mask_args(argv)
-
-
-def _long_enough(key: SecretStr | None) -> SecretStr | None:
-    # A blank RLPROXY_API_KEY= is refused too: whoever set it meant a key, not none.
-    if key is not None and len(key.get_secret_value().strip()) < MIN_API_KEY_LENGTH:
-        raise ValueError(WEAK_API_KEY)
-    return key
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -105,13 +91,14 @@ def _a_directory(value: object) -> object:
     # the store and checkpoints landed there and the directory itself was made private (0700).
     if isinstance(value, str) and not value.strip():
         raise ValueError("give a directory; an empty value would be the current one (the default is .rlproxy)")
-    return value
+    # `--state-dir=~/runs` (no shell expands a ~ after '=') or RLPROXY_STATE_DIR=~/runs from an env file
+    # made a directory named '~' in the current one, the store in it: the home directory is meant.
+    return Path(value).expanduser() if isinstance(value, (str, Path)) else value
 
 
-def _judge_urls(bases: list[str]) -> list[str]:
-    if not all(base.startswith(("http://", "https://")) for base in bases):
-        raise ValueError("--judge-api-base must start with http:// or https:// (a base URL: http://gpu-box:8001/v1)")
-    return bases
+def _home(value: object) -> object:
+    # `--store=~/rlproxy.db` likewise: an SQLite file under ./~ (a URL never starts with ~).
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
 
 FOUR_BIT_WITH_VLLM = (
@@ -133,7 +120,7 @@ class PromotionSettings(BaseModel):
         "live rewards decide) or manual (POST /v1/training/steps/{n}/promote or /reject); the trainer waits "
         "while a step is undecided and goes on from the serving step",
     )
-    admin_key: Annotated[SecretStr | None, AfterValidator(_long_enough)] = Field(
+    admin_key: GatewayKey = Field(
         None,
         description="a second bearer key, for the admin actions (promote, reject, resume, trigger): with it set "
         "--api-key is refused there (403); without it, --api-key does everything",
@@ -171,8 +158,13 @@ class PromotionSettings(BaseModel):
 
 
 # hide_input_in_errors: a value refused (a short key, a URL with a password) is not repeated in its error.
+# allow_inf_nan=False: no setting means anything at inf or nan. `--max-body-mb inf` crashed serve with an
+# OverflowError, `--poll-interval inf` the trainer's wait, `--dist-timeout inf` the process group; for "no
+# limit" give a large number. Ranges refused nan already, in words ("should be greater than 0") that misled.
 class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings, TrainingScaleSettings, LossSettings):
-    model_config = SettingsConfigDict(env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True)
+    model_config = SettingsConfigDict(
+        env_prefix="RLPROXY_", extra="ignore", hide_input_in_errors=True, allow_inf_nan=False
+    )
 
     # -- service
     host: str = Field("127.0.0.1", description="address to listen on")
@@ -185,13 +177,13 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         description="normal: a recorded call survives the gateway crashing or being killed; "
         "full: also an OS crash or power loss (an fsync per group commit)",
     )
-    store: str | None = Field(
+    store: Annotated[str | None, BeforeValidator(_home)] = Field(
         None,
         description="postgresql://... to share one store between gateway replicas "
         "and trainers on other machines (pip install 'rlproxy[postgres]'); "
         "default: SQLite under the state dir",
     )
-    api_key: Annotated[SecretStr | None, AfterValidator(_long_enough)] = Field(
+    api_key: GatewayKey = Field(
         None, description=f"bearer key required on every route but /healthz ({MIN_API_KEY_LENGTH} characters or more)"
     )
     log_level: Annotated[str, AfterValidator(_log_level)] = Field("info", description="debug, info, warning or error")
@@ -211,7 +203,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "agent", description="name the trainable model is served as (NAME, NAME@STEP)"
     )
     upstream_url: str | None = Field(None, description="OpenAI-compatible base URL for --engine openai")
-    upstream_api_key: SecretStr | None = Field(None, description="key sent to the upstream (never stored)")
+    upstream_api_key: Key = Field(None, description="key sent to the upstream (never stored)")
     # gt=0: at 0, -5 or nan every call was a 504 "did not answer within -5 s" (vLLM's calls too).
     upstream_timeout: float = Field(
         600.0, gt=0, description="seconds before an upstream (or vLLM) call is answered with 504"
@@ -233,7 +225,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         description="attach to a running vLLM server instead of starting one: http(s)://HOST:PORT, or "
         "unix:PATH for one started with --uds PATH (repeatable: several replicas of one model)",
     )
-    vllm_api_key: SecretStr | None = Field(
+    vllm_api_key: Key = Field(
         None, description="the key of the vLLM at --vllm-url, if it has one (sent as a bearer, never stored)"
     )
     vllm_port: int | None = Field(
@@ -289,7 +281,8 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     shadow_judge_model: str | None = Field(
         None, description="RULER judge for shadow groups: a litellm model string, or self (the served model)"
     )
-    shadow_judge_api_base: str | None = Field(
+    # Checked whether or not shadows are on: RULER requests may name it too (gateway/ruler/judges.py).
+    shadow_judge_api_base: Annotated[str | None, AfterValidator(judge_url)] = Field(
         None, description="OpenAI-compatible base URL of the shadow judge (litellm's api_base)"
     )
     judge_model: EnvList = Field(
@@ -297,7 +290,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         description="a RULER judge (litellm model string, exact match) that POST /v1/groups/{id}/ruler may name "
         "(repeatable); self and --shadow-judge-model are always allowed, any other is refused",
     )
-    judge_api_base: Annotated[EnvList, AfterValidator(_judge_urls)] = Field(
+    judge_api_base: Annotated[EnvList, AfterValidator(judge_urls)] = Field(
         default_factory=list,
         description="an OpenAI-compatible base URL that RULER requests may name as judge_api_base (repeatable, "
         "exact match; --shadow-judge-api-base is allowed too); RLPROXY_JUDGE_API_KEY is sent only to these",
@@ -356,6 +349,11 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         return self
 
     @model_validator(mode="after")
+    def _an_admin_key_of_its_own(self) -> Settings:
+        admin_apart(self.api_key, self.admin_key)
+        return self
+
+    @model_validator(mode="after")
     def _shadows_need_a_policy_and_a_judge(self) -> Settings:
         if not self.shadow_samples:
             return self
@@ -372,10 +370,6 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
             )
         if self.shadow_judge_model == "self" and self.shadow_judge_api_base:
             raise ValueError("--shadow-judge-api-base cannot be used with --shadow-judge-model self")
-        if self.shadow_judge_api_base and not self.shadow_judge_api_base.startswith(("http://", "https://")):
-            raise ValueError(
-                f"--shadow-judge-api-base must start with http:// or https://, got {self.shadow_judge_api_base!r}"
-            )
         return self
 
     def public_dict(self) -> dict:

@@ -17,12 +17,10 @@ from subprocess import Popen
 from gateway.children import die_with_parent
 from gateway.devices import trainer_environment
 from gateway.errors import TRY_AGAIN_EXIT
+from gateway.flags import SECRET_SETTINGS
 from gateway.redact import hidden_in, mask_text, redact
 from gateway.settings import Settings
 from gateway.store import Store
-
-# A store URL may hold a password.
-_SECRET_SETTINGS = ("api_key", "admin_key", "upstream_api_key", "vllm_api_key", "store")
 
 
 def _holds_secret(name: str, value: object) -> bool:
@@ -37,7 +35,7 @@ def settings_argv(args: argparse.Namespace) -> list[str]:
     trackers: wandb records a run's command line; `secret_settings_env` hands on the rest)."""
     argv: list[str] = []
     for name, value in vars(args).items():
-        if name not in Settings.model_fields or name in _SECRET_SETTINGS or _holds_secret(name, value):
+        if name not in Settings.model_fields or name in SECRET_SETTINGS or _holds_secret(name, value):
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -56,7 +54,7 @@ def secret_settings_env(args: argparse.Namespace) -> dict[str, str]:
     return {
         "RLPROXY_" + name.upper(): json.dumps(value) if isinstance(value, list) else str(value)
         for name, value in vars(args).items()
-        if name in Settings.model_fields and name not in _SECRET_SETTINGS and _holds_secret(name, value)
+        if name in Settings.model_fields and name not in SECRET_SETTINGS and _holds_secret(name, value)
     }
 
 

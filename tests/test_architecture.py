@@ -26,6 +26,7 @@ GATEWAY_LAYERS = [
         "gateway.settings_scale",
         "gateway.settings_loss",
         "gateway.settings_access",
+        "gateway.settings_keys",
         "gateway.children",
         "gateway.redact",
         "gateway.tasks",

@@ -191,6 +191,26 @@ def test_origins_the_gateway_allows(upstream, tmp_path):
         assert null.status_code == 403  # a sandboxed frame or a file:// page
 
 
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        # Copied from the address bar: no page's Origin ends with '/', so every call of the page the
+        # operator listed was a 403 saying it was not "listed with --cors-origin".
+        ("--cors-origin", "https://app.example/", "a browser sends its origin as https://app.example (lowercase"),
+        ("--cors-origin", "HTTPS://App.Example:443", "a browser sends its origin as https://app.example (lowercase"),
+        ("--cors-origin", "app.example", "is not an origin: give it as a browser sends it, scheme://host[:port]"),
+        ("--allowed-host", "https://rlproxy.example", "is not a host name: give the name clients reach the gateway by"),
+    ],
+)
+def test_an_origin_or_host_no_request_could_match_is_refused_at_start(flag, value, says, tmp_path):
+    # Read as `rlproxy serve` reads them (it prints the reason and exits 2).
+    from gateway.cli import build_parser, settings_from_args
+
+    with pytest.raises(ValueError) as refused:
+        settings_from_args(build_parser().parse_args(["serve", "--state-dir", str(tmp_path), flag, value]))
+    assert f"{flag} {value!r}" in str(refused.value) and says in str(refused.value)
+
+
 def test_a_rebound_name_is_refused_without_a_key(upstream, tmp_path):
     rebound = {"host": "rebind.attacker.example"}
     with openai_gateway(upstream.url, tmp_path / "a") as (server, _):

@@ -96,8 +96,18 @@ def signals_kept():
         signal.signal(sig, handler)
 
 
+@pytest.fixture
+def four_gpus(monkeypatch):
+    """A CUDA build of torch that sees four GPUs, for the layouts that name them: on a machine without,
+    `--device cuda` is refused first (gateway.devices.check_torch_device)."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+
+
 @pytest.mark.parametrize("flags, reason", REFUSED.values(), ids=REFUSED.keys())
-def test_a_layout_that_cannot_work_is_refused_at_start(flags, reason, tmp_path, capsys):
+def test_a_layout_that_cannot_work_is_refused_at_start(flags, reason, tmp_path, capsys, four_gpus):
     assert main(["serve", "--state-dir", str(tmp_path / "state"), "--port", "0", *flags]) == 2
     err = capsys.readouterr().err
     assert f"rlproxy serve: {reason}" in err, err
@@ -267,7 +277,7 @@ def test_the_demo_trainer_sees_only_its_own_gpus(tmp_path, monkeypatch):
     assert started["env"]["CUDA_VISIBLE_DEVICES"] == "1"
 
 
-def test_train_run_by_hand_takes_its_gpus_before_the_trainer_starts(tmp_path, monkeypatch, signals_kept):
+def test_train_run_by_hand_takes_its_gpus_before_the_trainer_starts(tmp_path, monkeypatch, signals_kept, four_gpus):
     import trainer.worker
 
     seen = {}

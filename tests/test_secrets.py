@@ -62,6 +62,34 @@ def test_settings_take_a_long_key_and_refuse_a_short_one_without_repeating_it():
     assert "at least 16 characters" in str(refused.value) and "0123456789abcde" not in str(refused.value)
 
 
+@pytest.mark.parametrize("variable", ["RLPROXY_API_KEY", "RLPROXY_ADMIN_KEY", "RLPROXY_UPSTREAM_API_KEY"])
+def test_a_key_no_header_can_carry_is_refused_at_start(variable, capsys, monkeypatch, tmp_path):
+    # A key read whole from a file (a Kubernetes secret) keeps its newline: the gateway then answered every
+    # call 401 "the key does not match" whatever the client sent, and an upstream key with one made every
+    # call a 400 "malformed HTTP request", blamed on the client.
+    from gateway.cli import main
+
+    monkeypatch.setenv(variable, KEY + "\n")
+    assert main(["serve", "--state-dir", str(tmp_path), "--engine", "openai"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"rlproxy serve: {variable} (environment variable): a key must be printable ASCII, with no "
+    ), err
+    assert "strip it" in err and KEY not in err
+
+
+def test_an_admin_key_that_is_the_api_key_is_refused(capsys, monkeypatch, tmp_path):
+    # Every agent holding the key was admin: it could promote, reject and resume, which the admin key keeps apart.
+    from gateway.cli import main
+
+    monkeypatch.setenv("RLPROXY_API_KEY", KEY)
+    monkeypatch.setenv("RLPROXY_ADMIN_KEY", KEY)
+    assert main(["serve", "--state-dir", str(tmp_path), "--engine", "openai"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlproxy serve: --admin-key is the same as --api-key: every agent holding the key"), err
+    assert KEY not in err
+
+
 # ---------------------------------------------------------------- item 8: no key in a URL
 
 
@@ -254,3 +282,73 @@ def test_an_upstream_error_page_reaches_the_log_only(tmp_path, caplog):
     )
     assert "db-internal-7" not in said and "svc_llm" not in said
     assert "db-internal-7.corp:5432 user=svc_llm key=***" in caplog.text and UPSTREAM_KEY not in caplog.text
+
+
+# ---------------------------------------------------------------- secrets on the command line
+
+
+def test_a_secret_given_as_a_flag_is_warned_about_without_repeating_it(capsys, monkeypatch, tmp_path):
+    # Every user of the machine reads a process's command line (`ps`): a key given as --api-key was
+    # theirs, and only RLPROXY_STORE was said to keep a secret off it. Said once, at start; a
+    # --port 99999 refused after it ends each run before anything starts.
+    from gateway.cli import main
+
+    given = ["--state-dir", str(tmp_path), "--port", "99999"]
+    store = "postgresql://rlproxy:hunter2-secret@db.internal:5432/rlproxy"
+    assert main(["serve", *given, "--api-key", KEY, "--store", store]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (
+        "rlproxy serve: warning: --api-key, --store on the command line: set RLPROXY_API_KEY, RLPROXY_STORE in "
+        "the environment instead (every user of this machine can read a command line: ps, /proc/PID/cmdline)"
+    )
+    assert KEY not in err and "hunter2" not in err
+    assert main(["serve", *given, "--vllm-arg=--hf-token=hf_" + "secret-token"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: a secret in --vllm-arg: pass it to vLLM in its environment instead (HF_TOKEN" in err
+    assert "secret-token" not in err
+    # The same secrets from the environment, and a store URL without a password: nothing to say.
+    monkeypatch.setenv("RLPROXY_API_KEY", KEY)
+    monkeypatch.setenv("RLPROXY_STORE", store)
+    assert main(["serve", *given]) == 2
+    assert main(["train", *given, "--store", "postgresql://rlproxy@db.internal/rlproxy"]) == 2
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_help_steers_every_secret_to_its_variable():
+    from tests.test_cli import help_text
+
+    text = " ".join(help_text("serve").split())
+    for name in ("store", "api_key", "admin_key", "upstream_api_key", "vllm_api_key"):
+        assert f"better as env RLPROXY_{name.upper()}: a flag shows in `ps` to every user of the machine" in text
+
+
+def test_the_demo_hands_its_trainer_every_secret_unmasked_and_off_its_command_line(tmp_path, monkeypatch):
+    # The demo wrote its trainer's flags from the masked settings: `--store=postgresql://rl:***@...` beat
+    # the RLPROXY_STORE the trainer inherits (it logged in with the password ***), and `--admin-key=***`
+    # from an RLPROXY_ADMIN_KEY in the user's shell was a key too short: the trainer refused to start.
+    from gateway.cli import build_parser, settings_from_args
+    from gateway.demo import processes
+    from gateway.demo.options import demo_settings
+
+    started = {}
+
+    class NoProcess:
+        def __init__(self, cmd, env, **kwargs):
+            started.update(cmd=cmd, env=env)
+
+    monkeypatch.setattr(processes.subprocess, "Popen", NoProcess)
+    store = "postgresql://rl:hunter2-secret@127.0.0.1:9/rl"
+    monkeypatch.setenv("RLPROXY_ADMIN_KEY", KEY)
+    monkeypatch.setenv("RLPROXY_STORE", store)
+    settings = demo_settings({"vllm_arg": ["--hf-token=hf_secret-token"]}, tmp_path)
+    processes.Trainer(settings, tmp_path / "trainer.log", threads=1)._log.close()
+
+    assert not [arg for arg in started["cmd"] if "secret" in arg or KEY in arg or "***" in arg], started["cmd"]
+    for name in list(os.environ):  # the trainer's process: its own environment and command line
+        if name.startswith("RLPROXY_"):
+            monkeypatch.delenv(name)
+    for name, value in started["env"].items():
+        monkeypatch.setenv(name, value)
+    trainer = settings_from_args(build_parser().parse_args(started["cmd"][3:]))
+    assert trainer.store == store and trainer.admin_key.get_secret_value() == KEY
+    assert trainer.vllm_arg == ["--hf-token=hf_secret-token"]

@@ -23,6 +23,29 @@ from tests.helpers_judge import FakeJudge, good_answer
 from tests.helpers_vllm import BASE, attached_engine, vllm_settings, wait_until
 
 
+async def read_body(receive):
+    """A request's whole body, and a `receive` that gives it again (then a disconnect) to the app behind."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"".join(chunks)
+    replayed = iter([{"type": "http.request", "body": body, "more_body": False}])
+    return body, lambda: asyncio.sleep(0, next(replayed, {"type": "http.disconnect"}))
+
+
+async def held_until(released: threading.Event, receive) -> bool:
+    """Hold a request until `released` (True), or until its client hangs up (False: vLLM aborts it)."""
+    hung_up = asyncio.ensure_future(receive())  # the next message, once the body is read, is the disconnect
+    while not released.is_set() and not hung_up.done():
+        await asyncio.sleep(0.05)
+    if hung_up.done():
+        return False
+    hung_up.cancel()
+    return True
+
+
 def holding_shadows(app, released: threading.Event, held: list):
     """`app` with every shadow request (vLLM `priority` set: background work) held until
     `released`, or until its client hangs up (vLLM then aborts it): a vLLM still generating long
@@ -31,22 +54,12 @@ def holding_shadows(app, released: threading.Event, held: list):
     async def holding(scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
             return await app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body, replay = await read_body(receive)
         if json.loads(body).get("priority"):
             held.append(body)
-            hung_up = asyncio.ensure_future(receive())  # the next message is the disconnect
-            while not released.is_set() and not hung_up.done():
-                await asyncio.sleep(0.05)
-            if hung_up.done():
+            if not await held_until(released, receive):
                 return None
-            hung_up.cancel()
-        replayed = iter([{"type": "http.request", "body": body, "more_body": False}])
-        return await app(scope, lambda: asyncio.sleep(0, next(replayed, {"type": "http.disconnect"})), send)
+        return await app(scope, replay, send)
 
     return holding
 
@@ -119,24 +132,13 @@ def holding_judge(app, released: threading.Event, held: list):
     async def holding(scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
             return await app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body, replay = await read_body(receive)
         request = json.loads(body)
-        replayed = iter([{"type": "http.request", "body": body, "more_body": False}])
-        replay = lambda: asyncio.sleep(0, next(replayed, {"type": "http.disconnect"}))  # noqa: E731
         if request.get("response_format") != RESPONSE_FORMAT:
             return await app(scope, replay, send)
         held.append(request)
-        hung_up = asyncio.ensure_future(receive())  # the next message is the disconnect
-        while not released.is_set() and not hung_up.done():
-            await asyncio.sleep(0.05)
-        if hung_up.done():
+        if not await held_until(released, receive):
             return None
-        hung_up.cancel()
         answered: list[dict] = []
         await app(scope, replay, lambda message: asyncio.sleep(0, answered.append(message)))
         reply = json.loads(b"".join(m.get("body", b"") for m in answered if m["type"] == "http.response.body"))

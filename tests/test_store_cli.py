@@ -39,6 +39,19 @@ def test_a_store_url_of_another_kind_is_a_clean_error(tmp_path, capsys):
     assert "postgresql://" in capsys.readouterr().err
 
 
+def test_a_store_that_is_no_url_we_read_is_refused_without_repeating_it(tmp_path, capsys, monkeypatch):
+    # `mysql://u:PASSWORD@h/db` went whole to the terminal and the log; `postgresql:/u:PASSWORD@h/db` (one
+    # slash) was taken for an SQLite path: the gateway made ./postgresql:/u:PASSWORD@h/ and kept a store
+    # of its own there, while its replicas shared the real one.
+    monkeypatch.chdir(tmp_path)
+    for url in ("mysql://rl:hunter2@db/x", "postgresql:/rl:hunter2@db/x"):
+        assert main(["export", "--store", url]) == 2
+        err = capsys.readouterr().err
+        assert "--store must be a postgresql://USER:PASSWORD@HOST:5432/DB URL or an SQLite file path" in err, err
+        assert f"starts with '{url.partition(':')[0]}:'" in err and "hunter2" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_reads_from_postgres(postgres_db, tmp_path):
     store = PostgresStore(postgres_db)
     store.record_call_sync(call(1, "s-exported", group="g"))

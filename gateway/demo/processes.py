@@ -8,6 +8,7 @@ train` in a process group of its own, told by Linux to die with the demo.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -18,9 +19,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from gateway.children import die_with_parent
 from gateway.devices import trainer_environment
 from gateway.errors import RLProxyError
+from gateway.flags import SECRET_SETTINGS
+from gateway.redact import hidden_in
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
 
 
@@ -69,11 +74,15 @@ def serve_gateway(settings: Settings) -> Iterator[str]:
         sock.close()
 
 
+def _secret(name: str, value: object) -> bool:
+    return name in SECRET_SETTINGS or bool(hidden_in({name: value}))
+
+
 def _settings_flags(settings: Settings) -> list[str]:
-    """The settings as `rlproxy train` flags (no secrets: the trainer needs none)."""
+    """The settings as `rlproxy train` flags, but for those that are or hold a secret (`_secret_env`)."""
     argv: list[str] = []
-    for name, value in settings.public_dict().items():
-        if value is None or name in ("api_key", "upstream_api_key", "vllm_api_key"):
+    for name, value in settings.model_dump(mode="json").items():
+        if value is None or _secret(name, value):
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):  # switches take no value: --x / --no-x
@@ -84,12 +93,24 @@ def _settings_flags(settings: Settings) -> list[str]:
     return argv
 
 
+def _secret_env(settings: Settings) -> dict[str, str]:
+    """The settings `_settings_flags` leaves out, as the trainer's RLPROXY_* variables: argv is every local
+    user's to read, and masked there they were wrong (`--store=postgresql://u:***@h` beat the RLPROXY_STORE
+    the trainer inherits; `--admin-key=***` is too short a key, and the trainer refused to start)."""
+    env = {}
+    for name, value in settings.model_dump().items():
+        value = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if value and _secret(name, value):
+            env["RLPROXY_" + name.upper()] = json.dumps(value) if isinstance(value, list) else str(value)
+    return env
+
+
 class Trainer:
     """`rlproxy train` as a child process, its output in OUT/trainer.log."""
 
     def __init__(self, settings: Settings, log_path: Path, threads: int, extra: list[str] | None = None):
         self.log_path = log_path
-        env = {**os.environ, "RLPROXY_TORCH_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, **_secret_env(settings), "RLPROXY_TORCH_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
         trainer_environment(settings, env)  # --trainer-devices: its GPUs, not the demo's
         # Its log is a file the user reads afterwards: one line per step is worth having.
         cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_flags(settings), "--log-level", "info"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gateway.errors import ConfigError, NotFound
 from gateway.store import SessionFilter, Store
-from gateway.store.open import SQLITE_SCHEME, is_postgres_url, open_for_reading
+from gateway.store.open import SQLITE_SCHEME, is_postgres_url, looks_like_url, open_for_reading
 from trainer.data import answered_since
 
 
@@ -29,7 +29,7 @@ def store_exists(target: Path | str) -> bool:
         return True
     if text.startswith(SQLITE_SCHEME):
         text = text[len(SQLITE_SCHEME) :]
-    elif "://" in text:
+    elif looks_like_url(text):
         return True  # `open_store` names the kinds it takes
     return Path(text).is_file()
 

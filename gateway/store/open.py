@@ -8,6 +8,7 @@ export's: an SQLite file this user cannot write (read-only media) is opened read
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,13 @@ from gateway.store.read_only import writable
 from gateway.store.sqlite import SQLiteStore
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:")  # a URL's scheme; one letter is a Windows drive (C:)
 SQLITE_SCHEME = "sqlite:///"  # then the file's path
+
+
+def looks_like_url(text: str) -> bool:
+    """Whether `text` starts with a scheme (`mysql:`, `postgresql:/...`): never an SQLite path to make."""
+    return bool(_SCHEME.match(text))
 
 
 def is_postgres_url(value: str | None) -> bool:
@@ -59,8 +66,14 @@ def _open_url(text: str, *, given: bool) -> Store:
         return PostgresStore(text)
     if text.startswith(SQLITE_SCHEME):
         text = text[len(SQLITE_SCHEME) :]
-    elif "://" in text:
-        raise ConfigError(f"--store must be a postgresql:// URL or an SQLite file path, not {text!r}")
+    elif looks_like_url(text):
+        # Not repeated: `mysql://u:PASSWORD@h` went to the terminal and the log whole. And `postgresql:/u:p@h/db`
+        # (one slash) was taken for a file path: a gateway meant to share a store kept one of its own there.
+        scheme = text.partition(":")[0]
+        raise ConfigError(
+            f"--store must be a postgresql://USER:PASSWORD@HOST:5432/DB URL or an SQLite file path; the one given "
+            f"starts with '{scheme}:' and is neither (an SQLite file named so: ./{scheme}:...)"
+        )
     # A --store path (a str; the state dir's own file comes as a Path, and a damaged one of those is said
     # so by SQLite): one that is not a database is more likely a slip than a damaged store.
     if given and not is_sqlite(Path(text)):
