@@ -277,6 +277,9 @@ def test_a_live_reward_reads_the_steps_between_the_serving_one_and_its_own_not_e
     assert store._run_sync(lambda conn: check(conn, "fresh")) == (None, 16)
     reason, step_rows = store._run_sync(lambda conn: check(conn, "stale"))
     assert reason.startswith("stale: answered by step 4990, training goes on from step 4999") and step_rows == 16
+    _call(store, "long-ago", step=3)  # stale by thousands of steps: found so without walking down to step 3
+    reason, step_rows = store._run_sync(lambda conn: check(conn, "long-ago"))
+    assert reason.startswith("stale: answered by step 3,") and step_rows == 16
     assert asyncio.run(store.set_reward("fresh", 1.0, {}, rule))["trainable"] is True
 
 

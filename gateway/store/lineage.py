@@ -85,8 +85,11 @@ def further_than(parents: StepParents, current: int, sampled_by: int | None, lim
     a, b, a_hops, b_hops = current, sampled_by or 0, 0, 0
     a_end = b_end = False
     while a != b and not (a_end and b_end):
-        if b_end and a_hops - b_hops - b > limit:
-            return True  # the distance is this at least (a's depth is >= 0): no need to walk on
+        if a_hops - b_hops - b > limit:
+            # The distance is this at least: a's depth is >= 0, b's <= b (a parent is a smaller
+            # number). A session the base model (step 0) or a step long gone answered is found
+            # stale without walking the chain down to it.
+            return True
         walk_a = b_end or (a > b and not a_end)
         node = a if walk_a else b
         parent = parents.get(node)
