@@ -19,6 +19,7 @@ class RawServer:
         self.close_after_each = close_after_each
         self.requests: list[bytes] = []
         self.connections = 0
+        self.open = 0  # connections not closed yet
 
     async def __aenter__(self) -> RawServer:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -31,6 +32,7 @@ class RawServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.open += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -53,6 +55,7 @@ class RawServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.open -= 1
             writer.close()
 
 
@@ -207,3 +210,21 @@ async def test_close_drops_idle_connections_and_the_pool_still_works_after():
         assert await _post(pool) == (200, b"3")
         await pool.close()
     assert server.connections == 3  # "1"; "2" and "late"; "3"
+
+
+async def test_connections_left_idle_after_a_burst_are_closed_once_their_keep_alive_expires():
+    # After 30 calls at once the pool held 30 idle connections for as long as the upstream let
+    # it: a socket each on both sides, for good where the upstream keeps idle ones open.
+    async with RawServer([ok(b"%d" % i) for i in range(31)]) as server:
+        pool = HTTP1Pool(server.url, {}, keepalive_expiry=0.05)
+        answers = await asyncio.gather(*(_post(pool) for _ in range(30)))
+        assert sorted(int(body) for _, body in answers) == list(range(30))
+        assert server.connections == 30 and len(pool._idle) == 30
+        for _ in range(500):  # the pool's one timer closes them; the server sees each close
+            if server.open == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert server.open == 0 and pool._idle == []
+        assert await _post(pool) == (200, b"30")  # a new connection: the pool goes on
+        assert server.connections == 31 and len(pool._idle) == 1
+        await pool.close()

@@ -37,6 +37,11 @@ _PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@/%?-]*")
 # Sends of one request on pooled connections that turn out closed before it goes to a new one.
 STALE_TRIES = 8
 
+# Seconds an idle connection is kept (aiohttp's keepalive_timeout): a burst of calls leaves as
+# many connections as it had at once, and an upstream that keeps idle ones open (a load
+# balancer, a server with a long keep-alive) held them all, a socket each on both sides, for good.
+KEEPALIVE_EXPIRY = 15.0
+
 
 class ConnectError(OSError):
     """No connection to the upstream could be made (refused, unresolvable, unreachable)."""
@@ -75,6 +80,7 @@ class _Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self.finished: asyncio.Future | None = None
         self.generation = 0
+        self.idle_since = 0.0  # the loop's clock when it was last put back in the pool
 
     def begin(self) -> asyncio.Future:
         """Get ready for the next response; the future settles when it is complete."""
@@ -157,7 +163,13 @@ class HTTP1Pool:
     `exchange` sends one request and returns the whole answer."""
 
     def __init__(
-        self, base_url: str, headers: dict[str, str], *, connect_timeout: float = 30.0, unix_socket: str | None = None
+        self,
+        base_url: str,
+        headers: dict[str, str],
+        *,
+        connect_timeout: float = 30.0,
+        unix_socket: str | None = None,
+        keepalive_expiry: float = KEEPALIVE_EXPIRY,
     ):
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -179,8 +191,13 @@ class HTTP1Pool:
         self._where = unix_socket or f"{self.host}:{self.port}"
         # No cap on connections: the gateway's own clients bound its concurrency, and a
         # proxy that queued behind a cap would add latency the client cannot see the cause of.
-        self._idle: list[_Connection] = []
+        self._idle: list[_Connection] = []  # oldest put back first: taken from the end, the newest
         self._generation = 0  # `close()` starts a new one: a connection from before is not kept
+        # One timer per pool, not per call (bench/README.md: per-call timers and tasks cost the hot
+        # path): set while connections are idle, it closes those idle for `keepalive_expiry`.
+        self.keepalive_expiry = keepalive_expiry
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_loop: asyncio.AbstractEventLoop | None = None
 
     def head(self, method: str, path: str) -> bytes:
         """The request line and headers up to Content-Length, for `exchange`; build once per route."""
@@ -237,13 +254,36 @@ class HTTP1Pool:
     def _put_back(self, conn: _Connection) -> None:
         if conn.closed or conn.generation != self._generation:
             conn.abort()
-        else:
-            self._idle.append(conn)
+            return
+        loop = asyncio.get_running_loop()
+        conn.idle_since = loop.time()
+        self._idle.append(conn)
+        if self._sweep is None or self._sweep_loop is not loop:  # (a pool used from another loop since)
+            self._sweep, self._sweep_loop = loop.call_at(conn.idle_since + self.keepalive_expiry, self._expire), loop
+
+    def _expire(self) -> None:
+        """Close the connections idle for `keepalive_expiry`; come back when the next one will be."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        cutoff = loop.time() - self.keepalive_expiry
+        expired = 0
+        while expired < len(self._idle) and self._idle[expired].idle_since <= cutoff:
+            conn = self._idle[expired]
+            conn.closed = True
+            if conn.transport is not None:
+                conn.transport.close()  # idle: nothing to flush, a plain FIN the server reads as a client gone
+            expired += 1
+        del self._idle[:expired]
+        if self._idle:
+            self._sweep = loop.call_at(self._idle[0].idle_since + self.keepalive_expiry, self._expire)
 
     async def close(self) -> None:
         """Close the idle connections; one in use is closed when its exchange ends. The pool
         stays usable (an engine that restarts opens new connections)."""
         self._generation += 1
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in self._idle:
             if conn.transport is not None:
                 conn.transport.close()

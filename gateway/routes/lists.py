@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from gateway.chat.identity import check_id
 from gateway.routes.rl import json_response
+from gateway.routes.step_history import step_history
 from gateway.settings import is_greedy
 from gateway.store.lists import MAX_LIMIT, ListFilter
 from gateway.store.reads import ORIGINS
@@ -133,7 +134,8 @@ async def dashboard(request: Request) -> Response:
 def _dashboard_reads(store, model: str) -> tuple[list[dict], dict, list[dict], list[dict]]:
     """The dashboard's store reads, run in a worker thread: a store that does not answer
     (PostgreSQL gone, until its pool gives up) must not hold up every other request."""
-    return store.steps(model), store.counts(), store.calls_per_minute(time.time()), store.reward_curve(model)
+    steps = step_history(store, model)  # only the steps recorded since the last poll are read
+    return steps, store.counts(), store.calls_per_minute(time.time()), store.reward_curve(model)
 
 
 def _shadow_counts(services) -> dict | None:

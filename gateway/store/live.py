@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from gateway.store.lineage import chain_distance, lineage, training_step
+from gateway.store.lineage import StepParents, further_than, training_step
 from gateway.store.locks import for_update
 
 
@@ -80,11 +80,11 @@ class Policy:
     the step it goes on from and the parent chain, along which a step turned down never counts."""
 
     step: int
-    parents: dict[int, int | None]
+    parents: StepParents  # read as far down the chain as the sessions asked about need
 
     @classmethod
     def read(cls, conn: sqlite3.Connection, model: str) -> Policy:
-        return cls(training_step(conn, model), lineage(conn, model))
+        return cls(training_step(conn, model), StepParents(conn, model))
 
 
 def stale_reason(
@@ -101,7 +101,7 @@ def stale_reason(
     # Along the parent chain from the step training goes on from, not the newest step number:
     # under --promote canary|manual a rejected candidate moves neither, and counting it made
     # every reward of the step still serving stale after a few rejections.
-    if sampled is None or chain_distance(policy.parents, policy.step, sampled) <= rule.max_staleness:
+    if sampled is None or not further_than(policy.parents, policy.step, sampled, rule.max_staleness):
         return None
     return (
         f"stale: answered by step {sampled}, training goes on from step {policy.step} (--live-max-staleness "

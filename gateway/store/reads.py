@@ -141,6 +141,21 @@ def recent_steps(query: Query, model: str, newest: int) -> list[dict]:
     return _decoded_steps(rows)
 
 
+def step_history(query: Query, model: str, after: int | None) -> tuple[int, list[dict]]:
+    """How many step rows `model` has, and those after step `after` (None: all) with what never
+    changes once a step is recorded: its number, time, metrics and groups (`StepHistory` keeps them)."""
+    columns = "SELECT step, created_at, metrics, groups FROM steps WHERE model = ?"
+    if after is None:
+        rows = query(columns + " ORDER BY step", (model,))
+    else:
+        rows = query(columns + " AND step > ? ORDER BY step", (model, after))
+    count = query("SELECT COUNT(*) AS n FROM steps WHERE model = ?", (model,))[0]["n"]
+    for row in rows:
+        row["metrics"] = json.loads(row["metrics"] or "{}")
+        row["groups"] = json.loads(row["groups"] or "[]")
+    return int(count), rows
+
+
 def _decoded_steps(rows: list[dict]) -> list[dict]:
     for row in rows:
         row["metrics"] = json.loads(row["metrics"] or "{}")

@@ -148,6 +148,10 @@ class StepRows:
         """`steps(model)` less the superseded ones older than the newest `newest` (`reads.recent_steps`)."""
         return reads.recent_steps(self._query, model, newest)
 
+    def step_history(self, model: str, after: int | None) -> tuple[int, list[dict]]:
+        """How many steps `model` has, and the rows after step `after` (`reads.step_history`)."""
+        return reads.step_history(self._query, model, after)
+
     def seeded_from(self, model: str) -> str | None:
         """The `--init-from NAME@N` whose adapter is `model`'s step 0, or None (`live.seeded_from`)."""
         rows = self._query("SELECT metrics FROM steps WHERE model = ? AND step = 0", (model,))

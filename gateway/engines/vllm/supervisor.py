@@ -50,6 +50,10 @@ class VLLMSupervisor:
         self._gave_up = False  # managed vLLM failed to restart max_restarts times in a row
         self._recover_lock = asyncio.Lock()
         self._monitor: asyncio.Task | None = None
+        # The recovery a lost connection began (`connection_lost`): held, so that stop() ends it
+        # too; one left running restarted a managed vLLM after stop() had closed it (a process
+        # nothing stops, holding the GPU), and an unreferenced task may be collected mid-way.
+        self._recovery: asyncio.Task | None = None
 
     # ---------------------------------------------------------------- start and stop
 
@@ -70,7 +74,8 @@ class VLLMSupervisor:
 
     async def stop(self) -> None:
         await stop_task(self._monitor)
-        self._monitor = None
+        await stop_task(self._recovery)
+        self._monitor = self._recovery = None
         self.ready.clear()
         self.down_reason = "the gateway is shutting down"
         if self.managed:
@@ -162,8 +167,11 @@ class VLLMSupervisor:
         reason = str(exc) or type(exc).__name__
         url = self.client.url
         self.mark_down(f"lost the connection to vLLM at {url} ({reason})")
-        if self._monitor is not None:  # do not wait for the next health tick
-            asyncio.get_running_loop().create_task(self._recover_quietly())
+        # Do not wait for the next health tick; one recovery at a time (recover() takes turns anyway).
+        if self._monitor is not None and (self._recovery is None or self._recovery.done()):
+            self._recovery = asyncio.get_running_loop().create_task(
+                self._recover_quietly(), name="rlproxy-vllm-recovery"
+            )
         error = EngineUnavailable if answered else EngineUnreached
         when = "while answering, after its answer had begun" if answered else "before answering"
         return error(
