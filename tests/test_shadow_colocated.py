@@ -102,20 +102,25 @@ def _hand_over_while_held(vllm_url: str, settings, fake: FakeState, released: th
     return group, summary
 
 
+def _colocated_shadows(tmp_path, vllm_url: str, judge_url: str):
+    """A colocated gateway taking 2 shadow samples of each call, judged by `judge_url`."""
+    return vllm_settings(
+        tmp_path,
+        vllm_url=vllm_url,
+        gpu_mode="colocated",
+        shadow_samples=2,
+        shadow_judge_model="openai/judge",
+        shadow_judge_api_base=judge_url,
+    )
+
+
 def test_a_shadow_sampling_in_vllm_does_not_hold_up_the_handover_and_is_sampled_again(tmp_path):
     fake, released, held = FakeState(base_model=BASE), threading.Event(), []
     with (
         FakeJudge() as judge,
         ThreadServer(holding_shadows(create_fake_vllm(fake), released, held)) as vllm,
     ):
-        settings = vllm_settings(
-            tmp_path,
-            vllm_url=vllm.url,
-            gpu_mode="colocated",
-            shadow_samples=2,
-            shadow_judge_model="openai/judge",
-            shadow_judge_api_base=judge.url,
-        )
+        settings = _colocated_shadows(tmp_path, vllm.url, judge.url)
         group, summary = _hand_over_while_held(vllm.url, settings, fake, released, held)
     # Sent twice: called off for the trainer (vLLM never answered it), then sampled again.
     assert len(held) == 2 and len([e for e in fake.events if e["kind"] == "chat" and e["priority"]]) == 1
@@ -235,14 +240,7 @@ def test_back_to_back_steps_do_not_starve_shadow_sampling(tmp_path):
         FakeJudge() as judge,
         ThreadServer(holding_shadows(create_fake_vllm(fake), released, held)) as vllm,
     ):
-        settings = vllm_settings(
-            tmp_path,
-            vllm_url=vllm.url,
-            gpu_mode="colocated",
-            shadow_samples=2,
-            shadow_judge_model="openai/judge",
-            shadow_judge_api_base=judge.url,
-        )
+        settings = _colocated_shadows(tmp_path, vllm.url, judge.url)
         group = _back_to_back_steps_while_held(vllm.url, settings, fake, released, held)
     assert len(held) == 2 and _answered_before_the_last_sleep(fake, priority=True)
     assert fake.chats_while_asleep == 0 and group["n_sessions"] == 3 and group["n_rewarded"] == 3

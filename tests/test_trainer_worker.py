@@ -272,7 +272,7 @@ def test_a_sample_longer_than_the_base_models_context_trains_its_prefix_instead_
     # aside. It is cut to the model's context, as one longer than a row is, and the log says so.
     import asyncio
 
-    from gateway.store import CallRecord
+    from tests.helpers import call_row
     from tests.helpers_trainer import tiny_gpt2
 
     settings = trainer_settings(
@@ -281,20 +281,16 @@ def test_a_sample_longer_than_the_base_models_context_trains_its_prefix_instead_
     store = SQLiteStore(settings.db_path)
     for i, reward in enumerate([1.0, 0.0]):
         store.record_call_sync(
-            CallRecord(
-                id=f"c{i}",
-                session_id=f"s{i}",
-                group_id="g",
-                split="train",
+            call_row(
+                f"c{i}",
+                f"s{i}",
+                "g",
                 model="agent",
                 served="agent@0",
                 step=0,
                 engine="local",
-                stream=False,
-                status="ok",
                 request={"model": "agent", "messages": [{"role": "user", "content": "long"}]},
                 response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}}]},
-                latency_ms=1.0,
                 prompt_ids=[3 + (7 * t + i) % 700 for t in range(400)],
                 completion_ids=[[3 + (5 * t + i) % 700 for t in range(200)]],
             )
