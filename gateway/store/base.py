@@ -16,6 +16,7 @@ the shared one; `open_store` picks one.
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from gateway.store.reads import SessionFilter
 from gateway.store.rows import CallRecord
 from gateway.store.shadows import ShadowRows
 from gateway.store.steps import StepRows
-from gateway.store.writer import GroupCommitWriter, Op, Outcome
+from gateway.store.writer import CommitPace, GroupCommitWriter, Op, Outcome
 
 
 class Store(StepRows, ShadowRows, GatewayRows, ABC):
@@ -44,6 +45,7 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         self.health = StoreHealth()  # a disk or server failure, until a write commits again
         self.commits = 0  # transactions committed by the writer (for /metrics and tests)
         self._writer: GroupCommitWriter | None = None
+        self.pace = CommitPace()  # whether a write may be committed on the event loop now
 
     # ------------------------------------------------------------ what a backend implements
 
@@ -87,7 +89,7 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
 
     async def start(self) -> None:
         """Start the writer thread (call from the event loop that will write)."""
-        self._writer = GroupCommitWriter(self._apply_batch, self._checkpoint)
+        self._writer = GroupCommitWriter(self._apply_batch, self._checkpoint, self.pace)
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -100,8 +102,10 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         if writer is None:  # no writer running (trainer process, scripts): write in a thread
             return await asyncio.to_thread(self._run_sync, op)
         self.check_writer()
-        if at_once and writer.in_flight == 0:
+        if at_once and writer.in_flight == 0 and self.pace.loop_allowed() and not self.health.degraded:
+            started = time.monotonic()
             outcome = self._write_now(op)
+            self.pace.took(time.monotonic() - started)
             if outcome is not None:
                 ok, value = outcome
                 if ok:

@@ -10,6 +10,8 @@ call at a time, those hand-offs were a good part of what the gateway added to a 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import queue
 import threading
 import time
@@ -26,15 +28,52 @@ MAX_ROUND = 512
 
 _CHECKPOINT = object()  # queued for the writer thread: run a checkpoint
 
+SLOW_COMMIT = 0.1
+"""Seconds past which a commit counts as slow: a call's commit takes ~0.1 ms (a few ms where each
+one is fsynced), so a slower one means a disk that lags, as it does before an NFS stall."""
+LOOP_PAUSE = 60.0
+"""Seconds after a slow commit during which no write is committed on the event loop."""
+
+log = logging.getLogger("rlproxy.store")
+
+
+class CommitPace:
+    """Whether a write may be committed on the event loop (SQLite's `_write_now`). A commit there
+    that hangs (the disk in an NFS stall) froze every request, /healthz too, for as long as it
+    hung: nothing can interrupt a write the kernel holds. The first slow commit, on the loop or in
+    the writer thread, sends every write to the writer thread for `LOOP_PAUSE` s after it, where a
+    hang only holds up the writes (and degrades the store past its timeout, `check_writer`)."""
+
+    def __init__(self) -> None:
+        self._slow_at = -math.inf  # monotonic time of the last slow commit
+
+    def loop_allowed(self) -> bool:
+        return time.monotonic() - self._slow_at > LOOP_PAUSE
+
+    def took(self, seconds: float) -> None:
+        """A commit (or a writer round) took `seconds`."""
+        if seconds <= SLOW_COMMIT:
+            return
+        if self.loop_allowed():
+            log.warning(
+                "a store commit took %.2f s: its disk lags; for the next %.0f s every write goes through "
+                "the writer thread, so that a disk that stalls cannot freeze the gateway",
+                seconds,
+                LOOP_PAUSE,
+            )
+        self._slow_at = time.monotonic()
+
 
 class GroupCommitWriter:
     def __init__(
         self,
         apply_batch: Callable[[list[Op]], list[Outcome]],
         checkpoint: Callable[[], None] | None = None,
+        pace: CommitPace | None = None,
     ) -> None:
         self._apply_batch = apply_batch
         self._checkpoint = checkpoint
+        self._pace = pace or CommitPace()  # told how long each round took (not a checkpoint: it fsyncs)
         self._loop = asyncio.get_running_loop()  # where waiting callers are woken
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight = 0  # writes handed to the thread and not yet settled
@@ -82,11 +121,13 @@ class GroupCommitWriter:
             if not batch:
                 self._round_started = None
                 continue
+            started = time.monotonic()
             try:
                 outcomes: list[Outcome] | BaseException = self._apply_batch([op for op, _ in batch])
             except BaseException as exc:  # noqa: BLE001 - the commit itself failed: nobody is acknowledged
                 outcomes = exc
             self._round_started = None
+            self._pace.took(time.monotonic() - started)
             try:
                 self._loop.call_soon_threadsafe(self._settle, batch, outcomes)
             except RuntimeError:  # the loop is closed: nobody is left waiting

@@ -1,0 +1,87 @@
+"""A store that stops answering (a disk in an NFS stall, a frozen PostgreSQL) under a running
+gateway: the event loop is never the one left waiting, reads and shutdown are bounded by the
+store's timeout, and what could not be written is refused or said, never acknowledged."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from gateway.store import writer
+from gateway.store.sqlite import SQLiteStore
+from tests.helpers import ThreadServer
+
+
+def _chat(url: str, text: str = "hello", *, session: str = "s1") -> httpx.Response:
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": text}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=120)
+
+
+class _Disk:
+    """A connection whose COMMIT stalls as on a disk that stops answering: `slow` seconds each, and
+    while `hang` is set until `release` (everything else goes to the real connection)."""
+
+    def __init__(self, conn, disk: _StallingDisk) -> None:
+        self._conn, self._disk = conn, disk
+
+    def execute(self, sql: str, *args):
+        if sql == "COMMIT":
+            self._disk.commit_waits()
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+
+class _StallingDisk:
+    def __init__(self, store: SQLiteStore) -> None:
+        self.slow = 0.0
+        self.hang, self.hanging, self.release = threading.Event(), threading.Event(), threading.Event()
+        store._conn = _Disk(store._conn, self)
+        store._loop_conn = _Disk(store._loop_conn, self)
+
+    def commit_waits(self) -> None:
+        time.sleep(self.slow)
+        if self.hang.is_set():
+            self.hanging.set()
+            self.release.wait(120)
+
+
+def _gateway(upstream_url: str, state_dir: Path, **store_kwargs):
+    settings = Settings(engine="openai", upstream_url=upstream_url, state_dir=state_dir, trainer="off")
+    store = SQLiteStore(settings.db_path, **store_kwargs)
+    return ThreadServer(create_app(settings, store=store)), store
+
+
+def test_after_a_slow_commit_a_stalled_disk_no_longer_freezes_the_gateway(upstream, tmp_path):
+    # A call recorded while no other was in flight was committed on the event loop itself: with the
+    # disk stalled (an NFS hiccup), every request, /healthz too, froze for as long as the stall.
+    # A commit that was slow sends the writes after it to the writer thread for a while.
+    server, store = _gateway(upstream.url, tmp_path)
+    with server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        url = server.url
+        assert _chat(url).status_code == 200  # on the loop: the disk is fast
+        disk = _StallingDisk(store)
+        disk.slow = 2 * writer.SLOW_COMMIT  # the disk starts to lag
+        acknowledged = {_chat(url).headers["x-request-id"]}
+        disk.slow = 0.0
+        disk.hang.set()  # then stops answering
+        held = pool.submit(_chat, url, "held", session="held")
+        assert disk.hanging.wait(60)
+        try:  # while the commit hangs, the gateway answers
+            health = httpx.get(url + "/healthz", timeout=30)
+            assert health.status_code == 200, health.text
+        finally:
+            disk.hang.clear()
+            disk.release.set()
+        reply = held.result()
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        recorded = {row["id"] for row in store._query("SELECT id FROM calls")}
+        assert acknowledged <= recorded
