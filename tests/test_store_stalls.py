@@ -4,14 +4,18 @@ store's timeout, and what could not be written is refused or said, never acknowl
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gateway.app import create_app
+from gateway.errors import StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import writer
 from gateway.store.sqlite import SQLiteStore
@@ -85,3 +89,34 @@ def test_after_a_slow_commit_a_stalled_disk_no_longer_freezes_the_gateway(upstre
         acknowledged.add(reply.headers["x-request-id"])
         recorded = {row["id"] for row in store._query("SELECT id FROM calls")}
         assert acknowledged <= recorded
+
+
+def test_a_shutdown_with_a_write_the_disk_never_answers_ends_and_logs_what_was_not_recorded(upstream, tmp_path, caplog):
+    # Shutdown waited for ever on a round the disk (or a frozen PostgreSQL) held: the lifespan's own
+    # writes (the heartbeat row, RULER's verdicts) queued behind it, then the writer's join.
+    server, store = _gateway(upstream.url, tmp_path, busy_timeout=1.0)
+    server.__enter__()
+    try:
+        acknowledged = _chat(server.url).headers["x-request-id"]
+        disk = _StallingDisk(store)
+        disk.hang.set()
+        # A write no client waits on (a RULER verdict, a heartbeat), made on the gateway's loop.
+        loop = store._writer._loop
+        background = asyncio.run_coroutine_threadsafe(store.set_reward("s1", 1.0), loop)
+        assert disk.hanging.wait(60)
+        with caplog.at_level(logging.ERROR, logger="rlproxy.store"):
+            server.server.should_exit = True
+            server.thread.join(120)
+            assert not server.thread.is_alive(), "the shutdown waits for ever on the hung write"
+        with pytest.raises(StoreUnavailable, match="did not answer"):
+            background.result(0)
+        assert "never answered" in caplog.text and "NOT recorded" in caplog.text
+    finally:
+        disk.hang.clear()
+        disk.release.set()
+        server.thread.join(60)
+    reopened = SQLiteStore(store.path)
+    try:
+        assert reopened.get_call(acknowledged) is not None  # what was acknowledged is kept
+    finally:
+        reopened._close_connections()

@@ -24,7 +24,7 @@ from typing import Any
 
 from gateway.store import discard, lists, reads, rows, training
 from gateway.store.gateways import GatewayRows
-from gateway.store.health import StoreHealth, classify
+from gateway.store.health import StoreHealth, classify, stalled_at_exit
 from gateway.store.live import LiveRule
 from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.reads import SessionFilter
@@ -91,10 +91,17 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         """Start the writer thread (call from the event loop that will write)."""
         self._writer = GroupCommitWriter(self._apply_batch, self._checkpoint, self.pace)
 
-    async def close(self) -> None:
+    def stopping(self) -> None:
+        """The gateway shuts down: writes the database has not answered `2 * busy_timeout` s from
+        now are given up (`GroupCommitWriter.abandon`: answered 503 and logged, never silently)."""
         if self._writer is not None:
-            await self._writer.stop()
-            self._writer = None
+            self._writer.give_up_after(2 * self.busy_timeout, lambda: stalled_at_exit(2 * self.busy_timeout))
+
+    async def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None and not await writer.stop(2 * self.busy_timeout):
+            writer.abandon(lambda: stalled_at_exit(2 * self.busy_timeout))
+            return  # its thread still runs a statement: closing the connections under it can crash
         self._close_connections()
 
     async def _submit(self, op: Op, *, at_once: bool = False) -> Any:

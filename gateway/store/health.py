@@ -123,6 +123,15 @@ def stalled(seconds: float) -> StoreUnavailable:
     )
 
 
+def stalled_at_exit(seconds: float) -> StoreUnavailable:
+    """The gateway stopped while a write of its store had gone `seconds` without an answer."""
+    return StoreUnavailable(
+        f"the store did not answer for {seconds:.0f} s while the gateway stopped (the disk or the database "
+        "server hangs): what it was writing is not recorded; nothing of it had been acknowledged",
+        cause="unavailable",
+    )
+
+
 def _classify_postgres(exc: BaseException, busy_timeout: float) -> StoreUnavailable | None:
     """psycopg's failures of the server or the connection (by SQLSTATE; a pool timeout or a
     lost connection has none). A constraint, a syntax error, a bug: None, not the store's health."""

@@ -77,6 +77,7 @@ class GroupCommitWriter:
         self._loop = asyncio.get_running_loop()  # where waiting callers are woken
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight = 0  # writes handed to the thread and not yet settled
+        self._waiting: dict[asyncio.Future, Op] = {}  # those writes: what a shutdown that gives up loses
         self._round_started: float | None = None  # monotonic start of the round (or checkpoint) under way
         self._thread = threading.Thread(target=self._write_loop, name="rlproxy-store-writer", daemon=True)
         self._thread.start()
@@ -84,6 +85,7 @@ class GroupCommitWriter:
     async def submit(self, op: Op) -> Any:
         future = self._loop.create_future()
         self.in_flight += 1
+        self._waiting[future] = op
         self._queue.put((op, future))
         return await future
 
@@ -96,10 +98,37 @@ class GroupCommitWriter:
     def request_checkpoint(self) -> None:
         self._queue.put(_CHECKPOINT)
 
-    async def stop(self) -> None:
-        """After every write already queued: each is committed or failed first."""
+    async def stop(self, timeout: float | None = None) -> bool:
+        """After every write already queued: each is committed or failed first. False when the
+        thread is still held by the database after `timeout` s (left behind: a daemon thread)."""
         self._queue.put(None)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._thread.join, timeout)
+        return not self._thread.is_alive()
+
+    def give_up_after(self, seconds: float, failure: Callable[[], BaseException]) -> None:
+        """The process is stopping: the writes still unsettled `seconds` from now are given up then."""
+        self._loop.call_later(seconds, self.abandon, failure)
+
+    def abandon(self, failure: Callable[[], BaseException]) -> None:
+        """Fail every write still waiting for a round the database does not answer (a disk in a
+        stall, a frozen server) with `failure()`, and say in the log what was not recorded: none
+        was acknowledged. Shutdown waited for ever on such a round, the lifespan's own writes
+        (the heartbeat row, RULER's verdicts) queued behind it."""
+        lost = [op for future, op in self._waiting.items() if not future.done()]
+        for future in self._waiting:
+            if not future.done():
+                future.set_exception(failure())
+        self._waiting.clear()
+        if lost:
+            calls = [op.call.id for op in lost if hasattr(op, "call")]
+            log.error(
+                "the gateway stopped with %d write(s) its store never answered (%d call(s)%s): given up, NOT "
+                "recorded (unless the store answers before the process exits), none acknowledged. %s",
+                len(lost),
+                len(calls),
+                (": " + ", ".join(calls[:20]) + (" ..." if len(calls) > 20 else "")) if calls else "",
+                failure(),
+            )
 
     def _write_loop(self) -> None:
         """Each round takes every write queued so far (up to `MAX_ROUND`), commits them in one
@@ -137,6 +166,7 @@ class GroupCommitWriter:
         """On the event loop: each waiting caller gets its write's outcome, or the round's failure."""
         self.in_flight -= len(batch)
         for index, (_, future) in enumerate(batch):
+            self._waiting.pop(future, None)
             if future.done():  # its caller was cancelled meanwhile
                 continue
             if isinstance(outcomes, BaseException):
