@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -120,3 +122,61 @@ def test_a_shutdown_with_a_write_the_disk_never_answers_ends_and_logs_what_was_n
         assert reopened.get_call(acknowledged) is not None  # what was acknowledged is kept
     finally:
         reopened._close_connections()
+
+
+def test_a_read_on_a_frozen_postgres_answers_503_within_the_stores_timeout(
+    upstream, tmp_path, postgres_url, postgres_db
+):
+    # PostgreSQL frozen (SIGSTOP of its backends: a host swapping, a VM paused): GET /v1/sessions and the
+    # dashboard's polls hung in a worker thread until the server answered, each holding a thread of the
+    # default executor, which everything that reads the store shares. Now the store's timeout bounds a
+    # read as it bounds a write: 503 store_unavailable in the OpenAI error shape, and the store recovers.
+    import re
+
+    import psycopg
+
+    from gateway.store.postgres import PostgresStore
+
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = PostgresStore(postgres_db, timeout=2)
+    name = re.match(r"postgres(?:ql)?://[^/]*/([^?]*)", postgres_db).group(1)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        assert _chat(url).status_code == 200
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            found = admin.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", (name,)).fetchall()
+        backends = [pid for (pid,) in found]
+        assert backends
+        for pid in backends:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            reply = httpx.get(url + "/v1/sessions", timeout=60)
+            assert reply.status_code == 503, reply.text
+            assert reply.json()["error"]["code"] == "store_unavailable"
+            assert "the database" in reply.json()["error"]["message"] or "PostgreSQL" in reply.text
+        finally:
+            for pid in backends:
+                os.kill(pid, signal.SIGCONT)
+        for _ in range(120):  # the pool replaces the connections that were cut
+            if httpx.get(url + "/healthz", timeout=30).status_code == 200:
+                break
+            time.sleep(0.5)
+        listing = httpx.get(url + "/v1/sessions", timeout=30)
+        assert listing.status_code == 200, listing.text
+        assert [s["id"] for s in listing.json()["data"]] == ["s1"]
+
+
+def test_a_postgres_read_that_gets_no_answer_is_cut_at_the_stores_timeout_and_the_next_one_works(postgres_db):
+    from gateway.store.postgres import PostgresStore
+
+    store = PostgresStore(postgres_db, timeout=1)
+    try:
+        with pytest.raises(StoreUnavailable, match="a read has waited 1 s for the database without an answer"):
+            store._query("SELECT pg_sleep(30)")  # as long as a frozen server: no answer in time
+        assert store.health.degraded
+        assert store._query("SELECT 1 AS one") == [{"one": 1}]  # on a fresh connection
+        with pytest.raises(StoreUnavailable, match="without an answer"):
+            with store._snapshot() as read:  # the reads of GET /v1/sessions/{id}
+                read("SELECT pg_sleep(30)", ())
+    finally:
+        store._close_connections()

@@ -5,12 +5,17 @@ and the connection of its own that holds a trainer's lock."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from gateway.errors import StoreUnavailable, StoreUnreachable, TrainerBusy
 from gateway.redact import mask_text
-from gateway.store.health import classify
+from gateway.store.health import classify, stalled
 from gateway.store.locks import try_lock_trainer
 
 log = logging.getLogger("rlproxy.store")
@@ -41,7 +46,7 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
         timeout=timeout,
         kwargs={"autocommit": True},
         name="rlproxy-store",
-        check=ConnectionPool.check_connection,
+        check=_check_within(timeout),
         configure=configure,
     )
     try:
@@ -53,6 +58,50 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
             "(host, port, database, user, password) and that PostgreSQL is running"
         ) from None
     return pool
+
+
+def _check_within(timeout: float) -> Any:
+    """The pool's check of a connection before use, cut after `timeout` (`answer_within`): on a
+    frozen server that check hung as long as the server did."""
+    from psycopg_pool import ConnectionPool
+
+    def check(conn: Any) -> None:
+        with answer_within(conn, timeout):
+            ConnectionPool.check_connection(conn)
+
+    return check
+
+
+@contextmanager
+def answer_within(conn: Any, seconds: float, what: str = "a read") -> Iterator[None]:
+    """The statements run inside on `conn` (a psycopg connection) get `seconds` for an answer: then
+    its socket is shut down, and what they raise is the store's `stalled` failure (503). libpq
+    waits for ever for a server that stopped answering (frozen, SIGSTOPped, its VM paused) and
+    neither `statement_timeout` (the server's own) nor TCP keepalives (its kernel answers them)
+    end that wait. A read hung in a worker thread of the default executor, which every read of
+    the gateway shares: a few such reads and nothing that reads the store answered."""
+    fd = conn.pgconn.socket
+    fired = threading.Event()
+
+    def cut() -> None:
+        fired.set()
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)  # the waiting recv() returns; the pool drops the connection
+        except OSError:
+            pass
+
+    timer = threading.Timer(seconds, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception as exc:
+        if fired.is_set():
+            raise stalled(seconds, what) from exc
+        raise
+    finally:
+        timer.cancel()
 
 
 def lock_wait_ms(timeout: float) -> int:
