@@ -21,7 +21,7 @@ from gateway.errors import StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import writer
 from gateway.store.sqlite import SQLiteStore
-from tests.helpers import ThreadServer
+from tests.helpers import ThreadServer, gateway_process
 
 
 def _chat(url: str, text: str = "hello", *, session: str = "s1") -> httpx.Response:
@@ -178,5 +178,49 @@ def test_a_postgres_read_that_gets_no_answer_is_cut_at_the_stores_timeout_and_th
         with pytest.raises(StoreUnavailable, match="without an answer"):
             with store._snapshot() as read:  # the reads of GET /v1/sessions/{id}
                 read("SELECT pg_sleep(30)", ())
+    finally:
+        store._close_connections()
+
+
+def test_sigterm_with_a_call_whose_write_the_disk_never_answers_ends_the_gateway(upstream, tmp_path):
+    # uvicorn waits for every request before the lifespan's shutdown: a call whose write a stalled disk
+    # held kept `kill PID` (systemd's stop, `docker stop` until its SIGKILL) waiting for ever. Now that
+    # call is answered 503 once the write has waited twice the store's timeout, and the log says so.
+    hang = tmp_path / "disk-hangs"
+    code = (
+        "import os, time; from gateway.store import sqlite as s; init, commit = s.SQLiteStore.__init__, "
+        "s.SQLiteStore._commit\n"
+        "def __init__(self, *a, **k):\n    init(self, *a, **{**k, 'busy_timeout': 1.0})\n"
+        f"def _commit(self, conn):\n    while os.path.exists({str(hang)!r}): time.sleep(0.05)\n"
+        "    commit(self, conn)\n"
+        "s.SQLiteStore.__init__, s.SQLiteStore._commit = __init__, _commit\n"
+        "s.SQLiteStore._write_now = lambda self, op: None\n"  # through the writer thread (see the first test)
+        "from gateway.cli import run; run()"
+    )
+    flags = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(tmp_path)]
+    with (
+        gateway_process(flags, python_args=("-c", code)) as (proc, url),
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        acknowledged = _chat(url).headers["x-request-id"]
+        sent = len(upstream.chat_requests())
+        hang.touch()
+        held = pool.submit(_chat, url, "held", session="held")
+        for _ in range(600):  # until the upstream answered it: its write follows, and hangs
+            if len(upstream.chat_requests()) == sent + 1:
+                break
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=120) == 0
+        finally:
+            hang.unlink()
+        reply = held.result()
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "store_unavailable", reply.text
+        log = proc.stdout.read().decode(errors="replace")
+        assert "NOT recorded" in log and reply.headers["x-request-id"] in log
+    store = SQLiteStore(tmp_path / "rlproxy.db")
+    try:
+        assert store.get_call(acknowledged) is not None
     finally:
         store._close_connections()

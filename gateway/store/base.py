@@ -92,8 +92,9 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         self._writer = GroupCommitWriter(self._apply_batch, self._checkpoint, self.pace)
 
     def stopping(self) -> None:
-        """The gateway shuts down: writes the database has not answered `2 * busy_timeout` s from
-        now are given up (`GroupCommitWriter.abandon`: answered 503 and logged, never silently)."""
+        """The gateway shuts down: writes waiting for a round the database has not answered for
+        `2 * busy_timeout` s are given up (`GroupCommitWriter.abandon`: answered 503 and logged,
+        never silently). Thread-safe: `rlproxy serve` calls it when the signal to stop comes."""
         if self._writer is not None:
             self._writer.give_up_after(2 * self.busy_timeout, lambda: stalled_at_exit(2 * self.busy_timeout))
 

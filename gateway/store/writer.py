@@ -106,8 +106,17 @@ class GroupCommitWriter:
         return not self._thread.is_alive()
 
     def give_up_after(self, seconds: float, failure: Callable[[], BaseException]) -> None:
-        """The process is stopping: the writes still unsettled `seconds` from now are given up then."""
-        self._loop.call_later(seconds, self.abandon, failure)
+        """The process is stopping: from now on, once a round has waited `seconds` for the database,
+        the writes waiting for it are given up (`abandon`); writes that the database answers are not.
+        Thread-safe (a signal handler may call it)."""
+
+        def check() -> None:
+            if self.busy_for() >= seconds:
+                self.abandon(failure)
+            if self._thread.is_alive():
+                self._loop.call_later(min(1.0, seconds), check)
+
+        self._loop.call_soon_threadsafe(check)
 
     def abandon(self, failure: Callable[[], BaseException]) -> None:
         """Fail every write still waiting for a round the database does not answer (a disk in a
