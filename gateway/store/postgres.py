@@ -30,8 +30,9 @@ from typing import Any
 from gateway.store import files as store_files
 from gateway.store import postgres_schema
 from gateway.store.base import Store
+from gateway.store.deadline import answer_within
 from gateway.store.health import classify
-from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, answer_within, lock_wait_ms, open_pool
+from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, lock_wait_ms, open_pool
 from gateway.store.rows import decode_call
 from gateway.store.writer import Op, Outcome, with_savepoints
 

@@ -5,17 +5,13 @@ and the connection of its own that holds a trainer's lock."""
 from __future__ import annotations
 
 import logging
-import os
 import re
-import socket
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from gateway.errors import StoreUnavailable, StoreUnreachable, TrainerBusy
 from gateway.redact import mask_text
-from gateway.store.health import classify, stalled
+from gateway.store.deadline import answer_within
+from gateway.store.health import classify
 from gateway.store.locks import try_lock_trainer
 
 log = logging.getLogger("rlproxy.store")
@@ -70,38 +66,6 @@ def _check_within(timeout: float) -> Any:
             ConnectionPool.check_connection(conn)
 
     return check
-
-
-@contextmanager
-def answer_within(conn: Any, seconds: float, what: str = "a read") -> Iterator[None]:
-    """The statements run inside on `conn` (a psycopg connection) get `seconds` for an answer: then
-    its socket is shut down, and what they raise is the store's `stalled` failure (503). libpq
-    waits for ever for a server that stopped answering (frozen, SIGSTOPped, its VM paused) and
-    neither `statement_timeout` (the server's own) nor TCP keepalives (its kernel answers them)
-    end that wait. A read hung in a worker thread of the default executor, which every read of
-    the gateway shares: a few such reads and nothing that reads the store answered."""
-    fd = conn.pgconn.socket
-    fired = threading.Event()
-
-    def cut() -> None:
-        fired.set()
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)  # the waiting recv() returns; the pool drops the connection
-        except OSError:
-            pass
-
-    timer = threading.Timer(seconds, cut)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    except Exception as exc:
-        if fired.is_set():
-            raise stalled(seconds, what) from exc
-        raise
-    finally:
-        timer.cancel()
 
 
 def lock_wait_ms(timeout: float) -> int:
