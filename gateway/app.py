@@ -219,6 +219,7 @@ def create_app(
                 app.state.startup_error = error
             raise
         finally:  # also after a failed start: what did start is stopped (a vLLM child, aiohttp sessions)
+            store.stopping()  # a write the store never answers no longer holds the shutdown for ever
             if "shadow" in services.extras:
                 await services.extras["shadow"].stop()
             if "ruler" in services.extras:  # judgements whose client left: marked failed, not "running"

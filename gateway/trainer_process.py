@@ -297,6 +297,9 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
         def handle_exit(self, sig, frame) -> None:
             if trainer is not None:  # Ctrl-C (or a SIGTERM to the group) stops the trainer too: as asked
                 trainer.stopping()
+            # uvicorn waits for every request before the lifespan's shutdown: one whose write the store
+            # never answers (a stalled disk, a frozen PostgreSQL) held the gateway up for ever.
+            app.state.services.store.stopping()
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None) -> None:

@@ -16,6 +16,7 @@ the shared one; `open_store` picks one.
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,14 +24,14 @@ from typing import Any
 
 from gateway.store import discard, lists, reads, rows, training
 from gateway.store.gateways import GatewayRows
-from gateway.store.health import StoreHealth, classify
+from gateway.store.health import StoreHealth, classify, stalled_at_exit
 from gateway.store.live import LiveRule
 from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.reads import SessionFilter
 from gateway.store.rows import CallRecord
 from gateway.store.shadows import ShadowRows
 from gateway.store.steps import StepRows
-from gateway.store.writer import GroupCommitWriter, Op, Outcome
+from gateway.store.writer import CommitPace, GroupCommitWriter, Op, Outcome
 
 
 class Store(StepRows, ShadowRows, GatewayRows, ABC):
@@ -44,6 +45,7 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         self.health = StoreHealth()  # a disk or server failure, until a write commits again
         self.commits = 0  # transactions committed by the writer (for /metrics and tests)
         self._writer: GroupCommitWriter | None = None
+        self.pace = CommitPace()  # whether a write may be committed on the event loop now
 
     # ------------------------------------------------------------ what a backend implements
 
@@ -87,12 +89,20 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
 
     async def start(self) -> None:
         """Start the writer thread (call from the event loop that will write)."""
-        self._writer = GroupCommitWriter(self._apply_batch, self._checkpoint)
+        self._writer = GroupCommitWriter(self._apply_batch, self._checkpoint, self.pace)
+
+    def stopping(self) -> None:
+        """The gateway shuts down: writes waiting for a round the database has not answered for
+        `2 * busy_timeout` s are given up (`GroupCommitWriter.abandon`: answered 503 and logged,
+        never silently). Thread-safe: `rlproxy serve` calls it when the signal to stop comes."""
+        if self._writer is not None:
+            self._writer.give_up_after(2 * self.busy_timeout, lambda: stalled_at_exit(2 * self.busy_timeout))
 
     async def close(self) -> None:
-        if self._writer is not None:
-            await self._writer.stop()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is not None and not await writer.stop(2 * self.busy_timeout):
+            writer.abandon(lambda: stalled_at_exit(2 * self.busy_timeout))
+            return  # its thread still runs a statement: closing the connections under it can crash
         self._close_connections()
 
     async def _submit(self, op: Op, *, at_once: bool = False) -> Any:
@@ -100,8 +110,10 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         if writer is None:  # no writer running (trainer process, scripts): write in a thread
             return await asyncio.to_thread(self._run_sync, op)
         self.check_writer()
-        if at_once and writer.in_flight == 0:
+        if at_once and writer.in_flight == 0 and self.pace.loop_allowed() and not self.health.degraded:
+            started = time.monotonic()
             outcome = self._write_now(op)
+            self.pace.took(time.monotonic() - started)
             if outcome is not None:
                 ok, value = outcome
                 if ok:

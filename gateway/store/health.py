@@ -113,12 +113,21 @@ def moved(path: Path | str) -> StoreUnavailable:
     )
 
 
-def stalled(seconds: float) -> StoreUnavailable:
-    """The store's writer has waited `seconds` on one round: the database does not answer."""
+def stalled(seconds: float, what: str = "a write") -> StoreUnavailable:
+    """The store's writer (or `what`) has waited `seconds`: the database does not answer."""
     return StoreUnavailable(
-        f"the store is unavailable: a write has waited {seconds:.0f} s for the database without an "
+        f"the store is unavailable: {what} has waited {seconds:.0f} s for the database without an "
         "answer (the server or the disk under it hangs, or another session keeps its locks). Check "
         f"the database server or the disk; {_RECOVERS}.",
+        cause="unavailable",
+    )
+
+
+def stalled_at_exit(seconds: float) -> StoreUnavailable:
+    """The gateway stopped while a write of its store had gone `seconds` without an answer."""
+    return StoreUnavailable(
+        f"the store did not answer for {seconds:.0f} s while the gateway stopped (the disk or the database "
+        "server hangs): what it was writing is not recorded; nothing of it had been acknowledged",
         cause="unavailable",
     )
 

@@ -30,6 +30,7 @@ from typing import Any
 from gateway.store import files as store_files
 from gateway.store import postgres_schema
 from gateway.store.base import Store
+from gateway.store.deadline import answer_within
 from gateway.store.health import classify
 from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, lock_wait_ms, open_pool
 from gateway.store.rows import decode_call
@@ -238,7 +239,7 @@ class PostgresStore(Store):
 
     def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
         try:
-            with self._connection() as raw:
+            with self._connection() as raw, answer_within(raw, self.busy_timeout):
                 return _rows(PgConn(raw).execute(sql, params))
         except Exception as exc:
             self._raise_failure(exc)
@@ -258,7 +259,7 @@ class PostgresStore(Store):
     def _snapshot(self) -> Iterator[Callable[[str, tuple], list[dict]]]:
         """Reads in one REPEATABLE READ transaction: every statement sees the same snapshot."""
         try:
-            with self._connection() as raw, raw.transaction():
+            with self._connection() as raw, answer_within(raw, self.busy_timeout), raw.transaction():
                 raw.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 conn = PgConn(raw)
 

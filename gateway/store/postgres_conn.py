@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway.errors import StoreUnavailable, StoreUnreachable, TrainerBusy
 from gateway.redact import mask_text
+from gateway.store.deadline import answer_within
 from gateway.store.health import classify
 from gateway.store.locks import try_lock_trainer
 
@@ -41,7 +42,7 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
         timeout=timeout,
         kwargs={"autocommit": True},
         name="rlproxy-store",
-        check=ConnectionPool.check_connection,
+        check=_check_within(timeout),
         configure=configure,
     )
     try:
@@ -53,6 +54,18 @@ def open_pool(url: str, min_size: int, max_size: int, timeout: float) -> Any:
             "(host, port, database, user, password) and that PostgreSQL is running"
         ) from None
     return pool
+
+
+def _check_within(timeout: float) -> Any:
+    """The pool's check of a connection before use, cut after `timeout` (`answer_within`): on a
+    frozen server that check hung as long as the server did."""
+    from psycopg_pool import ConnectionPool
+
+    def check(conn: Any) -> None:
+        with answer_within(conn, timeout):
+            ConnectionPool.check_connection(conn)
+
+    return check
 
 
 def lock_wait_ms(timeout: float) -> int:

@@ -1,0 +1,226 @@
+"""A store that stops answering (a disk in an NFS stall, a frozen PostgreSQL) under a running
+gateway: the event loop is never the one left waiting, reads and shutdown are bounded by the
+store's timeout, and what could not be written is refused or said, never acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.errors import StoreUnavailable
+from gateway.settings import Settings
+from gateway.store import writer
+from gateway.store.sqlite import SQLiteStore
+from tests.helpers import ThreadServer, gateway_process
+
+
+def _chat(url: str, text: str = "hello", *, session: str = "s1") -> httpx.Response:
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": text}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=120)
+
+
+class _Disk:
+    """A connection whose COMMIT stalls as on a disk that stops answering: `slow` seconds each, and
+    while `hang` is set until `release` (everything else goes to the real connection)."""
+
+    def __init__(self, conn, disk: _StallingDisk) -> None:
+        self._conn, self._disk = conn, disk
+
+    def execute(self, sql: str, *args):
+        if sql == "COMMIT":
+            self._disk.commit_waits()
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+
+class _StallingDisk:
+    def __init__(self, store: SQLiteStore) -> None:
+        self.slow = 0.0
+        self.hang, self.hanging, self.release = threading.Event(), threading.Event(), threading.Event()
+        store._conn = _Disk(store._conn, self)
+        store._loop_conn = _Disk(store._loop_conn, self)
+
+    def commit_waits(self) -> None:
+        time.sleep(self.slow)
+        if self.hang.is_set():
+            self.hanging.set()
+            self.release.wait(120)
+
+
+def _gateway(upstream_url: str, state_dir: Path, **store_kwargs):
+    settings = Settings(engine="openai", upstream_url=upstream_url, state_dir=state_dir, trainer="off")
+    store = SQLiteStore(settings.db_path, **store_kwargs)
+    return ThreadServer(create_app(settings, store=store)), store
+
+
+def test_after_a_slow_commit_a_stalled_disk_no_longer_freezes_the_gateway(upstream, tmp_path):
+    # A call recorded while no other was in flight was committed on the event loop itself: with the
+    # disk stalled (an NFS hiccup), every request, /healthz too, froze for as long as the stall.
+    # A commit that was slow sends the writes after it to the writer thread for a while.
+    server, store = _gateway(upstream.url, tmp_path)
+    with server, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        url = server.url
+        assert _chat(url).status_code == 200  # on the loop: the disk is fast
+        disk = _StallingDisk(store)
+        disk.slow = 2 * writer.SLOW_COMMIT  # the disk starts to lag
+        acknowledged = {_chat(url).headers["x-request-id"]}
+        disk.slow = 0.0
+        disk.hang.set()  # then stops answering
+        held = pool.submit(_chat, url, "held", session="held")
+        assert disk.hanging.wait(60)
+        try:  # while the commit hangs, the gateway answers
+            health = httpx.get(url + "/healthz", timeout=30)
+            assert health.status_code == 200, health.text
+        finally:
+            disk.hang.clear()
+            disk.release.set()
+        reply = held.result()
+        assert reply.status_code == 200, reply.text
+        acknowledged.add(reply.headers["x-request-id"])
+        recorded = {row["id"] for row in store._query("SELECT id FROM calls")}
+        assert acknowledged <= recorded
+
+
+def test_a_shutdown_with_a_write_the_disk_never_answers_ends_and_logs_what_was_not_recorded(upstream, tmp_path, caplog):
+    # Shutdown waited for ever on a round the disk (or a frozen PostgreSQL) held: the lifespan's own
+    # writes (the heartbeat row, RULER's verdicts) queued behind it, then the writer's join.
+    server, store = _gateway(upstream.url, tmp_path, busy_timeout=1.0)
+    server.__enter__()
+    try:
+        acknowledged = _chat(server.url).headers["x-request-id"]
+        disk = _StallingDisk(store)
+        disk.hang.set()
+        # A write no client waits on (a RULER verdict, a heartbeat), made on the gateway's loop.
+        loop = store._writer._loop
+        background = asyncio.run_coroutine_threadsafe(store.set_reward("s1", 1.0), loop)
+        assert disk.hanging.wait(60)
+        with caplog.at_level(logging.ERROR, logger="rlproxy.store"):
+            server.server.should_exit = True
+            server.thread.join(120)
+            assert not server.thread.is_alive(), "the shutdown waits for ever on the hung write"
+        with pytest.raises(StoreUnavailable, match="did not answer"):
+            background.result(0)
+        assert "never answered" in caplog.text and "NOT recorded" in caplog.text
+    finally:
+        disk.hang.clear()
+        disk.release.set()
+        server.thread.join(60)
+    reopened = SQLiteStore(store.path)
+    try:
+        assert reopened.get_call(acknowledged) is not None  # what was acknowledged is kept
+    finally:
+        reopened._close_connections()
+
+
+def test_a_read_on_a_frozen_postgres_answers_503_within_the_stores_timeout(
+    upstream, tmp_path, postgres_url, postgres_db
+):
+    # PostgreSQL frozen (SIGSTOP of its backends: a host swapping, a VM paused): GET /v1/sessions and the
+    # dashboard's polls hung in a worker thread until the server answered, each holding a thread of the
+    # default executor, which everything that reads the store shares. Now the store's timeout bounds a
+    # read as it bounds a write: 503 store_unavailable in the OpenAI error shape, and the store recovers.
+    import re
+
+    import psycopg
+
+    from gateway.store.postgres import PostgresStore
+
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = PostgresStore(postgres_db, timeout=2)
+    name = re.match(r"postgres(?:ql)?://[^/]*/([^?]*)", postgres_db).group(1)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        assert _chat(url).status_code == 200
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            found = admin.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", (name,)).fetchall()
+        backends = [pid for (pid,) in found]
+        assert backends
+        for pid in backends:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            reply = httpx.get(url + "/v1/sessions", timeout=60)
+            assert reply.status_code == 503, reply.text
+            assert reply.json()["error"]["code"] == "store_unavailable"
+            assert "the database" in reply.json()["error"]["message"] or "PostgreSQL" in reply.text
+        finally:
+            for pid in backends:
+                os.kill(pid, signal.SIGCONT)
+        for _ in range(120):  # the pool replaces the connections that were cut
+            if httpx.get(url + "/healthz", timeout=30).status_code == 200:
+                break
+            time.sleep(0.5)
+        listing = httpx.get(url + "/v1/sessions", timeout=30)
+        assert listing.status_code == 200, listing.text
+        assert [s["id"] for s in listing.json()["data"]] == ["s1"]
+
+
+def test_a_postgres_read_that_gets_no_answer_is_cut_at_the_stores_timeout_and_the_next_one_works(postgres_db):
+    from gateway.store.postgres import PostgresStore
+
+    store = PostgresStore(postgres_db, timeout=1)
+    try:
+        with pytest.raises(StoreUnavailable, match="a read has waited 1 s for the database without an answer"):
+            store._query("SELECT pg_sleep(30)")  # as long as a frozen server: no answer in time
+        assert store.health.degraded
+        assert store._query("SELECT 1 AS one") == [{"one": 1}]  # on a fresh connection
+        with pytest.raises(StoreUnavailable, match="without an answer"):
+            with store._snapshot() as read:  # the reads of GET /v1/sessions/{id}
+                read("SELECT pg_sleep(30)", ())
+    finally:
+        store._close_connections()
+
+
+def test_sigterm_with_a_call_whose_write_the_disk_never_answers_ends_the_gateway(upstream, tmp_path):
+    # uvicorn waits for every request before the lifespan's shutdown: a call whose write a stalled disk
+    # held kept `kill PID` (systemd's stop, `docker stop` until its SIGKILL) waiting for ever. Now that
+    # call is answered 503 once the write has waited twice the store's timeout, and the log says so.
+    hang = tmp_path / "disk-hangs"
+    code = (
+        "import os, time; from gateway.store import sqlite as s; init, commit = s.SQLiteStore.__init__, "
+        "s.SQLiteStore._commit\n"
+        "def __init__(self, *a, **k):\n    init(self, *a, **{**k, 'busy_timeout': 1.0})\n"
+        f"def _commit(self, conn):\n    while os.path.exists({str(hang)!r}): time.sleep(0.05)\n"
+        "    commit(self, conn)\n"
+        "s.SQLiteStore.__init__, s.SQLiteStore._commit = __init__, _commit\n"
+        "s.SQLiteStore._write_now = lambda self, op: None\n"  # through the writer thread (see the first test)
+        "from gateway.cli import run; run()"
+    )
+    flags = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(tmp_path)]
+    with (
+        gateway_process(flags, python_args=("-c", code)) as (proc, url),
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        acknowledged = _chat(url).headers["x-request-id"]
+        sent = len(upstream.chat_requests())
+        hang.touch()
+        held = pool.submit(_chat, url, "held", session="held")
+        for _ in range(600):  # until the upstream answered it: its write follows, and hangs
+            if len(upstream.chat_requests()) == sent + 1:
+                break
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=120) == 0
+        finally:
+            hang.unlink()
+        reply = held.result()
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "store_unavailable", reply.text
+        log = proc.stdout.read().decode(errors="replace")
+        assert "NOT recorded" in log and reply.headers["x-request-id"] in log
+    store = SQLiteStore(tmp_path / "rlproxy.db")
+    try:
+        assert store.get_call(acknowledged) is not None
+    finally:
+        store._close_connections()
