@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gateway.store import discard, lists, reads, rows, training
+from gateway.store import discard, lists, live, reads, rows, training
 from gateway.store.gateways import GatewayRows
 from gateway.store.health import StoreHealth, classify
 from gateway.store.live import LiveRule
@@ -148,6 +148,10 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
     ) -> None:
         """RULER's scores become rewards (an earlier one kept as `independent_reward`); the group closes."""
         await self._submit(lambda conn: training.record_judgement(conn, group_id, judge_model, scores, close))
+
+    def set_aside_stale_live(self, model: str, rule: LiveRule) -> list[str]:
+        """Members of `model`'s filling live groups gone stale, set aside with their reason (`live.set_aside_stale`)."""
+        return self._run_sync(lambda conn: live.set_aside_stale(conn, model, rule))
 
     async def request_trigger(self, model: str) -> int:
         """Ask the trainer for a step now, with whatever ready groups there are."""
