@@ -4,7 +4,11 @@ request may come to do it:
 - live groups (`--live-group-size`): as the step training goes on from moves, the members of a
   filling group that went stale are set aside with their reason (`Store.set_aside_stale_live`).
   A reward of the same key did that, and only that: a key that got no more traffic kept its group
-  open for ever, its members with no reason and uncounted in `sessions_stale`.
+  open for ever, its members with no reason and uncounted in `sessions_stale`;
+- the claims of a trainer that died mid-step (its lock in the store free: SIGKILL, out of memory)
+  are given back (`Store.give_back_dead_claims`), once, by the first gateway to see it. Only the
+  next trainer's start did that: with `serve --trainer off` and none started again, rewards to
+  those groups were refused (409 "is being trained") and their calls marked late, for ever.
 
 Each is idempotent and safe beside other gateways of one PostgreSQL doing the same (each decides
 under the locks a reward takes), so replicas need no coordination.
@@ -48,6 +52,13 @@ class StoreUpkeep:
     async def tick(self) -> None:
         try:
             await self._sweep_stale()
+            released = await asyncio.to_thread(self.store.give_back_dead_claims, self.model)
+            if released:
+                log.warning(
+                    "%d group(s) were claimed by a step whose trainer is gone (it no longer holds its lock): "
+                    "given back, they take rewards again and train at the next step",
+                    released,
+                )
         except Exception as exc:  # a store away for a moment: the next tick tries again
             log.warning("the store's upkeep failed (tried again in %.1f s): %s", self.settings.poll_interval, exc)
 

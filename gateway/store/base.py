@@ -215,9 +215,13 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         )
 
     def lock_trainer(self, model: str) -> TrainerLock:
-        """Hold `model`'s trainer lock on this store until it is released (ConfigError: held elsewhere).
-        Nothing to hold on SQLite: its file lies in one state dir, whose lock file decides."""
+        """Hold `model`'s trainer lock on this store until it is released (TrainerBusy: held elsewhere).
+        Nothing to hold in an SQLite store in memory (one process's, its tests')."""
         return NoTrainerLock()
+
+    def give_back_dead_claims(self, model: str) -> int:
+        """The claims of a trainer of `model` that no longer holds its lock given back (`trainer_lock`)."""
+        return 0  # a store with no trainer lock (in memory) cannot tell a dead trainer from a live one
 
     # ------------------------------------------------------------ reads
 
