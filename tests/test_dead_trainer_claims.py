@@ -47,7 +47,8 @@ def test_a_trainer_that_lost_its_lock_has_its_claims_given_back_once_on_either_b
         asyncio.run(store.set_reward("g-s0", 0.5))
 
     lock.release()  # what the trainer's death does: the kernel's flock, PostgreSQL's session lock
-    assert store.give_back_dead_claims("agent") == 1
+    # (PostgreSQL drops the lock once the server has seen its connection go: a moment after the close)
+    assert wait_until(lambda: store.give_back_dead_claims("agent"), what="the claim given back") == 1
     assert store.give_back_dead_claims("agent") == 0  # once: a second gateway finds nothing to give
     assert store.get_group("g")["claimed_step"] is None
     assert asyncio.run(store.set_reward("g-s0", 0.5))["group_id"] == "g"  # rewards are taken again

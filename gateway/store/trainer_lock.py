@@ -70,14 +70,14 @@ class FileTrainerLock:
     """SQLite's `TrainerLock`: one trainer per model and database file, whatever its state dir."""
 
     def __init__(self, database: Path, model: str) -> None:
-        self._fd: int | None = _open(lock_path(database, model))
-        if not waiting(lambda: _try_flock(self._fd)):  # type: ignore[arg-type]
-            os.close(self._fd)
-            self._fd = None
+        fd = _open(lock_path(database, model))
+        if not waiting(lambda: _try_flock(fd)):
+            os.close(fd)
             raise TrainerBusy(
                 f"another trainer is training model '{model}' on the store {database}: one trainer per model "
                 "and store; stop it, or train under another --model-name"
             )
+        self._fd: int | None = fd
 
     def ensure(self) -> None:
         return None  # an flock is lost only with its process
