@@ -30,6 +30,7 @@ from gateway.store import Store
 from gateway.store.open import open_store
 from gateway.store.private import private_state_dir
 from gateway.ui.auth import DashboardAuthMiddleware
+from gateway.upkeep import StoreUpkeep
 
 log = logging.getLogger("rlproxy")
 
@@ -192,6 +193,8 @@ def create_app(
     from gateway.ruler.watch import JudgementWatch
 
     watch = JudgementWatch(store, services.gateway_id)
+    upkeep = StoreUpkeep(store, settings)
+    services.extras["upkeep"] = upkeep
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -202,6 +205,7 @@ def create_app(
             await watch.start()  # before any judgement names this gateway: its row is there to expire
             await engine.start()
             await registry.start()
+            await upkeep.start()
             if registry.canary is not None:
                 await registry.canary.start()
             colocator = await _colocate(services)
@@ -224,6 +228,7 @@ def create_app(
                 await services.extras["shadow"].stop()
             if "ruler" in services.extras:  # judgements whose client left: marked failed, not "running"
                 await services.extras["ruler"].stop()
+            await upkeep.close()
             await watch.stop()  # after the judgements were marked: what is left is handed on
             if colocator is not None:
                 await colocator.close()

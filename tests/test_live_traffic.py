@@ -20,6 +20,7 @@ from gateway.store import CallRecord, LiveRule, Store
 from gateway.store.lineage import StepParents, chain_distance, further_than
 from gateway.store.live import Policy, stale_reason
 from tests.helpers import ThreadServer
+from tests.helpers_vllm import wait_until
 
 SYSTEM = "You are a billing assistant."
 
@@ -346,3 +347,47 @@ def test_staleness_read_step_by_step_is_the_trainers_along_every_kind_of_chain()
                 for limit in (0, 2):
                     expected = chain_distance(parents, current, sampled) > limit
                     assert further_than(StepParents(conn, "agent", span=2), current, sampled, limit) == expected
+
+
+def test_a_live_group_whose_members_went_stale_sets_them_aside_without_another_reward(store):
+    # Members went stale only when another session of their key joined: with no more traffic on
+    # that key the group stayed open with them for ever, no reason given, and none counted stale.
+    # The gateway sets them aside as the serving step moves (StoreUpkeep), whatever the traffic.
+    rule = LiveRule(group_size=3, max_staleness=1)
+    _step(store, 0)
+    for session_id in ("a", "b"):
+        _call(store, session_id, step=0)
+    group_id = asyncio.run(store.set_reward("a", 1.0, {}, rule))["group_id"]
+    asyncio.run(store.set_reward("b", 0.0, {}, rule))
+    assert store.set_aside_stale_live("agent", rule) == []  # within --live-max-staleness: they stay
+    for step in (1, 2, 3):
+        _step(store, step)
+    assert sorted(store.set_aside_stale_live("agent", rule)) == ["a", "b"]
+    assert store.get_group(group_id)["sessions"] == []
+    for session_id in ("a", "b"):
+        stored = store.get_session(session_id)
+        assert stored["group_id"] is None
+        assert stored["untrained_reason"].startswith("stale: answered by step 0, training goes on from step 3")
+    assert store.counts()["sessions_stale"] == 2
+    _call(store, "c", step=3)  # the key's next reward opens afresh (the emptied group takes it)
+    assert asyncio.run(store.set_reward("c", 1.0, {}, rule))["trainable"] is True
+    assert store.set_aside_stale_live("agent", rule) == []
+
+
+def test_a_running_gateway_sets_aside_live_members_that_went_stale_as_the_step_moves(tmp_path):
+    settings = Settings(
+        state_dir=tmp_path, trainer="off", default_max_tokens=4, live_group_size=3, live_max_staleness=1
+    )
+    app = create_app(settings)
+    store = app.state.services.store
+    with ThreadServer(app) as server:
+        for session_id in ("quiet-a", "quiet-b"):
+            chat(f"{server.url}/v1", session_id)  # answered by the base model: step 0 of this cold run
+        group_id = reward(server, "quiet-a", 1.0)["group_id"]
+        reward(server, "quiet-b", 0.0)
+        for step in (0, 1, 2, 3):  # the trainer's steps; no more traffic on this key
+            store.insert_step("agent", step, str(tmp_path / f"nowhere-{step}"), {}, [])
+        wait_until(lambda: session(server, "quiet-a")["group_id"] is None, what="the stale members set aside")
+        assert httpx.get(f"{server.url}/v1/groups/{group_id}").json()["sessions"] == []
+        assert session(server, "quiet-b")["untrained_reason"].startswith("stale: answered by step 0")
+        assert store.counts()["sessions_stale"] == 2

@@ -301,8 +301,9 @@ def _train_checkpoint_record(
             # trainer waits while a candidate is undecided), not whatever serves by now.
             state="promoted" if settings.promote == "always" else "candidate",
             parent=plan.parent,
+            claimed=True,  # given back meanwhile (its lock was dropped: gateway.store.trainer_lock), none is recorded
         )
-    except Conflict as exc:  # a discard landed between the check and the record
+    except Conflict as exc:  # a discard landed between the check and the record, or the claims were given back
         log.warning("step %d taken back: %s", step, exc.message)
         ckpts.discard(checkpoint)
         return None

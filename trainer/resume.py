@@ -148,6 +148,7 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_s
             advantages=state.get("advantages"),
             left_out=state.get("left_out"),
             state=step_state,
+            claimed=True,  # as the dead step left them: a gateway that took the trainer for gone gave them back
         )
     except Conflict as exc:  # its groups trained, a session discarded, its step number taken
         log.warning("discarding checkpoint %s, which was never recorded: %s", checkpoint.path, exc)

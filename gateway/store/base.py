@@ -22,19 +22,19 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gateway.store import discard, lists, reads, rows, training
+from gateway.store import discard, lists, live, reads, rows, training
 from gateway.store.gateways import GatewayRows
 from gateway.store.health import StoreHealth, classify, stalled_at_exit
 from gateway.store.live import LiveRule
-from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.reads import SessionFilter
 from gateway.store.rows import CallRecord
 from gateway.store.shadows import ShadowRows
 from gateway.store.steps import StepRows
+from gateway.store.trainer_lock import TrainerLockRows
 from gateway.store.writer import CommitPace, GroupCommitWriter, Op, Outcome
 
 
-class Store(StepRows, ShadowRows, GatewayRows, ABC):
+class Store(StepRows, ShadowRows, GatewayRows, TrainerLockRows, ABC):
     backend: str
     """"sqlite" or "postgres"."""
     path: Any
@@ -161,6 +161,10 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         """RULER's scores become rewards (an earlier one kept as `independent_reward`); the group closes."""
         await self._submit(lambda conn: training.record_judgement(conn, group_id, judge_model, scores, close))
 
+    def set_aside_stale_live(self, model: str, rule: LiveRule) -> list[str]:
+        """Members of `model`'s filling live groups gone stale, set aside with their reason (`live.set_aside_stale`)."""
+        return self._run_sync(lambda conn: live.set_aside_stale(conn, model, rule))
+
     async def request_trigger(self, model: str) -> int:
         """Ask the trainer for a step now, with whatever ready groups there are."""
         return await self._submit(lambda conn: training.request_trigger(conn, model))
@@ -221,11 +225,6 @@ class Store(StepRows, ShadowRows, GatewayRows, ABC):
         return self._run_sync(
             lambda conn: training.move_gpu_lease(conn, model, to_state, expect, holder, expect_holder, step)
         )
-
-    def lock_trainer(self, model: str) -> TrainerLock:
-        """Hold `model`'s trainer lock on this store until it is released (ConfigError: held elsewhere).
-        Nothing to hold on SQLite: its file lies in one state dir, whose lock file decides."""
-        return NoTrainerLock()
 
     # ------------------------------------------------------------ reads
 

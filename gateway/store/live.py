@@ -16,6 +16,11 @@ model (a call's step None) is step 0 only where step 0 is the untrained LoRA: in
 These are ops on the writer's connection, inside `rows.set_reward`'s transaction, which holds
 the task key's lock (`gateway.store.locks`): joins of one key take turns, so a session never
 joins a group another join has just closed (and a trainer may have claimed).
+
+A join sets aside the members of its group that went stale, but a key that gets no more rewards
+has no join: `set_aside_stale` does the same for every open live group of a model when the step
+training goes on from moves (the gateway's `StoreUpkeep`), so such a group does not wait for ever
+with members the trainer would never train, and they are counted stale where they can be seen.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 
 from gateway.store.lineage import StepParents, further_than, training_step
-from gateway.store.locks import for_update
+from gateway.store.locks import for_update, lock_live_key
 
 
 @dataclass(frozen=True)
@@ -122,12 +127,14 @@ def _leave(conn: sqlite3.Connection, session_id: str, reason: str | None, now: f
 # ready, and a trainer may claim and train it, once it holds that many, sessions discarded counted
 # as READY_GROUPS counts them), nor claimed, trained or set aside. A session joining one of those
 # was answered `trainable: true` and never trained, and so were the next ones of its key.
-_OPEN = (
-    "SELECT id FROM groups WHERE model = ? AND split = ? AND task_key = ? AND origin = 'live' AND closed = 0"
+_CAN_TAKE = (
+    "origin = 'live' AND closed = 0"
     " AND claimed_step IS NULL AND trained_step IS NULL AND skipped IS NULL AND failed IS NULL"
     " AND (expected_sessions IS NULL"
     " OR expected_sessions > (SELECT COUNT(*) FROM sessions s WHERE s.group_id = groups.id))"
-    " ORDER BY created_at LIMIT 1"
+)
+_OPEN = (
+    f"SELECT id FROM groups WHERE model = ? AND split = ? AND task_key = ? AND {_CAN_TAKE} ORDER BY created_at LIMIT 1"
 )
 
 
@@ -179,3 +186,26 @@ def join_live_group(
     else:
         conn.execute("UPDATE groups SET updated_at = ? WHERE id = ?", (now, group_id))
     return {"trainable": True, "group_id": group_id}
+
+
+# Every live group of a model still filling (as `_OPEN`, of any key and split), with its key.
+_FILLING = f"SELECT id, split, task_key FROM groups WHERE model = ? AND {_CAN_TAKE} ORDER BY id"
+
+
+def set_aside_stale(conn: sqlite3.Connection, model: str, rule: LiveRule) -> list[str]:
+    """Take the members that went stale out of every live group of `model` still filling, each
+    with its reason, as a join into its group would (`join_live_group`). Returns their ids."""
+    policy, seeded = Policy.read(conn, model), seeded_from(conn, model)
+    left: list[str] = []
+    for group_id, split, task_key in conn.execute(_FILLING, (model,)).fetchall():
+        lock_live_key(conn, model, split, task_key)  # the key's joins wait, or are seen (locks.py's order)
+        still = conn.execute(f"SELECT id FROM groups WHERE id = ? AND {_CAN_TAKE}" + for_update(conn), (group_id,))
+        if still.fetchone() is None:  # closed, claimed or filled meanwhile: no longer ours to change
+            continue
+        members = [r[0] for r in conn.execute("SELECT id FROM sessions WHERE group_id = ?", (group_id,)).fetchall()]
+        for member in members:
+            reason = stale_reason(conn, member, policy, rule, seeded)
+            if reason is not None:
+                _leave(conn, member, reason, time.time())
+                left.append(member)
+    return left

@@ -58,6 +58,15 @@ def try_lock_trainer(conn: Any, model: str) -> bool:
     return bool(row[0])
 
 
+def try_lock_trainer_for_transaction(conn: Any, model: str) -> bool:
+    """Take `model`'s trainer lock until this transaction ends, where no trainer holds it (PostgreSQL):
+    how a gateway learns, exactly, that the trainer is gone (`gateway.store.trainer_lock`)."""
+    row = conn.execute(
+        "SELECT pg_try_advisory_xact_lock(CAST(? AS integer), hashtext(?))", (_TRAINERS, model)
+    ).fetchone()
+    return bool(row[0])
+
+
 class TrainerLock(Protocol):
     """`Store.lock_trainer`'s answer: `ensure` (still held? else taken again, or ConfigError where
     another trainer took it meanwhile), `release`."""

@@ -24,11 +24,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from gateway.store import files as store_files
-from gateway.store import postgres_schema
+from gateway.store import postgres_schema, trainer_lock, training
 from gateway.store.base import Store
 from gateway.store.deadline import answer_within
 from gateway.store.health import classify
@@ -370,6 +371,12 @@ class PostgresStore(Store):
         made sure of before each step this store records for `model`."""
         lock = self._trainer_locks[model] = HeldTrainerLock(self.url, model)
         return lock
+
+    def give_back_dead_claims(self, model: str) -> int:
+        if not self._query(trainer_lock.CLAIMED, (model,))[0]["n"]:
+            return 0  # nothing claimed: the lock is left alone (a trainer starting never waits for it)
+        release = partial(training.release_model_claims, model=model)
+        return int(self._run_sync(lambda conn: trainer_lock.give_back_postgres(conn, model, release)))
 
     def release_claims(self, holder: str) -> None:
         self._run_sync(lambda conn: conn.execute("DELETE FROM group_claims WHERE holder = ?", (holder,)))

@@ -13,6 +13,7 @@ from gateway.redact import mask_text
 from gateway.store.deadline import answer_within
 from gateway.store.health import classify
 from gateway.store.locks import try_lock_trainer
+from gateway.store.trainer_lock import waiting
 
 log = logging.getLogger("rlproxy.store")
 
@@ -98,7 +99,8 @@ class HeldTrainerLock:
         import psycopg
 
         raw = psycopg.connect(self.url, autocommit=True, connect_timeout=LOCK_CONNECT_TIMEOUT)
-        if not try_lock_trainer(PgConn(raw), self.model):
+        # Waited for a moment: a gateway checking whether the trainer is gone holds it for one transaction.
+        if not waiting(lambda: try_lock_trainer(PgConn(raw), self.model)):
             raw.close()
             return False
         self._conn = raw

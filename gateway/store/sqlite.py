@@ -15,15 +15,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
 
-from gateway.store import read_only, sqlite_schema
+from gateway.store import read_only, sqlite_schema, trainer_lock, training
 from gateway.store.base import Store
 from gateway.store.health import at_start, classify, file_identity, moved
+from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.private import private_db_file
+from gateway.store.trainer_lock import FileTrainerLock
 from gateway.store.writer import Op, Outcome, with_savepoints
 
 CHECKPOINT_EVERY = 256
@@ -66,6 +69,16 @@ class SQLiteStore(Store):
             message = f"cannot open the store {path}: {at_start(failure.message)}"
             raise type(failure)(message, cause=failure.cause) from exc
         self.checkpoints = 0  # WAL checkpoints the writer thread ran
+
+    def lock_trainer(self, model: str) -> TrainerLock:
+        """An flock beside the database file (`FileTrainerLock`): one trainer per model and file."""
+        return NoTrainerLock() if self._memory else FileTrainerLock(Path(self.path), model)
+
+    def give_back_dead_claims(self, model: str) -> int:
+        if self._memory or not self._query(trainer_lock.CLAIMED, (model,))[0]["n"]:
+            return 0  # nothing claimed: the lock is left alone (a trainer starting never waits for it)
+        release = partial(self._run_sync, lambda conn: training.release_model_claims(conn, model))
+        return trainer_lock.give_back_sqlite(Path(self.path), model, release)
 
     def _open_read_only(self, path: Path | str | None, busy_timeout: float) -> None:
         """One read-only connection for reads and writes alike (a write fails as the read-only

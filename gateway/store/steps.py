@@ -111,13 +111,15 @@ class StepRows:
         state: str = "promoted",
         parent: int | None = None,
         also: Op | None = None,
+        claimed: bool = False,
     ) -> None:
         """A step row and its groups marked trained, in one transaction (Conflict: one of `session_ids` was discarded
         meanwhile). By session id: what it trained with (`advantages`, `rewards`), or why it was `left_out`.
         `state`: `promoted` (serves at once; the incumbent is superseded) or `candidate` (a policy decides);
         `parent`: the step it was trained from (default: the serving step); `also`: the backend's own write in the
-        same transaction (PostgreSQL: the step's file list)."""
-        args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out, rewards)
+        same transaction (PostgreSQL: the step's file list); `claimed`: its groups must be claimed by `step` still
+        (a trainer's step, whose claims a gateway gives back once the trainer no longer holds its lock)."""
+        args = (model, step, path, metrics, group_ids, session_ids, advantages, left_out, rewards, claimed)
 
         def op(conn: Any) -> None:
             source = serving(conn, model) if parent is None else parent

@@ -92,17 +92,26 @@ def insert_step(
     advantages: dict[str, float] | None = None,
     left_out: dict[str, str] | None = None,
     rewards: dict[str, float] | None = None,
+    claimed: bool = False,
 ) -> None:
     """`rewards`: session id -> the reward it trained with, recorded as `trained_reward` (absent:
-    the stored one, which the claim froze)."""
+    the stored one, which the claim froze). `claimed`: each group must still be claimed by `step`
+    (a trainer's step): a claim given back meanwhile (`gateway.store.trainer_lock`: its trainer was
+    taken for gone) let rewards change after the step read them, so the step records none of it."""
     for group_id in sorted(group_ids):  # locked first: a discard commits before (Conflict below) or waits
         cursor = conn.execute(
             "UPDATE groups SET trained_step = ?, claimed_step = NULL, updated_at = ?"
-            " WHERE id = ? AND trained_step IS NULL",
-            (step, time.time(), group_id),
+            " WHERE id = ? AND trained_step IS NULL AND (? = 0 OR claimed_step = ?)",
+            (step, time.time(), group_id, 1 if claimed else 0, step),
         )
-        if cursor.rowcount != 1:
-            raise Conflict(f"group '{group_id}' is unknown or already trained")
+        if cursor.rowcount == 1:
+            continue
+        if claimed and conn.execute("SELECT trained_step FROM groups WHERE id = ?", (group_id,)).fetchone() == (None,):
+            raise Conflict(
+                f"group '{group_id}' is no longer claimed by step {step}: its claim was given back (the trainer "
+                "was taken for gone: its lock in the store was free), so its rewards may have changed; it trains again"
+            )
+        raise Conflict(f"group '{group_id}' is unknown or already trained")
     if session_ids:
         marks = ",".join("?" * len(session_ids))
         gone = conn.execute(f"SELECT id FROM sessions WHERE discarded = 1 AND id IN ({marks})", session_ids).fetchall()
