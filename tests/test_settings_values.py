@@ -175,3 +175,20 @@ def test_a_very_large_finite_value_is_refused_in_one_line_as_infinity_is(capsys,
 
     monkeypatch.delenv("RLPROXY_POLL_INTERVAL")
     assert Limits.from_settings(Settings(max_body_mb=1024 * 1024)).max_body_bytes == 2**40
+
+
+def test_a_setting_left_with_nothing_to_do_is_named_as_it_was_given(caplog, tmp_path, monkeypatch):
+    # RLPROXY_CANARY_SHARE=0.3 in a compose file was blamed on a `--canary-share` never given.
+    import socket
+
+    monkeypatch.setenv("RLPROXY_CANARY_SHARE", "0.3")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        argv = ["serve", "--state-dir", str(tmp_path), "--port", str(taken.getsockname()[1])]
+        assert main([*argv, "--shadow-rate", "0.5"]) == 2
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [
+        "RLPROXY_CANARY_SHARE (environment variable) does nothing without --promote canary: ignored",
+        "--shadow-rate does nothing without --shadow-samples: ignored",
+    ]
