@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     warning = secret_flags_warning(args)
     if warning:  # said, never refused: a key on the command line of a machine of one's own may be fine
         print(f"rlproxy {args.command}: warning: {warning}", file=sys.stderr)
+    _warn_of_unknown_variables(args.command)
     try:
         return handler(args) or 0
     except RLProxyError as exc:
@@ -312,6 +313,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _warn_of_unknown_variables(command: str) -> None:
+    """A misspelt RLPROXY_* variable, said once: by the command the user ran, not by each training rank
+    `train --nproc N` starts (RLPROXY_LOOPBACK_STORE) or torchrun's ranks but the first."""
+    import os
+
+    from gateway.settings_env import unknown_variables_warning
+
+    if os.environ.get("RANK", "0") != "0" or os.environ.get("RLPROXY_LOOPBACK_STORE"):
+        return
+    warning = unknown_variables_warning(os.environ)
+    if warning:
+        print(f"rlproxy {command}: warning: {warning}", file=sys.stderr)
 
 
 def run() -> None:
