@@ -24,6 +24,7 @@ from gateway.flags import (
     add_command_flags,
     idle_settings,
     secret_flags_warning,
+    where_set,
 )
 from gateway.models.tuning import log_settings
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
@@ -80,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _configure_logging(settings)
     hide_access_log_secrets(settings.secrets())  # the access line (--log-level debug) holds query strings
     log_settings(settings, logging.getLogger("rlproxy"), "serve")
-    for line in idle_settings(settings):
+    for line in idle_settings(settings, args):
         logging.getLogger("rlproxy").warning(line)
     sock = listen(settings.host, settings.port)  # a port in use: said before the engine starts
     app = create_app(settings)
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     warning = secret_flags_warning(args)
     if warning:  # said, never refused: a key on the command line of a machine of one's own may be fine
         print(f"rlproxy {args.command}: warning: {warning}", file=sys.stderr)
+    _warn_of_unknown_variables(args.command)
     try:
         return handler(args) or 0
     except RLProxyError as exc:
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             # a check across settings has no field, and pydantic prefixes a validator's own words
             # with "Value error, ": the reason alone names the flags
             reason = error["msg"].removeprefix("Value error, ")
-            where = f"{_where_set(error['loc'], args)}: " if error["loc"] else ""
+            where = f"{where_set(error['loc'], args)}: " if error["loc"] else ""
             if reason.startswith(where[:-2] + " "):  # "--init-from takes ...": the flag is said once
                 where = ""
             print(f"rlproxy {args.command}: {where}{reason}", file=sys.stderr)
@@ -313,20 +315,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _where_set(loc: tuple, args: argparse.Namespace) -> str:
-    """Where the setting an error names came from: its flag, or, where no flag gave it, the
-    RLPROXY_* variable Settings read it from (`RLPROXY_PORT=abc` was blamed on a `--port` never
-    given, and the user went looking for a flag)."""
+def _warn_of_unknown_variables(command: str) -> None:
+    """A misspelt RLPROXY_* variable, said once: by the command the user ran, not by each training rank
+    `train --nproc N` starts (RLPROXY_LOOPBACK_STORE) or torchrun's ranks but the first."""
     import os
 
-    name = str(loc[0])
-    where = "--" + name.replace("_", "-")
-    if name in Settings.model_fields and name not in vars(args):
-        variable = f"RLPROXY_{name.upper()}"
-        if any(key.upper() == variable for key in os.environ):  # Settings reads them case-insensitively
-            where = f"{variable} (environment variable)"
-    # One value of a repeatable flag: `--upstream-protocol chat` was blamed on `--upstream-protocol-1`.
-    return f"{where}, its value {loc[1] + 1}" if len(loc) == 2 and isinstance(loc[1], int) else where
+    from gateway.settings_env import unknown_variables_warning
+
+    if os.environ.get("RANK", "0") != "0" or os.environ.get("RLPROXY_LOOPBACK_STORE"):
+        return
+    warning = unknown_variables_warning(os.environ)
+    if warning:
+        print(f"rlproxy {command}: warning: {warning}", file=sys.stderr)
 
 
 def run() -> None:

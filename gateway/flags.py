@@ -209,13 +209,30 @@ NEEDS = (
 )
 
 
-def idle_settings(settings: Settings) -> list[str]:
+def where_set(loc: tuple, args: argparse.Namespace) -> str:
+    """Where the setting at `loc` (a pydantic error's) came from: its flag, or, where no flag gave it,
+    the RLPROXY_* variable Settings read it from (`RLPROXY_PORT=abc` was blamed on a `--port` never
+    given, and the user went looking for a flag)."""
+    import os
+
+    name = str(loc[0])
+    where = "--" + name.replace("_", "-")
+    if name in Settings.model_fields and name not in vars(args):
+        variable = f"RLPROXY_{name.upper()}"
+        if any(key.upper() == variable for key in os.environ):  # Settings reads them case-insensitively
+            where = f"{variable} (environment variable)"
+    # One value of a repeatable flag: `--upstream-protocol chat` was blamed on `--upstream-protocol-1`.
+    return f"{where}, its value {loc[1] + 1}" if len(loc) == 2 and isinstance(loc[1], int) else where
+
+
+def idle_settings(settings: Settings, args: argparse.Namespace) -> list[str]:
     """One line for each setting the user gave (a flag or its variable) that the others leave with nothing
-    to do, so that a run is not taken for one with it: `--canary-share 0.3` without `--promote canary`."""
+    to do, so that a run is not taken for one with it: `--canary-share 0.3` without `--promote canary`.
+    Each is named as it was given (`where_set`): RLPROXY_CANARY_SHARE=0.3 was blamed on a flag never given."""
     lines = []
     for names, acts, needs in NEEDS:
         given = [name for name in names if name in settings.model_fields_set]
         if given and not acts(settings):
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            lines.append(f"{flags} {'does' if len(given) == 1 else 'do'} nothing without {needs}: ignored")
+            named = ", ".join(where_set((name,), args) for name in given)
+            lines.append(f"{named} {'does' if len(given) == 1 else 'do'} nothing without {needs}: ignored")
     return lines

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, mask_args, masked
 from gateway.settings_access import AccessSettings, EnvList, judge_url, judge_urls, one_or_list
+from gateway.settings_bounds import A_WEEK, A_YEAR, MAX_BODY_MB
 from gateway.settings_keys import MIN_API_KEY_LENGTH, GatewayKey, Key, admin_apart
 from gateway.settings_loss import LossSettings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
@@ -138,7 +139,7 @@ class PromotionSettings(BaseModel):
         100, ge=2, description="--promote canary: candidate sessions at the first look (and between looks)"
     )
     canary_max_wait: float = Field(
-        86400.0, gt=0, description="--promote canary: seconds before a candidate still undecided is rejected"
+        86400.0, gt=0, le=A_YEAR, description="--promote canary: seconds before a candidate still undecided is rejected"
     )
     watch_sessions: int = Field(
         500, ge=0, description="--promote canary: sessions a promoted step is watched for a drop (rolled back)"
@@ -187,7 +188,9 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         None, description=f"bearer key required on every route but /healthz ({MIN_API_KEY_LENGTH} characters or more)"
     )
     log_level: Annotated[str, AfterValidator(_log_level)] = Field("info", description="debug, info, warning or error")
-    max_body_mb: float = Field(32.0, gt=0, description="largest request body in MB; larger ones get 413")
+    max_body_mb: float = Field(
+        32.0, gt=0, le=MAX_BODY_MB, description="largest request body in MB; larger ones get 413"
+    )
     max_messages: int = Field(2048, ge=1, description="most messages in one chat request")
     max_n: int = Field(128, ge=1, le=128, description="most choices (n) in one chat request")
 
@@ -206,7 +209,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     upstream_api_key: Key = Field(None, description="key sent to the upstream (never stored)")
     # gt=0: at 0, -5 or nan every call was a 504 "did not answer within -5 s" (vLLM's calls too).
     upstream_timeout: float = Field(
-        600.0, gt=0, description="seconds before an upstream (or vLLM) call is answered with 504"
+        600.0, gt=0, le=A_WEEK, description="seconds before an upstream (or vLLM) call is answered with 504"
     )
     upstream_protocol: Annotated[
         list[Literal["responses", "messages", "completions"]], NoDecode, BeforeValidator(one_or_list)
@@ -326,7 +329,7 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     max_tokens_per_row: int = Field(4096, ge=16, description="packing: most tokens in one training row")
     epochs_per_step: int = Field(1, ge=1, description="passes over a step's data")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
-    seed: int = Field(0, description="trainer seed")
+    seed: int = Field(0, ge=-(2**63), le=2**63 - 1, description="trainer seed")
     keep_adapters: int = Field(3, ge=1, description="adapters the gateway keeps loaded (older ones unloaded once idle)")
     keep_checkpoints: int = Field(
         0,
@@ -338,7 +341,9 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "none", description="experiment tracker for every step's metrics and the run's settings (trainer/reporting.py)"
     )
     report_project: str = Field("rlproxy", description="the tracker's project name")
-    poll_interval: float = Field(1.0, gt=0, description="seconds between looks at the store (trainer and hot-swap)")
+    poll_interval: float = Field(
+        1.0, gt=0, le=3600, description="seconds between looks at the store (trainer and hot-swap)"
+    )
 
     @model_validator(mode="after")
     def _no_4_bit_with_vllm(self) -> Settings:

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from gateway.settings_bounds import A_WEEK
+
 
 class ReplicaSettings(BaseModel):
     """Several vLLM replicas behind one gateway (gateway/engines/vllm/replicas.py) and which devices
@@ -57,6 +59,7 @@ class TrainingScaleSettings(BaseModel):
     dist_timeout: float = Field(
         900.0,
         gt=0,
+        le=A_WEEK,
         description="seconds a training rank waits for the others (a step, or the next command) before it ends "
         "the run with the reason; above the colocated GPU lease's 600 s wait",
     )

@@ -20,6 +20,7 @@ from gateway.errors import TRY_AGAIN_EXIT
 from gateway.flags import SECRET_SETTINGS
 from gateway.redact import hidden_in, mask_text, redact
 from gateway.settings import Settings
+from gateway.settings_env import without_unknown
 from gateway.store import Store
 
 
@@ -354,7 +355,7 @@ class _StartupTraceback(logging.Filter):
 def trainer_command(args: argparse.Namespace, settings: Settings) -> tuple[list[str], dict[str, str]]:
     """The trainer child's command line and environment."""
     cmd = [sys.executable, "-m", "gateway.cli", "train", *settings_argv(args)]
-    env = {**os.environ, **secret_settings_env(args)}
+    env = {**without_unknown(os.environ), **secret_settings_env(args)}  # the gateway said them already
     trainer_environment(settings, env)  # --trainer-devices: its GPUs, not the gateway's
     if settings.store:
         env["RLPROXY_STORE"] = settings.store  # by environment, not argv: its password stays private

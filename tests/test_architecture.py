@@ -27,6 +27,8 @@ GATEWAY_LAYERS = [
         "gateway.settings_loss",
         "gateway.settings_access",
         "gateway.settings_keys",
+        "gateway.settings_bounds",
+        "gateway.settings_env",
         "gateway.children",
         "gateway.redact",
         "gateway.tasks",

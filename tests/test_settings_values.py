@@ -152,3 +152,43 @@ def test_serve_says_which_given_settings_the_others_leave_with_nothing_to_do(cap
         given = ["--promote", "canary", "--canary-share", "0.3", "--base-model", "smollm2", "--kl-estimator", "k2"]
         assert main([*argv, *given]) == 2
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_very_large_finite_value_is_refused_in_one_line_as_infinity_is(capsys, tmp_path, monkeypatch):
+    # `--max-body-mb 1e308` crashed serve with an OverflowError (its limit in bytes is an int), and waits
+    # this long crash the wait itself (time.sleep, Event.wait, torch's timedelta): every number has a ceiling.
+    for name in ("max_body_mb", "upstream_timeout", "poll_interval", "dist_timeout", "canary_max_wait", "seed"):
+        with pytest.raises(ValueError, match="less than"):
+            Settings(**{name: 10**300})
+    given = ["--state-dir", str(tmp_path), "--trainer", "off"]
+    assert main(["serve", *given, "--max-body-mb", "1e308"]) == 2
+    err = capsys.readouterr().err
+    assert err == "rlproxy serve: --max-body-mb: Input should be less than or equal to 1048576\n", err
+    monkeypatch.setenv("RLPROXY_POLL_INTERVAL", "1e10")
+    assert main(["train", "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "rlproxy train: RLPROXY_POLL_INTERVAL (environment variable): Input should be less than or equal to 3600\n"
+    )
+    from gateway.http.limits import Limits
+
+    monkeypatch.delenv("RLPROXY_POLL_INTERVAL")
+    assert Limits.from_settings(Settings(max_body_mb=1024 * 1024)).max_body_bytes == 2**40
+
+
+def test_a_setting_left_with_nothing_to_do_is_named_as_it_was_given(caplog, tmp_path, monkeypatch):
+    # RLPROXY_CANARY_SHARE=0.3 in a compose file was blamed on a `--canary-share` never given.
+    import socket
+
+    monkeypatch.setenv("RLPROXY_CANARY_SHARE", "0.3")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        argv = ["serve", "--state-dir", str(tmp_path), "--port", str(taken.getsockname()[1])]
+        assert main([*argv, "--shadow-rate", "0.5"]) == 2
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [
+        "RLPROXY_CANARY_SHARE (environment variable) does nothing without --promote canary: ignored",
+        "--shadow-rate does nothing without --shadow-samples: ignored",
+    ]

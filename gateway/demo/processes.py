@@ -27,6 +27,7 @@ from gateway.errors import RLProxyError
 from gateway.flags import SECRET_SETTINGS
 from gateway.redact import hidden_in
 from gateway.settings import KEEP_ALIVE_SECONDS, Settings
+from gateway.settings_env import without_unknown
 
 
 def free_socket() -> socket.socket:
@@ -110,7 +111,12 @@ class Trainer:
 
     def __init__(self, settings: Settings, log_path: Path, threads: int, extra: list[str] | None = None):
         self.log_path = log_path
-        env = {**os.environ, **_secret_env(settings), "RLPROXY_TORCH_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+        env = {
+            **without_unknown(os.environ),
+            **_secret_env(settings),
+            "RLPROXY_TORCH_THREADS": str(threads),
+            "HF_HUB_OFFLINE": "1",
+        }
         trainer_environment(settings, env)  # --trainer-devices: its GPUs, not the demo's
         # Its log is a file the user reads afterwards: one line per step is worth having.
         cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_flags(settings), "--log-level", "info"]
