@@ -36,3 +36,23 @@ def test_no_warning_when_every_variable_is_read(capsys, tmp_path, monkeypatch):
         taken.listen()
         assert main(["serve", "--state-dir", str(tmp_path), "--port", str(taken.getsockname()[1])]) == 2
     assert "no such variable" not in capsys.readouterr().err
+
+
+def test_every_rlproxy_variable_the_project_reads_is_known():
+    # The processes rlproxy starts get the environment without the variables it does not know
+    # (`without_unknown`): one read somewhere but missing from the list would silently not reach
+    # the trainer or its ranks.
+    import re
+    from pathlib import Path
+
+    from gateway.settings_env import unknown_variables
+
+    root = Path(__file__).resolve().parent.parent
+    named = set()
+    for folder in ("gateway", "trainer", "sdk", "deploy", "bench", "tests", "docs"):
+        for path in (root / folder).rglob("*"):
+            if path.is_file() and path.suffix in {".py", ".sh", ".md", ".yml", ".yaml", ".toml", ".conf", ""}:
+                named |= set(re.findall(r"RLPROXY_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore")))
+    named |= set(re.findall(r"RLPROXY_[A-Z0-9_]*[A-Z0-9]", (root / "README.md").read_text()))
+    assert len(named) > 20
+    assert unknown_variables(dict.fromkeys(named, "x")) == ["RLPROXY_APIKEY"]  # this file's misspelling
