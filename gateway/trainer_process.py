@@ -299,8 +299,11 @@ def run_gateway(app, trainer: TrainerChild | None, sock, **options) -> None:
             if trainer is not None:  # Ctrl-C (or a SIGTERM to the group) stops the trainer too: as asked
                 trainer.stopping()
             # uvicorn waits for every request before the lifespan's shutdown: one whose write the store
-            # never answers (a stalled disk, a frozen PostgreSQL) held the gateway up for ever.
-            app.state.services.store.stopping()
+            # never answers (a stalled disk, a frozen PostgreSQL) held the gateway up for ever. An app
+            # with no store (yet: a signal while it starts) has no write to give up.
+            services = getattr(app.state, "services", None)
+            if services is not None:
+                services.store.stopping()
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None) -> None:
