@@ -10,6 +10,7 @@ import pytest
 
 from gateway.settings import GREEDY_BELOW, Settings, is_greedy
 from gateway.store import CallRecord
+from gateway.store.lineage import chain_distance
 from gateway.store.sqlite import SQLiteStore
 from trainer.data import NO_TOKENS, build_batch, trajectory_samples
 from trainer.publish import plan_step
@@ -105,6 +106,50 @@ def test_an_openai_engine_trainer_still_skips_stale_groups_its_adapters_answered
         group(store, "served", [1.0, 0.0], engine="vllm", step=1)
         fresh, skipped = without_stale(store, s, [store.get_group("served")], next_step=4)
         assert fresh == [] and skipped == 1
+    finally:
+        asyncio.run(store.close())
+
+
+def test_selection_reads_the_steps_between_a_groups_step_and_the_current_one_not_every_step(tmp_path):
+    # `without_stale` read every step row of the run at each selection (every poll while groups
+    # gather), more each step trained; the gateway's live check already walked only what it needs.
+    s = settings(tmp_path, max_staleness=2)
+    store = SQLiteStore(s.db_path)
+    try:
+
+        def record_steps(conn) -> None:  # 3,000 steps, each trained from the one before; 2990 rejected
+            for step in range(3000):
+                parent = None if step == 0 else (2989 if step == 2991 else step - 1)
+                conn.execute(
+                    "INSERT INTO steps (model, step, path, metrics, groups, created_at, parent) VALUES (?,?,?,?,?,?,?)",
+                    ("agent", step, f"/nowhere/{step}", "{}", "[]", 0.0, parent),
+                )
+
+        store._run_sync(record_steps)
+        for gid, step in {"fresh": 2998, "branch": 2990, "edge": 2997, "old": 5, "base": None}.items():
+            group(store, gid, [1.0, 0.0], step=step)
+        groups = [store.get_group(g) for g in ("fresh", "branch", "edge", "old", "base")]
+        step_rows = []
+        query = store._query
+
+        def counting(sql, params=()):
+            rows = query(sql, params)
+            if "FROM steps" in sql and "state" not in sql:
+                step_rows.append(len(rows))
+            return rows
+
+        store._query = counting
+        fresh, skipped = without_stale(store, s, groups, next_step=3000)  # training from step 2999
+        store._query = query
+        # The answers of the whole chain: 2990 was turned down, so it is 8 steps from 2999, not 9.
+        parents = store.lineage("agent")
+        expected = [
+            g
+            for g, st in [("fresh", 2998), ("branch", 2990), ("edge", 2997), ("old", 5), ("base", 0)]
+            if chain_distance(parents, 2999, st) <= 2
+        ]
+        assert [g["id"] for g in fresh] == expected == ["fresh", "edge"] and skipped == 3
+        assert sum(step_rows) <= 64  # a few ranges near step 2999, not 3,000 rows
     finally:
         asyncio.run(store.close())
 

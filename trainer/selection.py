@@ -16,7 +16,7 @@ import socket
 
 from gateway.settings import Settings
 from gateway.store import Store
-from gateway.store.lineage import chain_distance
+from gateway.store.lineage import further_than
 from trainer.attempts import Attempts
 from trainer.data import NO_SPREAD, sampling_step, spread_groups, too_few, trained_sessions
 
@@ -61,7 +61,9 @@ def without_stale(store: Store, settings: Settings, groups: list[dict], next_ste
     current = next_step - 1
     if settings.promote != "always":  # training goes on from the serving step, not the newest
         current = store.serving_step(settings.model_name) or 0
-    parents = store.lineage(settings.model_name)  # steps count along the parent chain: a rejected one never does
+    # Steps count along the parent chain (a rejected one never does), read only as far down as
+    # the groups' steps ask: reading every step row cost each poll more the longer the run.
+    parents = store.step_parents(settings.model_name)
     seeded = store.seeded_from(settings.model_name)  # one row: this runs at every poll while groups gather
     fresh, stale = [], {}
     for group in groups:
@@ -74,7 +76,7 @@ def without_stale(store: Store, settings: Settings, groups: list[dict], next_ste
                 f"answered by the base model, not by a step of this run: its step 0 is the adapter of "
                 f"--init-from {seeded}"
             )
-        elif calls and chain_distance(parents, current, sampled_by) > settings.max_staleness:
+        elif calls and further_than(parents, current, sampled_by, settings.max_staleness):
             stale[group["id"]] = f"stale: sampled by step {sampled_by}, training from step {current}"
         else:
             fresh.append(group)

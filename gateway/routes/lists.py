@@ -11,6 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from gateway.chat.identity import check_id
+from gateway.routes.reward_history import reward_history
 from gateway.routes.rl import json_response
 from gateway.routes.step_history import step_history
 from gateway.settings import is_greedy
@@ -135,7 +136,8 @@ def _dashboard_reads(store, model: str) -> tuple[list[dict], dict, list[dict], l
     """The dashboard's store reads, run in a worker thread: a store that does not answer
     (PostgreSQL gone, until its pool gives up) must not hold up every other request."""
     steps = step_history(store, model)  # only the steps recorded since the last poll are read
-    return steps, store.counts(), store.calls_per_minute(time.time()), store.reward_curve(model)
+    curve = reward_history(store, model)  # only the sessions written since the last poll are read
+    return steps, store.counts(), store.calls_per_minute(time.time()), curve
 
 
 def _shadow_counts(services) -> dict | None:

@@ -276,6 +276,9 @@ class Store(StepRows, ShadowRows, GatewayRows, TrainerLockRows, ABC):
     def reward_curve(self, model: str) -> list[dict]:
         return lists.reward_curve(self._query, model)
 
+    def reward_changes(self, model: str, since: float | None) -> list[dict]:
+        return lists.reward_changes(self._query, model, since)
+
     def calls_per_minute(self, now: float, minutes: int = 60) -> list[dict]:
         return lists.calls_per_minute(self._query, now, minutes)
 

@@ -49,6 +49,23 @@ class StepParents:
         self.high = high if self.high is None or high is None else max(self.high, high)
 
 
+class QueryConn:
+    """A store's reads (`Store._query`: rows as dicts, `?` placeholders in either backend) as the
+    connection `StepParents` reads from, so the trainer walks the chain as a live reward does."""
+
+    def __init__(self, query: Any):
+        self.query = query
+
+    def execute(self, sql: str, params: tuple = ()) -> Any:
+        rows = [tuple(row.values()) for row in self.query(sql, params)]
+
+        class Rows:
+            def fetchall(self) -> list[tuple]:
+                return rows
+
+        return Rows()
+
+
 def training_step(conn: Any, model: str) -> int:
     """The step training goes on from, as `trainer.selection.without_stale` takes it: the serving
     step (the newest promoted; under `--promote always` every step is, so the newest), or 0, the

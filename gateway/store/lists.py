@@ -194,6 +194,23 @@ def reward_curve(query: Query, model: str) -> list[dict]:
     return rows
 
 
+def reward_changes(query: Query, model: str, since: float | None) -> list[dict]:
+    """`model`'s sessions written at or after `since` (None: those `reward_curve` counts), each
+    with its updated_at and what `reward_curve` takes from it: {id, split, step, reward,
+    updated_at, counted}; step and reward only where it counts (rewarded, kept, not a shadow's).
+    `RewardHistory` keeps the curve between dashboard polls with these."""
+    counted = "s.reward IS NOT NULL AND s.discarded = 0 AND s.shadow_of IS NULL"
+    where, params = ("s.updated_at >= ?", (model, since)) if since is not None else (counted, (model,))
+    rows = query(
+        f"SELECT s.id, s.split, s.reward, s.updated_at, CASE WHEN {counted} THEN 1 ELSE 0 END AS counted,"
+        f" CASE WHEN {counted} THEN {_SESSION_STEP} END AS step FROM sessions s WHERE s.model = ? AND {where}",
+        params,
+    )
+    for row in rows:
+        row["counted"] = bool(row["counted"])
+    return rows
+
+
 def calls_per_minute(query: Query, now: float, minutes: int = 60) -> list[dict]:
     """Clients' calls per minute over the last `minutes` (oldest first; minutes with none
     included). Shadow groups' rows are not calls a client made: counted, one shadowed call

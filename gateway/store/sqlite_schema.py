@@ -186,6 +186,9 @@ ADDED_INDEXES = (
     "CREATE INDEX IF NOT EXISTS groups_shadow_unjudged ON groups (created_at, id) WHERE origin = 'shadow'"
     " AND trained_step IS NULL AND claimed_step IS NULL AND failed IS NULL AND skipped IS NULL"
     " AND ruler_status = 'failed'",
+    # The sessions changed since a dashboard poll (`lists.reward_changes`): every write to a
+    # session (a call, a reward, a discard) sets updated_at, so a poll reads a range, not the run.
+    "CREATE INDEX IF NOT EXISTS sessions_updated ON sessions (updated_at)",
 )
 
 # The schema's version (`PRAGMA user_version`): 1 is the first release, each added column one more.

@@ -23,6 +23,7 @@ from typing import Any
 
 from gateway.errors import Conflict, NotFound
 from gateway.store import reads, training
+from gateway.store.lineage import QueryConn, StepParents
 from gateway.store.writer import Op
 
 STATES = ("candidate", "promoted", "superseded", "rejected", "rolled_back")
@@ -215,6 +216,11 @@ class StepRows:
     def lineage(self, model: str) -> dict[int, int | None]:
         """Step -> parent step, for every step of `model`."""
         return {r["step"]: r["parent"] for r in self._query("SELECT step, parent FROM steps WHERE model = ?", (model,))}
+
+    def step_parents(self, model: str) -> StepParents:
+        """`model`'s step -> parent, read a range at a time as a walk down the chain asks
+        (`lineage.further_than`), not every step row the run recorded."""
+        return StepParents(QueryConn(self._query), model)
 
     # ------------------------------------------------------------ checkpoints kept in the store
 
