@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,35 @@ def test_demo_refuses_a_number_that_is_not_finite(flags, capsys):
         options_from_args(build_parser().parse_args(["demo", *flags]))
     assert refused.value.code == 2
     assert f"argument {flags[-2]}: '{flags[-1]}' is not a finite number" in capsys.readouterr().err
+
+
+def test_a_second_demo_on_the_same_out_refuses_and_leaves_the_first_alone(tmp_path):
+    # The second run used to clear the first's store and checkpoints and run on beside it: two
+    # trainers saving steps into one checkpoint directory, one summary.json written twice, rc 0.
+    out = tmp_path / "demo"
+    flags = ["--steps", "3", "--rollouts", "4", "--groups-per-step", "2", "--eval-groups", "1", "--max-tokens", "4"]
+    first_stdout = tmp_path / "first.stdout"
+    with first_stdout.open("w") as stdout:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "demo", "--out", str(out), *flags],
+            cwd=ROOT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=stdout,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        while "step   0: reward" not in first_stdout.read_text():  # the first is training
+            assert first.poll() is None, "the first demo ended before its first step"
+            time.sleep(0.2)
+        second = run_demo(out, *flags, timeout=120)
+        assert second.returncode == 2
+        assert f"rlproxy demo: --out {out} is in use by another rlproxy demo (pid {first.pid})" in second.stderr
+        assert first.wait(timeout=240) == 0
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_step"] == 3 and summary["stopped_because"] == "steps"
+    with sqlite3.connect(out / "state" / "rlproxy.db") as db:  # the first's own store, not cleared under it
+        assert db.execute("SELECT max(step) FROM steps WHERE model = 'agent'").fetchone() == (3,)
