@@ -204,3 +204,16 @@ def test_a_second_demo_on_the_same_out_refuses_and_leaves_the_first_alone(tmp_pa
     assert summary["final_step"] == 3 and summary["stopped_because"] == "steps"
     with sqlite3.connect(out / "state" / "rlproxy.db") as db:  # the first's own store, not cleared under it
         assert db.execute("SELECT max(step) FROM steps WHERE model = 'agent'").fetchone() == (3,)
+
+
+def test_demo_says_in_one_line_why_the_gateway_refused_its_calls(tmp_path):
+    # --max-tokens past the model's context: the gateway's 400 ended in openai's traceback, exit 1.
+    result = run_demo(
+        tmp_path / "demo", "--steps", "1", "--rollouts", "2", "--eval-groups", "1", "--max-tokens", "5000"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        "rlproxy demo: the gateway refused the agent's call: 'max_tokens' is 5000, but the model's context is "
+        "2048 tokens, prompt included: ask for fewer than 2048 tokens; lower --max-tokens"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr

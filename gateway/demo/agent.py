@@ -64,6 +64,14 @@ def sample_lines(replies: list[str], n: int = 3, width: int = 60) -> list[str]:
     return [line if len(line) <= width else line[: width - 1] + "…" for line in lines]
 
 
+def refused(exc) -> str:
+    """The gateway's 400 to the agent's call, in its own words, and the demo flag behind it:
+    `--max-tokens 100000` past the model's context ended in openai's traceback and exit 1."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    hint = "; lower --max-tokens" if body.get("param") == "max_tokens" else ""
+    return f"the gateway refused the agent's call: {body.get('message') or exc.message}{hint}"
+
+
 def steps_bar(desc: str, steps: int, baseline: float | None, progress: bool):
     """The demo's progress bar over training steps, opened on the baseline reward."""
     from tqdm import tqdm
@@ -148,14 +156,19 @@ class Agent:
         seeds = rng or self.rng
 
         async def chat(messages: list[dict]) -> str | None:
-            raw = await self.client.chat.completions.with_raw_response.create(
-                model=self.model,
-                messages=messages,
-                max_tokens=self.options.max_tokens,
-                temperature=temperature,
-                seed=seeds.getrandbits(31),
-                extra_headers=headers,
-            )
+            import openai
+
+            try:
+                raw = await self.client.chat.completions.with_raw_response.create(
+                    model=self.model,
+                    messages=messages,
+                    max_tokens=self.options.max_tokens,
+                    temperature=temperature,
+                    seed=seeds.getrandbits(31),
+                    extra_headers=headers,
+                )
+            except openai.BadRequestError as exc:  # the demo's own request refused: one line, not a traceback
+                raise RLProxyError(refused(exc)) from None
             step = raw.headers.get("x-model-step")
             if step is not None:
                 steps.append(int(step))
