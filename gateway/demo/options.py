@@ -65,6 +65,24 @@ SETTINGS_HELP = {
 }
 
 
+def settings_help(name: str, text: str | None) -> str | None:
+    """A settings flag's help in `demo --help`: its default where the demo or a task sets its own
+    (`DEMO_SETTINGS`, the tasks' `SETTINGS`), not `serve`'s (`--log-level` read "default: info"
+    and `--poll-interval` "1.0" where the demo runs at warning and 0.2)."""
+    if name in SETTINGS_HELP or not text:
+        return SETTINGS_HELP.get(name, text)
+    by_task = {task: load_task(task).SETTINGS[name] for task in TASKS if name in load_task(task).SETTINGS}
+    if name not in DEMO_SETTINGS and not by_task:
+        return text
+    base = DEMO_SETTINGS.get(name, Settings.model_fields[name].default)
+    shown = [f"{by_task.get(task, base)} with --task {task}" for task in TASKS if by_task.get(task, base) != base]
+    if len(by_task) < len(TASKS):  # some task keeps the demo's own
+        shown.insert(0, str(base))
+    head, _, tail = text.rpartition("default: ")  # the last: a description may say "default" itself
+    rest = tail[min((i for i in (tail.find(";"), tail.find(")")) if i >= 0), default=len(tail)) :]
+    return f"{head}default in the demo: {', '.join(shown)}{rest}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's own flags (the settings flags are added by the CLI)."""
     defaults = DemoOptions()
