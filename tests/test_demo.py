@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -217,3 +218,35 @@ def test_demo_says_in_one_line_why_the_gateway_refused_its_calls(tmp_path):
         "2048 tokens, prompt included: ask for fewer than 2048 tokens; lower --max-tokens"
     ) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, refusal",
+    [
+        (["--arrival-rate", "5"], "--arrival-rate is read only with --live (rewards or shadows)"),
+        (["--reward-delay", "-1", "--unrewarded-share", "0.5"], "--reward-delay and --unrewarded-share are read only"),
+        (["--live", "shadows", "--reward-delay", "2"], "--reward-delay is read only with --live rewards"),
+        (["--teacher-games", "64"], "--teacher-games is read only with --warm-start sft"),
+    ],
+)
+def test_demo_refuses_a_modes_flag_without_the_mode(flags, refusal):
+    # Each ran the harness demo (no stream, no warm start) and said nothing of the flag.
+    from gateway.cli import build_parser
+    from gateway.demo.options import options_from_args
+    from gateway.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        options_from_args(build_parser().parse_args(["demo", *flags]))
+
+
+def test_a_refused_warm_start_leaves_the_previous_demo_alone(tmp_path):
+    # `--warm-start sft` on shout (no teacher) was refused only after the previous run's store
+    # and checkpoints in OUT/state had been cleared.
+    out = tmp_path / "demo"
+    checkpoint = out / "state" / "models" / "agent" / "checkpoints" / "0003"
+    checkpoint.mkdir(parents=True)
+    (out / "state" / "rlproxy.db").write_bytes(b"the previous run")
+    result = run_demo(out, "--warm-start", "sft", timeout=60)
+    assert result.returncode == 2
+    assert "rlproxy demo: --warm-start sft needs a task with a teacher; 'shout' has none" in result.stderr
+    assert checkpoint.is_dir() and (out / "state" / "rlproxy.db").read_bytes() == b"the previous run"
