@@ -250,3 +250,13 @@ def test_a_refused_warm_start_leaves_the_previous_demo_alone(tmp_path):
     assert result.returncode == 2
     assert "rlproxy demo: --warm-start sft needs a task with a teacher; 'shout' has none" in result.stderr
     assert checkpoint.is_dir() and (out / "state" / "rlproxy.db").read_bytes() == b"the previous run"
+
+
+def test_demo_runs_with_the_api_key_exported_for_serve(tmp_path, monkeypatch):
+    # RLPROXY_API_KEY, exported for `rlproxy serve`, reached the demo's gateway but not its agent:
+    # the first call ended in openai's 401 traceback, exit 1.
+    monkeypatch.setenv("RLPROXY_API_KEY", "demo-key-0123456789abcdef")
+    out = tmp_path / "demo"
+    result = run_demo(out, "--steps", "1", "--rollouts", "2", "--eval-groups", "1", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["final_step"] == 1

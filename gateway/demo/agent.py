@@ -19,7 +19,7 @@ from types import ModuleType
 
 from gateway.demo import load_task
 from gateway.demo.options import DemoOptions
-from gateway.demo.processes import Trainer
+from gateway.demo.processes import Trainer, client_key
 from gateway.errors import RLProxyError
 from gateway.settings import Settings
 
@@ -103,8 +103,9 @@ class Agent:
         self.trainer = trainer
         self.deadline = deadline
         self.model = settings.model_name
-        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=2, timeout=120)
-        self.http = httpx.AsyncClient(base_url=url, timeout=120)
+        key = client_key(settings)
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=2, timeout=120)
+        self.http = httpx.AsyncClient(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"})
         self.rng = random.Random(settings.seed)
         # The held-out set: one task per val rollout (not one per group: a trained policy plays
         # a group's shared task nearly the same way 16 times, so 8 groups would score ~8 games),

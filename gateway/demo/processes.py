@@ -69,6 +69,13 @@ def serve_gateway(settings: Settings) -> Iterator[str]:
         sock.close()
 
 
+def client_key(settings: Settings) -> str:
+    """The key the demo's own clients send to its gateway: the gateway's, where RLPROXY_API_KEY
+    gave it one (exported for `rlproxy serve`, it reaches the demo too, and the agent's first call
+    ended in openai's 401 traceback), else any (a gateway with no key takes every one)."""
+    return settings.api_key.get_secret_value() if settings.api_key else "demo"
+
+
 def _settings_flags(settings: Settings) -> list[str]:
     """The settings as `rlproxy train` flags (no secrets: the trainer needs none)."""
     argv: list[str] = []
