@@ -260,3 +260,15 @@ def test_demo_runs_with_the_api_key_exported_for_serve(tmp_path, monkeypatch):
     result = run_demo(out, "--steps", "1", "--rollouts", "2", "--eval-groups", "1", "--max-tokens", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["final_step"] == 1
+
+
+def test_demo_refuses_a_shared_store_from_the_environment(tmp_path, monkeypatch):
+    # RLPROXY_STORE exported for `rlproxy serve`: the demo recorded its sessions and wrote its steps
+    # of 'agent' (its own checkpoints) into that store, where the real gateways would swap to them.
+    shared = tmp_path / "shared" / "rlproxy.db"
+    shared.parent.mkdir()
+    monkeypatch.setenv("RLPROXY_STORE", f"sqlite:///{shared}")
+    result = run_demo(tmp_path / "demo", "--steps", "1", "--rollouts", "2", "--eval-groups", "1", timeout=60)
+    assert result.returncode == 2
+    assert "rlproxy demo: RLPROXY_STORE is set: the demo keeps its own store in its state dir" in result.stderr
+    assert not shared.exists()

@@ -323,6 +323,12 @@ def demo_settings(given: dict, out: Path, task: str = DEFAULT_TASK, warm_start: 
     if "state_dir" not in given and "RLPROXY_STATE_DIR" not in os.environ:
         tuned["state_dir"] = out / "state"
     settings = Settings(**{**tuned, **given})
+    if settings.store:  # no demo flag sets it: an RLPROXY_STORE exported for `serve` (its URL may hold a password)
+        raise ConfigError(
+            "RLPROXY_STORE is set: the demo keeps its own store in its state dir and trains from scratch, "
+            "never in a shared one (its sessions, its trainer and its steps of the model would land there); "
+            "unset RLPROXY_STORE for the demo"
+        )
     if settings.engine == "openai":
         raise ConfigError(
             "the demo trains the model it serves, and an OpenAI-compatible upstream serves no "
