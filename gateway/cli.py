@@ -263,11 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
                 help="write the base model with the adapter merged in, instead of the adapter",
             )
         if name == "demo":
-            from gateway.demo.options import SETTINGS_HELP, add_arguments
+            from gateway.demo.options import add_arguments, settings_help
 
             add_arguments(command)
-            for action in command._actions:  # the settings flags that mean more in a demo
-                action.help = SETTINGS_HELP.get(action.dest, action.help)
+            for action in command._actions:  # the settings flags that mean more in a demo, or default otherwise
+                if action.dest in Settings.model_fields:
+                    action.help = settings_help(action.dest, action.help)
         if name == "train":
             command.add_argument("--max-steps", type=count, default=None, help="stop after this many steps")
             sft = command.add_argument_group("objective")

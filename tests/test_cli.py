@@ -50,6 +50,27 @@ def test_demo_help_leaves_out_the_upstreams_flags_and_trainer_which_it_ignores()
     assert build_parser().parse_args(["demo", "--trainer", "off"]).trainer == "off"  # still taken
 
 
+def test_demo_help_gives_the_defaults_the_demo_runs_with(tmp_path, monkeypatch):
+    # `demo --help` gave serve's: --log-level "info", --poll-interval "1.0", --default-max-tokens
+    # "256", where `rlproxy demo` runs at warning, 0.2 and the task's own (8 for shout).
+    from gateway.demo import TASKS
+    from gateway.demo.options import demo_settings
+
+    for name in list(os.environ):
+        if name.startswith("RLPROXY_"):
+            monkeypatch.delenv(name)
+    text = " ".join(help_text("demo").split())
+    for flag, name in (
+        ("--log-level", "log_level"),
+        ("--poll-interval", "poll_interval"),
+        ("--keep-adapters", "keep_adapters"),
+    ):
+        value = demo_settings({}, tmp_path).model_dump()[name]
+        assert re.search(rf"{flag} \S+ .*?default in the demo: {value}\)", text), (flag, value)
+    by_task = ", ".join(f"{demo_settings({}, tmp_path, task).default_max_tokens} with --task {task}" for task in TASKS)
+    assert f"default in the demo: {by_task})" in text
+
+
 def test_flags_beat_environment_beat_defaults(monkeypatch):
     monkeypatch.setenv("RLPROXY_MODEL_NAME", "from-env")
     monkeypatch.setenv("RLPROXY_PORT", "9100")

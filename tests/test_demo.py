@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,102 @@ def test_demo_refuses_a_number_that_is_not_finite(flags, capsys):
         options_from_args(build_parser().parse_args(["demo", *flags]))
     assert refused.value.code == 2
     assert f"argument {flags[-2]}: '{flags[-1]}' is not a finite number" in capsys.readouterr().err
+
+
+def test_a_second_demo_on_the_same_out_refuses_and_leaves_the_first_alone(tmp_path):
+    # The second run used to clear the first's store and checkpoints and run on beside it: two
+    # trainers saving steps into one checkpoint directory, one summary.json written twice, rc 0.
+    out = tmp_path / "demo"
+    flags = ["--steps", "3", "--rollouts", "4", "--groups-per-step", "2", "--eval-groups", "1", "--max-tokens", "4"]
+    first_stdout = tmp_path / "first.stdout"
+    with first_stdout.open("w") as stdout:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "demo", "--out", str(out), *flags],
+            cwd=ROOT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdout=stdout,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        while "step   0: reward" not in first_stdout.read_text():  # the first is training
+            assert first.poll() is None, "the first demo ended before its first step"
+            time.sleep(0.2)
+        second = run_demo(out, *flags, timeout=120)
+        assert second.returncode == 2
+        assert f"rlproxy demo: --out {out} is in use by another rlproxy demo (pid {first.pid})" in second.stderr
+        assert first.wait(timeout=240) == 0
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_step"] == 3 and summary["stopped_because"] == "steps"
+    with sqlite3.connect(out / "state" / "rlproxy.db") as db:  # the first's own store, not cleared under it
+        assert db.execute("SELECT max(step) FROM steps WHERE model = 'agent'").fetchone() == (3,)
+
+
+def test_demo_says_in_one_line_why_the_gateway_refused_its_calls(tmp_path):
+    # --max-tokens past the model's context: the gateway's 400 ended in openai's traceback, exit 1.
+    result = run_demo(
+        tmp_path / "demo", "--steps", "1", "--rollouts", "2", "--eval-groups", "1", "--max-tokens", "5000"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        "rlproxy demo: the gateway refused the agent's call: 'max_tokens' is 5000, but the model's context is "
+        "2048 tokens, prompt included: ask for fewer than 2048 tokens; lower --max-tokens"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, refusal",
+    [
+        (["--arrival-rate", "5"], "--arrival-rate is read only with --live (rewards or shadows)"),
+        (["--reward-delay", "-1", "--unrewarded-share", "0.5"], "--reward-delay and --unrewarded-share are read only"),
+        (["--live", "shadows", "--reward-delay", "2"], "--reward-delay is read only with --live rewards"),
+        (["--teacher-games", "64"], "--teacher-games is read only with --warm-start sft"),
+    ],
+)
+def test_demo_refuses_a_modes_flag_without_the_mode(flags, refusal):
+    # Each ran the harness demo (no stream, no warm start) and said nothing of the flag.
+    from gateway.cli import build_parser
+    from gateway.demo.options import options_from_args
+    from gateway.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        options_from_args(build_parser().parse_args(["demo", *flags]))
+
+
+def test_a_refused_warm_start_leaves_the_previous_demo_alone(tmp_path):
+    # `--warm-start sft` on shout (no teacher) was refused only after the previous run's store
+    # and checkpoints in OUT/state had been cleared.
+    out = tmp_path / "demo"
+    checkpoint = out / "state" / "models" / "agent" / "checkpoints" / "0003"
+    checkpoint.mkdir(parents=True)
+    (out / "state" / "rlproxy.db").write_bytes(b"the previous run")
+    result = run_demo(out, "--warm-start", "sft", timeout=60)
+    assert result.returncode == 2
+    assert "rlproxy demo: --warm-start sft needs a task with a teacher; 'shout' has none" in result.stderr
+    assert checkpoint.is_dir() and (out / "state" / "rlproxy.db").read_bytes() == b"the previous run"
+
+
+def test_demo_runs_with_the_api_key_exported_for_serve(tmp_path, monkeypatch):
+    # RLPROXY_API_KEY, exported for `rlproxy serve`, reached the demo's gateway but not its agent:
+    # the first call ended in openai's 401 traceback, exit 1.
+    monkeypatch.setenv("RLPROXY_API_KEY", "demo-key-0123456789abcdef")
+    out = tmp_path / "demo"
+    result = run_demo(out, "--steps", "1", "--rollouts", "2", "--eval-groups", "1", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["final_step"] == 1
+
+
+def test_demo_refuses_a_shared_store_from_the_environment(tmp_path, monkeypatch):
+    # RLPROXY_STORE exported for `rlproxy serve`: the demo recorded its sessions and wrote its steps
+    # of 'agent' (its own checkpoints) into that store, where the real gateways would swap to them.
+    shared = tmp_path / "shared" / "rlproxy.db"
+    shared.parent.mkdir()
+    monkeypatch.setenv("RLPROXY_STORE", f"sqlite:///{shared}")
+    result = run_demo(tmp_path / "demo", "--steps", "1", "--rollouts", "2", "--eval-groups", "1", timeout=60)
+    assert result.returncode == 2
+    assert "rlproxy demo: RLPROXY_STORE is set: the demo keeps its own store in its state dir" in result.stderr
+    assert not shared.exists()

@@ -19,7 +19,7 @@ from types import ModuleType
 
 from gateway.demo import load_task
 from gateway.demo.options import DemoOptions
-from gateway.demo.processes import Trainer
+from gateway.demo.processes import Trainer, client_key
 from gateway.errors import RLProxyError
 from gateway.settings import Settings
 
@@ -64,6 +64,14 @@ def sample_lines(replies: list[str], n: int = 3, width: int = 60) -> list[str]:
     return [line if len(line) <= width else line[: width - 1] + "…" for line in lines]
 
 
+def refused(exc) -> str:
+    """The gateway's 400 to the agent's call, in its own words, and the demo flag behind it:
+    `--max-tokens 100000` past the model's context ended in openai's traceback and exit 1."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    hint = "; lower --max-tokens" if body.get("param") == "max_tokens" else ""
+    return f"the gateway refused the agent's call: {body.get('message') or exc.message}{hint}"
+
+
 def steps_bar(desc: str, steps: int, baseline: float | None, progress: bool):
     """The demo's progress bar over training steps, opened on the baseline reward."""
     from tqdm import tqdm
@@ -95,8 +103,9 @@ class Agent:
         self.trainer = trainer
         self.deadline = deadline
         self.model = settings.model_name
-        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=2, timeout=120)
-        self.http = httpx.AsyncClient(base_url=url, timeout=120)
+        key = client_key(settings)
+        self.client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=2, timeout=120)
+        self.http = httpx.AsyncClient(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"})
         self.rng = random.Random(settings.seed)
         # The held-out set: one task per val rollout (not one per group: a trained policy plays
         # a group's shared task nearly the same way 16 times, so 8 groups would score ~8 games),
@@ -148,14 +157,19 @@ class Agent:
         seeds = rng or self.rng
 
         async def chat(messages: list[dict]) -> str | None:
-            raw = await self.client.chat.completions.with_raw_response.create(
-                model=self.model,
-                messages=messages,
-                max_tokens=self.options.max_tokens,
-                temperature=temperature,
-                seed=seeds.getrandbits(31),
-                extra_headers=headers,
-            )
+            import openai
+
+            try:
+                raw = await self.client.chat.completions.with_raw_response.create(
+                    model=self.model,
+                    messages=messages,
+                    max_tokens=self.options.max_tokens,
+                    temperature=temperature,
+                    seed=seeds.getrandbits(31),
+                    extra_headers=headers,
+                )
+            except openai.BadRequestError as exc:  # the demo's own request refused: one line, not a traceback
+                raise RLProxyError(refused(exc)) from None
             step = raw.headers.get("x-model-step")
             if step is not None:
                 steps.append(int(step))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TextIO
 
 from gateway.demo import load_task
 from gateway.demo.agent import drive
@@ -67,6 +69,27 @@ def _prepare_state(settings: Settings, out: Path) -> None:
         )
 
 
+def _hold_out_dir(out: Path) -> TextIO:
+    """An exclusive `flock` on OUT/.demo.lock, held until the demo ends (the kernel drops it when
+    the process dies, even by SIGKILL). A second demo on the same --out used to clear the first's
+    store and checkpoints under it: both then ran on, their trainers saving steps into one
+    checkpoint directory, and both wrote one summary.json, with rc 0."""
+    lock = open(out / ".demo.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise ConfigError(
+            f"--out {out} is in use by another rlproxy demo ({holder}): wait for it to end, or give another --out"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()}")
+    lock.flush()
+    return lock
+
+
 def _configure_logging(settings: Settings, path: Path) -> logging.Handler:
     handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -91,6 +114,11 @@ def run_demo(settings: Settings, options: DemoOptions, *, progress: bool = True)
         raise ConfigError(
             f"--out {out} cannot be used ({reason}): pass a directory (it is created if missing)"
         ) from None
+    with contextlib.closing(_hold_out_dir(out)):
+        return _run(settings, options, out, progress)
+
+
+def _run(settings: Settings, options: DemoOptions, out: Path, progress: bool) -> dict:
     _prepare_state(settings, out)
     # A built-in model is built on first use (the instruct one takes a minute or two, with
     # progress logged): like a download, that is not the demo's time, nor its budget's.

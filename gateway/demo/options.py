@@ -65,6 +65,24 @@ SETTINGS_HELP = {
 }
 
 
+def settings_help(name: str, text: str | None) -> str | None:
+    """A settings flag's help in `demo --help`: its default where the demo or a task sets its own
+    (`DEMO_SETTINGS`, the tasks' `SETTINGS`), not `serve`'s (`--log-level` read "default: info"
+    and `--poll-interval` "1.0" where the demo runs at warning and 0.2)."""
+    if name in SETTINGS_HELP or not text:
+        return SETTINGS_HELP.get(name, text)
+    by_task = {task: load_task(task).SETTINGS[name] for task in TASKS if name in load_task(task).SETTINGS}
+    if name not in DEMO_SETTINGS and not by_task:
+        return text
+    base = DEMO_SETTINGS.get(name, Settings.model_fields[name].default)
+    shown = [f"{by_task.get(task, base)} with --task {task}" for task in TASKS if by_task.get(task, base) != base]
+    if len(by_task) < len(TASKS):  # some task keeps the demo's own
+        shown.insert(0, str(base))
+    head, _, tail = text.rpartition("default: ")  # the last: a description may say "default" itself
+    rest = tail[min((i for i in (tail.find(";"), tail.find(")")) if i >= 0), default=len(tail)) :]
+    return f"{head}default in the demo: {', '.join(shown)}{rest}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's own flags (the settings flags are added by the CLI)."""
     defaults = DemoOptions()
@@ -150,14 +168,14 @@ def _add_live(group) -> None:
     group.add_argument(
         "--reward-delay",
         type=finite,
-        default=defaults.reward_delay,
+        default=None,
         help=f"--live rewards: each reward is posted after a random delay of up to this many seconds "
         f"(default {defaults.reward_delay:g})",
     )
     group.add_argument(
         "--unrewarded-share",
         type=finite,
-        default=defaults.unrewarded_share,
+        default=None,
         help=f"--live rewards: the share of sessions never rewarded (default {defaults.unrewarded_share:g})",
     )
     group.add_argument(
@@ -180,13 +198,13 @@ def _add_warm_start(group) -> None:
     group.add_argument(
         "--teacher-games",
         type=int,
-        default=defaults.teacher_games,
+        default=None,
         help=f"--warm-start: the teacher's games recorded (default {defaults.teacher_games})",
     )
     group.add_argument(
         "--warm-start-epochs",
         type=int,
-        default=defaults.warm_start_epochs,
+        default=None,
         help=f"--warm-start: passes over them (default {defaults.warm_start_epochs})",
     )
 
@@ -198,14 +216,13 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         **{k: v for k, v in task.OPTIONS.items() if k in _TASK_OPTIONS},
         **{k: getattr(args, k) for k in _TASK_OPTIONS if getattr(args, k, None) is not None},
     }
-    warm = {
-        "warm_start": getattr(args, "warm_start", None),
-        "teacher_games": getattr(args, "teacher_games", DemoOptions.teacher_games),
-        "warm_start_epochs": getattr(args, "warm_start_epochs", DemoOptions.warm_start_epochs),
-    }
-    live = {k: getattr(args, k, getattr(DemoOptions, k)) for k in _LIVE_OPTIONS}
+    _check_modes(args)
+    warm = {k: _given(args, k) for k in ("warm_start", "teacher_games", "warm_start_epochs")}
+    live = {k: _given(args, k) for k in _LIVE_OPTIONS}
     options = DemoOptions(task=task.NAME, out=args.out, **chosen, **warm, **live)
     _check_live(options, task)
+    if options.warm_start and not hasattr(task, "teacher_reply"):  # here, before the demo clears OUT/state
+        raise ConfigError(f"--warm-start sft needs a task with a teacher; '{task.NAME}' has none (tictactoe has)")
     if options.teacher_games < 8 or options.warm_start_epochs < 1:
         raise ConfigError("--teacher-games must be at least 8 and --warm-start-epochs at least 1")
     for name in ("steps", "rollouts", "max_tokens", "eval_groups", "converge_after"):
@@ -219,6 +236,28 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     if not 0 <= options.eval_temperature <= 2:
         raise ConfigError("--eval-temperature must be in [0, 2] (0: greedy), as the OpenAI API's temperature")
     return options
+
+
+def _given(args: argparse.Namespace, name: str):
+    value = getattr(args, name, None)
+    return getattr(DemoOptions, name) if value is None else value
+
+
+def _check_modes(args: argparse.Namespace) -> None:
+    """A mode's flags without the mode are read by nothing: `--arrival-rate 5` ran the harness
+    demo and `--teacher-games 64` no warm start, silently (`--reward-delay -1` too)."""
+
+    def given(*names: str) -> str:  # "--a is" / "--a and --b are", or "" if none was given
+        flags = ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) is not None]
+        return " and ".join(flags) + (" are" if len(flags) > 1 else " is") if flags else ""
+
+    live = getattr(args, "live", None)
+    if live is None and (flags := given("arrival_rate", "reward_delay", "unrewarded_share")):
+        raise ConfigError(f"{flags} read only with --live (rewards or shadows): add it, or drop the flag")
+    if live == "shadows" and (flags := given("reward_delay", "unrewarded_share")):
+        raise ConfigError(f"{flags} read only with --live rewards (--live shadows posts no rewards)")
+    if getattr(args, "warm_start", None) is None and (flags := given("teacher_games", "warm_start_epochs")):
+        raise ConfigError(f"{flags} read only with --warm-start sft: add it, or drop the flag")
 
 
 def _check_live(options: DemoOptions, task) -> None:
@@ -284,6 +323,12 @@ def demo_settings(given: dict, out: Path, task: str = DEFAULT_TASK, warm_start: 
     if "state_dir" not in given and "RLPROXY_STATE_DIR" not in os.environ:
         tuned["state_dir"] = out / "state"
     settings = Settings(**{**tuned, **given})
+    if settings.store:  # no demo flag sets it: an RLPROXY_STORE exported for `serve` (its URL may hold a password)
+        raise ConfigError(
+            "RLPROXY_STORE is set: the demo keeps its own store in its state dir and trains from scratch, "
+            "never in a shared one (its sessions, its trainer and its steps of the model would land there); "
+            "unset RLPROXY_STORE for the demo"
+        )
     if settings.engine == "openai":
         raise ConfigError(
             "the demo trains the model it serves, and an OpenAI-compatible upstream serves no "

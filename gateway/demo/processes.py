@@ -79,6 +79,13 @@ def _secret(name: str, value: object) -> bool:
     return name in SECRET_SETTINGS or bool(hidden_in({name: value}))
 
 
+def client_key(settings: Settings) -> str:
+    """The key the demo's own clients send to its gateway: the gateway's, where RLPROXY_API_KEY
+    gave it one (exported for `rlproxy serve`, it reaches the demo too, and the agent's first call
+    ended in openai's 401 traceback), else any (a gateway with no key takes every one)."""
+    return settings.api_key.get_secret_value() if settings.api_key else "demo"
+
+
 def _settings_flags(settings: Settings) -> list[str]:
     """The settings as `rlproxy train` flags, but for those that are or hold a secret (`_secret_env`)."""
     argv: list[str] = []

@@ -27,7 +27,7 @@ from types import ModuleType
 
 from gateway.demo import load_task
 from gateway.demo.options import DemoOptions
-from gateway.demo.processes import Trainer, free_socket, serve_gateway
+from gateway.demo.processes import Trainer, client_key, free_socket, serve_gateway
 from gateway.errors import ConfigError, RLProxyError
 from gateway.settings import Settings
 
@@ -83,7 +83,7 @@ def serve_teacher(task: ModuleType) -> Iterator[str]:
         sock.close()
 
 
-async def record_teacher(url: str, task: ModuleType, games: int, seed: int) -> float:
+async def record_teacher(url: str, task: ModuleType, games: int, seed: int, key: str = "demo") -> float:
     """Play `games` games against the gateway in front of the teacher, each a rewarded session;
     returns the teacher's mean score."""
     import random
@@ -93,9 +93,9 @@ async def record_teacher(url: str, task: ModuleType, games: int, seed: int) -> f
 
     rng = random.Random(seed)
     specs = [task.sample(rng) for _ in range(games)]
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=2)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=2)
     scores: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers={"Authorization": f"Bearer {key}"}) as http:
 
         async def game(index: int) -> None:
             session = f"teacher-{index}"
@@ -130,7 +130,9 @@ def warm_start(settings: Settings, options: DemoOptions, out: Path, threads: int
             update={"engine": "openai", "upstream_url": teacher_url, "model_name": TEACHER, "trainer": "off"}
         )
         with serve_gateway(recorder) as url:
-            teacher_score = asyncio.run(record_teacher(url, task, options.teacher_games, settings.seed))
+            teacher_score = asyncio.run(
+                record_teacher(url, task, options.teacher_games, settings.seed, client_key(recorder))
+            )
     recorded = time.monotonic()
     print(
         f"  warm start: {options.teacher_games} teacher games recorded (score {teacher_score:.2f}) in "
