@@ -343,10 +343,21 @@ class TrainingBackend(ABC):
     # -- introspection
     @property
     def context_length(self) -> int | None:
-        """The positions the base model reads (its config's `max_position_embeddings`, which GPT-2's
-        config answers with `n_positions`); None where the config does not say."""
+        """The positions the base model has an embedding for: its config's `max_position_embeddings`
+        (GPT-2's answers with `n_positions`) where it learned a table of them (GPT-2, OPT), which a
+        longer row indexes past (IndexError). None for rotary models (Qwen, Llama, SmolLM): they
+        compute a position's rotation, and read past their configured context as they always did."""
+        import torch
+
         value = getattr(self.model.config, "max_position_embeddings", None)
-        return value if isinstance(value, int) and value > 0 else None
+        if not isinstance(value, int) or value <= 0:
+            return None
+        tokens = self.model.get_input_embeddings()
+        learned = any(
+            isinstance(module, torch.nn.Embedding) and module is not tokens and module.num_embeddings >= value
+            for module in self.model.modules()
+        )
+        return value if learned else None
 
     def trainable_parameters(self) -> int:
         """Number of trained (LoRA) parameters, for the log."""
