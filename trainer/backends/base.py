@@ -352,7 +352,8 @@ class TrainingBackend(ABC):
         value = getattr(self.model.config, "max_position_embeddings", None)
         if not isinstance(value, int) or value <= 0:
             return None
-        tokens = self.model.get_input_embeddings()
+        model: Any = self.model  # a transformers model (or PEFT's around it): nn.Module does not say so
+        tokens = model.get_input_embeddings()
         learned = any(
             isinstance(module, torch.nn.Embedding) and module is not tokens and module.num_embeddings >= value
             for module in self.model.modules()
