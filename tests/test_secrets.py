@@ -337,9 +337,9 @@ def test_the_demo_hands_its_trainer_every_secret_unmasked_and_off_its_command_li
             started.update(cmd=cmd, env=env)
 
     monkeypatch.setattr(processes.subprocess, "Popen", NoProcess)
-    store = "postgresql://rl:hunter2-secret@127.0.0.1:9/rl"
+    vllm_key = "vllm-secret-key-0123456789"
     monkeypatch.setenv("RLPROXY_ADMIN_KEY", KEY)
-    monkeypatch.setenv("RLPROXY_STORE", store)
+    monkeypatch.setenv("RLPROXY_VLLM_API_KEY", vllm_key)  # the demo refuses an RLPROXY_STORE of its own
     settings = demo_settings({"vllm_arg": ["--hf-token=hf_secret-token"]}, tmp_path)
     processes.Trainer(settings, tmp_path / "trainer.log", threads=1)._log.close()
 
@@ -350,5 +350,6 @@ def test_the_demo_hands_its_trainer_every_secret_unmasked_and_off_its_command_li
     for name, value in started["env"].items():
         monkeypatch.setenv(name, value)
     trainer = settings_from_args(build_parser().parse_args(started["cmd"][3:]))
-    assert trainer.store == store and trainer.admin_key.get_secret_value() == KEY
+    assert trainer.admin_key.get_secret_value() == KEY
+    assert trainer.vllm_api_key is not None and trainer.vllm_api_key.get_secret_value() == vllm_key
     assert trainer.vllm_arg == ["--hf-token=hf_secret-token"]
