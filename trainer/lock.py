@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -52,17 +53,27 @@ def take_lock(root: Path, model: str, store: Store) -> WorkerLock:
 
 def _take_file_lock(root: Path, model: str) -> TextIO:
     root.mkdir(parents=True, exist_ok=True)
-    lock = open(root / ".worker.lock", "a+")
+    return hold_pid_file(
+        root / ".worker.lock",
+        lambda holder: TrainerBusy(
+            f"another trainer worker ({holder}) is training model '{model}' in {root}; "
+            "stop it, or use --trainer off beside a separate `rlproxy train`"
+        ),
+    )
+
+
+def hold_pid_file(path: Path, busy: Callable[[str], Exception]) -> TextIO:
+    """An exclusive `flock` on `path`, with this process's pid written in it (keep the file
+    returned, close it to release; the kernel drops it when the process dies, even by SIGKILL),
+    or raise `busy(holder)`, the holder read from the file."""
+    lock = open(path, "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
-        raise TrainerBusy(
-            f"another trainer worker ({holder}) is training model '{model}' in {root}; "
-            "stop it, or use --trainer off beside a separate `rlproxy train`"
-        ) from None
+        raise busy(holder) from None
     lock.truncate(0)
     lock.write(f"pid {os.getpid()}")
     lock.flush()

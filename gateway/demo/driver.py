@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from gateway.demo.summary import plot, summarize
 from gateway.demo.warm_start import warm_start
 from gateway.errors import ConfigError
 from gateway.settings import Settings
+from trainer.lock import hold_pid_file
 
 log = logging.getLogger("rlproxy.demo")
 
@@ -74,20 +74,12 @@ def _hold_out_dir(out: Path) -> TextIO:
     the process dies, even by SIGKILL). A second demo on the same --out used to clear the first's
     store and checkpoints under it: both then ran on, their trainers saving steps into one
     checkpoint directory, and both wrote one summary.json, with rc 0."""
-    lock = open(out / ".demo.lock", "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise ConfigError(
+    return hold_pid_file(
+        out / ".demo.lock",
+        lambda holder: ConfigError(
             f"--out {out} is in use by another rlproxy demo ({holder}): wait for it to end, or give another --out"
-        ) from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()}")
-    lock.flush()
-    return lock
+        ),
+    )
 
 
 def _configure_logging(settings: Settings, path: Path) -> logging.Handler:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from typing import Any
+
+from gateway.routes.per_model import PerModel
 
 OVERLAP = 300.0
 """Seconds of writes each poll reads again: a stamp taken this long before its commit is still seen
@@ -75,12 +76,9 @@ class RewardHistory:
         }
 
 
-_HISTORIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_HISTORIES_LOCK = threading.Lock()
+_HISTORIES = PerModel(RewardHistory)
 
 
 def reward_history(store: Any, model: str) -> list[dict]:
     """`store.reward_curve(model)`, read incrementally: the sessions written since the last poll."""
-    with _HISTORIES_LOCK:
-        history = _HISTORIES.setdefault(store, {}).setdefault(model, RewardHistory())
-    return history.read(store, model)
+    return _HISTORIES.get(store, model).read(store, model)

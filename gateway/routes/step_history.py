@@ -11,8 +11,9 @@ trainer, a step recorded out of order): then every row is read again.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
+
+from gateway.routes.per_model import PerModel
 
 
 class StepHistory:
@@ -33,12 +34,9 @@ class StepHistory:
             return self.rows
 
 
-_HISTORIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_HISTORIES_LOCK = threading.Lock()
+_HISTORIES = PerModel(StepHistory)
 
 
 def step_history(store: Any, model: str) -> list[dict]:
     """`model`'s step rows (step, created_at, metrics, groups), oldest first, read incrementally."""
-    with _HISTORIES_LOCK:
-        history = _HISTORIES.setdefault(store, {}).setdefault(model, StepHistory())
-    return history.read(store, model)
+    return _HISTORIES.get(store, model).read(store, model)
