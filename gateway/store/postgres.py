@@ -31,6 +31,7 @@ from typing import Any
 from gateway.store import files as store_files
 from gateway.store import postgres_schema, trainer_lock, training
 from gateway.store.base import Store
+from gateway.store.clock import store_now
 from gateway.store.deadline import answer_within
 from gateway.store.health import classify
 from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, lock_wait_ms, open_pool
@@ -348,7 +349,7 @@ class PostgresStore(Store):
         def op(conn: PgConn) -> list[str]:
             # One upsert per group: a racing trainer's claim row makes ours wait for its commit,
             # then the WHERE sees the committed holder, so a group is never claimed twice.
-            now, taken = time.time(), []
+            now, taken = store_now(conn), []  # the database's clock: trainers' hosts may disagree
             for row in self.ready_groups(model, split):
                 won = conn.execute(
                     "INSERT INTO group_claims (group_id, holder, expires_at) VALUES (?, ?, ?)"
