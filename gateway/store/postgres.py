@@ -19,7 +19,6 @@ Several gateways and trainers may share one database:
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from gateway.store.clock import store_now
 from gateway.store.deadline import answer_within
 from gateway.store.health import classify
 from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, lock_wait_ms, open_pool
+from gateway.store.postgres_files import PostgresStepFiles
 from gateway.store.rows import decode_call
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -135,7 +135,7 @@ def _rows(cursor: PgCursor) -> list[dict]:
     return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
 
 
-class PostgresStore(Store):
+class PostgresStore(PostgresStepFiles, Store):
     """`PostgresStore(url)`: the store in a PostgreSQL database (created tables if missing)."""
 
     backend = "postgres"
@@ -304,40 +304,6 @@ class PostgresStore(Store):
             listing = self._transaction(lambda conn: store_files.upload_blobs(conn, directory))
             kwargs["also"] = lambda conn: store_files.write_file_list(conn, model, step, listing)
         super().insert_step(model, step, path, *args, **kwargs)
-
-    def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
-        rows = self._query(
-            "SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
-            " WHERE f.model = ? AND f.step = ? ORDER BY f.name",
-            (model, step),
-        )
-        return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
-
-    def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
-        """A local directory holding step `step`'s files, verified: the files in the store are
-        fetched into `models_dir/MODEL/store/NNNN` (the trainer's own path is on its machine).
-        A step recorded without files (by an older rlproxy) keeps its path."""
-        fetched = self.restore_checkpoint(model, step, store_files.fetched_dir(models_dir, model, step))
-        return raw_path if fetched is None else str(fetched)
-
-    def forget_step_files(self, model: str, step: int, models_dir: Path) -> None:
-        """Remove what `fetch_step_files` fetched for a step no engine holds any more (unloaded):
-        else a replica kept a copy of every step the trainer ever published."""
-        shutil.rmtree(store_files.fetched_dir(models_dir, model, step), ignore_errors=True)
-
-    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
-        """A trainer on a machine without the checkpoint (moved, or a new node): the step's
-        files (adapter, optimizer state, trainer state) from the store into `dest`, verified.
-        None if the step was recorded without files."""
-        listing = self.step_files(model, step)
-        if not listing:
-            return None
-
-        def read_blob(digest: str) -> bytes | None:
-            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
-            return bytes(rows[0]["data"]) if rows else None
-
-        return store_files.materialize(read_blob, listing, Path(dest))
 
     def claim_groups(
         self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0
