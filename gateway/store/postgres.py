@@ -19,6 +19,7 @@ Several gateways and trainers may share one database:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,12 @@ RECONNECT_GIVE_UP = 10.0
 """When the pool drops an attempt to reconnect: its retries wait 1, 2, 4 ... s (up to 5 min by
 default), so after a long outage the next try came minutes after PostgreSQL was back. Given up,
 the next request starts a fresh attempt at once: the store recovers within seconds."""
+WRITE_WAIT = 2.0
+"""A write transaction's answer waits this many times the store's timeout at most (`answer_within`),
+then fails as 503 store_unavailable: a server frozen mid-write (SIGSTOP, a paused VM) held the
+writer's round, and the call or reward in it, for as long as it stayed frozen (TCP keepalives are
+answered by its kernel). Longer than a statement's wait for a lock (`lock_timeout`: the timeout),
+so a held lock still says store_locked."""
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -124,7 +131,7 @@ def _committed_after_all(pool: Any, check: Callable[[PgConn], bool] | None) -> b
     if check is None:
         return False
     try:
-        with pool.connection(timeout=DEGRADED_WAIT) as raw:
+        with pool.connection(timeout=DEGRADED_WAIT) as raw, answer_within(raw, DEGRADED_WAIT):
             return bool(check(PgConn(raw)))
     except Exception:  # noqa: BLE001 - the COMMIT's own failure is what gets reported
         return False
@@ -175,15 +182,22 @@ class PostgresStore(PostgresStepFiles, Store):
     # -------------------------------------------------------------- transactions
 
     def _transaction(
-        self, body: Callable[[PgConn], Any], attempts: int = 20, landed: Landed | None = None, short_wait: bool = False
+        self,
+        body: Callable[[PgConn], Any],
+        attempts: int = 20,
+        landed: Landed | None = None,
+        short_wait: bool = False,
+        answer_s: float | None = None,
     ) -> Any:
         """Run `body` in one transaction, rerun whole (`attempts` times in all, at most) if
         PostgreSQL picked it as a deadlock victim: nothing of it was committed. With `landed`, a
         COMMIT that failed is looked for (`_committed_after_all`) and, found, is a success.
-        `short_wait`: a batch waiting `BATCH_LOCK_WAIT` for a lock, whose timeout is no failure."""
+        `short_wait`: a batch waiting `BATCH_LOCK_WAIT` for a lock, whose timeout is no failure.
+        `answer_s`: how long each attempt waits for the server's answers (`WRITE_WAIT` by default)."""
+        answer_s = answer_s or WRITE_WAIT * self.busy_timeout
         try:
             for attempt in range(attempts):
-                with self._connection() as raw:
+                with self._connection() as raw, answer_within(raw, answer_s, "a write"):
                     result: Any = _UNFINISHED
                     try:
                         with raw.transaction():
@@ -301,7 +315,8 @@ class PostgresStore(PostgresStepFiles, Store):
             lock.ensure()
         directory = Path(path)
         if directory.is_dir():
-            listing = self._transaction(lambda conn: store_files.upload_blobs(conn, directory))
+            # As long as the upload takes (a checkpoint may be large): no answer's deadline.
+            listing = self._transaction(lambda conn: store_files.upload_blobs(conn, directory), answer_s=math.inf)
             kwargs["also"] = lambda conn: store_files.write_file_list(conn, model, step, listing)
         super().insert_step(model, step, path, *args, **kwargs)
 
