@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from unittest import mock
 
 import httpx
 import openai
@@ -156,3 +157,41 @@ def test_judgements_a_store_held_before_the_heartbeat_are_handed_on_too_on_eithe
         assert upgraded.get_group("g-orphan")["ruler_error"] == stopped("g-orphan")
     finally:
         asyncio.run(upgraded.close())
+
+
+def test_replicas_whose_clocks_disagree_by_more_than_a_lease_take_no_live_gateway_for_gone(postgres_db):
+    # Two replicas on one PostgreSQL store, on hosts whose clocks are four minutes apart (NTP off, a VM
+    # resumed). Each wrote its heartbeat in its own host's time: the one ahead took the other for gone
+    # at every beat and handed its judgements on while they ran (a shadow group judged twice). Rows are
+    # now written and compared in the database's clock, so the hosts' clocks do not matter.
+    from gateway.store.postgres import PostgresStore
+
+    real = time.time
+
+    def host_clock(offset: float):  # this host's time.time(), `offset` seconds off the true time
+        return mock.patch("time.time", lambda: real() + offset)
+
+    ahead, behind = PostgresStore(postgres_db), PostgresStore(postgres_db)
+
+    async def main():
+        with host_clock(-120):
+            await behind.beat_gateway("behind", 60.0)
+            behind.record_call_sync(live_call())
+            await behind.record_shadow_group(_shadows(live_call()), owner="behind")  # its sampler judges it
+        with host_clock(+120):
+            await ahead.beat_gateway("ahead", 60.0)
+            by_ahead = await ahead.reap_gateways(stopped)
+        with host_clock(-120):
+            by_behind = await behind.reap_gateways(stopped)
+            await behind.beat_gateway("behind", -1.0)  # then it is killed: its lease runs out
+        with host_clock(+120):
+            gone = await ahead.reap_gateways(stopped)
+        return by_ahead, by_behind, gone
+
+    try:
+        by_ahead, by_behind, gone = asyncio.run(main())
+        assert by_ahead == [] and by_behind == []  # both alive: neither takes the other for gone
+        assert gone == ["shadow-req-1"]  # a gateway gone is still found, whatever the clocks say
+    finally:
+        for store in (ahead, behind):
+            asyncio.run(store.close())

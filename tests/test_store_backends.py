@@ -4,7 +4,9 @@ RLPROXY_TEST_POSTGRES), plus what only matters with several processes on one dat
 
 import asyncio
 import threading
+import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -132,6 +134,23 @@ async def test_two_trainers_never_take_the_same_group(pg):
     assert {g["id"] for g in trainers[0].claim_groups("agent", "trainer-0")} == set(taken[0])
     trainers[0].release_claims("trainer-0")
     assert {g["id"] for g in trainers[1].claim_groups("agent", "trainer-1")} == {f"g{g}" for g in range(6)}
+    for t in trainers:
+        t.close_sync()
+    await gateway.close()
+
+
+async def test_a_trainer_whose_clock_runs_behind_keeps_its_claims(pg):
+    """A claim lasts an hour, written and compared in the database's clock: trainer 0's host runs two
+    hours behind, and its claims (expired by its own clock's stamp) are still not trainer 1's."""
+    gateway = PostgresStore(pg)
+    await gateway.start()
+    await _ready_groups(gateway, 2)
+    trainers = [PostgresStore(pg) for _ in range(2)]
+    real = time.time
+    with mock.patch("time.time", lambda: real() - 7200):
+        taken = {g["id"] for g in trainers[0].claim_groups("agent", "trainer-0", ttl_s=3600.0)}
+    assert taken == {"g0", "g1"}
+    assert trainers[1].claim_groups("agent", "trainer-1", ttl_s=3600.0) == []
     for t in trainers:
         t.close_sync()
     await gateway.close()

@@ -224,3 +224,53 @@ def test_sigterm_with_a_call_whose_write_the_disk_never_answers_ends_the_gateway
         assert store.get_call(acknowledged) is not None
     finally:
         store._close_connections()
+
+
+def test_a_reward_whose_write_a_frozen_postgres_never_answers_is_a_503_and_the_gateway_recovers(
+    upstream, tmp_path, postgres_db, monkeypatch
+):
+    # PostgreSQL froze (SIGSTOP: a host swapping, a VM paused) while a reward's transaction was under
+    # way: its socket stayed open (the server's kernel answers TCP), so the writer's round, and the
+    # reward POST in it, waited for as long as the server stayed frozen: for ever, with no answer.
+    # Now a write waits twice the store's timeout for an answer, then is a 503 store_unavailable in
+    # the OpenAI error shape; resumed, the server answers again and the gateway with it, by itself.
+    from gateway.store import postgres_conn
+    from gateway.store.postgres import PostgresStore
+
+    frozen: list[int] = []
+    execute = postgres_conn.PgConn.execute
+
+    def freezing_at_the_reward(conn, sql, params=()):
+        if sql.startswith("UPDATE sessions SET reward") and params[0] == 0.5 and not frozen:
+            frozen.append(conn._conn.info.backend_pid)  # the server process writing it stops here
+            os.kill(frozen[0], signal.SIGSTOP)
+        return execute(conn, sql, params)
+
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = PostgresStore(postgres_db, timeout=1)
+    with ThreadServer(create_app(settings, store=store)) as server:
+        url = server.url
+        acknowledged = {_chat(url, session=s).headers["x-request-id"] for s in ("s1", "s2")}
+        assert httpx.post(url + "/v1/sessions/s1/reward", json={"reward": 1.0}).status_code == 200
+        monkeypatch.setattr(postgres_conn.PgConn, "execute", freezing_at_the_reward)
+        try:
+            reply = httpx.post(url + "/v1/sessions/s2/reward", json={"reward": 0.5}, timeout=60)
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        assert frozen, "the reward's write never reached the server"
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "store_unavailable"
+        assert "a write has waited 2 s for the database without an answer" in error["message"]
+        for _ in range(120):  # the connection that was cut is replaced; a probe ends the degraded state
+            if httpx.get(url + "/healthz", timeout=30).status_code == 200:
+                break
+            time.sleep(0.5)
+        again = httpx.post(url + "/v1/sessions/s2/reward", json={"reward": 0.5}, timeout=30)
+        assert again.status_code == 200, again.text
+        acknowledged.add(_chat(url, session="s3").headers["x-request-id"])
+        recorded = {row["id"] for row in store._query("SELECT id FROM calls")}
+        rewards = {row["id"]: row["reward"] for row in store._query("SELECT id, reward FROM sessions")}
+    assert acknowledged <= recorded
+    assert rewards == {"s1": 1.0, "s2": 0.5, "s3": None}

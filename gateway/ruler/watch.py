@@ -9,10 +9,10 @@ judgement says to POST it again, and a shadow group is taken up by a gateway wit
 and why it is exactly once: `gateway.store.gateways`.
 
 The lease is long beside the heartbeat (six missed in a row), so a gateway whose store stalled
-for a moment (a busy SQLite file, a PostgreSQL failover) is not taken for gone; it also bounds
-the clock skew between replicas that the lease tolerates. A gateway that could not write its
-heartbeat for a whole lease is taken for gone: a judgement it still finishes afterwards is
-recorded too, after the one that took its group up.
+for a moment (a busy SQLite file, a PostgreSQL failover) is not taken for gone. Replicas'
+clocks do not matter: the rows are written and compared in the store's (`gateway.store.clock`).
+A gateway that could not write its heartbeat for a whole lease is taken for gone: a judgement it
+still finishes afterwards is recorded too, after the one that took its group up.
 """
 
 from __future__ import annotations

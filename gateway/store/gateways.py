@@ -11,15 +11,17 @@ judge). A row that expired is a gateway gone: `reap`, which every gateway runs, 
 marks that gateway's unfinished judgements as its clean stop would have, in one transaction.
 The row's DELETE is the claim: of two gateways reaping at once (replicas on one PostgreSQL
 store) the second finds the row gone and marks nothing, so a group is handed on once.
+Rows are written and compared in the store's clock (`gateway.store.clock`), never in each
+host's: replicas whose clocks disagree by more than a lease still agree on who is gone.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 from gateway.store import training
+from gateway.store.clock import store_now
 from gateway.store.writer import Op
 
 # A judgement that waits on its gateway: one running there (any group), or a shadow group not
@@ -36,7 +38,7 @@ UPGRADE = "before-upgrade"
 UPGRADE_WAIT_S = 1800.0
 
 
-def adopt_unnamed(conn: Any, now: float) -> None:
+def adopt_unnamed(conn: Any) -> None:
     """Run once, as the migration adds `groups.judged_by`: the store's unfinished judgements name
     no gateway, so no heartbeat would ever hand them on, and those a gateway killed before the
     upgrade left would stay "running" for ever. They are named after one gateway, `UPGRADE`, whose
@@ -44,11 +46,12 @@ def adopt_unnamed(conn: Any, now: float) -> None:
     during a rolling upgrade (a judge call has ten minutes, a wrong answer one more try)."""
     cursor = conn.execute(f"UPDATE groups SET judged_by = ? WHERE judged_by IS NULL AND {_UNFINISHED}", (UPGRADE,))
     if cursor.rowcount:
-        beat(conn, UPGRADE, now, UPGRADE_WAIT_S)
+        beat(conn, UPGRADE, UPGRADE_WAIT_S)
 
 
-def beat(conn: Any, gateway_id: str, now: float, lease_s: float) -> None:
-    """Gateway `gateway_id` is running, and counts as running until `now + lease_s`."""
+def beat(conn: Any, gateway_id: str, lease_s: float) -> None:
+    """Gateway `gateway_id` is running, and counts as running for `lease_s` more (the store's clock)."""
+    now = store_now(conn)
     conn.execute(
         "INSERT INTO gateways (id, started_at, expires_at) VALUES (?, ?, ?)"
         " ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at",
@@ -56,10 +59,11 @@ def beat(conn: Any, gateway_id: str, now: float, lease_s: float) -> None:
     )
 
 
-def reap(conn: Any, stopped: Callable[[str], str], now: float, gateway_id: str | None = None) -> list[str]:
+def reap(conn: Any, stopped: Callable[[str], str], gateway_id: str | None = None) -> list[str]:
     """Delete the rows of the gateways whose heartbeat expired (or `gateway_id`'s own row: its
     clean stop) and mark their unfinished judgements stopped (`stopped(group_id)`, RULER's
     words), each no longer waiting on anyone. The groups marked, in order."""
+    now = store_now(conn)  # the clock the rows were written in (`beat`)
     if gateway_id is not None:
         conn.execute("DELETE FROM gateways WHERE id = ?", (gateway_id,))
         gone = [gateway_id]
@@ -94,15 +98,15 @@ class GatewayRows:
 
     async def beat_gateway(self, gateway_id: str, lease_s: float) -> None:
         """Gateway `gateway_id` runs for `lease_s` more seconds (`beat`)."""
-        await self._submit(lambda conn: beat(conn, gateway_id, time.time(), lease_s))
+        await self._submit(lambda conn: beat(conn, gateway_id, lease_s))
 
     async def reap_gateways(self, stopped: Callable[[str], str]) -> list[str]:
         """Hand on the judgements of the gateways that stopped beating (`reap`); the groups marked."""
-        return await self._submit(lambda conn: reap(conn, stopped, time.time()))
+        return await self._submit(lambda conn: reap(conn, stopped))
 
     async def leave_gateway(self, gateway_id: str, stopped: Callable[[str], str]) -> list[str]:
         """Gateway `gateway_id` stops: its row goes, and what it left unjudged is handed on (`reap`)."""
-        return await self._submit(lambda conn: reap(conn, stopped, time.time(), gateway_id))
+        return await self._submit(lambda conn: reap(conn, stopped, gateway_id))
 
     async def set_ruler_status(
         self, group_id: str, status: str, error: str | None = None, owner: str | None = None

@@ -19,7 +19,7 @@ Several gateways and trainers may share one database:
 
 from __future__ import annotations
 
-import shutil
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,9 +31,11 @@ from typing import Any
 from gateway.store import files as store_files
 from gateway.store import postgres_schema, trainer_lock, training
 from gateway.store.base import Store
+from gateway.store.clock import store_now
 from gateway.store.deadline import answer_within
 from gateway.store.health import classify
 from gateway.store.postgres_conn import HeldTrainerLock, PgConn, PgCursor, lock_wait_ms, open_pool
+from gateway.store.postgres_files import PostgresStepFiles
 from gateway.store.rows import decode_call
 from gateway.store.writer import Op, Outcome, with_savepoints
 
@@ -51,6 +53,12 @@ RECONNECT_GIVE_UP = 10.0
 """When the pool drops an attempt to reconnect: its retries wait 1, 2, 4 ... s (up to 5 min by
 default), so after a long outage the next try came minutes after PostgreSQL was back. Given up,
 the next request starts a fresh attempt at once: the store recovers within seconds."""
+WRITE_WAIT = 2.0
+"""A write transaction's answer waits this many times the store's timeout at most (`answer_within`),
+then fails as 503 store_unavailable: a server frozen mid-write (SIGSTOP, a paused VM) held the
+writer's round, and the call or reward in it, for as long as it stayed frozen (TCP keepalives are
+answered by its kernel). Longer than a statement's wait for a lock (`lock_timeout`: the timeout),
+so a held lock still says store_locked."""
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -123,7 +131,7 @@ def _committed_after_all(pool: Any, check: Callable[[PgConn], bool] | None) -> b
     if check is None:
         return False
     try:
-        with pool.connection(timeout=DEGRADED_WAIT) as raw:
+        with pool.connection(timeout=DEGRADED_WAIT) as raw, answer_within(raw, DEGRADED_WAIT):
             return bool(check(PgConn(raw)))
     except Exception:  # noqa: BLE001 - the COMMIT's own failure is what gets reported
         return False
@@ -134,7 +142,7 @@ def _rows(cursor: PgCursor) -> list[dict]:
     return [dict(zip(names, row, strict=False)) for row in cursor.fetchall()]
 
 
-class PostgresStore(Store):
+class PostgresStore(PostgresStepFiles, Store):
     """`PostgresStore(url)`: the store in a PostgreSQL database (created tables if missing)."""
 
     backend = "postgres"
@@ -174,15 +182,22 @@ class PostgresStore(Store):
     # -------------------------------------------------------------- transactions
 
     def _transaction(
-        self, body: Callable[[PgConn], Any], attempts: int = 20, landed: Landed | None = None, short_wait: bool = False
+        self,
+        body: Callable[[PgConn], Any],
+        attempts: int = 20,
+        landed: Landed | None = None,
+        short_wait: bool = False,
+        answer_s: float | None = None,
     ) -> Any:
         """Run `body` in one transaction, rerun whole (`attempts` times in all, at most) if
         PostgreSQL picked it as a deadlock victim: nothing of it was committed. With `landed`, a
         COMMIT that failed is looked for (`_committed_after_all`) and, found, is a success.
-        `short_wait`: a batch waiting `BATCH_LOCK_WAIT` for a lock, whose timeout is no failure."""
+        `short_wait`: a batch waiting `BATCH_LOCK_WAIT` for a lock, whose timeout is no failure.
+        `answer_s`: how long each attempt waits for the server's answers (`WRITE_WAIT` by default)."""
+        answer_s = answer_s or WRITE_WAIT * self.busy_timeout
         try:
             for attempt in range(attempts):
-                with self._connection() as raw:
+                with self._connection() as raw, answer_within(raw, answer_s, "a write"):
                     result: Any = _UNFINISHED
                     try:
                         with raw.transaction():
@@ -300,43 +315,10 @@ class PostgresStore(Store):
             lock.ensure()
         directory = Path(path)
         if directory.is_dir():
-            listing = self._transaction(lambda conn: store_files.upload_blobs(conn, directory))
+            # As long as the upload takes (a checkpoint may be large): no answer's deadline.
+            listing = self._transaction(lambda conn: store_files.upload_blobs(conn, directory), answer_s=math.inf)
             kwargs["also"] = lambda conn: store_files.write_file_list(conn, model, step, listing)
         super().insert_step(model, step, path, *args, **kwargs)
-
-    def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
-        rows = self._query(
-            "SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
-            " WHERE f.model = ? AND f.step = ? ORDER BY f.name",
-            (model, step),
-        )
-        return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
-
-    def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
-        """A local directory holding step `step`'s files, verified: the files in the store are
-        fetched into `models_dir/MODEL/store/NNNN` (the trainer's own path is on its machine).
-        A step recorded without files (by an older rlproxy) keeps its path."""
-        fetched = self.restore_checkpoint(model, step, store_files.fetched_dir(models_dir, model, step))
-        return raw_path if fetched is None else str(fetched)
-
-    def forget_step_files(self, model: str, step: int, models_dir: Path) -> None:
-        """Remove what `fetch_step_files` fetched for a step no engine holds any more (unloaded):
-        else a replica kept a copy of every step the trainer ever published."""
-        shutil.rmtree(store_files.fetched_dir(models_dir, model, step), ignore_errors=True)
-
-    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
-        """A trainer on a machine without the checkpoint (moved, or a new node): the step's
-        files (adapter, optimizer state, trainer state) from the store into `dest`, verified.
-        None if the step was recorded without files."""
-        listing = self.step_files(model, step)
-        if not listing:
-            return None
-
-        def read_blob(digest: str) -> bytes | None:
-            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
-            return bytes(rows[0]["data"]) if rows else None
-
-        return store_files.materialize(read_blob, listing, Path(dest))
 
     def claim_groups(
         self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0
@@ -348,7 +330,7 @@ class PostgresStore(Store):
         def op(conn: PgConn) -> list[str]:
             # One upsert per group: a racing trainer's claim row makes ours wait for its commit,
             # then the WHERE sees the committed holder, so a group is never claimed twice.
-            now, taken = time.time(), []
+            now, taken = store_now(conn), []  # the database's clock: trainers' hosts may disagree
             for row in self.ready_groups(model, split):
                 won = conn.execute(
                     "INSERT INTO group_claims (group_id, holder, expires_at) VALUES (?, ?, ?)"

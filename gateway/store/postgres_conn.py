@@ -186,6 +186,11 @@ class PgConn:
     def __init__(self, conn: Any) -> None:
         self._conn = conn
 
+    def server_time(self) -> float:
+        """The database server's time, seconds since the epoch (`gateway.store.clock`): the wall clock
+        at this statement, not the transaction's start (a batch may have waited for a lock)."""
+        return float(self._conn.execute("SELECT EXTRACT(EPOCH FROM clock_timestamp())").fetchone()[0])
+
     def execute(self, sql: str, params: tuple | list | dict = ()) -> PgCursor:
         if isinstance(params, dict):
             sql = re.sub(r":(\w+)", r"%(\1)s", sql.replace("%", "%%"))

@@ -12,7 +12,6 @@ count) is refused: running old code on it could lose columns' data.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from gateway.errors import ConfigError
@@ -264,7 +263,7 @@ def _migrate(conn: Any) -> int:
         for statement in sqlite_schema.ADDED_INDEXES:
             conn.execute(statement)
         if named is None:  # judgements from before the heartbeat: handed on too
-            gateways.adopt_unnamed(PgConn(conn), time.time())
+            gateways.adopt_unnamed(PgConn(conn))
         if columns < sqlite_schema.SCHEMA_VERSION:
             conn.execute("INSERT INTO schema_columns (version) VALUES (%s)", (sqlite_schema.SCHEMA_VERSION,))
     return current

@@ -8,7 +8,6 @@ can train on; `connect` opens a file in WAL mode with the durability the setting
 from __future__ import annotations
 
 import sqlite3
-import time
 from pathlib import Path
 
 from gateway.errors import ConfigError
@@ -254,7 +253,7 @@ def add_missing_columns(conn: sqlite3.Connection) -> None:
         for statement in ADDED_INDEXES:
             conn.execute(statement)
         if ("groups", "judged_by") in added:  # judgements from before the heartbeat: handed on too
-            gateways.adopt_unnamed(conn, time.time())
+            gateways.adopt_unnamed(conn)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:

@@ -1,0 +1,49 @@
+"""A step's checkpoint files read back from a PostgreSQL store (`gateway.store.files`): a replica
+or a trainer on a machine that lacks them fetches them from the database, verified (a mixin of
+`PostgresStore`: its class stays within its size limit)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from gateway.store import files as store_files
+
+
+class PostgresStepFiles:
+    def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:  # implemented by `PostgresStore`
+        raise NotImplementedError
+
+    def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
+        rows = self._query(
+            "SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
+            " WHERE f.model = ? AND f.step = ? ORDER BY f.name",
+            (model, step),
+        )
+        return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
+
+    def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
+        """A local directory holding step `step`'s files, verified: the files in the store are
+        fetched into `models_dir/MODEL/store/NNNN` (the trainer's own path is on its machine).
+        A step recorded without files (by an older rlproxy) keeps its path."""
+        fetched = self.restore_checkpoint(model, step, store_files.fetched_dir(models_dir, model, step))
+        return raw_path if fetched is None else str(fetched)
+
+    def forget_step_files(self, model: str, step: int, models_dir: Path) -> None:
+        """Remove what `fetch_step_files` fetched for a step no engine holds any more (unloaded):
+        else a replica kept a copy of every step the trainer ever published."""
+        shutil.rmtree(store_files.fetched_dir(models_dir, model, step), ignore_errors=True)
+
+    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
+        """A trainer on a machine without the checkpoint (moved, or a new node): the step's
+        files (adapter, optimizer state, trainer state) from the store into `dest`, verified.
+        None if the step was recorded without files."""
+        listing = self.step_files(model, step)
+        if not listing:
+            return None
+
+        def read_blob(digest: str) -> bytes | None:
+            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
+            return bytes(rows[0]["data"]) if rows else None
+
+        return store_files.materialize(read_blob, listing, Path(dest))
