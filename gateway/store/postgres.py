@@ -301,16 +301,15 @@ class PostgresStore(Store):
         directory = Path(path)
         if directory.is_dir():
             listing = self._transaction(lambda conn: store_files.upload_blobs(conn, directory))
-            kwargs["also"] = lambda conn: store_files.write_file_list(conn, model, step, listing)
+            kwargs["also"] = lambda conn: store_files.write_file_list(conn, model, step, listing, directory)
         super().insert_step(model, step, path, *args, **kwargs)
 
     def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
-        rows = self._query(
-            "SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
-            " WHERE f.model = ? AND f.step = ? ORDER BY f.name",
-            (model, step),
-        )
-        return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
+        return store_files.listed(self._query, model, step)
+
+    def prune_step_files(self, model: str, keep: int, protected: set[int]) -> list[int]:
+        """As `StepRows.prune_step_files`: file lists dropped, then the blobs none names (`store_files`)."""
+        return self._run_sync(lambda conn: store_files.prune_file_lists(conn, model, keep, protected))
 
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
         """A local directory holding step `step`'s files, verified: the files in the store are
@@ -331,12 +330,7 @@ class PostgresStore(Store):
         listing = self.step_files(model, step)
         if not listing:
             return None
-
-        def read_blob(digest: str) -> bytes | None:
-            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
-            return bytes(rows[0]["data"]) if rows else None
-
-        return store_files.materialize(read_blob, listing, Path(dest))
+        return store_files.materialize(partial(store_files.read_blob, self._query), listing, Path(dest))
 
     def claim_groups(
         self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0
