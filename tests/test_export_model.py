@@ -183,6 +183,40 @@ def test_bad_references_say_what_to_pass(trained, tmp_path):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
+def test_a_step_keep_checkpoints_removed_is_said_so_with_the_steps_there_are(tmp_path):
+    """`--keep-checkpoints 2` removed steps 0 and 1 from disk; their rows stay. Exporting one says it
+    was removed and names the steps that can be exported, not every step recorded (which offered
+    steps 0 and 1, as for a step the store never had)."""
+    from gateway.settings import Settings
+    from gateway.store.sqlite import SQLiteStore
+    from trainer import checkpoints as ckpts
+    from trainer.resume import prune_checkpoints
+
+    settings = Settings(state_dir=tmp_path / "state")
+    store, root = SQLiteStore(settings.db_path), settings.checkpoints_dir("agent")
+    for step in range(4):
+        written = ckpts.write_checkpoint(
+            root,
+            step,
+            lambda d: [(d / name).write_text("{}") for name in ckpts.ADAPTER_FILES],
+            settings={},
+            metrics={},
+            groups=[],
+        )
+        store.insert_step("agent", step, str(written.path), {}, [])
+        prune_checkpoints(store, "agent", root, 2, step)
+    asyncio.run(store.close())
+    assert [c.step for c in ckpts.list_checkpoints(root)] == [2, 3]
+    state = ("--state-dir", str(settings.state_dir))
+    done = cli("export-model", "agent@0", "--out", str(tmp_path / "x"), *state)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "step 0 of model 'agent' is recorded, but its checkpoint is not in" in done.stderr
+    assert "(--keep-checkpoints removes old ones); steps with a checkpoint: 2, 3\n" in done.stderr
+    done = cli("export-model", "agent@9", "--out", str(tmp_path / "x"), *state)
+    assert done.returncode == 2 and "has no checkpoint for step 9" in done.stderr
+    assert "(steps with one: 2, 3)" in done.stderr
+
+
 def test_an_export_stopped_half_way_leaves_nothing_that_looks_like_a_model(trained, tmp_path, monkeypatch):
     # The files were written straight into --out: an export killed before its card (a merge
     # takes minutes) left the adapter files there, loadable, and the next run was refused.

@@ -158,3 +158,25 @@ def test_a_blob_collected_while_a_step_is_recorded_is_stored_again(postgres_db, 
     assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == weights
     trainer_a.close_sync()
     trainer_b.close_sync()
+
+
+def test_an_export_of_a_step_pruned_from_the_store_names_the_steps_it_keeps(postgres_db, tmp_path):
+    """`rlproxy export-model agent@1 --store postgresql://...` on a machine without the checkpoints,
+    after --keep-checkpoints dropped step 1's files: a clear 'removed', with the steps the store
+    can still give, not a traceback nor every step recorded."""
+    from gateway.errors import NotFound
+    from gateway.export.model import find_checkpoint
+    from gateway.settings import Settings
+
+    store = PostgresStore(postgres_db)
+    root = tmp_path / "trainer"
+    for step in range(4):
+        _recorded(store, root, step, bytes([step]) * 100)
+    assert store.prune_step_files("agent", 2, set()) == [0, 1]
+    store.close_sync()
+    elsewhere = Settings(state_dir=tmp_path / "elsewhere", store=postgres_db)
+    with pytest.raises(NotFound, match=r"nor in the store \(--keep-checkpoints .*steps with a checkpoint: 2, 3$"):
+        find_checkpoint(elsewhere, "agent", 1)
+    with pytest.raises(NotFound, match=r"no checkpoint for step 7 .*\(steps with one: 2, 3\)$"):
+        find_checkpoint(elsewhere, "agent", 7)
+    assert find_checkpoint(elsewhere, "agent", 3).step == 3

@@ -307,6 +307,9 @@ class PostgresStore(Store):
     def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
         return store_files.listed(self._query, model, step)
 
+    def stored_steps(self, model: str) -> set[int]:
+        return {row["step"] for row in self._query("SELECT DISTINCT step FROM step_files WHERE model = ?", (model,))}
+
     def prune_step_files(self, model: str, keep: int, protected: set[int]) -> list[int]:
         """As `StepRows.prune_step_files`: file lists dropped, then the blobs none names (`store_files`)."""
         return self._run_sync(lambda conn: store_files.prune_file_lists(conn, model, keep, protected))

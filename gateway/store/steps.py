@@ -237,6 +237,10 @@ class StepRows:
         steps older than the newest `keep` with files, except `protected`, dropped. The steps dropped."""
         return []
 
+    def stored_steps(self, model: str) -> set[int]:
+        """`model`'s steps whose checkpoint files the store keeps (none here: they are on the trainer's disk)."""
+        return set()
+
     def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
         """The step's checkpoint files, from the store into `dest`; None where the store keeps none."""
         return None
