@@ -180,3 +180,44 @@ def test_an_export_of_a_step_pruned_from_the_store_names_the_steps_it_keeps(post
     with pytest.raises(NotFound, match=r"no checkpoint for step 7 .*\(steps with one: 2, 3\)$"):
         find_checkpoint(elsewhere, "agent", 7)
     assert find_checkpoint(elsewhere, "agent", 3).step == 3
+
+
+def test_a_prune_waits_for_a_step_being_recorded_and_keeps_the_blob_it_lists(postgres_db, tmp_path):
+    """The other order: A's step transaction has listed a stored blob (not committed yet) when B's
+    prune would collect it. The prune waits for that transaction, then sees the list and keeps
+    the blob (it failed on the foreign key, or, had it gone first, A's step lost a file)."""
+    import threading
+    import time
+
+    import psycopg
+
+    from gateway.store import files
+    from gateway.store.postgres_conn import PgConn
+
+    trainer_b = PostgresStore(postgres_db)
+    weights = b"weights both trainers wrote" * 1000
+    trainer_b.insert_step("b", 0, str(_checkpoint(tmp_path / "b" / "0000", weights, step=0)), {}, [])
+    trainer_b.insert_step("b", 1, str(_checkpoint(tmp_path / "b" / "0001", b"newer" * 1000, step=1)), {}, [])
+    a_dir = _checkpoint(tmp_path / "a" / "0001", weights, step=1)
+    pruned: list = []
+
+    def prune() -> None:
+        try:
+            pruned.append(trainer_b.prune_step_files("b", 1, set()))
+        except Exception as exc:  # noqa: BLE001 - the test's assertion says what it was
+            pruned.append(exc)
+
+    with psycopg.connect(postgres_db) as trainer_a, psycopg.connect(postgres_db, autocommit=True) as watcher:
+        with trainer_a.transaction():
+            listing = files.upload_blobs(PgConn(trainer_a), a_dir)
+            files.write_file_list(PgConn(trainer_a), "a", 1, listing, a_dir)
+            thread = threading.Thread(target=prune)
+            thread.start()
+            # Committed once B's prune waits on this transaction (a lock it asked for, not granted).
+            while not watcher.execute("SELECT 1 FROM pg_locks WHERE NOT granted").fetchone() and thread.is_alive():
+                time.sleep(0.01)
+        thread.join()
+    assert pruned == [[0]]
+    restored = trainer_b.restore_checkpoint("a", 1, tmp_path / "restored")
+    assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == weights
+    trainer_b.close_sync()
