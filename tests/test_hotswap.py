@@ -166,6 +166,31 @@ async def test_any_step_with_a_checkpoint_loads_on_demand_and_lru_unloads(fake):
     await registry.ensure("gpt-4o")  # not a pinned name: left to resolve()
 
 
+async def test_a_404_for_a_pinned_step_offers_the_steps_keep_checkpoints_left(fake):
+    """`--keep-checkpoints 2`: steps 0-3 keep their rows, their checkpoints are gone. NAME@N of a step
+    that does not exist, or of a removed one, names the steps that still load: it said 'has steps
+    0-5', and a client that took agent@1 from it got a second 404."""
+    from trainer import checkpoints as ckpts
+    from trainer.resume import prune_checkpoints
+
+    settings, store, engine, registry = fake
+    for step in range(6):
+        path = Path(fake_checkpoint(settings, step))
+        for name in (*ckpts.ADAPTER_FILES, ckpts.STATE_FILE):
+            (path / name).write_text("{}")
+        publish_fake(settings, store, step, str(path))
+        prune_checkpoints(store, settings.model_name, settings.checkpoints_dir(), 2, step)
+    await registry.refresh()
+    with pytest.raises(NotFound) as missing:
+        await registry.ensure("agent@9")
+    assert missing.value.message == "model 'agent@9' has no checkpoint: model 'agent' has checkpoints for steps 4-5"
+    engine.fail_loads["agent@1"] = 2  # as an engine fails on files that are not there
+    with pytest.raises(
+        NotFound, match=r"step 1 is recorded, but its adapter files are gone .*\(checkpoints: steps 4-5\)$"
+    ):
+        await registry.ensure("agent@1")
+
+
 async def test_a_step_written_in_other_digits_is_a_404_not_a_500_nor_another_step(fake):
     # `str.isdigit` takes "²" (which `int` refuses) and "٣" (which `int` reads as 3): neither names a step.
     settings, store, engine, registry = fake
@@ -232,9 +257,11 @@ async def test_a_step_first_loaded_by_name_on_part_of_the_engine_is_loaded_every
 
 
 def test_step_ranges_in_messages():
-    assert adapters_module._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
-    assert adapters_module._ranges([4]) == "4"
-    assert adapters_module._ranges([]).startswith("none")
+    from gateway.pinned import ranges
+
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert ranges([4]) == "4"
+    assert ranges([]).startswith("none")
 
 
 async def test_checkpoint_paths_outside_the_models_dir_are_refused(fake, tmp_path):
