@@ -35,6 +35,7 @@ from gateway.pinned import load_failure, no_such_step, pinned_step
 from gateway.promotion.serving import NOT_SERVED, follow_serving_step, pinned_steps, refuse_before_step_0
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store.files import fetched_dir
 from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class AdapterRegistry:
             return
         try:
             await self.refresh()
+            await asyncio.to_thread(_forget_copies_of_a_previous_run, self)
         except Exception:  # a store or engine hiccup at start must not stop the gateway
             log.exception(
                 "loading the trained adapters at start failed; retrying every %.1f s", self.settings.poll_interval
@@ -316,6 +318,17 @@ class AdapterRegistry:
     def _release(self, target: Target) -> None:
         if target.step is not None:
             self.in_flight[target.step] -= 1
+
+
+def _forget_copies_of_a_previous_run(registry: AdapterRegistry) -> None:
+    """The steps' files a previous run of this gateway fetched from a PostgreSQL store and still held
+    when it stopped (nothing unloads them then) go, but those loaded now: else every restart left
+    `--keep-adapters` copies (optimizer state included) on the disk for good. The state dir is this
+    gateway's own (deploy/README.md)."""
+    root = fetched_dir(registry.settings.models_dir, registry.name, 0).parent
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry.name.isascii() and entry.name.isdigit() and int(entry.name) not in registry.loaded:
+            registry.store.forget_step_files(registry.name, int(entry.name), registry.settings.models_dir)
 
 
 def _keep(registry: AdapterRegistry) -> set[int]:

@@ -473,3 +473,35 @@ async def test_a_replica_removes_the_files_it_fetched_for_a_step_it_unloaded(pos
     finally:
         trainer.close_sync()
         replica.close_sync()
+
+
+async def test_a_restarted_gateway_drops_the_copies_its_previous_run_fetched(postgres_db, tmp_path, monkeypatch):
+    """On PostgreSQL a replica fetches each step it loads into STATE/models/NAME/store/NNNN and drops
+    the copy when it unloads the step; a gateway that stops unloads nothing, so each restart left
+    its loaded steps' copies (optimizer state included) behind for good. A restart keeps only the
+    copies of what it loads now."""
+    from gateway.store.postgres import PostgresStore
+
+    monkeypatch.setattr(adapters_module, "_UNLOAD_GRACE_SECONDS", 0.0)
+    trainer = PostgresStore(postgres_db)
+
+    def publish(step: int) -> None:
+        checkpoint = tmp_path / "trainer" / f"{step:04d}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "adapter_config.json").write_text("{}")
+        (checkpoint / "adapter_model.safetensors").write_bytes(bytes([step]) * 1000)
+        trainer.insert_step("agent", step, str(checkpoint), {}, [])
+
+    settings = Settings(state_dir=tmp_path / "gateway", keep_adapters=2, poll_interval=30)
+    fetched = settings.models_dir / "agent" / "store"
+    for run, steps in enumerate((range(4), range(4, 8))):
+        for step in steps:
+            publish(step)
+        store = PostgresStore(postgres_db)
+        registry = AdapterRegistry(FakeEngine(), store, settings)
+        await registry.start()
+        await registry.close()
+        await store.close()  # stopped: nothing unloaded
+        assert sorted(registry.loaded) == ([2, 3], [6, 7])[run]
+        assert sorted(p.name for p in fetched.iterdir()) == (["0002", "0003"], ["0006", "0007"])[run]
+    await trainer.close()
