@@ -22,7 +22,6 @@ A failed load is logged, leaves the previous step serving, and is retried next p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -31,10 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.engines.base import Engine
-from gateway.errors import Conflict, EngineUnavailable, NotFound
+from gateway.errors import Conflict, NotFound
+from gateway.pinned import load_failure, no_such_step, pinned_step
 from gateway.promotion.serving import NOT_SERVED, follow_serving_step, pinned_steps, refuse_before_step_0
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.store.files import fetched_dir
 from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -55,18 +56,6 @@ class Target:
     model: str  # what the engine is asked for (body["model"])
     adapter: str | None  # adapter name such as "agent@3"; None = base model / upstream
     step: int | None  # the step that will answer; None for the base model or an upstream
-
-
-def _ranges(steps: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8" (a message stays short after thousands of steps)."""
-    if not steps:
-        return "none (nothing trained yet)"
-    parts, start = [], steps[0]
-    for prev, cur in zip(steps, [*steps[1:], None], strict=False):
-        if cur is None or cur != prev + 1:  # a run ends at prev
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ", ".join(parts)
 
 
 class AdapterPathError(Exception):
@@ -117,6 +106,7 @@ class AdapterRegistry:
             return
         try:
             await self.refresh()
+            await asyncio.to_thread(_forget_copies_of_a_previous_run, self)
         except Exception:  # a store or engine hiccup at start must not stop the gateway
             log.exception(
                 "loading the trained adapters at start failed; retrying every %.1f s", self.settings.poll_interval
@@ -239,20 +229,16 @@ class AdapterRegistry:
         loaded (bounded by `keep_adapters`: the least recently used idle step goes). 404
         with the steps there are when there is no step N. Other names: nothing to do.
         Engine replicas load it where a call for it goes, or on every one (`everywhere`)."""
-        step = _pinned_step(self, requested)
+        step = pinned_step(self, requested)
         if step is None or (self.loaded_everywhere(step) if everywhere else step in self.loaded):
             return
         rows = {row["step"]: row for row in await asyncio.to_thread(self.store.steps, self.name)}
         if step not in rows:
-            raise NotFound(
-                f"model '{requested}' has no checkpoint: model '{self.name}' has steps {_ranges(sorted(rows))}",
-                param="model",
-                code="model_not_found",
-            )
+            raise await no_such_step(self, requested, rows)
         async with self._lock:
             loaded = self.loaded_everywhere(step) if everywhere else step in self.loaded
             if not loaded and not await self._load(step, rows[step]["path"], not everywhere):
-                raise await _load_failure(self, requested, step, rows[step]["path"])
+                raise await load_failure(self, requested, step, rows)
             self._last_resolved[step] = time.monotonic()
             await self._unload_idle()
         log.info("loaded %s on demand", requested)
@@ -299,7 +285,7 @@ class AdapterRegistry:
                 return Target(model=self.engine.base_model_id, adapter=None, step=None)
             return Target(model=self.loaded[self.current], adapter=self.loaded[self.current], step=self.current)
         if requested.startswith(self.name + "@"):
-            step = _pinned_step(self, requested)
+            step = pinned_step(self, requested)
             if step is not None and step in self.loaded:
                 return Target(model=requested, adapter=self.loaded[step], step=step)
             raise NotFound(
@@ -334,26 +320,15 @@ class AdapterRegistry:
             self.in_flight[target.step] -= 1
 
 
-def _pinned_step(registry: AdapterRegistry, requested: str) -> int | None:
-    """N of `NAME@N`; None for any other name."""
-    if not registry.engine.supports_adapters or not requested.startswith(registry.name + "@"):
-        return None
-    suffix = requested[len(registry.name) + 1 :]
-    # ASCII digits only: `str.isdigit` also takes "²" (which `int` refuses: a 500) and "٣" (which it reads as 3).
-    return int(suffix) if suffix.isascii() and suffix.isdigit() else None
-
-
-async def _load_failure(registry: AdapterRegistry, requested: str, step: int, raw_path: str) -> Exception:
-    """Why `NAME@N` cannot answer after its load failed: a 404 where its checkpoint's files are gone from
-    this machine (removed to free the disk: a 503 would have clients retry in vain), else a 503."""
-    with contextlib.suppress(Exception):  # the store is away: nothing is known about the files
-        fetch, models_dir = registry.store.fetch_step_files, registry.settings.models_dir
-        path = Path(await asyncio.to_thread(fetch, registry.name, step, raw_path, models_dir))
-        if not (path / "adapter_config.json").is_file():
-            gone = f"step {step} is recorded, but its adapter files are gone from {path}"
-            return NotFound(f"model '{requested}' has no checkpoint: {gone}", param="model", code="model_not_found")
-    why = registry.load_errors.get(step)
-    return EngineUnavailable(f"loading step {step} of '{registry.name}' failed ({why}); try again")
+def _forget_copies_of_a_previous_run(registry: AdapterRegistry) -> None:
+    """The steps' files a previous run of this gateway fetched from a PostgreSQL store and still held
+    when it stopped (nothing unloads them then) go, but those loaded now: else every restart left
+    `--keep-adapters` copies (optimizer state included) on the disk for good. The state dir is this
+    gateway's own (deploy/README.md)."""
+    root = fetched_dir(registry.settings.models_dir, registry.name, 0).parent
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry.name.isascii() and entry.name.isdigit() and int(entry.name) not in registry.loaded:
+            registry.store.forget_step_files(registry.name, int(entry.name), registry.settings.models_dir)
 
 
 def _keep(registry: AdapterRegistry) -> set[int]:

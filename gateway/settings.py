@@ -334,8 +334,8 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
     keep_checkpoints: int = Field(
         0,
         ge=0,
-        description="checkpoints the trainer keeps on disk: the newest N, the serving step, its parent and candidates "
-        "(older ones removed after each step; 0: every one)",
+        description="checkpoints the trainer keeps on disk (and in a PostgreSQL store): the newest N, the serving "
+        "step, its parent and candidates (older ones removed after each step; 0: every one)",
     )
     report_to: Literal["none", "wandb", "trackio"] = Field(
         "none", description="experiment tracker for every step's metrics and the run's settings (trainer/reporting.py)"

@@ -39,6 +39,7 @@ GATEWAY_LAYERS = [
         "gateway.engines",
         "gateway.promotion",
         "gateway.adapters",
+        "gateway.pinned",
         "gateway.tracing",
         "gateway.colocate",
         "gateway.upkeep",

@@ -89,6 +89,7 @@ def test_canary_with_the_trainer_promotes_the_good_step_rejects_the_bad_and_goes
         stop.set()
         trainer.join(120)
         rows = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}
+        print("ROWS", {s: (r["state"], r.get("decision")) for s, r in rows.items()}, sorted(set(seen)))
         assert rows[1]["state"] == "promoted" and rows[1]["parent"] == 0
         assert rows[2]["state"] == "rejected" and rows[2]["parent"] == 1
         assert rows[2]["decision"]["reason"] == "the incumbent is better"

@@ -183,6 +183,62 @@ def test_bad_references_say_what_to_pass(trained, tmp_path):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
+def _kept_two_of(state_dir, steps: int):
+    """A run of `steps` steps (a reward mean of step/10 each) under `--keep-checkpoints 2`."""
+    from gateway.settings import Settings
+    from gateway.store.sqlite import SQLiteStore
+    from trainer import checkpoints as ckpts
+    from trainer.resume import prune_checkpoints
+
+    settings = Settings(state_dir=state_dir)
+    store, root = SQLiteStore(settings.db_path), settings.checkpoints_dir("agent")
+    for step in range(steps):
+        metrics = {"reward_mean": step / 10, "tokens": 100} if step else {}
+        written = ckpts.write_checkpoint(
+            root,
+            step,
+            lambda d: [(d / name).write_text("{}") for name in ckpts.ADAPTER_FILES],
+            settings={},
+            metrics=metrics,
+            groups=[],
+        )
+        store.insert_step("agent", step, str(written.path), metrics, [])
+        prune_checkpoints(store, "agent", root, 2, step)
+    asyncio.run(store.close())
+    assert [c.step for c in ckpts.list_checkpoints(root)] == [steps - 2, steps - 1]
+    return settings
+
+
+def test_a_step_keep_checkpoints_removed_is_said_so_with_the_steps_there_are(tmp_path):
+    """`--keep-checkpoints 2` removed steps 0 and 1 from disk; their rows stay. Exporting one says it
+    was removed and names the steps that can be exported, not every step recorded (which offered
+    steps 0 and 1, as for a step the store never had)."""
+    state = ("--state-dir", str(_kept_two_of(tmp_path / "state", 4).state_dir))
+    done = cli("export-model", "agent@0", "--out", str(tmp_path / "x"), *state)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "step 0 of model 'agent' is recorded, but its checkpoint is not in" in done.stderr
+    assert "(--keep-checkpoints removes old ones); steps with a checkpoint: 2, 3\n" in done.stderr
+    done = cli("export-model", "agent@9", "--out", str(tmp_path / "x"), *state)
+    assert done.returncode == 2 and "has no checkpoint for step 9" in done.stderr
+    assert "(steps with one: 2, 3)" in done.stderr
+
+
+def test_the_model_card_counts_the_steps_whose_checkpoints_were_removed(tmp_path):
+    """The card's training record comes from the step rows, which --keep-checkpoints leaves: it read
+    the checkpoints on disk, so a step 5 kept with step 4 said 'steps: 2 (1 to 5)' and drew two points."""
+    settings = _kept_two_of(tmp_path / "state", 6)
+    done = cli("export-model", "agent@5", "--out", str(tmp_path / "out"), "--state-dir", str(settings.state_dir))
+    assert done.returncode == 0, done.stderr
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "- steps: 5 (1 to 5)" in card and "- tokens trained: 500" in card
+    assert [
+        line.split(" | ")[1] for line in card.splitlines() if line.startswith("| 1 |") or line.startswith("| 5 |")
+    ] == [
+        "0.1",
+        "0.5",
+    ]
+
+
 def test_an_export_stopped_half_way_leaves_nothing_that_looks_like_a_model(trained, tmp_path, monkeypatch):
     # The files were written straight into --out: an export killed before its card (a merge
     # takes minutes) left the adapter files there, loadable, and the next run was refused.

@@ -407,3 +407,27 @@ def test_a_sample_the_trainer_cut_to_a_row_is_exported_as_trained(tmp_path):
     assert len(lines) == 4
     for line in lines:
         validate_fine_tuning_line(json.loads(line))
+
+
+def test_sessions_of_a_step_keep_checkpoints_removed_export_the_advantage_they_trained_with(tmp_path):
+    """`--scale-rewards none --keep-checkpoints 1`: step 1's checkpoint (and the settings.json beside
+    it) is gone by step 3. Its sessions' advantages are still those step 1 trained with, r - mean,
+    not a batch rebuilt with the default settings (group scaling: 1.41 for 0.67)."""
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path, groups_per_step=1, keep_checkpoints=1, scale_rewards="none")
+    recorder = Recorder(settings)
+    worker = TrainerWorker(settings)
+    try:
+        worker.start()
+        for step in range(3):
+            recorder.group(f"g{step}", [1.0, 0.0, 0.0], step=step)
+            assert worker.train_once(worker.groups_to_train()) is not None
+    finally:
+        worker.close()
+        recorder.close()
+    assert not (settings.checkpoints_dir() / "0001").exists()
+    rows = pq.read_table(export(settings, tmp_path, "parquet")).to_pylist()
+    assert sorted(r["step"] for r in rows) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for row in rows:
+        assert row["advantage"] == pytest.approx(2 / 3 if row["session_id"].endswith("s0") else -1 / 3)

@@ -166,6 +166,31 @@ async def test_any_step_with_a_checkpoint_loads_on_demand_and_lru_unloads(fake):
     await registry.ensure("gpt-4o")  # not a pinned name: left to resolve()
 
 
+async def test_a_404_for_a_pinned_step_offers_the_steps_keep_checkpoints_left(fake):
+    """`--keep-checkpoints 2`: steps 0-3 keep their rows, their checkpoints are gone. NAME@N of a step
+    that does not exist, or of a removed one, names the steps that still load: it said 'has steps
+    0-5', and a client that took agent@1 from it got a second 404."""
+    from trainer import checkpoints as ckpts
+    from trainer.resume import prune_checkpoints
+
+    settings, store, engine, registry = fake
+    for step in range(6):
+        path = Path(fake_checkpoint(settings, step))
+        for name in (*ckpts.ADAPTER_FILES, ckpts.STATE_FILE):
+            (path / name).write_text("{}")
+        publish_fake(settings, store, step, str(path))
+        prune_checkpoints(store, settings.model_name, settings.checkpoints_dir(), 2, step)
+    await registry.refresh()
+    with pytest.raises(NotFound) as missing:
+        await registry.ensure("agent@9")
+    assert missing.value.message == "model 'agent@9' has no checkpoint: model 'agent' has checkpoints for steps 4-5"
+    engine.fail_loads["agent@1"] = 2  # as an engine fails on files that are not there
+    with pytest.raises(
+        NotFound, match=r"step 1 is recorded, but its adapter files are gone .*\(checkpoints: steps 4-5\)$"
+    ):
+        await registry.ensure("agent@1")
+
+
 async def test_a_step_written_in_other_digits_is_a_404_not_a_500_nor_another_step(fake):
     # `str.isdigit` takes "²" (which `int` refuses) and "٣" (which `int` reads as 3): neither names a step.
     settings, store, engine, registry = fake
@@ -232,9 +257,11 @@ async def test_a_step_first_loaded_by_name_on_part_of_the_engine_is_loaded_every
 
 
 def test_step_ranges_in_messages():
-    assert adapters_module._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
-    assert adapters_module._ranges([4]) == "4"
-    assert adapters_module._ranges([]).startswith("none")
+    from gateway.pinned import ranges
+
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert ranges([4]) == "4"
+    assert ranges([]).startswith("none")
 
 
 async def test_checkpoint_paths_outside_the_models_dir_are_refused(fake, tmp_path):
@@ -446,3 +473,35 @@ async def test_a_replica_removes_the_files_it_fetched_for_a_step_it_unloaded(pos
     finally:
         trainer.close_sync()
         replica.close_sync()
+
+
+async def test_a_restarted_gateway_drops_the_copies_its_previous_run_fetched(postgres_db, tmp_path, monkeypatch):
+    """On PostgreSQL a replica fetches each step it loads into STATE/models/NAME/store/NNNN and drops
+    the copy when it unloads the step; a gateway that stops unloads nothing, so each restart left
+    its loaded steps' copies (optimizer state included) behind for good. A restart keeps only the
+    copies of what it loads now."""
+    from gateway.store.postgres import PostgresStore
+
+    monkeypatch.setattr(adapters_module, "_UNLOAD_GRACE_SECONDS", 0.0)
+    trainer = PostgresStore(postgres_db)
+
+    def publish(step: int) -> None:
+        checkpoint = tmp_path / "trainer" / f"{step:04d}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "adapter_config.json").write_text("{}")
+        (checkpoint / "adapter_model.safetensors").write_bytes(bytes([step]) * 1000)
+        trainer.insert_step("agent", step, str(checkpoint), {}, [])
+
+    settings = Settings(state_dir=tmp_path / "gateway", keep_adapters=2, poll_interval=30)
+    fetched = settings.models_dir / "agent" / "store"
+    for run, steps in enumerate((range(4), range(4, 8))):
+        for step in steps:
+            publish(step)
+        store = PostgresStore(postgres_db)
+        registry = AdapterRegistry(FakeEngine(), store, settings)
+        await registry.start()
+        await registry.close()
+        await store.close()  # stopped: nothing unloaded
+        assert sorted(registry.loaded) == ([2, 3], [6, 7])[run]
+        assert sorted(p.name for p in fetched.iterdir()) == (["0002", "0003"], ["0006", "0007"])[run]
+    await trainer.close()

@@ -72,3 +72,152 @@ def test_a_trainer_on_a_new_machine_restores_its_checkpoint(postgres_db, tmp_pat
     assert (latest.path / "optimizer.pt").read_bytes() == b"adam state"
     assert store.restore_checkpoint("agent", 4, ckpts.checkpoint_dir(root, 4)) is None  # no such step
     store.close_sync()
+
+
+def _recorded(store, root, step: int, weights: bytes, **kwargs):
+    from trainer import checkpoints as ckpts
+
+    ckpt = _checkpoint(ckpts.checkpoint_dir(root, step), weights, step=step)
+    store.insert_step("agent", step, str(ckpt), {}, [], **kwargs)
+    return ckpt
+
+
+def _blob_bytes(store) -> int:
+    return int(store._query("SELECT COALESCE(SUM(size), 0) AS n FROM blobs")[0]["n"])
+
+
+def test_keep_checkpoints_bounds_the_blobs_in_the_store_too(postgres_db, tmp_path):
+    """`--keep-checkpoints 2` on PostgreSQL: the files of the steps it removes from disk leave the
+    database as well (every step's adapter and optimizer state stayed there for ever), and what
+    is kept there is what is kept on disk: the newest two, and what NAME serves however old."""
+    from trainer.resume import prune_checkpoints
+
+    store, replica = PostgresStore(postgres_db), PostgresStore(postgres_db)
+    root = tmp_path / "trainer" / "checkpoints"
+    _recorded(store, root, 0, b"step 0 weights" * 1000)
+    for step in range(1, 7):
+        # --promote manual: every candidate turned down, so step 0 still serves.
+        _recorded(store, root, step, bytes([step]) * 14000, state="candidate")
+        store.decide_step("agent", step, "rejected", {"by": "test"})
+        prune_checkpoints(store, "agent", root, 2, 0)
+    on_disk = sorted(int(p.name) for p in root.iterdir())
+    assert on_disk == [0, 5, 6]
+    listed = {s: replica.step_files("agent", s) for s in range(7)}
+    assert [s for s in range(7) if listed[s]] == on_disk
+    # Three files a step, the config shared by all: what the kept steps list, nothing more.
+    assert _blob_bytes(replica) == len('{"r": 8}') + 14000 * 3 + sum(len(f'{{"step": {s}}}') for s in on_disk)
+    models = tmp_path / "replica" / "models"
+    for step in on_disk:  # a replica still loads every kept step, checked against its checksums
+        local = replica.fetch_step_files("agent", step, str(root / f"{step:04d}"), models)
+        assert (tmp_path / "replica" / "models" / "agent" / "store" / f"{step:04d}" / "trainer_state.json").is_file()
+        assert local.endswith(f"{step:04d}")
+    assert replica.restore_checkpoint("agent", 3, tmp_path / "restored") is None  # removed: none half fetched
+    store.close_sync()
+    replica.close_sync()
+
+
+def test_a_blob_another_step_lists_stays_when_a_prune_drops_it(postgres_db, tmp_path):
+    """Blobs are content-addressed: a file of a pruned step that another model's step also holds
+    (the same --init-from adapter, an unchanged config) stays with that step."""
+    store = PostgresStore(postgres_db)
+    shared = b"the same weights" * 1000
+    other = _checkpoint(tmp_path / "other" / "0001", shared, step=1)
+    store.insert_step("other", 1, str(other), {}, [])
+    root = tmp_path / "agent"
+    _recorded(store, root, 0, shared)
+    for step in (1, 2):
+        _recorded(store, root, step, bytes([step]) * 1000)
+    assert store.prune_step_files("agent", 1, set()) == [0, 1]
+    restored = store.restore_checkpoint("other", 1, tmp_path / "restored")
+    assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == shared
+    store.close_sync()
+
+
+def test_a_blob_collected_while_a_step_is_recorded_is_stored_again(postgres_db, tmp_path, monkeypatch):
+    """Trainer A uploads its step's files (the weights are already stored, listed only by model B's
+    old step), then B's trainer prunes that step and collects the blob before A's step row lists it:
+    A's step is recorded all the same, with every file it lists in the store."""
+    from gateway.store import files
+
+    trainer_a, trainer_b = PostgresStore(postgres_db), PostgresStore(postgres_db)
+    weights = b"weights both trainers wrote" * 1000
+    trainer_b.insert_step("b", 0, str(_checkpoint(tmp_path / "b" / "0000", weights, step=0)), {}, [])
+    trainer_b.insert_step("b", 1, str(_checkpoint(tmp_path / "b" / "0001", b"newer" * 1000, step=1)), {}, [])
+    upload = files.upload_blobs
+
+    def upload_then_b_prunes(conn, directory):
+        listing = upload(conn, directory)  # finds the weights stored: nothing sent
+        assert trainer_b.prune_step_files("b", 1, set()) == [0]  # B's step 0 goes, its blob with it
+        return listing
+
+    monkeypatch.setattr(files, "upload_blobs", upload_then_b_prunes)
+    ckpt = _checkpoint(tmp_path / "a" / "0001", weights, step=1)
+    trainer_a.insert_step("a", 1, str(ckpt), {}, [])
+    monkeypatch.setattr(files, "upload_blobs", upload)
+    restored = trainer_b.restore_checkpoint("a", 1, tmp_path / "restored")
+    assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == weights
+    trainer_a.close_sync()
+    trainer_b.close_sync()
+
+
+def test_an_export_of_a_step_pruned_from_the_store_names_the_steps_it_keeps(postgres_db, tmp_path):
+    """`rlproxy export-model agent@1 --store postgresql://...` on a machine without the checkpoints,
+    after --keep-checkpoints dropped step 1's files: a clear 'removed', with the steps the store
+    can still give, not a traceback nor every step recorded."""
+    from gateway.errors import NotFound
+    from gateway.export.model import find_checkpoint
+    from gateway.settings import Settings
+
+    store = PostgresStore(postgres_db)
+    root = tmp_path / "trainer"
+    for step in range(4):
+        _recorded(store, root, step, bytes([step]) * 100)
+    assert store.prune_step_files("agent", 2, set()) == [0, 1]
+    store.close_sync()
+    elsewhere = Settings(state_dir=tmp_path / "elsewhere", store=postgres_db)
+    with pytest.raises(NotFound, match=r"nor in the store \(--keep-checkpoints .*steps with a checkpoint: 2, 3$"):
+        find_checkpoint(elsewhere, "agent", 1)
+    with pytest.raises(NotFound, match=r"no checkpoint for step 7 .*\(steps with one: 2, 3\)$"):
+        find_checkpoint(elsewhere, "agent", 7)
+    assert find_checkpoint(elsewhere, "agent", 3).step == 3
+
+
+def test_a_prune_waits_for_a_step_being_recorded_and_keeps_the_blob_it_lists(postgres_db, tmp_path):
+    """The other order: A's step transaction has listed a stored blob (not committed yet) when B's
+    prune would collect it. The prune waits for that transaction, then sees the list and keeps
+    the blob (it failed on the foreign key, or, had it gone first, A's step lost a file)."""
+    import threading
+    import time
+
+    import psycopg
+
+    from gateway.store import files
+    from gateway.store.postgres_conn import PgConn
+
+    trainer_b = PostgresStore(postgres_db)
+    weights = b"weights both trainers wrote" * 1000
+    trainer_b.insert_step("b", 0, str(_checkpoint(tmp_path / "b" / "0000", weights, step=0)), {}, [])
+    trainer_b.insert_step("b", 1, str(_checkpoint(tmp_path / "b" / "0001", b"newer" * 1000, step=1)), {}, [])
+    a_dir = _checkpoint(tmp_path / "a" / "0001", weights, step=1)
+    pruned: list = []
+
+    def prune() -> None:
+        try:
+            pruned.append(trainer_b.prune_step_files("b", 1, set()))
+        except Exception as exc:  # noqa: BLE001 - the test's assertion says what it was
+            pruned.append(exc)
+
+    with psycopg.connect(postgres_db) as trainer_a, psycopg.connect(postgres_db, autocommit=True) as watcher:
+        with trainer_a.transaction():
+            listing = files.upload_blobs(PgConn(trainer_a), a_dir)
+            files.write_file_list(PgConn(trainer_a), "a", 1, listing, a_dir)
+            thread = threading.Thread(target=prune)
+            thread.start()
+            # Committed once B's prune waits on this transaction (a lock it asked for, not granted).
+            while not watcher.execute("SELECT 1 FROM pg_locks WHERE NOT granted").fetchone() and thread.is_alive():
+                time.sleep(0.01)
+        thread.join()
+    assert pruned == [[0]]
+    restored = trainer_b.restore_checkpoint("a", 1, tmp_path / "restored")
+    assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == weights
+    trainer_b.close_sync()

@@ -1,5 +1,6 @@
 """The worker on the tiny model: one step from a store of hand-made rewarded groups."""
 
+import asyncio
 import json
 
 import pytest
@@ -329,6 +330,45 @@ def test_keep_checkpoints_bounds_the_disk_and_keeps_what_serves_and_its_rollback
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["0003", "0004"]
     store = SQLiteStore(settings.db_path)
     assert [row["step"] for row in store.steps("agent")] == [0, 1, 2, 3, 4]
+
+
+def test_keep_checkpoints_bounds_a_postgres_store_and_a_trainer_moved_elsewhere_resumes(postgres_db, tmp_path):
+    """On PostgreSQL every step's checkpoint also goes into the database (blobs): `--keep-checkpoints 1`
+    keeps there what it keeps on disk, and a trainer started on a machine without the checkpoints
+    still resumes from the newest step, fetched from the store."""
+    from gateway.store.postgres import PostgresStore
+
+    settings = trainer_settings(tmp_path / "node-1", groups_per_step=1, keep_checkpoints=1, store=postgres_db)
+    recorder = Recorder(settings)
+    asyncio.run(recorder.store.close())
+    recorder.store = store = PostgresStore(postgres_db)  # the calls and rewards into the shared store
+    worker = TrainerWorker(settings)
+    try:
+        worker.start()
+        for step in range(4):
+            recorder.group(f"g{step}", [1.0, 0.0], step=step)
+            assert worker.train_once(worker.groups_to_train()) is not None
+    finally:
+        worker.close()
+
+    def stored() -> list[int]:
+        return sorted(store.stored_steps("agent"))
+
+    on_disk = sorted(int(p.name) for p in settings.checkpoints_dir().iterdir() if not p.name.startswith("."))
+    assert on_disk == stored() == [3, 4]  # the newest, and its parent (what a rollback serves again)
+    blobs = store._query("SELECT sha256 FROM blobs")
+    assert {r["sha256"] for r in blobs} == {d for s in (3, 4) for _, d, _ in store.step_files("agent", s)}
+    moved = trainer_settings(tmp_path / "node-2", groups_per_step=1, keep_checkpoints=1, store=postgres_db)
+    worker = TrainerWorker(moved)
+    try:
+        worker.start()  # nothing on this disk: step 4 from the store
+        recorder.group("g4", [1.0, 0.0], step=4)
+        assert worker.train_once(worker.groups_to_train()) is not None
+    finally:
+        worker.close()
+    assert [row["step"] for row in store.steps("agent")] == [0, 1, 2, 3, 4, 5]
+    assert stored() == [4, 5]
+    recorder.close()
 
 
 def test_keep_checkpoints_never_removes_the_serving_step_however_old(tmp_path):

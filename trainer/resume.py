@@ -248,6 +248,15 @@ def prune_checkpoints(store: Store, model: str, root: Path, keep: int, weights_s
     if promoted:
         serving = max(promoted, key=lambda row: row["step"])
         protected |= {serving["step"], serving.get("parent")}
-    removed = ckpts.prune(root, keep, {step for step in protected if step is not None})
+    kept = {step for step in protected if step is not None}
+    removed = ckpts.prune(root, keep, kept)
     if removed:
         log.info("removed old checkpoints (--keep-checkpoints %d): steps %s", keep, removed)
+    # The same steps' files in the store (PostgreSQL keeps every step's), those of steps this
+    # machine never held too (a trainer moved here restores only the newest).
+    try:
+        dropped = store.prune_step_files(model, keep, kept)
+    except StoreUnavailable:  # the next step tries again
+        return
+    if dropped:
+        log.info("removed old checkpoints' files from the store (--keep-checkpoints %d): steps %s", keep, dropped)

@@ -1,9 +1,10 @@
 """The model card written beside an exported step: `README.md` and `reward_curve.png`.
 
-Train figures come from the checkpoints themselves (each `trainer_state.json` holds its
-step's metrics), so a card can be written from a copied checkpoint directory; val figures
-(sessions sent with `X-Split: val`, scored and never trained) come from the store when it
-is there, grouped by the adapter step that answered them.
+Train figures come from the store's step rows (each holds its step's metrics and groups, and
+stays when --keep-checkpoints removes the checkpoint), or without a store from the checkpoints
+themselves (each `trainer_state.json` holds them too), so a card can be written from a copied
+checkpoint directory; val figures (sessions sent with `X-Split: val`, scored and never trained)
+come from the store when it is there, grouped by the adapter step that answered them.
 """
 
 from __future__ import annotations
@@ -38,13 +39,33 @@ _SETTINGS_SHOWN = (
 
 
 def train_history(settings: Settings, name: str, up_to: int) -> list[dict]:
-    """Metrics of steps 1..up_to, from the checkpoints on disk."""
+    """Metrics of steps 1..up_to: from the store's step rows where a store records them (they stay
+    when --keep-checkpoints removes the checkpoints, and a machine that fetched the step from a
+    PostgreSQL store has no others), else from the checkpoints on disk."""
+    recorded = _recorded_history(settings, name, up_to)
+    if recorded:
+        return recorded
     rows = []
     for checkpoint in ckpts.list_checkpoints(settings.checkpoints_dir(name)):
         if 1 <= checkpoint.step <= up_to:
             state = checkpoint.state()
             rows.append({"step": checkpoint.step, **state.get("metrics", {}), "group_ids": state.get("groups", [])})
     return rows
+
+
+def _recorded_history(settings: Settings, name: str, up_to: int) -> list[dict]:
+    """What `train_history` reads from the step rows (the same metrics and groups each checkpoint saved)."""
+    from gateway.export.selection import close_store, open_store, store_exists
+
+    target = settings.store or settings.db_path
+    if not store_exists(target):
+        return []
+    store = open_store(target)
+    try:
+        steps = store.steps(name)
+    finally:
+        close_store(store)
+    return [{"step": r["step"], **r["metrics"], "group_ids": r["groups"]} for r in steps if 1 <= r["step"] <= up_to]
 
 
 def store_figures(settings: Settings, name: str, up_to: int, trained_groups: set[str]) -> dict:

@@ -63,16 +63,17 @@ def parse_model_ref(ref: str) -> tuple[str, int | None]:
     return name, int(step)
 
 
-def _recorded_steps(settings: Settings, name: str) -> set[int]:
-    """Steps the store records for `name` (empty without a store beside the checkpoints)."""
+def _recorded_steps(settings: Settings, name: str) -> tuple[set[int], set[int]]:
+    """Steps the store records for `name`, and those whose files it keeps (PostgreSQL); both empty
+    without a store beside the checkpoints."""
     from gateway.export.selection import close_store, open_store, store_exists
 
     target = settings.store or settings.db_path
     if not store_exists(target):
-        return set()
+        return set(), set()
     store = open_store(target)
     try:
-        return {row["step"] for row in store.steps(name)}
+        return {row["step"] for row in store.steps(name)}, store.stored_steps(name)
     finally:
         close_store(store)
 
@@ -100,7 +101,7 @@ def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Ch
     store but not on this machine is fetched from the store."""
     root = settings.checkpoints_dir(name)
     available = ckpts.list_checkpoints(root)
-    recorded = _recorded_steps(settings, name)
+    recorded, stored = _recorded_steps(settings, name)
     if recorded:
         available = [c for c in available if c.step in recorded]
         wanted = max(recorded) if step is None else step
@@ -114,13 +115,21 @@ def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Ch
                 return checkpoint
     elif available:
         return available[-1]
-    steps = ", ".join(str(s) for s in sorted({c.step for c in available} | recorded)) or "none"
     if step is None or not (available or recorded):
         raise NotFound(
             f"no checkpoints of model '{name}' in {root}: pass the --state-dir the trainer ran with"
             " (or the --store it recorded its steps in)"
         )
-    raise NotFound(f"model '{name}' has no checkpoint for step {step} in {root} (steps: {steps})")
+    # What can be exported: the steps with a checkpoint here or in the store, not every step recorded
+    # (those --keep-checkpoints removed keep their rows).
+    steps = ", ".join(str(s) for s in sorted({c.step for c in available} | (stored & recorded))) or "none"
+    if step in recorded:
+        raise NotFound(
+            f"step {step} of model '{name}' is recorded, but its checkpoint is not in {root}"
+            + (" nor in the store" if settings.store else "")
+            + f" (--keep-checkpoints removes old ones); steps with a checkpoint: {steps}"
+        )
+    raise NotFound(f"model '{name}' has no checkpoint for step {step} in {root} (steps with one: {steps})")
 
 
 def _prepare_out(out: Path) -> Path:

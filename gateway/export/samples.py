@@ -4,9 +4,11 @@ Samples come from the trainer's public functions (`trainer.data.build_batch`,
 `trajectory_samples`), never re-derived here, so an export holds exactly the token ids,
 loss masks and behaviour logprobs the trainer trains on:
 
-- a session whose group was trained at step S gets the samples and advantages of step S's
-  batch, rebuilt with the settings saved beside that step's checkpoint (`scale_rewards`
-  decides the advantages, `max_tokens_per_row` which samples were left out);
+- a session whose group was trained at step S gets the samples of step S's batch, rebuilt with
+  the settings saved beside that step's checkpoint (`max_tokens_per_row` decides which samples
+  were left out; a checkpoint `--keep-checkpoints` removed: those of the newest checkpoint of
+  that model still there, the run's), and the advantage the step recorded for the session (the
+  one it trained with, whatever settings the rebuilt batch would give);
 - any other session (val, not yet trained, no reward spread) gets the samples the trainer
   would build from it, with no step and no advantage.
 
@@ -121,6 +123,13 @@ def trained_replies(calls: list[dict], first: int, last: int, render: Any) -> se
     return positions
 
 
+def _read_settings(row: dict) -> dict | None:
+    try:
+        return json.loads((Path(row["path"]) / "settings.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 STEPS_KEPT = 8
 """Step batches `StepBatches` keeps rebuilt: sessions come oldest first, so those of one step
 come together, and an export of many steps holds a few steps' samples, not every one."""
@@ -138,18 +147,20 @@ class StepBatches:
         self._cache: OrderedDict[tuple[str, int], dict[str, list[Sample]]] = OrderedDict()
 
     def _settings(self, row: dict) -> dict:
-        """The settings saved beside the step's checkpoint (defaults if it is gone)."""
-        path = Path(row["path"]) / "settings.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            log.warning(
-                "step %s@%s: no readable %s; rebuilding its batch with default settings",
-                row["model"],
-                row["step"],
-                path,
-            )
-            return {}
+        """The settings saved beside the step's checkpoint; where it is gone (--keep-checkpoints), those
+        of the newest checkpoint of the model still there (the run's); defaults where none is left."""
+        saved = _read_settings(row)
+        if saved is not None:
+            return saved
+        steps = sorted((r for r in self._rows.values() if r["model"] == row["model"]), key=lambda r: -r["step"])
+        found = next(((r["step"], s) for r in steps if (s := _read_settings(r)) is not None), None)
+        log.warning(
+            "step %s@%s: its checkpoint's settings.json is gone; rebuilding its batch with %s",
+            row["model"],
+            row["step"],
+            f"the settings of step {found[0]}" if found else "default settings",
+        )
+        return found[1] if found else {}
 
     def samples(self, model: str, step: int) -> dict[str, list[Sample]]:
         """Session id -> its samples in step `step` of `model` (empty if the step is unknown)."""
@@ -208,6 +219,13 @@ def exported_samples(store: Store, sessions: Iterable[dict], render: Any, models
                 frozenset(trained_replies(calls, first, last, render)),
                 index,
                 step if trained else None,
-                sample.advantage if trained else None,
+                _trained_advantage(session, sample) if trained else None,
             )
             first = last + 1
+
+
+def _trained_advantage(session: dict, sample: Sample) -> float:
+    """The advantage the session trained with, as its step recorded it; the rebuilt batch's where
+    none was recorded (a store from before that was kept)."""
+    recorded = session.get("advantage")
+    return float(recorded) if recorded is not None else sample.advantage

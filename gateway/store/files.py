@@ -6,6 +6,13 @@ with the step row, in one transaction: once a replica sees a step, its files are
 dir lacks the step (the trainer is on another machine) fetches the files into
 `MODELS_DIR/NAME/store/NNNN/`, checks every file's SHA-256 and size against the list, and
 only then hands the directory to the engine. No shared filesystem is needed.
+
+`--keep-checkpoints N` drops the file lists of the steps whose checkpoints it removes, and the
+blobs no list names any more (`prune_file_lists`): else the database kept every step's adapter
+and optimizer state for ever. A blob is shared by every step whose file it is (an unchanged
+config, across models too), so it goes only when no list names it; lists are written and blobs
+collected under one advisory lock (`locks.lock_blobs`), and a list's writer puts back a blob
+collected since its upload (`write_file_list`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import ConfigError
+from gateway.store.locks import lock_blobs
 
 
 class StepFilesError(ConfigError):
@@ -42,32 +50,76 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return sorted(p for p in Path(directory).iterdir() if p.is_file() and not p.name.startswith("."))
 
 
+def _upload(conn: Any, path: Path) -> str:
+    """Store the file at `path` as a blob unless one with its content is there; its SHA-256."""
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    present = conn.execute("SELECT 1 FROM blobs WHERE sha256 = ?", (digest,)).fetchone()
+    if present is None:
+        conn.execute(
+            "INSERT INTO blobs (sha256, size, data) VALUES (?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
+            (digest, len(data), data),
+        )
+    return digest
+
+
 def upload_blobs(conn: Any, directory: Path) -> list[tuple[str, str]]:
     """Write the checkpoint's files into the store as blobs (inside the caller's transaction), and
     list them: (name, sha256) each. Content-addressed: a file already stored (an unchanged config)
     is not sent twice, and a blob no step lists (its record refused) harms none."""
-    listing = []
-    for path in checkpoint_files(directory):
-        data = path.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        present = conn.execute("SELECT 1 FROM blobs WHERE sha256 = ?", (digest,)).fetchone()
-        if present is None:
-            conn.execute(
-                "INSERT INTO blobs (sha256, size, data) VALUES (?, ?, ?) ON CONFLICT (sha256) DO NOTHING",
-                (digest, len(data), data),
-            )
-        listing.append((path.name, digest))
-    return listing
+    return [(path.name, _upload(conn, path)) for path in checkpoint_files(directory)]
 
 
-def write_file_list(conn: Any, model: str, step: int, listing: list[tuple[str, str]]) -> None:
+def write_file_list(conn: Any, model: str, step: int, listing: list[tuple[str, str]], directory: Path) -> None:
     """The step's file list, in its step row's transaction: a record refused (its step number taken,
-    a group trained meanwhile) leaves the list of the step recorded under that number as it was."""
+    a group trained meanwhile) leaves the list of the step recorded under that number as it was.
+    A blob uploaded (or found stored) before, then collected by another trainer's prune since (no
+    list named it yet), is stored again from `directory`: the list never names a missing blob."""
+    lock_blobs(conn, exclusive=False)
+    for name, digest in listing:
+        if conn.execute("SELECT 1 FROM blobs WHERE sha256 = ?", (digest,)).fetchone() is None:
+            if _upload(conn, directory / name) != digest:
+                raise StepFilesError(f"file {name!r} of {directory} changed while the step was recorded")
     conn.execute("DELETE FROM step_files WHERE model = ? AND step = ?", (model, step))
     for name, digest in listing:
         conn.execute(
             "INSERT INTO step_files (model, step, name, sha256) VALUES (?, ?, ?, ?)", (model, step, name, digest)
         )
+
+
+def prune_file_lists(conn: Any, model: str, keep: int, protected: set[int]) -> list[int]:
+    """`--keep-checkpoints`, in the store: drop the file lists of `model`'s steps older than the newest
+    `keep` with files, except `protected` (the steps `trainer.resume.prune_checkpoints` keeps on disk),
+    then every blob no list names (another step's, another model's, stays). Returns the steps dropped."""
+    lock_blobs(conn, exclusive=True)
+    listed = [
+        row[0]
+        for row in conn.execute(
+            "SELECT DISTINCT step FROM step_files WHERE model = ? ORDER BY step", (model,)
+        ).fetchall()
+    ]
+    dropped = [step for step in listed[:-keep] if step not in protected] if keep > 0 else []
+    for step in dropped:
+        conn.execute("DELETE FROM step_files WHERE model = ? AND step = ?", (model, step))
+    if dropped:
+        conn.execute("DELETE FROM blobs b WHERE NOT EXISTS (SELECT 1 FROM step_files f WHERE f.sha256 = b.sha256)")
+    return dropped
+
+
+def listed(query: Callable[[str, tuple], list[dict]], model: str, step: int) -> list[tuple[str, str, int]]:
+    """Step `step`'s file list: (name, sha256, size) each, by name (empty: none kept)."""
+    rows = query(
+        "SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
+        " WHERE f.model = ? AND f.step = ? ORDER BY f.name",
+        (model, step),
+    )
+    return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
+
+
+def read_blob(query: Callable[[str, tuple], list[dict]], digest: str) -> bytes | None:
+    """The blob's bytes, None where no blob has that SHA-256 (collected by a prune, for one)."""
+    rows = query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
+    return bytes(rows[0]["data"]) if rows else None
 
 
 def _safe_name(name: str) -> str:

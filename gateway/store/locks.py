@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 _LIVE_KEYS = 0x6C697665  # "live": the advisory locks of live task keys (two-key space)
 _TRAINERS = 0x7472616E  # "tran": one trainer per model (`try_lock_trainer`)
+_BLOBS = 0x626C6F62  # "blob": step file lists written (shared) against blobs collected (exclusive)
 
 
 def for_update(conn: Any) -> str:
@@ -65,6 +66,16 @@ def try_lock_trainer_for_transaction(conn: Any, model: str) -> bool:
         "SELECT pg_try_advisory_xact_lock(CAST(? AS integer), hashtext(?))", (_TRAINERS, model)
     ).fetchone()
     return bool(row[0])
+
+
+def lock_blobs(conn: Any, *, exclusive: bool) -> None:
+    """Until the transaction ends (PostgreSQL): a step's file list is written under the shared
+    lock, blobs no list names are collected under the exclusive one. Without it a trainer's blob
+    committed (or found present) in its upload transaction could be collected before its step's
+    list names it (`gateway.store.files`): the two never overlap, and the writer sees what a
+    collection before it removed."""
+    function = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
+    conn.execute(f"SELECT {function}(CAST(? AS integer), 0)", (_BLOBS,))
 
 
 class TrainerLock(Protocol):

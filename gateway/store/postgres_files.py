@@ -5,6 +5,7 @@ or a trainer on a machine that lacks them fetches them from the database, verifi
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 from gateway.store import files as store_files
@@ -15,12 +16,10 @@ class PostgresStepFiles:
         raise NotImplementedError
 
     def step_files(self, model: str, step: int) -> list[tuple[str, str, int]]:
-        rows = self._query(
-            "SELECT f.name, f.sha256, b.size FROM step_files f JOIN blobs b ON b.sha256 = f.sha256"
-            " WHERE f.model = ? AND f.step = ? ORDER BY f.name",
-            (model, step),
-        )
-        return [(r["name"], r["sha256"], int(r["size"])) for r in rows]
+        return store_files.listed(self._query, model, step)
+
+    def stored_steps(self, model: str) -> set[int]:
+        return {row["step"] for row in self._query("SELECT DISTINCT step FROM step_files WHERE model = ?", (model,))}
 
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
         """A local directory holding step `step`'s files, verified: the files in the store are
@@ -41,9 +40,4 @@ class PostgresStepFiles:
         listing = self.step_files(model, step)
         if not listing:
             return None
-
-        def read_blob(digest: str) -> bytes | None:
-            rows = self._query("SELECT data FROM blobs WHERE sha256 = ?", (digest,))
-            return bytes(rows[0]["data"]) if rows else None
-
-        return store_files.materialize(read_blob, listing, Path(dest))
+        return store_files.materialize(partial(store_files.read_blob, self._query), listing, Path(dest))

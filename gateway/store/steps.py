@@ -232,6 +232,15 @@ class StepRows:
         """Remove the local copy `fetch_step_files` made of a step's files (none here)."""
         return None
 
+    def prune_step_files(self, model: str, keep: int, protected: set[int]) -> list[int]:
+        """`--keep-checkpoints` where the store keeps checkpoint files (PostgreSQL): those of `model`'s
+        steps older than the newest `keep` with files, except `protected`, dropped. The steps dropped."""
+        return []
+
+    def stored_steps(self, model: str) -> set[int]:
+        """`model`'s steps whose checkpoint files the store keeps (none here: they are on the trainer's disk)."""
+        return set()
+
     def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
         """The step's checkpoint files, from the store into `dest`; None where the store keeps none."""
         return None
