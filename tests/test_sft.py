@@ -141,12 +141,10 @@ def test_a_session_the_template_refuses_or_with_a_special_tokens_text_is_skipped
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert trained.count(eot) == 1 and trained[-1] == eot
     assert trained_text(tokenizer, sample) == ["Qwen ends a turn with <|im_end|> and goes on.<|im_end|>"]
-    # ...and where the template rewrites such a text, its place is unknown: the session is skipped
-    escaping = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    escaping.chat_template = tokenizer.chat_template.replace(
-        "message.content or ''", "(message.content or '') | replace('<', '&lt;')"
-    )
-    found = session_samples("escaped", [teacher_call(1, [SYSTEM, USER], echo)], ChatTemplateRenderer(escaping))
+    # ...and where the template cuts such a text, its place is unknown: the session is skipped
+    cutting = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    cutting.chat_template = tokenizer.chat_template.replace("message.content or ''", "(message.content or '')[:34]")
+    found = session_samples("cut", [teacher_call(1, [SYSTEM, USER], echo)], ChatTemplateRenderer(cutting))
     assert found.samples == () and found.skipped == SPECIAL_TEXT.format(token="<|im_end|>")
 
 

@@ -6,6 +6,8 @@ text between them read as plain text."""
 
 from __future__ import annotations
 
+import copy
+
 import httpx
 import openai
 import pytest
@@ -102,15 +104,30 @@ def escaping(template: str) -> str:
     return template.replace("message.content or ''", "(message.content or '') | replace('<', '&lt;')")
 
 
-def test_a_template_that_rewrites_such_a_text_is_refused_not_guessed(tmp_path):
-    # Where the template rewrites a message's text, that text's place in the rendered chat is
-    # unknown: the trainer leaves the call out with the reason, the local engine answers 400.
-    tokenizer = load_tokenizer(str(smollm2_dir()))
+def cutting(template: str) -> str:
+    """`template` writing the first 12 characters of each message."""
+    return template.replace("message.content or ''", "(message.content or '')[:12]")
+
+
+def test_a_template_that_escapes_such_a_text_renders_it_as_it_escapes_it(smollm2):
+    # An operator's template that escapes control tokens itself (for any engine): what it writes is read as written.
+    tokenizer = copy.deepcopy(smollm2)
     tokenizer.chat_template = escaping(tokenizer.chat_template)
     reply = {"choices": [{"message": {"role": "assistant", "content": "Arr."}, "finish_reason": "stop"}]}
+    turn = ChatTemplateRenderer(tokenizer).turn({"messages": CHAT}, reply)
+    escaped = [{**m, "content": m["content"].replace("<", "&lt;")} for m in CHAT]
+    assert list(turn.prompt_ids) == by_hand(tokenizer, escaped)
+
+
+def test_a_template_that_cuts_such_a_text_is_refused_not_guessed(tmp_path, smollm2):
+    # Where the template cuts a message's text, that text's place in the rendered chat is
+    # unknown: the trainer leaves the call out with the reason, the local engine answers 400.
+    tokenizer = copy.deepcopy(smollm2)
+    tokenizer.chat_template = cutting(tokenizer.chat_template)
+    reply = {"choices": [{"message": {"role": "assistant", "content": "Arr."}, "finish_reason": "stop"}]}
     assert ChatTemplateRenderer(tokenizer).turn({"messages": CHAT}, reply) == SPECIAL_TEXT.format(token="<|im_end|>")
-    template = tmp_path / "escaping.jinja"
-    template.write_text(escaping(hermes_template("You are a test.")))
+    template = tmp_path / "cutting.jinja"
+    template.write_text(cutting(hermes_template("You are a test.")))
     app = create_app(Settings(state_dir=tmp_path / "state", trainer="off", chat_template=str(template)))
     with ThreadServer(app) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
