@@ -25,6 +25,8 @@ _FIRST_PLACEHOLDER = 0xF0000
 """Placeholders are characters of the Supplementary Private Use Area-A, one per special token:
 no text means anything by them. One a string holds itself is caught (`render` checks the round trip)."""
 _PLACEHOLDERS = 0xFFFE
+_AFTER_TOKEN = "\U0010fffd"
+"""The last private-use character, standing for a template's token before a piece (`SpecialText._plain_ids`)."""
 
 
 class SpecialTextError(ValueError):
@@ -71,6 +73,7 @@ class SpecialText:
         self._restore = re.compile(f"[{chr(_FIRST_PLACEHOLDER)}-{last}]") if texts else None
         self._strips = _strips(tokenizer)
         self._plain: Any = None
+        self._after_id = -1
         self._lock = threading.Lock()
 
     def holds(self, value: Any) -> bool:
@@ -118,16 +121,16 @@ class SpecialText:
             return list(encode(text, add_special_tokens=False))
         assert self.pattern is not None  # placeholders exist only for a tokenizer with special tokens
         ids: list[int] = []
-        start, strip_next = 0, False
+        start, strip_next, after_token = 0, False, False
         for match in self.pattern.finditer(text):
             lstrip, rstrip = self._strips.get(match.group(), (False, False))
             piece = text[start : match.start()]
             piece = piece.lstrip() if strip_next else piece
-            ids += self._plain_ids(piece.rstrip() if lstrip else piece)
+            ids += self._plain_ids(piece.rstrip() if lstrip else piece, after_token)
             ids.append(int(self.tokenizer.convert_tokens_to_ids(match.group())))
-            start, strip_next = match.end(), rstrip
+            start, strip_next, after_token = match.end(), rstrip, True
         piece = text[start:]
-        ids += self._plain_ids(piece.lstrip() if strip_next else piece)
+        ids += self._plain_ids(piece.lstrip() if strip_next else piece, after_token)
         return ids
 
     def _shield(self, value: Any) -> Any:
@@ -141,8 +144,9 @@ class SpecialText:
             return [self._shield(item) for item in value]
         return value
 
-    def _plain_ids(self, piece: str) -> list[int]:
-        """`piece` (no template token in it) tokenized with special-token text read as text."""
+    def _plain_ids(self, piece: str, after_token: bool) -> list[int]:
+        """`piece` (no template token in it) tokenized with special-token text read as text, as
+        the tokenizer reads a piece at the start of a text or, `after_token`, after a token."""
         if not piece:
             return []
         piece = self.restore(piece)
@@ -154,9 +158,23 @@ class SpecialText:
         # thread would read: its template tokens split into characters.
         with self._lock:
             if self._plain is None:
-                self._plain = copy.deepcopy(backend)
-                self._plain.encode_special_tokens = True
-        return list(self._plain.encode(piece, add_special_tokens=False).ids)
+                from tokenizers import AddedToken  # a fast tokenizer's own package (the [train] extra)
+
+                plain = copy.deepcopy(backend)
+                plain.encode_special_tokens = True
+                # Not special, so still matched: stands for the template's token before a piece. A
+                # piece tokenized alone would be read as a text's start (sentencepiece's Metaspace
+                # gives it a leading "▁" that the same piece after a token does not get).
+                plain.add_tokens([AddedToken(_AFTER_TOKEN, special=False, normalized=False)])
+                self._after_id = plain.token_to_id(_AFTER_TOKEN)
+                self._plain = plain
+        if not after_token:
+            return list(self._plain.encode(piece, add_special_tokens=False).ids)
+        if _AFTER_TOKEN in piece:
+            raise SpecialTextError(f"a message holds the character U+{ord(_AFTER_TOKEN):X}, which rlproxy reserves")
+        ids = list(self._plain.encode(_AFTER_TOKEN + piece, add_special_tokens=False).ids)
+        assert ids[0] == self._after_id
+        return ids[1:]
 
 
 def _strips(tokenizer: Any) -> dict[str, tuple[bool, bool]]:
