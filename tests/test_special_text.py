@@ -13,6 +13,8 @@ import openai
 import pytest
 
 from gateway.app import create_app
+from gateway.engines.local.request import parse_request, render_prompt
+from gateway.errors import InvalidRequest
 from gateway.models.special_text import SpecialText
 from gateway.models.templates import hermes_template, load_tokenizer
 from gateway.settings import Settings
@@ -162,3 +164,16 @@ def test_a_sentencepiece_tokenizer_reads_the_text_after_a_template_token_as_it_w
         *tokenizer.convert_ids_to_tokens(tokenizer.encode(whole, add_special_tokens=False)),
         *["<s>", "hi", "▁<s>", "</s>"],
     ]
+
+
+def test_a_chat_holding_both_such_a_text_and_a_reserved_character_is_refused(smollm2):
+    # The placeholders are private-use characters: one in the chat itself would read as a special token's text.
+    held = [*CHAT, {"role": "assistant", "content": "\U000f0001 and \U0010fffd"}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(InvalidRequest, match="private-use characters rlproxy reserves") as refused:
+        render_prompt(SpecialText(smollm2), parse_request({"model": "agent", "messages": held}))
+    assert refused.value.param == "messages"
+    # without a special token's text, they are text like any other
+    plain = [CHAT[0], *held[2:]]
+    ids = render_prompt(SpecialText(smollm2), parse_request({"model": "agent", "messages": plain}))
+    text = smollm2.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    assert ids == smollm2.encode(text, add_special_tokens=False)

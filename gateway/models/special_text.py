@@ -23,15 +23,17 @@ from typing import Any, NamedTuple
 
 _FIRST_PLACEHOLDER = 0xF0000
 """Placeholders are characters of the Supplementary Private Use Area-A, one per special token:
-no text means anything by them. One a string holds itself is caught (`render` checks the round trip)."""
+no text means anything by them. A chat holding special-token text and one of them is refused."""
 _PLACEHOLDERS = 0xFFFE
 _AFTER_TOKEN = "\U0010fffd"
 """The last private-use character, standing for a template's token before a piece (`SpecialText._plain_ids`)."""
+_RESERVED = re.compile(f"[{chr(_FIRST_PLACEHOLDER)}-{chr(_FIRST_PLACEHOLDER + _PLACEHOLDERS - 1)}{_AFTER_TOKEN}]")
 
 
 class SpecialTextError(ValueError):
-    """The template does not copy a string that holds a special token's text as it is (it
-    escapes or rewrites it), so that text's place in the rendered chat is unknown."""
+    """A chat holding a special token's text that cannot be tokenized with it read as text: the
+    template rewrites (cuts) that text, so that its place in the rendered chat is unknown, or the
+    chat holds a private-use character this module reserves."""
 
 
 def special_token_texts(tokenizer: Any) -> list[str]:
@@ -90,6 +92,11 @@ class SpecialText:
         render = self.tokenizer.apply_chat_template
         if not self.holds([messages, kwargs.get("tools")]):
             return Rendered(str(render(messages, tokenize=False, **kwargs)), False)
+        if any(_RESERVED.search(s) for s in _strings([messages, kwargs.get("tools")])):
+            raise SpecialTextError(
+                "a message holding a special token's text also holds a character of U+F0000-U+FFFFD or U+10FFFD, "
+                "private-use characters rlproxy reserves to tell that text from the template's tokens"
+            )
         tools = kwargs.get("tools")
         shielded = {**kwargs, "tools": self._shield(tools)} if tools else kwargs
         text = str(render(self._shield(messages), tokenize=False, **shielded))
@@ -170,8 +177,6 @@ class SpecialText:
                 self._plain = plain
         if not after_token:
             return list(self._plain.encode(piece, add_special_tokens=False).ids)
-        if _AFTER_TOKEN in piece:
-            raise SpecialTextError(f"a message holds the character U+{ord(_AFTER_TOKEN):X}, which rlproxy reserves")
         ids = list(self._plain.encode(_AFTER_TOKEN + piece, add_special_tokens=False).ids)
         assert ids[0] == self._after_id
         return ids[1:]
