@@ -14,8 +14,9 @@ control token, a turn ended mid-reply, a fake turn in the prompt.
 A call that cannot be rendered faithfully is not trained (`ChatTemplateRenderer.turn` says why,
 the trainer's log repeats it): a content part the template drops (an image, audio, a file: the
 reply would train as the answer to a question without it), a special token's text in a string
-the template rewrites (cuts: its place is unknown; one escaped is rendered as escaped), a template that refuses the
-conversation (one that allows no system message), or one that is not prefix-stable.
+the template rewrites (cuts: its place is unknown; one escaped is rendered as escaped), a
+template that refuses the conversation (one that allows no system message), or one that is not
+prefix-stable.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 NO_REPLY = "the response has no assistant message"
 DROPPED_PARTS = "a message has content parts the chat template drops ({kinds}); only text is trained"
 SPECIAL_TEXT = (
-    "a message's text holds '{token}', a special token of the tokenizer, and the chat template rewrites "
-    "it: its text cannot be told from the template's own tokens"
+    "a message's text holds '{token}', a special token of the tokenizer, that cannot be told from the "
+    "template's own tokens (the chat template rewrites it, or a message holds a private-use character "
+    "rlproxy reserves)"
 )
 TEMPLATE_REFUSED = "the chat template refused the conversation: {error}"
 NOT_PREFIX_STABLE = "the chat template is not prefix-stable for one of its calls"
