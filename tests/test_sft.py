@@ -132,9 +132,19 @@ def test_a_session_the_template_refuses_or_with_a_special_tokens_text_is_skipped
     )
     found = session_samples("sys", TOOL_SESSION, ChatTemplateRenderer(strict))
     assert found.samples == () and found.skipped == TEMPLATE_REFUSED.format(error="System role not supported")
-    # A teacher's reply that writes "<|im_end|>" as text would train the student's end of turn mid-reply.
+    # A teacher's reply that writes "<|im_end|>" as text trains as that text, not as the student's
+    # end of turn mid-reply (gateway.models.special_text)...
     echo = {"role": "assistant", "content": "Qwen ends a turn with <|im_end|> and goes on."}
     found = session_samples("echo", [teacher_call(1, [SYSTEM, USER], echo)], ChatTemplateRenderer(tokenizer))
+    (sample,) = found.samples
+    trained = [t for t, m in zip(sample.token_ids, sample.loss_mask, strict=True) if m]
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert trained.count(eot) == 1 and trained[-1] == eot
+    assert trained_text(tokenizer, sample) == ["Qwen ends a turn with <|im_end|> and goes on.<|im_end|>"]
+    # ...and where the template cuts such a text, its place is unknown: the session is skipped
+    cutting = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    cutting.chat_template = tokenizer.chat_template.replace("message.content or ''", "(message.content or '')[:34]")
+    found = session_samples("cut", [teacher_call(1, [SYSTEM, USER], echo)], ChatTemplateRenderer(cutting))
     assert found.samples == () and found.skipped == SPECIAL_TEXT.format(token="<|im_end|>")
 
 

@@ -6,13 +6,17 @@ completion is what rendering the response's assistant message appends to it, up 
 including the end-of-turn token the model would have sampled. No behaviour logprobs: the
 upstream's policy is unknown.
 
+The text of one of the tokenizer's special tokens inside a message (a user's or a reply's
+literal "<|im_end|>") is tokenized as text, as the local engine serves it
+(`gateway.models.special_text`): encoded as the template's own text is, it would become the
+control token, a turn ended mid-reply, a fake turn in the prompt.
+
 A call that cannot be rendered faithfully is not trained (`ChatTemplateRenderer.turn` says why,
 the trainer's log repeats it): a content part the template drops (an image, audio, a file: the
-reply would train as the answer to a question without it), the text of one of the tokenizer's
-special tokens in a message (encoded as the template's text is, a user's or a reply's literal
-"<|im_end|>" would become the control token: a turn ended mid-reply, a fake turn in the
-prompt), a template that refuses the conversation (one that allows no system message), or one
-that is not prefix-stable.
+reply would train as the answer to a question without it), a special token's text in a string
+the template rewrites (cuts: its place is unknown; one escaped is rendered as escaped), a
+template that refuses the conversation (one that allows no system message), or one that is not
+prefix-stable.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from gateway.models.special_text import SpecialText, SpecialTextError
 from trainer.data import Turn
 
 log = logging.getLogger("rlproxy.trainer")
@@ -36,8 +40,9 @@ _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 NO_REPLY = "the response has no assistant message"
 DROPPED_PARTS = "a message has content parts the chat template drops ({kinds}); only text is trained"
 SPECIAL_TEXT = (
-    "a message's text holds '{token}', a special token of the tokenizer: rendered, it would be that "
-    "token, not the text the model read or wrote"
+    "a message's text holds '{token}', a special token of the tokenizer, that cannot be told from the "
+    "template's own tokens (the chat template rewrites it, or a message holds a private-use character "
+    "rlproxy reserves)"
 )
 TEMPLATE_REFUSED = "the chat template refused the conversation: {error}"
 NOT_PREFIX_STABLE = "the chat template is not prefix-stable for one of its calls"
@@ -57,31 +62,6 @@ def dropped_parts(messages: Sequence[dict]) -> set[str]:
                 str(part.get("type")) for part in content if isinstance(part, dict) and part.get("type") not in _WORDS
             }
     return kinds
-
-
-def _strings(value: Any) -> Iterator[str]:
-    """Every string inside a JSON value (texts, tool-call arguments, tool descriptions)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _strings(item)
-
-
-def special_tokens_pattern(tokenizer: Any) -> re.Pattern[str] | None:
-    """The texts of the tokenizer's special tokens (those it reads as one control token wherever
-    they occur in a text), longest first; None if it has none. Added tokens that are not special
-    (Qwen's <tool_call> tags) are words of the template's formats, left alone."""
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    texts = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    texts |= {token.content for token in added.values() if getattr(token, "special", False)}
-    texts = {t for t in texts if t}
-    if not texts:
-        return None
-    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
 
 
 def _plain_message(message: dict) -> dict:
@@ -150,10 +130,7 @@ class ChatTemplateRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.end_of_turn = turn_terminator(tokenizer)
-        self.special = special_tokens_pattern(tokenizer)
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        self.chat = SpecialText(tokenizer)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens included (a tool call's tags are often special)."""
@@ -175,12 +152,14 @@ class ChatTemplateRenderer:
         dropped = dropped_parts([*request.get("messages", []), choices[0]["message"]])
         if dropped:
             return DROPPED_PARTS.format(kinds=", ".join(sorted(dropped)))
-        if self.special is not None:
-            for text in _strings([request.get("messages"), request.get("tools"), choices[0]["message"]]):
-                if found := self.special.search(text):
-                    return SPECIAL_TEXT.format(token=found.group())
         try:
             return self._turn(request, choices[0])
+        except SpecialTextError:
+            strings = json.dumps(
+                [request.get("messages"), request.get("tools"), choices[0]["message"]], ensure_ascii=False
+            )
+            found = self.chat.pattern.search(strings) if self.chat.pattern else None
+            return SPECIAL_TEXT.format(token=found.group() if found else "?")
         except Exception as error:  # jinja's errors, and templates raise exceptions by design
             return TEMPLATE_REFUSED.format(error=error)
 
@@ -188,22 +167,22 @@ class ChatTemplateRenderer:
         messages = [_plain_message(m) for m in request.get("messages", [])]
         reply = {**_plain_message(choice["message"]), "role": "assistant"}
         tools = request.get("tools") or None
-        render = self.tokenizer.apply_chat_template
+        render = self.chat.render  # a special token's text in a string: rendered to be tokenized as text
         if request.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
             # A prefill (vLLM's flag): the reply continued the last assistant message's text.
-            prompt_text = render(messages, tools=tools, continue_final_message=True, tokenize=False)
+            prompt = render(messages, tools=tools, continue_final_message=True)
             prefill = messages.pop()
             reply = {**reply, "content": (prefill.get("content") or "") + (reply.get("content") or "")}
         else:
-            prompt_text = render(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        full_text = render([*messages, reply], tools=tools, tokenize=False)
-        if not full_text.startswith(prompt_text):
+            prompt = render(messages, tools=tools, add_generation_prompt=True)
+        full = render([*messages, reply], tools=tools)
+        if not full.text.startswith(prompt.text):
             return NOT_PREFIX_STABLE
-        completion_text = full_text[len(prompt_text) :]
+        completion_text = full.text[len(prompt.text) :]
         if self.end_of_turn and self.end_of_turn in completion_text:
             end = completion_text.rindex(self.end_of_turn)
             # A reply cut by max_tokens never sampled the end-of-turn token.
             finished = choice.get("finish_reason") != "length"
             completion_text = completion_text[: end + len(self.end_of_turn) if finished else end]
-        completion_ids = self._encode(completion_text)
-        return Turn(tuple(self._encode(prompt_text)), tuple(completion_ids), (NAN,) * len(completion_ids))
+        completion_ids = self.chat.encode(completion_text, full.shielded)
+        return Turn(tuple(self.chat.encode(*prompt)), tuple(completion_ids), (NAN,) * len(completion_ids))

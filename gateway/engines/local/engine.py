@@ -47,6 +47,7 @@ from gateway.engines.local.response import (
 )
 from gateway.engines.local.worker import Worker
 from gateway.errors import ConfigError, Conflict, EngineUnavailable, InvalidRequest, NotFound, RLProxyError
+from gateway.models.special_text import SpecialText
 from gateway.protocols.chat import ChatCompletionRequest
 from gateway.protocols.toolcalls import ToolCallStream
 
@@ -85,6 +86,7 @@ class LocalEngine(Engine):
         self.chat_template = chat_template  # --chat-template: a Jinja file, 'original', None for the model's own
         self.loaded: LocalModel | None = None  # the model, its tokenizer and adapters, once started
         self.tokenizer = None
+        self._chat: SpecialText | None = None  # renders and tokenizes prompts with the tokenizer
         self._unloading: set[str] = set()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # Job | Control | None (stop), for the worker
         self._thread: threading.Thread | None = None
@@ -118,6 +120,7 @@ class LocalEngine(Engine):
         except Exception as error:  # a missing directory, an unknown model id offline, a bad config...
             raise ConfigError(f"cannot load the model '{self.model_path}': {error}") from error
         self.loaded, self.tokenizer, self._context = loaded, loaded.tokenizer, loaded.context
+        self._chat = SpecialText(loaded.tokenizer)
         self._logprobs = LogprobEntries(loaded.tokenizer)
         self.worker = Worker(loaded, self.inbox, self.max_batch_size)  # read by tests (its counters)
         self._thread = threading.Thread(target=self.worker.run, name="rlproxy-local-engine", daemon=True)
@@ -280,7 +283,8 @@ class LocalEngine(Engine):
     async def _render(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's ids: the chat template over messages (+ tools), tokenised on a thread, beside
         the event loop: megabytes of prompt take seconds (the tokenizer lets go of the GIL)."""
-        return await asyncio.to_thread(render_prompt, self.tokenizer, req)
+        assert self._chat is not None  # set when the model is loaded, before any request
+        return await asyncio.to_thread(render_prompt, self._chat, req)
 
     def health(self) -> str | None:
         if self._thread is None:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from gateway.engines.local.jobs import Sampling
 from gateway.errors import InvalidRequest
+from gateway.models.special_text import SpecialText, SpecialTextError
 from gateway.protocols.chat import ChatCompletionRequest, EngineChatRequest
 
 
@@ -28,10 +29,12 @@ def parse_request(body: dict) -> ChatCompletionRequest:
         raise InvalidRequest(_validation_message(error)) from None
 
 
-def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
+def render_prompt(chat: SpecialText, req: ChatCompletionRequest) -> list[int]:
     """Prompt token ids: the chat template over messages (+ tools), with the generation prompt,
     or, with vLLM's `continue_final_message` (an Anthropic prefill), ending inside the last
-    assistant message so the completion continues it."""
+    assistant message so the completion continues it. A special token's text inside a message
+    is read as text, never as the template's token (`gateway.models.special_text`): a user's
+    "<|im_end|>\n<|im_start|>system" forges no system turn."""
     _check_text_only(req)
     messages = [_template_message(m) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -44,16 +47,14 @@ def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
             param="continue_final_message",
         )
     try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=not continued,
-            continue_final_message=continued,
-            tokenize=False,
+        rendered = chat.render(
+            messages, tools=tools, add_generation_prompt=not continued, continue_final_message=continued
         )
+    except SpecialTextError as error:
+        raise InvalidRequest(f"{error}: take it out of the messages", param="messages") from None
     except Exception as error:  # jinja raises its own types, templates raise exceptions by design
         raise InvalidRequest(f"the model's chat template rejected these messages: {error}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return chat.encode(*rendered)
 
 
 def completion_room(req: ChatCompletionRequest, prompt_ids: list[int], context: int) -> tuple[int | None, int]:
