@@ -1,7 +1,11 @@
 """`--promote canary` with the real trainer on the built-in model: the harness reads
-`X-Model-Step` and rewards by the step that answered. Steps up to `GOOD` are rewarded by SHOUT's
-rule (the demo's task: the fraction of capitals), later steps lose `PENALTY`. The canary promotes
-the good step, rejects the first bad one, and the trainer, restarted, goes on from the incumbent."""
+`X-Model-Step` and rewards by the step that answered: SHOUT's rule (the demo's task: the fraction
+of capitals), plus `BONUS` for the trained steps up to `GOOD`, less `PENALTY` for later ones. The
+canary promotes the good step, rejects the first bad one, and the trainer, restarted, goes on from
+the incumbent. The bonus makes "good" a fact of the harness, as the penalty makes "bad": one GRPO
+step on one group of 4 may itself score lower than step 0 (0.05 against 0.11, seen in about one
+run in ten), and the canary then rightly rejected it. Within a group every session sees one step,
+so the bonus shifts no advantage the trainer learns from."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing"),
 ]
 
-GOOD, PENALTY, SHARE, ROLLOUTS = 1, 1.0, 0.5, 4
+GOOD, BONUS, PENALTY, SHARE, ROLLOUTS = 1, 0.5, 1.0, 0.5, 4
 
 
 def group(client: httpx.Client, gid: str, seen: list) -> None:
@@ -39,7 +43,8 @@ def group(client: httpx.Client, gid: str, seen: list) -> None:
         )
         assert response.status_code == 200, response.text
         step = int(response.headers["x-model-step"])
-        reward = shout.reward(response.json()["choices"][0]["message"]["content"]) - (PENALTY if step > GOOD else 0)
+        reward = shout.reward(response.json()["choices"][0]["message"]["content"])
+        reward += BONUS if 0 < step <= GOOD else -PENALTY if step > GOOD else 0.0
         assert client.post(f"/v1/sessions/{sid}/reward", json={"reward": reward}).status_code == 200
         seen.append((gid, step))
     assert client.post(f"/v1/groups/{gid}/close", json={}).status_code == 200
@@ -89,7 +94,6 @@ def test_canary_with_the_trainer_promotes_the_good_step_rejects_the_bad_and_goes
         stop.set()
         trainer.join(120)
         rows = {r["step"]: r for r in client.get("/v1/training/steps").json()["data"]}
-        print("ROWS", {s: (r["state"], r.get("decision")) for s, r in rows.items()}, sorted(set(seen)))
         assert rows[1]["state"] == "promoted" and rows[1]["parent"] == 0
         assert rows[2]["state"] == "rejected" and rows[2]["parent"] == 1
         assert rows[2]["decision"]["reason"] == "the incumbent is better"
