@@ -15,7 +15,9 @@ get Conflict and follow the store.
 
 Watching: a step the canary promoted stays watched for `--watch-sessions` sessions; a
 significant drop against the step it replaced (its sessions during the canary; the same
-rule's reject test) rolls it back, recorded like any decision.
+rule's reject test) rolls it back, recorded like any decision. Where the step it replaced has no
+checkpoint left (`--keep-checkpoints`: a second rollback in a row), the store refuses the rollback
+and the watched step keeps serving: a warning and /healthz (`rollback_refused`) say why.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlproxy.promotion")
 
+# A decision the store refuses because the step that would serve has no checkpoint left
+# (`gateway.store.steps`): not a race another gateway won, and trying again changes nothing.
+UNSERVABLE = ("checkpoint_removed", "nothing_to_roll_back_to")
 PINNED_KEYS = 100_000  # sessions (and groups) remembered with their step, oldest forgotten first
 
 
@@ -73,6 +78,7 @@ class Canary:
         self._pinned: OrderedDict[str, int | None] = OrderedDict()  # key -> the step its first call saw
         self._task: asyncio.Task | None = None
         self.progress: dict | None = None  # the undecided candidate's last look, for /healthz (`canary`)
+        self.refused: dict | None = None  # the last decision the store refused as unservable, for /healthz
 
     def route(self, key: str, target: Target) -> Target:
         """NAME's target for the request keyed `key`: the step its first call saw while that step is
@@ -239,8 +245,13 @@ class Canary:
             record["candidate_since"] = row["created_at"]
         try:
             await asyncio.to_thread(self.store.decide_step, self.name, step, to_state, record)
-        except Conflict:
-            log.info("step %d of %s was decided by another gateway or the API meanwhile", step, self.name)
+        except Conflict as exc:
+            if exc.code not in UNSERVABLE:
+                log.info("step %d of %s was decided by another gateway or the API meanwhile", step, self.name)
+            else:  # the step that would serve cannot load (--keep-checkpoints removed it): serving stays as it is
+                self._watched.add(step)  # a watch's verdict would not change: said once, not every look
+                self.refused = {"step": step, "decision": to_state, "reason": f"{reason}, but {exc.message}"}
+                log.warning("the canary did not record step %d of %s as %s: %s", step, self.name, to_state, exc.message)
         else:
             self.decisions[to_state] += 1
             log.info("step %d of %s %s by the canary: %s (%s)", step, self.name, to_state, reason, json.dumps(record))

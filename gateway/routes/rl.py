@@ -139,6 +139,8 @@ async def healthz(request: Request) -> Response:
             canary = services.registry.canary
             if canary is not None and canary.progress is not None and canary.progress["step"] == body["candidate_step"]:
                 body["canary"] = canary.progress  # its sessions so far (HTTP rewards only), the next look
+            if canary is not None and canary.refused is not None and canary.refused["step"] == body["serving_step"]:
+                body["rollback_refused"] = canary.refused  # its watch found a drop, but what it replaced is gone
         except StoreUnavailable:  # noted in store.health: the answer below is `degraded` with the cause
             pass
     if services.registry.policy_mismatch is not None:  # the trainer records steps under another --promote

@@ -7,8 +7,10 @@ from __future__ import annotations
 import shutil
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from gateway.store import files as store_files
+from gateway.store.steps import has_adapter
 
 
 class PostgresStepFiles:
@@ -20,6 +22,13 @@ class PostgresStepFiles:
 
     def stored_steps(self, model: str) -> set[int]:
         return {row["step"] for row in self._query("SELECT DISTINCT step FROM step_files WHERE model = ?", (model,))}
+
+    def _checkpoint_kept(self, conn: Any, model: str, step: int, path: str) -> bool:
+        """As `StepRows._checkpoint_kept`, in the database first: a gateway on another machine than the
+        trainer loads a step from its file list, which `--keep-checkpoints` drops (a step recorded
+        without files, by an older rlproxy, loads from its path)."""
+        listed = conn.execute("SELECT 1 FROM step_files WHERE model = ? AND step = ? LIMIT 1", (model, step))
+        return listed.fetchone() is not None or has_adapter(path)
 
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
         """A local directory holding step `step`'s files, verified: the files in the store are

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,57 @@ def serving(conn: Any, model: str) -> int | None:
     return None if row is None else row[0]
 
 
-def decide(conn: Any, model: str, step: int, to_state: str, decision: dict) -> dict:
+def has_adapter(path: str) -> bool:
+    """Whether a step's recorded path still holds its adapter (`--keep-checkpoints` removes old ones)."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+# Whether step N's checkpoint can still be loaded, asked inside a decision's transaction: the
+# recorded path (SQLite, whose trainer shares this machine) or the store's own files (PostgreSQL).
+Kept = Callable[[Any, str, int, str], bool]
+
+
+def _refuse_unloadable(conn: Any, model: str, step: int, to_state: str, parent: int | None, kept: Kept) -> None:
+    """A decision that would make NAME serve a step nothing can load is refused (409) before it lands:
+    else the store names a serving step every gateway fails to load, and each goes on serving the step
+    just rolled back (or the incumbent of a promotion) while /healthz says ok."""
+    if to_state == "rejected":
+        return  # the serving step stays
+    serves = step if to_state == "promoted" else parent
+    row = None
+    if serves is not None:
+        row = conn.execute("SELECT state, path FROM steps WHERE model = ? AND step = ?", (model, serves)).fetchone()
+    if to_state == "rolled_back" and (row is None or row[0] != "superseded"):
+        why = f"step {serves}, which it replaced, is {row[0]}" if row is not None else "it replaced no step"
+        raise Conflict(
+            f"step {step} of '{model}' cannot be rolled back: {why}, so no step would serve; step {step} keeps serving",
+            param="step",
+            code="nothing_to_roll_back_to",
+        )
+    if row is None or kept(conn, model, serves, row[1]):
+        return
+    if to_state == "promoted":
+        message = f"step {step} of '{model}' cannot be promoted: its checkpoint is gone from {row[1]}"
+        keeps = "the incumbent keeps serving"
+    else:
+        message = (
+            f"step {step} of '{model}' cannot be rolled back: step {serves}, which it replaced and which would "
+            "serve again, has no checkpoint any more (--keep-checkpoints removes old ones)"
+        )
+        keeps = f"step {step} keeps serving"
+    raise Conflict(f"{message}, so no gateway could load it; {keeps}", param="step", code="checkpoint_removed")
+
+
+def decide(conn: Any, model: str, step: int, to_state: str, decision: dict, kept: Kept) -> dict:
     """Move step `step` to `to_state` if it is still where that decision starts from; the
     serving step's neighbours follow (a promotion supersedes the incumbent; a rollback puts
-    back the step it replaced). Conflict when another decision came first."""
+    back the step it replaced). Conflict when another decision came first, or when the step
+    that would serve has no checkpoint left (`kept`)."""
     found = conn.execute("SELECT state, parent FROM steps WHERE model = ? AND step = ?", (model, step)).fetchone()
     if found is None:
         raise NotFound(f"model '{model}' has no step {step}", param="step")
+    if found[0] in _FROM[to_state]:  # else the conditional UPDATE below says it was decided already
+        _refuse_unloadable(conn, model, step, to_state, found[1], kept)
     now = time.time()
     record = {**decision, "at": now, "from": found[0]}
     cursor = conn.execute(
@@ -169,7 +214,12 @@ class StepRows:
         """Promote, reject or roll back step `step`, once (Conflict if decided meanwhile)."""
         if to_state not in _FROM:
             raise ValueError(f"no decision moves a step to {to_state!r}")
-        return self._run_sync(lambda conn: decide(conn, model, step, to_state, decision))
+        return self._run_sync(lambda conn: decide(conn, model, step, to_state, decision, self._checkpoint_kept))
+
+    def _checkpoint_kept(self, conn: Any, model: str, step: int, path: str) -> bool:
+        """Whether step `step`'s checkpoint can still be loaded (in `decide`'s transaction): its
+        adapter at the recorded path, on this machine (the trainer's disk, beside SQLite's file)."""
+        return has_adapter(path)
 
     def rejections_in_a_row(self, model: str) -> int:
         """Steps turned down since the last one promoted (or the last resume)."""
