@@ -127,3 +127,20 @@ def test_the_canary_watch_keeps_serving_a_step_whose_predecessor_is_gone_and_say
         assert health["status"] == "ok" and health["serving_step"] == 1
         assert [session(client, f"after-{i}", drops_once_promoted) for i in range(3)] == [["1", "1"]] * 3
     assert "the canary did not record step 1 of agent as rolled_back" in caplog.text
+
+
+def test_a_rollback_with_no_step_to_serve_again_is_refused_on_either_backend(either_backend, tmp_path):
+    """Step 0 replaced no step: rolling it back would leave no promoted step, and every gateway
+    would go on serving the step rolled back while /healthz said none serves. Refused, as above."""
+    store = either_backend
+    path = tmp_path / "0000"
+    path.mkdir()
+    (path / "adapter_config.json").write_text("{}")
+    store.insert_step("agent", 0, str(path), {}, [])
+    with pytest.raises(Conflict) as refused:
+        store.decide_step("agent", 0, "rolled_back", {"by": "api"})
+    assert refused.value.code == "nothing_to_roll_back_to"
+    assert refused.value.message == (
+        "step 0 of 'agent' cannot be rolled back: it replaced no step, so no step would serve; step 0 keeps serving"
+    )
+    assert store.serving_step("agent") == 0
