@@ -144,3 +144,20 @@ def test_a_rollback_with_no_step_to_serve_again_is_refused_on_either_backend(eit
         "step 0 of 'agent' cannot be rolled back: it replaced no step, so no step would serve; step 0 keeps serving"
     )
     assert store.serving_step("agent") == 0
+
+
+def test_healthz_says_when_the_serving_step_does_not_load(tmp_path):
+    """The serving step's files removed by hand: NAME goes on answering with the step it has, and
+    /healthz says why that is not the store's serving step rather than a bare `ok`."""
+    settings = canary_settings(tmp_path, promote="manual")
+    publisher = Publisher(settings)
+    publisher.publish(0, state="promoted")
+    publisher.publish(1, state="promoted")
+    shutil.rmtree(settings.checkpoints_dir() / "0001")
+    with ThreadServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        health = client.get("/healthz").json()
+        assert health["step"] == 0 and health["serving_step"] == 1
+        error = health["serving_load_error"]
+        assert error.startswith("step 1 does not load (NotFound: no PEFT adapter at ") and "is missing" in error
+        assert error.endswith("; 'agent' answers with step 0 meanwhile, retrying every poll")
+        assert session(client, "s", lambda step: 1.0) == ["0", "0"]

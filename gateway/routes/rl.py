@@ -133,6 +133,13 @@ async def healthz(request: Request) -> Response:
     if services.settings.promote != "always":  # the promotion's state: serving, undecided, paused
         try:
             body.update(await asyncio.to_thread(promotion_state, store, services.settings))
+            serving = body["serving_step"]
+            failed = services.registry.load_errors.get(serving)
+            if failed is not None and serving != services.registry.current:  # its files gone by hand, say
+                body["serving_load_error"] = (  # else a bare `ok` hid that NAME is not the store's serving step
+                    f"step {serving} does not load ({failed}); '{services.settings.model_name}' answers with step "
+                    f"{services.registry.current} meanwhile, retrying every poll"
+                )
             failed = services.registry.load_errors.get(body["candidate_step"])
             if failed is not None:  # the candidate's share stays on the incumbent; --canary-max-wait rejects it
                 body["candidate_load_error"] = failed
