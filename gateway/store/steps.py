@@ -74,7 +74,7 @@ def _refuse_unloadable(conn: Any, model: str, step: int, to_state: str, parent: 
             param="step",
             code="nothing_to_roll_back_to",
         )
-    if row is None or kept(conn, model, serves, row[1]):
+    if row is None or serves is None or kept(conn, model, serves, row[1]):
         return
     if to_state == "promoted":
         message = f"step {step} of '{model}' cannot be promoted: its checkpoint is gone from {row[1]}"
