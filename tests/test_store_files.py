@@ -176,10 +176,10 @@ def test_an_export_of_a_step_pruned_from_the_store_names_the_steps_it_keeps(post
     store.close_sync()
     elsewhere = Settings(state_dir=tmp_path / "elsewhere", store=postgres_db)
     with pytest.raises(NotFound, match=r"nor in the store \(--keep-checkpoints .*steps with a checkpoint: 2, 3$"):
-        find_checkpoint(elsewhere, "agent", 1)
+        find_checkpoint(elsewhere, "agent", 1, tmp_path / "fetched")
     with pytest.raises(NotFound, match=r"no checkpoint for step 7 .*\(steps with one: 2, 3\)$"):
-        find_checkpoint(elsewhere, "agent", 7)
-    assert find_checkpoint(elsewhere, "agent", 3).step == 3
+        find_checkpoint(elsewhere, "agent", 7, tmp_path / "fetched")
+    assert find_checkpoint(elsewhere, "agent", 3, tmp_path / "fetched").step == 3
 
 
 def test_a_prune_waits_for_a_step_being_recorded_and_keeps_the_blob_it_lists(postgres_db, tmp_path):
@@ -221,3 +221,28 @@ def test_a_prune_waits_for_a_step_being_recorded_and_keeps_the_blob_it_lists(pos
     restored = trainer_b.restore_checkpoint("a", 1, tmp_path / "restored")
     assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == weights
     trainer_b.close_sync()
+
+
+def test_init_from_a_step_in_the_store_leaves_no_copy_of_it_behind(postgres_db, tmp_path):
+    """`rlproxy serve --init-from sft@4 --store postgresql://...` on a machine without sft's
+    checkpoints: the step is fetched to check it and to seed step 0, then goes; a copy under
+    STATE/models/sft/store/ stayed there for good (no replica of 'sft' runs here to remove it)."""
+    import json
+
+    from gateway.settings import Settings
+    from gateway.trainer_process import check_init_from
+    from trainer import checkpoints as ckpts
+    from trainer.resume import init_source
+
+    here = Settings(state_dir=tmp_path / "new-node", store=postgres_db, model_name="rl", init_from="sft@4")
+    store = PostgresStore(postgres_db)
+    ckpt = _checkpoint(tmp_path / "sft-node" / "checkpoints" / "0004", b"sft weights" * 100, step=4)
+    (ckpt / "settings.json").write_text(json.dumps(here.public_dict()))
+    store.insert_step("sft", 4, str(ckpt), {}, [])
+    check_init_from(store, here)
+    with init_source(store, here) as source:
+        assert ckpts.is_complete(source)
+        assert (source / "adapter_model.safetensors").read_bytes() == b"sft weights" * 100
+    assert not source.exists()
+    assert not (here.models_dir / "sft").exists()
+    store.close_sync()
