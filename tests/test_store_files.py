@@ -2,6 +2,7 @@
 checksummed); a replica fetches them into its own models dir and refuses files that do not match."""
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_a_step_travels_through_the_store(postgres_db, tmp_path):
     models = tmp_path / "replica" / "models"
     local = replica.fetch_step_files("agent", 1, str(ckpt), models)
     assert local == str((models / "agent" / "store" / "0001").resolve())
-    for name in ("adapter_config.json", "adapter_model.safetensors", "trainer_state.json"):
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (ckpt / name).read_bytes() == (
             tmp_path / "replica" / "models" / "agent" / "store" / "0001" / name
         ).read_bytes()
@@ -33,6 +34,27 @@ def test_a_step_travels_through_the_store(postgres_db, tmp_path):
     trainer.insert_step("agent", 2, str(ckpt2), {}, [])
     digests = {d for _, d, _ in replica.step_files("agent", 1)} | {d for _, d, _ in replica.step_files("agent", 2)}
     assert replica._query("SELECT COUNT(*) AS n FROM blobs")[0]["n"] == len(digests) == 5
+    trainer.close_sync()
+    replica.close_sync()
+
+
+def test_a_replica_fetches_only_the_adapter_and_a_trainer_restores_everything(postgres_db, tmp_path):
+    """A replica fetches what its engine reads (the PEFT adapter), not the optimizer state (twice
+    the adapter's size) nor the trainer's files: it copied all of them for every step it served.
+    A trainer resuming on another machine still gets the whole checkpoint."""
+    trainer, replica = PostgresStore(postgres_db), PostgresStore(postgres_db)
+    ckpt = _checkpoint(tmp_path / "trainer" / "checkpoints" / "0001", b"weights" * 1000)
+    (ckpt / "optimizer.pt").write_bytes(b"adam moments" * 2000)
+    (ckpt / "settings.json").write_text("{}")
+    trainer.insert_step("agent", 1, str(ckpt), {}, [])
+    served = Path(replica.fetch_step_files("agent", 1, str(ckpt), tmp_path / "replica" / "models"))
+    assert sorted(p.name for p in served.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert (served / "adapter_model.safetensors").read_bytes() == b"weights" * 1000
+    (served / "adapter_model.safetensors").write_bytes(b"gone bad on disk")  # still checked against the store
+    replica.fetch_step_files("agent", 1, str(ckpt), tmp_path / "replica" / "models")
+    assert (served / "adapter_model.safetensors").read_bytes() == b"weights" * 1000
+    restored = replica.restore_checkpoint("agent", 1, tmp_path / "new-node" / "0001")
+    assert sorted(p.name for p in restored.iterdir()) == sorted(p.name for p in ckpt.iterdir())
     trainer.close_sync()
     replica.close_sync()
 
@@ -109,7 +131,7 @@ def test_keep_checkpoints_bounds_the_blobs_in_the_store_too(postgres_db, tmp_pat
     models = tmp_path / "replica" / "models"
     for step in on_disk:  # a replica still loads every kept step, checked against its checksums
         local = replica.fetch_step_files("agent", step, str(root / f"{step:04d}"), models)
-        assert (tmp_path / "replica" / "models" / "agent" / "store" / f"{step:04d}" / "trainer_state.json").is_file()
+        assert (tmp_path / "replica" / "models" / "agent" / "store" / f"{step:04d}" / "adapter_config.json").is_file()
         assert local.endswith(f"{step:04d}")
     assert replica.restore_checkpoint("agent", 3, tmp_path / "restored") is None  # removed: none half fetched
     store.close_sync()
@@ -238,11 +260,13 @@ def test_init_from_a_step_in_the_store_leaves_no_copy_of_it_behind(postgres_db, 
     store = PostgresStore(postgres_db)
     ckpt = _checkpoint(tmp_path / "sft-node" / "checkpoints" / "0004", b"sft weights" * 100, step=4)
     (ckpt / "settings.json").write_text(json.dumps(here.public_dict()))
+    (ckpt / "optimizer.pt").write_bytes(b"adam moments")  # step 0 starts a fresh optimizer: not fetched
     store.insert_step("sft", 4, str(ckpt), {}, [])
     check_init_from(store, here)
     with init_source(store, here) as source:
         assert ckpts.is_complete(source)
         assert (source / "adapter_model.safetensors").read_bytes() == b"sft weights" * 100
+        assert not (source / "optimizer.pt").exists()
     assert not source.exists()
     assert not (here.models_dir / "sft").exists()
     store.close_sync()

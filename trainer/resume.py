@@ -197,7 +197,8 @@ def init_source(store: Store, settings: Settings) -> Iterator[Path]:
             f"--init-from {settings.init_from}: the store has no step {step} of '{name}' (steps: {known})"
         )
     with tempfile.TemporaryDirectory(prefix="rlproxy-init-from-") as scratch:
-        fetched = store.restore_checkpoint(name, step, ckpts.checkpoint_dir(Path(scratch), step))
+        into = ckpts.checkpoint_dir(Path(scratch), step)
+        fetched = store.restore_checkpoint(name, step, into, ckpts.read_without_optimizer)
         source = ckpts.Checkpoint(step, fetched or Path(rows[step]["path"]))
         if not ckpts.is_complete(source.path):
             raise ConfigError(

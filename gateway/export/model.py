@@ -90,7 +90,7 @@ def _fetched_from_store(settings: Settings, name: str, step: int, into: Path) ->
         return None
     store = open_store(settings.store)
     try:
-        fetched = store.restore_checkpoint(name, step, ckpts.checkpoint_dir(into, step))
+        fetched = store.restore_checkpoint(name, step, ckpts.checkpoint_dir(into, step), ckpts.read_without_optimizer)
     finally:
         close_store(store)
     return ckpts.Checkpoint(step, fetched) if fetched and ckpts.is_complete(fetched) else None

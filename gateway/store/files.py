@@ -3,7 +3,7 @@
 The trainer's `insert_step` (on PostgreSQL) first writes every file of the checkpoint
 directory as a blob keyed by its SHA-256 (`blobs`), then the step's file list (`step_files`)
 with the step row, in one transaction: once a replica sees a step, its files are there. A replica whose models
-dir lacks the step (the trainer is on another machine) fetches the files into
+dir lacks the step (the trainer is on another machine) fetches the adapter's files (`served`) into
 `MODELS_DIR/NAME/store/NNNN/`, checks every file's SHA-256 and size against the list, and
 only then hands the directory to the engine. No shared filesystem is needed.
 
@@ -43,6 +43,15 @@ def sha256_file(path: Path) -> str:
 def fetched_dir(models_dir: Path, model: str, step: int) -> Path:
     """Where a replica keeps the files of `model`'s step `step` it fetched from the store."""
     return Path(models_dir).resolve() / model / "store" / f"{int(step):04d}"
+
+
+def served(name: str) -> bool:
+    """Whether an engine reads the step file `name` to serve the step: the PEFT adapter, that is
+    `adapter_config.json` and its weights (`adapter_model.safetensors`, `.bin` from an older PEFT),
+    what the local engine's `PeftModel.from_pretrained` and vLLM's `load_lora_adapter` read. Not
+    the optimizer state (twice the adapter's size) nor the trainer's own files: a replica fetched
+    those for every step it served, and never read them."""
+    return name == "adapter_config.json" or name.startswith("adapter_model.")
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
