@@ -270,3 +270,51 @@ def test_init_from_a_step_in_the_store_leaves_no_copy_of_it_behind(postgres_db, 
     assert not source.exists()
     assert not (here.models_dir / "sft").exists()
     store.close_sync()
+
+
+def test_what_a_killed_fetch_left_goes_at_the_next_fetch_but_a_running_one_is_left_alone(postgres_db, tmp_path):
+    """A replica killed while it fetched a step left `store/.tmp-NNNN-...` with the files written so
+    far, and nothing ever removed it. The next fetch on that machine (a gateway's first at its
+    start too) removes it; a fetch still running in another process keeps its directory."""
+    import signal
+    import subprocess
+    import sys
+
+    trainer = PostgresStore(postgres_db)
+    for step in (1, 2):
+        checkpoint = _checkpoint(tmp_path / "trainer" / f"{step:04d}", bytes([step]) * 100)
+        trainer.insert_step("agent", step, str(checkpoint), {}, [])
+    models = tmp_path / "replica" / "models"
+    store_dir = models / "agent" / "store"
+    # Another replica process, stopped half-way through step 1's files (each read waits for ever).
+    fetching = f"""
+import sys, time
+from pathlib import Path
+from gateway.store import files
+from gateway.store.postgres import PostgresStore
+read = files.read_blob
+def slow(query, digest):
+    data = read(query, digest)
+    print("fetching", flush=True)
+    time.sleep(600)
+    return data
+files.read_blob = slow
+PostgresStore({postgres_db!r}).fetch_step_files("agent", 1, "/elsewhere", Path({str(models)!r}))
+"""
+    replica = PostgresStore(postgres_db)
+    other = subprocess.Popen([sys.executable, "-c", fetching], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "fetching\n"
+        in_flight = [p.name for p in store_dir.iterdir()]
+        assert len(in_flight) == 1 and in_flight[0].startswith(".tmp-0001-")
+        replica.fetch_step_files("agent", 2, "/elsewhere", models)
+        assert sorted(p.name for p in store_dir.iterdir()) == [in_flight[0], "0002"]  # running: kept
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+        replica.fetch_step_files("agent", 2, "/elsewhere", models)
+        assert sorted(p.name for p in store_dir.iterdir()) == ["0002"]  # its process gone: removed
+    finally:
+        other.kill()
+        other.wait()
+    trainer.close_sync()
+    replica.close_sync()

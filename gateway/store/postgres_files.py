@@ -25,8 +25,10 @@ class PostgresStepFiles:
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
         """A local directory holding step `step`'s adapter, verified: the files an engine reads
         (`store_files.served`) are fetched into `models_dir/MODEL/store/NNNN` (the trainer's own
-        path is on its machine). A step recorded without files (by an older rlproxy) keeps its path."""
+        path is on its machine). A step recorded without files (by an older rlproxy) keeps its path.
+        Run at every load, the gateway's first at its start included."""
         dest = store_files.fetched_dir(models_dir, model, step)
+        store_files.remove_abandoned_fetches(dest.parent)  # what fetches killed mid-way left there
         fetched = self.restore_checkpoint(model, step, dest, store_files.served)
         return raw_path if fetched is None else str(fetched)
 
