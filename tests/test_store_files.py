@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.store.files import StepFilesError, materialize
+from gateway.store.files import StepFilesError, materialize, remove_abandoned_fetches
 from gateway.store.postgres import PostgresStore
 
 
@@ -318,3 +318,23 @@ PostgresStore({postgres_db!r}).fetch_step_files("agent", 1, "/elsewhere", Path({
         other.wait()
     trainer.close_sync()
     replica.close_sync()
+
+
+def test_a_fetch_on_a_filesystem_that_locks_no_directories_still_completes(tmp_path, monkeypatch):
+    """NFS may refuse an flock on a directory opened to read: the fetch goes on unlocked (it looped
+    for ever making directories), and a sweep that cannot lock removes nothing."""
+    import errno
+    import fcntl
+
+    def refused(fd, operation):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    data = b"weights"
+    listing = [("adapter_model.safetensors", hashlib.sha256(data).hexdigest(), len(data))]
+    dest = tmp_path / "models" / "agent" / "store" / "0001"
+    assert materialize(lambda digest: data, listing, dest) == dest
+    assert (dest / "adapter_model.safetensors").read_bytes() == data
+    (dest.parent / ".tmp-0002-1").mkdir()  # someone's fetch, dead or alive: no lock can tell
+    remove_abandoned_fetches(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == [".tmp-0002-1", "0001"]

@@ -151,8 +151,9 @@ def _verified(directory: Path, listing: list[tuple[str, str, int]]) -> bool:
 
 
 def _locked(directory: Path, blocking: bool) -> int | None:
-    """An open descriptor of `directory` holding its exclusive `flock`, None where another holds it
-    (or the directory is gone). The lock goes when the descriptor is closed, by its process's exit too."""
+    """An open descriptor of `directory` holding its exclusive `flock`, None where another holds it,
+    the directory is gone, or its filesystem locks no directories (NFS may refuse one opened to read).
+    The lock goes when the descriptor is closed, by its process's exit too."""
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -181,13 +182,16 @@ def remove_abandoned_fetches(parent: Path) -> None:
                 os.close(fd)
 
 
-def _claim(dest: Path) -> tuple[Path, int]:
+def _claim(dest: Path) -> tuple[Path, int | None]:
     """A new temporary sibling of `dest` (`.tmp-NNNN-PID-XXXX`: unique, so no other fetch's), whose lock
     is held while the fetch runs (`remove_abandoned_fetches` leaves it alone). A sweep in another
-    process may lock it between the mkdir and the lock and remove it: then another is made."""
+    process may lock it between the mkdir and the lock and remove it: then another is made. Where
+    the filesystem locks no directories, none is held (and no sweep there can take one either)."""
     while True:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-{os.getpid()}-", dir=dest.parent))
         fd = _locked(tmp, blocking=True)
+        if fd is None and tmp.is_dir():
+            return tmp, None
         if fd is not None and tmp.is_dir() and os.stat(tmp).st_ino == os.fstat(fd).st_ino:
             return tmp, fd
         if fd is not None:
@@ -217,5 +221,6 @@ def materialize(read_blob: Callable[[str], bytes | None], listing: list[tuple[st
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
     return dest
