@@ -256,7 +256,8 @@ def check_init_from(store: Store, settings: Settings) -> None:
     from trainer.resume import init_source
 
     if latest_checkpoint(settings.checkpoints_dir()) is None:  # else the trainer resumes it instead
-        init_source(store, settings)
+        with init_source(store, settings):
+            pass  # checked: the trainer fetches it again when it seeds step 0
 
 
 def start_trainer(args: argparse.Namespace, settings: Settings, store: Store | None = None) -> TrainerChild | None:

@@ -2,10 +2,11 @@
 checksummed); a replica fetches them into its own models dir and refuses files that do not match."""
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
-from gateway.store.files import StepFilesError, materialize
+from gateway.store.files import StepFilesError, materialize, remove_abandoned_fetches
 from gateway.store.postgres import PostgresStore
 
 
@@ -24,7 +25,7 @@ def test_a_step_travels_through_the_store(postgres_db, tmp_path):
     models = tmp_path / "replica" / "models"
     local = replica.fetch_step_files("agent", 1, str(ckpt), models)
     assert local == str((models / "agent" / "store" / "0001").resolve())
-    for name in ("adapter_config.json", "adapter_model.safetensors", "trainer_state.json"):
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (ckpt / name).read_bytes() == (
             tmp_path / "replica" / "models" / "agent" / "store" / "0001" / name
         ).read_bytes()
@@ -33,6 +34,27 @@ def test_a_step_travels_through_the_store(postgres_db, tmp_path):
     trainer.insert_step("agent", 2, str(ckpt2), {}, [])
     digests = {d for _, d, _ in replica.step_files("agent", 1)} | {d for _, d, _ in replica.step_files("agent", 2)}
     assert replica._query("SELECT COUNT(*) AS n FROM blobs")[0]["n"] == len(digests) == 5
+    trainer.close_sync()
+    replica.close_sync()
+
+
+def test_a_replica_fetches_only_the_adapter_and_a_trainer_restores_everything(postgres_db, tmp_path):
+    """A replica fetches what its engine reads (the PEFT adapter), not the optimizer state (twice
+    the adapter's size) nor the trainer's files: it copied all of them for every step it served.
+    A trainer resuming on another machine still gets the whole checkpoint."""
+    trainer, replica = PostgresStore(postgres_db), PostgresStore(postgres_db)
+    ckpt = _checkpoint(tmp_path / "trainer" / "checkpoints" / "0001", b"weights" * 1000)
+    (ckpt / "optimizer.pt").write_bytes(b"adam moments" * 2000)
+    (ckpt / "settings.json").write_text("{}")
+    trainer.insert_step("agent", 1, str(ckpt), {}, [])
+    served = Path(replica.fetch_step_files("agent", 1, str(ckpt), tmp_path / "replica" / "models"))
+    assert sorted(p.name for p in served.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert (served / "adapter_model.safetensors").read_bytes() == b"weights" * 1000
+    (served / "adapter_model.safetensors").write_bytes(b"gone bad on disk")  # still checked against the store
+    replica.fetch_step_files("agent", 1, str(ckpt), tmp_path / "replica" / "models")
+    assert (served / "adapter_model.safetensors").read_bytes() == b"weights" * 1000
+    restored = replica.restore_checkpoint("agent", 1, tmp_path / "new-node" / "0001")
+    assert sorted(p.name for p in restored.iterdir()) == sorted(p.name for p in ckpt.iterdir())
     trainer.close_sync()
     replica.close_sync()
 
@@ -109,7 +131,7 @@ def test_keep_checkpoints_bounds_the_blobs_in_the_store_too(postgres_db, tmp_pat
     models = tmp_path / "replica" / "models"
     for step in on_disk:  # a replica still loads every kept step, checked against its checksums
         local = replica.fetch_step_files("agent", step, str(root / f"{step:04d}"), models)
-        assert (tmp_path / "replica" / "models" / "agent" / "store" / f"{step:04d}" / "trainer_state.json").is_file()
+        assert (tmp_path / "replica" / "models" / "agent" / "store" / f"{step:04d}" / "adapter_config.json").is_file()
         assert local.endswith(f"{step:04d}")
     assert replica.restore_checkpoint("agent", 3, tmp_path / "restored") is None  # removed: none half fetched
     store.close_sync()
@@ -176,10 +198,10 @@ def test_an_export_of_a_step_pruned_from_the_store_names_the_steps_it_keeps(post
     store.close_sync()
     elsewhere = Settings(state_dir=tmp_path / "elsewhere", store=postgres_db)
     with pytest.raises(NotFound, match=r"nor in the store \(--keep-checkpoints .*steps with a checkpoint: 2, 3$"):
-        find_checkpoint(elsewhere, "agent", 1)
+        find_checkpoint(elsewhere, "agent", 1, tmp_path / "fetched")
     with pytest.raises(NotFound, match=r"no checkpoint for step 7 .*\(steps with one: 2, 3\)$"):
-        find_checkpoint(elsewhere, "agent", 7)
-    assert find_checkpoint(elsewhere, "agent", 3).step == 3
+        find_checkpoint(elsewhere, "agent", 7, tmp_path / "fetched")
+    assert find_checkpoint(elsewhere, "agent", 3, tmp_path / "fetched").step == 3
 
 
 def test_a_prune_waits_for_a_step_being_recorded_and_keeps_the_blob_it_lists(postgres_db, tmp_path):
@@ -221,3 +243,98 @@ def test_a_prune_waits_for_a_step_being_recorded_and_keeps_the_blob_it_lists(pos
     restored = trainer_b.restore_checkpoint("a", 1, tmp_path / "restored")
     assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == weights
     trainer_b.close_sync()
+
+
+def test_init_from_a_step_in_the_store_leaves_no_copy_of_it_behind(postgres_db, tmp_path):
+    """`rlproxy serve --init-from sft@4 --store postgresql://...` on a machine without sft's
+    checkpoints: the step is fetched to check it and to seed step 0, then goes; a copy under
+    STATE/models/sft/store/ stayed there for good (no replica of 'sft' runs here to remove it)."""
+    import json
+
+    from gateway.settings import Settings
+    from gateway.trainer_process import check_init_from
+    from trainer import checkpoints as ckpts
+    from trainer.resume import init_source
+
+    here = Settings(state_dir=tmp_path / "new-node", store=postgres_db, model_name="rl", init_from="sft@4")
+    store = PostgresStore(postgres_db)
+    ckpt = _checkpoint(tmp_path / "sft-node" / "checkpoints" / "0004", b"sft weights" * 100, step=4)
+    (ckpt / "settings.json").write_text(json.dumps(here.public_dict()))
+    (ckpt / "optimizer.pt").write_bytes(b"adam moments")  # step 0 starts a fresh optimizer: not fetched
+    store.insert_step("sft", 4, str(ckpt), {}, [])
+    check_init_from(store, here)
+    with init_source(store, here) as source:
+        assert ckpts.is_complete(source)
+        assert (source / "adapter_model.safetensors").read_bytes() == b"sft weights" * 100
+        assert not (source / "optimizer.pt").exists()
+    assert not source.exists()
+    assert not (here.models_dir / "sft").exists()
+    store.close_sync()
+
+
+def test_what_a_killed_fetch_left_goes_at_the_next_fetch_but_a_running_one_is_left_alone(postgres_db, tmp_path):
+    """A replica killed while it fetched a step left `store/.tmp-NNNN-...` with the files written so
+    far, and nothing ever removed it. The next fetch on that machine (a gateway's first at its
+    start too) removes it; a fetch still running in another process keeps its directory."""
+    import signal
+    import subprocess
+    import sys
+
+    trainer = PostgresStore(postgres_db)
+    for step in (1, 2):
+        checkpoint = _checkpoint(tmp_path / "trainer" / f"{step:04d}", bytes([step]) * 100)
+        trainer.insert_step("agent", step, str(checkpoint), {}, [])
+    models = tmp_path / "replica" / "models"
+    store_dir = models / "agent" / "store"
+    # Another replica process, stopped half-way through step 1's files (each read waits for ever).
+    fetching = f"""
+import sys, time
+from pathlib import Path
+from gateway.store import files
+from gateway.store.postgres import PostgresStore
+read = files.read_blob
+def slow(query, digest):
+    data = read(query, digest)
+    print("fetching", flush=True)
+    time.sleep(600)
+    return data
+files.read_blob = slow
+PostgresStore({postgres_db!r}).fetch_step_files("agent", 1, "/elsewhere", Path({str(models)!r}))
+"""
+    replica = PostgresStore(postgres_db)
+    other = subprocess.Popen([sys.executable, "-c", fetching], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "fetching\n"
+        in_flight = [p.name for p in store_dir.iterdir()]
+        assert len(in_flight) == 1 and in_flight[0].startswith(".tmp-0001-")
+        replica.fetch_step_files("agent", 2, "/elsewhere", models)
+        assert sorted(p.name for p in store_dir.iterdir()) == [in_flight[0], "0002"]  # running: kept
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+        replica.fetch_step_files("agent", 2, "/elsewhere", models)
+        assert sorted(p.name for p in store_dir.iterdir()) == ["0002"]  # its process gone: removed
+    finally:
+        other.kill()
+        other.wait()
+    trainer.close_sync()
+    replica.close_sync()
+
+
+def test_a_fetch_on_a_filesystem_that_locks_no_directories_still_completes(tmp_path, monkeypatch):
+    """NFS may refuse an flock on a directory opened to read: the fetch goes on unlocked (it looped
+    for ever making directories), and a sweep that cannot lock removes nothing."""
+    import errno
+    import fcntl
+
+    def refused(fd, operation):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    data = b"weights"
+    listing = [("adapter_model.safetensors", hashlib.sha256(data).hexdigest(), len(data))]
+    dest = tmp_path / "models" / "agent" / "store" / "0001"
+    assert materialize(lambda digest: data, listing, dest) == dest
+    assert (dest / "adapter_model.safetensors").read_bytes() == data
+    (dest.parent / ".tmp-0002-1").mkdir()  # someone's fetch, dead or alive: no lock can tell
+    remove_abandoned_fetches(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == [".tmp-0002-1", "0001"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import StoreFull, StoreUnavailable
-from trainer.backends.base import ADAPTER_FILES
+from trainer.backends.base import ADAPTER_FILES, OPTIMIZER_FILE
 
 log = logging.getLogger("rlproxy.trainer")
 
@@ -64,6 +64,13 @@ def saved_objective(path: Path) -> str:
 
 def checkpoint_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{step:04d}"
+
+
+def read_without_optimizer(name: str) -> bool:
+    """A checkpoint file that a read of the step needs (`restore_checkpoint`'s `wanted`): every
+    one but the optimizer state, which only resuming that run reads (an export, an `--init-from`
+    seed with a fresh optimizer: twice the adapter's size fetched for nothing)."""
+    return name != OPTIMIZER_FILE
 
 
 def is_complete(path: Path) -> bool:

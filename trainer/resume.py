@@ -13,6 +13,9 @@ The weights themselves are the worker's: it hands in how to save and load them.
 from __future__ import annotations
 
 import logging
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -91,8 +94,8 @@ def resume(
             )
         metrics = {}
         if settings.init_from and seed is not None:
-            source = init_source(store, settings)
-            seed(source)
+            with init_source(store, settings) as source:
+                seed(source)
             metrics = {"init_from": settings.init_from}
         checkpoint = save(0, metrics=metrics, groups=[])
         if 0 not in recorded:
@@ -174,9 +177,12 @@ def check_compatible(checkpoint: ckpts.Checkpoint, settings: Settings, model: st
         )
 
 
-def init_source(store: Store, settings: Settings) -> Path:
-    """The checkpoint directory `--init-from NAME@N` names (from the store where it keeps the
-    files), refused when it was trained on another base model or adapter shape."""
+@contextmanager
+def init_source(store: Store, settings: Settings) -> Iterator[Path]:
+    """`with init_source(...) as path:` the checkpoint directory `--init-from NAME@N` names,
+    refused when it was trained on another base model or adapter shape. Where the store keeps
+    the files (PostgreSQL) they are fetched into a temporary directory, removed on leaving: the
+    run's step 0 is a copy of its own, and a copy under STATE/models/NAME/store/ stayed for good."""
     name, _, step_text = str(settings.init_from).partition("@")
     # ASCII digits only: `str.isdigit` also takes "²", which `int` refuses (a traceback, not this message).
     if not name or not (step_text.isascii() and step_text.isdigit()):
@@ -190,17 +196,22 @@ def init_source(store: Store, settings: Settings) -> Path:
         raise ConfigError(
             f"--init-from {settings.init_from}: the store has no step {step} of '{name}' (steps: {known})"
         )
-    source = ckpts.Checkpoint(step, Path(store.fetch_step_files(name, step, rows[step]["path"], settings.models_dir)))
-    if not ckpts.is_complete(source.path):
-        raise ConfigError(f"--init-from {settings.init_from}: its checkpoint {source.path} is missing or incomplete")
-    changed = shape_changes(source, settings)
-    if changed:
-        what = ", ".join(f"{k} {saved!r} (here {current!r})" for k, saved, current in changed)
-        raise ConfigError(
-            f"--init-from {settings.init_from} was trained with {what}: a run starts only from a step of the "
-            "same base model and LoRA shape"
-        )
-    return source.path
+    with tempfile.TemporaryDirectory(prefix="rlproxy-init-from-") as scratch:
+        into = ckpts.checkpoint_dir(Path(scratch), step)
+        fetched = store.restore_checkpoint(name, step, into, ckpts.read_without_optimizer)
+        source = ckpts.Checkpoint(step, fetched or Path(rows[step]["path"]))
+        if not ckpts.is_complete(source.path):
+            raise ConfigError(
+                f"--init-from {settings.init_from}: its checkpoint {source.path} is missing or incomplete"
+            )
+        changed = shape_changes(source, settings)
+        if changed:
+            what = ", ".join(f"{k} {saved!r} (here {current!r})" for k, saved, current in changed)
+            raise ConfigError(
+                f"--init-from {settings.init_from} was trained with {what}: a run starts only from a step of the "
+                "same base model and LoRA shape"
+            )
+        yield source.path
 
 
 def hold_reason(store: Store, settings: Settings, model: str) -> str | None:

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,27 +79,28 @@ def _recorded_steps(settings: Settings, name: str) -> tuple[set[int], set[int]]:
         close_store(store)
 
 
-def _fetched_from_store(settings: Settings, name: str, step: int) -> ckpts.Checkpoint | None:
+def _fetched_from_store(settings: Settings, name: str, step: int, into: Path) -> ckpts.Checkpoint | None:
     """Step `step` of `name` from a PostgreSQL store (`--store`), for a machine that is not the
-    trainer's: its files into STATE/models/NAME/store/NNNN, checksums verified, as replicas
-    fetch adapters. None when the store keeps no files (SQLite, or a step without them)."""
+    trainer's: its files into `into`/NNNN (the export's temporary directory: a copy left in the
+    state dir served nothing once the export ended), checksums verified, as replicas fetch
+    adapters. None when the store keeps no files (SQLite, or a step without them)."""
     from gateway.export.selection import close_store, open_store
 
     if not settings.store:
         return None
     store = open_store(settings.store)
     try:
-        fetched = store.restore_checkpoint(name, step, settings.models_dir / name / "store" / f"{step:04d}")
+        fetched = store.restore_checkpoint(name, step, ckpts.checkpoint_dir(into, step), ckpts.read_without_optimizer)
     finally:
         close_store(store)
     return ckpts.Checkpoint(step, fetched) if fetched and ckpts.is_complete(fetched) else None
 
 
-def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Checkpoint:
+def find_checkpoint(settings: Settings, name: str, step: int | None, fetch_into: Path) -> ckpts.Checkpoint:
     """Step `step` of `name`, or its newest. With a store beside the checkpoints, only steps it
     records count: a checkpoint written by a worker killed before recording it may still be
     discarded when the worker restarts (`trainer.worker`). A step recorded in a PostgreSQL
-    store but not on this machine is fetched from the store."""
+    store but not on this machine is fetched from the store into `fetch_into`."""
     root = settings.checkpoints_dir(name)
     available = ckpts.list_checkpoints(root)
     recorded, stored = _recorded_steps(settings, name)
@@ -106,7 +108,7 @@ def find_checkpoint(settings: Settings, name: str, step: int | None) -> ckpts.Ch
         available = [c for c in available if c.step in recorded]
         wanted = max(recorded) if step is None else step
         if wanted in recorded and all(c.step != wanted for c in available):
-            fetched = _fetched_from_store(settings, name, wanted)
+            fetched = _fetched_from_store(settings, name, wanted, fetch_into)
             if fetched is not None:
                 available = sorted([*available, fetched], key=lambda c: c.step)
     if step is not None:
@@ -152,7 +154,13 @@ def _prepare_out(out: Path) -> Path:
 
 def export_model(settings: Settings, ref: str, out: Path, *, merged: bool = False) -> ModelExport:
     name, step = parse_model_ref(ref)
-    checkpoint = find_checkpoint(settings, name, step)
+    # A step fetched from a PostgreSQL store is read from a temporary directory that goes with the
+    # command (it was left in STATE/models/NAME/store/ for good, where only a replica's copies belong).
+    with tempfile.TemporaryDirectory(prefix="rlproxy-export-") as fetched:
+        return _export(settings, name, find_checkpoint(settings, name, step, Path(fetched)), out, merged)
+
+
+def _export(settings: Settings, name: str, checkpoint: ckpts.Checkpoint, out: Path, merged: bool) -> ModelExport:
     trained_with = masked(checkpoint.settings())  # one saved before every form was masked may hold secrets
     base_model = trained_with.get("base_model", settings.base_model)
     out = Path(out)

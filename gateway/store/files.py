@@ -3,9 +3,10 @@
 The trainer's `insert_step` (on PostgreSQL) first writes every file of the checkpoint
 directory as a blob keyed by its SHA-256 (`blobs`), then the step's file list (`step_files`)
 with the step row, in one transaction: once a replica sees a step, its files are there. A replica whose models
-dir lacks the step (the trainer is on another machine) fetches the files into
+dir lacks the step (the trainer is on another machine) fetches the adapter's files (`served`) into
 `MODELS_DIR/NAME/store/NNNN/`, checks every file's SHA-256 and size against the list, and
-only then hands the directory to the engine. No shared filesystem is needed.
+only then hands the directory to the engine. No shared filesystem is needed. A fetch killed
+mid-way leaves its temporary directory, which the next fetch there removes (`remove_abandoned_fetches`).
 
 `--keep-checkpoints N` drops the file lists of the steps whose checkpoints it removes, and the
 blobs no list names any more (`prune_file_lists`): else the database kept every step's adapter
@@ -17,9 +18,11 @@ collected since its upload (`write_file_list`).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,15 @@ def sha256_file(path: Path) -> str:
 def fetched_dir(models_dir: Path, model: str, step: int) -> Path:
     """Where a replica keeps the files of `model`'s step `step` it fetched from the store."""
     return Path(models_dir).resolve() / model / "store" / f"{int(step):04d}"
+
+
+def served(name: str) -> bool:
+    """Whether an engine reads the step file `name` to serve the step: the PEFT adapter, that is
+    `adapter_config.json` and its weights (`adapter_model.safetensors`, `.bin` from an older PEFT),
+    what the local engine's `PeftModel.from_pretrained` and vLLM's `load_lora_adapter` read. Not
+    the optimizer state (twice the adapter's size) nor the trainer's own files: a replica fetched
+    those for every step it served, and never read them."""
+    return name == "adapter_config.json" or name.startswith("adapter_model.")
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -138,15 +150,61 @@ def _verified(directory: Path, listing: list[tuple[str, str, int]]) -> bool:
     )
 
 
+def _locked(directory: Path, blocking: bool) -> int | None:
+    """An open descriptor of `directory` holding its exclusive `flock`, None where another holds it,
+    the directory is gone, or its filesystem locks no directories (NFS may refuse one opened to read).
+    The lock goes when the descriptor is closed, by its process's exit too."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_abandoned_fetches(parent: Path) -> None:
+    """Remove the temporary directories under `parent` (a replica's `store/`, where only fetches write)
+    of fetches whose process is gone (killed mid-way: nothing else removed them, a copy of a step each).
+    A fetch holds its directory's lock while it runs (`_claim`), so a live one's, in this process or
+    another, is never touched; a process id reused since (a restarted container) holds nothing."""
+    for entry in parent.iterdir() if parent.is_dir() else ():
+        if not entry.name.startswith(".tmp-") or not entry.is_dir():
+            continue
+        fd = _locked(entry, blocking=False)
+        if fd is not None:
+            try:
+                shutil.rmtree(entry, ignore_errors=True)
+            finally:
+                os.close(fd)
+
+
+def _claim(dest: Path) -> tuple[Path, int | None]:
+    """A new temporary sibling of `dest` (`.tmp-NNNN-PID-XXXX`: unique, so no other fetch's), whose lock
+    is held while the fetch runs (`remove_abandoned_fetches` leaves it alone). A sweep in another
+    process may lock it between the mkdir and the lock and remove it: then another is made. Where
+    the filesystem locks no directories, none is held (and no sweep there can take one either)."""
+    while True:
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-{os.getpid()}-", dir=dest.parent))
+        fd = _locked(tmp, blocking=True)
+        if fd is None and tmp.is_dir():
+            return tmp, None
+        if fd is not None and tmp.is_dir() and os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+            return tmp, fd
+        if fd is not None:
+            os.close(fd)
+
+
 def materialize(read_blob: Callable[[str], bytes | None], listing: list[tuple[str, str, int]], dest: Path) -> Path:
     """Fetch the files of `listing` (name, sha256, size) into `dest`, verified, atomically:
     written into a hidden sibling, each file's checksum checked, then renamed to `dest`."""
     if dest.is_dir() and _verified(dest, listing):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp, lock = _claim(dest)
     try:
         for name, digest, size in listing:
             data = read_blob(digest)
@@ -163,4 +221,6 @@ def materialize(read_blob: Callable[[str], bytes | None], listing: list[tuple[st
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
     return dest

@@ -5,6 +5,7 @@ or a trainer on a machine that lacks them fetches them from the database, verifi
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,13 @@ class PostgresStepFiles:
         return listed.fetchone() is not None or has_adapter(path)
 
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
-        """A local directory holding step `step`'s files, verified: the files in the store are
-        fetched into `models_dir/MODEL/store/NNNN` (the trainer's own path is on its machine).
-        A step recorded without files (by an older rlproxy) keeps its path."""
-        fetched = self.restore_checkpoint(model, step, store_files.fetched_dir(models_dir, model, step))
+        """A local directory holding step `step`'s adapter, verified: the files an engine reads
+        (`store_files.served`) are fetched into `models_dir/MODEL/store/NNNN` (the trainer's own
+        path is on its machine). A step recorded without files (by an older rlproxy) keeps its path.
+        Run at every load, the gateway's first at its start included."""
+        dest = store_files.fetched_dir(models_dir, model, step)
+        store_files.remove_abandoned_fetches(dest.parent)  # what fetches killed mid-way left there
+        fetched = self.restore_checkpoint(model, step, dest, store_files.served)
         return raw_path if fetched is None else str(fetched)
 
     def forget_step_files(self, model: str, step: int, models_dir: Path) -> None:
@@ -42,11 +46,14 @@ class PostgresStepFiles:
         else a replica kept a copy of every step the trainer ever published."""
         shutil.rmtree(store_files.fetched_dir(models_dir, model, step), ignore_errors=True)
 
-    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
+    def restore_checkpoint(
+        self, model: str, step: int, dest: Path, wanted: Callable[[str], bool] = lambda name: True
+    ) -> Path | None:
         """A trainer on a machine without the checkpoint (moved, or a new node): the step's
-        files (adapter, optimizer state, trainer state) from the store into `dest`, verified.
-        None if the step was recorded without files."""
+        files (adapter, optimizer state, trainer state) from the store into `dest`, verified;
+        only those whose name is `wanted` where given. None if the step was recorded without files."""
         listing = self.step_files(model, step)
         if not listing:
             return None
-        return store_files.materialize(partial(store_files.read_blob, self._query), listing, Path(dest))
+        wanted_files = [entry for entry in listing if wanted(entry[0])]
+        return store_files.materialize(partial(store_files.read_blob, self._query), wanted_files, Path(dest))

@@ -291,6 +291,9 @@ class StepRows:
         """`model`'s steps whose checkpoint files the store keeps (none here: they are on the trainer's disk)."""
         return set()
 
-    def restore_checkpoint(self, model: str, step: int, dest: Path) -> Path | None:
-        """The step's checkpoint files, from the store into `dest`; None where the store keeps none."""
+    def restore_checkpoint(
+        self, model: str, step: int, dest: Path, wanted: Callable[[str], bool] = lambda name: True
+    ) -> Path | None:
+        """The step's checkpoint files (those whose name is `wanted`), from the store into `dest`;
+        None where the store keeps none."""
         return None
