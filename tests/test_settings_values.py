@@ -192,3 +192,22 @@ def test_a_setting_left_with_nothing_to_do_is_named_as_it_was_given(caplog, tmp_
         "RLPROXY_CANARY_SHARE (environment variable) does nothing without --promote canary: ignored",
         "--shadow-rate does nothing without --shadow-samples: ignored",
     ]
+
+
+@pytest.mark.parametrize("threads", ["abc", "0", "-1", "2.5"])
+def test_a_torch_threads_variable_that_is_no_number_of_threads_is_one_line(capsys, tmp_path, monkeypatch, threads):
+    # RLPROXY_TORCH_THREADS=abc ended `rlproxy train` in int()'s ValueError traceback once the model was
+    # loaded (under `serve`, its trainer child crashed so at every restart), 0 in torch's RuntimeError.
+    import socket
+
+    monkeypatch.setenv("RLPROXY_TORCH_THREADS", threads)
+    with socket.socket() as taken:  # were serve to start, it would stop at once on this port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for command in (["train"], ["serve", "--port", str(taken.getsockname()[1])]):
+            assert main([*command, "--state-dir", str(tmp_path)]) == 2
+            err = capsys.readouterr().err
+            assert err == (
+                f"rlproxy {command[0]}: RLPROXY_TORCH_THREADS={threads!r} is not a number of threads: give a "
+                "whole number from 1 to 4096 (the trainer's CPU threads), or unset it\n"
+            ), err
