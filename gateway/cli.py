@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlproxy {args.command}: warning: {warning}", file=sys.stderr)
     _warn_of_unknown_variables(args.command)
     try:
+        if args.command in ("serve", "train"):  # read by the trainer (the demo sets its own): wrong, said at start
+            from trainer.backends import torch_threads
+
+            torch_threads()
         return handler(args) or 0
     except RLProxyError as exc:
         print(f"rlproxy {args.command}: {exc.message}", file=sys.stderr)

@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.redact import hidden_in, mask_args, masked
 from gateway.settings_access import AccessSettings, EnvList, judge_url, judge_urls, one_or_list
-from gateway.settings_bounds import A_WEEK, A_YEAR, MAX_BODY_MB
+from gateway.settings_bounds import A_WEEK, A_YEAR, MAX_BODY_MB, MAX_LEARNING_RATE, MAX_LORA, MAX_WEIGHT_DECAY
 from gateway.settings_keys import MIN_API_KEY_LENGTH, GatewayKey, Key, admin_apart
 from gateway.settings_loss import LossSettings
 from gateway.settings_scale import ReplicaSettings, TrainingScaleSettings
@@ -317,12 +317,12 @@ class Settings(BaseSettings, AccessSettings, PromotionSettings, ReplicaSettings,
         "gateway answers --model-name only once that step 0 is loaded (503 and /healthz `loading` before)",
     )
     groups_per_step: int = Field(4, ge=1, description="ready train groups per training step")
-    learning_rate: float = Field(5e-5, gt=0, description="AdamW learning rate")
+    learning_rate: float = Field(5e-5, gt=0, le=MAX_LEARNING_RATE, description="AdamW learning rate")
     weight_decay: float = Field(
-        0.0, ge=0, description="AdamW weight decay (0 as in TRL and transformers); applies after a restart too"
+        0.0, ge=0, le=MAX_WEIGHT_DECAY, description="AdamW weight decay (0 as in TRL); applies after a restart too"
     )
-    lora_rank: int = Field(16, ge=1, description="LoRA rank")
-    lora_alpha: int = Field(32, ge=1, description="LoRA alpha")
+    lora_rank: int = Field(16, ge=1, le=MAX_LORA, description="LoRA rank")
+    lora_alpha: int = Field(32, ge=1, le=MAX_LORA, description="LoRA alpha")
     lora_dropout: float = Field(
         0.0, ge=0, lt=1, description="LoRA dropout (the share of the adapter's inputs zeroed; below 1)"
     )

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from gateway.settings_bounds import MAX_BETA, MAX_RATIO
+
 KL_ESTIMATOR_HELP = (
     "the --beta term per token: k3 (TRL's); low_var_kl, k3 clamped at 10 (verl's), so that one sampled token "
     "the base prefers cannot outweigh the batch; or k2, 0.5 (log pi - log ref)^2, whose gradient is the "
@@ -35,11 +37,11 @@ class LossSettings(BaseModel):
     """The policy loss and its parameters: flags of `Settings`."""
 
     loss_type: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field("grpo", description="policy loss")
-    epsilon: float = Field(0.2, gt=0, description="lower clip range of the ratio")
+    epsilon: float = Field(0.2, gt=0, le=MAX_RATIO, description="lower clip range of the ratio")
     epsilon_high: float | None = Field(
-        None, ge=0, description="upper clip range (default: epsilon); cispo: the cap of the ratio itself"
+        None, ge=0, le=MAX_RATIO, description="upper clip range (default: epsilon); cispo: the cap of the ratio itself"
     )
-    beta: float = Field(0.0, ge=0, description="weight of the KL against the base model (--kl-estimator)")
+    beta: float = Field(0.0, ge=0, le=MAX_BETA, description="weight of the KL against the base model (--kl-estimator)")
     kl_estimator: Literal["k3", "low_var_kl", "k2"] = Field("k3", description=KL_ESTIMATOR_HELP)
     reward_kl: float = Field(0.0, ge=0, description=REWARD_KL_HELP)
     reward_kl_sharpen: float = Field(1.0, ge=1.0, le=4.0, description=REWARD_KL_SHARPEN_HELP)
@@ -47,11 +49,13 @@ class LossSettings(BaseModel):
     tis_cap: float = Field(
         2.0,
         ge=0,
+        le=MAX_RATIO,
         description="truncated importance sampling: weight each token by "
         "min(pi_old/mu, C), mu the sampler's probability; 0 turns it off",
     )
     delta: float | None = Field(
         None,
+        le=MAX_RATIO,
         description="dual clip: cap the ratio at delta for negative advantages "
         "(TRL's delta; must exceed 1 + epsilon_high; not with cispo); default off",
     )

@@ -192,3 +192,54 @@ def test_a_setting_left_with_nothing_to_do_is_named_as_it_was_given(caplog, tmp_
         "RLPROXY_CANARY_SHARE (environment variable) does nothing without --promote canary: ignored",
         "--shadow-rate does nothing without --shadow-samples: ignored",
     ]
+
+
+@pytest.mark.parametrize("threads", ["abc", "0", "-1", "2.5"])
+def test_a_torch_threads_variable_that_is_no_number_of_threads_is_one_line(capsys, tmp_path, monkeypatch, threads):
+    # RLPROXY_TORCH_THREADS=abc ended `rlproxy train` in int()'s ValueError traceback once the model was
+    # loaded (under `serve`, its trainer child crashed so at every restart), 0 in torch's RuntimeError.
+    import socket
+
+    monkeypatch.setenv("RLPROXY_TORCH_THREADS", threads)
+    with socket.socket() as taken:  # were serve to start, it would stop at once on this port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        for command in (["train"], ["serve", "--port", str(taken.getsockname()[1])]):
+            assert main([*command, "--state-dir", str(tmp_path)]) == 2
+            err = capsys.readouterr().err
+            assert err == (
+                f"rlproxy {command[0]}: RLPROXY_TORCH_THREADS={threads!r} is not a number of threads: give a "
+                "whole number from 1 to 4096 (the trainer's CPU threads), or unset it\n"
+            ), err
+
+
+@pytest.mark.parametrize(
+    "flag, value, ceiling",
+    [
+        ("--learning-rate", "1e9", "1"),
+        ("--weight-decay", "1e9", "100"),
+        ("--beta", "1e30", "1000"),
+        ("--epsilon", "1e300", "1000000"),
+        ("--tis-cap", "1e300", "1000000"),
+        ("--lora-alpha", "1000000000", "65536"),
+        ("--lora-rank", "1000000000", "65536"),
+    ],
+)
+def test_a_training_knob_no_run_can_train_at_is_refused_at_start(capsys, tmp_path, flag, value, ceiling):
+    # Each trained a step, or none: --learning-rate 1e9, --weight-decay 1e9, --lora-alpha 1e9 served a NaN
+    # adapter and set every later group aside as failed (NonFiniteStep), as if the data were at fault;
+    # --beta 1e30 made every gradient infinite, --epsilon 1e300 failed every clamp (float32 overflow).
+    import socket
+
+    with socket.socket() as taken:  # were serve to start, it would stop at once on this port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--state-dir", str(tmp_path), "--port", port, "--trainer", "auto", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err == f"rlproxy serve: {flag}: Input should be less than or equal to {ceiling}\n", err
+
+
+def test_training_knobs_far_past_any_real_run_still_start():
+    # The ceilings refuse only what cannot train: each of these trained three steps of the built-in model.
+    Settings(learning_rate=1.0, weight_decay=100, beta=1e3, epsilon=1e6, tis_cap=1e6, lora_rank=65536, lora_alpha=65536)

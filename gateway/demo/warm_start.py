@@ -146,7 +146,12 @@ def warm_start(settings: Settings, options: DemoOptions, out: Path, threads: int
         extra=["--objective", "sft", "--model", TEACHER, "--min-reward", str(MIN_REWARD)]
         + ["--epochs", str(options.warm_start_epochs), "--sft-sessions-per-step", "8"],
     )
-    code = sft.wait()
+    try:
+        code = sft.wait()
+    finally:  # Ctrl-C or SIGTERM while it distils: it stops before the demo ends (a no-op once it exited)
+        # PR_SET_PDEATHSIG alone told it only when the demo was gone: it went on loading, training
+        # and saving steps in the state dir after the demo returned and let go of --out.
+        sft.stop()
     if code != 0:
         tail = (out / "sft.log").read_text(errors="replace")[-3000:]
         raise RLProxyError(f"the supervised warm start exited with code {code}:\n{tail}")

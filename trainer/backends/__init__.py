@@ -47,17 +47,35 @@ def get_backend(name: str) -> type[TrainingBackend]:
     return getattr(module, class_name)
 
 
+MAX_TORCH_THREADS = 4096
+
+
+def torch_threads() -> int | None:
+    """RLPROXY_TORCH_THREADS, the trainer's share of this machine's cores (set by `serve` and the demo, or
+    by hand); None when unset. Checked when `serve` or `train` starts: `abc` ended the trainer in int()'s
+    ValueError traceback (under `serve`, at every restart of the trainer), 0 in torch's RuntimeError."""
+    value = os.environ.get("RLPROXY_TORCH_THREADS", "").strip()
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit() and 1 <= int(value) <= MAX_TORCH_THREADS):
+        raise ConfigError(
+            f"RLPROXY_TORCH_THREADS={value[:20]!r} is not a number of threads: give a whole number from 1 to "
+            f"{MAX_TORCH_THREADS} (the trainer's CPU threads), or unset it"
+        )
+    return int(value)
+
+
 def load_backend(settings: Settings, team: Team | None = None) -> TrainingBackend:
     """`settings.backend` loaded (seeded: a fresh adapter is the same on every run and every rank),
     on `team`'s ranks when given."""
     import torch
 
     torch.manual_seed(settings.seed)
-    threads = os.environ.get("RLPROXY_TORCH_THREADS")
+    threads = torch_threads()
     if threads and team is None:  # a rank's share was set when it joined
         # Beside a local engine on the same cores, two processes each spinning one
         # OpenMP thread per core make both many times slower: `serve` gives each half.
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
     started = time.perf_counter()
     backend = get_backend(settings.backend)(settings)
     if team is not None:

@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import ConfigError, RLProxyError
+from trainer.backends import torch_threads
 
 if TYPE_CHECKING:
     import torch
@@ -258,8 +259,7 @@ def join(settings: Settings) -> Team | None:
     if device.type == "cpu":
         # Each rank its share of this machine's cores: N ranks each spinning one thread per core
         # run many times slower than N ranks of cores/N threads.
-        budget = os.environ.get("RLPROXY_TORCH_THREADS", "")  # the share `serve` or the demo gives the trainer
-        cores = int(budget) if budget.isdigit() else (os.cpu_count() or 1)
+        cores = torch_threads() or os.cpu_count() or 1  # the share `serve` or the demo gives the trainer
         torch.set_num_threads(max(1, cores // local_world))
     else:
         torch.cuda.set_device(device)
