@@ -97,6 +97,19 @@ def test_a_run_stops_as_converged_only_after_the_tasks_streak_of_perfect_groups(
         options_from_args(parser.parse_args(["--converge-after", "0"]))
 
 
+def test_a_demo_refuses_a_held_out_set_no_cpu_could_play_before_training():
+    # `--rollouts 100000` played eval-groups x 100000 sessions before the first step, --seconds aside.
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert options_from_args(parser.parse_args(["--rollouts", "64", "--eval-groups", "64"])).rollouts == 64
+    for flags, refusal in (
+        (["--rollouts", "100000"], "--rollouts must be at most 64"),
+        (["--eval-groups", "65"], "--eval-groups must be at most 64"),
+    ):
+        with pytest.raises(ConfigError, match=refusal):
+            options_from_args(parser.parse_args(flags))
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(ensure_tiny_model(tmp_path_factory.mktemp("tiny")))

@@ -49,6 +49,10 @@ class DemoOptions:
     shuffle_rewards: bool = False  # --live rewards, a control: each session is posted another recent session's score
 
 
+_CEILINGS = {"rollouts": 64, "eval_groups": 64}
+"""A demo's toy agent runs on the machine's CPU: `--rollouts 100000` played 400,000 sessions of
+the held-out set before it trained at all. 64 keeps a --live shadows demo (--rollouts - 1 shadow samples) within
+--shadow-samples' own ceiling."""
 _TASK_OPTIONS = ("steps", "rollouts", "seconds", "max_tokens", "eval_groups", "eval_temperature", "converge_after")
 _LIVE_OPTIONS = ("live", "arrival_rate", "reward_delay", "unrewarded_share", "shuffle_rewards")
 LIVE_ARRIVAL_RATES = {"rewards": 32.0, "shadows": 4.0}
@@ -230,6 +234,12 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
             raise ConfigError(
                 f"--{name.replace('_', '-')} must be at least {2 if name == 'rollouts' else 1}"
                 + (" (GRPO compares rollouts of one group)" if name == "rollouts" else "")
+            )
+    for name, most in _CEILINGS.items():
+        if getattr(options, name) > most:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be at most {most}: the held-out set alone plays --eval-groups x "
+                "--rollouts sessions before the first step, and --seconds does not bound it"
             )
     if options.seconds <= 0:
         raise ConfigError("--seconds must be positive")
