@@ -240,3 +240,55 @@ def test_durations_in_seconds():
     assert seconds("12h") == 43200 and seconds("90m") == 5400 and seconds("2w") == 1209600 and seconds("1.5s") == 1.5
     assert cutoff_from("1h", None, now=10_000.0) == 6400.0
     assert cutoff_from(None, "1970-01-01T01:00", now=10_000.0) == 3600.0
+
+
+def test_a_reward_or_a_shadow_group_racing_forget_on_postgres_is_a_clean_answer(postgres_db):
+    # Each read its session, then waited for its row's lock while forget deleted it: the row was gone
+    # when the lock came, and `row[1]` of None was a TypeError (a 500), not the 404 a forgotten session gets.
+    import threading
+
+    from gateway.errors import NotFound
+    from gateway.store.postgres import PostgresStore
+    from gateway.store.retention import Plan, Progress, forget_batch
+
+    store = PostgresStore(postgres_db)
+    for session in ("rewarded", "shadowed"):
+        store.record_call_sync(call(f"{session}-c1", session, None))
+    time.sleep(0.01)
+    cutoff = time.time()
+    deleted, release = threading.Event(), threading.Event()
+
+    def forgetting(conn):
+        forget_batch(conn, Plan(cutoff), Progress())
+        deleted.set()
+        release.wait()  # not committed yet: the reward and the shadow group come meanwhile
+
+    answers: dict[str, object] = {}
+
+    def attempt(name, op):
+        try:
+            answers[name] = asyncio.run(op())
+        except Exception as exc:  # noqa: BLE001 - the answer under test
+            answers[name] = exc
+
+    shadow = call("shadow-shadowed-c1#0", "sh0", "shadow-shadowed-c1", shadow_of="shadowed-c1")
+    forget = threading.Thread(target=store._run_sync, args=(forgetting,))
+    forget.start()
+    deleted.wait()
+    racers = [
+        threading.Thread(target=attempt, args=("reward", lambda: store.set_reward("rewarded", 1.0))),
+        threading.Thread(target=attempt, args=("shadow", lambda: store.record_shadow_group([shadow]))),
+    ]
+    for racer in racers:
+        racer.start()
+    waiting = "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    while any(r.is_alive() for r in racers) and store._query(waiting)[0]["n"] < 2:  # both wait for their row
+        threading.Event().wait(0.01)
+    release.set()
+    forget.join()
+    for racer in racers:
+        racer.join()
+    assert isinstance(answers["reward"], NotFound), answers
+    assert answers["shadow"] is None  # recorded nothing, as for a live session discarded meanwhile
+    assert session_ids(store) == set()
+    asyncio.run(store.close())
