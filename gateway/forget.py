@@ -89,10 +89,10 @@ def report(done: Forgotten, where: str) -> list[str]:
     """What `rlproxy forget` prints: the cutoff, the rows by table, what was kept, and the space."""
     plan = done.plan
     model = f" of model '{plan.model}'" if plan.model is not None else ""
-    rows = ", ".join(f"{count} {table.replace('_', ' ')}" for table, count in done.counts.items())
+    rows = ", ".join(f"{table} {count}" for table, count in done.counts.items())
     lines = [
         f"cutoff: {utc(plan.cutoff)} (sessions{model} last active before it)",
-        f"{'would forget' if plan.dry_run else 'forgot'}: {rows}",
+        f"{'would forget' if plan.dry_run else 'forgot'} (rows by table): {rows}",
         f"kept: {done.kept_older} older session(s) that training may still need ({_KEPT})",
     ]
     if plan.dry_run:

@@ -202,14 +202,16 @@ def test_the_command_beside_a_running_gateway_then_its_lists_and_export(upstream
 
             code, out, err = run_cli(capsys, "--state-dir", str(state), "--before", repr(cutoff), "--dry-run")
             assert code == 0, err
-            assert "would forget: 2 sessions, 2 calls, 0 groups, 0 judgements" in out and "dry run" in out
+            assert (
+                "would forget (rows by table): sessions 2, calls 2, groups 0, judgements 0" in out and "dry run" in out
+            )
             assert {s["id"] for s in http.get("/v1/sessions").json()["data"]} == {"old-1", "old-2", "new"}
 
             code, out, err = run_cli(capsys, "--state-dir", str(state), "--before", repr(cutoff))
             assert code == 0, err
             lines = out.splitlines()
             assert lines[0].startswith("cutoff: ") and lines[0].endswith("UTC (sessions last active before it)")
-            assert lines[1] == "forgot: 2 sessions, 2 calls, 0 groups, 0 judgements"
+            assert lines[1] == "forgot (rows by table): sessions 2, calls 2, groups 0, judgements 0"
             assert "VACUUM" in out and str(state / "rlproxy.db") in out
             assert [s["id"] for s in http.get("/v1/sessions").json()["data"]] == ["new"]
             assert http.get("/v1/sessions/old-1").status_code == 404
@@ -292,3 +294,49 @@ def test_a_reward_or_a_shadow_group_racing_forget_on_postgres_is_a_clean_answer(
     assert answers["shadow"] is None  # recorded nothing, as for a live session discarded meanwhile
     assert session_ids(store) == set()
     asyncio.run(store.close())
+
+
+def test_a_call_landing_while_forget_waits_for_its_group_is_kept_on_postgres(postgres_db, capsys):
+    # Forget read the trained group as old, then waited for its lock held by a late call to one of its
+    # sessions: deleting on what it read before would have taken the call acknowledged meanwhile with it.
+    import threading
+
+    from gateway.store.postgres import PostgresStore
+    from gateway.store.rows import insert_call
+
+    store = PostgresStore(postgres_db)
+    rollouts(store, "trained", ["t1", "t2"], [1.0, 0.0])
+    train(store, 1, ["trained"])
+    rollouts(store, None, ["loose"], [None])
+    time.sleep(0.01)
+    cutoff = time.time()
+    time.sleep(0.01)
+    recorded, release = threading.Event(), threading.Event()
+
+    def late_call(conn):
+        insert_call(conn, call("t1-late", "t1", "trained"))
+        recorded.set()
+        release.wait()  # the group's row stays locked until forget waits for it
+
+    calling = threading.Thread(target=store._run_sync, args=(late_call,))
+    calling.start()
+    recorded.wait()
+    done = {}
+    forgetting = threading.Thread(target=lambda: done.update(result=store.forget(cutoff)))
+    forgetting.start()
+    waiting = "SELECT COUNT(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    while forgetting.is_alive() and store._query(waiting)[0]["n"] == 0:
+        threading.Event().wait(0.01)
+    release.set()
+    calling.join()
+    forgetting.join()
+    assert done["result"].counts["sessions"] == 1  # the loose one; the group's sessions are active again
+    assert session_ids(store) == {"t1", "t2"}
+    assert [c["id"] for c in store.session_calls("t1")] == ["t1-c1", "t1-c2", "t1-late"]
+    asyncio.run(store.close())
+
+    # The command on PostgreSQL: the backend's own table in the counts, and no word of the URL's password.
+    assert main(["forget", "--store", postgres_db, "--older-than", "0s"]) == 0
+    out = capsys.readouterr().out
+    assert "forgot (rows by table): sessions 2, calls 5, groups 1, judgements 0, group_claims 0" in out
+    assert "VACUUM" not in out and postgres_db not in out
