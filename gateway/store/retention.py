@@ -268,6 +268,8 @@ class RetentionRows:
     ) -> Forgotten:
         """Delete the sessions inactive since before `cutoff` that training no longer needs, with their
         calls, groups and judgements, a batch per transaction (see this module); `dry_run`: count only."""
+        if batch < 1:
+            raise ValueError(f"batch must be 1 or more, not {batch}")  # LIMIT 0 would never finish
         plan = Plan(cutoff, model, dry_run, tuple(self.group_tables), batch)
         progress = Progress()
         while not progress.done:
