@@ -118,8 +118,8 @@ def done_groups(
         sql += " AND g.model = ?"
         params.append(plan.model)
     if after is not None:
-        sql += " AND (g.created_at > ? OR (g.created_at = ? AND g.id > ?))"
-        params += [after[0], after[0], after[1]]
+        sql += " AND g.created_at >= ? AND (g.created_at > ? OR (g.created_at = ? AND g.id > ?))"
+        params += [after[0], after[0], after[0], after[1]]
     if ids is not None:
         sql += f" AND g.id IN ({_marks(ids)})"
         params += list(ids)
@@ -154,15 +154,18 @@ def loose_sessions(
     kept, kept_params = _kept_session(plan, windows)
     sql = (
         "SELECT s.id, s.created_at FROM sessions s"
-        f" WHERE s.group_id IS NULL AND s.created_at < ? AND s.updated_at < ? AND NOT {kept}"
+        # The group test as an expression: SQLite took the group_id index (every loose session, sorted
+        # each batch: quadratic) over `sessions_created`, which reads a batch in order and stops.
+        f" WHERE (CASE WHEN s.group_id IS NULL THEN 1 ELSE 0 END) = 1 AND s.created_at < ? AND s.updated_at < ?"
+        f" AND NOT {kept}"
     )
     params: list[Any] = [plan.cutoff, plan.cutoff, *kept_params]
     if plan.model is not None:
         sql += " AND s.model = ?"
         params.append(plan.model)
     if after is not None:
-        sql += " AND (s.created_at > ? OR (s.created_at = ? AND s.id > ?))"
-        params += [after[0], after[0], after[1]]
+        sql += " AND s.created_at >= ? AND (s.created_at > ? OR (s.created_at = ? AND s.id > ?))"
+        params += [after[0], after[0], after[0], after[1]]
     if ids is not None:
         sql += f" AND s.id IN ({_marks(ids)})"
         params += list(ids)
