@@ -171,6 +171,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    from gateway.forget import run
+
+    print("\n".join(run(settings_from_args(args), args)))
+    return 0
+
+
 def cmd_export_model(args: argparse.Namespace) -> int:
     from gateway.export.model import export_model
 
@@ -210,6 +217,11 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int], tuple[tuple[
         "write recorded sessions: rlproxy records, OpenAI fine-tuning JSONL or parquet samples",
         cmd_export,
         ((("state_dir", "store", "base_model", "chat_template"), "store"),),
+    ),
+    "forget": (
+        "delete recorded sessions older than a cutoff that training no longer needs (--dry-run: say which)",
+        cmd_forget,
+        ((("state_dir", "store"), "store"),),
     ),
     "export-model": (
         "write a trained step as a PEFT adapter or a merged model, with a model card",
@@ -252,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "sample per line; parquet: one row per trained sample with token ids and masks",
             )
             add_selection_flags(command, "which sessions to export (the filters are ANDed)")
+        if name == "forget":
+            from gateway.forget import add_arguments as add_forget_arguments
+
+            add_forget_arguments(command)
         if name == "export-model":
             command.add_argument(
                 "model", metavar="NAME[@STEP]", help="the model and step, as served (newest if no @STEP)"

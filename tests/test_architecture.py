@@ -47,7 +47,7 @@ GATEWAY_LAYERS = [
     ["gateway.chat", "gateway.ruler", "gateway.shadow"],
     ["gateway.routes", "gateway.ui", "gateway.openapi"],
     ["gateway.app"],
-    ["gateway.cli", "gateway.flags", "gateway.demo", "gateway.export", "gateway.trainer_process"],
+    ["gateway.cli", "gateway.flags", "gateway.demo", "gateway.export", "gateway.forget", "gateway.trainer_process"],
 ]
 TRAINER_LAYERS = [
     ["trainer.types", "trainer.retries", "trainer.reporting"],

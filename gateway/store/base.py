@@ -27,6 +27,7 @@ from gateway.store.gateways import GatewayRows
 from gateway.store.health import StoreHealth, classify, stalled_at_exit
 from gateway.store.live import LiveRule
 from gateway.store.reads import SessionFilter
+from gateway.store.retention import RetentionRows
 from gateway.store.rows import CallRecord
 from gateway.store.shadows import ShadowRows
 from gateway.store.steps import StepRows
@@ -34,7 +35,7 @@ from gateway.store.trainer_lock import TrainerLockRows
 from gateway.store.writer import CommitPace, GroupCommitWriter, Op, Outcome
 
 
-class Store(StepRows, ShadowRows, GatewayRows, TrainerLockRows, ABC):
+class Store(StepRows, ShadowRows, GatewayRows, TrainerLockRows, RetentionRows, ABC):
     backend: str
     """"sqlite" or "postgres"."""
     path: Any

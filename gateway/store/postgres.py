@@ -146,6 +146,7 @@ class PostgresStore(PostgresStepFiles, Store):
     """`PostgresStore(url)`: the store in a PostgreSQL database (created tables if missing)."""
 
     backend = "postgres"
+    group_tables = ("group_claims",)  # a trainer's claims, forgotten with their groups (`gateway.store.retention`)
 
     def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, timeout: float = 30.0, **_ignored: Any):
         super().__init__(timeout)

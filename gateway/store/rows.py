@@ -258,6 +258,8 @@ def set_reward(
     row = conn.execute(
         "SELECT metrics, group_id, discarded FROM sessions WHERE id = ?" + for_update(conn), (session_id,)
     ).fetchone()
+    if row is None:  # deleted while this waited for its lock (`rlproxy forget`, PostgreSQL)
+        raise NotFound(f"session '{session_id}' not found: it was forgotten as this reward came", param="session_id")
     if row[1] != group_id:  # a call named a group for it meanwhile
         group_id = row[1]
         state = lock_group(conn, group_id) if group_id is not None else None

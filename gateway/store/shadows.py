@@ -41,7 +41,7 @@ def insert_shadow_group(
     session = conn.execute("SELECT session_id FROM calls WHERE id = ?", (calls[0].shadow_of,)).fetchone()
     if session is not None:
         live = conn.execute("SELECT discarded FROM sessions WHERE id = ?" + for_update(conn), (session[0],)).fetchone()
-        if live[0]:
+        if live is None or live[0]:  # None: forgotten while this waited for its lock (`rlproxy forget`)
             return None
     group_id = calls[0].group_id
     for call in calls:
