@@ -122,7 +122,7 @@ async def worker(
                     seen.errors.append(f"close {reply.status}: {(await reply.text())[:200]}")
                 elif (await reply.json())["ready"]:
                     finished_groups.append(group_id)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             seen.errors.append(f"{type(exc).__name__}: {exc}")
         rollout += 1
 

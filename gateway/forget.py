@@ -64,7 +64,7 @@ def moment(text: str) -> float:
             raise ConfigError(
                 f"--before {text!r} is not a time: give 2026-11-01, 2026-11-01T14:00 or Unix seconds"
             ) from None
-        value = (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)).timestamp()
+        value = (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)).timestamp()
     if value != value or value in (float("inf"), float("-inf")):
         raise ConfigError(f"--before {text!r} is not a time: give 2026-11-01, 2026-11-01T14:00 or Unix seconds")
     return value
@@ -82,7 +82,7 @@ def cutoff_from(older_than: str | None, before: str | None, now: float) -> float
 
 
 def utc(at: float) -> str:
-    return dt.datetime.fromtimestamp(at, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def report(done: Forgotten, where: str) -> list[str]:

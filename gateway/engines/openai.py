@@ -22,7 +22,6 @@ request (bench/README.md). Event streams go through aiohttp (a third of httpx's 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -210,7 +209,7 @@ class OpenAIEngine(Engine):
                     yield StreamChunk(data=data, raw=payload)
             finally:
                 resp.release()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise self.failures.timed_out(self.timeout) from None
         except aiohttp.ClientError as exc:
             raise self.failures.unreachable(exc) from None
@@ -258,7 +257,7 @@ class OpenAIEngine(Engine):
                     yield payload
             finally:
                 resp.release()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise self.failures.timed_out(self.timeout) from None
         except aiohttp.ClientError as exc:
             raise self.failures.unreachable(exc) from None

@@ -136,7 +136,7 @@ def _moment(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a time: give 2026-11-25, 2026-11-25T14:00 or Unix seconds"
         ) from None
-    return (moment if moment.tzinfo else moment.replace(tzinfo=dt.timezone.utc)).timestamp()
+    return (moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)).timestamp()
 
 
 def selection_from_args(args: argparse.Namespace) -> SessionFilter:

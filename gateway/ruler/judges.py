@@ -131,7 +131,7 @@ def litellm_judge(
             # a byte now and then (a stalled proxy, an endless body) would keep the group
             # "running" and its shadow slot taken for ever. The deadline is the whole call's.
             response = await asyncio.wait_for(litellm.acompletion(**kwargs), limit)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("RULER: the judge '%s' did not answer within %.0f s", model, limit)
             raise JudgeError(f"the judge '{model}' did not answer within {limit:.0f} s") from None
         except Exception as exc:  # litellm raises its own zoo; the caller wants one kind
@@ -174,7 +174,7 @@ def engine_judge(services: Any, timeout: float | None = None) -> JudgeCall:
                     log.info(
                         "RULER: the judge '%s' was called off: the trainer takes the GPU; asked again after", SELF_JUDGE
                     )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise JudgeError(f"the judge '{SELF_JUDGE}' did not answer within {limit:.0f} s") from None
         except Exception as exc:
             raise _failed(SELF_JUDGE, exc) from None
@@ -199,7 +199,7 @@ async def _unless_closing(gate: Any, call: Awaitable[Any], limit: float) -> Any:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)  # out of the engine before the gate counts it out
         if not done:
-            raise asyncio.TimeoutError
+            raise TimeoutError
         return None
     finally:
         task.cancel()  # cancelled ourselves (shutdown): the engine call goes too

@@ -10,8 +10,6 @@ bearer on every request.
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import orjson
 
@@ -96,7 +94,7 @@ class VLLMClient:
             )
             async with resp:
                 return resp.status, await resp.read()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UpstreamTimeout(f"vLLM did not answer {path} within {self.timeout:g} s") from None
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(
@@ -107,7 +105,7 @@ class VLLMClient:
         try:
             async with self.session.get(self.base + path, timeout=aiohttp.ClientTimeout(total=30)) as resp:
                 status, payload = resp.status, await resp.read()
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise EngineUnavailable(
                 f"cannot reach vLLM at {self.url} for {path}: {exc or type(exc).__name__}"
             ) from None

@@ -43,7 +43,6 @@ a 502, a request it refuses its own 4xx (`wire.status_error`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -234,7 +233,7 @@ class VLLMEngine(Engine):
                         yield StreamChunk(data=out)
             finally:
                 resp.release()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UpstreamTimeout(f"vLLM sent nothing for {self.timeout:g} s") from None
         except aiohttp.ClientError as exc:
             raise self.supervisor.connection_lost(exc) from None

@@ -364,7 +364,7 @@ class VLLMProcess:
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("vLLM did not stop within %g s; killing it", timeout)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -389,5 +389,5 @@ async def probe_health(session: aiohttp.ClientSession, url: str, timeout: float 
     try:
         async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         return False
