@@ -47,6 +47,19 @@ def _import_openai() -> Any:
     return openai
 
 
+def sendable_key(key: str | None, source: str) -> str | None:
+    """`key` if a header can carry it. One it cannot (a file read whole keeps its last newline) was sent
+    anyway, and httpx's refusal, `Illegal header value b'Bearer <the key>'`, put the key in the
+    exception text and every traceback; the gateway refuses such a key for itself just the same
+    (gateway/settings_keys.py), so no gateway could accept it. The key is never repeated."""
+    if key and (key != key.strip() or not all(" " <= c <= "~" for c in key)):
+        raise ValueError(
+            f"the API key ({source}) is not one an HTTP header can carry: it must be printable ASCII, with no "
+            "space or newline at its ends (a file read whole keeps its last newline: strip it)"
+        )
+    return key
+
+
 def scores_from(body: dict) -> list[Score]:
     return [Score(item["session_id"], float(item["score"]), item.get("explanation")) for item in body["scores"]]
 
@@ -56,7 +69,10 @@ class _ClientBase:
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = DEFAULT_TIMEOUT):
         self.api_base = api_base(base_url or os.environ.get("RLPROXY_URL") or DEFAULT_URL)
-        self.api_key = api_key if api_key is not None else os.environ.get("RLPROXY_API_KEY")
+        if api_key is not None:
+            self.api_key = sendable_key(api_key, "api_key=")
+        else:
+            self.api_key = sendable_key(os.environ.get("RLPROXY_API_KEY"), "$RLPROXY_API_KEY")
         self.timeout = timeout
 
     def _openai_options(self) -> dict[str, Any]:

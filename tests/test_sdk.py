@@ -83,6 +83,20 @@ def test_the_key_is_never_shown():
     client.close()
 
 
+@pytest.mark.parametrize("key", ["sk-sdk-secret-key\n", " sk-sdk-secret-key", "sk-sdk-secret-k\u00e9y"])
+@pytest.mark.parametrize("client_class", [RLProxy, AsyncRLProxy])
+def test_a_key_no_header_can_carry_is_refused_without_repeating_it(key, client_class, monkeypatch):
+    """It was sent anyway: httpx refused it with `Illegal header value b'Bearer <the key>'`, the
+    key in the APIConnectionError's text and its traceback (or a bare UnicodeEncodeError)."""
+    with pytest.raises(ValueError, match=r"the API key \(api_key=\) is not one an HTTP header can carry") as info:
+        client_class("http://h:1", api_key=key)
+    assert "secret" not in str(info.value)
+    monkeypatch.setenv("RLPROXY_API_KEY", key)
+    with pytest.raises(ValueError, match=r"\(\$RLPROXY_API_KEY\)") as info:
+        client_class("http://h:1")
+    assert "secret" not in str(info.value)
+
+
 # ---------------------------------------------------------------- blocking flows
 
 
