@@ -8,8 +8,11 @@ make them, so this module imports `sdk.session` and `sdk.group` and never the ot
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import threading
+import time
 from numbers import Real
 from typing import Any
 
@@ -17,6 +20,7 @@ import httpx
 
 from sdk.errors import RLProxySDKError, connection_error, json_body
 from sdk.group import AsyncGroup, Group, _GroupBase
+from sdk.retry import DEFAULT_MAX_RETRIES, may_send_again, retry_delay
 from sdk.session import AsyncSession, Session
 from sdk.types import Score, new_id, path_id
 
@@ -26,6 +30,8 @@ DEFAULT_TIMEOUT = 60.0
 # judge call 600 s (gateway/ruler/judges.py) and a bad answer one retry, so up to 1200 s, and the
 # SDK waits a little longer than that rather than give up on a judgement that still lands.
 RULER_TIMEOUT = 1260.0
+
+log = logging.getLogger("rlproxy.sdk")
 
 
 def api_base(url: str) -> str:
@@ -67,7 +73,17 @@ def scores_from(body: dict) -> list[Score]:
 class _ClientBase:
     """Where the gateway is and how to authenticate; shared by both clients."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+    ):
+        if max_retries < 0:
+            raise ValueError("max_retries must be 0 or more")
+        self.max_retries = max_retries
         self.api_base = api_base(base_url or os.environ.get("RLPROXY_URL") or DEFAULT_URL)
         if api_key is not None:
             self.api_key = sendable_key(api_key, "api_key=")
@@ -81,6 +97,13 @@ class _ClientBase:
 
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _retry_delay(self, error: RLProxySDKError, method: str, path: str, attempt: int) -> float | None:
+        retries = self.max_retries if may_send_again(path) else 0
+        delay = retry_delay(error, attempt, retries)
+        if delay is not None:
+            log.info("%s %s failed (%s); sending it again in %.2g s", method, path, error, delay)
+        return delay
 
     def __repr__(self) -> str:  # never shows the key
         return f"{type(self).__name__}({self.api_base!r})"
@@ -121,7 +144,9 @@ class RLProxy(_ClientBase):
     """Blocking client. `RLProxy("http://localhost:8000/v1")`; use as a context manager or call `close()`.
 
     `base_url` defaults to `$RLPROXY_URL` (then http://localhost:8000/v1), `api_key` to
-    `$RLPROXY_API_KEY`. Safe to share between threads (`group.run` does).
+    `$RLPROXY_API_KEY`. Safe to share between threads (`group.run` does). A request the gateway
+    did not take (503, 429, the connection refused or dropped) is sent again up to `max_retries`
+    times, after its Retry-After (up to 30 s) or 0.25 s, 0.5 s, ...; RULER never (`sdk.retry`).
     """
 
     def __init__(
@@ -130,9 +155,11 @@ class RLProxy(_ClientBase):
         api_key: str | None = None,
         *,
         timeout: float = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         http_client: httpx.Client | None = None,
     ):
-        super().__init__(base_url, api_key, timeout=timeout)
+        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries)
+        self._sleep = time.sleep
         self._http = http_client or httpx.Client(timeout=timeout)
         self._owns_http = http_client is None
         self._openai: Any = None
@@ -172,13 +199,24 @@ class RLProxy(_ClientBase):
     # -- the HTTP routes
 
     def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
-        timeout = timeout or self.timeout
+        attempt = 0
+        while True:
+            try:
+                return self._send(method, path, json, timeout or self.timeout, attempt + 1)
+            except RLProxySDKError as error:
+                delay = self._retry_delay(error, method, path, attempt)
+                if delay is None:
+                    raise
+            self._sleep(delay)
+            attempt += 1
+
+    def _send(self, method: str, path: str, json: Any, timeout: float, tries: int) -> dict:
         try:
             response = self._http.request(
                 method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise connection_error(exc, self.api_base, method, path, timeout) from exc
+            raise connection_error(exc, self.api_base, method, path, timeout, tries) from exc
         return json_body(response, self.api_base)
 
     def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
@@ -238,9 +276,11 @@ class AsyncRLProxy(_ClientBase):
         api_key: str | None = None,
         *,
         timeout: float = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         http_client: httpx.AsyncClient | None = None,
     ):
-        super().__init__(base_url, api_key, timeout=timeout)
+        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries)
+        self._sleep = asyncio.sleep
         self._http = http_client or httpx.AsyncClient(timeout=timeout)
         self._owns_http = http_client is None
         self._openai: Any = None
@@ -267,13 +307,24 @@ class AsyncRLProxy(_ClientBase):
         return AsyncGroup(self, id or new_id("grp"), split)
 
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
-        timeout = timeout or self.timeout
+        attempt = 0
+        while True:
+            try:
+                return await self._send(method, path, json, timeout or self.timeout, attempt + 1)
+            except RLProxySDKError as error:
+                delay = self._retry_delay(error, method, path, attempt)
+                if delay is None:
+                    raise
+            await self._sleep(delay)
+            attempt += 1
+
+    async def _send(self, method: str, path: str, json: Any, timeout: float, tries: int) -> dict:
         try:
             response = await self._http.request(
                 method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise connection_error(exc, self.api_base, method, path, timeout) from exc
+            raise connection_error(exc, self.api_base, method, path, timeout, tries) from exc
         return json_body(response, self.api_base)
 
     async def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:

@@ -306,6 +306,33 @@ def test_gateway_errors_are_typed_and_carry_its_message(proxy, gateway):
     assert info.value.status_code == 400 and "turns" in info.value.message
 
 
+def test_a_reward_the_gateway_refused_while_its_store_was_read_only_lands_once_it_recovers(proxy, gateway):
+    """The gateway answers 503 "not acknowledged" and recovers by itself: the SDK sends the reward
+    again after a wait (tests/test_sdk_retries.py has the rules), rather than failing the rollout."""
+    store = gateway[1].store
+    session = proxy.session()
+    _ask(session, "scored while the disk is read-only")
+
+    def read_only(on: bool) -> None:  # as tests/test_store_failures.py makes a read-only store
+        for conn in (store._conn, store._loop_conn):
+            conn.execute(f"PRAGMA query_only = {'ON' if on else 'OFF'}")
+
+    waits: list[float] = []
+
+    def wait_while_the_operator_fixes_it(seconds: float) -> None:
+        waits.append(seconds)
+        read_only(False)
+
+    proxy._sleep = wait_while_the_operator_fixes_it
+    read_only(True)
+    try:
+        answer = session.reward(0.75)
+    finally:
+        read_only(False)
+    assert answer["reward"] == 0.75 and len(waits) == 1
+    assert session.get()["reward"] == 0.75
+
+
 def test_a_reward_and_metrics_computed_with_numpy_are_posted(proxy):
     np = pytest.importorskip("numpy")
     session = proxy.session()
