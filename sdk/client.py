@@ -22,7 +22,7 @@ from sdk.errors import RLProxySDKError, connection_error, json_body
 from sdk.group import AsyncGroup, Group, _GroupBase
 from sdk.retry import DEFAULT_MAX_RETRIES, may_send_again, retry_delay
 from sdk.session import AsyncSession, Session
-from sdk.types import Score, new_id, path_id
+from sdk.types import Score, new_id, path_id, sendable
 
 DEFAULT_URL = "http://localhost:8000/v1"
 DEFAULT_TIMEOUT = 60.0
@@ -58,7 +58,7 @@ def sendable_key(key: str | None, source: str) -> str | None:
     anyway, and httpx's refusal, `Illegal header value b'Bearer <the key>'`, put the key in the
     exception text and every traceback; the gateway refuses such a key for itself just the same
     (gateway/settings_keys.py), so no gateway could accept it. The key is never repeated."""
-    if key and (key != key.strip() or not all(" " <= c <= "~" for c in key)):
+    if key and not sendable(key):
         raise ValueError(
             f"the API key ({source}) is not one an HTTP header can carry: it must be printable ASCII, with no "
             "space or newline at its ends (a file read whole keeps its last newline: strip it)"

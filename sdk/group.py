@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdk.errors import NotFoundError, RolloutsFailed
 from sdk.session import AsyncSession, Session
-from sdk.types import Score, new_id
+from sdk.types import Score, header_id, new_id
 
 if TYPE_CHECKING:  # the client imports this module, to make groups
     from sdk.client import AsyncRLProxy, RLProxy
@@ -123,7 +123,7 @@ def _too_many(outcomes: dict, max_exceptions: int, last: BaseException) -> Rollo
 class _GroupBase:
     def __init__(self, proxy: Any, id: str, split: str):
         self.proxy = proxy
-        self.id = id
+        self.id = header_id(id, "group_id")
         self.split = split
         self.closed = False  # closed (or judged) through this object
         self._n_sessions = 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sdk.types import header_id
+
 if TYPE_CHECKING:  # the client imports this module, to make sessions
     from sdk.client import AsyncRLProxy, RLProxy
 
@@ -18,13 +20,12 @@ class _SessionBase:
     def __init__(self, proxy: Any, id: str, group_id: str | None, split: str, task_id: str | None = None):
         if split not in ("train", "val"):
             raise ValueError(f"split '{split}' is not valid: use 'train' or 'val'")
-        if task_id is not None and (not isinstance(task_id, str) or not task_id):
-            raise ValueError("task_id must be a non-empty string")
         self.proxy = proxy
-        self.id = id
-        self.group_id = group_id
+        self.id = header_id(id, "session_id")
+        self.group_id = None if group_id is None else header_id(group_id, "group_id")
         self.split = split
-        self.task_id = task_id  # the task key (X-Task-Id) live groups are formed by
+        # the task key (X-Task-Id) live groups are formed by
+        self.task_id = None if task_id is None else header_id(task_id, "task_id")
         self.index: int | None = None  # position in `group.run`, if it made this session
         self.discarded = False  # discarded on the gateway through this object
 

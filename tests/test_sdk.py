@@ -97,6 +97,25 @@ def test_a_key_no_header_can_carry_is_refused_without_repeating_it(key, client_c
     assert "secret" not in str(info.value)
 
 
+@pytest.mark.parametrize("bad", ["caf\u00e9", "a\nb", " padded"])
+@pytest.mark.parametrize("client_class", [RLProxy, AsyncRLProxy])
+def test_an_id_no_header_can_carry_is_refused_when_its_session_or_group_is_made(bad, client_class):
+    """It failed only at the agent's first call: a bare UnicodeEncodeError, or the OpenAI
+    client's "Connection error." (retried first) for a newline."""
+    client = client_class("http://h:1")
+    expected = r"is not valid: use 1-128 letters, digits or \. _ : @ -"
+    for what, make in (
+        ("session_id", lambda: client.session(session_id=bad)),
+        ("group_id", lambda: client.session(group=bad)),
+        ("task_id", lambda: client.session(task_id=bad)),
+        ("group_id", lambda: client.group(bad)),
+        ("session_id", lambda: client.group().session(bad)),
+    ):
+        with pytest.raises(ValueError, match=f"^{what} .*{expected}"):
+            make()
+    assert client.session(group="ticket 12").group_id == "ticket 12"  # a header carries it: the gateway judges it
+
+
 # ---------------------------------------------------------------- blocking flows
 
 
