@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from sdk.errors import RLProxySDKError, connection_error, json_body
+from sdk.errors import RLProxySDKError, connection_error, json_body, shown_url
 from sdk.group import AsyncGroup, Group, _GroupBase
 from sdk.retry import DEFAULT_MAX_RETRIES, may_send_again, retry_delay
 from sdk.session import AsyncSession, Session
@@ -85,6 +85,7 @@ class _ClientBase:
             raise ValueError("max_retries must be 0 or more")
         self.max_retries = max_retries
         self.api_base = api_base(base_url or os.environ.get("RLPROXY_URL") or DEFAULT_URL)
+        self._shown_base = shown_url(self.api_base)  # what messages say: no password of a basic-auth URL
         if api_key is not None:
             self.api_key = sendable_key(api_key, "api_key=")
         else:
@@ -105,8 +106,8 @@ class _ClientBase:
             log.info("%s %s failed (%s); sending it again in %.2g s", method, path, error, delay)
         return delay
 
-    def __repr__(self) -> str:  # never shows the key
-        return f"{type(self).__name__}({self.api_base!r})"
+    def __repr__(self) -> str:  # never shows the key, nor a password in the URL
+        return f"{type(self).__name__}({self._shown_base!r})"
 
     @staticmethod
     def _session_path(session_id: str, route: str = "") -> str:
@@ -216,8 +217,8 @@ class RLProxy(_ClientBase):
                 method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise connection_error(exc, self.api_base, method, path, timeout, tries) from exc
-        return json_body(response, self.api_base)
+            raise connection_error(exc, self._shown_base, method, path, timeout, tries) from exc
+        return json_body(response, self._shown_base, path)
 
     def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
         return self._request("POST", self._session_path(session_id, "/reward"), self._reward_body(value, metrics))
@@ -324,8 +325,8 @@ class AsyncRLProxy(_ClientBase):
                 method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise connection_error(exc, self.api_base, method, path, timeout, tries) from exc
-        return json_body(response, self.api_base)
+            raise connection_error(exc, self._shown_base, method, path, timeout, tries) from exc
+        return json_body(response, self._shown_base, path)
 
     async def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
         return await self._request("POST", self._session_path(session_id, "/reward"), self._reward_body(value, metrics))

@@ -11,8 +11,18 @@ import re
 import time
 from email.utils import parsedate_to_datetime
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
+
+
+def shown_url(url: str) -> str:
+    """`url` as messages and reprs show it: the user and password of `https://user:pass@host/v1` (a
+    reverse proxy's basic auth) starred out, since errors end up in logs and tracebacks."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 class RLProxySDKError(Exception):
@@ -184,17 +194,18 @@ def raise_for_response(response: httpx.Response) -> None:
     raise error_for(response.status_code, body, response.text[:500], retry_after)
 
 
-def json_body(response: httpx.Response, api_base: str) -> Any:
+def json_body(response: httpx.Response, api_base: str, path: str) -> Any:
     """A success's JSON, or the typed error for a failure. A success that is not JSON (a login
-    proxy's HTML page, another server at that URL) is an error too, naming the URL to check:
-    the bare JSONDecodeError said nothing of where the answer came from."""
+    proxy's HTML page, another server at that URL) is an error too, naming the URL to check
+    (`api_base` as `shown_url` shows it): the bare JSONDecodeError said nothing of where the
+    answer came from."""
     raise_for_response(response)
     try:
         return response.json()
     except ValueError:
         kind = response.headers.get("content-type") or "no Content-Type"
         raise RLProxyAPIError(
-            f"{response.request.method} {response.request.url} answered {response.status_code} with {kind}, "
+            f"{response.request.method} {api_base}{path} answered {response.status_code} with {kind}, "
             f"not JSON: check that {api_base} (base_url, or $RLPROXY_URL) is the URL of an rlproxy gateway",
             status_code=response.status_code,
             type="invalid_response",

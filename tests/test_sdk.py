@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import subprocess
 import sys
@@ -455,6 +456,34 @@ def test_a_server_that_is_not_the_gateway_is_named_in_the_error():
         await http.aclose()
 
     asyncio.run(asynchronously())
+
+
+def test_a_password_in_the_base_url_is_used_but_never_shown():
+    """A reverse proxy's basic auth in the URL (`https://user:pass@host/v1`): repr and every
+    error message (the retry log lines too) printed the password."""
+    seen: list[str | None] = []
+
+    def login_page(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, html="<html>Sign in</html>")
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    url = "http://bob:hunter2-pass@gateway.example/v1"
+    texts = []
+    for answer in (login_page, slow, refused):
+        with RLProxy(url, max_retries=0, http_client=httpx.Client(transport=httpx.MockTransport(answer))) as p:
+            texts.append(repr(p))
+            with pytest.raises(sdk.RLProxySDKError) as info:
+                p.get_group("grp-1")
+            texts.append(str(info.value))
+    assert seen == ["Basic " + base64.b64encode(b"bob:hunter2-pass").decode()]  # still sent
+    assert all("hunter2" not in text and "bob" not in text for text in texts), texts
+    assert "GET http://***@gateway.example/v1/groups/grp-1 answered 200" in texts[1]
 
 
 # ---------------------------------------------------------------- asyncio flows
