@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import threading
 import time
 from numbers import Real
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -34,11 +36,25 @@ RULER_TIMEOUT = 1260.0
 log = logging.getLogger("rlproxy.sdk")
 
 
+# The session-in-the-base-URL forms (gateway/http/session_url.py), for clients that cannot set headers.
+_SESSION_IN_PATH = re.compile(r"/(?:(?:groups|tasks)/[^/]+/)?sessions/[^/]+$")
+
+
 def api_base(url: str) -> str:
-    """`http://host:8000`, `.../v1` or `.../v1/` -> `http://host:8000/v1`."""
+    """`http://host:8000`, `.../v1` or `.../v1/` -> `http://host:8000/v1`; a path before it is kept.
+
+    A session's own base URL (`{gateway}/groups/g/sessions/s/v1`) is refused: the gateway would
+    put the client's every session into that group (or task), whose path adds X-Group-Id where
+    the call has none, so a `proxy.session()` without a group silently joined group `g`."""
     root = url.strip().rstrip("/")
     if root.endswith("/v1"):
         root = root[: -len("/v1")]
+    if _SESSION_IN_PATH.search(urlsplit(root).path):
+        raise ValueError(
+            f"base_url {shown_url(url.strip())!r} is one session's URL (.../sessions/ID, for a client that cannot "
+            "send headers); give the gateway's own URL (http://host:8000/v1): each session the SDK makes sends "
+            "its ids as headers"
+        )
     return root + "/v1"
 
 

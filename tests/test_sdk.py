@@ -76,6 +76,16 @@ def test_importing_the_sdk_loads_nothing_heavy():
 @pytest.mark.parametrize("given", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
 def test_base_url_with_or_without_v1(given):
     assert api_base(given) == "http://h:8000/v1"
+    assert api_base(given.replace("h:8000", "h:8000/rlproxy")) == "http://h:8000/rlproxy/v1"  # behind a path
+
+
+@pytest.mark.parametrize("path", ["/sessions/s1/v1", "/groups/g1/sessions/s1/v1/", "/tasks/t1/sessions/s1"])
+@pytest.mark.parametrize("client_class", [RLProxy, AsyncRLProxy])
+def test_a_sessions_own_base_url_is_refused_naming_the_gateways(path, client_class):
+    """The gateway puts every call through `/groups/g1/sessions/...` into group g1 unless the call
+    names its own: each `proxy.session()` without a group silently joined it."""
+    with pytest.raises(ValueError, match=r"is one session's URL .* give the gateway's own URL"):
+        client_class("http://h:8000" + path)
 
 
 def test_the_key_is_never_shown():
