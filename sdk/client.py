@@ -11,20 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import threading
 import time
-from numbers import Real
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
 from sdk.errors import RLProxySDKError, connection_error, json_body, shown_url
 from sdk.group import AsyncGroup, Group, _GroupBase
+from sdk.inputs import api_base, json_number, sendable_key
 from sdk.retry import DEFAULT_MAX_RETRIES, may_send_again, retry_delay
 from sdk.session import AsyncSession, Session
-from sdk.types import Score, new_id, path_id, sendable
+from sdk.types import Score, new_id, path_id
 
 DEFAULT_URL = "http://localhost:8000/v1"
 DEFAULT_TIMEOUT = 60.0
@@ -36,28 +34,6 @@ RULER_TIMEOUT = 1260.0
 log = logging.getLogger("rlproxy.sdk")
 
 
-# The session-in-the-base-URL forms (gateway/http/session_url.py), for clients that cannot set headers.
-_SESSION_IN_PATH = re.compile(r"/(?:(?:groups|tasks)/[^/]+/)?sessions/[^/]+$")
-
-
-def api_base(url: str) -> str:
-    """`http://host:8000`, `.../v1` or `.../v1/` -> `http://host:8000/v1`; a path before it is kept.
-
-    A session's own base URL (`{gateway}/groups/g/sessions/s/v1`) is refused: the gateway would
-    put the client's every session into that group (or task), whose path adds X-Group-Id where
-    the call has none, so a `proxy.session()` without a group silently joined group `g`."""
-    root = url.strip().rstrip("/")
-    if root.endswith("/v1"):
-        root = root[: -len("/v1")]
-    if _SESSION_IN_PATH.search(urlsplit(root).path):
-        raise ValueError(
-            f"base_url {shown_url(url.strip())!r} is one session's URL (.../sessions/ID, for a client that cannot "
-            "send headers); give the gateway's own URL (http://host:8000/v1): each session the SDK makes sends "
-            "its ids as headers"
-        )
-    return root + "/v1"
-
-
 def _import_openai() -> Any:
     try:
         import openai
@@ -67,19 +43,6 @@ def _import_openai() -> Any:
             "or pass session.headers() to the client you use"
         ) from None
     return openai
-
-
-def sendable_key(key: str | None, source: str) -> str | None:
-    """`key` if a header can carry it. One it cannot (a file read whole keeps its last newline) was sent
-    anyway, and httpx's refusal, `Illegal header value b'Bearer <the key>'`, put the key in the
-    exception text and every traceback; the gateway refuses such a key for itself just the same
-    (gateway/settings_keys.py), so no gateway could accept it. The key is never repeated."""
-    if key and not sendable(key):
-        raise ValueError(
-            f"the API key ({source}) is not one an HTTP header can carry: it must be printable ASCII, with no "
-            "space or newline at its ends (a file read whole keeps its last newline: strip it)"
-        )
-    return key
 
 
 def scores_from(body: dict) -> list[Score]:
@@ -135,13 +98,9 @@ class _ClientBase:
 
     @staticmethod
     def _reward_body(value: float, metrics: dict[str, float] | None) -> dict:
-        # numpy's numbers (np.int64(3), np.float32(0.5)) are numbers but not JSON's: sent
-        # as floats, else the request never left (TypeError: ... is not JSON serializable).
-        # Anything else goes as it is, for the gateway to say what is wrong with it.
-        as_sent = {
-            k: float(v) if isinstance(v, Real) and not isinstance(v, bool) else v for k, v in (metrics or {}).items()
-        }
-        return {"reward": float(value), "metrics": as_sent}
+        as_sent = {name: json_number(v, f"metrics[{name!r}]") for name, v in (metrics or {}).items()}
+        reward = float(value) if isinstance(value, bool) else json_number(value, "reward")  # True: 1.0, as ever
+        return {"reward": reward, "metrics": as_sent}
 
     @staticmethod
     def _discard_body(reason: str | None) -> dict:

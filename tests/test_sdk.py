@@ -371,6 +371,22 @@ def test_a_reward_and_metrics_computed_with_numpy_are_posted(proxy):
     assert answer["reward"] == 0.5 and answer["metrics"] == {"steps": 3.0, "score": 0.25, "ok": 1.0}
 
 
+def test_a_reward_json_cannot_carry_is_named_and_a_string_is_left_to_the_gateway(proxy):
+    """NaN failed as httpx's "Out of range float values are not JSON compliant" (which value?),
+    and "0.5" was float()ed into a reward the gateway refuses as a client's bug."""
+    session = proxy.session()
+    _ask(session, "scored badly")
+    with pytest.raises(ValueError, match=r"^reward is nan: a reward and its metrics must be finite numbers"):
+        session.reward(float("nan"))
+    with pytest.raises(ValueError, match=r"^metrics\['loss'\] is -inf: "):
+        session.reward(0.5, metrics={"steps": 3, "loss": float("-inf")})
+    with pytest.raises(BadRequestError) as info:
+        session.reward("0.5")  # type: ignore[arg-type]
+    assert info.value.param == "reward"
+    assert session.get()["reward"] is None  # none of them was recorded
+    assert session.reward(True)["reward"] == 1.0  # a bool still counts as 0 or 1
+
+
 def test_an_id_names_only_itself_never_another_session_or_route(proxy):
     """Ids come from the agent's world (a ticket number, a user's name): one holding `#`, `?`
     or `/` reaches the gateway whole, or is refused, and never reads or writes something else."""
