@@ -242,6 +242,26 @@ def test_sessions_and_headers_for_any_client(proxy, gateway):
     assert recorded["split"] == "val" and recorded["group_id"] == "g-headers" and recorded["reward"] == 0.5
 
 
+def test_a_sessions_base_url_ties_calls_of_a_client_without_headers_to_it(proxy, gateway):
+    """For an agent that takes a base URL and a key but no headers (the README's URL form)."""
+    openai = pytest.importorskip("openai")
+    server, _ = gateway
+    grouped, alone = proxy.session(group="g-url:1"), proxy.session()
+    assert grouped.base_url() == f"{server.url}/groups/g-url%3A1/sessions/{grouped.id}/v1"
+    assert alone.base_url(v1=False) == f"{server.url}/sessions/{alone.id}"
+    for session in (grouped, alone):
+        client = openai.OpenAI(base_url=session.base_url(), api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "by URL"}])
+        assert reply.choices[0].message.content == "by URL"
+        client.close()
+        recorded = session.get()
+        assert recorded["group_id"] == session.group_id and len(recorded["calls"]) == 1
+    live = proxy.session(task_id="billing")
+    assert live.base_url() == f"{server.url}/tasks/billing/sessions/{live.id}/v1"
+    with pytest.raises(ValueError, match="cannot carry the split"):
+        proxy.session(split="val").base_url()
+
+
 def test_a_session_made_by_the_proxy_for_a_group_object_is_one_of_the_group(proxy, gateway):
     """`proxy.session(group=group)` (docs/agents.md) as `group.session()`: the group's split (a
     train session in a val group was refused with 409 at its first call), and the group closes
