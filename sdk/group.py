@@ -44,11 +44,20 @@ class RunResult:
         return len(self.exceptions)
 
 
+ASYNC_ROLLOUT = (
+    "the rollout is a coroutine function, which a blocking Group runs without awaiting it (nothing ran): "
+    "use AsyncRLProxy and `await group.run(...)`"
+)
+
+
 def _as_reward(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, Real):
         return float(value)
+    if inspect.iscoroutine(value):  # a lambda or partial around an async rollout
+        value.close()  # never awaited: closed, so Python does not warn of it at some later collection
+        raise TypeError(ASYNC_ROLLOUT)
     raise TypeError(f"a rollout must return a reward (a number) or None, not {type(value).__name__}")
 
 
@@ -187,6 +196,8 @@ class Group(_GroupBase):
         others' rewards and the trainer never trains on it.
         """
         workers = _check_run_args(n, concurrency, max_exceptions)
+        if inspect.iscoroutinefunction(rollout):  # each would "fail" with a coroutine for a reward
+            raise TypeError(ASYNC_ROLLOUT)
         outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
 
         def one(session: Session) -> float | None:

@@ -227,6 +227,19 @@ def test_a_rollout_must_return_a_number_or_none(proxy):
     assert isinstance(result.exceptions[0], TypeError)
 
 
+def test_an_async_rollout_given_to_a_blocking_group_says_to_use_the_async_client(proxy):
+    """It ran nothing: each rollout "raised" TypeError "... not coroutine", and Python warned
+    that the coroutine was never awaited."""
+
+    async def rollout(session):
+        return 1.0
+
+    with pytest.raises(TypeError, match=r"coroutine function.*use AsyncRLProxy"):
+        proxy.group().run(rollout, n=2)
+    result = proxy.group().run(lambda session: rollout(session), n=1, max_exceptions=1)  # hidden in a lambda
+    assert "use AsyncRLProxy" in str(result.exceptions[0])
+
+
 def test_sessions_and_headers_for_any_client(proxy, gateway):
     server, services = gateway
     session = proxy.session(group="g-headers", split="val")
