@@ -130,6 +130,8 @@ def _too_many(outcomes: dict, max_exceptions: int, last: BaseException) -> Rollo
 
 
 class _GroupBase:
+    _session_class: type
+
     def __init__(self, proxy: Any, id: str, split: str):
         self.proxy = proxy
         self.id = header_id(id, "group_id")
@@ -141,6 +143,12 @@ class _GroupBase:
     def _new_session(
         self, cls: type, session_id: str | None, split: str | None = None, task_id: str | None = None
     ) -> Any:
+        if cls is not self._session_class:  # a blocking client's session of an asyncio group, or back
+            # Bound to this group's client, its reward() returned a coroutine nobody awaited: never posted.
+            raise TypeError(
+                f"group {self.id!r} belongs to the {type(self.proxy).__name__} that made it: make its sessions with "
+                "group.session() or that client's session(group=...)"
+            )
         if split is not None and split != self.split:  # the gateway would refuse its first call (409)
             raise ValueError(
                 f"split '{split}' is not the split of group {self.id!r} ('{self.split}'): a group holds one split, "
@@ -162,6 +170,7 @@ class Group(_GroupBase):
     """Blocking group; made by `RLProxy.group()`."""
 
     proxy: RLProxy
+    _session_class = Session
 
     def session(self, session_id: str | None = None) -> Session:
         return self._new_session(Session, session_id)
@@ -250,6 +259,7 @@ class AsyncGroup(_GroupBase):
     """asyncio group; made by `AsyncRLProxy.group()`."""
 
     proxy: AsyncRLProxy
+    _session_class = AsyncSession
 
     def session(self, session_id: str | None = None) -> AsyncSession:
         return self._new_session(AsyncSession, session_id)

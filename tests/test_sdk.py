@@ -291,6 +291,17 @@ def test_a_session_made_by_the_proxy_for_a_group_object_is_one_of_the_group(prox
     assert proxy.session(group="by-id").split == "train"  # a group id alone: the default split
 
 
+def test_a_group_of_the_other_kind_of_client_is_refused(proxy):
+    """A blocking session of an asyncio group was bound to the AsyncRLProxy: its reward()
+    returned a coroutine nobody awaited, and the reward was never posted, without an error."""
+    other = AsyncRLProxy(proxy.api_base)
+    with pytest.raises(TypeError, match=r"group '.*' belongs to the AsyncRLProxy that made it: make its sessions"):
+        proxy.session(group=other.group())
+    with pytest.raises(TypeError, match=r"belongs to the RLProxy that made it"):
+        other.session(group=proxy.group())
+    asyncio.run(other.close())
+
+
 def test_a_session_with_a_task_id_instead_of_a_group(upstream, tmp_path):
     """Live traffic: sessions opened with `task_id` carry X-Task-Id, are recorded under that task
     key, and once rewarded the gateway gathers them into a live group of that task."""
