@@ -647,8 +647,11 @@ def test_public_api_is_exported():
         "BadRequestError",
         "AuthenticationError",
         "ServerError",
+        "RateLimitError",
+        "RequestTooLargeError",
+        "APITimeoutError",
     ):
-        assert hasattr(sdk, name), name
+        assert hasattr(sdk, name) and name in sdk.__all__, name
     assert json.dumps(sdk.__all__)
 
 
