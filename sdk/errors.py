@@ -51,6 +51,12 @@ def connection_error(
 ) -> APIConnectionError:
     """What went wrong on the way: a gateway that was reached but did not answer in time is not
     one that could not be reached, and what it was asked may have taken effect."""
+    if isinstance(exc, httpx.PoolTimeout):  # it never left: it was the "may have taken effect" timeout
+        return APIConnectionError(
+            f"{method} {api_base}{path}: no connection of the client's pool came free within {timeout:g} s, so it "
+            "was not sent; more requests at once than its pool holds (100 by default) wait: lower concurrency= "
+            "or pass http_client= with larger httpx.Limits"
+        )
     if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
         return APITimeoutError(
             f"{method} {api_base}{path}: no answer within {timeout:g} s; the request may still have taken effect "

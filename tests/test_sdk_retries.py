@@ -187,3 +187,13 @@ def test_error_bodies_not_in_openai_shape_keep_their_message(body):
     with proxy, pytest.raises(ConflictError) as info:
         proxy.get_group("grp-1")
     assert info.value.message == "the gateway's words"
+
+
+def test_a_request_that_waited_for_a_pooled_connection_in_vain_says_it_was_not_sent():
+    # It read "no answer within 60 s; the request may still have taken effect" of a request never sent.
+    def script() -> Script:
+        return Script(httpx.PoolTimeout("pool"))
+
+    for error, sent, waits in _both(script, "reward", "sess-1", 0.5):
+        assert type(error) is APIConnectionError and "so it was not sent" in str(error)
+        assert "may still have taken effect" not in str(error) and len(sent.requests) == 1 and waits == []
