@@ -8,15 +8,19 @@ make them, so this module imports `sdk.session` and `sdk.group` and never the ot
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import threading
-from numbers import Real
+import time
 from typing import Any
 
 import httpx
 
-from sdk.errors import RLProxySDKError, connection_error, json_body
+from sdk.errors import RLProxySDKError, connection_error, json_body, shown_url
 from sdk.group import AsyncGroup, Group, _GroupBase
+from sdk.inputs import api_base, json_number, sendable_key
+from sdk.retry import DEFAULT_MAX_RETRIES, may_send_again, retry_delay
 from sdk.session import AsyncSession, Session
 from sdk.types import Score, new_id, path_id
 
@@ -27,13 +31,7 @@ DEFAULT_TIMEOUT = 60.0
 # SDK waits a little longer than that rather than give up on a judgement that still lands.
 RULER_TIMEOUT = 1260.0
 
-
-def api_base(url: str) -> str:
-    """`http://host:8000`, `.../v1` or `.../v1/` -> `http://host:8000/v1`."""
-    root = url.strip().rstrip("/")
-    if root.endswith("/v1"):
-        root = root[: -len("/v1")]
-    return root + "/v1"
+log = logging.getLogger("rlproxy.sdk")
 
 
 def _import_openai() -> Any:
@@ -54,9 +52,23 @@ def scores_from(body: dict) -> list[Score]:
 class _ClientBase:
     """Where the gateway is and how to authenticate; shared by both clients."""
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+    ):
+        if max_retries < 0:
+            raise ValueError("max_retries must be 0 or more")
+        self.max_retries = max_retries
         self.api_base = api_base(base_url or os.environ.get("RLPROXY_URL") or DEFAULT_URL)
-        self.api_key = api_key if api_key is not None else os.environ.get("RLPROXY_API_KEY")
+        self._shown_base = shown_url(self.api_base)  # what messages say: no password of a basic-auth URL
+        if api_key is not None:
+            self.api_key = sendable_key(api_key, "api_key=")
+        else:
+            self.api_key = sendable_key(os.environ.get("RLPROXY_API_KEY"), "$RLPROXY_API_KEY")
         self.timeout = timeout
 
     def _openai_options(self) -> dict[str, Any]:
@@ -66,8 +78,15 @@ class _ClientBase:
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def __repr__(self) -> str:  # never shows the key
-        return f"{type(self).__name__}({self.api_base!r})"
+    def _retry_delay(self, error: RLProxySDKError, method: str, path: str, attempt: int) -> float | None:
+        retries = self.max_retries if may_send_again(path) else 0
+        delay = retry_delay(error, attempt, retries)
+        if delay is not None:
+            log.info("%s %s failed (%s); sending it again in %.2g s", method, path, error, delay)
+        return delay
+
+    def __repr__(self) -> str:  # never shows the key, nor a password in the URL
+        return f"{type(self).__name__}({self._shown_base!r})"
 
     @staticmethod
     def _session_path(session_id: str, route: str = "") -> str:
@@ -79,13 +98,9 @@ class _ClientBase:
 
     @staticmethod
     def _reward_body(value: float, metrics: dict[str, float] | None) -> dict:
-        # numpy's numbers (np.int64(3), np.float32(0.5)) are numbers but not JSON's: sent
-        # as floats, else the request never left (TypeError: ... is not JSON serializable).
-        # Anything else goes as it is, for the gateway to say what is wrong with it.
-        as_sent = {
-            k: float(v) if isinstance(v, Real) and not isinstance(v, bool) else v for k, v in (metrics or {}).items()
-        }
-        return {"reward": float(value), "metrics": as_sent}
+        as_sent = {name: json_number(v, f"metrics[{name!r}]") for name, v in (metrics or {}).items()}
+        reward = float(value) if isinstance(value, bool) else json_number(value, "reward")  # True: 1.0, as ever
+        return {"reward": reward, "metrics": as_sent}
 
     @staticmethod
     def _discard_body(reason: str | None) -> dict:
@@ -105,7 +120,9 @@ class RLProxy(_ClientBase):
     """Blocking client. `RLProxy("http://localhost:8000/v1")`; use as a context manager or call `close()`.
 
     `base_url` defaults to `$RLPROXY_URL` (then http://localhost:8000/v1), `api_key` to
-    `$RLPROXY_API_KEY`. Safe to share between threads (`group.run` does).
+    `$RLPROXY_API_KEY`. Safe to share between threads (`group.run` does). A request the gateway
+    did not take (503, 429, the connection refused or dropped) is sent again up to `max_retries`
+    times, after its Retry-After (up to 30 s) or 0.25 s, 0.5 s, ...; RULER never (`sdk.retry`).
     """
 
     def __init__(
@@ -114,9 +131,11 @@ class RLProxy(_ClientBase):
         api_key: str | None = None,
         *,
         timeout: float = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         http_client: httpx.Client | None = None,
     ):
-        super().__init__(base_url, api_key, timeout=timeout)
+        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries)
+        self._sleep = time.sleep
         self._http = http_client or httpx.Client(timeout=timeout)
         self._owns_http = http_client is None
         self._openai: Any = None
@@ -156,14 +175,25 @@ class RLProxy(_ClientBase):
     # -- the HTTP routes
 
     def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
-        timeout = timeout or self.timeout
+        attempt = 0
+        while True:
+            try:
+                return self._send(method, path, json, timeout or self.timeout, attempt + 1)
+            except RLProxySDKError as error:
+                delay = self._retry_delay(error, method, path, attempt)
+                if delay is None:
+                    raise
+            self._sleep(delay)
+            attempt += 1
+
+    def _send(self, method: str, path: str, json: Any, timeout: float, tries: int) -> dict:
         try:
             response = self._http.request(
                 method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise connection_error(exc, self.api_base, method, path, timeout) from exc
-        return json_body(response, self.api_base)
+            raise connection_error(exc, self._shown_base, method, path, timeout, tries) from exc
+        return json_body(response, self._shown_base, path)
 
     def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
         return self._request("POST", self._session_path(session_id, "/reward"), self._reward_body(value, metrics))
@@ -222,9 +252,11 @@ class AsyncRLProxy(_ClientBase):
         api_key: str | None = None,
         *,
         timeout: float = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         http_client: httpx.AsyncClient | None = None,
     ):
-        super().__init__(base_url, api_key, timeout=timeout)
+        super().__init__(base_url, api_key, timeout=timeout, max_retries=max_retries)
+        self._sleep = asyncio.sleep
         self._http = http_client or httpx.AsyncClient(timeout=timeout)
         self._owns_http = http_client is None
         self._openai: Any = None
@@ -251,14 +283,25 @@ class AsyncRLProxy(_ClientBase):
         return AsyncGroup(self, id or new_id("grp"), split)
 
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> dict:
-        timeout = timeout or self.timeout
+        attempt = 0
+        while True:
+            try:
+                return await self._send(method, path, json, timeout or self.timeout, attempt + 1)
+            except RLProxySDKError as error:
+                delay = self._retry_delay(error, method, path, attempt)
+                if delay is None:
+                    raise
+            await self._sleep(delay)
+            attempt += 1
+
+    async def _send(self, method: str, path: str, json: Any, timeout: float, tries: int) -> dict:
         try:
             response = await self._http.request(
                 method, self.api_base + path, json=json, headers=self._auth_headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise connection_error(exc, self.api_base, method, path, timeout) from exc
-        return json_body(response, self.api_base)
+            raise connection_error(exc, self._shown_base, method, path, timeout, tries) from exc
+        return json_body(response, self._shown_base, path)
 
     async def reward(self, session_id: str, value: float, metrics: dict[str, float] | None = None) -> dict:
         return await self._request("POST", self._session_path(session_id, "/reward"), self._reward_body(value, metrics))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdk.errors import NotFoundError, RolloutsFailed
 from sdk.session import AsyncSession, Session
-from sdk.types import Score, new_id
+from sdk.types import Score, header_id, new_id
 
 if TYPE_CHECKING:  # the client imports this module, to make groups
     from sdk.client import AsyncRLProxy, RLProxy
@@ -44,11 +44,20 @@ class RunResult:
         return len(self.exceptions)
 
 
+ASYNC_ROLLOUT = (
+    "the rollout is a coroutine function, which a blocking Group runs without awaiting it (nothing ran): "
+    "use AsyncRLProxy and `await group.run(...)`"
+)
+
+
 def _as_reward(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, Real):
         return float(value)
+    if inspect.iscoroutine(value):  # a lambda or partial around an async rollout
+        value.close()  # never awaited: closed, so Python does not warn of it at some later collection
+        raise TypeError(ASYNC_ROLLOUT)
     raise TypeError(f"a rollout must return a reward (a number) or None, not {type(value).__name__}")
 
 
@@ -121,9 +130,11 @@ def _too_many(outcomes: dict, max_exceptions: int, last: BaseException) -> Rollo
 
 
 class _GroupBase:
+    _session_class: type
+
     def __init__(self, proxy: Any, id: str, split: str):
         self.proxy = proxy
-        self.id = id
+        self.id = header_id(id, "group_id")
         self.split = split
         self.closed = False  # closed (or judged) through this object
         self._n_sessions = 0
@@ -132,6 +143,12 @@ class _GroupBase:
     def _new_session(
         self, cls: type, session_id: str | None, split: str | None = None, task_id: str | None = None
     ) -> Any:
+        if cls is not self._session_class:  # a blocking client's session of an asyncio group, or back
+            # Bound to this group's client, its reward() returned a coroutine nobody awaited: never posted.
+            raise TypeError(
+                f"group {self.id!r} belongs to the {type(self.proxy).__name__} that made it: make its sessions with "
+                "group.session() or that client's session(group=...)"
+            )
         if split is not None and split != self.split:  # the gateway would refuse its first call (409)
             raise ValueError(
                 f"split '{split}' is not the split of group {self.id!r} ('{self.split}'): a group holds one split, "
@@ -153,6 +170,7 @@ class Group(_GroupBase):
     """Blocking group; made by `RLProxy.group()`."""
 
     proxy: RLProxy
+    _session_class = Session
 
     def session(self, session_id: str | None = None) -> Session:
         return self._new_session(Session, session_id)
@@ -187,6 +205,8 @@ class Group(_GroupBase):
         others' rewards and the trainer never trains on it.
         """
         workers = _check_run_args(n, concurrency, max_exceptions)
+        if inspect.iscoroutinefunction(rollout):  # each would "fail" with a coroutine for a reward
+            raise TypeError(ASYNC_ROLLOUT)
         outcomes: dict[int, tuple[Any, float | None, BaseException | None]] = {}
 
         def one(session: Session) -> float | None:
@@ -239,6 +259,7 @@ class AsyncGroup(_GroupBase):
     """asyncio group; made by `AsyncRLProxy.group()`."""
 
     proxy: AsyncRLProxy
+    _session_class = AsyncSession
 
     def session(self, session_id: str | None = None) -> AsyncSession:
         return self._new_session(AsyncSession, session_id)

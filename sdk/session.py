@@ -9,6 +9,9 @@ of one task into groups itself (`rlproxy serve --live-group-size K`).
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from sdk.types import header_id
 
 if TYPE_CHECKING:  # the client imports this module, to make sessions
     from sdk.client import AsyncRLProxy, RLProxy
@@ -18,13 +21,12 @@ class _SessionBase:
     def __init__(self, proxy: Any, id: str, group_id: str | None, split: str, task_id: str | None = None):
         if split not in ("train", "val"):
             raise ValueError(f"split '{split}' is not valid: use 'train' or 'val'")
-        if task_id is not None and (not isinstance(task_id, str) or not task_id):
-            raise ValueError("task_id must be a non-empty string")
         self.proxy = proxy
-        self.id = id
-        self.group_id = group_id
+        self.id = header_id(id, "session_id")
+        self.group_id = None if group_id is None else header_id(group_id, "group_id")
         self.split = split
-        self.task_id = task_id  # the task key (X-Task-Id) live groups are formed by
+        # the task key (X-Task-Id) live groups are formed by
+        self.task_id = None if task_id is None else header_id(task_id, "task_id")
         self.index: int | None = None  # position in `group.run`, if it made this session
         self.discarded = False  # discarded on the gateway through this object
 
@@ -36,6 +38,29 @@ class _SessionBase:
         if self.task_id is not None:
             headers["X-Task-Id"] = self.task_id
         return headers
+
+    def base_url(self, v1: bool = True) -> str:
+        """This session's own base URL, `{gateway}/groups/{group}/sessions/{id}/v1` (or
+        `/tasks/{task}/...`, or no group): for a client that takes a base URL and a key but no
+        headers (a CLI agent's OPENAI_BASE_URL). `v1=False` leaves `/v1` off, for Anthropic's
+        client, which adds it itself. The URL has no place for the split: a val session's
+        calls need `headers()`."""
+        if self.split != "train":
+            raise ValueError(
+                f"session {self.id!r} is a '{self.split}' session and a base URL cannot carry the split (calls "
+                "through it count as 'train'): send headers() with its calls instead"
+            )
+        if self.group_id is not None and self.task_id is not None:
+            raise ValueError(
+                f"session {self.id!r} has a group and a task_id, and a base URL names one: send headers() instead"
+            )
+        prefix = ""
+        if self.group_id is not None:
+            prefix = f"/groups/{quote(self.group_id, safe='')}"
+        elif self.task_id is not None:
+            prefix = f"/tasks/{quote(self.task_id, safe='')}"
+        root = self.proxy.api_base.removesuffix("/v1")
+        return f"{root}{prefix}/sessions/{quote(self.id, safe='')}" + ("/v1" if v1 else "")
 
     def openai_client(self, **options: Any):
         """An OpenAI client (`OpenAI`, or `AsyncOpenAI` for an async session) pointed at the

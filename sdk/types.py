@@ -12,6 +12,26 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
+def sendable(text: str) -> bool:
+    """Whether an HTTP header can carry `text` as it is: printable ASCII, no space at its ends (a
+    server drops those, and a newline would end the header)."""
+    return text == text.strip() and all(" " <= c <= "~" for c in text)
+
+
+def header_id(value: object, what: str) -> str:
+    """An id the session's calls carry as a header (X-Session-Id, X-Group-Id, X-Task-Id).
+
+    One no header can carry failed only at the agent's first call, as a bare UnicodeEncodeError
+    (`é`) or the OpenAI client's "Connection error." (a newline), retried first. Anything else a
+    header carries goes as it is, for the gateway's own check to say what is wrong with it."""
+    if not isinstance(value, str) or not value or not sendable(value):
+        raise ValueError(
+            f"{what} {value!r:.70} is not valid: use 1-128 letters, digits or . _ : @ -, "
+            "starting with a letter or digit"
+        )
+    return value
+
+
 def path_id(value: str, what: str) -> str:
     """An id as one segment of a route's path, so that it can only ever name itself.
 

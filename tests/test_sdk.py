@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import subprocess
 import sys
@@ -75,12 +76,55 @@ def test_importing_the_sdk_loads_nothing_heavy():
 @pytest.mark.parametrize("given", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
 def test_base_url_with_or_without_v1(given):
     assert api_base(given) == "http://h:8000/v1"
+    assert api_base(given.replace("h:8000", "h:8000/rlproxy")) == "http://h:8000/rlproxy/v1"  # behind a path
+
+
+@pytest.mark.parametrize("path", ["/sessions/s1/v1", "/groups/g1/sessions/s1/v1/", "/tasks/t1/sessions/s1"])
+@pytest.mark.parametrize("client_class", [RLProxy, AsyncRLProxy])
+def test_a_sessions_own_base_url_is_refused_naming_the_gateways(path, client_class):
+    """The gateway puts every call through `/groups/g1/sessions/...` into group g1 unless the call
+    names its own: each `proxy.session()` without a group silently joined it."""
+    with pytest.raises(ValueError, match=r"is one session's URL .* give the gateway's own URL"):
+        client_class("http://h:8000" + path)
 
 
 def test_the_key_is_never_shown():
     client = RLProxy("http://h:1", api_key="sk-sdk-secret-key")
     assert "sk-sdk-secret-key" not in repr(client) and "sk-sdk-secret-key" not in repr(client.session())
     client.close()
+
+
+@pytest.mark.parametrize("key", ["sk-sdk-secret-key\n", " sk-sdk-secret-key", "sk-sdk-secret-k\u00e9y"])
+@pytest.mark.parametrize("client_class", [RLProxy, AsyncRLProxy])
+def test_a_key_no_header_can_carry_is_refused_without_repeating_it(key, client_class, monkeypatch):
+    """It was sent anyway: httpx refused it with `Illegal header value b'Bearer <the key>'`, the
+    key in the APIConnectionError's text and its traceback (or a bare UnicodeEncodeError)."""
+    with pytest.raises(ValueError, match=r"the API key \(api_key=\) is not one an HTTP header can carry") as info:
+        client_class("http://h:1", api_key=key)
+    assert "secret" not in str(info.value)
+    monkeypatch.setenv("RLPROXY_API_KEY", key)
+    with pytest.raises(ValueError, match=r"\(\$RLPROXY_API_KEY\)") as info:
+        client_class("http://h:1")
+    assert "secret" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["caf\u00e9", "a\nb", " padded"])
+@pytest.mark.parametrize("client_class", [RLProxy, AsyncRLProxy])
+def test_an_id_no_header_can_carry_is_refused_when_its_session_or_group_is_made(bad, client_class):
+    """It failed only at the agent's first call: a bare UnicodeEncodeError, or the OpenAI
+    client's "Connection error." (retried first) for a newline."""
+    client = client_class("http://h:1")
+    expected = r"is not valid: use 1-128 letters, digits or \. _ : @ -"
+    for what, make in (
+        ("session_id", lambda: client.session(session_id=bad)),
+        ("group_id", lambda: client.session(group=bad)),
+        ("task_id", lambda: client.session(task_id=bad)),
+        ("group_id", lambda: client.group(bad)),
+        ("session_id", lambda: client.group().session(bad)),
+    ):
+        with pytest.raises(ValueError, match=f"^{what} .*{expected}"):
+            make()
+    assert client.session(group="ticket 12").group_id == "ticket 12"  # a header carries it: the gateway judges it
 
 
 # ---------------------------------------------------------------- blocking flows
@@ -183,6 +227,19 @@ def test_a_rollout_must_return_a_number_or_none(proxy):
     assert isinstance(result.exceptions[0], TypeError)
 
 
+def test_an_async_rollout_given_to_a_blocking_group_says_to_use_the_async_client(proxy):
+    """It ran nothing: each rollout "raised" TypeError "... not coroutine", and Python warned
+    that the coroutine was never awaited."""
+
+    async def rollout(session):
+        return 1.0
+
+    with pytest.raises(TypeError, match=r"coroutine function.*use AsyncRLProxy"):
+        proxy.group().run(rollout, n=2)
+    result = proxy.group().run(lambda session: rollout(session), n=1, max_exceptions=1)  # hidden in a lambda
+    assert "use AsyncRLProxy" in str(result.exceptions[0])
+
+
 def test_sessions_and_headers_for_any_client(proxy, gateway):
     server, services = gateway
     session = proxy.session(group="g-headers", split="val")
@@ -196,6 +253,26 @@ def test_sessions_and_headers_for_any_client(proxy, gateway):
     assert session.reward(0.5, metrics={"turns": 1})["metrics"] == {"turns": 1}
     recorded = session.get()
     assert recorded["split"] == "val" and recorded["group_id"] == "g-headers" and recorded["reward"] == 0.5
+
+
+def test_a_sessions_base_url_ties_calls_of_a_client_without_headers_to_it(proxy, gateway):
+    """For an agent that takes a base URL and a key but no headers (the README's URL form)."""
+    openai = pytest.importorskip("openai")
+    server, _ = gateway
+    grouped, alone = proxy.session(group="g-url:1"), proxy.session()
+    assert grouped.base_url() == f"{server.url}/groups/g-url%3A1/sessions/{grouped.id}/v1"
+    assert alone.base_url(v1=False) == f"{server.url}/sessions/{alone.id}"
+    for session in (grouped, alone):
+        client = openai.OpenAI(base_url=session.base_url(), api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "by URL"}])
+        assert reply.choices[0].message.content == "by URL"
+        client.close()
+        recorded = session.get()
+        assert recorded["group_id"] == session.group_id and len(recorded["calls"]) == 1
+    live = proxy.session(task_id="billing")
+    assert live.base_url() == f"{server.url}/tasks/billing/sessions/{live.id}/v1"
+    with pytest.raises(ValueError, match="cannot carry the split"):
+        proxy.session(split="val").base_url()
 
 
 def test_a_session_made_by_the_proxy_for_a_group_object_is_one_of_the_group(proxy, gateway):
@@ -212,6 +289,17 @@ def test_a_session_made_by_the_proxy_for_a_group_object_is_one_of_the_group(prox
     with pytest.raises(ValueError, match="split 'train' is not the split of group"):
         proxy.session(group=group, split="train")
     assert proxy.session(group="by-id").split == "train"  # a group id alone: the default split
+
+
+def test_a_group_of_the_other_kind_of_client_is_refused(proxy):
+    """A blocking session of an asyncio group was bound to the AsyncRLProxy: its reward()
+    returned a coroutine nobody awaited, and the reward was never posted, without an error."""
+    other = AsyncRLProxy(proxy.api_base)
+    with pytest.raises(TypeError, match=r"group '.*' belongs to the AsyncRLProxy that made it: make its sessions"):
+        proxy.session(group=other.group())
+    with pytest.raises(TypeError, match=r"belongs to the RLProxy that made it"):
+        other.session(group=proxy.group())
+    asyncio.run(other.close())
 
 
 def test_a_session_with_a_task_id_instead_of_a_group(upstream, tmp_path):
@@ -292,12 +380,55 @@ def test_gateway_errors_are_typed_and_carry_its_message(proxy, gateway):
     assert info.value.status_code == 400 and "turns" in info.value.message
 
 
+def test_a_reward_the_gateway_refused_while_its_store_was_read_only_lands_once_it_recovers(proxy, gateway):
+    """The gateway answers 503 "not acknowledged" and recovers by itself: the SDK sends the reward
+    again after a wait (tests/test_sdk_retries.py has the rules), rather than failing the rollout."""
+    store = gateway[1].store
+    session = proxy.session()
+    _ask(session, "scored while the disk is read-only")
+
+    def read_only(on: bool) -> None:  # as tests/test_store_failures.py makes a read-only store
+        for conn in (store._conn, store._loop_conn):
+            conn.execute(f"PRAGMA query_only = {'ON' if on else 'OFF'}")
+
+    waits: list[float] = []
+
+    def wait_while_the_operator_fixes_it(seconds: float) -> None:
+        waits.append(seconds)
+        read_only(False)
+
+    proxy._sleep = wait_while_the_operator_fixes_it
+    read_only(True)
+    try:
+        answer = session.reward(0.75)
+    finally:
+        read_only(False)
+    assert answer["reward"] == 0.75 and len(waits) == 1
+    assert session.get()["reward"] == 0.75
+
+
 def test_a_reward_and_metrics_computed_with_numpy_are_posted(proxy):
     np = pytest.importorskip("numpy")
     session = proxy.session()
     _ask(session, "scored with numpy")
     answer = session.reward(np.float32(0.5), metrics={"steps": np.int64(3), "score": np.float32(0.25), "ok": 1})
     assert answer["reward"] == 0.5 and answer["metrics"] == {"steps": 3.0, "score": 0.25, "ok": 1.0}
+
+
+def test_a_reward_json_cannot_carry_is_named_and_a_string_is_left_to_the_gateway(proxy):
+    """NaN failed as httpx's "Out of range float values are not JSON compliant" (which value?),
+    and "0.5" was float()ed into a reward the gateway refuses as a client's bug."""
+    session = proxy.session()
+    _ask(session, "scored badly")
+    with pytest.raises(ValueError, match=r"^reward is nan: a reward and its metrics must be finite numbers"):
+        session.reward(float("nan"))
+    with pytest.raises(ValueError, match=r"^metrics\['loss'\] is -inf: "):
+        session.reward(0.5, metrics={"steps": 3, "loss": float("-inf")})
+    with pytest.raises(BadRequestError) as info:
+        session.reward("0.5")  # type: ignore[arg-type]
+    assert info.value.param == "reward"
+    assert session.get()["reward"] is None  # none of them was recorded
+    assert session.reward(True)["reward"] == 1.0  # a bool still counts as 0 or 1
 
 
 def test_an_id_names_only_itself_never_another_session_or_route(proxy):
@@ -397,6 +528,34 @@ def test_a_server_that_is_not_the_gateway_is_named_in_the_error():
     asyncio.run(asynchronously())
 
 
+def test_a_password_in_the_base_url_is_used_but_never_shown():
+    """A reverse proxy's basic auth in the URL (`https://user:pass@host/v1`): repr and every
+    error message (the retry log lines too) printed the password."""
+    seen: list[str | None] = []
+
+    def login_page(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, html="<html>Sign in</html>")
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    url = "http://bob:hunter2-pass@gateway.example/v1"
+    texts = []
+    for answer in (login_page, slow, refused):
+        with RLProxy(url, max_retries=0, http_client=httpx.Client(transport=httpx.MockTransport(answer))) as p:
+            texts.append(repr(p))
+            with pytest.raises(sdk.RLProxySDKError) as info:
+                p.get_group("grp-1")
+            texts.append(str(info.value))
+    assert seen == ["Basic " + base64.b64encode(b"bob:hunter2-pass").decode()]  # still sent
+    assert all("hunter2" not in text and "bob" not in text for text in texts), texts
+    assert "GET http://***@gateway.example/v1/groups/grp-1 answered 200" in texts[1]
+
+
 # ---------------------------------------------------------------- asyncio flows
 
 
@@ -488,8 +647,11 @@ def test_public_api_is_exported():
         "BadRequestError",
         "AuthenticationError",
         "ServerError",
+        "RateLimitError",
+        "RequestTooLargeError",
+        "APITimeoutError",
     ):
-        assert hasattr(sdk, name), name
+        assert hasattr(sdk, name) and name in sdk.__all__, name
     assert json.dumps(sdk.__all__)
 
 
