@@ -149,7 +149,7 @@ def test_a_blob_another_step_lists_stays_when_a_prune_drops_it(postgres_db, tmp_
     _recorded(store, root, 0, shared)
     for step in (1, 2):
         _recorded(store, root, step, bytes([step]) * 1000)
-    assert store.prune_step_files("agent", 1, set()) == [0, 1]
+    assert store.prune_step_files("agent", 1, set()) == [0]  # step 1 is what a rollback of step 2 serves
     restored = store.restore_checkpoint("other", 1, tmp_path / "restored")
     assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == shared
     store.close_sync()
@@ -164,7 +164,10 @@ def test_a_blob_collected_while_a_step_is_recorded_is_stored_again(postgres_db, 
     trainer_a, trainer_b = PostgresStore(postgres_db), PostgresStore(postgres_db)
     weights = b"weights both trainers wrote" * 1000
     trainer_b.insert_step("b", 0, str(_checkpoint(tmp_path / "b" / "0000", weights, step=0)), {}, [])
-    trainer_b.insert_step("b", 1, str(_checkpoint(tmp_path / "b" / "0001", b"newer" * 1000, step=1)), {}, [])
+    for step in (1, 2):  # step 0 older than the step NAME serves (2) and what a rollback serves again (1)
+        trainer_b.insert_step(
+            "b", step, str(_checkpoint(tmp_path / "b" / f"{step:04d}", b"newer" * 1000, step=step)), {}, []
+        )
     upload = files.upload_blobs
 
     def upload_then_b_prunes(conn, directory):
@@ -219,7 +222,10 @@ def test_a_prune_waits_for_a_step_being_recorded_and_keeps_the_blob_it_lists(pos
     trainer_b = PostgresStore(postgres_db)
     weights = b"weights both trainers wrote" * 1000
     trainer_b.insert_step("b", 0, str(_checkpoint(tmp_path / "b" / "0000", weights, step=0)), {}, [])
-    trainer_b.insert_step("b", 1, str(_checkpoint(tmp_path / "b" / "0001", b"newer" * 1000, step=1)), {}, [])
+    for step in (1, 2):  # step 0 older than the step NAME serves (2) and what a rollback serves again (1)
+        trainer_b.insert_step(
+            "b", step, str(_checkpoint(tmp_path / "b" / f"{step:04d}", b"newer" * 1000, step=step)), {}, []
+        )
     a_dir = _checkpoint(tmp_path / "a" / "0001", weights, step=1)
     pruned: list = []
 

@@ -320,10 +320,6 @@ class PostgresStore(PostgresStepFiles, Store):
             kwargs["also"] = lambda conn: store_files.write_file_list(conn, model, step, listing, directory)
         super().insert_step(model, step, path, *args, **kwargs)
 
-    def prune_step_files(self, model: str, keep: int, protected: set[int]) -> list[int]:
-        """As `StepRows.prune_step_files`: file lists dropped, then the blobs none names (`store_files`)."""
-        return self._run_sync(lambda conn: store_files.prune_file_lists(conn, model, keep, protected))
-
     def claim_groups(
         self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0
     ) -> list[dict]:
