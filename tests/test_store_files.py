@@ -344,3 +344,25 @@ def test_a_fetch_on_a_filesystem_that_locks_no_directories_still_completes(tmp_p
     (dest.parent / ".tmp-0002-1").mkdir()  # someone's fetch, dead or alive: no lock can tell
     remove_abandoned_fetches(dest.parent)
     assert sorted(p.name for p in dest.parent.iterdir()) == [".tmp-0002-1", "0001"]
+
+
+def test_the_files_of_a_step_whose_record_is_refused_leave_the_store(postgres_db, tmp_path):
+    """A step's files go into the store before its row; the row refused (its step number taken, as
+    a restart finds for a checkpoint recorded meanwhile, or a session discarded while it trained),
+    its checkpoint is discarded, and its blobs were named by no step for ever: without
+    --keep-checkpoints nothing collected them (one adapter and its optimizer state a refusal).
+    A file the refused step shares with a recorded one (the config) stays with that one."""
+    from gateway.errors import Conflict
+
+    store = PostgresStore(postgres_db)
+    recorded = _checkpoint(tmp_path / "a" / "0001", b"recorded weights" * 1000, step=1)
+    store.insert_step("agent", 1, str(recorded), {}, [])
+    before = _blob_bytes(store)
+    refused = _checkpoint(tmp_path / "b" / "0001", b"refused weights" * 1000, step=1)
+    (refused / "optimizer.pt").write_bytes(b"adam moments" * 2000)
+    with pytest.raises(Conflict, match="recorded already"):
+        store.insert_step("agent", 1, str(refused), {}, [])
+    assert _blob_bytes(store) == before
+    restored = store.restore_checkpoint("agent", 1, tmp_path / "restored")
+    assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == b"recorded weights" * 1000
+    store.close_sync()
