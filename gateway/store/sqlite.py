@@ -14,7 +14,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import sqlite_utils
 
 from gateway.store import read_only, sqlite_schema, trainer_lock, training
 from gateway.store.base import Store
-from gateway.store.health import at_start, classify, file_identity, moved
+from gateway.store.health import at_start, classify, file_identity, moved, old_wal_removed, replaced
 from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.private import private_db_file
 from gateway.store.trainer_lock import FileTrainerLock
@@ -115,17 +115,23 @@ class SQLiteStore(Store):
         self._conn.executescript(sqlite_schema.SCHEMA)
         sqlite_schema.add_missing_columns(self._conn)
         if not memory:  # the WAL exists now (the schema was written), and lasts as long as the connections
-            self._files = self._files_now()
+            self._files, self._shm = self._files_now(), file_identity(self._file_path + "-shm")
 
     def _close_connections(self) -> None:
         # Under the locks: a read still running in a worker thread (a poll that outlived the
         # app) finishes first. sqlite3 closed under a running statement can crash the process.
+        restored = self._files is not None and replaced(self._files, self._files_now())
         with self._write_lock:
+            if restored:  # what the WAL holds into the file it belongs to, wherever that went (`old_wal_removed`)
+                with suppress(sqlite3.Error):
+                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
             self._conn.close()
             if self._loop_conn is not None:
                 self._loop_conn.close()
         with self._read_lock:
             self._read_conn.close()
+        if restored and self._files is not None:
+            old_wal_removed(self._file_path, self._files[1], self._shm)
 
     def _write_now(self, op: Op) -> Outcome | None:
         """`op` committed at once on the event loop: for a call recorded while no other is in
@@ -218,7 +224,7 @@ class SQLiteStore(Store):
             _rollback(conn)
             if self._files_now()[0] == self._files[0]:
                 conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-            raise moved(self.path)
+            raise moved(self.path, replaced=replaced(self._files, self._files_now()))
         conn.execute("COMMIT")
 
     def _checkpoint(self) -> None:
