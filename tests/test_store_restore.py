@@ -71,3 +71,23 @@ def test_a_restore_into_the_running_store_takes_effect_at_once(tmp_path):
     _record(store, 1)
     assert _steps(store) == [0, 1]
     asyncio.run(store.close())
+
+
+def test_a_wal_not_copied_whole_into_the_replaced_file_is_left_and_said(tmp_path, caplog):
+    """A reader of the replaced file still on an old snapshot (an export, a sqlite3 shell in BEGIN)
+    keeps the checkpoint from copying the newest writes into it: the WAL holding them stays, and the
+    log says to remove it by hand once every process has stopped, rather than lose them."""
+    db, backup = tmp_path / "rlproxy.db", tmp_path / "backup.db"
+    store = SQLiteStore(db, busy_timeout=0.05)
+    _record(store, 0)
+    _backup(db, backup)
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as reader:
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT COUNT(*) FROM steps").fetchone() == (1,)  # its snapshot: step 0 only
+        _record(store, 1)
+        db.rename(tmp_path / "before-restore.db")
+        shutil.copy(backup, db)
+        caplog.set_level("ERROR", logger="rlproxy.store")
+        asyncio.run(store.close())
+        assert (tmp_path / "rlproxy.db-wal").exists()
+        assert f"remove {db}-wal and {db}-shm before starting on the file now there" in caplog.text

@@ -130,13 +130,32 @@ def replaced(opened: list, now: list) -> bool:
     return now[0] is not None and now[0] != opened[0]
 
 
+def wal_copied_back(conn: sqlite3.Connection, path: str) -> bool:
+    """Copy what the WAL holds into the database file it belongs to, replaced at `path` and wherever it
+    went now (a FULL checkpoint, through the connection's open file; readers waited for up to the busy
+    timeout). Whether all of it went: only then may the WAL go (`old_wal_removed`)."""
+    try:
+        busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()
+    except sqlite3.Error:
+        busy, frames, copied = 1, 0, 0
+    if busy or copied < frames:
+        log.error(
+            "the store file %(p)s was replaced while open, and %(p)s-wal still holds writes of the file it "
+            "replaced: once every process using the store has stopped, remove %(p)s-wal and %(p)s-shm before "
+            "starting on the file now there (else they are read over it)",
+            {"p": path},
+        )
+        return False
+    return True
+
+
 def old_wal_removed(path: str, wal: tuple[int, int] | None, shm: tuple[int, int] | None) -> None:
     """At the close of a store whose file was replaced at `path` (a restore from a backup): remove the
     WAL and shared-memory files beside it where they are still the replaced file's (`wal`, `shm`: their
     identities when it opened), as SQLite does at its last close of an unmoved file and skips for a moved
     one. Left there, the next start read the replaced file's last writes from that WAL over the file
     restored (the restore undone, or the two mixed: a damaged store). Their content went into the
-    replaced file first (a checkpoint before the close), wherever it was moved to."""
+    replaced file first (`wal_copied_back`), wherever it was moved to."""
     for suffix, identity in (("-wal", wal), ("-shm", shm)):
         if identity is not None and file_identity(path + suffix) == identity:
             with contextlib.suppress(FileNotFoundError):

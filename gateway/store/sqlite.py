@@ -14,7 +14,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,15 @@ import sqlite_utils
 
 from gateway.store import read_only, sqlite_schema, trainer_lock, training
 from gateway.store.base import Store
-from gateway.store.health import at_start, classify, file_identity, moved, old_wal_removed, replaced
+from gateway.store.health import (
+    at_start,
+    classify,
+    file_identity,
+    moved,
+    old_wal_removed,
+    replaced,
+    wal_copied_back,
+)
 from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.private import private_db_file
 from gateway.store.trainer_lock import FileTrainerLock
@@ -122,15 +130,13 @@ class SQLiteStore(Store):
         # app) finishes first. sqlite3 closed under a running statement can crash the process.
         restored = self._files is not None and replaced(self._files, self._files_now())
         with self._write_lock:
-            if restored:  # what the WAL holds into the file it belongs to, wherever that went (`old_wal_removed`)
-                with suppress(sqlite3.Error):
-                    self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            whole = restored and wal_copied_back(self._conn, self._file_path)  # into the file replaced
             self._conn.close()
             if self._loop_conn is not None:
                 self._loop_conn.close()
         with self._read_lock:
             self._read_conn.close()
-        if restored and self._files is not None:
+        if whole and self._files is not None:
             old_wal_removed(self._file_path, self._files[1], self._shm)
 
     def _write_now(self, op: Op) -> Outcome | None:
