@@ -149,7 +149,7 @@ def test_a_blob_another_step_lists_stays_when_a_prune_drops_it(postgres_db, tmp_
     _recorded(store, root, 0, shared)
     for step in (1, 2):
         _recorded(store, root, step, bytes([step]) * 1000)
-    assert store.prune_step_files("agent", 1, set()) == [0, 1]
+    assert store.prune_step_files("agent", 1, set()) == [0]  # step 1 is what a rollback of step 2 serves
     restored = store.restore_checkpoint("other", 1, tmp_path / "restored")
     assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == shared
     store.close_sync()
@@ -164,7 +164,10 @@ def test_a_blob_collected_while_a_step_is_recorded_is_stored_again(postgres_db, 
     trainer_a, trainer_b = PostgresStore(postgres_db), PostgresStore(postgres_db)
     weights = b"weights both trainers wrote" * 1000
     trainer_b.insert_step("b", 0, str(_checkpoint(tmp_path / "b" / "0000", weights, step=0)), {}, [])
-    trainer_b.insert_step("b", 1, str(_checkpoint(tmp_path / "b" / "0001", b"newer" * 1000, step=1)), {}, [])
+    for step in (1, 2):  # step 0 older than the step NAME serves (2) and what a rollback serves again (1)
+        trainer_b.insert_step(
+            "b", step, str(_checkpoint(tmp_path / "b" / f"{step:04d}", b"newer" * 1000, step=step)), {}, []
+        )
     upload = files.upload_blobs
 
     def upload_then_b_prunes(conn, directory):
@@ -219,7 +222,10 @@ def test_a_prune_waits_for_a_step_being_recorded_and_keeps_the_blob_it_lists(pos
     trainer_b = PostgresStore(postgres_db)
     weights = b"weights both trainers wrote" * 1000
     trainer_b.insert_step("b", 0, str(_checkpoint(tmp_path / "b" / "0000", weights, step=0)), {}, [])
-    trainer_b.insert_step("b", 1, str(_checkpoint(tmp_path / "b" / "0001", b"newer" * 1000, step=1)), {}, [])
+    for step in (1, 2):  # step 0 older than the step NAME serves (2) and what a rollback serves again (1)
+        trainer_b.insert_step(
+            "b", step, str(_checkpoint(tmp_path / "b" / f"{step:04d}", b"newer" * 1000, step=step)), {}, []
+        )
     a_dir = _checkpoint(tmp_path / "a" / "0001", weights, step=1)
     pruned: list = []
 
@@ -338,3 +344,25 @@ def test_a_fetch_on_a_filesystem_that_locks_no_directories_still_completes(tmp_p
     (dest.parent / ".tmp-0002-1").mkdir()  # someone's fetch, dead or alive: no lock can tell
     remove_abandoned_fetches(dest.parent)
     assert sorted(p.name for p in dest.parent.iterdir()) == [".tmp-0002-1", "0001"]
+
+
+def test_the_files_of_a_step_whose_record_is_refused_leave_the_store(postgres_db, tmp_path):
+    """A step's files go into the store before its row; the row refused (its step number taken, as
+    a restart finds for a checkpoint recorded meanwhile, or a session discarded while it trained),
+    its checkpoint is discarded, and its blobs were named by no step for ever: without
+    --keep-checkpoints nothing collected them (one adapter and its optimizer state a refusal).
+    A file the refused step shares with a recorded one (the config) stays with that one."""
+    from gateway.errors import Conflict
+
+    store = PostgresStore(postgres_db)
+    recorded = _checkpoint(tmp_path / "a" / "0001", b"recorded weights" * 1000, step=1)
+    store.insert_step("agent", 1, str(recorded), {}, [])
+    before = _blob_bytes(store)
+    refused = _checkpoint(tmp_path / "b" / "0001", b"refused weights" * 1000, step=1)
+    (refused / "optimizer.pt").write_bytes(b"adam moments" * 2000)
+    with pytest.raises(Conflict, match="recorded already"):
+        store.insert_step("agent", 1, str(refused), {}, [])
+    assert _blob_bytes(store) == before
+    restored = store.restore_checkpoint("agent", 1, tmp_path / "restored")
+    assert restored is not None and (restored / "adapter_model.safetensors").read_bytes() == b"recorded weights" * 1000
+    store.close_sync()

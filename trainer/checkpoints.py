@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,27 +188,38 @@ def unwritable(exc: OSError) -> StoreUnavailable:
 def discard(checkpoint: Checkpoint) -> None:
     """Remove a checkpoint that is not recorded in the store (moved aside first, so a
     kill during the removal cannot leave a half directory under its step number)."""
+    remove_set_aside([_move_aside(checkpoint)])
+
+
+def _move_aside(checkpoint: Checkpoint) -> Path:
     doomed = checkpoint.path.with_name(f"{_TMP_PREFIX}discard-{checkpoint.path.name}-{os.getpid()}")
     os.rename(checkpoint.path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    return doomed
 
 
-def prune(root: Path, keep: int, protected: set[int]) -> list[int]:
-    """`--keep-checkpoints N`: remove the complete checkpoints older than the newest `keep`,
-    except `protected` (the serving step, the step a rollback would serve again, candidates:
-    what a gateway or a resumed trainer still loads). Each step writes an adapter and its
-    optimizer state, so without a bound a trainer that runs for weeks fills the disk the store
-    lives on too. `keep` 0 keeps every one. Returns the steps removed."""
+def remove_set_aside(paths: Iterable[Path]) -> None:
+    """Delete what `set_aside` (or `discard`) moved aside; a kill midway leaves `.tmp-` directories,
+    which the next start removes (`remove_partial`)."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside(root: Path, keep: int, protected: set[int]) -> dict[int, Path]:
+    """`--keep-checkpoints N`: move the complete checkpoints older than the newest `keep`, except
+    `protected` (the serving step, the step a rollback would serve again, candidates: what a gateway
+    or a resumed trainer still loads), out of their step's place, each by one rename: a decision
+    looking for a step's adapter at that moment finds it whole or not at all. `remove_set_aside`
+    deletes them, after the store's transaction (`Store.prune_checkpoints`) that decisions wait for.
+    Each step writes an adapter and its optimizer state, so without a bound a trainer that runs for
+    weeks fills the disk the store lives on too. `keep` 0 keeps every one. Returns step -> where it went."""
     if keep <= 0:
-        return []
-    removed = []
+        return {}
+    moved = {}
     for checkpoint in list_checkpoints(root)[:-keep]:
         if checkpoint.step in protected:
             continue
         try:
-            discard(checkpoint)
-        except OSError as exc:  # a file held elsewhere or a read-only disk: tried again after the next step
+            moved[checkpoint.step] = _move_aside(checkpoint)
+        except OSError as exc:  # a read-only disk, a directory held elsewhere: tried again after the next step
             log.warning("could not remove the old checkpoint %s: %s", checkpoint.path, exc)
-            continue
-        removed.append(checkpoint.step)
-    return removed
+    return moved

@@ -247,27 +247,27 @@ def go_on_from_serving(
 
 def prune_checkpoints(store: Store, model: str, root: Path, keep: int, weights_step: int | None) -> None:
     """`--keep-checkpoints N` after a step: remove old checkpoints, never one a gateway or a resume
-    loads (the serving step, the parent a rollback serves again, candidates, what the weights hold)."""
+    loads (the serving step, the parent a rollback serves again, candidates, what the weights hold).
+    What serves is read in the store's transaction that removes them, which decisions wait for
+    (`Store.prune_checkpoints`); the directories moved aside are deleted after it."""
     if not keep:
         return
+    moved: dict[int, Path] = {}
+
+    def set_aside(kept: set[int]) -> list[int]:
+        now = ckpts.set_aside(root, keep, kept)
+        moved.update(now)
+        return sorted(now)
+
     try:
-        rows = store.recent_steps(model, 1)  # every candidate and promoted row: all this needs
-    except StoreUnavailable:  # nothing removed this time: the next step tries again
-        return
-    protected = {row["step"] for row in rows if row.get("state") == "candidate"} | {weights_step}
-    promoted = [row for row in rows if row.get("state") == "promoted"]
-    if promoted:
-        serving = max(promoted, key=lambda row: row["step"])
-        protected |= {serving["step"], serving.get("parent")}
-    kept = {step for step in protected if step is not None}
-    removed = ckpts.prune(root, keep, kept)
-    if removed:
-        log.info("removed old checkpoints (--keep-checkpoints %d): steps %s", keep, removed)
-    # The same steps' files in the store (PostgreSQL keeps every step's), those of steps this
-    # machine never held too (a trainer moved here restores only the newest).
-    try:
-        dropped = store.prune_step_files(model, keep, kept)
-    except StoreUnavailable:  # the next step tries again
-        return
+        # The same steps' files in the store (PostgreSQL keeps every step's), those of steps this
+        # machine never held too (a trainer moved here restores only the newest).
+        _, dropped = store.prune_checkpoints(model, keep, set() if weights_step is None else {weights_step}, set_aside)
+    except StoreUnavailable:  # nothing dropped from the store this time: the next step tries again
+        dropped = []
+    finally:
+        ckpts.remove_set_aside(moved.values())
+    if moved:
+        log.info("removed old checkpoints (--keep-checkpoints %d): steps %s", keep, sorted(moved))
     if dropped:
         log.info("removed old checkpoints' files from the store (--keep-checkpoints %d): steps %s", keep, dropped)

@@ -118,6 +118,24 @@ def prune_file_lists(conn: Any, model: str, keep: int, protected: set[int]) -> l
     return dropped
 
 
+def collect_unlisted(conn: Any, digests: set[str]) -> int:
+    """Delete the blobs of `digests` that no file list names: those a step's record uploaded before
+    it was refused (its step number taken, a session discarded, the store failing mid-record). Its
+    checkpoint is discarded, so nothing would ever name them, and without `--keep-checkpoints` no
+    prune collects them either. Under the exclusive lock: a trainer uploading the same content
+    meanwhile stores it again when it lists it (`write_file_list`). How many went."""
+    lock_blobs(conn, exclusive=True)
+    gone = 0
+    for digest in sorted(digests):
+        cursor = conn.execute(
+            "DELETE FROM blobs b WHERE b.sha256 = ?"
+            " AND NOT EXISTS (SELECT 1 FROM step_files f WHERE f.sha256 = b.sha256)",
+            (digest,),
+        )
+        gone += int(cursor.rowcount or 0)
+    return gone
+
+
 def listed(query: Callable[[str, tuple], list[dict]], model: str, step: int) -> list[tuple[str, str, int]]:
     """Step `step`'s file list: (name, sha256, size) each, by name (empty: none kept)."""
     rows = query(

@@ -10,6 +10,7 @@ chat service (which then probes before doing engine work) and for `/metrics`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import sqlite3
@@ -100,10 +101,20 @@ def file_identity(path: Path | str) -> tuple[int, int] | None:
     return found.st_dev, found.st_ino
 
 
-def moved(path: Path | str) -> StoreUnavailable:
+def moved(path: Path | str, *, replaced: bool = False) -> StoreUnavailable:
     """The store's file (or its WAL) was deleted or replaced under the running gateway (`rm -rf` of
     the state dir, a clean-up of `-wal` files, a restore by copy): SQLite carried on writing to the
-    open, deleted file and every call was answered 200, then lost when the process ended."""
+    open, deleted file and every call was answered 200, then lost when the process ended. `replaced`:
+    another database file lies at the path now, which a restart opens (a restore from a backup)."""
+    if replaced:
+        return StoreUnavailable(
+            f"the store cannot record: its file {path} was replaced while the gateway ran (restored from a "
+            "backup, or copied over), so what it wrote would go to the file no longer there. A restore takes "
+            "effect at a restart: stop the gateway and the trainer (every process using the store) and start "
+            f"them again on the file now at that path (a restore into the running store, `sqlite3 {path} "
+            f'".restore BACKUP"`, needs none). If it was replaced by mistake, put the original back; {_RECOVERS}.',
+            cause="moved",
+        )
     return StoreUnavailable(
         f"the store cannot record: its file {path} (or its WAL, {path}-wal) was deleted, moved or "
         "replaced while the gateway ran, so what it wrote would be lost. Put the file back where it "
@@ -111,6 +122,47 @@ def moved(path: Path | str) -> StoreUnavailable:
         "trainer): they start on the files at that path.",
         cause="moved",
     )
+
+
+def replaced(opened: list, now: list) -> bool:
+    """Whether another database file lies at the store's path `now` than the one `opened` (their
+    [file, WAL] identities): a restore from a backup, a copy over it; not a file deleted or moved away."""
+    return now[0] is not None and now[0] != opened[0]
+
+
+def wal_copied_back(conn: sqlite3.Connection, path: str) -> bool:
+    """Copy what the WAL holds into the database file it belongs to, replaced at `path` and wherever it
+    went now (a FULL checkpoint, through the connection's open file; readers waited for up to the busy
+    timeout). Whether all of it went: only then may the WAL go (`old_wal_removed`)."""
+    try:
+        busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()
+    except sqlite3.Error:
+        busy, frames, copied = 1, 0, 0
+    if busy or copied < frames:
+        log.error(
+            "the store file %(p)s was replaced while open, and %(p)s-wal still holds writes of the file it "
+            "replaced: once every process using the store has stopped, remove %(p)s-wal and %(p)s-shm before "
+            "starting on the file now there (else they are read over it)",
+            {"p": path},
+        )
+        return False
+    return True
+
+
+def old_wal_removed(path: str, wal: tuple[int, int] | None, shm: tuple[int, int] | None) -> None:
+    """At the close of a store whose file was replaced at `path` (a restore from a backup): remove the
+    WAL and shared-memory files beside it where they are still the replaced file's (`wal`, `shm`: their
+    identities when it opened), as SQLite does at its last close of an unmoved file and skips for a moved
+    one. Left there, the next start read the replaced file's last writes from that WAL over the file
+    restored (the restore undone, or the two mixed: a damaged store). Their content went into the
+    replaced file first (`wal_copied_back`), wherever it was moved to."""
+    for suffix, identity in (("-wal", wal), ("-shm", shm)):
+        if identity is not None and file_identity(path + suffix) == identity:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path + suffix)
+                log.warning(
+                    "the store file %s was replaced while open: %s%s, the old file's, removed", path, path, suffix
+                )
 
 
 def stalled(seconds: float, what: str = "a write") -> StoreUnavailable:

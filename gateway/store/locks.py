@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 _LIVE_KEYS = 0x6C697665  # "live": the advisory locks of live task keys (two-key space)
 _TRAINERS = 0x7472616E  # "tran": one trainer per model (`try_lock_trainer`)
-_BLOBS = 0x626C6F62  # "blob": step file lists written (shared) against blobs collected (exclusive)
+_BLOBS = 0x626C6F62  # "blob": file lists written, decisions' checks (shared) against prunes (exclusive)
 
 
 def for_update(conn: Any) -> str:
@@ -73,7 +73,9 @@ def lock_blobs(conn: Any, *, exclusive: bool) -> None:
     lock, blobs no list names are collected under the exclusive one. Without it a trainer's blob
     committed (or found present) in its upload transaction could be collected before its step's
     list names it (`gateway.store.files`): the two never overlap, and the writer sees what a
-    collection before it removed."""
+    collection before it removed. A promotion decision looks for a step's files under the shared one
+    too, so a `--keep-checkpoints` prune (exclusive, from its read of what serves to its commit) never
+    drops the files of a step a decision made serve meanwhile (`StepRows.prune_checkpoints`)."""
     function = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
     conn.execute(f"SELECT {function}(CAST(? AS integer), 0)", (_BLOBS,))
 

@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -314,16 +314,19 @@ class PostgresStore(PostgresStepFiles, Store):
         lock = self._trainer_locks.get(model)
         if lock is not None:  # held still (or again): a second trainer may have taken it while it was dropped
             lock.ensure()
-        directory = Path(path)
+        directory, listing = Path(path), []
         if directory.is_dir():
             # As long as the upload takes (a checkpoint may be large): no answer's deadline.
             listing = self._transaction(lambda conn: store_files.upload_blobs(conn, directory), answer_s=math.inf)
             kwargs["also"] = lambda conn: store_files.write_file_list(conn, model, step, listing, directory)
-        super().insert_step(model, step, path, *args, **kwargs)
-
-    def prune_step_files(self, model: str, keep: int, protected: set[int]) -> list[int]:
-        """As `StepRows.prune_step_files`: file lists dropped, then the blobs none names (`store_files`)."""
-        return self._run_sync(lambda conn: store_files.prune_file_lists(conn, model, keep, protected))
+        try:
+            super().insert_step(model, step, path, *args, **kwargs)
+        except Exception:
+            if listing:  # refused: its checkpoint is discarded, and the blobs it uploaded named by no step
+                digests = {digest for _, digest in listing}
+                with suppress(Exception):  # the store failing: the record's own failure says so
+                    self._transaction(lambda conn: store_files.collect_unlisted(conn, digests))
+            raise
 
     def claim_groups(
         self, model: str, holder: str, split: str = "train", limit: int | None = None, ttl_s: float = 3600.0

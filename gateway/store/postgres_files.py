@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.store import files as store_files
+from gateway.store.locks import lock_blobs
 from gateway.store.steps import has_adapter
 
 
@@ -28,8 +29,18 @@ class PostgresStepFiles:
         """As `StepRows._checkpoint_kept`, in the database first: a gateway on another machine than the
         trainer loads a step from its file list, which `--keep-checkpoints` drops (a step recorded
         without files, by an older rlproxy, loads from its path)."""
+        lock_blobs(conn, exclusive=False)  # a prune (`_hold_off_decisions`) first, or this decision first
         listed = conn.execute("SELECT 1 FROM step_files WHERE model = ? AND step = ? LIMIT 1", (model, step))
         return listed.fetchone() is not None or has_adapter(path)
+
+    def _hold_off_decisions(self, conn: Any) -> None:
+        """As `StepRows._hold_off_decisions`: the blobs' lock, exclusive, which a decision takes shared
+        before it looks for a step's files (`_checkpoint_kept`)."""
+        lock_blobs(conn, exclusive=True)
+
+    def _drop_step_files(self, conn: Any, model: str, keep: int, kept: set[int]) -> list[int]:
+        """As `StepRows._drop_step_files`: file lists dropped, then the blobs none names (`store_files`)."""
+        return store_files.prune_file_lists(conn, model, keep, kept)
 
     def fetch_step_files(self, model: str, step: int, raw_path: str, models_dir: Path) -> str:
         """A local directory holding step `step`'s adapter, verified: the files an engine reads

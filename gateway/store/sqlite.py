@@ -23,7 +23,15 @@ import sqlite_utils
 
 from gateway.store import read_only, sqlite_schema, trainer_lock, training
 from gateway.store.base import Store
-from gateway.store.health import at_start, classify, file_identity, moved
+from gateway.store.health import (
+    at_start,
+    classify,
+    file_identity,
+    moved,
+    old_wal_removed,
+    replaced,
+    wal_copied_back,
+)
 from gateway.store.locks import NoTrainerLock, TrainerLock
 from gateway.store.private import private_db_file
 from gateway.store.trainer_lock import FileTrainerLock
@@ -115,17 +123,21 @@ class SQLiteStore(Store):
         self._conn.executescript(sqlite_schema.SCHEMA)
         sqlite_schema.add_missing_columns(self._conn)
         if not memory:  # the WAL exists now (the schema was written), and lasts as long as the connections
-            self._files = self._files_now()
+            self._files, self._shm = self._files_now(), file_identity(self._file_path + "-shm")
 
     def _close_connections(self) -> None:
         # Under the locks: a read still running in a worker thread (a poll that outlived the
         # app) finishes first. sqlite3 closed under a running statement can crash the process.
+        restored = self._files is not None and replaced(self._files, self._files_now())
         with self._write_lock:
+            whole = restored and wal_copied_back(self._conn, self._file_path)  # into the file replaced
             self._conn.close()
             if self._loop_conn is not None:
                 self._loop_conn.close()
         with self._read_lock:
             self._read_conn.close()
+        if whole and self._files is not None:
+            old_wal_removed(self._file_path, self._files[1], self._shm)
 
     def _write_now(self, op: Op) -> Outcome | None:
         """`op` committed at once on the event loop: for a call recorded while no other is in
@@ -218,7 +230,7 @@ class SQLiteStore(Store):
             _rollback(conn)
             if self._files_now()[0] == self._files[0]:
                 conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-            raise moved(self.path)
+            raise moved(self.path, replaced=replaced(self._files, self._files_now()))
         conn.execute("COMMIT")
 
     def _checkpoint(self) -> None:

@@ -47,6 +47,21 @@ def serving(conn: Any, model: str) -> int | None:
     return None if row is None else row[0]
 
 
+def decisions_may_serve(conn: Any, model: str) -> set[int]:
+    """The serving step and those one decision may make serve next: the candidates (a promotion)
+    and the serving step's parent (a rollback). What `--keep-checkpoints` keeps, read inside its
+    transaction (`StepRows.prune_checkpoints`), which decisions wait for: one made since the
+    trainer last looked (a second rollback) is seen, one made after finds the files gone."""
+    rows = conn.execute(
+        "SELECT step, parent, state FROM steps WHERE model = ? AND state IN ('promoted', 'candidate')", (model,)
+    ).fetchall()
+    kept = {row[0] for row in rows if row[2] == "candidate"}
+    promoted = [(row[0], row[1]) for row in rows if row[2] == "promoted"]
+    if promoted:
+        kept |= {step for step in max(promoted, key=lambda row: row[0]) if step is not None}
+    return kept
+
+
 def has_adapter(path: str) -> bool:
     """Whether a step's recorded path still holds its adapter (`--keep-checkpoints` removes old ones)."""
     return (Path(path) / "adapter_config.json").is_file()
@@ -218,7 +233,8 @@ class StepRows:
 
     def _checkpoint_kept(self, conn: Any, model: str, step: int, path: str) -> bool:
         """Whether step `step`'s checkpoint can still be loaded (in `decide`'s transaction): its
-        adapter at the recorded path, on this machine (the trainer's disk, beside SQLite's file)."""
+        adapter at the recorded path, on this machine (the trainer's disk, beside SQLite's file).
+        That transaction holds the file's write lock (BEGIN IMMEDIATE), as `prune_checkpoints` does."""
         return has_adapter(path)
 
     def rejections_in_a_row(self, model: str) -> int:
@@ -282,9 +298,35 @@ class StepRows:
         """Remove the local copy `fetch_step_files` made of a step's files (none here)."""
         return None
 
+    def prune_checkpoints(
+        self, model: str, keep: int, protected: set[int], set_aside: Callable[[set[int]], list[int]]
+    ) -> tuple[list[int], list[int]]:
+        """`--keep-checkpoints`, in one transaction a decision waits for (`_hold_off_decisions`): the
+        steps a decision may make serve are read in it (`decisions_may_serve`) and kept with `protected`,
+        then `set_aside(kept)` moves the trainer's old checkpoints out of their place and the store drops
+        its own files of those steps (PostgreSQL). Read before it, by the trainer, a rollback landing
+        meanwhile (a second in a row) made serve a step whose files went next; a decision after it
+        finds them gone and is refused (409). Returns (steps set aside, steps whose files were dropped)."""
+
+        def op(conn: Any) -> tuple[list[int], list[int]]:
+            self._hold_off_decisions(conn)
+            kept = protected | decisions_may_serve(conn, model)
+            return set_aside(kept), self._drop_step_files(conn, model, keep, kept)
+
+        return self._run_sync(op)
+
     def prune_step_files(self, model: str, keep: int, protected: set[int]) -> list[int]:
-        """`--keep-checkpoints` where the store keeps checkpoint files (PostgreSQL): those of `model`'s
-        steps older than the newest `keep` with files, except `protected`, dropped. The steps dropped."""
+        """`prune_checkpoints` in the store alone (none on this machine's disk): the steps whose files were dropped."""
+        return self.prune_checkpoints(model, keep, protected, lambda kept: [])[1]
+
+    def _hold_off_decisions(self, conn: Any) -> None:
+        """Make decisions wait for the rest of this transaction (SQLite: BEGIN IMMEDIATE holds the
+        file's write lock already, which every decision takes)."""
+        return None
+
+    def _drop_step_files(self, conn: Any, model: str, keep: int, kept: set[int]) -> list[int]:
+        """The store's own files of `model`'s steps older than the newest `keep`, except `kept`, dropped
+        (none here: the checkpoints are on the trainer's disk). The steps dropped."""
         return []
 
     def stored_steps(self, model: str) -> set[int]:
