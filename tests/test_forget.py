@@ -16,24 +16,19 @@ from gateway.cli import main
 from gateway.forget import cutoff_from, seconds
 from gateway.store import CallRecord, Store
 from gateway.store.lists import ListFilter
+from tests.helpers import call_row
 from tests.helpers_upstream import openai_gateway
 
 
 def call(call_id: str, session: str, group: str | None, split: str = "train", **extra) -> CallRecord:
-    return CallRecord(
-        id=call_id,
-        session_id=session,
-        group_id=group,
-        split=split,
+    return call_row(
+        call_id,
+        session,
+        group,
+        split,
         model="agent",
-        served=None,
-        step=None,
-        engine="openai",
-        stream=False,
-        status="ok",
         request={"messages": [{"role": "user", "content": call_id}]},
         response={"choices": [{"message": {"role": "assistant", "content": "ok"}}]},
-        latency_ms=1.0,
         **extra,
     )
 

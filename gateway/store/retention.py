@@ -113,19 +113,7 @@ def done_groups(
         f" WHERE g.created_at < ? AND g.updated_at < ? AND {_DONE}"
         f" AND NOT EXISTS (SELECT 1 FROM sessions s WHERE s.group_id = g.id AND {kept})"
     )
-    params: list[Any] = [plan.cutoff, plan.cutoff, *kept_params]
-    if plan.model is not None:
-        sql += " AND g.model = ?"
-        params.append(plan.model)
-    if after is not None:
-        sql += " AND g.created_at >= ? AND (g.created_at > ? OR (g.created_at = ? AND g.id > ?))"
-        params += [after[0], after[0], after[0], after[1]]
-    if ids is not None:
-        sql += f" AND g.id IN ({_marks(ids)})"
-        params += list(ids)
-    sql += " ORDER BY g.created_at, g.id"
-    if limit is not None:
-        sql += f" LIMIT {int(limit)}"
+    sql, params = _page("g", sql, [plan.cutoff, plan.cutoff, *kept_params], plan, after, ids, limit)
     return [(r[0], r[1], r[2], float(r[3])) for r in conn.execute(sql, params).fetchall()]
 
 
@@ -159,20 +147,30 @@ def loose_sessions(
         f" WHERE (CASE WHEN s.group_id IS NULL THEN 1 ELSE 0 END) = 1 AND s.created_at < ? AND s.updated_at < ?"
         f" AND NOT {kept}"
     )
-    params: list[Any] = [plan.cutoff, plan.cutoff, *kept_params]
+    sql, params = _page("s", sql, [plan.cutoff, plan.cutoff, *kept_params], plan, after, ids, limit)
+    return [(r[0], float(r[1])) for r in conn.execute(sql, params).fetchall()]
+
+
+def _page(
+    alias: str, sql: str, params: list[Any], plan: Plan, after: tuple[float, str] | None,
+    ids: Sequence[str] | None, limit: int | None,
+) -> tuple[str, list[Any]]:  # fmt: skip
+    """`sql` over table `alias` narrowed to the plan's model, past the cursor `after` (created_at,
+    id), among `ids`, in created_at order (the table's `*_created` index) and at most `limit`."""
+    a = alias
     if plan.model is not None:
-        sql += " AND s.model = ?"
+        sql += f" AND {a}.model = ?"
         params.append(plan.model)
     if after is not None:
-        sql += " AND s.created_at >= ? AND (s.created_at > ? OR (s.created_at = ? AND s.id > ?))"
+        sql += f" AND {a}.created_at >= ? AND ({a}.created_at > ? OR ({a}.created_at = ? AND {a}.id > ?))"
         params += [after[0], after[0], after[0], after[1]]
     if ids is not None:
-        sql += f" AND s.id IN ({_marks(ids)})"
+        sql += f" AND {a}.id IN ({_marks(ids)})"
         params += list(ids)
-    sql += " ORDER BY s.created_at, s.id"
+    sql += f" ORDER BY {a}.created_at, {a}.id"
     if limit is not None:
         sql += f" LIMIT {int(limit)}"
-    return [(r[0], float(r[1])) for r in conn.execute(sql, params).fetchall()]
+    return sql, params
 
 
 def _sessions_of(conn: Any, group_ids: Sequence[str]) -> list[str]:
