@@ -73,6 +73,11 @@ def read_without_optimizer(name: str) -> bool:
     return name != OPTIMIZER_FILE
 
 
+def is_settings_file(name: str) -> bool:
+    """Only `settings.json` (`restore_checkpoint`'s `wanted`): what a check of a step's adapter shape reads."""
+    return name == SETTINGS_FILE
+
+
 def is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in (*ADAPTER_FILES, STATE_FILE))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -166,15 +166,24 @@ def shape_changes(checkpoint: ckpts.Checkpoint, settings: Settings) -> list[tupl
     return [(k, saved[k], current[k]) for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
 
 
-def check_compatible(checkpoint: ckpts.Checkpoint, settings: Settings, model: str, root: Path) -> None:
-    """Raise `ConfigError` if `checkpoint` was trained with another adapter shape."""
+def refuse_other_shape(checkpoint: ckpts.Checkpoint, settings: Settings, says: Callable[[str], str]) -> None:
+    """Raise `ConfigError(says(what))` where `checkpoint` was trained with another adapter shape than
+    `settings`; `what` names each setting that differs, the checkpoint's value and this run's."""
     changed = shape_changes(checkpoint, settings)
     if changed:
-        what = ", ".join(f"{k} {saved!r} -> {current!r}" for k, saved, current in changed)
-        raise ConfigError(
-            f"checkpoints of model '{model}' in {root} were trained with other settings ({what}); "
+        raise ConfigError(says(", ".join(f"{k} {saved!r} (here {current!r})" for k, saved, current in changed)))
+
+
+def check_compatible(checkpoint: ckpts.Checkpoint, settings: Settings, model: str, root: Path) -> None:
+    """Raise `ConfigError` if `checkpoint` was trained with another adapter shape."""
+    refuse_other_shape(
+        checkpoint,
+        settings,
+        lambda what: (
+            f"checkpoints of model '{model}' in {root} were trained with {what}; "
             "keep those settings, or train under another --model-name or --state-dir"
-        )
+        ),
+    )
 
 
 @contextmanager
@@ -183,6 +192,21 @@ def init_source(store: Store, settings: Settings) -> Iterator[Path]:
     refused when it was trained on another base model or adapter shape. Where the store keeps
     the files (PostgreSQL) they are fetched into a temporary directory, removed on leaving: the
     run's step 0 is a copy of its own, and a copy under STATE/models/NAME/store/ stayed for good."""
+    with tempfile.TemporaryDirectory(prefix="rlproxy-init-from-") as scratch:
+        yield _init_checkpoint(store, settings, Path(scratch), settings_only=False).path
+
+
+def check_init_source(store: Store, settings: Settings) -> None:
+    """`init_source`'s refusals before a trainer starts (`gateway.trainer_process.check_init_from`),
+    fetching only the step's settings from the store: its adapter is fetched once, by the trainer
+    that seeds step 0 with it, not a first time for a check and thrown away."""
+    with tempfile.TemporaryDirectory(prefix="rlproxy-init-from-") as scratch:
+        _init_checkpoint(store, settings, Path(scratch), settings_only=True)
+
+
+def _init_checkpoint(store: Store, settings: Settings, scratch: Path, *, settings_only: bool) -> ckpts.Checkpoint:
+    """The checkpoint `--init-from NAME@N` names, fetched under `scratch` where the store keeps its files
+    (all but the optimizer state; only `settings.json` with `settings_only`), or ConfigError."""
     name, _, step_text = str(settings.init_from).partition("@")
     # ASCII digits only: `str.isdigit` also takes "²", which `int` refuses (a traceback, not this message).
     if not name or not (step_text.isascii() and step_text.isdigit()):
@@ -196,22 +220,22 @@ def init_source(store: Store, settings: Settings) -> Iterator[Path]:
         raise ConfigError(
             f"--init-from {settings.init_from}: the store has no step {step} of '{name}' (steps: {known})"
         )
-    with tempfile.TemporaryDirectory(prefix="rlproxy-init-from-") as scratch:
-        into = ckpts.checkpoint_dir(Path(scratch), step)
-        fetched = store.restore_checkpoint(name, step, into, ckpts.read_without_optimizer)
-        source = ckpts.Checkpoint(step, fetched or Path(rows[step]["path"]))
-        if not ckpts.is_complete(source.path):
-            raise ConfigError(
-                f"--init-from {settings.init_from}: its checkpoint {source.path} is missing or incomplete"
-            )
-        changed = shape_changes(source, settings)
-        if changed:
-            what = ", ".join(f"{k} {saved!r} (here {current!r})" for k, saved, current in changed)
-            raise ConfigError(
-                f"--init-from {settings.init_from} was trained with {what}: a run starts only from a step of the "
-                "same base model and LoRA shape"
-            )
-        yield source.path
+    wanted = ckpts.is_settings_file if settings_only else ckpts.read_without_optimizer
+    fetched = store.restore_checkpoint(name, step, ckpts.checkpoint_dir(scratch, step), wanted)
+    source = ckpts.Checkpoint(step, fetched or Path(rows[step]["path"]))
+    # The store lists a step's files only once every one is stored: what a check left there is complete.
+    partial = fetched is not None and settings_only
+    if not (source.path / ckpts.SETTINGS_FILE).is_file() or not (partial or ckpts.is_complete(source.path)):
+        raise ConfigError(f"--init-from {settings.init_from}: its checkpoint {source.path} is missing or incomplete")
+    refuse_other_shape(
+        source,
+        settings,
+        lambda what: (
+            f"--init-from {settings.init_from} was trained with {what}: a run starts only from a step of the "
+            "same base model and LoRA shape"
+        ),
+    )
+    return source
 
 
 def hold_reason(store: Store, settings: Settings, model: str) -> str | None:
