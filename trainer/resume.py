@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gateway.errors import ConfigError, Conflict, StoreUnavailable
 from gateway.settings import Settings
@@ -52,6 +52,13 @@ class LoadCheckpoint(Protocol):
     def __call__(self, path: Path) -> None: ...
 
 
+class Resumed(NamedTuple):
+    next_step: int
+    """The step to train next: one past the newest checkpoint or step row."""
+    weights_step: int
+    """The step whose checkpoint was loaded: what the weights hold."""
+
+
 def resume(
     store: Store,
     model: str,
@@ -61,10 +68,10 @@ def resume(
     save: SaveCheckpoint,
     load: LoadCheckpoint,
     seed: LoadCheckpoint | None = None,
-) -> int:
+) -> Resumed:
     """Reconcile `root` with the store's steps of `model`, load the serving step's checkpoint (or
     save a fresh step 0: `--init-from NAME@N`'s adapter, through `seed`, where given) and
-    return the step to train next."""
+    return the step to train next and the step loaded."""
     for leftover in ckpts.remove_partial(root):
         log.info("removed an unfinished checkpoint write: %s", leftover.name)
     recorded = {row["step"] for row in store.steps(model)}
@@ -105,30 +112,31 @@ def resume(
             f"the adapter of {settings.init_from}" if metrics else "fresh adapter",
             checkpoint.path,
         )
-        return 1
+        return Resumed(next_step=1, weights_step=0)
     if settings.init_from:
         log.info("--init-from %s seeds a new run only: resuming this one", settings.init_from)
     check_compatible(latest, settings, model, root)
-    start = serving_checkpoint(store, model, root) or latest
+    start = latest
+    serving = store.serving_step(model)
+    if serving is not None and serving != latest.step:  # a candidate waits or was turned down: what serves goes on
+        start = checkpoint_of(store, model, root, serving) or latest
+        if start is latest:
+            log.warning("the serving step %d has no checkpoint here: loading the newest, %d", serving, latest.step)
     load(start.path)
     if last_recorded > latest.step:
         log.warning("steps after %d are recorded but their checkpoints are gone", latest.step)
     next_step = max(latest.step, last_recorded) + 1
     log.info("resumed from checkpoint %s; next step %d", start.path, next_step)
-    return next_step
+    # The step loaded, not the serving one: a step trained on it names it as its parent, and under
+    # --promote canary|manual `go_on_from_serving` holds training until the serving step's files are back.
+    return Resumed(next_step=next_step, weights_step=start.step)
 
 
-def serving_checkpoint(store: Store, model: str, root: Path) -> ckpts.Checkpoint | None:
-    """The checkpoint of the step NAME serves (fetched from the store where it keeps one), when
-    that is not the newest: a candidate waits or was turned down, and training goes on from what
-    serves. None where it is the newest, or where no checkpoint of it can be found."""
-    step = store.serving_step(model)
-    latest = ckpts.latest_checkpoint(root)
-    if step is None or (latest is not None and latest.step == step):
-        return None
+def checkpoint_of(store: Store, model: str, root: Path, step: int) -> ckpts.Checkpoint | None:
+    """Step `step`'s checkpoint under `root`, fetched from the store where it is not there and the
+    store keeps its files (PostgreSQL); None where neither has it (removed by hand, or pruned)."""
     path = ckpts.checkpoint_dir(root, step)
     if not ckpts.is_complete(path) and not store.restore_checkpoint(model, step, path):
-        log.warning("the serving step %d has no checkpoint here: training goes on from the newest", step)
         return None
     return ckpts.Checkpoint(step, path)
 
@@ -256,17 +264,32 @@ def hold_reason(store: Store, settings: Settings, model: str) -> str | None:
 
 def go_on_from_serving(
     store: Store, model: str, root: Path, weights_step: int | None, load: LoadCheckpoint
-) -> int | None:
-    """The step the weights hold from now on: the serving one, its checkpoint (adapter and
-    optimizer) loaded when the weights hold another (a candidate rejected or rolled back)."""
+) -> tuple[int | None, str | None]:
+    """(The step the weights hold from now on, why training waits instead, or None.) The serving
+    step's checkpoint (adapter and optimizer) is loaded when the weights hold another (a candidate
+    rejected or rolled back, a restart that found it gone). Where no checkpoint of it can be found
+    (removed by hand; on PostgreSQL not in the store either) the weights stay and training waits
+    until it is back: a step trained on them is recorded either as the serving step's child, a
+    false lineage (staleness, the step a rollback serves again), or as a turned-down step's, which
+    `publish` takes back at once, its groups trained again and again."""
     serving = store.serving_step(model)
     if serving is None or serving == weights_step:
-        return weights_step
-    checkpoint = serving_checkpoint(store, model, root)
-    if checkpoint is not None:
-        load(checkpoint.path)
-        log.info("trainer: step %d serves; training goes on from its adapter and optimizer", serving)
-    return serving
+        return weights_step, None
+    checkpoint = checkpoint_of(store, model, root, serving)
+    if checkpoint is None:
+        return weights_step, missing_serving_reason(serving, weights_step, ckpts.checkpoint_dir(root, serving))
+    load(checkpoint.path)
+    log.info("trainer: step %d serves; training goes on from its adapter and optimizer", serving)
+    return serving, None
+
+
+def missing_serving_reason(serving: int, weights_step: int | None, path: Path) -> str:
+    """Why training waits while the serving step's checkpoint is nowhere to be found."""
+    return (
+        f"training waits: step {serving} serves but its checkpoint is gone ({path} is missing or incomplete, "
+        f"and the store keeps no files of it); a step trained now would start from step {weights_step}'s "
+        f"adapter, not step {serving}'s. Put the checkpoint back there and training goes on by itself"
+    )
 
 
 def prune_checkpoints(store: Store, model: str, root: Path, keep: int, weights_step: int | None) -> None:
