@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 from gateway.errors import ConfigError, Conflict, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
-from gateway.store.steps import paused_reason
+from gateway.store.steps import TURNED_DOWN, paused_reason
 from trainer import checkpoints as ckpts
 
 log = logging.getLogger("rlproxy.trainer")
@@ -43,6 +43,7 @@ class SaveCheckpoint(Protocol):
         advantages: dict[str, float] | None = None,
         left_out: dict[str, str] | None = None,
         sft: dict | None = None,
+        parent: int | None = None,
     ) -> ckpts.Checkpoint: ...
 
 
@@ -146,8 +147,23 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_s
     it if its groups were trained meanwhile or one of its sessions was discarded (the groups train
     again without it, as when the discard lands while the step trains). The dead step's claims are
     given back only after this (`TrainerWorker._resume`): until then its groups' rewards stay as the
-    checkpoint trained them."""
+    checkpoint trained them. Its parent is the step it was trained from, as saved, not whatever serves
+    by now; where that step was turned down meanwhile (the canary rolled it back while the trainer was
+    down) the checkpoint is discarded, as a step is taken back when that happens while it trains."""
     state = checkpoint.state()
+    parent = state.get("parent")  # None in a checkpoint from before it was saved: the serving step
+    if (
+        parent is not None
+        and next((r["state"] for r in store.steps(model) if r["step"] == parent), None) in TURNED_DOWN
+    ):
+        log.warning(
+            "discarding checkpoint %s, which was never recorded: step %d, which it was trained from, was turned "
+            "down meanwhile",
+            checkpoint.path,
+            parent,
+        )
+        ckpts.discard(checkpoint)
+        return
     try:
         store.insert_step(
             model,
@@ -159,6 +175,7 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_s
             advantages=state.get("advantages"),
             left_out=state.get("left_out"),
             state=step_state,
+            parent=parent,
             claimed=True,  # as the dead step left them: a gateway that took the trainer for gone gave them back
         )
     except Conflict as exc:  # its groups trained, a session discarded, its step number taken

@@ -166,6 +166,7 @@ class TrainerWorker:
         advantages: dict[str, float] | None = None,
         left_out: dict[str, str] | None = None,
         sft: dict | None = None,
+        parent: int | None = None,
     ) -> ckpts.Checkpoint:
         return ckpts.write_checkpoint(
             self.root,
@@ -178,6 +179,7 @@ class TrainerWorker:
             advantages=advantages,
             left_out=left_out,
             sft=sft,
+            parent=parent,
         )
 
     def _load(self, path: Path) -> None:
