@@ -117,12 +117,13 @@ def resume(
     if settings.init_from:
         log.info("--init-from %s seeds a new run only: resuming this one", settings.init_from)
     check_compatible(latest, settings, model, root)
-    start = latest
+    # What serves goes on (a candidate waits or was turned down), else the newest; each as the store keeps it.
     serving = store.serving_step(model)
-    if serving is not None and serving != latest.step:  # a candidate waits or was turned down: what serves goes on
-        start = checkpoint_of(store, model, root, serving) or latest
-        if start is latest:
+    start = None if serving is None else checkpoint_of(store, model, root, serving)
+    if start is None:
+        if serving is not None:
             log.warning("the serving step %d has no checkpoint here: loading the newest, %d", serving, latest.step)
+        start = checkpoint_of(store, model, root, latest.step) or latest
     load(start.path)
     if last_recorded > latest.step:
         log.warning("steps after %d are recorded but their checkpoints are gone", latest.step)
@@ -134,10 +135,12 @@ def resume(
 
 
 def checkpoint_of(store: Store, model: str, root: Path, step: int) -> ckpts.Checkpoint | None:
-    """Step `step`'s checkpoint under `root`, fetched from the store where it is not there and the
-    store keeps its files (PostgreSQL); None where neither has it (removed by hand, or pruned)."""
+    """Step `step`'s checkpoint under `root`; None where neither `root` nor the store has it (removed by
+    hand, or pruned). Where the store keeps the files (PostgreSQL) they are the step's: fetched where
+    missing, and put in place of a directory here that differs, one a step that was never recorded
+    left under the same number (its trainer killed, then gone on on another machine)."""
     path = ckpts.checkpoint_dir(root, step)
-    if not ckpts.is_complete(path) and not store.restore_checkpoint(model, step, path):
+    if store.restore_checkpoint(model, step, path) is None and not ckpts.is_complete(path):
         return None
     return ckpts.Checkpoint(step, path)
 
