@@ -253,11 +253,10 @@ def check_init_from(store: Store, settings: Settings) -> None:
     if not settings.init_from or store.steps(settings.model_name):
         return
     from trainer.checkpoints import latest_checkpoint
-    from trainer.resume import init_source
+    from trainer.resume import check_init_source
 
     if latest_checkpoint(settings.checkpoints_dir()) is None:  # else the trainer resumes it instead
-        with init_source(store, settings):
-            pass  # checked: the trainer fetches it again when it seeds step 0
+        check_init_source(store, settings)  # its settings only: the trainer fetches the adapter, once
 
 
 def start_trainer(args: argparse.Namespace, settings: Settings, store: Store | None = None) -> TrainerChild | None:

@@ -308,7 +308,7 @@ def test_init_from_is_refused_for_another_base_model_or_adapter_shape_or_an_unkn
     assert "NAME@STEP" in capsys.readouterr().err
     # the same rule keeps a run from resuming under another shape
     assert main([*base, "--model-name", "a", "--lora-rank", "8"]) == 2
-    assert "were trained with other settings (lora_rank 4 -> 8)" in capsys.readouterr().err
+    assert "were trained with lora_rank 4 (here 8); keep those settings" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -278,6 +278,38 @@ def test_init_from_a_step_in_the_store_leaves_no_copy_of_it_behind(postgres_db, 
     store.close_sync()
 
 
+def test_init_from_a_step_in_the_store_fetches_its_adapter_once(postgres_db, tmp_path, monkeypatch):
+    """`rlproxy serve --trainer auto --init-from sft@4 --store postgresql://...`: the gateway's check before
+    the trainer starts read every file of the step from the database, then the trainer fetched them all
+    again to seed step 0. The check reads the step's settings only; its shape is still refused."""
+    import json
+
+    from gateway.errors import ConfigError
+    from gateway.settings import Settings
+    from gateway.store import files
+    from gateway.trainer_process import check_init_from
+    from trainer.resume import init_source
+
+    here = Settings(state_dir=tmp_path / "new-node", store=postgres_db, model_name="rl", init_from="sft@4")
+    store = PostgresStore(postgres_db)
+    weights = b"sft weights" * 100
+    ckpt = _checkpoint(tmp_path / "sft-node" / "checkpoints" / "0004", weights, step=4)
+    (ckpt / "settings.json").write_text(json.dumps(here.public_dict()))
+    store.insert_step("sft", 4, str(ckpt), {}, [])
+    read = files.read_blob
+    reads: list[str] = []
+    monkeypatch.setattr(files, "read_blob", lambda query, digest: reads.append(digest) or read(query, digest))
+    check_init_from(store, here)  # the gateway's, before it starts the trainer
+    with init_source(store, here) as source:  # the trainer's, seeding step 0
+        assert (source / "adapter_model.safetensors").read_bytes() == weights
+    assert reads.count(hashlib.sha256(weights).hexdigest()) == 1
+    other_rank = here.model_copy(update={"lora_rank": here.lora_rank * 2})
+    with pytest.raises(ConfigError, match=rf"lora_rank {here.lora_rank} \(here {here.lora_rank * 2}\)"):
+        check_init_from(store, other_rank)
+    assert reads.count(hashlib.sha256(weights).hexdigest()) == 1
+    store.close_sync()
+
+
 def test_what_a_killed_fetch_left_goes_at_the_next_fetch_but_a_running_one_is_left_alone(postgres_db, tmp_path):
     """A replica killed while it fetched a step left `store/.tmp-NNNN-...` with the files written so
     far, and nothing ever removed it. The next fetch on that machine (a gateway's first at its

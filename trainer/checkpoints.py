@@ -73,6 +73,11 @@ def read_without_optimizer(name: str) -> bool:
     return name != OPTIMIZER_FILE
 
 
+def is_settings_file(name: str) -> bool:
+    """Only `settings.json` (`restore_checkpoint`'s `wanted`): what a check of a step's adapter shape reads."""
+    return name == SETTINGS_FILE
+
+
 def is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in (*ADAPTER_FILES, STATE_FILE))
 
@@ -136,10 +141,12 @@ def write_checkpoint(
     advantages: dict[str, float] | None = None,
     left_out: dict[str, str] | None = None,
     sft: dict | None = None,
+    parent: int | None = None,
 ) -> Checkpoint:
     """Write checkpoint `step` atomically: `write_files(tmp_dir)` (the backend's `save`),
     then the JSON files, fsync, rename. Raises FileExistsError if `NNNN` already exists
-    (the caller decides step numbers; two checkpoints must never claim one)."""
+    (the caller decides step numbers; two checkpoints must never claim one). `parent`: the step
+    whose weights it was trained from."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, step)
@@ -159,6 +166,7 @@ def write_checkpoint(
             "token_budget": token_budget,
             "advantages": advantages or {},
             "left_out": left_out or {},
+            "parent": parent,  # a restart records it with this parent, not whatever serves by then
         }
         if sft is not None:  # a supervised run's snapshot and position (`trainer.sft.run`)
             state["sft"] = sft

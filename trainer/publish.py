@@ -278,7 +278,12 @@ def _train_checkpoint_record(
     metrics["seconds"] = time.perf_counter() - plan.started
     try:
         checkpoint = save(
-            step, metrics=metrics, groups=trained_groups, advantages=plan.advantages, left_out=plan.left_out
+            step,
+            metrics=metrics,
+            groups=trained_groups,
+            advantages=plan.advantages,
+            left_out=plan.left_out,
+            parent=plan.parent,
         )
     except OSError as exc:  # the disk's fault, not the batch's: the worker waits for it (trainer.worker)
         raise ckpts.unwritable(exc) from exc

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gateway.errors import ConfigError, Conflict, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
-from gateway.store.steps import paused_reason
+from gateway.store.steps import TURNED_DOWN, paused_reason
 from trainer import checkpoints as ckpts
 
 log = logging.getLogger("rlproxy.trainer")
@@ -43,6 +43,7 @@ class SaveCheckpoint(Protocol):
         advantages: dict[str, float] | None = None,
         left_out: dict[str, str] | None = None,
         sft: dict | None = None,
+        parent: int | None = None,
     ) -> ckpts.Checkpoint: ...
 
 
@@ -50,6 +51,13 @@ class LoadCheckpoint(Protocol):
     """Load the weights (and optimizer state) of the checkpoint at `path`."""
 
     def __call__(self, path: Path) -> None: ...
+
+
+class Resumed(NamedTuple):
+    next_step: int
+    """The step to train next: one past the newest checkpoint or step row."""
+    weights_step: int
+    """The step whose checkpoint was loaded: what the weights hold."""
 
 
 def resume(
@@ -61,10 +69,10 @@ def resume(
     save: SaveCheckpoint,
     load: LoadCheckpoint,
     seed: LoadCheckpoint | None = None,
-) -> int:
+) -> Resumed:
     """Reconcile `root` with the store's steps of `model`, load the serving step's checkpoint (or
     save a fresh step 0: `--init-from NAME@N`'s adapter, through `seed`, where given) and
-    return the step to train next."""
+    return the step to train next and the step loaded."""
     for leftover in ckpts.remove_partial(root):
         log.info("removed an unfinished checkpoint write: %s", leftover.name)
     recorded = {row["step"] for row in store.steps(model)}
@@ -105,30 +113,34 @@ def resume(
             f"the adapter of {settings.init_from}" if metrics else "fresh adapter",
             checkpoint.path,
         )
-        return 1
+        return Resumed(next_step=1, weights_step=0)
     if settings.init_from:
         log.info("--init-from %s seeds a new run only: resuming this one", settings.init_from)
     check_compatible(latest, settings, model, root)
-    start = serving_checkpoint(store, model, root) or latest
+    # What serves goes on (a candidate waits or was turned down), else the newest; each as the store keeps it.
+    serving = store.serving_step(model)
+    start = None if serving is None else checkpoint_of(store, model, root, serving)
+    if start is None:
+        if serving is not None:
+            log.warning("the serving step %d has no checkpoint here: loading the newest, %d", serving, latest.step)
+        start = checkpoint_of(store, model, root, latest.step) or latest
     load(start.path)
     if last_recorded > latest.step:
         log.warning("steps after %d are recorded but their checkpoints are gone", latest.step)
     next_step = max(latest.step, last_recorded) + 1
     log.info("resumed from checkpoint %s; next step %d", start.path, next_step)
-    return next_step
+    # The step loaded, not the serving one: a step trained on it names it as its parent, and under
+    # --promote canary|manual `go_on_from_serving` holds training until the serving step's files are back.
+    return Resumed(next_step=next_step, weights_step=start.step)
 
 
-def serving_checkpoint(store: Store, model: str, root: Path) -> ckpts.Checkpoint | None:
-    """The checkpoint of the step NAME serves (fetched from the store where it keeps one), when
-    that is not the newest: a candidate waits or was turned down, and training goes on from what
-    serves. None where it is the newest, or where no checkpoint of it can be found."""
-    step = store.serving_step(model)
-    latest = ckpts.latest_checkpoint(root)
-    if step is None or (latest is not None and latest.step == step):
-        return None
+def checkpoint_of(store: Store, model: str, root: Path, step: int) -> ckpts.Checkpoint | None:
+    """Step `step`'s checkpoint under `root`; None where neither `root` nor the store has it (removed by
+    hand, or pruned). Where the store keeps the files (PostgreSQL) they are the step's: fetched where
+    missing, and put in place of a directory here that differs, one a step that was never recorded
+    left under the same number (its trainer killed, then gone on on another machine)."""
     path = ckpts.checkpoint_dir(root, step)
-    if not ckpts.is_complete(path) and not store.restore_checkpoint(model, step, path):
-        log.warning("the serving step %d has no checkpoint here: training goes on from the newest", step)
+    if store.restore_checkpoint(model, step, path) is None and not ckpts.is_complete(path):
         return None
     return ckpts.Checkpoint(step, path)
 
@@ -138,8 +150,23 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_s
     it if its groups were trained meanwhile or one of its sessions was discarded (the groups train
     again without it, as when the discard lands while the step trains). The dead step's claims are
     given back only after this (`TrainerWorker._resume`): until then its groups' rewards stay as the
-    checkpoint trained them."""
+    checkpoint trained them. Its parent is the step it was trained from, as saved, not whatever serves
+    by now; where that step was turned down meanwhile (the canary rolled it back while the trainer was
+    down) the checkpoint is discarded, as a step is taken back when that happens while it trains."""
     state = checkpoint.state()
+    parent = state.get("parent")  # None in a checkpoint from before it was saved: the serving step
+    if (
+        parent is not None
+        and next((r["state"] for r in store.steps(model) if r["step"] == parent), None) in TURNED_DOWN
+    ):
+        log.warning(
+            "discarding checkpoint %s, which was never recorded: step %d, which it was trained from, was turned "
+            "down meanwhile",
+            checkpoint.path,
+            parent,
+        )
+        ckpts.discard(checkpoint)
+        return
     try:
         store.insert_step(
             model,
@@ -151,6 +178,7 @@ def record_orphan(store: Store, model: str, checkpoint: ckpts.Checkpoint, step_s
             advantages=state.get("advantages"),
             left_out=state.get("left_out"),
             state=step_state,
+            parent=parent,
             claimed=True,  # as the dead step left them: a gateway that took the trainer for gone gave them back
         )
     except Conflict as exc:  # its groups trained, a session discarded, its step number taken
@@ -166,15 +194,24 @@ def shape_changes(checkpoint: ckpts.Checkpoint, settings: Settings) -> list[tupl
     return [(k, saved[k], current[k]) for k in _ADAPTER_SHAPE if k in saved and saved[k] != current[k]]
 
 
-def check_compatible(checkpoint: ckpts.Checkpoint, settings: Settings, model: str, root: Path) -> None:
-    """Raise `ConfigError` if `checkpoint` was trained with another adapter shape."""
+def refuse_other_shape(checkpoint: ckpts.Checkpoint, settings: Settings, says: Callable[[str], str]) -> None:
+    """Raise `ConfigError(says(what))` where `checkpoint` was trained with another adapter shape than
+    `settings`; `what` names each setting that differs, the checkpoint's value and this run's."""
     changed = shape_changes(checkpoint, settings)
     if changed:
-        what = ", ".join(f"{k} {saved!r} -> {current!r}" for k, saved, current in changed)
-        raise ConfigError(
-            f"checkpoints of model '{model}' in {root} were trained with other settings ({what}); "
+        raise ConfigError(says(", ".join(f"{k} {saved!r} (here {current!r})" for k, saved, current in changed)))
+
+
+def check_compatible(checkpoint: ckpts.Checkpoint, settings: Settings, model: str, root: Path) -> None:
+    """Raise `ConfigError` if `checkpoint` was trained with another adapter shape."""
+    refuse_other_shape(
+        checkpoint,
+        settings,
+        lambda what: (
+            f"checkpoints of model '{model}' in {root} were trained with {what}; "
             "keep those settings, or train under another --model-name or --state-dir"
-        )
+        ),
+    )
 
 
 @contextmanager
@@ -183,6 +220,21 @@ def init_source(store: Store, settings: Settings) -> Iterator[Path]:
     refused when it was trained on another base model or adapter shape. Where the store keeps
     the files (PostgreSQL) they are fetched into a temporary directory, removed on leaving: the
     run's step 0 is a copy of its own, and a copy under STATE/models/NAME/store/ stayed for good."""
+    with tempfile.TemporaryDirectory(prefix="rlproxy-init-from-") as scratch:
+        yield _init_checkpoint(store, settings, Path(scratch), settings_only=False).path
+
+
+def check_init_source(store: Store, settings: Settings) -> None:
+    """`init_source`'s refusals before a trainer starts (`gateway.trainer_process.check_init_from`),
+    fetching only the step's settings from the store: its adapter is fetched once, by the trainer
+    that seeds step 0 with it, not a first time for a check and thrown away."""
+    with tempfile.TemporaryDirectory(prefix="rlproxy-init-from-") as scratch:
+        _init_checkpoint(store, settings, Path(scratch), settings_only=True)
+
+
+def _init_checkpoint(store: Store, settings: Settings, scratch: Path, *, settings_only: bool) -> ckpts.Checkpoint:
+    """The checkpoint `--init-from NAME@N` names, fetched under `scratch` where the store keeps its files
+    (all but the optimizer state; only `settings.json` with `settings_only`), or ConfigError."""
     name, _, step_text = str(settings.init_from).partition("@")
     # ASCII digits only: `str.isdigit` also takes "²", which `int` refuses (a traceback, not this message).
     if not name or not (step_text.isascii() and step_text.isdigit()):
@@ -196,22 +248,22 @@ def init_source(store: Store, settings: Settings) -> Iterator[Path]:
         raise ConfigError(
             f"--init-from {settings.init_from}: the store has no step {step} of '{name}' (steps: {known})"
         )
-    with tempfile.TemporaryDirectory(prefix="rlproxy-init-from-") as scratch:
-        into = ckpts.checkpoint_dir(Path(scratch), step)
-        fetched = store.restore_checkpoint(name, step, into, ckpts.read_without_optimizer)
-        source = ckpts.Checkpoint(step, fetched or Path(rows[step]["path"]))
-        if not ckpts.is_complete(source.path):
-            raise ConfigError(
-                f"--init-from {settings.init_from}: its checkpoint {source.path} is missing or incomplete"
-            )
-        changed = shape_changes(source, settings)
-        if changed:
-            what = ", ".join(f"{k} {saved!r} (here {current!r})" for k, saved, current in changed)
-            raise ConfigError(
-                f"--init-from {settings.init_from} was trained with {what}: a run starts only from a step of the "
-                "same base model and LoRA shape"
-            )
-        yield source.path
+    wanted = ckpts.is_settings_file if settings_only else ckpts.read_without_optimizer
+    fetched = store.restore_checkpoint(name, step, ckpts.checkpoint_dir(scratch, step), wanted)
+    source = ckpts.Checkpoint(step, fetched or Path(rows[step]["path"]))
+    # The store lists a step's files only once every one is stored: what a check left there is complete.
+    partial = fetched is not None and settings_only
+    if not (source.path / ckpts.SETTINGS_FILE).is_file() or not (partial or ckpts.is_complete(source.path)):
+        raise ConfigError(f"--init-from {settings.init_from}: its checkpoint {source.path} is missing or incomplete")
+    refuse_other_shape(
+        source,
+        settings,
+        lambda what: (
+            f"--init-from {settings.init_from} was trained with {what}: a run starts only from a step of the "
+            "same base model and LoRA shape"
+        ),
+    )
+    return source
 
 
 def hold_reason(store: Store, settings: Settings, model: str) -> str | None:
@@ -232,17 +284,32 @@ def hold_reason(store: Store, settings: Settings, model: str) -> str | None:
 
 def go_on_from_serving(
     store: Store, model: str, root: Path, weights_step: int | None, load: LoadCheckpoint
-) -> int | None:
-    """The step the weights hold from now on: the serving one, its checkpoint (adapter and
-    optimizer) loaded when the weights hold another (a candidate rejected or rolled back)."""
+) -> tuple[int | None, str | None]:
+    """(The step the weights hold from now on, why training waits instead, or None.) The serving
+    step's checkpoint (adapter and optimizer) is loaded when the weights hold another (a candidate
+    rejected or rolled back, a restart that found it gone). Where no checkpoint of it can be found
+    (removed by hand; on PostgreSQL not in the store either) the weights stay and training waits
+    until it is back: a step trained on them is recorded either as the serving step's child, a
+    false lineage (staleness, the step a rollback serves again), or as a turned-down step's, which
+    `publish` takes back at once, its groups trained again and again."""
     serving = store.serving_step(model)
     if serving is None or serving == weights_step:
-        return weights_step
-    checkpoint = serving_checkpoint(store, model, root)
-    if checkpoint is not None:
-        load(checkpoint.path)
-        log.info("trainer: step %d serves; training goes on from its adapter and optimizer", serving)
-    return serving
+        return weights_step, None
+    checkpoint = checkpoint_of(store, model, root, serving)
+    if checkpoint is None:
+        return weights_step, missing_serving_reason(serving, weights_step, ckpts.checkpoint_dir(root, serving))
+    load(checkpoint.path)
+    log.info("trainer: step %d serves; training goes on from its adapter and optimizer", serving)
+    return serving, None
+
+
+def missing_serving_reason(serving: int, weights_step: int | None, path: Path) -> str:
+    """Why training waits while the serving step's checkpoint is nowhere to be found."""
+    return (
+        f"training waits: step {serving} serves but its checkpoint is gone ({path} is missing or incomplete, "
+        f"and the store keeps no files of it); a step trained now would start from step {weights_step}'s "
+        f"adapter, not step {serving}'s. Put the checkpoint back there and training goes on by itself"
+    )
 
 
 def prune_checkpoints(store: Store, model: str, root: Path, keep: int, weights_step: int | None) -> None:

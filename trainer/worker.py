@@ -130,27 +130,31 @@ class TrainerWorker:
             self._lock = None
 
     def _resume(self) -> None:
-        self.next_step = resume(
+        self.next_step, self.weights_step = resume(
             self.store, self.model, self.root, self.settings, save=self._save, load=self._load, seed=self._seed
         )
         released = self.store.release_model_claims(self.model)  # a dead step's, only now: see record_orphan
         if released:
             log.warning("%d group(s) were claimed by a step that never finished; they train again", released)
-        self.weights_step = self.store.serving_step(self.model)  # what resume loaded (where it has the checkpoint)
 
     def _held(self, stop_event: threading.Event) -> bool:
-        """Whether to wait rather than train now (a candidate undecided, training paused); once decided, the
-        weights go on from the serving step (the incumbent's adapter and optimizer after a rejection or rollback)."""
+        """Whether to wait rather than train now (a candidate undecided, training paused, the serving step's
+        checkpoint gone); once decided, the weights go on from the serving step (the incumbent's adapter and
+        optimizer after a rejection or rollback)."""
         if self.settings.promote == "always":
             return False  # every step serves at once: nothing to wait for, nothing to go back to
-        reason = hold_reason(self.store, self.settings, self.model)
+        reason, level = hold_reason(self.store, self.settings, self.model), logging.INFO
+        if reason is None:  # the serving step's files gone: someone has to put them back
+            level = logging.WARNING
+            self.weights_step, reason = go_on_from_serving(
+                self.store, self.model, self.root, self.weights_step, self._load
+            )
         if reason != self._held_for and reason is not None:
-            log.info("trainer: %s", reason)
+            log.log(level, "trainer: %s", reason)
         self._held_for = reason
         if reason is not None:
             self._pause(stop_event)
             return True
-        self.weights_step = go_on_from_serving(self.store, self.model, self.root, self.weights_step, self._load)
         return False
 
     def _save(
@@ -162,6 +166,7 @@ class TrainerWorker:
         advantages: dict[str, float] | None = None,
         left_out: dict[str, str] | None = None,
         sft: dict | None = None,
+        parent: int | None = None,
     ) -> ckpts.Checkpoint:
         return ckpts.write_checkpoint(
             self.root,
@@ -174,6 +179,7 @@ class TrainerWorker:
             advantages=advantages,
             left_out=left_out,
             sft=sft,
+            parent=parent,
         )
 
     def _load(self, path: Path) -> None:
