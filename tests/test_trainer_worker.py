@@ -311,12 +311,8 @@ def test_a_sample_longer_than_the_base_models_context_trains_its_prefix_instead_
     asyncio.run(store.close())
 
 
-def test_keep_checkpoints_bounds_the_disk_and_keeps_what_serves_and_its_rollback(tmp_path):
-    """Every step writes an adapter and its optimizer state: with `--keep-checkpoints 1` a trainer
-    that runs for weeks keeps the newest checkpoint and the one a rollback would serve again (its
-    parent); older ones go, their step rows stay."""
-    settings = trainer_settings(tmp_path, groups_per_step=1, keep_checkpoints=1)
-    recorder = Recorder(settings)
+def train_four_steps(settings, recorder) -> None:
+    """Four steps of one group each, recorded by `recorder` and trained by a worker of `settings`."""
     worker = TrainerWorker(settings)
     try:
         worker.start()
@@ -325,6 +321,17 @@ def test_keep_checkpoints_bounds_the_disk_and_keeps_what_serves_and_its_rollback
             assert worker.train_once(worker.groups_to_train()) is not None
     finally:
         worker.close()
+
+
+def test_keep_checkpoints_bounds_the_disk_and_keeps_what_serves_and_its_rollback(tmp_path):
+    """Every step writes an adapter and its optimizer state: with `--keep-checkpoints 1` a trainer
+    that runs for weeks keeps the newest checkpoint and the one a rollback would serve again (its
+    parent); older ones go, their step rows stay."""
+    settings = trainer_settings(tmp_path, groups_per_step=1, keep_checkpoints=1)
+    recorder = Recorder(settings)
+    try:
+        train_four_steps(settings, recorder)
+    finally:
         recorder.close()
     root = settings.checkpoints_dir()
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["0003", "0004"]
@@ -342,14 +349,7 @@ def test_keep_checkpoints_bounds_a_postgres_store_and_a_trainer_moved_elsewhere_
     recorder = Recorder(settings)
     asyncio.run(recorder.store.close())
     recorder.store = store = PostgresStore(postgres_db)  # the calls and rewards into the shared store
-    worker = TrainerWorker(settings)
-    try:
-        worker.start()
-        for step in range(4):
-            recorder.group(f"g{step}", [1.0, 0.0], step=step)
-            assert worker.train_once(worker.groups_to_train()) is not None
-    finally:
-        worker.close()
+    train_four_steps(settings, recorder)
 
     def stored() -> list[int]:
         return sorted(store.stored_steps("agent"))
