@@ -66,14 +66,16 @@ def test_responses_context_error_names_max_output_tokens(url):
         oai.responses.create(model=TINY_MODEL_ID, input="hi " * 100, max_output_tokens=2040)
     assert room.value.body["param"] == "input"
     assert "lower 'max_output_tokens'" in room.value.body["message"]
-    assert "max_tokens" not in room.value.body["message"]
+    assert "Shorten 'input'" in room.value.body["message"]  # a Responses client sent no 'messages'
+    assert "max_tokens" not in room.value.body["message"] and "messages" not in room.value.body["message"]
 
 
 def test_completions_prompt_over_the_context_names_prompt(url):
     oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as room:
         oai.completions.create(model=TINY_MODEL_ID, prompt="hi " * 100, max_tokens=2040)
-    assert room.value.body["param"] == "prompt"
+    assert room.value.body["param"] == "prompt" and room.value.body["code"] == "context_length_exceeded"
+    assert "Shorten 'prompt'" in room.value.body["message"] and "messages" not in room.value.body["message"]
 
 
 def test_anthropic_errors_name_the_field_in_the_message(url):
@@ -81,7 +83,8 @@ def test_anthropic_errors_name_the_field_in_the_message(url):
     claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
     with pytest.raises(anthropic.BadRequestError) as room:
         claude.messages.create(model=TINY_MODEL_ID, max_tokens=2040, messages=[{"role": "user", "content": "hi " * 99}])
-    assert "lower 'max_tokens'" in room.value.body["error"]["message"]
+    assert "Shorten 'messages' or lower 'max_tokens'" in room.value.body["error"]["message"]
+    assert room.value.body["error"]["type"] == "invalid_request_error"
     assert "max_completion_tokens" not in room.value.body["error"]["message"]
 
 

@@ -65,10 +65,11 @@ def completion_room(req: ChatCompletionRequest, prompt_ids: list[int], context: 
     if room < 1 or (limit is not None and limit > room):
         asked = f" + {limit} completion tokens" if limit is not None else ""
         field = "'max_completion_tokens'" if req.max_completion_tokens else "'max_tokens'"
-        lower = f" or lower {field}" if limit is not None else ""  # quoted: another protocol names its own
+        lower = f" or lower {field}" if limit is not None else ""
+        # fields quoted: `in_client_terms` names them as another protocol's client wrote them ('input', 'prompt')
         raise InvalidRequest(
-            f"this model's context is {context} tokens; the messages take {len(prompt_ids)} tokens{asked}. "
-            f"Shorten the messages{lower}.",
+            f"this model's context is {context} tokens; the prompt ('messages') takes {len(prompt_ids)} "
+            f"tokens{asked}. Shorten 'messages'{lower}.",
             param="messages",
             code="context_length_exceeded",
         )
