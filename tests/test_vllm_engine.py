@@ -307,6 +307,24 @@ def test_near_zero_temperatures_are_sent_and_recorded_as_vllm_samples_them():
     assert tokens.choices[0].logprobs is None  # greedy: no mu recorded
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        "This model's maximum context length is 2048 tokens. However, your prompt contains at least 2050 input "
+        "tokens, which exceeds this limit even without any output tokens.",  # vLLM 0.32's serving layer
+        "The decoder prompt (length 2050) is longer than the maximum model length of 2048. Make sure that "
+        "`max_model_len` is no smaller than the number of text tokens.",  # its input processor (older, multimodal)
+    ],
+)
+def test_a_prompt_past_vllms_context_is_the_clients_context_length_exceeded_in_either_phrasing(message):
+    from gateway.engines.vllm.wire import status_error
+
+    payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None}}).encode()
+    error = status_error(400, payload, "agent@1")
+    assert (error.status_code, error.code, error.param) == (400, "context_length_exceeded", "messages")
+    assert message in error.message
+
+
 def test_misaligned_logprobs_are_dropped_not_recorded():
     data = {
         "choices": [
