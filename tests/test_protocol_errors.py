@@ -78,6 +78,23 @@ def test_completions_prompt_over_the_context_names_prompt(url):
     assert "Shorten 'prompt'" in room.value.body["message"] and "messages" not in room.value.body["message"]
 
 
+def test_a_prompt_list_with_one_prompt_past_the_context_answers_and_records_none(url):
+    """Each prompt of a list is a call of its own: one past the context failed the request after
+    those before it were answered and recorded, answers the client never got, trained with the
+    session's reward. Every prompt is checked first now."""
+    session = "list-past-the-context"
+    answer = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": TINY_MODEL_ID, "prompt": ["hi", "word " * 3000], "max_tokens": 2},
+        headers={"X-Session-Id": session},
+    )
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert error["message"].startswith("'prompt'[1]: this model's context is 2048 tokens")
+    assert httpx.get(f"{url}/v1/sessions/{session}").status_code == 404  # no call of it recorded
+
+
 def test_anthropic_errors_name_the_field_in_the_message(url):
     """Anthropic's error shape has no `param`: its message names the client's field."""
     claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)

@@ -800,3 +800,22 @@ def test_anthropic_stream_reports_input_tokens_at_message_start(gateway):
     assert events[0].message.usage.input_tokens == len(prompt_ids_for(messages))
     final = [event for event in events if event.type == "message_delta"][-1]
     assert (final.usage.input_tokens, final.usage.output_tokens) == (len(prompt_ids_for(messages)), 3)
+
+
+def test_a_prompt_list_is_checked_against_vllms_context_before_any_prompt_is_answered(gateway):
+    """vLLM refuses a prompt that fills its context (4,096 ids here, one per character): the second
+    of a list, refused after the first was answered and recorded, left an answer the client never
+    got in its session. /tokenize counts every prompt first."""
+    answer = httpx.post(
+        f"{gateway.server.url}/v1/completions",
+        json={"model": "agent", "prompt": ["hi", "x" * 5000], "max_tokens": 2},
+        headers={"X-Session-Id": "list-past-vllms-context"},
+        timeout=30,
+    )
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert error["message"].startswith("'prompt'[1]: this model's context is 4096 tokens")
+    assert gateway.calls("list-past-vllms-context") == []
+    fits = {"model": "agent", "prompt": ["hi", "x" * 4000], "max_tokens": 200}  # vLLM cuts the completion to fit
+    assert httpx.post(f"{gateway.server.url}/v1/completions", json=fits, timeout=30).status_code == 200
