@@ -819,3 +819,16 @@ def test_a_prompt_list_is_checked_against_vllms_context_before_any_prompt_is_ans
     assert gateway.calls("list-past-vllms-context") == []
     fits = {"model": "agent", "prompt": ["hi", "x" * 4000], "max_tokens": 200}  # vLLM cuts the completion to fit
     assert httpx.post(f"{gateway.server.url}/v1/completions", json=fits, timeout=30).status_code == 200
+
+
+def test_vllms_own_refusal_names_the_field_a_responses_or_completions_client_sent(gateway):
+    """vLLM's 400 for a prompt past its context says 'messages'; a Responses client sent 'input'
+    and a completions one 'prompt', as the local engine's refusal already names them."""
+    url = gateway.server.url
+    responses = httpx.post(f"{url}/v1/responses", json={"model": "agent", "input": "x" * 5000}, timeout=30)
+    completions = httpx.post(f"{url}/v1/completions", json={"model": "agent", "prompt": "x" * 5000}, timeout=30)
+    for answer, field in ((responses, "input"), (completions, "prompt")):
+        assert answer.status_code == 400
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == (field, "context_length_exceeded")
+        assert "vLLM rejected the request: This model's maximum context length is 4096" in error["message"]
