@@ -38,12 +38,24 @@ def url(tmp_path_factory):
         ("/v1/responses", {"input": [{"role": "user"}]}, "input[0].content"),
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        # true is no count (pydantic read it as 1: one token answered)
+        ("/v1/chat/completions", {"messages": HI, "max_tokens": True}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": HI, "n": True}, "n"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": True}, "max_output_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
     ],
 )
 def test_a_validation_error_names_its_field_in_param(url, path, body, param):
     answer = httpx.post(f"{url}{path}", json={"model": TINY_MODEL_ID, **body})
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == param
+
+
+def test_a_boolean_is_no_count_in_anthropics_shape_either(url):
+    answer = httpx.post(f"{url}/v1/messages", json={"model": TINY_MODEL_ID, "messages": HI, "max_tokens": True})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error == {"type": "invalid_request_error", "message": "max_tokens: expected a whole number, not true"}
 
 
 def test_the_openai_client_reads_param(url):
