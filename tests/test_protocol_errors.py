@@ -38,6 +38,7 @@ def url(tmp_path_factory):
         ("/v1/responses", {"input": [{"role": "user"}]}, "input[0].content"),
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {"prompt": ["hi", "ho"], "stop": ["x"] * 65}, "stop"),  # a list's, as one prompt's
         # true is no count (pydantic read it as 1: one token answered)
         ("/v1/chat/completions", {"messages": HI, "max_tokens": True}, "max_tokens"),
         ("/v1/chat/completions", {"messages": HI, "n": True}, "n"),

@@ -350,8 +350,11 @@ async def create_completion(request: Request) -> Response:
     # Every prompt fits, or none is answered: one refused after those before it were answered and
     # recorded would leave answers the client never got in its session, trained with its reward.
     for i, prompt in enumerate(prompts):
-        with _client_terms(completions_wire.PROTOCOL), prompt_of_list(i):
-            await services.chat.engine.check_fits(completions_translate.to_chat(body, prompt))
+        with _client_terms(completions_wire.PROTOCOL):
+            chat_body = completions_translate.to_chat(body, prompt)
+            _chat_request(chat_body)  # the body's own errors first, named as a single prompt's are
+            with prompt_of_list(i):
+                await services.chat.engine.check_fits(chat_body)
     # Several prompts: one call row each (the first under the request's id), choices numbered across them.
     # Each call is watched like a single one, and its answer ends in a look at the client, so a
     # client that left cancels the call in flight (recorded as 499) and no later prompt starts.
