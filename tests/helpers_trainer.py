@@ -155,3 +155,19 @@ def tiny_gpt2(directory: Path) -> Path:
     tokenizer.save_pretrained(model_dir)
     shutil.copy(tiny / "chat_template.jinja", model_dir)
     return model_dir
+
+
+def tiny_qwen2_reading(directory: Path, positions: int) -> Path:
+    """The built-in tiny Qwen2 (rotary positions, no table of them) whose config states a context
+    of `positions` tokens: the same weights, a model configured for a shorter or longer context."""
+    import json
+    import shutil
+
+    from gateway.models.cache import model_cache_dir
+    from gateway.models.tiny import ensure_tiny_model
+
+    model_dir = directory / f"tiny-qwen2-{positions}"
+    shutil.copytree(ensure_tiny_model(model_cache_dir(directory / "cache")), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    return model_dir

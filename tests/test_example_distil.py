@@ -10,6 +10,9 @@ teacher, distil its good sessions into the student, then reinforce the student w
 - distil: `rlproxy train --objective sft` into the built-in `rlproxy/tiny-qwen2` (a rank-4 LoRA
   on CPU), one session a step: two SFT steps. The built-in instruct model would do as well, but
   building it takes about two minutes on two cores, once per test run, and the path is the same.
+  The student is a copy whose config states a 4,096-token context: the teacher's sessions take
+  about 2,900 tokens, past the 2,048 the built-in one states, and the trainer trains no position
+  past the student's context (a session whose first reply lies past it is left out).
 - reinforce: the student served by the local engine, with its trainer. The retail agent cannot
   run there (its policy and tools take about 2,900 of the built-in model's 2,048-token context:
   examples/retail/README.md), so a stand-in agent with the same command line plays (this file,
@@ -92,6 +95,7 @@ if __name__ == "__main__":
 
 from tests.fake_upstream import FakeUpstream  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
+from tests.helpers_trainer import tiny_qwen2_reading  # noqa: E402
 
 
 def processes_of(state: Path) -> list[int]:
@@ -152,7 +156,7 @@ def test_record_distil_reinforce_on_the_built_in_model(tmp_path):
         "TEACHER_ROLLOUTS": "2",
         "AGENT_ARGS": f"--task {GOOD} --task {BAD} --max-turns 2 --max-tokens 32",
         # distil (MIN_REWARD stays the script's 0.8)
-        "STUDENT": "rlproxy/tiny-qwen2",
+        "STUDENT": str(tiny_qwen2_reading(tmp_path, 4096)),
         "ENGINE": "local",
         "DEVICE": "cpu",
         "EPOCHS": "1",

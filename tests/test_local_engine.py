@@ -717,7 +717,7 @@ async def test_not_started_and_missing_model(tmp_path):
 
 async def test_bad_input_says_what_to_fix(engine):
     long = [{"role": "user", "content": "word " * 3000}]
-    with pytest.raises(InvalidRequest, match="context is 2048 tokens.*Shorten the messages"):
+    with pytest.raises(InvalidRequest, match="context is 2048 tokens.*Shorten 'messages'"):
         await engine.complete(request(long))
     with pytest.raises(InvalidRequest, match="lower 'max_tokens'"):  # the field the request set
         await engine.complete(request(max_tokens=5000))

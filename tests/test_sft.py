@@ -340,3 +340,44 @@ def test_keep_checkpoints_bounds_an_sft_run_too(tmp_path):
     root = settings.checkpoints_dir()
     assert [c.step for c in ckpts.list_checkpoints(root)] == [3, 4]
     assert [row["step"] for row in SQLiteStore(settings.db_path).steps("student")] == [0, 1, 2, 3, 4]
+
+
+def test_sft_trains_no_position_past_the_base_models_context(tmp_path):
+    # A teacher's session can be longer than the student reads: this rotary student states 128
+    # positions, rows take 512 tokens. The 380-token session trained whole, past the context the
+    # student was configured for and is served at; it is left out with the reason instead.
+    from tests.helpers_trainer import tiny_qwen2_reading
+
+    student = tiny_qwen2_reading(tmp_path, 128)
+    settings = trainer_settings(tmp_path / "state", base_model=str(student))
+    settings.state_dir.mkdir(parents=True)
+    store = SQLiteStore(settings.db_path)
+    for session, question in (("short", "What is 7?"), ("long", "What is 7? " * 60)):
+        store.record_call_sync(
+            CallRecord(
+                id=f"{session}-1",
+                session_id=session,
+                group_id=None,
+                split="train",
+                model="teacher",
+                served="teacher",
+                step=None,
+                engine="openai",
+                stream=False,
+                status="ok",
+                request={"model": "teacher", "messages": [{"role": "user", "content": question}]},
+                response={"choices": [{"index": 0, "message": ANSWER, "finish_reason": "stop"}]},
+                latency_ms=1.0,
+                created_at=time.time(),
+            )
+        )
+    asyncio.run(store.close())
+    argv = ["train", "--state-dir", str(settings.state_dir), "--base-model", str(student), "--model", "teacher"]
+    argv += ["--objective", "sft", "--sft-sessions-per-step", "2", "--epochs", "1", "--max-tokens-per-row", "512"]
+    assert main([*argv, "--lora-rank", "4", "--lora-alpha", "8"]) == 0
+    sft = ckpts.latest_checkpoint(settings.checkpoints_dir()).state()["sft"]
+    assert sorted(sft["train"]) == ["long", "short"]
+    reason = "longer than a row of 128 tokens (the base model's context) before its first reply"
+    assert sft["skipped"] == {"long": reason}
+    (step,) = SQLiteStore(settings.db_path).steps("agent")[1:]
+    assert step["metrics"]["sessions"] == 1 and 0 < step["metrics"]["tokens"] <= 128

@@ -266,18 +266,22 @@ def test_a_group_of_one_is_skipped_for_its_size_not_for_its_rewards(tmp_path):
         asyncio.run(store.close())
 
 
-def test_a_sample_longer_than_the_base_models_context_trains_its_prefix_instead_of_failing(tmp_path, caplog):
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_a_sample_longer_than_the_base_models_context_trains_its_prefix_instead_of_failing(tmp_path, caplog, positions):
     # An upstream (the openai engine) answers in longer contexts than the base model reads: this
-    # GPT-2 has 512 positions, rows take 1024 tokens. A 600-token sample fed whole read positions
-    # past 512, which have no embedding (IndexError): the step failed, and bisecting set the groups
-    # aside. It is cut to the model's context, as one longer than a row is, and the log says so.
+    # model reads 512 positions, rows take 1024 tokens. GPT-2 learned a table of 512: a 600-token
+    # sample fed whole read positions past it, which have no embedding (IndexError): the step
+    # failed, and bisecting set the groups aside. The rotary Qwen2 computes any position, and
+    # trained 88 it was never configured for, nor ever serves (the engines refuse past 512).
+    # Either is cut to the model's context, as one longer than a row is, and the log says so.
     import asyncio
 
     from tests.helpers import call_row
-    from tests.helpers_trainer import tiny_gpt2
+    from tests.helpers_trainer import tiny_gpt2, tiny_qwen2_reading
 
+    model_dir = tiny_gpt2(tmp_path) if positions == "learned" else tiny_qwen2_reading(tmp_path, 512)
     settings = trainer_settings(
-        tmp_path / "state", base_model=str(tiny_gpt2(tmp_path)), max_tokens_per_row=1024, groups_per_step=1
+        tmp_path / "state", base_model=str(model_dir), max_tokens_per_row=1024, groups_per_step=1
     )
     store = SQLiteStore(settings.db_path)
     for i, reward in enumerate([1.0, 0.0]):

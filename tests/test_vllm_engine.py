@@ -307,6 +307,24 @@ def test_near_zero_temperatures_are_sent_and_recorded_as_vllm_samples_them():
     assert tokens.choices[0].logprobs is None  # greedy: no mu recorded
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        "This model's maximum context length is 2048 tokens. However, your prompt contains at least 2050 input "
+        "tokens, which exceeds this limit even without any output tokens.",  # vLLM 0.32's serving layer
+        "The decoder prompt (length 2050) is longer than the maximum model length of 2048. Make sure that "
+        "`max_model_len` is no smaller than the number of text tokens.",  # its input processor (older, multimodal)
+    ],
+)
+def test_a_prompt_past_vllms_context_is_the_clients_context_length_exceeded_in_either_phrasing(message):
+    from gateway.engines.vllm.wire import status_error
+
+    payload = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None}}).encode()
+    error = status_error(400, payload, "agent@1")
+    assert (error.status_code, error.code, error.param) == (400, "context_length_exceeded", "messages")
+    assert message in error.message
+
+
 def test_misaligned_logprobs_are_dropped_not_recorded():
     data = {
         "choices": [
@@ -782,3 +800,35 @@ def test_anthropic_stream_reports_input_tokens_at_message_start(gateway):
     assert events[0].message.usage.input_tokens == len(prompt_ids_for(messages))
     final = [event for event in events if event.type == "message_delta"][-1]
     assert (final.usage.input_tokens, final.usage.output_tokens) == (len(prompt_ids_for(messages)), 3)
+
+
+def test_a_prompt_list_is_checked_against_vllms_context_before_any_prompt_is_answered(gateway):
+    """vLLM refuses a prompt that fills its context (4,096 ids here, one per character): the second
+    of a list, refused after the first was answered and recorded, left an answer the client never
+    got in its session. /tokenize counts every prompt first."""
+    answer = httpx.post(
+        f"{gateway.server.url}/v1/completions",
+        json={"model": "agent", "prompt": ["hi", "x" * 5000], "max_tokens": 2},
+        headers={"X-Session-Id": "list-past-vllms-context"},
+        timeout=30,
+    )
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert error["message"].startswith("'prompt'[1]: this model's context is 4096 tokens")
+    assert gateway.calls("list-past-vllms-context") == []
+    fits = {"model": "agent", "prompt": ["hi", "x" * 4000], "max_tokens": 200}  # vLLM cuts the completion to fit
+    assert httpx.post(f"{gateway.server.url}/v1/completions", json=fits, timeout=30).status_code == 200
+
+
+def test_vllms_own_refusal_names_the_field_a_responses_or_completions_client_sent(gateway):
+    """vLLM's 400 for a prompt past its context says 'messages'; a Responses client sent 'input'
+    and a completions one 'prompt', as the local engine's refusal already names them."""
+    url = gateway.server.url
+    responses = httpx.post(f"{url}/v1/responses", json={"model": "agent", "input": "x" * 5000}, timeout=30)
+    completions = httpx.post(f"{url}/v1/completions", json={"model": "agent", "prompt": "x" * 5000}, timeout=30)
+    for answer, field in ((responses, "input"), (completions, "prompt")):
+        assert answer.status_code == 400
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == (field, "context_length_exceeded")
+        assert "vLLM rejected the request: This model's maximum context length is 4096" in error["message"]

@@ -221,7 +221,10 @@ NO_SAMPLE = (
     "no trainable sample: every call failed, was left by its client (499), was a retry orphan, "
     "was greedy, came after its group was claimed, or could not be re-rendered"
 )
-TOO_LONG = "too long: each sample's prompt alone exceeds max_tokens_per_row; raise --max-tokens-per-row"
+TOO_LONG = (
+    "too long: each sample's prompt alone fills a training row; raise --max-tokens-per-row, up to the base "
+    "model's context (the trainer's log says when that is the shorter)"
+)
 
 
 def too_few(kept: int, total: int) -> str:

@@ -109,8 +109,9 @@ def plan_step(
         )
     if batch.cut:
         log.warning(
-            "step %d: %d sample(s) longer than --max-tokens-per-row %d: trained on their first %d "
-            "tokens; raise it to train them whole",
+            "step %d: %d sample(s) longer than a row of %d tokens: trained on their first %d tokens; raise "
+            "--max-tokens-per-row, up to the base model's context (the log at start says when that is the "
+            "shorter), to train them whole",
             step,
             batch.cut,
             settings.max_tokens_per_row,

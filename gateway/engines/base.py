@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.errors import ConfigError, NotFound
+from gateway.http.limits import check_room
 from gateway.redact import redact
 
 
@@ -141,6 +142,20 @@ class Engine(ABC):
             "vllm engines count; an upstream that speaks Anthropic's Messages counts by --upstream-protocol messages)",
             code="count_tokens_not_supported",
         )
+
+    async def check_fits(self, body: dict) -> None:
+        """Refuse (400 `context_length_exceeded`) a chat request whose prompt leaves no room in the
+        context, before any engine work: a legacy completions prompt list checks every prompt
+        before the first is answered. An engine that cannot count (no context known, no
+        tokenizer) leaves it to `complete`; the local engine checks the completion asked for too."""
+        context = self.context_length
+        if not context:
+            return
+        try:
+            tokens = await self.count_tokens(body)
+        except NotFound:
+            return
+        check_room(tokens, None, "max_tokens", context)
 
     async def load_adapter(self, name: str, path: Path) -> None:
         raise NotImplementedError(f"the {self.kind} engine does not serve adapters")

@@ -7,10 +7,14 @@ names the limit and the flag that sets it.
   tokens asked for against the engine's context (400).
 - `check_prompt_list`: legacy completions' prompt list, one engine call per prompt, so its
   prompts times `n` count against `--max-n` (400).
+- `check_room`: a prompt of so many tokens, and the completion tokens asked for, against the
+  engine's context (400 `context_length_exceeded`), once the engine has counted it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -128,3 +132,31 @@ def check_prompt_list(prompts: int, n: int, limits: Limits) -> None:
             param="prompt",
             code="too_many_prompts",
         )
+
+
+@contextlib.contextmanager
+def prompt_of_list(index: int) -> Iterator[None]:
+    """A 400 about one prompt of a legacy completions list says which: `'prompt'[2]: ...`."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        exc.message = f"'prompt'[{index}]: {exc.message}"
+        exc.args = (exc.message,)
+        raise
+
+
+def check_room(prompt_tokens: int, limit: int | None, field: str, context: int) -> int:
+    """The room `context` leaves a completion after a prompt of `prompt_tokens`; refuses a prompt
+    that leaves none, or less than the `limit` the request asked for in `field`."""
+    room = context - prompt_tokens
+    if room < 1 or (limit is not None and limit > room):
+        asked = f" + {limit} completion tokens" if limit is not None else ""
+        lower = f" or lower '{field}'" if limit is not None else ""
+        # fields quoted: `in_client_terms` names them as another protocol's client wrote them ('input', 'prompt')
+        raise InvalidRequest(
+            f"this model's context is {context} tokens; the prompt ('messages') takes {prompt_tokens} "
+            f"tokens{asked}. Shorten 'messages'{lower}.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return room

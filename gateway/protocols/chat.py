@@ -8,13 +8,24 @@ Free of torch and engine imports. Unknown OpenAI fields pass through
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictFloat, field_validator, model_validator
 
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+def _not_a_bool(value: Any) -> Any:
+    # pydantic reads true as 1: {"max_tokens": true} was answered with one token, {"n": false} refused as 0
+    if isinstance(value, bool):
+        raise ValueError(f"expected a whole number, not {str(value).lower()}")
+    return value
+
+
+Whole = Annotated[int, BeforeValidator(_not_a_bool)]
+"""A count or a seed in a request body: an integer, never `true` or `false` read as one."""
 
 
 # ---------------------------------------------------------------- chat requests
@@ -95,21 +106,21 @@ class ChatCompletionRequest(_Open):
     model: str
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logprobs: bool = False
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Whole | None = Field(default=None, ge=1)
+    max_tokens: Whole | None = Field(default=None, ge=1)
     metadata: dict[str, Any] | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: Whole = Field(default=1, ge=1, le=128)
     parallel_tool_calls: bool | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     response_format: dict[str, Any] | None = None
-    seed: int | None = None
+    seed: Whole | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     tool_choice: str | dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Whole | None = Field(default=None, ge=0, le=20)
     top_p: float | None = Field(default=None, gt=0, le=1)
     user: str | None = None
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from gateway.chat.identity import Identity, identify
 from gateway.errors import ClientGone, InvalidRequest, MethodNotAllowed, NotFound
 from gateway.http.errors import invalid_body
-from gateway.http.limits import check_prompt_list
+from gateway.http.limits import check_prompt_list, prompt_of_list
 from gateway.protocols import Wire, in_client_terms
 from gateway.protocols.chat import ChatCompletionRequest, EngineChatRequest
 from gateway.protocols.completions import stream as completions_stream
@@ -347,6 +347,14 @@ async def create_completion(request: Request) -> Response:
             lambda: completions_stream.CompletionsStream(raw, cmpl_id),
             body.stream,
         )
+    # Every prompt fits, or none is answered: one refused after those before it were answered and
+    # recorded would leave answers the client never got in its session, trained with its reward.
+    for i, prompt in enumerate(prompts):
+        with _client_terms(completions_wire.PROTOCOL):
+            chat_body = completions_translate.to_chat(body, prompt)
+            _chat_request(chat_body)  # the body's own errors first, named as a single prompt's are
+            with prompt_of_list(i):
+                await services.chat.engine.check_fits(chat_body)
     # Several prompts: one call row each (the first under the request's id), choices numbered across them.
     # Each call is watched like a single one, and its answer ends in a look at the client, so a
     # client that left cancels the call in flight (recorded as 499) and no later prompt starts.

@@ -94,15 +94,16 @@ def load_backend(settings: Settings, team: Team | None = None) -> TrainingBacken
 def rows_within_context(settings: Settings, backend: TrainingBackend) -> Settings:
     """`settings` with `max_tokens_per_row` no longer than the base model's context. A recorded
     sample can be longer than the model reads (an upstream's, re-rendered, or a teacher's): fed
-    whole, its later positions have no embedding (GPT-2: an IndexError, the step failed) or were
-    never trained (RoPE). Cut to the context, it trains its first tokens, as one longer than a row
+    whole, its later positions have no embedding (GPT-2: an IndexError, the step failed) or lie
+    past the context a rotary model was configured for, which it never served (the engines refuse
+    a request past it). Cut to the context, it trains its first tokens, as one longer than a row
     does (`trainer.data.fit_to_rows`)."""
     context = backend.context_length
     if context is None or context >= settings.max_tokens_per_row:
         return settings
     if backend.team is None or backend.team.is_leader:  # every rank caps alike (they pack the same rows)
         log.info(
-            "the base model reads %d positions (max_position_embeddings), fewer than --max-tokens-per-row %d: "
+            "the base model reads %d positions (its config's context), fewer than --max-tokens-per-row %d: "
             "rows take %d tokens, and a sample longer than that is trained on its first %d",
             context,
             settings.max_tokens_per_row,

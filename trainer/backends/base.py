@@ -343,22 +343,13 @@ class TrainingBackend(ABC):
     # -- introspection
     @property
     def context_length(self) -> int | None:
-        """The positions the base model has an embedding for: its config's `max_position_embeddings`
-        (GPT-2's answers with `n_positions`) where it learned a table of them (GPT-2, OPT), which a
-        longer row indexes past (IndexError). None for rotary models (Qwen, Llama, SmolLM): they
-        compute a position's rotation, and read past their configured context as they always did."""
-        import torch
+        """The positions the base model reads, as its config states them (`stated_context`: the
+        context the local engine and vLLM serve). A learned table of positions (GPT-2, OPT) has no
+        embedding past it (IndexError); a rotary model (Qwen, Llama, SmolLM) computes a rotation
+        for any position, but one past its context was never trained and is never served."""
+        from gateway.models.context import stated_context
 
-        value = getattr(self.model.config, "max_position_embeddings", None)
-        if not isinstance(value, int) or value <= 0:
-            return None
-        model: Any = self.model  # a transformers model (or PEFT's around it): nn.Module does not say so
-        tokens = model.get_input_embeddings()
-        learned = any(
-            isinstance(module, torch.nn.Embedding) and module is not tokens and module.num_embeddings >= value
-            for module in self.model.modules()
-        )
-        return value if learned else None
+        return stated_context(self.model.config)
 
     def trainable_parameters(self) -> int:
         """Number of trained (LoRA) parameters, for the log."""

@@ -108,7 +108,17 @@ def take_snapshot(store: Store, where: SessionFilter, *, epochs: int, sessions_p
     return Snapshot(train, val, epochs, sessions_per_step, seed)
 
 
-def _fitted(found: list[SessionSamples], max_tokens: int) -> tuple[dict[str, list[Sample]], dict[str, str]]:
+def a_row_of(max_tokens_per_row: int, context: int | None) -> str:
+    """A training row's length and what sets it, for a message: raising --max-tokens-per-row
+    helps only where the base model's context is not the limit."""
+    if context is not None and context <= max_tokens_per_row:
+        return f"a row of {max_tokens_per_row} tokens (the base model's context)"
+    return f"a row of {max_tokens_per_row} tokens (--max-tokens-per-row)"
+
+
+def _fitted(
+    found: list[SessionSamples], max_tokens: int, context: int | None
+) -> tuple[dict[str, list[Sample]], dict[str, str]]:
     samples: dict[str, list[Sample]] = {}
     skipped: dict[str, str] = {}
     for item in found:
@@ -119,7 +129,7 @@ def _fitted(found: list[SessionSamples], max_tokens: int) -> tuple[dict[str, lis
         if kept:
             samples[item.session_id] = kept
         else:
-            skipped[item.session_id] = f"longer than --max-tokens-per-row {max_tokens} before its first reply"
+            skipped[item.session_id] = f"longer than {a_row_of(max_tokens, context)} before its first reply"
     return samples, skipped
 
 
@@ -145,9 +155,10 @@ def run_sft(
     else:
         snapshot = take_snapshot(store, where, epochs=epochs, sessions_per_step=sessions_per_step, seed=settings.seed)
     found = load_session_samples(store, snapshot.train, worker.render)
-    train, skipped = _fitted(found, settings.max_tokens_per_row)
+    context = backend.context_length
+    train, skipped = _fitted(found, settings.max_tokens_per_row, context)
     splits = sum(item.splits for item in found if item.session_id in train)
-    val, _ = _fitted(load_session_samples(store, snapshot.val, worker.render), settings.max_tokens_per_row)
+    val, _ = _fitted(load_session_samples(store, snapshot.val, worker.render), settings.max_tokens_per_row, context)
     snapshot.skipped = skipped
     if skipped:
         reasons = Counter(skipped.values())

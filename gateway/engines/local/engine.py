@@ -280,6 +280,11 @@ class LocalEngine(Engine):
         self._require_started()
         return len(await self._render(parse_request(body)))  # as _submit renders it
 
+    async def check_fits(self, body: dict) -> None:
+        self._require_started()
+        req = parse_request(body)
+        completion_room(req, await self._render(req), self._context)  # as _submit refuses it
+
     async def _render(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt's ids: the chat template over messages (+ tools), tokenised on a thread, beside
         the event loop: megabytes of prompt take seconds (the tokenizer lets go of the GIL)."""

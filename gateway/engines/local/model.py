@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.engines.local.jobs import BASE_ADAPTER
 from gateway.errors import ConfigError, Conflict, NotFound
+from gateway.models.context import stated_context
 
 
 class LocalModel:
@@ -65,7 +66,7 @@ class LocalModel:
         if not eos:
             raise ConfigError(f"the model at {model_path} defines no eos token (generation_config or tokenizer)")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-        context = int(getattr(model.config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+        context = stated_context(model.config) or int(tokenizer.model_max_length)
         return cls(model, tokenizer, device, set(eos), pad_id, context)
 
     def forward(self, ids_BT, mask_BT, cache, adapters: list[str | None], logits_to_keep: int = 1):

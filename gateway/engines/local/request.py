@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from gateway.engines.local.jobs import Sampling
 from gateway.errors import InvalidRequest
+from gateway.http.limits import check_room
 from gateway.models.special_text import SpecialText, SpecialTextError
 from gateway.protocols.chat import ChatCompletionRequest, EngineChatRequest
 
@@ -61,18 +62,8 @@ def completion_room(req: ChatCompletionRequest, prompt_ids: list[int], context: 
     """The completion tokens asked for (None: not said) and the room the context leaves;
     refuses a request that does not fit."""
     limit = req.max_completion_tokens or req.max_tokens
-    room = context - len(prompt_ids)
-    if room < 1 or (limit is not None and limit > room):
-        asked = f" + {limit} completion tokens" if limit is not None else ""
-        field = "'max_completion_tokens'" if req.max_completion_tokens else "'max_tokens'"
-        lower = f" or lower {field}" if limit is not None else ""  # quoted: another protocol names its own
-        raise InvalidRequest(
-            f"this model's context is {context} tokens; the messages take {len(prompt_ids)} tokens{asked}. "
-            f"Shorten the messages{lower}.",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    return limit, room
+    field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    return limit, check_room(len(prompt_ids), limit, field, context)
 
 
 def sampling_of(req: ChatCompletionRequest, max_new_tokens: int) -> Sampling:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import orjson
 
 from gateway.engines.base import ChoiceTokens, TokenRecord
-from gateway.errors import RLProxyError, UpstreamError
+from gateway.errors import InvalidRequest, RLProxyError, UpstreamError
 from gateway.settings import is_greedy
 
 # vLLM-only response fields that carry nothing when null; dropped so the client sees OpenAI's shape.
@@ -274,6 +274,12 @@ def error_message(data: object) -> str:
     return str(error)
 
 
+_PAST_THE_CONTEXT = (
+    "maximum context length",  # its serving layer: "This model's maximum context length is N tokens. ..."
+    "longer than the maximum model length",  # its input processor: "The decoder prompt (length N) is ..."
+)
+
+
 def status_error(status: int, payload: bytes, target: str) -> RLProxyError:
     """vLLM's error answer to a chat request for `target` (the adapter or base model name)."""
     body = maybe_json(payload)
@@ -285,9 +291,10 @@ def status_error(status: int, payload: bytes, target: str) -> RLProxyError:
     if status < 500:
         detail = body.get("error") if isinstance(body, dict) else None
         param, code = (detail.get("param") if isinstance(detail, dict) else None), None
-        if "maximum context length" in message:  # as the local engine says it, and OpenAI
+        if any(phrase in message for phrase in _PAST_THE_CONTEXT):  # as the local engine says it, and OpenAI
             param, code = "messages", "context_length_exceeded"
-        error = RLProxyError(f"vLLM rejected the request: {message}", param=param, code=code)
-        error.status_code, error.error_type = status, "invalid_request_error"
+        # an InvalidRequest, so that a protocol's route names the fields as its client wrote them
+        error = InvalidRequest(f"vLLM rejected the request: {message}", param=param, code=code)
+        error.status_code = status
         return error
     return UpstreamError(f"vLLM answered {status}: {message}")

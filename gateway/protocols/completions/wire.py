@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.protocols.chat import Whole
+
 PROTOCOL = "completions"
 
 
@@ -16,15 +18,15 @@ class CompletionRequest(BaseModel):
 
     model: str
     prompt: str | list[str] = Field(description="a string, or a list of strings answered one by one")
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: Whole | None = Field(default=None, ge=1)
     echo: bool = False
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: Whole | None = Field(default=None, ge=0, le=5)
+    max_tokens: Whole | None = Field(default=16, ge=1)
     metadata: dict[str, Any] | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: Whole = Field(default=1, ge=1, le=128)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
+    seed: Whole | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     suffix: str | None = None

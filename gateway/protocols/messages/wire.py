@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.protocols.chat import MAX_STOPS
+from gateway.protocols.chat import MAX_STOPS, Whole
 
 PROTOCOL = "messages"
 
@@ -31,7 +31,7 @@ class MessagesRequest(_Open):
 
     model: str
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: Whole = Field(ge=1)
     metadata: dict[str, Any] | None = None
     stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOPS)
     stream: bool = False
@@ -39,14 +39,14 @@ class MessagesRequest(_Open):
     temperature: float | None = Field(default=None, ge=0, le=1)
     tool_choice: dict[str, Any] | None = None
     tools: list[Tool] | None = None
-    top_k: int | None = Field(default=None, ge=1)
+    top_k: Whole | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
 
 
 class CountTokensRequest(MessagesRequest):
     """`POST /v1/messages/count_tokens`: a message's body without `max_tokens` (nothing is generated)."""
 
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Whole | None = Field(default=None, ge=1)
 
 
 # Anthropic's error types by HTTP status (its reference's table).

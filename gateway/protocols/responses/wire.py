@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.protocols.chat import Whole
+
 PROTOCOL = "responses"
 
 
@@ -32,7 +34,7 @@ class ResponsesRequest(_Open):
     input: str | list[dict[str, Any]] = Field(description="a string (one user message) or a list of input items")
     include: list[str] | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: Whole | None = Field(default=None, ge=1)
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
@@ -42,7 +44,7 @@ class ResponsesRequest(_Open):
     text: TextConfig | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[FunctionTool] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Whole | None = Field(default=None, ge=0, le=20)
     top_p: float | None = Field(default=None, gt=0, le=1)
     user: str | None = None
 
