@@ -1,0 +1,191 @@
+"""The commands and examples of docs/serving.md and docs/export.md run as written.
+
+Against `rlproxy serve` (a child process, `--engine openai` in front of the fake upstream, no
+trainer): serving.md's reward and close `curl`s, its sessions-in-the-base-URL clients,
+`rlproxy forget` (its commands, the output it shows, its refusals) and export.md's
+`rlproxy export` lines. Each command is taken from the doc and changed only where it must be
+(the port, the state dir), so a renamed flag, route or field fails here before a reader finds it.
+The README's SDK, RULER and three-line examples: tests/test_readme_examples.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+from anthropic import Anthropic
+from openai import OpenAI
+
+from tests.fake_upstream import FakeUpstream
+from tests.helpers import gateway_process
+from tests.test_readme_examples import README, ROOT, code_blocks
+
+SERVING = ROOT / "docs" / "serving.md"
+EXPORT = ROOT / "docs" / "export.md"
+DOC_PORT = "localhost:8000"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`rlproxy serve`: yields (gateway URL, its state dir)."""
+    state_dir = tmp_path_factory.mktemp("docs-state")
+    with FakeUpstream() as upstream:
+        args = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(state_dir)]
+        with gateway_process(args, env={"LANGFUSE_PUBLIC_KEY": "", "LANGFUSE_SECRET_KEY": ""}) as (_, url):
+            yield url, state_dir
+
+
+def _at(url: str, text: str) -> str:
+    """The doc's text with its `localhost:8000` pointed at the test's gateway (still `localhost`)."""
+    assert DOC_PORT in text
+    return text.replace(DOC_PORT, "localhost:" + url.rsplit(":", 1)[1])
+
+
+def _one_block(path: Path, language: str, marker: str) -> str:
+    matches = [block for block in code_blocks(path, language) if marker in block]
+    assert len(matches) == 1, f"expected one {language} block of {path.name} with {marker!r}, found {len(matches)}"
+    return matches[0]
+
+
+def _commands(block: str, program: str) -> list[str]:
+    """The block's lines that run `program`, their comments cut off."""
+    return [line.split(" #")[0].strip() for line in block.splitlines() if line.startswith(program + " ")]
+
+
+def _cli(command: str, state_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """Runs one documented `rlproxy ...` line as `python -m gateway.cli ...`, its `.rlproxy` the test's store."""
+    argv = shlex.split(command)
+    assert argv[0] == "rlproxy"
+    argv = [str(state_dir) if arg == ".rlproxy" else arg for arg in argv[1:]]
+    if "--state-dir" not in argv:
+        argv += ["--state-dir", str(state_dir)]
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *argv], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def _rewarded_session(url: str, group: str, reward: float) -> str:
+    reply = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "agent", "messages": [{"role": "user", "content": "hello"}]},
+        headers={"X-Group-Id": group},
+    )
+    reply.raise_for_status()
+    session = reply.headers["X-Session-Id"]
+    httpx.post(f"{url}/v1/sessions/{session}/reward", json={"reward": reward}).raise_for_status()
+    return session
+
+
+def test_serving_md_repeats_the_readme_as_it_is():
+    """serving.md is the README section's full reference: the commands they share stay one text."""
+    serve = _one_block(README, "bash", "rlproxy serve --base-model")
+    assert serve in code_blocks(SERVING, "bash")
+    curls = _one_block(README, "bash", "$SESSION/reward")
+    assert curls == _one_block(SERVING, "bash", "$SESSION/reward")
+    readme_urls = _one_block(README, "python", "/groups/task-7/sessions/rollout-3")
+    serving_urls = _one_block(SERVING, "python", "/groups/task-7/sessions/rollout-3").splitlines()
+    assert all(line in serving_urls for line in readme_urls.splitlines())
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the doc's commands are curl's")
+def test_reward_and_close_curls_run_as_written(served):
+    url, _ = served
+    session = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "agent", "messages": [{"role": "user", "content": "hello"}]},
+        headers={"X-Group-Id": "docs-curl"},
+    ).headers["X-Session-Id"]
+    block = _at(url, _one_block(SERVING, "bash", "$SESSION/reward"))
+    env = {"PATH": "/usr/bin:/bin", "SESSION": session, "GROUP": "docs-curl"}
+    done = subprocess.run(["bash", "-ec", block], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in done.stdout.replace("}{", "}\n{").splitlines()]
+    assert [answer.get("error") for answer in answers] == [None, None], answers
+    recorded = httpx.get(f"{url}/v1/sessions/{session}").json()
+    assert recorded["reward"] == 1.0 and recorded["metrics"] == {"steps": 3.0}
+    group = httpx.get(f"{url}/v1/groups/docs-curl").json()
+    assert group["closed"] is True and group["ready"] is True
+
+
+def test_sessions_in_the_base_url_as_written(served):
+    """Each client of the doc, made by its line as written, lands its call in the session it names."""
+    url, _ = served
+    block = _at(url, _one_block(SERVING, "python", "/groups/task-7/sessions/rollout-3"))
+    lines = [line.split("  #")[0] for line in block.splitlines() if line.strip()]
+    assert len(lines) == 3
+    for line in lines:
+        client = eval(line, {"OpenAI": OpenAI, "Anthropic": Anthropic, "KEY": "none"})  # noqa: S307 (the doc's own line)
+        if isinstance(client, Anthropic):
+            client.messages.create(model="agent", max_tokens=16, messages=[{"role": "user", "content": "hello"}])
+        else:
+            client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "hello"}])
+    rollout = httpx.get(f"{url}/v1/sessions/rollout-3").json()
+    assert rollout["group_id"] == "task-7" and rollout["n_calls"] == 2
+    assert sorted(call["protocol"] for call in rollout["calls"]) == ["chat", "messages"]
+    ticket = httpx.get(f"{url}/v1/sessions/ticket-1234").json()
+    assert ticket["task_key"] == "refunds" and ticket["group_id"] is None and ticket["n_calls"] == 1
+
+
+def _shape(doc_line: str) -> re.Pattern:
+    """A line of the doc's sample output as a pattern: its numbers any numbers, its `...` anything."""
+    pattern = re.escape(doc_line).replace(re.escape("..."), ".*")
+    return re.compile(re.sub(r"\d+", r"\\d+", pattern) + "$")
+
+
+def test_forget_runs_as_written_and_prints_what_the_doc_shows(served, tmp_path):
+    url, state_dir = served
+    _rewarded_session(url, "docs-forget", 0.5)
+    commands = _commands(_one_block(SERVING, "bash", "rlproxy forget"), "rlproxy")
+    assert len(commands) == 3
+    outputs = {}
+    for command in commands:
+        done = _cli(command, state_dir, tmp_path)
+        assert done.returncode == 0, f"{command}:\n{done.stderr}"
+        outputs[command] = done.stdout.splitlines()
+    (sample,) = re.findall(r"^```\n(cutoff: .*?)^```", SERVING.read_text(), re.DOTALL | re.MULTILINE)
+    printed = outputs["rlproxy forget --older-than 30d"]  # the run the sample shows (not the dry run)
+    shown = sample.splitlines()
+    # The last line only comes once the file has free pages, which a young store lacks.
+    assert len(printed) in (len(shown) - 1, len(shown)), printed
+    for doc_line, line in zip(shown, printed, strict=False):
+        assert _shape(doc_line).match(line), f"the doc shows {doc_line!r}, forget printed {line!r}"
+    assert httpx.get(f"{url}/v1/groups/docs-forget").status_code == 200  # a young session stays
+
+
+@pytest.mark.parametrize("flags", [["--older-than", "30x"], ["--before", "2999-01-01"]])
+def test_forget_refuses_in_one_line_with_exit_2(served, tmp_path, flags):
+    """serving.md: 'a duration it cannot read (30x ...) or a --before in the future is refused in one line, exit 2'."""
+    _, state_dir = served
+    done = _cli(shlex.join(["rlproxy", "forget", *flags]), state_dir, tmp_path)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def _doc_parquet_columns() -> list[str]:
+    (row,) = [line for line in EXPORT.read_text().splitlines() if line.startswith("| `parquet` |")]
+    return re.findall(r"`(\w+)`", row.split("|")[3])
+
+
+def test_export_lines_run_as_written(served, tmp_path):
+    url, state_dir = served
+    session = _rewarded_session(url, "docs-export", 1.0)
+    commands = _commands(_one_block(EXPORT, "bash", "--format parquet"), "rlproxy")
+    assert len(commands) == 3
+    assert set(_commands(_one_block(README, "bash", "rlproxy export "), "rlproxy export")) <= set(commands)
+    for command in commands:
+        done = _cli(command, state_dir, tmp_path)
+        assert done.returncode == 0, f"{command}:\n{done.stderr}"
+    sessions = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    (exported,) = [row for row in sessions if row["id"] == session]
+    assert exported.keys() == httpx.get(f"{url}/v1/sessions/{session}").json().keys()  # as GET returns it
+    assert (tmp_path / "sft.jsonl").exists()  # nothing trained since step 30: empty, but written
+    columns = pq.read_table(tmp_path / "samples.parquet").column_names
+    documented = _doc_parquet_columns()
+    assert len(documented) >= 10 and set(documented) <= set(columns), set(documented) - set(columns)
