@@ -2,9 +2,11 @@
 
 Against `rlproxy serve` (a child process, `--engine openai` in front of the fake upstream, no
 trainer): serving.md's reward and close `curl`s, its sessions-in-the-base-URL clients,
-`rlproxy forget` (its commands, the output it shows, its refusals) and export.md's
-`rlproxy export` lines. Each command is taken from the doc and changed only where it must be
-(the port, the state dir), so a renamed flag, route or field fails here before a reader finds it.
+`rlproxy forget` (its commands, the output it shows, its refusals), export.md's
+`rlproxy export` lines, the status and code of each limit in serving.md's table and
+ruler.md's refusal of a judge the gateway was not started with. Each command is taken from
+the doc and changed only where it must be (the port, the state dir), so a renamed flag, route,
+field or error code fails here before a reader finds it.
 The README's SDK, RULER and three-line examples: tests/test_readme_examples.py.
 """
 
@@ -30,6 +32,7 @@ from tests.test_readme_examples import README, ROOT, code_blocks
 
 SERVING = ROOT / "docs" / "serving.md"
 EXPORT = ROOT / "docs" / "export.md"
+RULER = ROOT / "docs" / "ruler.md"
 DOC_PORT = "localhost:8000"
 
 
@@ -39,6 +42,7 @@ def served(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("docs-state")
     with FakeUpstream() as upstream:
         args = ["--engine", "openai", "--upstream-url", upstream.url, "--trainer", "off", "--state-dir", str(state_dir)]
+        args += ["--max-n", "4", "--max-messages", "16", "--max-body-mb", "1"]  # limits a test can pass cheaply
         with gateway_process(args, env={"LANGFUSE_PUBLIC_KEY": "", "LANGFUSE_SECRET_KEY": ""}) as (_, url):
             yield url, state_dir
 
@@ -189,3 +193,34 @@ def test_export_lines_run_as_written(served, tmp_path):
     columns = pq.read_table(tmp_path / "samples.parquet").column_names
     documented = _doc_parquet_columns()
     assert len(documented) >= 10 and set(documented) <= set(columns), set(documented) - set(columns)
+
+
+_USER = {"role": "user", "content": "hello"}
+PAST_THE_LIMITS = {  # the served gateway's --max-n 4, --max-messages 16, --max-body-mb 1, each passed
+    "n_too_large": ("/v1/chat/completions", {"model": "agent", "messages": [_USER], "n": 5}),
+    "too_many_messages": ("/v1/chat/completions", {"model": "agent", "messages": [_USER] * 17}),
+    "too_many_prompts": ("/v1/completions", {"model": "agent", "prompt": ["hello"] * 5}),
+    "request_too_large": (
+        "/v1/chat/completions",
+        {"model": "agent", "messages": [{"role": "user", "content": "x" * (1 << 20)}]},
+    ),
+}
+
+
+def test_limits_answer_with_the_status_and_code_of_serving_md_table(served):
+    url, _ = served
+    table = dict((code, int(status)) for status, code in re.findall(r"\| (\d{3}) `(\w+)`", SERVING.read_text()))
+    assert set(PAST_THE_LIMITS) <= set(table), set(PAST_THE_LIMITS) - set(table)
+    for code, (path, body) in PAST_THE_LIMITS.items():
+        answer = httpx.post(url + path, json=body)
+        assert (answer.status_code, answer.json()["error"]["code"]) == (table[code], code), answer.text
+
+
+def test_a_judge_the_gateway_was_not_started_with_is_refused_as_ruler_md_says(served):
+    url, _ = served
+    assert "(`judge_not_allowed`, `param: judge_model`)" in RULER.read_text()
+    _rewarded_session(url, "docs-ruler", 1.0)
+    answer = httpx.post(f"{url}/v1/groups/docs-ruler/ruler", json={"judge_model": "openai/o3"})
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and (error["code"], error["param"]) == ("judge_not_allowed", "judge_model")
+    assert "--judge-model openai/o3" in error["message"]  # it says which flag to add
