@@ -6,12 +6,16 @@ trainer): serving.md's reward and close `curl`s, its sessions-in-the-base-URL cl
 `rlproxy export` lines, the status and code of each limit in serving.md's table and
 ruler.md's refusal of a judge the gateway was not started with. Each command is taken from
 the doc and changed only where it must be (the port, the state dir), so a renamed flag, route,
-field or error code fails here before a reader finds it.
+field or error code fails here before a reader finds it. Commands that need a GPU or a model hub
+cannot run here; every `rlproxy ...` line of every doc's bash blocks is at least parsed by the
+CLI's own parser, and every example agent's flag looked up in its --help.
 The README's SDK, RULER and three-line examples: tests/test_readme_examples.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shlex
@@ -26,6 +30,7 @@ import pytest
 from anthropic import Anthropic
 from openai import OpenAI
 
+from gateway.cli import build_parser
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import gateway_process
 from tests.test_readme_examples import README, ROOT, code_blocks
@@ -34,6 +39,8 @@ SERVING = ROOT / "docs" / "serving.md"
 EXPORT = ROOT / "docs" / "export.md"
 RULER = ROOT / "docs" / "ruler.md"
 DOC_PORT = "localhost:8000"
+EVERY_DOC = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
+EVERY_DOC += sorted((ROOT / "examples").glob("*/README.md"))
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +231,57 @@ def test_a_judge_the_gateway_was_not_started_with_is_refused_as_ruler_md_says(se
     error = answer.json()["error"]
     assert answer.status_code == 400 and (error["code"], error["param"]) == ("judge_not_allowed", "judge_model")
     assert "--judge-model openai/o3" in error["message"]  # it says which flag to add
+
+
+def _shell_commands(path: Path) -> list[list[str]]:
+    """Each simple command of the file's bash blocks, as argv (env assignments dropped)."""
+    commands: list[list[str]] = []
+    for block in code_blocks(path, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lexer.whitespace_split, lexer.commenters = True, "#"
+            command: list[str] = []
+            for token in [*lexer, ";"]:
+                if token not in {"&&", "||", ";", "|", "&", ">", "2>", "("}:
+                    command.append(token)
+                    continue
+                while command and re.match(r"^[A-Z_]+=", command[0]):
+                    command.pop(0)
+                if command:
+                    commands.append(command)
+                command = []
+    return commands
+
+
+def test_every_documented_rlproxy_command_parses():
+    """Each `rlproxy ...` line of a bash block, GPU and hub ones too, is accepted by the CLI's own parser."""
+    found = 0
+    for path in EVERY_DOC:
+        for argv in _shell_commands(path):
+            if argv[0] != "rlproxy" or "..." in argv:  # `rlproxy serve ... --init-from`: a sketch, not a command
+                continue
+            found += 1
+            stderr = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(stderr):
+                    build_parser().parse_args(argv[1:])
+            except SystemExit:
+                pytest.fail(f"{path.relative_to(ROOT)}: {shlex.join(argv)}\n{stderr.getvalue()}")
+    assert found >= 40
+
+
+def test_every_documented_example_agent_flag_exists():
+    """`python examples/NAME/agent.py --flag ...` lines: each flag is one the agent's --help lists."""
+    flags_by_agent: dict[str, set[str]] = {}
+    for path in EVERY_DOC:
+        for argv in _shell_commands(path):
+            if argv[0] == "python" and len(argv) > 1 and re.fullmatch(r"examples/\w+/agent\.py", argv[1]):
+                flags_by_agent.setdefault(argv[1], set()).update(
+                    a.split("=")[0] for a in argv[2:] if a.startswith("--")
+                )
+    assert len(flags_by_agent) >= 4
+    for agent, flags in flags_by_agent.items():
+        shown = subprocess.run(
+            [sys.executable, agent, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        ).stdout
+        assert not flags - set(re.findall(r"--[a-z][a-z-]*", shown)), f"{agent}: {flags} vs --help:\n{shown}"
