@@ -8,7 +8,8 @@ ruler.md's refusal of a judge the gateway was not started with. Each command is 
 the doc and changed only where it must be (the port, the state dir), so a renamed flag, route,
 field or error code fails here before a reader finds it. Commands that need a GPU or a model hub
 cannot run here; every `rlproxy ...` line of every doc's bash blocks is at least parsed by the
-CLI's own parser, and every example agent's flag looked up in its --help.
+CLI's own parser, every example agent's flag looked up in its --help, and every `METHOD /path`
+the docs name looked up in /openapi.json.
 The README's SDK, RULER and three-line examples: tests/test_readme_examples.py.
 """
 
@@ -285,3 +286,23 @@ def test_every_documented_example_agent_flag_exists():
             [sys.executable, agent, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
         ).stdout
         assert not flags - set(re.findall(r"--[a-z][a-z-]*", shown)), f"{agent}: {flags} vs --help:\n{shown}"
+
+
+def test_every_documented_route_is_served(served):
+    """`METHOD /path` in the docs' text names a route of /openapi.json (the pages under /ui aside)."""
+    url, _ = served
+    routes = [
+        (re.compile("^" + re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(path)) + "$"), {m.upper() for m in methods})
+        for path, methods in httpx.get(f"{url}/openapi.json").json()["paths"].items()
+    ]
+    wrong = []
+    for doc in EVERY_DOC:
+        mentions = re.findall(r"\b(GET|POST|DELETE|PUT|PATCH) (/[\w{}./-]*)", doc.read_text())
+        for method, path in mentions:
+            path = path.rstrip(".")
+            if path == "/openapi.json" or path.startswith("/ui"):
+                continue
+            served_methods = [methods for pattern, methods in routes if pattern.match(path)]
+            if not served_methods or method not in served_methods[0]:
+                wrong.append(f"{doc.relative_to(ROOT)}: {method} {path}")
+    assert not wrong, wrong
