@@ -8,8 +8,8 @@ ruler.md's refusal of a judge the gateway was not started with. Each command is 
 the doc and changed only where it must be (the port, the state dir), so a renamed flag, route,
 field or error code fails here before a reader finds it. Commands that need a GPU or a model hub
 cannot run here; every `rlproxy ...` line of every doc's bash blocks is at least parsed by the
-CLI's own parser, every example agent's flag looked up in its --help, and every `METHOD /path`
-the docs name looked up in /openapi.json.
+CLI's own parser, every example agent's flag looked up in its --help, every `METHOD /path`
+the docs name looked up in /openapi.json, and every `RLPROXY_*` variable among those rlproxy reads.
 The README's SDK, RULER and three-line examples: tests/test_readme_examples.py.
 """
 
@@ -32,6 +32,7 @@ from anthropic import Anthropic
 from openai import OpenAI
 
 from gateway.cli import build_parser
+from gateway.settings_env import unknown_variables
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import gateway_process
 from tests.test_readme_examples import README, ROOT, code_blocks
@@ -306,3 +307,10 @@ def test_every_documented_route_is_served(served):
             if not served_methods or method not in served_methods[0]:
                 wrong.append(f"{doc.relative_to(ROOT)}: {method} {path}")
     assert not wrong, wrong
+
+
+def test_every_documented_variable_is_read():
+    """An `RLPROXY_*` the docs tell a user to set is one rlproxy reads (a misspelt one is ignored, with a warning)."""
+    named = {name for doc in EVERY_DOC for name in re.findall(r"\bRLPROXY_[A-Z0-9_]*[A-Z0-9]", doc.read_text())}
+    assert len(named) >= 10
+    assert not unknown_variables(dict.fromkeys(named, "")), unknown_variables(dict.fromkeys(named, ""))
