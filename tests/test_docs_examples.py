@@ -117,8 +117,11 @@ def test_reward_and_close_curls_run_as_written(served):
         headers={"X-Group-Id": "docs-curl"},
     ).headers["X-Session-Id"]
     block = _at(url, _one_block(SERVING, "bash", "$SESSION/reward"))
-    env = {"PATH": "/usr/bin:/bin", "SESSION": session, "GROUP": "docs-curl"}
-    done = subprocess.run(["bash", "-ec", block], env=env, capture_output=True, text=True, timeout=60)
+    curl = shutil.which("curl")
+    assert curl is not None
+    env = {"PATH": str(Path(curl).parent), "SESSION": session, "GROUP": "docs-curl"}
+    bash = shutil.which("bash") or "/bin/bash"
+    done = subprocess.run([bash, "-ec", block], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     answers = [json.loads(line) for line in done.stdout.replace("}{", "}\n{").splitlines()]
     assert [answer.get("error") for answer in answers] == [None, None], answers
