@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shlex
 import shutil
@@ -80,8 +81,10 @@ def _cli(command: str, state_dir: Path, cwd: Path) -> subprocess.CompletedProces
     argv = [str(state_dir) if arg == ".rlproxy" else arg for arg in argv[1:]]
     if "--state-dir" not in argv:
         argv += ["--state-dir", str(state_dir)]
+    # PYTHONPATH: the checkout's gateway, even where an editable install points at another (cwd is not ROOT).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *argv], cwd=cwd, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "gateway.cli", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
 
 
