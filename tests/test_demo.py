@@ -5,6 +5,7 @@ reports what it promises."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -88,6 +89,9 @@ def test_demo_runs_the_loop_and_writes_summary_and_curve(tmp_path):
     assert summary["task"] == "shout"  # the default task; every task writes the same keys
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step 2" in (out / "trainer.log").read_text()
+    with contextlib.closing(sqlite3.connect(out / "state" / "rlproxy.db")) as db:
+        recorded = [step for (step,) in db.execute("SELECT step FROM steps ORDER BY step")]
+    assert recorded == [0, 1, 2]  # --steps 2: no third step trained while the held-out set was played
     # What was learned, read: three replies under each step's line, one line each, and more in summary.json
     lines = result.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("step   0: reward"))

@@ -156,7 +156,7 @@ def _run(settings: Settings, options: DemoOptions, out: Path, progress: bool) ->
             url = stack.enter_context(serve_gateway(settings))
             # The engine is up (vLLM started and healthy): from here on is the demo's time and budget.
             started = time.monotonic()
-            trainer = Trainer(settings, out / "trainer.log", threads)
+            trainer = Trainer(settings, out / "trainer.log", threads, max_steps=options.steps)
             try:
                 deadline = started + options.seconds
                 if options.live:

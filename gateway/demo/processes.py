@@ -116,8 +116,16 @@ def _secret_env(settings: Settings) -> dict[str, str]:
 class Trainer:
     """`rlproxy train` as a child process, its output in OUT/trainer.log."""
 
-    def __init__(self, settings: Settings, log_path: Path, threads: int, extra: list[str] | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        log_path: Path,
+        threads: int,
+        extra: list[str] | None = None,
+        max_steps: int | None = None,
+    ):
         self.log_path = log_path
+        self.max_steps = max_steps
         env = {
             **without_unknown(os.environ),
             **_secret_env(settings),
@@ -128,6 +136,8 @@ class Trainer:
         # Its log is a file the user reads afterwards: one line per step is worth having.
         cmd = [sys.executable, "-m", "gateway.cli", "train", *_settings_flags(settings), "--log-level", "info"]
         cmd += extra or []  # `train`'s own flags (the warm start's --objective sft ...)
+        if max_steps is not None:  # the demo's --steps: a step more trained while it evaluates is not in its summary
+            cmd += ["--max-steps", str(max_steps)]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             cmd,
@@ -140,7 +150,9 @@ class Trainer:
         )
 
     def check_alive(self) -> None:
-        if self.proc.poll() is not None:
+        """Raise with its log's tail where the trainer ended, unless it ended by training its `max_steps`."""
+        code = self.proc.poll()
+        if code is not None and not (code == 0 and self.max_steps is not None):
             tail = self.log_path.read_text(errors="replace")[-3000:]
             raise RLProxyError(f"the trainer exited with code {self.proc.returncode}:\n{tail}")
 
