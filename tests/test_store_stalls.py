@@ -362,3 +362,27 @@ def test_a_read_the_disk_never_answers_keeps_no_process_from_exiting():
     assert done.returncode == 0, done.stderr
     assert "a read has waited" in done.stdout
 
+
+def test_a_listing_whose_read_the_disk_never_answers_is_a_503_and_the_next_one_answers(upstream, tmp_path):
+    # GET /v1/sessions (the dashboard's, a step's sessions, a response by id too) waited on its read for
+    # as long as the disk held it, in a thread of the loop's default executor held as long.
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = SQLiteStore(settings.db_path, busy_timeout=0.5)
+    release, real = threading.Event(), store.list_sessions
+
+    def list_sessions(f):
+        release.wait(120)
+        return real(f)
+
+    store.list_sessions = list_sessions  # type: ignore[method-assign]
+    try:
+        with ThreadServer(create_app(settings, store=store)) as server:
+            listing = httpx.get(server.url + "/v1/sessions", timeout=60)
+            assert listing.status_code == 503, listing.text
+            assert listing.json()["error"]["code"] == "store_unavailable"
+            assert "a read has waited" in listing.json()["error"]["message"]
+            release.set()
+            assert _chat(server.url).status_code == 200  # its probe write ends the degraded state
+            assert httpx.get(server.url + "/v1/sessions", timeout=60).status_code == 200
+    finally:
+        release.set()

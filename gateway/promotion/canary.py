@@ -36,6 +36,7 @@ from gateway.promotion import rule
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.steps import TURNED_DOWN
+from gateway.store.waits import read_within
 from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Canary:
         kind, _, name = key.partition(":")
         ids = (name, None) if kind == "session" else (None, name)
         try:
-            step = await asyncio.to_thread(self.store.first_step, *ids)
+            step = await read_within(self.store, self.store.first_step, *ids)
         except StoreUnavailable:  # serving goes on without the store: the key routes as a new one
             return
         current = self.registry.current
