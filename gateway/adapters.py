@@ -132,7 +132,7 @@ class AdapterRegistry:
 
     async def refresh(self) -> None:
         """One look at the store: load new steps, move the alias, unload idle old ones."""
-        rows = await asyncio.to_thread(self.store.recent_steps, self.name, self.settings.keep_adapters)
+        rows = await read_within(self.store, self.store.recent_steps, self.name, self.settings.keep_adapters)
         async with self._lock:
             newest = sorted(rows, key=lambda row: row["step"])[-self.settings.keep_adapters :]
             for row in newest:
