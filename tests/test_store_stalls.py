@@ -22,7 +22,9 @@ from gateway.app import create_app
 from gateway.errors import StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import writer
+from gateway.store.health import StoreHealth
 from gateway.store.sqlite import SQLiteStore
+from gateway.store.waits import READ_THREADS, read_within
 from tests.helpers import ThreadServer, gateway_process
 
 
@@ -386,3 +388,18 @@ def test_a_listing_whose_read_the_disk_never_answers_is_a_503_and_the_next_one_a
             assert httpx.get(server.url + "/v1/sessions", timeout=60).status_code == 200
     finally:
         release.set()
+
+
+async def test_with_all_but_one_read_thread_held_by_the_disk_the_next_read_still_answers():
+    # Reads held by a hung disk must not keep the next read from a free thread while there is one.
+    class Store:
+        busy_timeout, health = 30.0, StoreHealth()
+
+    release = threading.Event()
+    held = [asyncio.ensure_future(read_within(Store(), release.wait, 120)) for _ in range(READ_THREADS - 1)]
+    try:
+        for _ in range(3 * READ_THREADS):
+            assert await read_within(Store(), lambda: 7) == 7
+    finally:
+        release.set()
+        assert await asyncio.gather(*held) == [True] * (READ_THREADS - 1)

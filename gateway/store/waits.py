@@ -41,26 +41,25 @@ class _ReadThreads:
 
     def submit(self, read: Callable[..., Result], *args: Any) -> Future[Result]:
         future: Future[Result] = Future()
-        self._jobs.put((future, read, args))
         with self._lock:
-            if self._idle == 0 and self._threads < self._size:
+            if self._idle:  # a waiting thread takes it: counted out now, so the next read gets another
+                self._idle -= 1
+            elif self._threads < self._size:
                 self._threads += 1
                 threading.Thread(target=self._work, name="rlproxy-store-read", daemon=True).start()
+        self._jobs.put((future, read, args))
         return future
 
     def _work(self) -> None:
         while True:
+            future, read, args = self._jobs.get()
+            if future.set_running_or_notify_cancel():  # else its caller gave up before it started
+                try:
+                    future.set_result(read(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
             with self._lock:
                 self._idle += 1
-            future, read, args = self._jobs.get()
-            with self._lock:
-                self._idle -= 1
-            if not future.set_running_or_notify_cancel():  # its caller gave up before it started
-                continue
-            try:
-                future.set_result(read(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
 
 
 # Reads that a hung disk holds fill these threads, never the default executor's; past them the next
