@@ -36,6 +36,7 @@ from gateway.promotion.serving import NOT_SERVED, follow_serving_step, pinned_st
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.files import fetched_dir
+from gateway.store.waits import read_within
 from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class AdapterRegistry:
 
     async def refresh(self) -> None:
         """One look at the store: load new steps, move the alias, unload idle old ones."""
-        rows = await asyncio.to_thread(self.store.recent_steps, self.name, self.settings.keep_adapters)
+        rows = await read_within(self.store, self.store.recent_steps, self.name, self.settings.keep_adapters)
         async with self._lock:
             newest = sorted(rows, key=lambda row: row["step"])[-self.settings.keep_adapters :]
             for row in newest:
@@ -232,7 +233,7 @@ class AdapterRegistry:
         step = pinned_step(self, requested)
         if step is None or (self.loaded_everywhere(step) if everywhere else step in self.loaded):
             return
-        rows = {row["step"]: row for row in await asyncio.to_thread(self.store.steps, self.name)}
+        rows = {row["step"]: row for row in await read_within(self.store, self.store.steps, self.name)}
         if step not in rows:
             raise await no_such_step(self, requested, rows)
         async with self._lock:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.errors import EngineUnavailable, NotFound
+from gateway.store.waits import read_within
 
 if TYPE_CHECKING:
     from gateway.adapters import AdapterRegistry
@@ -49,7 +50,7 @@ def loadable(store: Store, name: str, rows: dict[int, dict]) -> list[int]:
 
 async def _offered(registry: AdapterRegistry, rows: dict[int, dict]) -> str:
     try:
-        return ranges(await asyncio.to_thread(loadable, registry.store, registry.name, rows))
+        return ranges(await read_within(registry.store, loadable, registry.store, registry.name, rows))
     except Exception:  # noqa: BLE001 - the store is away: the steps recorded, as known
         return ranges(sorted(rows))
 

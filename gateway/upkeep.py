@@ -21,6 +21,7 @@ import logging
 
 from gateway.settings import Settings
 from gateway.store import LiveRule, Store
+from gateway.store.waits import read_within
 from gateway.tasks import stop_task
 
 log = logging.getLogger("rlproxy.store")
@@ -65,7 +66,7 @@ class StoreUpkeep:
     async def _sweep_stale(self) -> None:
         if self.live is None:
             return
-        step = await asyncio.to_thread(self.store.serving_step, self.model)
+        step = await read_within(self.store, self.store.serving_step, self.model)
         if step == self._swept_at_step:  # staleness moves only with the step training goes on from
             return
         left = await asyncio.to_thread(self.store.set_aside_stale_live, self.model, self.live)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from gateway import adapters as adapters_module
 from gateway.adapters import AdapterRegistry, checked_adapter_path
 from gateway.app import create_app
 from gateway.engines.base import Engine
-from gateway.errors import EngineUnavailable, NotFound
+from gateway.errors import EngineUnavailable, NotFound, StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.sqlite import SQLiteStore
@@ -505,3 +506,28 @@ async def test_a_restarted_gateway_drops_the_copies_its_previous_run_fetched(pos
         assert sorted(registry.loaded) == ([2, 3], [6, 7])[run]
         assert sorted(p.name for p in fetched.iterdir()) == (["0002", "0003"], ["0006", "0007"])[run]
     await trainer.close()
+
+
+async def test_a_look_at_the_store_the_disk_never_answers_fails_in_time_and_the_next_one_loads(tmp_path):
+    # The adapter poll read the store with an unbounded to_thread: on a hung disk it never looked
+    # again, said nothing, and held a thread of the loop's default executor for good.
+    settings = Settings(state_dir=tmp_path, keep_adapters=2, poll_interval=30)  # refresh() by hand
+    store = SQLiteStore(settings.db_path, busy_timeout=0.2)
+    publish_fake(settings, store, 0)
+    release, real = threading.Event(), store.recent_steps
+
+    def recent_steps(*args):
+        release.wait(120)
+        return real(*args)
+
+    store.recent_steps = recent_steps  # type: ignore[method-assign]
+    registry = AdapterRegistry(FakeEngine(), store, settings)
+    try:
+        with pytest.raises(StoreUnavailable, match="a read has waited"):
+            await asyncio.wait_for(registry.refresh(), 60)  # the guard: without the bound it waits for ever
+        release.set()
+        await registry.refresh()
+        assert registry.current == 0
+    finally:
+        release.set()
+        await store.close()

@@ -9,6 +9,8 @@ import concurrent.futures
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +22,9 @@ from gateway.app import create_app
 from gateway.errors import StoreUnavailable
 from gateway.settings import Settings
 from gateway.store import writer
+from gateway.store.health import StoreHealth
 from gateway.store.sqlite import SQLiteStore
+from gateway.store.waits import READ_THREADS, read_within
 from tests.helpers import ThreadServer, gateway_process
 
 
@@ -274,3 +278,128 @@ def test_a_reward_whose_write_a_frozen_postgres_never_answers_is_a_503_and_the_g
         rewards = {row["id"]: row["reward"] for row in store._query("SELECT id, reward FROM sessions")}
     assert acknowledged <= recorded
     assert rewards == {"s1": 1.0, "s2": 0.5, "s3": None}
+
+
+class _HungReads:
+    """`store.serving_step` blocks until `release` as a read on a disk that stopped answering does
+    (`hanging` counts the reads held); writes are untouched, so a probe write still commits."""
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self.release, self.held = threading.Event(), threading.Semaphore(0)
+        real = store.serving_step
+
+        def serving_step(model: str):
+            self.held.release()
+            self.release.wait(120)
+            return real(model)
+
+        store.serving_step = serving_step  # type: ignore[method-assign]
+
+
+def test_a_store_read_the_disk_never_answers_freezes_neither_healthz_metrics_nor_calls(upstream, tmp_path):
+    # /healthz (--promote manual: it reads the serving step) and /metrics ran their reads in the loop's
+    # default executor with no bound: on a hung disk each poll held a thread and never answered.
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off", promote="manual")
+    store = SQLiteStore(settings.db_path, busy_timeout=1.0)
+    hung = _HungReads(store)
+    polls = (os.cpu_count() or 1) + 5  # more than the default executor's threads
+    try:
+        with (
+            ThreadServer(create_app(settings, store=store)) as server,
+            concurrent.futures.ThreadPoolExecutor(polls) as pool,
+        ):
+            for health in pool.map(lambda _: httpx.get(server.url + "/healthz", timeout=60), range(polls)):
+                assert health.status_code == 503, health.text
+                assert health.json()["store"]["cause"] == "unavailable"
+                assert "a read has waited" in health.json()["reason"]
+            scrape = httpx.get(server.url + "/metrics", timeout=60)
+            assert scrape.status_code == 200 and "rlproxy_store_degraded 1" in scrape.text
+            assert hung.held.acquire(timeout=0)  # the reads were made, and are still held
+            reply = _chat(server.url)  # a call needs no read: its probe write commits, and it answers
+            assert reply.status_code == 200, reply.text
+            hung.release.set()
+            health = httpx.get(server.url + "/healthz", timeout=60)
+            assert health.status_code == 200, health.text  # recovers by itself once the disk answers
+    finally:
+        hung.release.set()
+
+
+def test_healthz_on_a_degraded_store_whose_probe_write_hangs_answers_within_the_stores_timeout(upstream, tmp_path):
+    # Degraded, /healthz probes with a write queued behind the writer's round: with the disk stalled in
+    # that round it waited for as long as the stall (check_writer only turns away requests coming later).
+    server, store = _gateway(upstream.url, tmp_path, busy_timeout=1.0)
+    with server:
+        assert _chat(server.url).status_code == 200
+        disk = _StallingDisk(store)
+        store.health.failed(StoreUnavailable("the disk is full", cause="disk_full"))
+        disk.hang.set()
+        try:
+            health = httpx.get(server.url + "/healthz", timeout=60)
+            assert disk.hanging.is_set()  # the probe reached the stalled disk
+            assert health.status_code == 503, health.text
+            assert "a probe write has waited" in health.json()["reason"]
+        finally:
+            disk.hang.clear()
+            disk.release.set()
+        health = httpx.get(server.url + "/healthz", timeout=60)
+        assert health.status_code == 200, health.text
+
+
+def test_a_read_the_disk_never_answers_keeps_no_process_from_exiting():
+    # The reads ran in executor threads, which the interpreter joins at exit: a gateway stopped (SIGTERM)
+    # while its disk held a read never exited. Here the read never answers at all.
+    code = (
+        "import asyncio, threading\n"
+        "from gateway.errors import StoreUnavailable\n"
+        "from gateway.store.health import StoreHealth\n"
+        "from gateway.store.waits import read_within\n"
+        "class Hung:\n"
+        "    busy_timeout, health = 0.2, StoreHealth()\n"
+        "try:\n"
+        "    asyncio.run(read_within(Hung(), threading.Event().wait))\n"
+        "except StoreUnavailable as exc:\n"
+        "    print(exc.message)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "a read has waited" in done.stdout
+
+
+def test_a_listing_whose_read_the_disk_never_answers_is_a_503_and_the_next_one_answers(upstream, tmp_path):
+    # GET /v1/sessions (the dashboard's, a step's sessions, a response by id too) waited on its read for
+    # as long as the disk held it, in a thread of the loop's default executor held as long.
+    settings = Settings(engine="openai", upstream_url=upstream.url, state_dir=tmp_path, trainer="off")
+    store = SQLiteStore(settings.db_path, busy_timeout=0.5)
+    release, real = threading.Event(), store.list_sessions
+
+    def list_sessions(f):
+        release.wait(120)
+        return real(f)
+
+    store.list_sessions = list_sessions  # type: ignore[method-assign]
+    try:
+        with ThreadServer(create_app(settings, store=store)) as server:
+            listing = httpx.get(server.url + "/v1/sessions", timeout=60)
+            assert listing.status_code == 503, listing.text
+            assert listing.json()["error"]["code"] == "store_unavailable"
+            assert "a read has waited" in listing.json()["error"]["message"]
+            release.set()
+            assert _chat(server.url).status_code == 200  # its probe write ends the degraded state
+            assert httpx.get(server.url + "/v1/sessions", timeout=60).status_code == 200
+    finally:
+        release.set()
+
+
+async def test_with_all_but_one_read_thread_held_by_the_disk_the_next_read_still_answers():
+    # Reads held by a hung disk must not keep the next read from a free thread while there is one.
+    class Store:
+        busy_timeout, health = 30.0, StoreHealth()
+
+    release = threading.Event()
+    held = [asyncio.ensure_future(read_within(Store(), release.wait, 120)) for _ in range(READ_THREADS - 1)]
+    try:
+        for _ in range(3 * READ_THREADS):
+            assert await read_within(Store(), lambda: 7) == 7
+    finally:
+        release.set()
+        assert await asyncio.gather(*held) == [True] * (READ_THREADS - 1)

@@ -23,6 +23,7 @@ from gateway.http.limits import Limits, check_chat_limits
 from gateway.protocols import Wire
 from gateway.protocols.chat import ChatCompletionRequest
 from gateway.store import CallRecord, Store
+from gateway.store.waits import recheck
 
 log = logging.getLogger("rlproxy.chat")
 
@@ -83,9 +84,7 @@ class ChatService:
         store cannot record (its answer could not be acknowledged): a probe write decides,
         so calls come back by themselves once the disk has room again."""
         check_chat_limits(request, self.limits, getattr(self.engine, "context_length", None))
-        self.store.check_writer()
-        if self.store.health.degraded:
-            await self.store.probe()
+        await recheck(self.store)
 
     async def _recall_step(self, request: ChatCompletionRequest, identity: Identity) -> None:
         """`--promote canary`: the step a session started on, from the store where this gateway

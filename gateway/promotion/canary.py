@@ -36,6 +36,7 @@ from gateway.promotion import rule
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.store.steps import TURNED_DOWN
+from gateway.store.waits import read_within
 from gateway.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Canary:
         kind, _, name = key.partition(":")
         ids = (name, None) if kind == "session" else (None, name)
         try:
-            step = await asyncio.to_thread(self.store.first_step, *ids)
+            step = await read_within(self.store, self.store.first_step, *ids)
         except StoreUnavailable:  # serving goes on without the store: the key routes as a new one
             return
         current = self.registry.current
@@ -144,7 +145,7 @@ class Canary:
 
     async def tick(self) -> None:
         """One look: route to the newest candidate, decide on it, or watch the serving step."""
-        rows = await asyncio.to_thread(self.store.steps, self.name)
+        rows = await read_within(self.store, self.store.steps, self.name)
         candidates = [r for r in rows if r["state"] == "candidate"]
         serving = max((r for r in rows if r["state"] == "promoted"), key=lambda r: r["step"], default=None)
         if not candidates:
@@ -165,7 +166,7 @@ class Canary:
         self.step = row["step"] if failed is None else None  # unloaded, its share stays on the incumbent
         if serving is None:
             return
-        sessions = await asyncio.to_thread(self.store.step_sessions, self.name, row["created_at"], time.time())
+        sessions = await read_within(self.store, self.store.step_sessions, self.name, row["created_at"], time.time())
         found = rule.compare(
             by_key(sessions, row["step"]),
             by_key(sessions, serving["step"]),
@@ -216,8 +217,8 @@ class Canary:
             return
         now = time.time()
         since, at = decision["candidate_since"], decision["at"]
-        before = await asyncio.to_thread(self.store.step_sessions, self.name, since, at)
-        after = await asyncio.to_thread(self.store.step_sessions, self.name, at, now)
+        before = await read_within(self.store, self.store.step_sessions, self.name, since, at)
+        after = await read_within(self.store, self.store.step_sessions, self.name, at, now)
         # Its first --watch-sessions sessions only: a gateway restarted long after the watch ended
         # (this set is in memory) must not judge a step by everything it has served since.
         watched = [s for s in after if s["step"] == serving["step"]][: self.settings.watch_sessions]
@@ -241,7 +242,7 @@ class Canary:
             **found.as_dict(),
         }
         if to_state == "promoted":
-            row = next(r for r in await asyncio.to_thread(self.store.steps, self.name) if r["step"] == step)
+            row = next(r for r in await read_within(self.store, self.store.steps, self.name) if r["step"] == step)
             record["candidate_since"] = row["created_at"]
         try:
             await asyncio.to_thread(self.store.decide_step, self.name, step, to_state, record)

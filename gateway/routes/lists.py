@@ -3,7 +3,6 @@ one-request overview (serving state, calls per minute, reward curves, step metri
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Literal
 
@@ -17,6 +16,7 @@ from gateway.routes.step_history import step_history
 from gateway.settings import is_greedy
 from gateway.store.lists import MAX_LIMIT, ListFilter
 from gateway.store.reads import ORIGINS
+from gateway.store.waits import read_within
 
 router = APIRouter()
 
@@ -57,7 +57,7 @@ async def list_sessions(
         since=since,
         until=until,
     )
-    return json_response(await asyncio.to_thread(store.list_sessions, f))
+    return json_response(await read_within(store, store.list_sessions, f))
 
 
 @router.get("/v1/groups", summary="List groups, newest first, paged and filtered")
@@ -96,7 +96,7 @@ async def list_groups(
         since=since,
         until=until,
     )
-    return json_response(await asyncio.to_thread(store.list_groups, f))
+    return json_response(await read_within(store, store.list_groups, f))
 
 
 @router.get("/v1/dashboard", summary="Serving state, calls per minute, reward curves and step metrics")
@@ -111,7 +111,7 @@ async def dashboard(request: Request) -> Response:
     services = request.app.state.services
     trainer = getattr(request.app.state, "trainer", None)  # `serve --trainer auto`'s child, as on /healthz
     model = services.settings.model_name
-    steps, counts, per_minute, curve = await asyncio.to_thread(_dashboard_reads, services.store, model)
+    steps, counts, per_minute, curve = await read_within(services.store, _dashboard_reads, services.store, model)
     return json_response(
         {
             "model": model,
@@ -186,8 +186,8 @@ async def session_tokens(session_id: str, request: Request) -> Response:
     says which session holds the live call it shadows (`shadow_of_session`, None if that call
     is not recorded)."""
     services = request.app.state.services
-    session, shadowed, group = await asyncio.to_thread(
-        _session_reads, services.store, check_id(session_id, "session_id")
+    session, shadowed, group = await read_within(
+        services.store, _session_reads, services.store, check_id(session_id, "session_id")
     )
     trained_step = group.get("trained_step") if group else None
     tokenizer = getattr(services.engine, "tokenizer", None)

@@ -8,7 +8,6 @@ back. Errors leave in each protocol's own shape (`gateway.http.errors.error_resp
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import re
@@ -37,6 +36,7 @@ from gateway.protocols.responses import translate as responses_translate
 from gateway.protocols.responses import wire as responses_wire
 from gateway.routes.client_watch import ClientWatch
 from gateway.routes.openai import read_json
+from gateway.store.waits import read_within
 
 router = APIRouter()
 
@@ -213,9 +213,8 @@ async def create_response(request: Request) -> Response:
     history = None
     # Relayed (--upstream-protocol responses), response ids are the upstream's: it serves the chain.
     if body.previous_response_id and not _relayed(request, responses_wire.PROTOCOL):
-        previous = await asyncio.to_thread(
-            _stored_response, request.app.state.services.store, body.previous_response_id
-        )
+        store = request.app.state.services.store
+        previous = await read_within(store, _stored_response, store, body.previous_response_id)
         history = responses_translate.history_of(previous["request"], previous["wire_request"], previous["response"])
         if identity.minted:  # a conversation continued by id stays in its session
             identity = dataclasses.replace(
@@ -246,7 +245,8 @@ async def get_response(response_id: str, request: Request) -> Response:
     services = request.app.state.services
     relay = services.extras.get("passthrough")
     try:
-        return _json((await asyncio.to_thread(_stored_response, services.store, response_id))["wire_response"])
+        row = await read_within(services.store, _stored_response, services.store, response_id)
+        return _json(row["wire_response"])
     except NotFound:
         # --upstream-protocol responses: the ids are the upstream's, so ask it (the id is
         # checked before it becomes part of a URL)
@@ -264,7 +264,7 @@ async def delete_response(response_id: str, request: Request) -> Response:
     relay = services.extras.get("passthrough")
     if relay is not None and relay.serves(responses_wire.PROTOCOL) and _UPSTREAM_ID.fullmatch(response_id):
         return _json(await services.engine.relay(f"/responses/{response_id}", None, method="DELETE"))
-    row = await asyncio.to_thread(_stored_response, services.store, response_id)
+    row = await read_within(services.store, _stored_response, services.store, response_id)
     raise MethodNotAllowed(
         f"response '{response_id}' is not deleted: rlproxy keeps every call as its session's training data. "
         f"To keep it out of training, discard its session: POST /v1/sessions/{row['session_id']}/discard",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from typing import TypeVar
 
@@ -20,6 +19,7 @@ from gateway.routes.openai import read_json
 from gateway.settings import Settings
 from gateway.store import LiveRule, Store
 from gateway.store.steps import paused_reason
+from gateway.store.waits import read_within, recheck
 
 router = APIRouter()
 Body = TypeVar("Body", bound=BaseModel)
@@ -76,7 +76,7 @@ async def discard_session(session_id: str, request: Request) -> Response:
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> Response:
     store = request.app.state.services.store
-    return json_response(await asyncio.to_thread(store.get_session, check_id(session_id, "session_id")))
+    return json_response(await read_within(store, store.get_session, check_id(session_id, "session_id")))
 
 
 @router.post("/v1/groups/{group_id}/close")
@@ -84,19 +84,19 @@ async def close_group(group_id: str, request: Request) -> Response:
     services = request.app.state.services
     body = await parse(request, GroupCloseRequest, allow_empty=True)
     await services.store.close_group(check_id(group_id, "group_id"), body.expected_sessions)
-    return json_response(await asyncio.to_thread(services.store.get_group, group_id))
+    return json_response(await read_within(services.store, services.store.get_group, group_id))
 
 
 @router.get("/v1/groups/{group_id}")
 async def get_group(group_id: str, request: Request) -> Response:
     store = request.app.state.services.store
-    return json_response(await asyncio.to_thread(store.get_group, check_id(group_id, "group_id")))
+    return json_response(await read_within(store, store.get_group, check_id(group_id, "group_id")))
 
 
 @router.get("/v1/training/steps")
 async def training_steps(request: Request) -> Response:
     services = request.app.state.services
-    steps = await asyncio.to_thread(services.store.steps, services.settings.model_name)
+    steps = await read_within(services.store, services.store.steps, services.settings.model_name)
     return json_response({"object": "list", "data": steps})
 
 
@@ -118,10 +118,8 @@ async def healthz(request: Request) -> Response:
     cause is gone."""
     services = request.app.state.services
     store = services.store
-    try:
-        store.check_writer()  # a write hanging on the database: degraded, and the probe fails at once
-        if store.health.degraded:
-            await store.probe()
+    try:  # a write hanging on the database, or a probe it does not answer in time: degraded
+        await recheck(store)
     except StoreUnavailable:
         pass
     body = {
@@ -132,7 +130,7 @@ async def healthz(request: Request) -> Response:
     }
     if services.settings.promote != "always":  # the promotion's state: serving, undecided, paused
         try:
-            body.update(await asyncio.to_thread(promotion_state, store, services.settings))
+            body.update(await read_within(store, promotion_state, store, services.settings))
             serving = body["serving_step"]
             failed = services.registry.load_errors.get(serving)
             if failed is not None and serving != services.registry.current:  # its files gone by hand, say
@@ -188,9 +186,9 @@ def promotion_state(store: Store, settings: Settings) -> dict:
 async def metrics(request: Request) -> Response:
     services = request.app.state.services
     model = services.settings.model_name
-    try:  # in a worker thread: a store that does not answer must not hold up the event loop
-        steps = await asyncio.to_thread(
-            lambda: (services.store.serving_step(model), services.store.undecided_step(model))
+    try:  # bounded: a store that does not answer must hold up neither the event loop nor the scrape
+        steps = await read_within(
+            services.store, lambda: (services.store.serving_step(model), services.store.undecided_step(model))
         )
     except StoreUnavailable:  # the scrape still answers: rlproxy_store_degraded says why the steps are old
         steps = None

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.errors import Conflict, RLProxyError
 from gateway.ruler.judges import JudgeCall, JudgeError, judge_for, redact
 from gateway.store.frozen import frozen_group_reason
+from gateway.store.waits import read_within
 
 log = logging.getLogger("rlproxy.ruler")
 
@@ -369,7 +370,7 @@ class RulerService:
             raise Conflict(f"group '{group_id}' is being judged already; wait for GET /v1/groups/{group_id}")
         self._running.add(group_id)
         try:
-            trajectories = await asyncio.to_thread(self.trajectories, group_id)
+            trajectories = await read_within(self.services.store, self.trajectories, group_id)
             store = self.services.store
             await store.set_ruler_status(group_id, "running", owner=getattr(self.services, "gateway_id", None))
             try:

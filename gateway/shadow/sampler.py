@@ -45,6 +45,7 @@ from gateway.shadow.calls import generated_tokens, shadow_body, shadow_calls, wh
 from gateway.store import CallRecord
 from gateway.store.frozen import JUDGE_GAVE_UP
 from gateway.store.shadows import shadow_group_id
+from gateway.store.waits import read_within
 
 log = logging.getLogger("rlproxy.shadow")
 
@@ -289,7 +290,7 @@ class ShadowSampler:
     async def _still_failed(self, group_id: str) -> bool:
         """The group's judgement is still the failed one: not scored or being judged by a client
         meanwhile, whose judge and rubric another try of ours would overwrite."""
-        group = await asyncio.to_thread(self.services.store.get_group, group_id)
+        group = await read_within(self.services.store, self.services.store.get_group, group_id)
         return group.get("ruler_status") == "failed"
 
 
