@@ -114,6 +114,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from gateway.devices import check_torch_device, trainer_environment
     from gateway.export.selection import sft_selection
+    from gateway.signal_handlers import handling
 
     settings = settings_from_args(args)
     where = sft_selection(args)  # the sessions an sft run distils; a selection flag without it is refused
@@ -144,10 +145,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         stop.set()
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
     sft = None if where is None else SFTOptions(where, args.epochs, args.sft_sessions_per_step)
-    run_worker(settings, stop, max_steps=args.max_steps, sft=sft)
+    with handling({signal.SIGTERM: request_stop, signal.SIGINT: request_stop}):
+        run_worker(settings, stop, max_steps=args.max_steps, sft=sft)
     return 0
 
 
@@ -193,16 +193,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from gateway.demo.driver import report, run_demo
     from gateway.demo.options import demo_settings, options_from_args
+    from gateway.signal_handlers import handling
 
     def interrupt(signum, frame):  # `kill` as Ctrl-C: unwind, so the trainer and a managed vLLM are stopped
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
-    options = options_from_args(args)
-    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    settings = _checked(demo_settings(given, options.out, options.task, options.warm_start is not None))
-    _check_device(settings)
-    summary = run_demo(settings, options)
+    with handling({signal.SIGTERM: interrupt}):
+        options = options_from_args(args)
+        given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+        settings = _checked(demo_settings(given, options.out, options.task, options.warm_start is not None))
+        _check_device(settings)
+        summary = run_demo(settings, options)
     print(report(summary))
     return 0
 

@@ -485,3 +485,45 @@ def test_a_base_url_the_client_cannot_parse_is_one_line_without_the_url(capsys, 
     err = capsys.readouterr().err
     assert f"rlproxy serve: {flag} {says}" in err, err
     assert "Traceback" not in err and "secret" not in err
+
+
+def _own_handler(signum, frame):  # the caller's own handler, which rlproxy's command must leave in place
+    pass
+
+
+@pytest.fixture
+def callers_handlers():
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, _own_handler)
+    signal.signal(signal.SIGTERM, _own_handler)
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
+def test_train_in_process_puts_the_callers_signal_handlers_back(callers_handlers, monkeypatch, tmp_path):
+    # They were left installed: a pytest run that ran `main(["train", ...])` ignored Ctrl-C and SIGTERM for good.
+    import trainer.worker
+    from gateway.cli import main
+    from gateway.errors import RLProxyError
+
+    during = {}
+
+    def worker(settings, stop, **kwargs):
+        during.update({signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)})
+        raise RLProxyError("the worker failed")
+
+    monkeypatch.setattr(trainer.worker, "run_worker", worker)
+    assert main(["train", "--state-dir", str(tmp_path), "--max-steps", "1"]) != 0
+    assert _own_handler not in during.values()  # while it trains, a signal stops it after the step
+    assert signal.getsignal(signal.SIGINT) is _own_handler
+    assert signal.getsignal(signal.SIGTERM) is _own_handler
+
+
+def test_demo_in_process_puts_the_callers_signal_handler_back(callers_handlers, tmp_path, capsys):
+    from gateway.cli import main
+
+    # refused once its handler is in: the flags are checked after it is installed
+    assert main(["demo", "--out", str(tmp_path / "out"), "--teacher-games", "1"]) == 2
+    assert "rlproxy demo: --teacher-games" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is _own_handler

@@ -472,8 +472,10 @@ def test_rewards_are_taken_while_the_group_is_open_and_refused_once_a_step_claim
         (b'{"reward": true}', "valid number"),
         (b'{"reward": "high"}', "valid number"),
         (b'{"reward": 1e200}', "beyond +-1e+06"),  # its group's variance would overflow in the trainer
-        (b'{"reward": 1, "metrics": {"m": "NaN"}}', "finite"),
+        (b'{"reward": 1, "metrics": {"m": NaN}}', "finite"),
+        (b'{"reward": 1, "metrics": {"m": "NaN"}}', "valid number"),  # a string, as the reward's
         (b'{"reward": 1, "metrics": {"m": "lots"}}', "valid number"),
+        (b'{"reward": 1, "metrics": {"m": true}}', "valid number"),  # pydantic read true as 1.0
         (b"{}", "reward"),
     ],
 )
@@ -509,6 +511,16 @@ def test_group_ready_by_expected_sessions(client, http):
     assert http.get("/v1/groups/g2").json()["ready"]
     bad = http.post("/v1/groups/g2/close", json={"expected_sessions": 0})
     assert bad.status_code == 400 and "expected_sessions" in bad.json()["error"]["message"]
+
+
+def test_true_is_no_expected_sessions(client, http):
+    """pydantic read `true` as 1: a group closed as complete with one session."""
+    _chat(client, "task", extra_headers={"X-Session-Id": "g3-a", "X-Group-Id": "g3"})
+    bad = http.post("/v1/groups/g3/close", json={"expected_sessions": True})
+    assert bad.status_code == 400, bad.text
+    message = bad.json()["error"]["message"]
+    assert "expected_sessions" in message and "not true" in message, message
+    assert http.get("/v1/groups/g3").json()["expected_sessions"] is None
 
 
 @pytest.mark.parametrize(

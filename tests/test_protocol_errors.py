@@ -39,6 +39,7 @@ def url(tmp_path_factory):
         ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
         ("/v1/completions", {"prompt": ["hi", "ho"], "stop": ["x"] * 65}, "stop"),  # a list's, as one prompt's
+        ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),  # OpenAI's 4, as chat's
         # true is no count (pydantic read it as 1: one token answered)
         ("/v1/chat/completions", {"messages": HI, "max_tokens": True}, "max_tokens"),
         ("/v1/chat/completions", {"messages": HI, "n": True}, "n"),

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from gateway.errors import Conflict
 from tests.helpers_trainer import Recorder, trainer_settings
 
 pytestmark = [
@@ -69,6 +70,11 @@ def test_training_waits_while_the_serving_steps_checkpoint_is_gone_then_goes_on_
         _wait_for_hold(worker, store, caplog)
         assert [r["step"] for r in store.steps("agent")] == [0, 1]
         assert f"{root / '0000'} is missing or incomplete" in caplog.text
+        assert "--model-name NEW --init-from agent@1" in caplog.text  # the way out where it cannot be put back
+        # No decision ends the wait (docs/training.md): step 1's files are there, but only a
+        # candidate can be promoted, and a holding trainer records none.
+        with pytest.raises(Conflict, match="step 1 of 'agent' is rejected, not candidate"):
+            store.decide_step("agent", 1, "promoted", {"by": "test"})
     finally:
         worker.close()
 
@@ -88,3 +94,35 @@ def test_training_waits_while_the_serving_steps_checkpoint_is_gone_then_goes_on_
     finally:
         restarted.close()
         recorder.close()
+
+
+def test_a_new_run_from_a_step_whose_files_are_there_is_the_way_out_when_they_cannot_be_put_back(tmp_path):
+    """docs/training.md: no decision ends the wait, `--init-from NAME@N` (another --model-name) does."""
+    from trainer.worker import TrainerWorker
+
+    settings = trainer_settings(tmp_path, groups_per_step=1, promote="manual", max_staleness=10, max_rejections=5)
+    recorder = Recorder(settings)
+    recorder.group("g1", [1.0, 0.0])
+    worker = TrainerWorker(settings)
+    worker.start()
+    try:
+        assert worker.run(max_steps=1) == 1
+        step_1 = _params(worker)
+    finally:
+        worker.close()
+    recorder.store.decide_step("agent", 1, "rejected", {"by": "test"})  # step 0 serves; the weights hold step 1
+    shutil.rmtree(settings.checkpoints_dir() / "0000")  # gone for good
+    recorder.close()
+
+    again = trainer_settings(tmp_path, groups_per_step=1, promote="manual", model_name="agent-2", init_from="agent@1")
+    successor = Recorder(again)
+    successor.group("h1", [0.0, 1.0], step=0)
+    restarted = TrainerWorker(again)
+    restarted.start()
+    try:
+        assert restarted.weights_step == 0 and _same(_params(restarted), step_1), "step 0 of agent-2 is agent@1"
+        assert restarted.run(max_steps=1) == 1
+        assert successor.store.get_group("h1")["trained_step"] == 1
+    finally:
+        restarted.close()
+        successor.close()

@@ -297,18 +297,20 @@ def go_on_from_serving(
         return weights_step, None
     checkpoint = checkpoint_of(store, model, root, serving)
     if checkpoint is None:
-        return weights_step, missing_serving_reason(serving, weights_step, ckpts.checkpoint_dir(root, serving))
+        return weights_step, missing_serving_reason(model, serving, weights_step, ckpts.checkpoint_dir(root, serving))
     load(checkpoint.path)
     log.info("trainer: step %d serves; training goes on from its adapter and optimizer", serving)
     return serving, None
 
 
-def missing_serving_reason(serving: int, weights_step: int | None, path: Path) -> str:
+def missing_serving_reason(model: str, serving: int, weights_step: int | None, path: Path) -> str:
     """Why training waits while the serving step's checkpoint is nowhere to be found."""
     return (
         f"training waits: step {serving} serves but its checkpoint is gone ({path} is missing or incomplete, "
         f"and the store keeps no files of it); a step trained now would start from step {weights_step}'s "
-        f"adapter, not step {serving}'s. Put the checkpoint back there and training goes on by itself"
+        f"adapter, not step {serving}'s. Put the checkpoint back there and training goes on by itself; "
+        f"where it cannot be, start a new run from a step that has one (--model-name NEW --init-from "
+        f"{model}@{'N' if weights_step is None else weights_step}: docs/training.md)"
     )
 
 

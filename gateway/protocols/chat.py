@@ -92,9 +92,9 @@ class StreamOptions(_Open):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (engines with `continuous_usage`)
 
 
-# OpenAI's limit on `stop`, kept where clients speak OpenAI's chat; the engines take more (vLLM
-# has no limit, the local engine looks for each at every token), and Anthropic's stop_sequences
-# have no limit of 4, so the chat form a protocol is translated into takes up to MAX_STOPS.
+# OpenAI's limit on `stop`, kept where clients speak OpenAI's chat or completions; the engines take
+# more (vLLM has no limit, the local engine looks for each at every token), and Anthropic's
+# stop_sequences have no limit of 4, so the chat form a protocol is translated into takes up to MAX_STOPS.
 OPENAI_MAX_STOPS = 4
 MAX_STOPS = 64
 
@@ -178,7 +178,7 @@ MAX_ABS_REWARD = 1e6
 class RewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: StrictFloat  # a number: true or "1.0" is a client's bug, not a reward
-    metrics: dict[str, float] = Field(default_factory=dict, max_length=MAX_METRICS)
+    metrics: dict[str, StrictFloat] = Field(default_factory=dict, max_length=MAX_METRICS)  # true is no metric
 
     @field_validator("reward")
     @classmethod
@@ -218,7 +218,7 @@ class RewardRequest(BaseModel):
 
 class GroupCloseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    expected_sessions: int | None = Field(default=None, ge=1)
+    expected_sessions: Whole | None = Field(default=None, ge=1)
 
 
 class DiscardRequest(BaseModel):

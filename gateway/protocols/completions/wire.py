@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.protocols.chat import Whole
+from gateway.protocols.chat import OPENAI_MAX_STOPS, Whole
 
 PROTOCOL = "completions"
 
@@ -33,6 +33,15 @@ class CompletionRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # OpenAI's reference gives completions chat's limit of 4; the chat form it is translated
+        # into takes up to MAX_STOPS (for Anthropic's), so the limit is held here, as chat holds its own.
+        if isinstance(value, list) and len(value) > OPENAI_MAX_STOPS:
+            raise ValueError(f"'stop' takes at most {OPENAI_MAX_STOPS} sequences")
+        return value
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> CompletionRequest:
