@@ -9,11 +9,14 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "rlproxy_chat_requests", "chat completions answered", ["status", "stream"], registry=self.registry
+            "rlproxy_chat_requests",
+            "chat calls recorded (every protocol), by status (ok; error: failed, or its client left) and stream",
+            ["status", "stream"],
+            registry=self.registry,
         )
         self.latency = Histogram(
             "rlproxy_chat_latency_seconds",
-            "chat completion latency",
+            "seconds from a recorded chat call's start to its end (a stream's: its last chunk)",
             registry=self.registry,
             # Up to --upstream-timeout's 600 s: a long generation (agents, reasoning) takes minutes,
             # and a histogram ending at 60 s put every such call in +Inf, its quantiles at 60 s.
