@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -64,3 +65,35 @@ def test_random_model_names_do_not_grow_the_metrics(upstream, tmp_path):
         for i in range(1, 200):
             assert http.post("/v1/chat/completions", json={**ask, "model": f"random-{i}"}).status_code == 200
         assert scrape(http) == (series, counted + 199)
+
+
+def test_each_call_is_counted_once_in_its_series(upstream, tmp_path):
+    # An answer, an upstream 503 (retried or not), a stream the upstream cut and one the client
+    # left: one count each, by outcome and stream.
+    def counted(http: httpx.Client) -> dict[tuple[str, str], float]:
+        families = text_string_to_metric_families(http.get("/metrics").text)
+        return {
+            (s.labels["status"], s.labels["stream"]): s.value
+            for f in families
+            if f.name == "rlproxy_chat_requests"
+            for s in f.samples
+            if s.name == "rlproxy_chat_requests_total"
+        }
+
+    def ask(text: str, stream: bool = False) -> dict:
+        return {"model": "fake-model", "stream": stream, "messages": [{"role": "user", "content": text}]}
+
+    with openai_gateway(upstream.url, tmp_path / "state") as (server, services):
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert http.post("/v1/chat/completions", json=ask("hello")).status_code == 200
+            assert http.post("/v1/chat/completions", json=ask("down [[status=503]]")).status_code >= 500
+            with http.stream("POST", "/v1/chat/completions", json=ask("cut [[truncate]]", True)) as reply:
+                list(reply.iter_lines())  # the gateway ends the stream with an error event
+            with http.stream("POST", "/v1/chat/completions", json=ask("wait [[hold]]", True)) as reply:
+                assert next(reply.iter_lines()).startswith("data: ")
+            expected = {("ok", "false"): 1.0, ("error", "false"): 1.0, ("error", "true"): 2.0}
+            deadline = time.monotonic() + 30  # the left stream is counted once the gateway sees it gone
+            while sum(counted(http).values()) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            upstream.release()
+            assert counted(http) == expected
