@@ -97,3 +97,28 @@ def test_each_call_is_counted_once_in_its_series(upstream, tmp_path):
                 time.sleep(0.05)
             upstream.release()
             assert counted(http) == expected
+
+
+def test_a_call_refused_before_its_row_is_counted_once_by_status(upstream, tmp_path):
+    # A bad body, too many choices, a bad body on another protocol: no call row, so
+    # rlproxy_chat_requests_total never saw them; an upstream's 503 has its row and stays there.
+    def refused(http: httpx.Client) -> dict[str, float]:
+        families = text_string_to_metric_families(http.get("/metrics").text)
+        return {
+            s.labels["status"]: s.value
+            for f in families
+            if f.name == "rlproxy_chat_refused"
+            for s in f.samples
+            if s.name == "rlproxy_chat_refused_total"
+        }
+
+    with openai_gateway(upstream.url, tmp_path / "state") as (server, _), httpx.Client(base_url=server.url) as http:
+        hello = [{"role": "user", "content": "hello"}]
+        assert http.post("/v1/chat/completions", json={"model": "fake-model"}).status_code == 400
+        too_many = {"model": "fake-model", "messages": hello, "n": 1000}
+        assert http.post("/v1/chat/completions", json=too_many).status_code == 400
+        assert http.post("/v1/responses", json={"model": "fake-model", "input": 5}).status_code == 400
+        down = [{"role": "user", "content": "down [[status=503]]"}]
+        assert http.post("/v1/chat/completions", json={"model": "fake-model", "messages": down}).status_code >= 500
+        assert http.post("/v1/sessions/nobody/reward", json={"reward": 1.0}).status_code == 404  # no model call
+        assert refused(http) == {"400": 3.0}
