@@ -21,6 +21,9 @@ class RLProxyError(Exception):
     # --trainer auto` starts its trainer again after 75 for as long as it takes, after 1 until it has
     # crashed too often in a row, never after 2 (gateway/trainer_process.py).
     exit_code = 2
+    # Set once the call it ended is in a call row (counted as rlproxy_chat_requests_total); an error
+    # without it refused the call before that (counted as rlproxy_chat_refused_total).
+    recorded = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)

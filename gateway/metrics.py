@@ -9,11 +9,21 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "rlproxy_chat_requests", "chat completions answered", ["status", "stream"], registry=self.registry
+            "rlproxy_chat_requests",
+            "chat calls recorded (every protocol), by status (ok; error: failed, or its client left) and stream",
+            ["status", "stream"],
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "rlproxy_chat_refused",
+            "chat calls answered with an error before any call row (a bad body, over a limit, the store "
+            "unable to record), by HTTP status",
+            ["status"],
+            registry=self.registry,
         )
         self.latency = Histogram(
             "rlproxy_chat_latency_seconds",
-            "chat completion latency",
+            "seconds from a recorded chat call's start to its end (a stream's: its last chunk)",
             registry=self.registry,
             # Up to --upstream-timeout's 600 s: a long generation (agents, reasoning) takes minutes,
             # and a histogram ending at 60 s put every such call in +Inf, its quantiles at 60 s.
@@ -102,6 +112,11 @@ class Metrics:
             )
         counter.inc()
         self.latency.observe(latency_ms / 1000.0)
+
+    def observe_refused(self, error: Exception) -> None:
+        """A protocol call's error response: counted here unless its call row counted it."""
+        if not getattr(error, "recorded", False):
+            self.refused.labels(status=str(getattr(error, "status_code", 500))).inc()
 
     def render(self, services, steps: tuple[int | None, int | None] | None = None, trainer=None) -> tuple[bytes, str]:
         """The text exposition; `steps`: the store's (serving, candidate) steps of NAME, read by the

@@ -190,6 +190,8 @@ def test_the_command_beside_a_running_gateway_then_its_lists_and_export(upstream
             for session in ("old-1", "old-2"):
                 assert http.post("/v1/chat/completions", json=ask, headers={"X-Session-Id": session}).status_code == 200
             assert http.post("/v1/sessions/old-2/reward", json={"reward": 1.0}).status_code == 200
+            before = http.get("/v1/dashboard").json()["reward_curve"]  # the dashboard keeps it between polls
+            assert [(r["step"], r["n"], r["mean"]) for r in before] == [(0, 1, 1.0)]
             time.sleep(0.01)
             cutoff = time.time()
             time.sleep(0.01)
@@ -210,6 +212,8 @@ def test_the_command_beside_a_running_gateway_then_its_lists_and_export(upstream
             assert "VACUUM" in out and str(state / "rlproxy.db") in out
             assert [s["id"] for s in http.get("/v1/sessions").json()["data"]] == ["new"]
             assert http.get("/v1/sessions/old-1").status_code == 404
+            # The curve it kept counted old-2's reward: gone from the store, gone from the curve.
+            assert http.get("/v1/dashboard").json()["reward_curve"] == store.reward_curve("agent") == []
             # The gateway goes on recording, the forgotten session id too.
             assert http.post("/v1/chat/completions", json=ask, headers={"X-Session-Id": "old-1"}).status_code == 200
             assert http.get("/v1/groups").status_code == 200

@@ -66,7 +66,10 @@ class ChatService:
     def record(self, **fields: Any) -> CallRecord:
         # Called with every field spelt out, never through a closure made per request: one
         # closure in `complete` cost ~10 % of the gateway's throughput at c=16 (bench/proxy.py).
-        """The call's row (`call_record`), as this service's engine answered it."""
+        """The call's row (`call_record`), as this service's engine answered it. Its error is
+        marked recorded: raised only once the row is committed, it is no refusal."""
+        if fields.get("error") is not None:
+            fields["error"].recorded = True
         return call_record(engine_kind=self.engine.kind, **fields)
 
     async def _commit(self, record: CallRecord) -> None:

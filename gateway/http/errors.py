@@ -19,6 +19,10 @@ from gateway.protocols.messages import wire as messages_wire
 log = logging.getLogger("rlproxy")
 
 
+CALL_PATHS = frozenset(("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions"))
+"""The routes a model call comes in by (every protocol): their errors are counted on /metrics."""
+
+
 def is_anthropic_path(path: str) -> bool:
     return path.endswith("/v1/messages") or path.startswith("/v1/messages/")
 
@@ -85,6 +89,8 @@ def invalid_body(errors: list, body: Any) -> InvalidRequest:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RLProxyError)
     async def _rlproxy_error(request: Request, exc: RLProxyError) -> Response:
+        if request.method == "POST" and request.url.path in CALL_PATHS:
+            request.app.state.services.metrics.observe_refused(exc)
         return error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
@@ -111,6 +117,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(
-            request.url.path, RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log")
-        )
+        error = RLProxyError(f"internal error: {type(exc).__name__}; see the gateway log")
+        if request.method == "POST" and request.url.path in CALL_PATHS:
+            request.app.state.services.metrics.observe_refused(error)
+        return error_response(request.url.path, error)

@@ -93,6 +93,7 @@ class ChatCompletionsEndpoint:
         except ClientGone:
             pass
         except RLProxyError as exc:
+            scope["app"].state.services.metrics.observe_refused(exc)
             if not started:
                 # 413: the rest of the body is still coming; close rather than read it all.
                 extra = [(name.lower().encode(), value.encode()) for name, value in exc.headers]
@@ -101,6 +102,7 @@ class ChatCompletionsEndpoint:
                 await _send_json(send, exc.status_code, exc.to_openai(), extra)
         except Exception:
             log.exception("unexpected error on POST /v1/chat/completions")
+            scope["app"].state.services.metrics.observe_refused(RLProxyError("internal error"))
             if not started:
                 error = RLProxyError("internal error; see the gateway log")
                 await _send_json(send, error.status_code, error.to_openai())

@@ -7,7 +7,9 @@ reward, a discard) sets its updated_at, so a poll reads the sessions written sin
 (an index range) and moves each into the (split, step) it counts for now, or out. The range
 starts `OVERLAP` seconds before the newest updated_at seen: a write stamped before a poll but
 committed after it (another gateway, the writer's batch) is read by the next one; reading a
-session twice changes nothing.
+session twice changes nothing. A session deleted (`rlproxy forget`, another process) is never
+written again: the count of sessions the curve counts, read with each poll, tells it is gone,
+and the curve is read again whole.
 """
 
 from __future__ import annotations
@@ -36,14 +38,23 @@ class RewardHistory:
     def read(self, store: Any, model: str) -> list[dict]:
         with self._lock:
             since = None if self.newest is None else self.newest - OVERLAP
-            changed = set()
-            for row in store.reward_changes(model, since):
-                changed |= self._move(row)
-                if self.newest is None or row["updated_at"] > self.newest:
-                    self.newest = row["updated_at"]
+            count, rows = store.reward_changes(model, since)
+            changed = self._apply(rows)
+            if len(self.where) != count:  # sessions went without a write (`rlproxy forget`): read all again
+                self.newest, self.where, self.buckets, self.figures = None, {}, {}, {}
+                count, rows = store.reward_changes(model, None)
+                changed = self._apply(rows)
             for key in changed:
                 self._figure(key)
             return [self.figures[key] for key in sorted(self.figures, key=lambda k: (k[1], k[0]))]
+
+    def _apply(self, rows: list[dict]) -> set[tuple[str, int]]:
+        changed: set[tuple[str, int]] = set()
+        for row in rows:
+            changed |= self._move(row)
+            if self.newest is None or row["updated_at"] > self.newest:
+                self.newest = row["updated_at"]
+        return changed
 
     def _move(self, row: dict) -> set[tuple[str, int]]:
         """Put the session where it counts now (nowhere if it does not); the buckets changed."""
