@@ -181,7 +181,10 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_the_command_beside_a_running_gateway_then_its_lists_and_export(upstream, tmp_path, capsys):
+def test_the_command_beside_a_running_gateway_then_its_lists_and_export(upstream, tmp_path, capsys, monkeypatch):
+    from gateway.routes import reward_history
+
+    monkeypatch.setattr(reward_history, "REREAD_EVERY", 0.0)  # the dashboard's whole reread, due at each poll
     state = tmp_path / "state"
     with openai_gateway(upstream.url, state) as (server, services):
         store = services.store
@@ -212,7 +215,8 @@ def test_the_command_beside_a_running_gateway_then_its_lists_and_export(upstream
             assert "VACUUM" in out and str(state / "rlproxy.db") in out
             assert [s["id"] for s in http.get("/v1/sessions").json()["data"]] == ["new"]
             assert http.get("/v1/sessions/old-1").status_code == 404
-            # The curve it kept counted old-2's reward: gone from the store, gone from the curve.
+            # The curve it kept counted old-2's reward: gone from the store, gone from the curve once it
+            # is read whole again (every REREAD_EVERY s: no write tells a poll what was deleted).
             assert http.get("/v1/dashboard").json()["reward_curve"] == store.reward_curve("agent") == []
             # The gateway goes on recording, the forgotten session id too.
             assert http.post("/v1/chat/completions", json=ask, headers={"X-Session-Id": "old-1"}).status_code == 200

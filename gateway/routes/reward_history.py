@@ -8,14 +8,15 @@ reward, a discard) sets its updated_at, so a poll reads the sessions written sin
 starts `OVERLAP` seconds before the newest updated_at seen: a write stamped before a poll but
 committed after it (another gateway, the writer's batch) is read by the next one; reading a
 session twice changes nothing. A session deleted (`rlproxy forget`, another process) is never
-written again: the count of sessions the curve counts, read with each poll, tells it is gone,
-and the curve is read again whole.
+written again, so no poll sees it go: the curve is read again whole every `REREAD_EVERY` seconds
+(counting the sessions at each poll would be the full scan this avoids).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Any
 
 from gateway.routes.per_model import PerModel
@@ -23,6 +24,9 @@ from gateway.routes.per_model import PerModel
 OVERLAP = 300.0
 """Seconds of writes each poll reads again: a stamp taken this long before its commit is still seen
 (a call is stamped when it is recorded, a reward or a discard inside its write)."""
+
+REREAD_EVERY = 600.0
+"""Seconds between whole reads: how long sessions `rlproxy forget` deleted stay in the curve."""
 
 
 class RewardHistory:
@@ -34,16 +38,16 @@ class RewardHistory:
         self.buckets: dict[tuple[str, int], dict[str, float]] = {}  # (split, step) -> session -> reward
         self.figures: dict[tuple[str, int], dict] = {}
         self._lock = threading.Lock()  # polls read in worker threads, maybe two at once
+        self._whole_read_at = -math.inf  # time.monotonic() of the last read from the start
 
     def read(self, store: Any, model: str) -> list[dict]:
         with self._lock:
-            since = None if self.newest is None else self.newest - OVERLAP
-            count, rows = store.reward_changes(model, since)
-            changed = self._apply(rows)
-            if len(self.where) != count:  # sessions went without a write (`rlproxy forget`): read all again
+            if time.monotonic() - self._whole_read_at > REREAD_EVERY:  # drops what was deleted meanwhile
                 self.newest, self.where, self.buckets, self.figures = None, {}, {}, {}
-                count, rows = store.reward_changes(model, None)
-                changed = self._apply(rows)
+            if self.newest is None:
+                self._whole_read_at = time.monotonic()
+            since = None if self.newest is None else self.newest - OVERLAP
+            changed = self._apply(store.reward_changes(model, since))
             for key in changed:
                 self._figure(key)
             return [self.figures[key] for key in sorted(self.figures, key=lambda k: (k[1], k[0]))]

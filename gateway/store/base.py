@@ -277,7 +277,7 @@ class Store(StepRows, ShadowRows, GatewayRows, TrainerLockRows, RetentionRows, A
     def reward_curve(self, model: str) -> list[dict]:
         return lists.reward_curve(self._query, model)
 
-    def reward_changes(self, model: str, since: float | None) -> tuple[int, list[dict]]:
+    def reward_changes(self, model: str, since: float | None) -> list[dict]:
         return lists.reward_changes(self._query, model, since)
 
     def calls_per_minute(self, now: float, minutes: int = 60) -> list[dict]:

@@ -194,12 +194,11 @@ def reward_curve(query: Query, model: str) -> list[dict]:
     return rows
 
 
-def reward_changes(query: Query, model: str, since: float | None) -> tuple[int, list[dict]]:
-    """How many of `model`'s sessions `reward_curve` counts, and those written at or after `since`
-    (None: those it counts), each with its updated_at and what `reward_curve` takes from it: {id,
-    split, step, reward, updated_at, counted}; step and reward only where it counts (rewarded, kept,
-    not a shadow's). `RewardHistory` keeps the curve between dashboard polls with these; the count
-    tells it when sessions went without a write (`rlproxy forget` deletes them)."""
+def reward_changes(query: Query, model: str, since: float | None) -> list[dict]:
+    """`model`'s sessions written at or after `since` (None: those `reward_curve` counts), each
+    with its updated_at and what `reward_curve` takes from it: {id, split, step, reward,
+    updated_at, counted}; step and reward only where it counts (rewarded, kept, not a shadow's).
+    `RewardHistory` keeps the curve between dashboard polls with these."""
     counted = "s.reward IS NOT NULL AND s.discarded = 0 AND s.shadow_of IS NULL"
     where, params = ("s.updated_at >= ?", (model, since)) if since is not None else (counted, (model,))
     rows = query(
@@ -209,8 +208,7 @@ def reward_changes(query: Query, model: str, since: float | None) -> tuple[int, 
     )
     for row in rows:
         row["counted"] = bool(row["counted"])
-    count = query(f"SELECT COUNT(*) AS n FROM sessions s WHERE s.model = ? AND {counted}", (model,))[0]["n"]
-    return int(count), rows
+    return rows
 
 
 def calls_per_minute(query: Query, now: float, minutes: int = 60) -> list[dict]:
