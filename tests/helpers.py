@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,14 +27,60 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, keeping the loop it runs on: a server that does not stop says what holds it."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+
+def _what_holds(server: _Server, thread: threading.Thread) -> str:
+    """The server thread's stack and its loop's tasks: what a shutdown waits for."""
+
+    async def task_stacks() -> str:
+        return "\n".join(_awaits(task) for task in asyncio.all_tasks() if task is not asyncio.current_task())
+
+    frame = sys._current_frames().get(thread.ident or 0)
+    where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
+    try:
+        assert server.loop is not None
+        tasks = asyncio.run_coroutine_threadsafe(task_stacks(), server.loop).result(timeout=5)
+    except Exception as exc:  # noqa: BLE001 - the loop itself is blocked: its thread's stack says where
+        tasks = f"(tasks not read: {exc!r})"
+    connections, running = len(server.server_state.connections), len(server.server_state.tasks)
+    return f"{connections} connection(s), {running} task(s) open\nthread:\n{where}\ntasks:\n{tasks}"
+
+
+def _awaits(task: asyncio.Task) -> str:
+    """Where a task waits, down its chain of awaits (Task.print_stack shows only the outermost frame)."""
+    lines, awaited = [repr(task)[:200]], task.get_coro()
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        frame = frame or getattr(awaited, "ag_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        following = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        following = following or getattr(awaited, "ag_await", None)
+        if following is not None and type(following).__name__ in ("async_generator_athrow", "async_generator_asend"):
+            # an @asynccontextmanager's exit (a lifespan's `finally`): its generator, named by the caller
+            following = getattr(frame.f_locals.get("self") if frame is not None else None, "gen", following)
+        awaited = following
+    return "\n".join(lines)
+
+
 class ThreadServer:
-    """Runs an ASGI app under uvicorn in a thread; `url` is its base URL."""
+    """Runs an ASGI app under uvicorn in a thread; `url` is its base URL. Leaving it stops the server,
+    and fails when it has not stopped within `STOP_WITHIN` seconds, saying what holds it: such a
+    server went on in the background and cost every test after it."""
+
+    STOP_WITHIN = 60.0
 
     def __init__(self, app, port: int | None = None):
         self.port = port or free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        )
+        self.server = _Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -53,7 +100,12 @@ class ThreadServer:
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=60)
+        self.thread.join(timeout=self.STOP_WITHIN)
+        if self.thread.is_alive():
+            held = _what_holds(self.server, self.thread)
+            self.server.force_exit = True
+            self.thread.join(timeout=10)
+            raise AssertionError(f"the server on port {self.port} did not stop in {self.STOP_WITHIN:.0f} s: {held}")
 
 
 @contextlib.contextmanager
