@@ -25,6 +25,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequest, RLProxyError, UpstreamError
 from gateway.redact import redact as redact_secrets
+from gateway.tasks import within
 
 SELF_JUDGE = "self"  # judge_model that means: the model this gateway serves
 JUDGE_TIMEOUT = 600.0  # seconds for one judge call; reasoning judges think long
@@ -130,7 +131,7 @@ def litellm_judge(
             # litellm's timeout bounds each read of the answer, not the call: a judge that sends
             # a byte now and then (a stalled proxy, an endless body) would keep the group
             # "running" and its shadow slot taken for ever. The deadline is the whole call's.
-            response = await asyncio.wait_for(litellm.acompletion(**kwargs), limit)
+            response = await within(litellm.acompletion(**kwargs), limit)
         except TimeoutError:
             log.warning("RULER: the judge '%s' did not answer within %.0f s", model, limit)
             raise JudgeError(f"the judge '{model}' did not answer within {limit:.0f} s") from None
@@ -166,9 +167,7 @@ def engine_judge(services: Any, timeout: float | None = None) -> JudgeCall:
                     # for a live call. Back-to-back steps (ready groups waiting) take the GPU again within
                     # a second of giving it back, and a judge that thinks longer was never answered.
                     answer = engine.complete(request)
-                    completion = await (
-                        asyncio.wait_for(answer, limit) if called_off else _unless_closing(gate, answer, limit)
-                    )
+                    completion = await (within(answer, limit) if called_off else _unless_closing(gate, answer, limit))
                 if completion is None:
                     called_off = True
                     log.info(

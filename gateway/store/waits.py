@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway.store.health import stalled
+from gateway.tasks import within
 
 if TYPE_CHECKING:
     from gateway.store.base import Store
@@ -77,7 +78,7 @@ async def read_within(store: Store, read: Callable[..., Result], *args: Any) -> 
     """`read(*args)` in the store's read pool; StoreUnavailable (noted in `store.health`) when
     it has not answered within `READ_WAIT` store timeouts. The thread a hung read holds stays held."""
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(_reads.submit(read, *args)), READ_WAIT * store.busy_timeout)
+        return await within(asyncio.wrap_future(_reads.submit(read, *args)), READ_WAIT * store.busy_timeout)
     except TimeoutError:
         raise _noted(store, "a read", READ_WAIT) from None
 
@@ -90,7 +91,7 @@ async def recheck(store: Store) -> None:
     store.check_writer()
     if store.health.degraded:
         try:
-            await asyncio.wait_for(store.probe(), PROBE_WAIT * store.busy_timeout)
+            await within(store.probe(), PROBE_WAIT * store.busy_timeout)
         except TimeoutError:
             raise _noted(store, "a probe write", PROBE_WAIT) from None
 

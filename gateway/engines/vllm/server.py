@@ -51,6 +51,7 @@ import aiohttp
 from gateway.children import die_with_parent
 from gateway.engines.vllm import logfile
 from gateway.errors import ConfigError, EngineUnavailable
+from gateway.tasks import within
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
@@ -363,7 +364,7 @@ class VLLMProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), timeout)
+                await within(proc.wait(), timeout)
             except TimeoutError:
                 log.warning("vLLM did not stop within %g s; killing it", timeout)
                 with contextlib.suppress(ProcessLookupError):
