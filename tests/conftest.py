@@ -1,23 +1,55 @@
 """Fixtures shared by several test modules."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.fake_upstream import FakeUpstream
 
+# A run of at least this many tests (the whole suite) builds the instruct model beside the first tests.
+BUILD_AHEAD_FROM = 300
+
 
 @pytest.fixture(scope="session", autouse=True)
-def built_in_models_built_once(tmp_path_factory):
+def built_in_models_built_once(request, tmp_path_factory):
     """One cache of built-in models for the whole run (children inherit it): the instruct
-    model takes a minute or two to build, and no test should pay for it twice."""
+    model takes a minute or two to build, and no test should pay for it twice. In a whole run
+    a child process builds both models as it starts: the instruct model's build is
+    single-threaded, and the first test that needs it (minutes in) paid its 3 minutes while the
+    other core sat idle. A test that comes first waits for the build under way
+    (`gateway.models.cache.build_once`), as it would for a gateway's."""
     previous = os.environ.get("RLPROXY_CACHE_DIR")
     os.environ["RLPROXY_CACHE_DIR"] = str(tmp_path_factory.mktemp("model-cache"))
+    builder = _build_ahead() if len(request.session.items) >= BUILD_AHEAD_FROM else None
     yield
+    if builder is not None:
+        builder.kill()  # a short run ended first: the rest of its build is of no use
+        builder.wait()
     if previous is None:
         os.environ.pop("RLPROXY_CACHE_DIR", None)
     else:
         os.environ["RLPROXY_CACHE_DIR"] = previous
+
+
+def _build_ahead() -> subprocess.Popen:
+    """The tiny model, then the instruct one, into `RLPROXY_CACHE_DIR`, in a child that dies with
+    this process."""
+    from gateway.children import die_with_parent
+
+    code = (
+        "import os; from gateway.models.tiny import ensure_tiny_model as build; "
+        "cache = os.environ['RLPROXY_CACHE_DIR']; build(cache); build(cache, instruct=True)"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,7 +79,6 @@ def postgres_url():
     import shutil
     import tempfile
     import uuid
-    from pathlib import Path
 
     from tests.helpers_postgres import postgres_server
 
