@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,6 +158,10 @@ def stop_process(proc: subprocess.Popen, timeout: float = 20.0) -> None:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # Shown in the run's warnings summary: a child that SIGTERM did not stop cost its test this
+            # wait (a gateway whose shutdown hangs is a defect of its own).
+            command = " ".join(map(str, proc.args))[:200]
+            warnings.warn(f"{command} did not stop {timeout:.0f} s after SIGTERM", stacklevel=2)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 9)
             proc.wait(timeout=timeout)
