@@ -9,7 +9,7 @@ import pytest
 
 from tests.fake_upstream import FakeUpstream
 
-# A run of at least this many tests (the whole suite) builds the instruct model beside the first tests.
+# A run of at least this many tests (the whole suite) builds the built-in models beside its first tests.
 BUILD_AHEAD_FROM = 300
 
 
@@ -17,7 +17,7 @@ BUILD_AHEAD_FROM = 300
 def built_in_models_built_once(request, tmp_path_factory):
     """One cache of built-in models for the whole run (children inherit it): the instruct
     model takes a minute or two to build, and no test should pay for it twice. In a whole run
-    a child process builds both models as it starts: the instruct model's build is
+    a child process builds the models as it starts: the instruct model's build is
     single-threaded, and the first test that needs it (minutes in) paid its 3 minutes while the
     other core sat idle. A test that comes first waits for the build under way
     (`gateway.models.cache.build_once`), as it would for a gateway's."""
@@ -35,13 +35,21 @@ def built_in_models_built_once(request, tmp_path_factory):
 
 
 def _build_ahead() -> subprocess.Popen:
-    """The tiny model, then the instruct one, into `RLPROXY_CACHE_DIR`, in a child that dies with
-    this process."""
+    """The built-in models, into `RLPROXY_CACHE_DIR`, in a child that dies with this process: the
+    tiny one, SmolLM2's conversion (the cache takes one build at a time, and the chat template's
+    tests need it a minute in), then the instruct one. A build that fails here is the test's to
+    report: it tries again and says why."""
     from gateway.children import die_with_parent
 
     code = (
-        "import os; from gateway.models.tiny import ensure_tiny_model as build; "
-        "cache = os.environ['RLPROXY_CACHE_DIR']; build(cache); build(cache, instruct=True)"
+        "import contextlib, os\n"
+        "from gateway.models.smollm2 import ensure_smollm2\n"
+        "from gateway.models.tiny import ensure_tiny_model\n"
+        "cache = os.environ['RLPROXY_CACHE_DIR']\n"
+        "ensure_tiny_model(cache)\n"
+        "with contextlib.suppress(Exception):\n"
+        "    ensure_smollm2(cache)\n"
+        "ensure_tiny_model(cache, instruct=True)\n"
     )
     return subprocess.Popen(
         [sys.executable, "-c", code],
